@@ -1,0 +1,1 @@
+"""attnpool: core attention disaggregation for long-context training."""

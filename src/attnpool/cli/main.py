@@ -1,0 +1,34 @@
+"""``attnpool`` command line: one subcommand per job. Bad input exits with code 2 and one line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from attnpool.errors import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="attnpool", description="Core attention disaggregation for long-context training.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from attnpool.cli import plan_cmd
+
+    plan_cmd.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)  # unknown flags: argparse prints usage and exits 2
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"attnpool {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""``attnpool plan``: draw a batch from a length distribution, lay it out, plan it, report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from attnpool.cli.common import parse_size
+from attnpool.data.lengths import DISTRIBUTIONS, SamplingOptions, sample_batches
+from attnpool.errors import ConfigError
+from attnpool.plan import STRATEGIES, AttentionShape, PieceTable, linear_layout, load_cost_model, plan_attention, wlb_layout
+from attnpool.plan.metrics import PlanMetrics
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="plan core attention for one sampled batch and report balance, bytes and time",
+                       description="Sample a packed global batch, lay it out on servers and plan core attention.")
+    p.add_argument("--dist", default="prolong", help=f"length distribution: {', '.join(DISTRIBUTIONS)} or a JSON file (default prolong)")
+    p.add_argument("--servers", type=int, default=64, help="number of GPUs / attention servers (default 64)")
+    p.add_argument("--tokens-per-server", type=parse_size, default=parse_size("512K"), help="tokens per server, e.g. 128K (default 512K)")
+    p.add_argument("--strategy", default="cad", choices=STRATEGIES + ("all",), help="scheduler, or 'all' side by side (default cad)")
+    p.add_argument("--seed", type=int, default=0, help="batch sampling seed (default 0)")
+    p.add_argument("--eps", type=float, default=0.02, help="cad balances until max/mean <= 1 + eps (default 0.02)")
+    p.add_argument("--min-shard", type=parse_size, default=None, help="smallest query shard a scheduler may cut (default from the cost table: 512)")
+    p.add_argument("--cost-model", default="table", help="'table' (measured H200 default), 'pairs', or a cost-table JSON file")
+    p.add_argument("--memory-cap", type=float, default=1.1, help="wlb: tokens per server may reach this multiple of the budget (default 1.1)")
+    p.add_argument("--no-upsample", action="store_true", help="draw documents plainly instead of the paper's long-document up-sampling")
+    p.add_argument("--elongate", type=float, default=1.0, help="multiply every document length by this factor (paper: context / 64K)")
+    p.add_argument("--max-doc-len", type=parse_size, default=None, help="cut longer documents into pieces of this length")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--plot", metavar="FILE.png", help="draw per-server load for each strategy")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.servers < 1:
+        raise ConfigError("--servers", args.servers, "need at least one server")
+    if args.tokens_per_server < 1:
+        raise ConfigError("--tokens-per-server", args.tokens_per_server, "must be positive")
+    options = SamplingOptions(upsample=not args.no_upsample, elongate=args.elongate, max_doc_len=args.max_doc_len)
+    cost_model = load_cost_model(args.cost_model)
+    doc_lens = sample_batches(args.dist, args.servers * args.tokens_per_server, 1, args.seed, options)[0]
+    strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
+    shape = AttentionShape()
+    linear = PieceTable.from_pieces(linear_layout(doc_lens, args.servers, args.tokens_per_server))
+    results = {}
+    for strategy in strategies:
+        if strategy == "wlb":
+            table = PieceTable.from_pieces(wlb_layout(doc_lens, args.servers, args.tokens_per_server, args.memory_cap))
+        else:
+            table = linear
+        plan = plan_attention(table, strategy, cost_model=cost_model, min_shard_tokens=args.min_shard, eps=args.eps, shape=shape)
+        metrics = PlanMetrics.of(plan, cost_model, shape)
+        if strategy == "wlb":  # "before" is the linear layout served locally, as for the others
+            metrics.load_before = PlanMetrics.of(plan_attention(linear, "local", cost_model=cost_model), cost_model, shape).load_before
+            metrics.imbalance_before = max(metrics.load_before) / (sum(metrics.load_before) / len(metrics.load_before))
+        results[strategy] = metrics
+    batch = {"dist": args.dist, "servers": args.servers, "tokens_per_server": args.tokens_per_server, "seed": args.seed,
+             "num_docs": len(doc_lens), "max_doc_len": max(doc_lens), "cost_model": getattr(cost_model, "name", ""),
+             "eps": args.eps}
+    if args.json:
+        json.dump({"batch": batch, "strategies": {k: m.summary() for k, m in results.items()}}, sys.stdout, indent=1)
+        print()
+    else:
+        print_table(batch, results)
+    if args.plot:
+        plot_loads(results, batch, args.plot)
+    return 0
+
+
+def print_table(batch: dict, results: dict[str, PlanMetrics]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    title = (f"{batch['dist']}: {batch['servers']} servers x {batch['tokens_per_server']} tokens, "
+             f"{batch['num_docs']} documents (longest {batch['max_doc_len']}), seed {batch['seed']}")
+    table = Table(title=title)
+    table.add_column("")
+    for name in results:
+        table.add_column(name, justify="right")
+    rows = [
+        ("max/mean before", lambda m: f"{m.imbalance_before:.3f}"),
+        ("max/mean after", lambda m: f"{m.imbalance_after:.3f}"),
+        ("bytes moved (GiB)", lambda m: f"{m.bytes_moved / 2**30:.2f}"),
+        ("max bytes/rank (MiB)", lambda m: f"{m.summary()['max_bytes_per_rank'] / 2**20:.1f}"),
+        ("max KV tokens/server", lambda m: f"{m.max_kv_tokens:,}"),
+        ("  with copy per shard", lambda m: f"{max(m.kv_tokens_expanded):,}"),
+        ("shards", lambda m: f"{m.num_shards:,}"),
+        ("smallest shard", lambda m: f"{m.min_shard_tokens:,}"),
+        ("plan time (ms)", lambda m: f"{m.plan_ms:.1f}"),
+    ]
+    for label, fmt in rows:
+        table.add_row(label, *(fmt(m) for m in results.values()))
+    Console().print(table)
+
+
+def plot_loads(results: dict[str, PlanMetrics], batch: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(len(results), 1, figsize=(10, 2.2 * len(results) + 0.6), sharex=True, squeeze=False)
+    for ax, (name, m) in zip(axes[:, 0], results.items()):
+        x = np.arange(m.num_servers)
+        before = np.asarray(m.load_before)
+        after = np.asarray(m.load_after)
+        mean = after.mean()
+        ax.bar(x, before / mean, color="#cccccc", label="home (local)")
+        ax.bar(x, after / mean, color="#1f77b4", alpha=0.8, label=name)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_ylabel("load / mean")
+        ax.set_title(f"{name}: max/mean {m.imbalance_after:.3f} (home {m.imbalance_before:.3f})", fontsize=10)
+        ax.legend(loc="upper right", fontsize=8)
+    axes[-1, 0].set_xlabel("server")
+    fig.suptitle(f"{batch['dist']}, {batch['servers']} servers x {batch['tokens_per_server']} tokens", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,261 @@
+"""A Llama-family decoder for a packed sequence of documents.
+
+There is no batch dimension. One rank's input is a flat sequence of T tokens
+cut from several documents, and ``positions[t]`` is token t's position inside
+its own document. A document may be split across ranks, so the first token a
+rank holds can sit at any position: RoPE is applied at that absolute position
+and nothing here assumes positions start at 0.
+
+Every part of a layer costs time linear in the tokens except core attention,
+softmax(Q K^T / sqrt(d)) V, whose cost is quadratic in each document's length.
+So core attention is not in this file: ``Transformer.forward`` takes it as a
+callable ``(q, k, v) -> out`` with q (T, H_q, D), k and v (T, H_kv, D) after
+RoPE, returning (T, H_q, D), causal within each document with scale
+``D ** -0.5``. The model does not know who computes it, or where.
+
+Parallelism is applied from outside (TorchTitan style): ``model.layers`` is a
+ModuleList, so FSDP2's ``fully_shard`` can wrap each block, and
+``apply_activation_checkpointing`` turns on recomputation per block.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from attnpool.errors import ConfigError
+from attnpool.model.config import ModelConfig
+
+CoreAttention = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, with the mean of squares taken in float32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()  # a bf16 sum of squares loses digits
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+# --- Rotary position embedding ------------------------------------------------
+
+
+def rope_frequencies(config: ModelConfig, device=None) -> Tensor:
+    """theta^(-2i/D) for the D/2 rotated pairs, in float32, as the checkpoints were trained.
+
+    With ``config.rope_scaling`` (Llama 3.1), long wavelengths are stretched by
+    ``factor``, short ones kept, and the band between interpolated smoothly.
+    """
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    wavelength = 2 * math.pi / inv_freq
+    keep_below = s.original_max_position / s.high_freq_factor  # shorter wavelengths are kept
+    stretch_above = s.original_max_position / s.low_freq_factor  # longer ones are divided by factor
+    smooth = (s.original_max_position / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    interpolated = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    return torch.where(
+        wavelength < keep_below,
+        inv_freq,
+        torch.where(wavelength > stretch_above, inv_freq / s.factor, interpolated),
+    )
+
+
+def rope_cos_sin(positions: Tensor, config: ModelConfig) -> tuple[Tensor, Tensor]:
+    """cos and sin of every token's rotation angles, each (T, D/2) float32.
+
+    The angle position * frequency is formed in float64: in float32 a position
+    near 500K is off by up to 0.03 rad, and long documents are the point here.
+    """
+    inv_freq = rope_frequencies(config, positions.device).double()
+    angles = positions.double()[:, None] * inv_freq[None, :]
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x (T, H, D) by each token's angles.
+
+    Dim i is paired with dim i + D/2 (the "rotate half" layout of Hugging Face
+    Llama and Qwen2), not with its neighbour i + 1.
+    """
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+# --- The layer ----------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """The projections around core attention; n_heads query heads share n_kv_heads KV heads."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q (T, H_q, D), k and v (T, H_kv, D), with q and k rotated to each token's position."""
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    """x + attention(norm(x)), then h + mlp(norm(h)), with core attention passed in."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
+        self.mlp = FeedForward(config)
+        # None, "layer" (recompute everything) or "linear" (recompute all but
+        # core attention); set by apply_activation_checkpointing.
+        self.recompute: str | None = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, core_attention: CoreAttention) -> Tensor:
+        if self.recompute == "layer":
+            return checkpoint(self._forward, x, cos, sin, core_attention, use_reentrant=False)
+        if self.recompute == "linear":
+            q, k, v = checkpoint(self._qkv, x, cos, sin, use_reentrant=False)
+            out = core_attention(q, k, v)  # runs once; its inputs and output are kept
+            return checkpoint(self._output_and_mlp, x, out, use_reentrant=False)
+        return self._forward(x, cos, sin, core_attention)
+
+    def _forward(self, x, cos, sin, core_attention):
+        q, k, v = self._qkv(x, cos, sin)  # linear in tokens: stays on this rank
+        out = core_attention(q, k, v)  # quadratic in document length: runs wherever the plan says
+        return self._output_and_mlp(x, out)  # linear again
+
+    def _qkv(self, x, cos, sin):
+        return self.attention.qkv(self.attention_norm(x), cos, sin)
+
+    def _output_and_mlp(self, x, attention_out):
+        h = x + self.attention.o_proj(attention_out.flatten(1))
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class Transformer(nn.Module):
+    """Token embedding, ``n_layers`` blocks, final norm, output projection."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        # Tied: the output projection is embed.weight itself, so there is one
+        # parameter and no lm_head entry in the state dict (keep embed in the
+        # root FSDP unit, since the root's forward uses it twice).
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.init_weights()
+
+    @property
+    def output_weight(self) -> Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.no_grad()
+    def init_weights(self):
+        """Weights ~ N(0, 0.02); norms 1, biases 0.
+
+        The two projections that write into the residual stream (o_proj,
+        down_proj) get std 0.02 / sqrt(2 * n_layers), as in GPT-2, so the
+        residual's variance does not grow with depth. Seed before calling. A
+        model built on the meta device gets its values from ``to_empty()`` and
+        then this.
+        """
+        std = 0.02
+        out_std = std / math.sqrt(2 * self.config.n_layers)
+        nn.init.normal_(self.embed.weight, std=std)
+        if self.lm_head is not None:
+            nn.init.normal_(self.lm_head.weight, std=std)
+        for layer in self.layers:
+            attention, mlp = layer.attention, layer.mlp
+            for proj in (attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj):
+                nn.init.normal_(proj.weight, std=std)
+            for proj in (attention.o_proj, mlp.down_proj):
+                nn.init.normal_(proj.weight, std=out_std)
+            for proj in (attention.q_proj, attention.k_proj, attention.v_proj):
+                if proj.bias is not None:
+                    nn.init.zeros_(proj.bias)
+            nn.init.ones_(layer.attention_norm.weight)
+            nn.init.ones_(layer.mlp_norm.weight)
+        nn.init.ones_(self.norm.weight)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        attention: CoreAttention,
+        *,
+        return_hidden: bool = False,
+    ) -> Tensor:
+        """Logits (T, vocab_size) for tokens (T,) at in-document positions (T,).
+
+        ``attention(q, k, v)`` is core attention for this rank's tokens (see the
+        module docstring). With ``return_hidden=True`` the final normed hidden
+        states (T, dim) come back instead, so a loss can be computed in chunks
+        against ``output_weight`` without holding all T x vocab logits.
+        """
+        if tokens.dim() != 1:
+            raise ConfigError("tokens", tuple(tokens.shape), "must be one flat sequence (T,)")
+        if positions.shape != tokens.shape:
+            raise ConfigError("positions", tuple(positions.shape), f"must match tokens' shape {tuple(tokens.shape)}")
+        if positions.dtype.is_floating_point or positions.dtype == torch.bool:
+            raise ConfigError("positions", positions.dtype, "must be integer positions within each document")
+        cos, sin = rope_cos_sin(positions, self.config)  # once per step, shared by every layer
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin, attention)
+        h = self.norm(h)
+        if return_hidden:
+            return h
+        return F.linear(h, self.output_weight)
+
+
+def apply_activation_checkpointing(model: Transformer, recompute_attention: bool = True) -> None:
+    """Recompute each block's activations in backward instead of keeping them.
+
+    ``recompute_attention=True`` keeps only each block's input, and runs the
+    whole block again in backward, core attention and its communication
+    included. ``False`` keeps q, k, v and core attention's output as well and
+    recomputes only the linear parts: more memory, but core attention, the
+    expensive and possibly remote part, runs once. Apply before ``fully_shard``
+    or after; either way the checkpoint sits inside the FSDP unit.
+    """
+    for layer in model.layers:
+        layer.recompute = "layer" if recompute_attention else "linear"

@@ -1,0 +1,13 @@
+"""Planning: documents, layouts, CA-tasks, cost models and schedulers. Pure NumPy."""
+
+from attnpool.plan.api import STRATEGIES, plan_attention
+from attnpool.plan.cost import PairsCost, TableCost, default_cost_model, default_min_shard_tokens, load_cost_model
+from attnpool.plan.documents import DocPiece, PieceTable, causal_pairs
+from attnpool.plan.layout import LAYOUTS, linear_layout, wlb_layout
+from attnpool.plan.plan import AttentionShape, KVTransfers, Plan
+
+__all__ = [
+    "STRATEGIES", "plan_attention", "PairsCost", "TableCost", "default_cost_model", "default_min_shard_tokens",
+    "load_cost_model", "DocPiece", "PieceTable", "causal_pairs", "LAYOUTS", "linear_layout", "wlb_layout",
+    "AttentionShape", "KVTransfers", "Plan",
+]

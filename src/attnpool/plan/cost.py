@@ -1,0 +1,220 @@
+"""Cost models of CA-tasks: how long a query shard [a, b) with KV prefix [0, b) takes.
+
+Two models, one interface (``cost(a, b) -> float64 array``, vectorised):
+
+- :class:`PairsCost`: the number of causal (query, key) pairs. Additive: cutting a
+  shard in two conserves it exactly.
+- :class:`TableCost`: seconds, from a table of measured kernel throughput by
+  (query-shard length, prefix length), interpolated bilinearly in log2 of both.
+  It knows that small shards and short documents run the kernel below its peak,
+  which pair counts alone do not. The schedulers use it by default.
+
+The default table (``resources/cost_h200.json``) is built from the H200 FlashAttention-2
+varlen measurements in DESIGN.md; ``attnpool profile`` (a later issue) measures one
+on any GPU in the same format.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from attnpool.errors import ConfigError
+from attnpool.plan.documents import causal_pairs
+
+# Forward FLOPs per (query, key) pair and head: QK^T and PV, 2 FLOPs per multiply-add each.
+FWD_FLOPS_PER_PAIR_PER_HEAD_DIM = 4.0
+# Backward is about 2.5x the forward FLOPs (DESIGN.md).
+BWD_TO_FWD_FLOPS = 2.5
+PHASES = ("fwd", "fwd+bwd")
+
+
+def attention_flops(pairs, n_q_heads: int, head_dim: int, phase: str = "fwd+bwd"):
+    """FLOPs of core attention over ``pairs`` causal pairs."""
+    fwd = FWD_FLOPS_PER_PAIR_PER_HEAD_DIM * head_dim * n_q_heads * np.asarray(pairs, dtype=np.float64)
+    return fwd * (1.0 + BWD_TO_FWD_FLOPS) if phase == "fwd+bwd" else fwd
+
+
+class PairsCost:
+    """Work = causal pairs. Exact, additive, device-independent."""
+
+    name = "pairs"
+    unit = "pairs"
+
+    def cost(self, a, b) -> np.ndarray:
+        a = np.asarray(a, dtype=np.int64)
+        b = np.asarray(b, dtype=np.int64)
+        return causal_pairs(a, b).astype(np.float64)
+
+
+@dataclass(frozen=True, eq=False)
+class TableCost:
+    """Seconds per CA-task from a throughput table (TFLOP/s by query length and prefix length)."""
+
+    q_grid: np.ndarray  # (Nq,) ascending query-shard lengths
+    k_grid: np.ndarray  # (Nk,) ascending prefix lengths
+    tflops: np.ndarray  # (Nq, Nk) throughput, TFLOP/s counted from causal pairs
+    n_q_heads: int
+    head_dim: int
+    phase: str = "fwd+bwd"
+    source: str = ""
+
+    name = "table"
+    unit = "s"
+
+    # The scheduler calls rate() in its inner loop, so the bilinear interpolant is
+    # sampled once on a fine log2 grid (1/32 octave: within 1.5% of the interpolant
+    # where the rate is steepest) and looked up by index.
+    STEPS_PER_OCTAVE = 32
+
+    def __post_init__(self):
+        lq0, lk0 = np.log2(self.q_grid[0]), np.log2(self.k_grid[0])
+        nq = int(round((np.log2(self.q_grid[-1]) - lq0) * self.STEPS_PER_OCTAVE)) + 1
+        nk = int(round((np.log2(self.k_grid[-1]) - lk0) * self.STEPS_PER_OCTAVE)) + 1
+        fq = 2.0 ** (lq0 + np.arange(nq) / self.STEPS_PER_OCTAVE)
+        fk = 2.0 ** (lk0 + np.arange(nk) / self.STEPS_PER_OCTAVE)
+        fine = self.interpolate(fq[:, None], fk[None, :])
+        object.__setattr__(self, "_fine", fine)
+        object.__setattr__(self, "_origin", (lq0, lk0))
+
+    def interpolate(self, q_len, k_len) -> np.ndarray:
+        """Bilinear interpolation of the table in (log2 q, log2 k), clamped to the grid."""
+        gq, gk = np.log2(self.q_grid), np.log2(self.k_grid)
+        lq = np.clip(np.log2(np.maximum(q_len, 1)), gq[0], gq[-1])
+        lk = np.clip(np.log2(np.maximum(k_len, 1)), gk[0], gk[-1])
+        iq = np.minimum(np.searchsorted(gq, lq, side="right") - 1, len(gq) - 2)
+        ik = np.minimum(np.searchsorted(gk, lk, side="right") - 1, len(gk) - 2)
+        tq = (lq - gq[iq]) / (gq[iq + 1] - gq[iq])
+        tk = (lk - gk[ik]) / (gk[ik + 1] - gk[ik])
+        t = self.tflops
+        lo = t[iq, ik] + tq * (t[iq + 1, ik] - t[iq, ik])
+        hi = t[iq, ik + 1] + tq * (t[iq + 1, ik + 1] - t[iq, ik + 1])
+        return lo + tk * (hi - lo)
+
+    def rate(self, q_len, k_len) -> np.ndarray:
+        """TFLOP/s for tasks of ``q_len`` query tokens over ``k_len`` keys (fine-grid lookup)."""
+        fine = self._fine
+        s = self.STEPS_PER_OCTAVE
+        iq = np.rint((np.log2(np.maximum(q_len, 1)) - self._origin[0]) * s).astype(np.int64)
+        ik = np.rint((np.log2(np.maximum(k_len, 1)) - self._origin[1]) * s).astype(np.int64)
+        # np.minimum/maximum, not np.clip: clip's per-call overhead dominates on small arrays.
+        return fine[np.minimum(np.maximum(iq, 0), fine.shape[0] - 1), np.minimum(np.maximum(ik, 0), fine.shape[1] - 1)]
+
+    def cost(self, a, b) -> np.ndarray:
+        a = np.asarray(a, dtype=np.int64)
+        b = np.asarray(b, dtype=np.int64)
+        flops = attention_flops(causal_pairs(a, b), self.n_q_heads, self.head_dim, self.phase)
+        return flops / (self.rate(b - a, b) * 1e12)
+
+    def to_json(self) -> dict:
+        return {
+            "format": "attnpool-cost-table/1",
+            "source": self.source,
+            "n_q_heads": self.n_q_heads,
+            "head_dim": self.head_dim,
+            "phase": self.phase,
+            "q_grid": self.q_grid.tolist(),
+            "k_grid": self.k_grid.tolist(),
+            "tflops": np.round(self.tflops, 3).tolist(),
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict, phase: str | None = None) -> "TableCost":
+        """Load a table. A file may hold several phases under ``tables``; pick one."""
+        try:
+            if "tables" in obj:
+                phase = phase or "fwd+bwd"
+                if phase not in obj["tables"]:
+                    raise ConfigError("phase", phase, f"cost table has phases {sorted(obj['tables'])}")
+                table = obj["tables"][phase]
+            else:
+                table = obj
+                phase = table.get("phase", phase or "fwd+bwd")
+            q = np.asarray(obj.get("q_grid", table.get("q_grid")), dtype=np.float64)
+            k = np.asarray(obj.get("k_grid", table.get("k_grid")), dtype=np.float64)
+            t = np.asarray(table["tflops"], dtype=np.float64)
+            heads, dim = int(obj["n_q_heads"]), int(obj["head_dim"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError("cost_table", str(exc), "malformed cost table: needs q_grid, k_grid, tflops, n_q_heads, head_dim") from None
+        if t.shape != (len(q), len(k)) or len(q) < 2 or len(k) < 2 or np.any(t <= 0) or np.any(np.diff(q) <= 0) or np.any(np.diff(k) <= 0):
+            raise ConfigError("cost_table", f"shape {t.shape}", "tflops must be positive with shape (len(q_grid), len(k_grid)), grids ascending, at least 2 points each")
+        return cls(q, k, t, heads, dim, phase, str(obj.get("source", "")))
+
+    def scaled_to(self, n_q_heads: int, head_dim: int) -> "TableCost":
+        """The same throughput for another head configuration (FLOPs scale; rate is kept)."""
+        return TableCost(self.q_grid, self.k_grid, self.tflops, n_q_heads, head_dim, self.phase, self.source)
+
+
+# Measured on one H200, FlashAttention-2 varlen (PyTorch), bf16, 32 query / 8 KV heads of 128 (DESIGN.md).
+# Query-shard sweep at prefix 32K; "whole" documents of a given length.
+_H200_SHARD = {32: (86, 54), 64: (174, 108), 128: (339, 181), 256: (335, 235), 512: (341, 275),
+               1024: (344, 301), 4096: (345, 325), 65536: (348, 331)}
+_H200_WHOLE_DOC = {512: (152, 139), 2048: (292, 255), 8192: (338, 313), 65536: (348, 331)}
+
+
+def _interp_log2(table: dict, x: np.ndarray, phase_index: int) -> np.ndarray:
+    keys = np.array(sorted(table), dtype=np.float64)
+    vals = np.array([table[k][phase_index] for k in sorted(table)], dtype=np.float64)
+    return np.interp(np.log2(x), np.log2(keys), vals)
+
+
+def build_h200_default_table(phase: str = "fwd+bwd") -> TableCost:
+    """Default table: a task runs at min(rate of its shard size, rate of a whole doc of its prefix length).
+
+    The shard sweep was measured at a 32K prefix, where the prefix does not limit the
+    kernel; short prefixes limit it the way short whole documents do. Taking the
+    smaller of the two reproduces both measured sweeps at their measured points.
+    """
+    idx = PHASES.index(phase)
+    grid = 2.0 ** np.arange(5, 20)  # 32 .. 512K
+    shard_rate = _interp_log2(_H200_SHARD, grid, idx)
+    doc_rate = _interp_log2(_H200_WHOLE_DOC, grid, idx)
+    tflops = np.minimum(shard_rate[:, None], doc_rate[None, :])
+    return TableCost(grid, grid.copy(), tflops, 32, 128, phase, "H200 FlashAttention-2 varlen, bf16, DESIGN.md measurements")
+
+
+@lru_cache(maxsize=8)
+def _load_packaged(name: str, phase: str) -> TableCost:
+    text = resources.files("attnpool.resources").joinpath(name).read_text()
+    return TableCost.from_json(json.loads(text), phase)
+
+
+def default_cost_model(phase: str = "fwd+bwd") -> TableCost:
+    """The shipped H200 table (packaged JSON; same numbers as :func:`build_h200_default_table`)."""
+    if phase not in PHASES:
+        raise ConfigError("phase", phase, f"must be one of {PHASES}")
+    return _load_packaged("cost_h200.json", phase)
+
+
+def load_cost_model(spec: str | Path | None, phase: str = "fwd+bwd"):
+    """``None``/"table": the default table; "pairs": :class:`PairsCost`; else a JSON path."""
+    if spec is None or spec == "table":
+        return default_cost_model(phase)
+    if spec == "pairs":
+        return PairsCost()
+    path = Path(spec)
+    if not path.is_file():
+        raise ConfigError("cost_model", str(spec), "not 'pairs', 'table' or an existing JSON file")
+    try:
+        obj = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError("cost_model", str(spec), f"not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    return TableCost.from_json(obj, phase)
+
+
+def default_min_shard_tokens(model=None, efficiency: float = 0.8, prefix: int = 32768) -> int:
+    """Smallest power-of-two query shard whose fwd+bwd rate is >= ``efficiency`` of a whole document.
+
+    With the H200 table: 512 tokens (83%; 256 tokens reach 71%, 128 only 55%).
+    """
+    table = model if isinstance(model, TableCost) else default_cost_model("fwd+bwd")
+    whole = float(table.rate(prefix, prefix))
+    for q in table.q_grid:
+        if q <= prefix and float(table.rate(q, prefix)) >= efficiency * whole:
+            return int(q)
+    return int(prefix)

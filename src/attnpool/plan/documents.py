@@ -1,0 +1,124 @@
+"""Documents and the pieces of them that ranks hold.
+
+A global batch is a list of documents (token lengths). A layout gives every rank
+a list of :class:`DocPiece`, contiguous token ranges of documents, in that
+rank's token order. :class:`PieceTable` is the same information as flat NumPy
+arrays, which is what the schedulers and the runtime work with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from attnpool.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DocPiece:
+    """Tokens [start, start + length) of document ``doc_id`` (``doc_len`` tokens)."""
+
+    doc_id: int
+    doc_len: int
+    start: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+def causal_pairs(a, b):
+    """(query, key) pairs of causal attention for query tokens [a, b) over keys [0, b).
+
+    ``sum_{i=a}^{b-1} (i + 1) = (b - a) * (a + b + 1) / 2``. Works on ints and arrays.
+    """
+    return (b - a) * (a + b + 1) // 2
+
+
+@dataclass(frozen=True, eq=False)
+class PieceTable:
+    """All pieces of a layout as flat arrays, in rank-major order.
+
+    ``doc`` is a dense document index (0..num_docs-1, in order of ``doc_ids``);
+    ``offset`` is the position of the piece's first token in its rank's buffer.
+    """
+
+    num_ranks: int
+    doc_ids: np.ndarray  # (D,) user doc ids, sorted ascending
+    doc_len: np.ndarray  # (D,)
+    rank: np.ndarray  # (P,)
+    doc: np.ndarray  # (P,)
+    start: np.ndarray  # (P,)
+    length: np.ndarray  # (P,)
+    offset: np.ndarray  # (P,)
+    tokens_per_rank: np.ndarray  # (W,)
+
+    @property
+    def end(self) -> np.ndarray:
+        return self.start + self.length
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.rank)
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.doc_ids)
+
+    @classmethod
+    def from_pieces(cls, pieces_per_rank: Sequence[Sequence[DocPiece]]) -> "PieceTable":
+        """Validate a layout and flatten it. Raises ConfigError naming the bad piece."""
+        if len(pieces_per_rank) < 1:
+            raise ConfigError("pieces_per_rank", len(pieces_per_rank), "need at least one rank")
+        rows = []
+        for r, pieces in enumerate(pieces_per_rank):
+            for j, p in enumerate(pieces):
+                if not isinstance(p, DocPiece):
+                    raise ConfigError(f"pieces_per_rank[{r}][{j}]", p, "expected a DocPiece")
+                rows.append((r, int(p.doc_id), int(p.doc_len), int(p.start), int(p.length)))
+        if not rows:
+            raise ConfigError("pieces_per_rank", "[]", "the batch holds no tokens")
+        arr = np.asarray(rows, dtype=np.int64).reshape(-1, 5)
+        rank, doc_id, doc_len, start, length = arr.T
+        bad = np.flatnonzero((doc_len <= 0) | (length <= 0) | (start < 0) | (start + length > doc_len))
+        if bad.size:
+            i = int(bad[0])
+            raise ConfigError(
+                "DocPiece", f"doc_id={doc_id[i]} doc_len={doc_len[i]} start={start[i]} length={length[i]}",
+                "needs doc_len > 0, length > 0 and 0 <= start < start + length <= doc_len",
+            )
+        doc_ids, doc = np.unique(doc_id, return_inverse=True)
+        dl = np.zeros(len(doc_ids), dtype=np.int64)
+        dl[doc] = doc_len
+        if np.any(dl[doc] != doc_len):
+            i = int(np.flatnonzero(dl[doc] != doc_len)[0])
+            raise ConfigError("DocPiece.doc_len", int(doc_len[i]), f"document {doc_id[i]} has pieces with different lengths")
+        # Pieces of each document must tile [0, doc_len) exactly.
+        order = np.lexsort((start, doc))
+        s, e, d = start[order], (start + length)[order], doc[order]
+        first = np.r_[True, d[1:] != d[:-1]]
+        last = np.r_[d[1:] != d[:-1], True]
+        expected_start = np.where(first, 0, np.r_[0, e[:-1]])
+        gap = np.flatnonzero((s != expected_start) | (last & (e != dl[d])))
+        if gap.size:
+            i = int(gap[0])
+            raise ConfigError(
+                "pieces_per_rank", f"doc_id={doc_ids[d[i]]}",
+                f"pieces must cover the document [0, {dl[d[i]]}) exactly once; found a gap or overlap near token {int(s[i])}",
+            )
+        W = len(pieces_per_rank)
+        tokens_per_rank = np.bincount(rank, weights=length, minlength=W).astype(np.int64)
+        # offset of each piece inside its rank's buffer: exclusive cumsum within rank
+        csum = np.cumsum(length) - length
+        rank_base = np.r_[0, np.cumsum(tokens_per_rank)[:-1]]
+        offset = csum - rank_base[rank]
+        return cls(W, doc_ids, dl, rank, doc, start, length, offset, tokens_per_rank)
+
+    def to_pieces(self) -> list[list[DocPiece]]:
+        out: list[list[DocPiece]] = [[] for _ in range(self.num_ranks)]
+        for r, d, s, n in zip(self.rank.tolist(), self.doc.tolist(), self.start.tolist(), self.length.tolist()):
+            out[r].append(DocPiece(int(self.doc_ids[d]), int(self.doc_len[d]), s, n))
+        return out

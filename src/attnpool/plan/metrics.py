@@ -1,0 +1,91 @@
+"""Plan metrics: balance, bytes on the wire, KV memory, shard sizes and planning time, in one object."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from attnpool.plan.plan import AttentionShape, Plan
+
+SHARD_HISTOGRAM_EDGES = (1, 128, 256, 512, 1024, 4096, 16384, 65536, 2**62)
+
+
+def shard_histogram(lengths: np.ndarray) -> dict[str, int]:
+    counts, _ = np.histogram(lengths, bins=SHARD_HISTOGRAM_EDGES)
+    labels = [f"<{e}" for e in SHARD_HISTOGRAM_EDGES[1:-1]] + [f">={SHARD_HISTOGRAM_EDGES[-2]}"]
+    return dict(zip(labels, counts.tolist()))
+
+
+def _imbalance(loads: np.ndarray) -> float:
+    mean = float(loads.mean())
+    return float(loads.max() / mean) if mean > 0 else 1.0
+
+
+@dataclass
+class PlanMetrics:
+    strategy: str
+    num_servers: int
+    cost_unit: str
+    load_before: list[float]  # per server, every piece served at home
+    load_after: list[float]  # per server, under this plan
+    imbalance_before: float  # max / mean
+    imbalance_after: float
+    q_bytes_out: list[int]  # per rank: query tokens sent to other servers
+    kv_bytes_out: list[int]  # per rank: KV sent, once per destination
+    o_bytes_back: list[int]  # per rank (as server): outputs returned to homes
+    bytes_moved: int  # all of the above, summed over ranks
+    kv_tokens_unique: list[int]  # per server: KV tokens held, each once
+    kv_tokens_expanded: list[int]  # per server: sum of task prefixes (a copy per shard)
+    max_kv_tokens: int
+    num_shards: int
+    min_shard_tokens: int  # smallest shard in the plan
+    shard_histogram: dict[str, int]
+    plan_ms: float
+
+    @classmethod
+    def of(cls, plan: Plan, cost_model, shape: AttentionShape = AttentionShape()) -> "PlanMetrics":
+        W = plan.num_ranks
+        t = plan.pieces
+        before = np.bincount(t.rank, weights=cost_model.cost(t.start, t.end), minlength=W)
+        after = np.bincount(plan.task_server, weights=cost_model.cost(plan.task_start, plan.task_end), minlength=W)
+        remote = plan.task_server != plan.task_home
+        qlen = np.where(remote, plan.task_len, 0)
+        q_out = np.bincount(plan.task_home, weights=qlen, minlength=W).astype(np.int64) * shape.q_bytes
+        o_back = np.bincount(plan.task_server, weights=qlen, minlength=W).astype(np.int64) * shape.o_bytes
+        x = plan.kv_transfers()
+        sent = np.where(x.src != x.server, x.length, 0)
+        kv_out = np.bincount(x.src, weights=sent, minlength=W).astype(np.int64) * shape.kv_bytes
+        unique = np.bincount(x.group_server, weights=x.group_kv_end, minlength=W).astype(np.int64)
+        expanded = np.bincount(plan.task_server, weights=plan.task_end, minlength=W).astype(np.int64)
+        return cls(
+            strategy=plan.strategy, num_servers=W, cost_unit=getattr(cost_model, "unit", "work"),
+            load_before=before.tolist(), load_after=after.tolist(),
+            imbalance_before=_imbalance(before), imbalance_after=_imbalance(after),
+            q_bytes_out=q_out.tolist(), kv_bytes_out=kv_out.tolist(), o_bytes_back=o_back.tolist(),
+            bytes_moved=int(q_out.sum() + kv_out.sum() + o_back.sum()),
+            kv_tokens_unique=unique.tolist(), kv_tokens_expanded=expanded.tolist(),
+            max_kv_tokens=int(unique.max()), num_shards=plan.num_tasks,
+            min_shard_tokens=int(plan.task_len.min()), shard_histogram=shard_histogram(plan.task_len),
+            plan_ms=plan.plan_seconds * 1e3,
+        )
+
+    def summary(self) -> dict:
+        """The scalar fields (what `attnpool plan --json` prints per strategy)."""
+        keys = ("strategy", "num_servers", "imbalance_before", "imbalance_after", "plan_ms", "bytes_moved",
+                "max_kv_tokens", "num_shards", "min_shard_tokens", "shard_histogram")
+        out = {k: getattr(self, k) for k in keys}
+        out["max_bytes_per_rank"] = int(max(q + k + o for q, k, o in zip(self.q_bytes_out, self.kv_bytes_out, self.o_bytes_back)))
+        out["max_kv_tokens_expanded"] = int(max(self.kv_tokens_expanded))
+        return out
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        s = self.summary()
+        return (f"{self.strategy}: {self.num_servers} servers, max/mean {self.imbalance_before:.3f} -> "
+                f"{self.imbalance_after:.3f}, {s['bytes_moved'] / 2**30:.2f} GiB moved "
+                f"(max {s['max_bytes_per_rank'] / 2**20:.1f} MiB/rank), max KV {self.max_kv_tokens} tokens "
+                f"({s['max_kv_tokens_expanded']} with a copy per shard), {self.num_shards} shards "
+                f"(smallest {self.min_shard_tokens}), planned in {self.plan_ms:.1f} ms")

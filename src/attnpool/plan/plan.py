@@ -1,0 +1,167 @@
+"""The Plan: every query shard (CA-task) of the batch, with its home rank and its server rank.
+
+A CA-task is query tokens [start, end) of one document, inside one piece (so its
+query tokens live contiguously on one home rank), served by ``server`` over the
+document's causal KV prefix [0, end). Every scheduler returns this one type.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from attnpool.plan.documents import PieceTable
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """Head configuration and element size: what a token's Q, K+V and O weigh on the wire."""
+
+    n_q_heads: int = 32
+    n_kv_heads: int = 8
+    head_dim: int = 128
+    dtype_bytes: int = 2
+
+    @property
+    def q_bytes(self) -> int:
+        return self.n_q_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.n_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def o_bytes(self) -> int:
+        return self.q_bytes
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    strategy: str
+    pieces: PieceTable
+    task_doc: np.ndarray  # (S,) dense doc index
+    task_start: np.ndarray  # (S,) first query token (document coordinates)
+    task_end: np.ndarray  # (S,) one past the last query token; KV prefix is [0, end)
+    task_piece: np.ndarray  # (S,) index into pieces
+    task_server: np.ndarray  # (S,) rank that computes the task
+    min_shard_tokens: int
+    options: dict = field(default_factory=dict)
+    plan_seconds: float = 0.0
+
+    @property
+    def num_ranks(self) -> int:
+        return self.pieces.num_ranks
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.task_doc)
+
+    @property
+    def task_len(self) -> np.ndarray:
+        return self.task_end - self.task_start
+
+    @property
+    def task_home(self) -> np.ndarray:
+        return self.pieces.rank[self.task_piece]
+
+    @property
+    def task_home_offset(self) -> np.ndarray:
+        """Offset of the task's first query token in its home rank's buffer."""
+        p = self.task_piece
+        return self.pieces.offset[p] + (self.task_start - self.pieces.start[p])
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the plan's content; equal on every rank iff the plans are identical."""
+        h = hashlib.sha256()
+        h.update(f"{self.strategy}|{self.num_ranks}|{self.min_shard_tokens}|".encode())
+        t = self.pieces
+        for arr in (t.doc_ids, t.doc_len, t.rank, t.doc, t.start, t.length,
+                    self.task_doc, self.task_start, self.task_end, self.task_piece, self.task_server):
+            h.update(np.ascontiguousarray(arr, dtype="<i8").tobytes())
+            h.update(b"|")
+        return h.hexdigest()
+
+    def kv_transfers(self) -> "KVTransfers":
+        return kv_transfers(self)
+
+    def is_fully_local(self) -> bool:
+        """True when no token crosses the network: no Q, KV or O leaves its rank."""
+        if np.any(self.task_server != self.task_home):
+            return False
+        x = self.kv_transfers()
+        return not np.any(x.src != x.server)
+
+    def server_tasks(self, server: int) -> np.ndarray:
+        """Indices of the tasks a server runs, in canonical (doc, start) order."""
+        return np.flatnonzero(self.task_server == server)
+
+
+@dataclass(frozen=True, eq=False)
+class KVTransfers:
+    """The unique KV each server needs, as segments of pieces.
+
+    For every (server, doc) the server needs KV [0, kv_end), where kv_end is the
+    largest task end of that doc on that server; each piece overlapping it gives
+    one segment [start, start + length) (document coordinates) sent from the
+    piece's rank ``src`` (no transfer when ``src == server``). Sorted by
+    (server, doc, start): this is the order of the server's unique KV buffer.
+    """
+
+    server: np.ndarray
+    doc: np.ndarray
+    piece: np.ndarray
+    src: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    # per (server, doc) group:
+    group_server: np.ndarray
+    group_doc: np.ndarray
+    group_kv_end: np.ndarray
+
+
+def kv_transfers(plan: Plan) -> KVTransfers:
+    t = plan.pieces
+    W, D = plan.num_ranks, t.num_docs
+    # Largest task end per (server, doc): groups sorted by server then doc.
+    key = plan.task_server * D + plan.task_doc
+    ukey, inv = np.unique(key, return_inverse=True)
+    kv_end = np.zeros(len(ukey), dtype=np.int64)
+    np.maximum.at(kv_end, inv, plan.task_end)
+    g_server, g_doc = ukey // D, ukey % D
+    # Pieces sorted by (doc, start); each doc's pieces are a contiguous range.
+    porder = np.lexsort((t.start, t.doc))
+    pdoc = t.doc[porder]
+    first = np.searchsorted(pdoc, np.arange(D), side="left")
+    count = np.searchsorted(pdoc, np.arange(D), side="right") - first
+    # Expand every group to all pieces of its doc, then keep the overlapping ones.
+    n = count[g_doc]
+    grp = np.repeat(np.arange(len(ukey)), n)
+    within = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)
+    piece = porder[first[g_doc][grp] + within]
+    seg_start = t.start[piece]
+    seg_end = np.minimum(t.start[piece] + t.length[piece], kv_end[grp])
+    keep = seg_end > seg_start
+    grp, piece, seg_start, seg_end = grp[keep], piece[keep], seg_start[keep], seg_end[keep]
+    return KVTransfers(
+        server=g_server[grp], doc=g_doc[grp], piece=piece, src=t.rank[piece],
+        start=seg_start, length=seg_end - seg_start,
+        group_server=g_server, group_doc=g_doc, group_kv_end=kv_end,
+    )
+
+
+def make_plan(strategy: str, pieces: PieceTable, doc, start, end, piece, server, min_shard_tokens: int,
+              options: dict | None = None, plan_seconds: float = 0.0) -> Plan:
+    """Build a Plan with tasks in canonical order (doc, start), merging contiguous tasks
+    of one piece that share a server (they are one shard)."""
+    doc, start, end, piece, server = (np.asarray(x, dtype=np.int64) for x in (doc, start, end, piece, server))
+    order = np.lexsort((start, doc))
+    doc, start, end, piece, server = doc[order], start[order], end[order], piece[order], server[order]
+    joins = np.r_[False, (doc[1:] == doc[:-1]) & (piece[1:] == piece[:-1]) & (server[1:] == server[:-1]) & (start[1:] == end[:-1])]
+    if joins.any():
+        head = np.flatnonzero(~joins)
+        last = np.r_[head[1:], len(doc)] - 1
+        doc, start, piece, server = doc[head], start[head], piece[head], server[head]
+        end = end[last]
+    return Plan(strategy, pieces, doc, start, end, piece, server, int(min_shard_tokens), dict(options or {}), plan_seconds)

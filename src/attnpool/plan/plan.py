@@ -49,6 +49,8 @@ class Plan:
     min_shard_tokens: int
     options: dict = field(default_factory=dict)
     plan_seconds: float = 0.0
+    # Per-rank dispatch layouts built from this plan by the runtime (not part of the plan's content).
+    runtime_cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_ranks(self) -> int:

@@ -1,0 +1,53 @@
+"""Make every rank agree on a plan before the first collective that depends on it.
+
+Each rank contributes its plan fingerprint and the result of its own local checks
+(tensor shapes against the plan, world size). One all-gather of a fixed-size
+record, then every rank raises the same error if any rank failed or the plans
+differ: no rank is left waiting in a collective for another that errored.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from attnpool.errors import ConfigError
+
+_RECORD = 32 + 1 + 255  # fingerprint digest, status, message
+
+
+def _encode(fingerprint_hex: str, problem: str | None) -> torch.Tensor:
+    rec = bytearray(_RECORD)
+    rec[:32] = bytes.fromhex(fingerprint_hex)
+    if problem:
+        msg = problem.encode()[:254]
+        rec[32] = 1
+        rec[33:33 + len(msg)] = msg
+    return torch.frombuffer(rec, dtype=torch.uint8).clone()
+
+
+def agree_on_plan(fingerprint_hex: str, problem: str | None, group=None, device=None) -> None:
+    """All-gather (fingerprint, local problem) and raise ConfigError on every rank if anything is off."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if problem:
+            raise ConfigError("core_attention", "rank 0", problem)
+        return
+    world = dist.get_world_size(group)
+    mine = _encode(fingerprint_hex, problem).to(device or "cpu")
+    gathered = mine.new_empty(world * _RECORD)
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single; 2.11 has only the former.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather(gathered, mine, group=group)
+    records = gathered.cpu().view(world, _RECORD).numpy().tobytes()
+    errors = []
+    prints = set()
+    for r in range(world):
+        rec = records[r * _RECORD:(r + 1) * _RECORD]
+        prints.add(rec[:32])
+        if rec[32]:
+            errors.append(f"rank {r}: {rec[33:].rstrip(bytes(1)).decode(errors='replace')}")
+    if errors:
+        raise ConfigError("core_attention", f"{len(errors)} rank(s)", "; ".join(errors))
+    if len(prints) > 1:
+        raise ConfigError("plan", "fingerprints differ",
+                          f"ranks hold {len(prints)} different plans; every rank must plan the same batch with the same options")

@@ -1,0 +1,286 @@
+"""Batch assembly: documents from a source packed into global batches, then split over ranks.
+
+Every rank builds the same :class:`DocumentStream` (same source, same seed), so
+every rank computes the same :class:`GlobalBatch` for a step without any
+communication, lays it out with a layout from :mod:`attnpool.plan`, and takes its
+own :class:`RankBatch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from attnpool.errors import ConfigError
+from attnpool.plan.documents import DocPiece, PieceTable
+
+# Label of a token with no target (the last token of a document). PyTorch's
+# cross_entropy ignores it by default; ``loss_mask`` says the same as a float.
+IGNORE_INDEX = -100
+
+STATE_VERSION = 1
+
+
+def _positive_int(field: str, value) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ConfigError(field, value, "must be a positive integer")
+    return int(value)
+
+
+@dataclass(frozen=True, eq=False)
+class RankBatch:
+    """One rank's share of a global batch, in the rank's token order (its pieces, in layout order).
+
+    ``positions`` are absolute within each document, so the second piece of a
+    split document continues where the first stopped (RoPE needs that).
+    ``global_label_tokens`` counts label tokens of the whole global batch: divide
+    the rank's summed loss by it and the all-reduced loss is the mean over every
+    real token, however tokens are spread over ranks.
+    """
+
+    rank: int
+    step: int
+    tokens: np.ndarray  # (T_r,) int64
+    labels: np.ndarray  # (T_r,) int64, IGNORE_INDEX where loss_mask is False
+    loss_mask: np.ndarray  # (T_r,) bool
+    positions: np.ndarray  # (T_r,) int64
+    pieces: list[DocPiece]
+    global_label_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def to_torch(self, device="cpu") -> "RankTensors":
+        import torch  # keep attnpool.data importable (and cheap) without torch
+
+        def put(array, dtype):
+            return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
+
+        return RankTensors(put(self.tokens, torch.int64), put(self.labels, torch.int64),
+                           put(self.positions, torch.int64), put(self.loss_mask, torch.float32))
+
+
+@dataclass(frozen=True)
+class RankTensors:
+    """A RankBatch as torch tensors: tokens, labels, positions int64; loss_mask float32."""
+
+    tokens: "torch.Tensor"  # noqa: F821
+    labels: "torch.Tensor"  # noqa: F821
+    positions: "torch.Tensor"  # noqa: F821
+    loss_mask: "torch.Tensor"  # noqa: F821
+
+
+@dataclass(frozen=True, eq=False)
+class GlobalBatch:
+    """The documents of one step, all tokens concatenated in document order.
+
+    ``labels[t]`` is the next token of the same document; the last token of each
+    document has no label (``IGNORE_INDEX``, ``loss_mask`` False). Labels are set
+    here, before any split, so a token at a split between ranks keeps its label.
+    ``doc_source[d]`` / ``doc_source_start[d]``: which source document document
+    ``d`` was cut from, and at which token.
+    """
+
+    step: int
+    num_ranks: int
+    tokens_per_rank: int
+    doc_lens: np.ndarray  # (D,) int64
+    tokens: np.ndarray  # (N,) int64
+    labels: np.ndarray  # (N,) int64
+    loss_mask: np.ndarray  # (N,) bool
+    doc_source: np.ndarray  # (D,) int64
+    doc_source_start: np.ndarray  # (D,) int64
+
+    @classmethod
+    def from_documents(cls, docs: Sequence[np.ndarray], step: int = 0, num_ranks: int = 1,
+                       tokens_per_rank: int | None = None, doc_source=None, doc_source_start=None) -> "GlobalBatch":
+        """Build a batch from document token arrays (labels and mask derived here)."""
+        lens = np.asarray([len(d) for d in docs], dtype=np.int64)
+        if lens.size == 0 or np.any(lens == 0):
+            raise ConfigError("docs", lens.tolist(), "need at least one document and no empty ones")
+        tokens = np.concatenate([np.asarray(d, dtype=np.int64) for d in docs])
+        last = np.cumsum(lens) - 1
+        labels = np.empty_like(tokens)
+        labels[:-1] = tokens[1:]
+        labels[last] = IGNORE_INDEX
+        loss_mask = np.ones(len(tokens), dtype=bool)
+        loss_mask[last] = False
+        if tokens_per_rank is None:
+            tokens_per_rank = -(-len(tokens) // num_ranks)
+        d = len(lens)
+        src = np.arange(d, dtype=np.int64) if doc_source is None else np.asarray(doc_source, dtype=np.int64)
+        start = np.zeros(d, dtype=np.int64) if doc_source_start is None else np.asarray(doc_source_start, np.int64)
+        return cls(step, num_ranks, tokens_per_rank, lens, tokens, labels, loss_mask, src, start)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.doc_lens)
+
+    @property
+    def doc_offsets(self) -> np.ndarray:
+        """(D + 1,) start of each document in ``tokens``, then the total."""
+        return np.r_[0, np.cumsum(self.doc_lens)]
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Position of every token within its document."""
+        return np.arange(self.num_tokens) - np.repeat(self.doc_offsets[:-1], self.doc_lens)
+
+    @property
+    def num_label_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def split(self, layout: Sequence[Sequence[DocPiece]]) -> list[RankBatch]:
+        """Every rank's batch for a layout (``doc_id`` = index of a document of this batch)."""
+        table = self._check_layout(layout)
+        return [self._rank_batch(table, layout, r) for r in range(table.num_ranks)]
+
+    def rank_batch(self, layout: Sequence[Sequence[DocPiece]], rank: int) -> RankBatch:
+        """One rank's batch for a layout (the layout is validated as a whole)."""
+        table = self._check_layout(layout)
+        if not 0 <= rank < table.num_ranks:
+            raise ConfigError("rank", rank, f"must be in [0, {table.num_ranks})")
+        return self._rank_batch(table, layout, rank)
+
+    def _check_layout(self, layout) -> PieceTable:
+        table = PieceTable.from_pieces(layout)  # checks that pieces tile each document exactly
+        if table.num_docs != self.num_docs or np.any(table.doc_ids != np.arange(self.num_docs)):
+            raise ConfigError("layout", f"doc_ids {table.doc_ids[:8].tolist()}...",
+                              f"must cover documents 0..{self.num_docs - 1} of the batch, each exactly once")
+        bad = np.flatnonzero(table.doc_len != self.doc_lens)
+        if bad.size:
+            d = int(bad[0])
+            raise ConfigError("layout", f"doc_id={d} doc_len={int(table.doc_len[d])}",
+                              f"the batch's document {d} has {int(self.doc_lens[d])} tokens")
+        return table
+
+    def _rank_batch(self, table: PieceTable, layout, rank: int) -> RankBatch:
+        # Pieces of a rank are contiguous in the rank-major table, in layout order.
+        sel = table.rank == rank
+        doc, start, length = table.doc[sel], table.start[sel], table.length[sel]
+        within = np.arange(int(length.sum())) - np.repeat(np.cumsum(length) - length, length)
+        positions = np.repeat(start, length) + within
+        index = np.repeat(self.doc_offsets[doc], length) + positions
+        return RankBatch(rank, self.step, self.tokens[index], self.labels[index], self.loss_mask[index],
+                         positions, list(layout[rank]), self.num_label_tokens)
+
+
+class DocumentStream:
+    """Documents of a source in a seeded shuffled order, packed into global batches.
+
+    Each batch holds exactly ``num_ranks * tokens_per_rank`` tokens. Documents
+    are poured in order; the one that overflows the batch is cut and its rest
+    starts the next batch as a new document: its positions restart at 0 and its
+    first token sees none of the part before the cut. Documents longer than
+    ``max_doc_len`` are cut first into pieces of ``max_doc_len`` tokens (from the
+    document's start), each a document of its own. Epoch ``e`` visits every
+    source document once, in the order ``permutation`` seeded by ``(seed, e)``;
+    documents with no tokens are skipped.
+
+    The source needs only ``len(source)`` and ``source[i]``. The stream is a pure
+    function of (source, seed, batch size, max_doc_len), so every rank builds the
+    same one; ``state_dict()`` is a few JSON-able ints from which
+    ``load_state_dict()`` continues exactly where the stream stopped.
+    """
+
+    def __init__(self, source, num_ranks: int, tokens_per_rank: int, seed: int = 0,
+                 max_doc_len: int | None = None):
+        self.source = source
+        self.num_ranks = _positive_int("num_ranks", num_ranks)
+        self.tokens_per_rank = _positive_int("tokens_per_rank", tokens_per_rank)
+        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
+            raise ConfigError("seed", seed, "must be a non-negative integer")
+        self.seed = int(seed)
+        self.max_doc_len = None if max_doc_len is None else _positive_int("max_doc_len", max_doc_len)
+        self.num_docs = len(source)
+        if self.num_docs < 1:
+            raise ConfigError("source", type(source).__name__, "holds no documents")
+        self.step = 0  # batches produced so far
+        self.epoch = 0
+        self.cursor = 0  # index into this epoch's order of the document being poured
+        self.pos = 0  # tokens of that document already poured
+        self._order = self._epoch_order(0)
+        self._cached: tuple[int, np.ndarray] | None = None  # the last document read
+
+    @property
+    def batch_tokens(self) -> int:
+        return self.num_ranks * self.tokens_per_rank
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng((self.seed, epoch)).permutation(self.num_docs)
+
+    def _read(self, index: int) -> np.ndarray:
+        # A long document spans several batches: read it once, not once per batch.
+        if self._cached is None or self._cached[0] != index:
+            self._cached = (index, np.asarray(self.source[index], dtype=np.int64))
+        return self._cached[1]
+
+    def _next_document(self) -> None:
+        self.pos = 0
+        self.cursor += 1
+        if self.cursor == self.num_docs:
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self._order = self._epoch_order(self.epoch)
+
+    def next_batch(self) -> GlobalBatch:
+        budget = self.batch_tokens
+        chunks, sources, starts = [], [], []
+        filled = 0
+        empty_in_a_row = 0
+        while filled < budget:
+            index = int(self._order[self.cursor])
+            doc = self._read(index)
+            if self.pos >= len(doc):  # an empty document
+                empty_in_a_row += 1
+                if empty_in_a_row > self.num_docs:
+                    raise ConfigError("source", type(self.source).__name__, "every document is empty")
+                self._next_document()
+                continue
+            empty_in_a_row = 0
+            end = len(doc)
+            if self.max_doc_len is not None:
+                end = min(end, (self.pos // self.max_doc_len + 1) * self.max_doc_len)
+            take = min(end - self.pos, budget - filled)
+            chunks.append(doc[self.pos:self.pos + take])
+            sources.append(index)
+            starts.append(self.pos)
+            self.pos += take
+            filled += take
+            if self.pos == len(doc):
+                self._next_document()
+        batch = GlobalBatch.from_documents(chunks, self.step, self.num_ranks, self.tokens_per_rank,
+                                           sources, starts)
+        self.step += 1
+        return batch
+
+    def __iter__(self):
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict:
+        """Where the stream stands, as JSON-able ints."""
+        return {"version": STATE_VERSION, "seed": self.seed, "num_docs": self.num_docs, "step": self.step,
+                "epoch": self.epoch, "cursor": self.cursor, "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state``. The seed and the source's size must match; the batch size may change."""
+        missing = [k for k in ("version", "seed", "num_docs", "step", "epoch", "cursor", "pos") if k not in state]
+        if missing:
+            raise ConfigError("data_state", sorted(state), f"missing keys {missing}")
+        if state["version"] != STATE_VERSION:
+            raise ConfigError("data_state.version", state["version"], f"this attnpool reads version {STATE_VERSION}")
+        for key, ours in (("seed", self.seed), ("num_docs", self.num_docs)):
+            if state[key] != ours:
+                raise ConfigError(f"data_state.{key}", state[key], f"does not match this stream's {key} = {ours}")
+        if not 0 <= state["cursor"] < self.num_docs or state["pos"] < 0 or state["epoch"] < 0 or state["step"] < 0:
+            raise ConfigError("data_state", {k: state[k] for k in ("epoch", "cursor", "pos")}, "out of range")
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        self.cursor, self.pos = int(state["cursor"]), int(state["pos"])
+        self._order = self._epoch_order(self.epoch)

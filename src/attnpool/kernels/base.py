@@ -1,0 +1,75 @@
+"""The contract every core-attention backend follows, and the checks they share.
+
+A backend is a pair of plain functions over packed variable-length segments:
+
+    forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None) -> (out, lse)
+    backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None)
+        -> (dq, dk, dv)
+
+q is (T_q, H_q, D), k and v are (T_k, H_kv, D) with H_q a multiple of H_kv
+(query head h reads kv head h // (H_q // H_kv)). cu_q and cu_k are int32
+segment boundaries of equal length S + 1, starting at 0. Segment i's queries
+are the tail of its keys: query j (0-based) sees keys 0 .. k_len - q_len + j,
+the causal mask aligned to the bottom right. lse is (H_q, T_q), float32
+(float64 from the reference backend for float64 inputs), natural log;
+a row that sees no key has lse = -inf, out = 0 and zero gradients.
+
+The pair is explicit (not only an autograd function) because the runtime calls
+them inside its own autograd function and saves only what it needs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from attnpool.errors import ConfigError
+
+ForwardFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+BackwardFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A named core-attention backend: its forward and backward functions."""
+
+    name: str
+    forward: ForwardFn
+    backward: BackwardFn
+
+
+def default_scale(head_dim: int) -> float:
+    """Softmax scale when none is given: 1 / sqrt(head_dim)."""
+    return 1.0 / math.sqrt(head_dim)
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 cu_q: torch.Tensor, cu_k: torch.Tensor) -> None:
+    """Refuse inputs whose shapes break the contract.
+
+    Only shapes and dtypes are checked: looking at the values of cu_q/cu_k
+    would synchronise the device on every call.
+    """
+    if q.dim() != 3:
+        raise ConfigError("q.shape", tuple(q.shape), "expected (tokens, heads, head_dim)")
+    if k.dim() != 3 or k.shape != v.shape:
+        raise ConfigError("k.shape", (tuple(k.shape), tuple(v.shape)),
+                          "k and v must both be (tokens, kv_heads, head_dim)")
+    if k.shape[2] != q.shape[2]:
+        raise ConfigError("head_dim", (q.shape[2], k.shape[2]), "q and k must share head_dim")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ConfigError("heads", (q.shape[1], k.shape[1]),
+                          "query heads must be a positive multiple of kv heads")
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        raise ConfigError("dtype", (q.dtype, k.dtype, v.dtype),
+                          "q, k and v must share one floating-point dtype")
+    for name, cu in (("cu_q", cu_q), ("cu_k", cu_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
+            raise ConfigError(name, (cu.dtype, tuple(cu.shape)),
+                              "expected a 1-D int32 tensor of segment boundaries")
+    if cu_q.numel() != cu_k.numel():
+        raise ConfigError("cu_k", (cu_q.numel(), cu_k.numel()),
+                          "cu_q and cu_k must describe the same number of segments")

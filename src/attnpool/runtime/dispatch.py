@@ -1,0 +1,136 @@
+"""Dispatch layout: everything one rank needs to run a plan, as index maps.
+
+Built once per (plan, rank) with NumPy (no loop over tokens or shards) and
+reused by every layer. Message format of the dispatch all-to-all, per peer:
+``[Q rows | KV rows]``, a Q row being H_q*D elements and a KV row 2*H_kv*D
+(K then V). Orders, all derived from the plan's canonical task order so that a
+sender and its receiver agree without talking:
+
+- Q sent to server s: my tasks with server s, canonical order. The server receives
+  them grouped by home rank, canonical order within each.
+- KV sent to server s: the plan's KV segments for s whose source is me, in
+  (doc, start) order; received grouped by source.
+- On the server, tasks run in canonical order; its unique KV buffer holds each
+  served document's prefix [0, kv_end) once, in (doc, start) order. Each task's
+  key segment is a slice of it, expanded only transiently for the kernel.
+- Outputs go back in the order the queries came.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from attnpool.plan.plan import Plan
+
+
+def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s + n) for each (s, n), vectorised."""
+    starts = np.asarray(starts, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    run_base = np.cumsum(lengths) - lengths
+    return np.repeat(starts - run_base, lengths) + np.arange(total, dtype=np.int64)
+
+
+def _splits(owner: np.ndarray, lengths: np.ndarray, world: int) -> list[int]:
+    return np.bincount(owner, weights=lengths, minlength=world).astype(np.int64).tolist()
+
+
+@dataclass(frozen=True, eq=False)
+class DispatchLayout:
+    rank: int
+    world: int
+    num_tokens: int  # tokens this rank holds (T_r)
+    any_traffic: bool  # False for a fully local plan: no collective at all
+    # dispatch (Q and KV out), per peer token counts
+    q_send_splits: list[int]
+    kv_send_splits: list[int]
+    q_recv_splits: list[int]
+    kv_recv_splits: list[int]
+    q_send_rows: torch.Tensor  # local rows, peer-ordered
+    kv_send_rows: torch.Tensor
+    # server side: tasks in canonical order
+    local_q_rows: torch.Tensor  # local rows of tasks served here ...
+    local_q_pos: torch.Tensor  # ... and their positions in the server's Q buffer
+    recv_q_pos: torch.Tensor  # position in the server's Q buffer of each received Q row
+    num_server_q: int
+    local_kv_rows: torch.Tensor  # local rows that are part of the unique KV buffer ...
+    local_kv_pos: torch.Tensor  # ... and their positions in it
+    recv_kv_pos: torch.Tensor  # position in the unique KV buffer of each received KV row
+    num_unique_kv: int
+    kv_expand: torch.Tensor  # unique-KV row of each expanded key (per-task prefixes)
+    cu_q: torch.Tensor  # int32
+    cu_k: torch.Tensor  # int32
+    max_q: int
+    max_k: int
+
+    @classmethod
+    def build(cls, plan: Plan, rank: int, device) -> "DispatchLayout":
+        W = plan.num_ranks
+        t = plan.pieces
+        home, server, n = plan.task_home, plan.task_server, plan.task_len
+        offset, end = plan.task_home_offset, plan.task_end
+
+        # Q I send: my tasks served elsewhere, ordered by server.
+        out_q = np.flatnonzero((home == rank) & (server != rank))
+        out_q = out_q[np.argsort(server[out_q], kind="stable")]
+        q_send_rows = ranges(offset[out_q], n[out_q])
+        q_send_splits = _splits(server[out_q], n[out_q], W)
+
+        # Tasks I serve, canonical order; their rows in my Q buffer.
+        mine = np.flatnonzero(server == rank)
+        pos = np.cumsum(n[mine]) - n[mine]
+        is_local = home[mine] == rank
+        local_q_rows = ranges(offset[mine[is_local]], n[mine[is_local]])
+        local_q_pos = ranges(pos[is_local], n[mine[is_local]])
+        remote = np.flatnonzero(~is_local)
+        remote = remote[np.argsort(home[mine[remote]], kind="stable")]
+        recv_q_pos = ranges(pos[remote], n[mine[remote]])
+        q_recv_splits = _splits(home[mine[remote]], n[mine[remote]], W)
+
+        # KV segments (sorted by server, doc, start).
+        x = plan.kv_transfers()
+        src_row = t.offset[x.piece] + (x.start - t.start[x.piece])
+        out_kv = np.flatnonzero((x.src == rank) & (x.server != rank))  # already server-ordered
+        kv_send_rows = ranges(src_row[out_kv], x.length[out_kv])
+        kv_send_splits = _splits(x.server[out_kv], x.length[out_kv], W)
+        seg = np.flatnonzero(x.server == rank)
+        seg_pos = np.cumsum(x.length[seg]) - x.length[seg]
+        seg_local = x.src[seg] == rank
+        local_kv_rows = ranges(src_row[seg[seg_local]], x.length[seg[seg_local]])
+        local_kv_pos = ranges(seg_pos[seg_local], x.length[seg[seg_local]])
+        seg_remote = np.flatnonzero(~seg_local)
+        seg_remote = seg_remote[np.argsort(x.src[seg[seg_remote]], kind="stable")]
+        recv_kv_pos = ranges(seg_pos[seg_remote], x.length[seg[seg_remote]])
+        kv_recv_splits = _splits(x.src[seg[seg_remote]], x.length[seg[seg_remote]], W)
+
+        # Each served doc's prefix starts where its first segment does (segments of a
+        # (server, doc) group tile [0, kv_end) in order).
+        my_groups = np.flatnonzero(x.group_server == rank)
+        group_doc = x.group_doc[my_groups]
+        group_base = np.cumsum(x.group_kv_end[my_groups]) - x.group_kv_end[my_groups]
+        task_base = group_base[np.searchsorted(group_doc, plan.task_doc[mine])]
+        kv_expand = ranges(task_base, end[mine])
+        cu_q = np.r_[0, np.cumsum(n[mine])]
+        cu_k = np.r_[0, np.cumsum(end[mine])]
+
+        def dev(a, dtype=torch.int64):
+            return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype).to(device)
+
+        return cls(
+            rank=rank, world=W, num_tokens=int(t.tokens_per_rank[rank]), any_traffic=not plan.is_fully_local(),
+            q_send_splits=q_send_splits, kv_send_splits=kv_send_splits,
+            q_recv_splits=q_recv_splits, kv_recv_splits=kv_recv_splits,
+            q_send_rows=dev(q_send_rows), kv_send_rows=dev(kv_send_rows),
+            local_q_rows=dev(local_q_rows), local_q_pos=dev(local_q_pos), recv_q_pos=dev(recv_q_pos),
+            num_server_q=int(n[mine].sum()),
+            local_kv_rows=dev(local_kv_rows), local_kv_pos=dev(local_kv_pos), recv_kv_pos=dev(recv_kv_pos),
+            num_unique_kv=int(x.length[seg].sum()),
+            kv_expand=dev(kv_expand), cu_q=dev(cu_q, torch.int32), cu_k=dev(cu_k, torch.int32),
+            max_q=int(n[mine].max(initial=0)), max_k=int(end[mine].max(initial=0)),
+        )

@@ -1,0 +1,224 @@
+"""Kernel backends against an independent dense float64 reference (CPU)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnpool.errors import ConfigError
+from attnpool.kernels import BACKENDS, Backend, attention, flash, get_backend, reference
+
+INF = float("inf")
+
+
+# --- an independent dense reference: one masked (q_len x k_len) matrix per segment ---
+
+def dense_attention(q, k, v, segments, scale=None):
+    """Causal bottom-right attention in float64 with autograd; returns (out, lse).
+
+    Rows that see no key get out = 0, lse = -inf and no graph at all, so their
+    gradients are exactly zero.
+    """
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    q0 = k0 = 0
+    for q_len, k_len in segments:
+        qs, ks, vs = q[q0:q0 + q_len], k[k0:k0 + k_len], v[k0:k0 + k_len]
+        blind = min(q_len, max(0, q_len - k_len))  # leading rows that see no key
+        outs.append(torch.zeros(blind, q.shape[1], q.shape[2], dtype=q.dtype))
+        lses.append(torch.full((q.shape[1], blind), -INF, dtype=q.dtype))
+        if q_len > blind:
+            kh = ks.repeat_interleave(group, dim=1).transpose(0, 1)   # (H_q, k_len, D)
+            vh = vs.repeat_interleave(group, dim=1).transpose(0, 1)
+            qh = qs[blind:].transpose(0, 1)                           # (H_q, rows, D)
+            scores = scale * qh @ kh.transpose(1, 2)
+            rows = torch.arange(blind, q_len)[:, None]
+            keys = torch.arange(k_len)[None, :]
+            scores = scores.masked_fill(keys > k_len - q_len + rows, -INF)
+            lses.append(torch.logsumexp(scores, dim=-1))
+            outs.append((torch.softmax(scores, dim=-1) @ vh).transpose(0, 1))
+        q0 += q_len
+        k0 += k_len
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def make_inputs(segments, n_q, n_kv, dim, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    t_q = sum(s[0] for s in segments)
+    t_k = sum(s[1] for s in segments)
+    q = torch.randn(t_q, n_q, dim, generator=gen).to(dtype)
+    k = torch.randn(t_k, n_kv, dim, generator=gen).to(dtype)
+    v = torch.randn(t_k, n_kv, dim, generator=gen).to(dtype)
+    dout = torch.randn(t_q, n_q, dim, generator=gen).to(dtype)
+    cu_q = torch.tensor([0] + [sum(s[0] for s in segments[:i + 1]) for i in range(len(segments))],
+                        dtype=torch.int32)
+    cu_k = torch.tensor([0] + [sum(s[1] for s in segments[:i + 1]) for i in range(len(segments))],
+                        dtype=torch.int32)
+    max_q = max((s[0] for s in segments), default=0)
+    max_k = max((s[1] for s in segments), default=0)
+    return q, k, v, dout, cu_q, cu_k, max_q, max_k
+
+
+def dense_with_grads(q, k, v, dout, segments, scale=None):
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    out, lse = dense_attention(*leaves, segments, scale)
+    if not out.requires_grad:  # no row sees a key: nothing depends on q, k, v
+        return out.detach(), lse.detach(), [torch.zeros_like(x) for x in leaves]
+    grads = torch.autograd.grad(out, leaves, dout.double(), allow_unused=True)
+    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
+    return out.detach(), lse.detach(), grads
+
+
+def rel_error(got, want):
+    got, want = got.double(), want.double()
+    finite = torch.isfinite(want)
+    assert torch.equal(finite, torch.isfinite(got)), "-inf rows differ"
+    if not finite.any():
+        return 0.0
+    diff = (got[finite] - want[finite]).abs().max().item()
+    return diff / max(want[finite].abs().max().item(), 1e-12)
+
+
+def check_backend_against_dense(segments, n_q, n_kv, dim, dtype, tol, scale=None, seed=0):
+    q, k, v, dout, cu_q, cu_k, max_q, max_k = make_inputs(segments, n_q, n_kv, dim, dtype, seed)
+    want_out, want_lse, want_grads = dense_with_grads(q, k, v, dout, segments, scale)
+    out, lse = reference.forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert lse.shape == (n_q, q.shape[0])
+    assert rel_error(out, want_out) <= tol
+    assert rel_error(lse, want_lse) <= tol
+    grads = reference.backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=scale)
+    for name, got, want, like in zip("qkv", grads, want_grads, (q, k, v)):
+        assert got.dtype == like.dtype and got.shape == like.shape, name
+        assert rel_error(got, want) <= tol, f"d{name}"
+
+
+# Segments as (q_len, k_len): q_len 0, q_len == k_len, q_len < k_len, k_len 0,
+# q_len > k_len (leading rows see no key), odd lengths.
+MIXED_SEGMENTS = [(5, 5), (0, 7), (3, 11), (0, 0), (4, 0), (13, 13), (6, 4), (1, 1), (9, 23)]
+HEADS = [(4, 4), (4, 2), (4, 1), (1, 1)]
+
+
+@pytest.mark.parametrize("n_q,n_kv", HEADS)
+def test_reference_float32_matches_dense(n_q, n_kv):
+    check_backend_against_dense(MIXED_SEGMENTS, n_q, n_kv, 8, torch.float32, tol=1e-5)
+
+
+def test_reference_float64_and_custom_scale():
+    check_backend_against_dense(MIXED_SEGMENTS, 4, 2, 8, torch.float64, tol=1e-12, scale=0.3)
+
+
+@pytest.mark.parametrize("n_q,n_kv", [(4, 2), (2, 2)])
+def test_reference_bfloat16_inputs(n_q, n_kv):
+    check_backend_against_dense(MIXED_SEGMENTS, n_q, n_kv, 16, torch.bfloat16, tol=2e-2)
+
+
+def test_reference_chunks_give_the_same_answer(monkeypatch):
+    segments = [(17, 17), (10, 29), (12, 5)]
+    monkeypatch.setattr(reference, "MAX_CHUNK_ROWS", 3)
+    check_backend_against_dense(segments, 4, 2, 8, torch.float32, tol=1e-5)
+    monkeypatch.setattr(reference, "MAX_SCORE_ELEMENTS", 1)  # one row per chunk
+    check_backend_against_dense(segments, 4, 2, 8, torch.float32, tol=1e-5)
+
+
+def test_rows_without_keys():
+    segments = [(3, 0), (5, 2), (2, 2)]
+    q, k, v, dout, cu_q, cu_k, max_q, max_k = make_inputs(segments, 4, 2, 8, torch.float32)
+    out, lse = reference.forward(q, k, v, cu_q, cu_k, max_q, max_k)
+    blind = [0, 1, 2, 3, 4, 5]  # all 3 rows of segment 0, first 3 rows of segment 1
+    assert torch.all(lse[:, blind] == -INF)
+    assert torch.all(torch.isfinite(lse[:, 6:]))
+    assert torch.all(out[blind] == 0)
+    dq, dk, dv = reference.backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k)
+    assert torch.all(dq[blind] == 0)
+    assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
+
+
+def test_empty_batch():
+    q, k, v, dout, cu_q, cu_k, _, _ = make_inputs([(0, 0)], 2, 1, 8, torch.float32)
+    out, lse = reference.forward(q, k, v, cu_q, cu_k, 0, 0)
+    assert out.shape == (0, 2, 8) and lse.shape == (2, 0)
+    dq, dk, dv = reference.backward(dout, q, k, v, out, lse, cu_q, cu_k, 0, 0)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_autograd_wrapper_equals_explicit_backward():
+    q, k, v, dout, cu_q, cu_k, max_q, max_k = make_inputs(MIXED_SEGMENTS, 4, 2, 8, torch.float32)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = attention(*leaves, cu_q, cu_k, max_q, max_k, backend="reference")
+    assert not lse.requires_grad
+    grads = torch.autograd.grad(out, leaves, dout)
+    out2, lse2 = reference.forward(q, k, v, cu_q, cu_k, max_q, max_k)
+    assert torch.equal(out.detach(), out2) and torch.equal(lse, lse2)
+    explicit = reference.backward(dout, q, k, v, out2, lse2, cu_q, cu_k, max_q, max_k)
+    for got, want in zip(grads, explicit):
+        assert torch.equal(got, want)
+
+
+def test_autograd_wrapper_gradcheck_float64():
+    segments = [(2, 3), (3, 2), (1, 1)]
+    q, k, v, _, cu_q, cu_k, max_q, max_k = make_inputs(segments, 2, 1, 4, torch.float64)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    fn = lambda q, k, v: attention(q, k, v, cu_q, cu_k, max_q, max_k, backend="reference")[0]
+    assert torch.autograd.gradcheck(fn, leaves)
+
+
+def test_get_backend():
+    assert BACKENDS == ("reference", "flash")
+    assert get_backend(None, "cpu").name == "reference"
+    assert get_backend("reference", torch.device("cpu")) is reference.BACKEND
+    assert isinstance(get_backend("reference", "cpu"), Backend)
+    with pytest.raises(ConfigError) as err:
+        get_backend("flash", "cpu")
+    assert err.value.field == "backend" and err.value.value == "flash"
+    with pytest.raises(ConfigError) as err:
+        get_backend("triton", "cpu")
+    assert err.value.value == "triton"
+    with pytest.raises(ConfigError):
+        attention(*make_inputs([(1, 1)], 1, 1, 4, torch.float32)[:3],
+                  torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+                  1, 1, backend="nope")
+
+
+def test_bad_inputs_are_refused():
+    q, k, v, _, cu_q, cu_k, max_q, max_k = make_inputs([(2, 3)], 3, 2, 4, torch.float32)
+    with pytest.raises(ConfigError, match="heads"):
+        reference.forward(q, k, v, cu_q, cu_k, max_q, max_k)
+    q, k, v, _, cu_q, cu_k, max_q, max_k = make_inputs([(2, 3)], 2, 2, 4, torch.float32)
+    with pytest.raises(ConfigError, match="cu_q"):
+        reference.forward(q, k, v, cu_q.long(), cu_k, max_q, max_k)
+
+
+def test_flash_shim_reads_this_torch():
+    """Runs on CPU: the signature shim and the backward op lookup, not the kernel."""
+    shim = flash._varlen()
+    assert shim.fixed_kwargs.get("window_size", (-1, 0)) == (-1, 0)
+    assert isinstance(shim.fixed_kwargs.get("window_size", ()), tuple)
+    assert flash.backward_path() == "direct op"
+    q, k, v, _, cu_q, cu_k, max_q, max_k = make_inputs([(2, 3)], 2, 2, 8, torch.float32)
+    with pytest.raises(ConfigError):
+        flash.forward(q, k, v, cu_q, cu_k, max_q, max_k)
+
+
+@st.composite
+def attention_cases(draw):
+    n_q, n_kv = draw(st.sampled_from(HEADS))
+    dim = draw(st.sampled_from([4, 8]))
+    segments = []
+    for _ in range(draw(st.integers(1, 4))):
+        k_len = draw(st.integers(0, 12))
+        q_len = draw(st.integers(0, k_len + 2))
+        segments.append((q_len, k_len))
+    return segments, n_q, n_kv, dim, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=25, deadline=None)
+@given(attention_cases())
+def test_reference_property(case):
+    segments, n_q, n_kv, dim, seed = case
+    check_backend_against_dense(segments, n_q, n_kv, dim, torch.float32, tol=1e-5, seed=seed)

@@ -1,0 +1,208 @@
+"""Distributed core attention on gloo (2 and 4 processes) against a single-process float64 reference."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnpool import ConfigError, DocPiece, core_attention, plan_attention
+from attnpool.comm import comm_stats
+from attnpool.plan import AttentionShape, linear_layout
+from dist_harness import run_distributed
+
+STRATEGIES = ("local", "percp", "cad")
+HEADS = {"gqa": (4, 2), "mha": (2, 2)}
+HEAD_DIM = 16
+
+
+def case_seed(case: str, heads: str) -> int:
+    return zlib.crc32(f"{case}/{heads}".encode())  # hash() of a str differs between processes
+
+
+def make_cases(world: int):
+    """(name, pieces_per_rank) with every required feature: a document over every rank,
+    a rank holding no tokens, odd lengths."""
+    rng = np.random.default_rng(world)
+    lens = rng.integers(1, 2500, size=3 * world).tolist()
+    lens.insert(len(lens) // 2, world * 700 + 13)  # spans every rank
+    cases = [("linear", linear_layout(lens, world))]
+    short = rng.integers(1, 900, size=2 * world).tolist()
+    empty_rank = linear_layout(short, world - 1) + [[]]
+    cases.append(("empty-rank", [empty_rank[-1]] + empty_rank[:-1]))  # rank 0 holds nothing
+    return cases
+
+
+def global_inputs(pieces_per_rank, n_q, n_kv, seed):
+    """Random q, k, v, upstream grad for every document, float64, identical on every rank."""
+    docs = {}
+    for pieces in pieces_per_rank:
+        for p in pieces:
+            docs[p.doc_id] = p.doc_len
+    g = torch.Generator().manual_seed(seed)
+    return {d: [torch.randn(L, h, HEAD_DIM, generator=g, dtype=torch.float64) for h in (n_q, n_kv, n_kv, n_q)]
+            for d, L in sorted(docs.items())}
+
+
+def local_rows(tensors, pieces, which):
+    return torch.cat([tensors[p.doc_id][which][p.start:p.end] for p in pieces]) if pieces else \
+        torch.zeros(0, *tensors[next(iter(tensors))][which].shape[1:], dtype=torch.float64)
+
+
+def worker(rank, world, dtype_name):
+    dtype = getattr(torch, dtype_name)
+    results = {}
+    for case, pieces in make_cases(world):
+        for strategy in STRATEGIES:
+            plan = plan_attention(pieces, strategy, cost_model="pairs", min_shard_tokens=32)
+            for heads, (n_q, n_kv) in HEADS.items():
+                data = global_inputs(pieces, n_q, n_kv, seed=case_seed(case, heads))
+                mine = pieces[rank]
+                q, k, v, dout = (local_rows(data, mine, i).to(dtype) for i in range(4))
+                for t in (q, k, v):
+                    t.requires_grad_(True)
+                comm_stats.reset()
+                out = core_attention(q, k, v, plan)
+                out.backward(dout)
+                results[(case, strategy, heads)] = dict(
+                    out=out.detach().double(), dq=q.grad.double(), dk=k.grad.double(), dv=v.grad.double(),
+                    stats={t: list(v) for t, v in comm_stats.by_tag.items()}, calls=comm_stats.calls,
+                )
+    return results
+
+
+def reference(pieces_per_rank, n_q, n_kv, seed):
+    """Dense causal attention per document in float64 with autograd, then cut into ranks' rows."""
+    data = global_inputs(pieces_per_rank, n_q, n_kv, seed)
+    grads = {}
+    for d, (q, k, v, dout) in data.items():
+        q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+        L = q.shape[0]
+        rep = n_q // n_kv
+        kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        mask = torch.ones(L, L, dtype=torch.bool).tril()
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), attn_mask=mask)
+        out = out.transpose(0, 1)
+        out.backward(dout)
+        grads[d] = (out.detach(), q.grad, k.grad, v.grad)
+    return [{name: local_rows(grads, pieces, i) for i, name in enumerate(("out", "dq", "dk", "dv"))}
+            for pieces in pieces_per_rank]
+
+
+def rel_err(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def world_results(request):
+    world = request.param
+    return world, run_distributed(worker, world, "float32")
+
+
+def test_outputs_and_grads_match_reference_float32(world_results):
+    world, results = world_results
+    for case, pieces in make_cases(world):
+        for heads, (n_q, n_kv) in HEADS.items():
+            ref = reference(pieces, n_q, n_kv, seed=case_seed(case, heads))
+            for strategy in STRATEGIES:
+                for rank in range(world):
+                    got = results[rank][(case, strategy, heads)]
+                    for name in ("out", "dq", "dk", "dv"):
+                        if ref[rank][name].numel():
+                            err = rel_err(got[name], ref[rank][name])
+                            assert err <= 1e-5, (world, case, strategy, heads, rank, name, err)
+
+
+def test_bytes_counted_equal_plan_prediction(world_results):
+    world, results = world_results
+    for case, pieces in make_cases(world):
+        for strategy in STRATEGIES:
+            plan = plan_attention(pieces, strategy, cost_model="pairs", min_shard_tokens=32)
+            for heads, (n_q, n_kv) in HEADS.items():
+                shape = AttentionShape(n_q, n_kv, HEAD_DIM, 4)
+                remote = plan.task_server != plan.task_home
+                x = plan.kv_transfers()
+                crossing = x.src != x.server
+                for rank in range(world):
+                    q_out = int(plan.task_len[remote & (plan.task_home == rank)].sum()) * shape.q_bytes
+                    o_back = int(plan.task_len[remote & (plan.task_server == rank)].sum()) * shape.o_bytes
+                    kv_out = int(x.length[crossing & (x.src == rank)].sum()) * shape.kv_bytes
+                    kv_in = int(x.length[crossing & (x.server == rank)].sum()) * shape.kv_bytes
+                    stats = results[rank][(case, strategy, heads)]["stats"]
+                    sent = {tag: s[1] for tag, s in stats.items()}
+                    if not stats:
+                        assert q_out == kv_out == o_back == 0
+                        continue
+                    assert sent["dispatch"] == q_out + kv_out
+                    assert sent["return"] == o_back
+                    assert sent["dispatch_grad"] == q_out
+                    assert sent["return_grad"] == o_back + kv_in
+
+
+def test_bfloat16_within_tolerance():
+    world = 2
+    results = run_distributed(worker, world, "bfloat16")
+    for case, pieces in make_cases(world):
+        for heads, (n_q, n_kv) in HEADS.items():
+            ref = reference(pieces, n_q, n_kv, seed=case_seed(case, heads))
+            for strategy in STRATEGIES:
+                for rank in range(world):
+                    got = results[rank][(case, strategy, heads)]
+                    for name in ("out", "dq", "dk", "dv"):
+                        if ref[rank][name].numel():
+                            assert rel_err(got[name], ref[rank][name]) <= 2e-2, (case, strategy, heads, rank, name)
+
+
+def local_worker(rank, world):
+    pieces = [[DocPiece(2 * r, 300, 0, 300), DocPiece(2 * r + 1, 77, 0, 77)] for r in range(world)]
+    plan = plan_attention(pieces, "local")
+    q = torch.randn(377, 4, 8, requires_grad=True)
+    k = torch.randn(377, 2, 8, requires_grad=True)
+    v = torch.randn(377, 2, 8, requires_grad=True)
+    comm_stats.reset()
+    core_attention(q, k, v, plan).sum().backward()
+    return plan.is_fully_local(), comm_stats.calls
+
+
+def test_fully_local_plan_launches_no_collective():
+    for fully_local, calls in run_distributed(local_worker, 2):
+        assert fully_local and calls == 0
+
+
+def bad_input_worker(rank, world, kind):
+    lens = [700, 500, 300, 900]
+    pieces = linear_layout(lens, world)
+    plan = plan_attention(pieces, "cad", cost_model="pairs", min_shard_tokens=32)
+    T = sum(p.length for p in pieces[rank])
+    H_q, H_kv, D = 4, 2, 8
+    if kind == "tokens" and rank == 1:
+        T -= 1
+    if kind == "plans" and rank == 1:
+        plan = plan_attention(pieces, "percp", cost_model="pairs", min_shard_tokens=32)
+    if kind == "world":
+        plan = plan_attention(linear_layout(lens, world + 1), "cad")
+    if kind == "heads" and rank == 0:
+        H_q = 3
+    q = torch.randn(T, H_q, D)
+    k = torch.randn(T, H_kv, D)
+    v = torch.randn(T, H_kv, D)
+    try:
+        core_attention(q, k, v, plan)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("kind, needle", [
+    ("tokens", "rank 1: q.shape[0]"),
+    ("plans", "different plans"),
+    ("world", "made for 3 ranks"),
+    ("heads", "rank 0: heads"),
+])
+def test_bad_input_fails_on_every_rank(kind, needle):
+    messages = run_distributed(bad_input_worker, 2, kind)
+    for msg in messages:
+        assert msg is not None and needle in msg, messages

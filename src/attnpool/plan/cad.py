@@ -19,6 +19,8 @@ are evaluated as NumPy arrays.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from attnpool.plan.cost import PairsCost
@@ -160,7 +162,7 @@ def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: floa
         g = int(items.doc[i])
         ma, mb, mcost = int(opt_a[best]), int(opt_b[best]), float(moved[best])
         if kind != WHOLE and not exact_cost:
-            ma, mb, mcost = _refine_cut(cost, kind, int(a[c]), int(b[c]), ma, mb, float(delta[c]),
+            ma, mb, mcost = _refine_cut(cost_model.cost1, kind, int(a[c]), int(b[c]), ma, mb, float(delta[c]),
                                         mean * (1.0 + tol) - loads[r], min_shard_tokens, mcost)
         if kind == WHOLE:
             items.server[i] = r
@@ -168,7 +170,7 @@ def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: floa
             loads[d] -= items.cost[i]
         else:  # the part that stays keeps item i; the moved part becomes a new item
             ka, kb = (int(a[c]), ma) if kind == SUFFIX else (mb, int(b[c]))
-            kept = float(cost(ka, kb))
+            kept = cost_model.cost1(ka, kb)
             loads[d] += kept - items.cost[i]
             items.a[i], items.b[i], items.cost[i] = ka, kb, kept
             items.add(g, ma, mb, int(items.piece[i]), r, mcost)
@@ -181,24 +183,27 @@ def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: floa
     return items.tasks()
 
 
-def _refine_cut(cost, kind, a, b, ma, mb, delta, room, min_shard, mcost):
+def _refine_cut(cost1, kind, a, b, ma, mb, delta, room, min_shard, mcost):
     """Move the chosen cut so the moved part carries ``delta`` under a non-additive cost.
 
-    A few fixed-point steps on the moved part's own pairs-per-cost. Keeps the
-    first cut if a refined one would break the minimum shard or the room.
+    A few fixed-point steps on the moved part's own pairs-per-cost, in plain Python
+    (scalars are slow in NumPy). Keeps the last cut that respected the minimum shard
+    and the receiver's room.
     """
     best = (ma, mb, mcost)
     for _ in range(3):
-        scale = causal_pairs(ma, mb) / max(mcost, 1e-300)
-        if kind == SUFFIX:
-            ma = int(min(_suffix_cut(np.float64(a), np.float64(b), delta * scale), b - min_shard))
+        target = delta * ((mb - ma) * (ma + mb + 1) / 2) / max(mcost, 1e-300)
+        if kind == SUFFIX:  # smallest c with pairs(c, b) <= target
+            ma = math.ceil((-1.0 + math.sqrt(max(0.0, 1.0 + 4.0 * (b * b + b - 2.0 * target)))) / 2.0 - 1e-9)
+            ma = min(max(ma, a), b - min_shard)
             if ma - a < min_shard:
                 break
-        else:
-            mb = int(max(_prefix_cut(np.float64(a), np.float64(b), delta * scale), a + min_shard))
+        else:  # largest c with pairs(a, c) <= target
+            mb = math.floor((-1.0 + math.sqrt(1.0 + 4.0 * (a * a + a + 2.0 * target))) / 2.0 + 1e-9)
+            mb = max(min(mb, b), a + min_shard)
             if b - mb < min_shard:
                 break
-        mcost = float(cost(ma, mb))
+        mcost = cost1(ma, mb)
         if mcost > room:
             break
         best = (ma, mb, mcost)

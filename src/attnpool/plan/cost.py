@@ -17,6 +17,7 @@ on any GPU in the same format.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -45,6 +46,10 @@ class PairsCost:
 
     name = "pairs"
     unit = "pairs"
+
+    def cost1(self, a: int, b: int) -> float:
+        """cost() of one task in plain Python (the scheduler's scalar path)."""
+        return float((b - a) * (a + b + 1) // 2)
 
     def cost(self, a, b) -> np.ndarray:
         a = np.asarray(a, dtype=np.int64)
@@ -104,6 +109,17 @@ class TableCost:
         ik = np.rint((np.log2(np.maximum(k_len, 1)) - self._origin[1]) * s).astype(np.int64)
         # np.minimum/maximum, not np.clip: clip's per-call overhead dominates on small arrays.
         return fine[np.minimum(np.maximum(iq, 0), fine.shape[0] - 1), np.minimum(np.maximum(ik, 0), fine.shape[1] - 1)]
+
+    def cost1(self, a: int, b: int) -> float:
+        """cost() of one task in plain Python (the scheduler's scalar path)."""
+        fine, s = self._fine, self.STEPS_PER_OCTAVE
+        iq = min(max(round((math.log2(max(b - a, 1)) - self._origin[0]) * s), 0), fine.shape[0] - 1)
+        ik = min(max(round((math.log2(max(b, 1)) - self._origin[1]) * s), 0), fine.shape[1] - 1)
+        pairs = (b - a) * (a + b + 1) // 2
+        flops = FWD_FLOPS_PER_PAIR_PER_HEAD_DIM * self.head_dim * self.n_q_heads * pairs
+        if self.phase == "fwd+bwd":
+            flops *= 1.0 + BWD_TO_FWD_FLOPS
+        return flops / (float(fine[iq, ik]) * 1e12)
 
     def cost(self, a, b) -> np.ndarray:
         a = np.asarray(a, dtype=np.int64)

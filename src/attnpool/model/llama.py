@@ -148,6 +148,12 @@ class TransformerBlock(nn.Module):
         self.recompute: str | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, core_attention: CoreAttention) -> Tensor:
+        if isinstance(x, (list, tuple)):  # nano-batches (ping-pong)
+            if self.recompute == "layer":
+                return checkpoint(self._forward_interleaved, x, cos, sin, core_attention, use_reentrant=False)
+            if self.recompute == "linear":
+                raise ConfigError("activation_checkpointing", "linear", "not supported with ping-pong nano-batches")
+            return self._forward_interleaved(x, cos, sin, core_attention)
         if self.recompute == "layer":
             return checkpoint(self._forward, x, cos, sin, core_attention, use_reentrant=False)
         if self.recompute == "linear":
@@ -160,6 +166,22 @@ class TransformerBlock(nn.Module):
         q, k, v = self._qkv(x, cos, sin)  # linear in tokens: stays on this rank
         out = core_attention(q, k, v)  # quadratic in document length: runs wherever the plan says
         return self._output_and_mlp(x, out)  # linear again
+
+    def _forward_interleaved(self, xs, coss, sins, attentions):
+        """Several nano-batches, each with its own core attention in three phases.
+
+        While one nano-batch's Q/KV or outputs are on the wire, the next computes:
+        all QKV projections and dispatches first, then every kernel (each launching
+        its outputs back), then every output projection and MLP. Autograd runs the
+        mirror image in backward.
+        """
+        pending = []
+        for x, cos, sin, attention in zip(xs, coss, sins, attentions):
+            q, k, v = self._qkv(x, cos, sin)
+            pending.append(attention.dispatch(q, k, v))
+        for attention, p in zip(attentions, pending):
+            attention.compute(p)
+        return [self._output_and_mlp(x, attention.collect(p)) for x, attention, p in zip(xs, attentions, pending)]
 
     def _qkv(self, x, cos, sin):
         return self.attention.qkv(self.attention_norm(x), cos, sin)
@@ -231,6 +253,8 @@ class Transformer(nn.Module):
         states (T, dim) come back instead, so a loss can be computed in chunks
         against ``output_weight`` without holding all T x vocab logits.
         """
+        if isinstance(tokens, (list, tuple)):
+            return self._forward_nanobatches(tokens, positions, attention, return_hidden)
         if tokens.dim() != 1:
             raise ConfigError("tokens", tuple(tokens.shape), "must be one flat sequence (T,)")
         if positions.shape != tokens.shape:
@@ -245,6 +269,21 @@ class Transformer(nn.Module):
         if return_hidden:
             return h
         return F.linear(h, self.output_weight)
+
+
+    def _forward_nanobatches(self, tokens, positions, attentions, return_hidden):
+        """Ping-pong: lists of nano-batches (tokens, positions, core attention with phases)
+        interleaved layer by layer; returns a list of outputs. Same function as running
+        each nano-batch alone."""
+        if not (len(tokens) == len(positions) == len(attentions)):
+            raise ConfigError("nano-batches", (len(tokens), len(positions), len(attentions)),
+                              "need one positions tensor and one core attention per nano-batch")
+        coss, sins = zip(*(rope_cos_sin(p, self.config) for p in positions))
+        hs = [self.embed(t) for t in tokens]
+        for layer in self.layers:
+            hs = layer(hs, coss, sins, attentions)
+        hs = [self.norm(h) for h in hs]
+        return hs if return_hidden else [F.linear(h, self.output_weight) for h in hs]
 
 
 def apply_activation_checkpointing(model: Transformer, recompute_attention: bool = True) -> None:

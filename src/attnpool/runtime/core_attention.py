@@ -1,18 +1,27 @@
 """``core_attention``: causal attention of this rank's tokens over their documents, wherever they live.
 
-One autograd function per call (per layer):
+Three phases, each launching its communication asynchronously so that a caller
+can overlap two nano-batches (ping-pong):
 
-forward   dispatch all-to-all (Q and KV out) -> one fused kernel call over every
-          CA-task this rank serves -> return all-to-all (O back)
-backward  dispatch all-to-all (dO out) -> kernel backward -> return all-to-all
-          (dQ and dKV back; KV gradients of every copy summed once at the source)
+dispatch  send Q and KV to their servers                    (all-to-all, async)
+compute   wait, run one fused kernel call over every CA-task this rank serves,
+          send outputs back to their homes                    (all-to-all, async)
+collect   wait, assemble this rank's output
+
+Backward mirrors it: dO goes to the servers, dQ and dKV come back, and the KV
+gradients of every copy are summed once at the source. Every communication is
+an autograd pair (start, wait) sharing a handle: in forward, start launches and
+wait waits; in backward, wait's backward launches the reverse exchange and
+start's backward waits for it, so the overlap carries over to backward.
 
 Saved for backward: this rank's own q, k, v, the Q and unique KV it received,
-and its server outputs and LSE. The per-task KV prefixes are expanded only
+and its server outputs and LSE. Per-task KV prefixes are expanded only
 transiently around each kernel call.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,107 +34,210 @@ from attnpool.plan.plan import Plan
 from attnpool.runtime.dispatch import DispatchLayout
 
 
-def _pack(a: torch.Tensor, b: torch.Tensor, a_splits: list[int], b_splits: list[int]):
+class _Handle:
+    """The in-flight exchange of one start/wait pair, forward or backward.
+
+    In backward the wait node launches and the start node consumes, and the
+    received buffer (shaped like what the start node sent, not like what it
+    received) travels here rather than as an autograd gradient.
+    """
+
+    def __init__(self):
+        self.work = None
+        self.keep = None  # send buffer, alive until the exchange completes
+        self.received = None
+
+    def launch(self, send, send_sizes, recv_sizes, group, tag):
+        self.received, self.work = all_to_all_flat(send, send_sizes, recv_sizes, group, tag=tag, async_op=True)
+        self.keep = send
+        return self.received
+
+    def wait(self):
+        if self.work is not None:
+            self.work.wait()
+        received, self.work, self.keep, self.received = self.received, None, None, None
+        return received
+
+
+def _pack(parts_a, parts_b):
     """Interleave per peer: [a rows for peer 0 | b rows for peer 0 | a rows for peer 1 | ...]."""
-    a_parts, b_parts = torch.split(a, a_splits), torch.split(b, b_splits)
-    flat = torch.cat([part.reshape(-1) for pair in zip(a_parts, b_parts) for part in pair])
-    sizes = [na * a.shape[1] + nb * b.shape[1] for na, nb in zip(a_splits, b_splits)]
-    return flat, sizes
+    return torch.cat([part.reshape(-1) for pair in zip(parts_a, parts_b) for part in pair])
 
 
-def _unpack(flat: torch.Tensor, a_splits: list[int], b_splits: list[int], a_width: int, b_width: int):
-    sizes = [x for na, nb in zip(a_splits, b_splits) for x in (na * a_width, nb * b_width)]
-    parts = torch.split(flat, sizes)
+def _sizes(a_splits, b_splits, a_width, b_width):
+    return [na * a_width + nb * b_width for na, nb in zip(a_splits, b_splits)]
+
+
+def _unpack(flat, a_splits, b_splits, a_width, b_width):
+    parts = torch.split(flat, [x for na, nb in zip(a_splits, b_splits) for x in (na * a_width, nb * b_width)])
     return torch.cat(parts[0::2]).view(-1, a_width), torch.cat(parts[1::2]).view(-1, b_width)
 
 
-def _exchange(a, b, a_send, b_send, a_recv, b_recv, group, tag):
-    """Send per-peer rows of two kinds in one all-to-all; returns the received (a, b)."""
-    flat, send_sizes = _pack(a, b, a_send, b_send)
-    recv_sizes = [na * a.shape[1] + nb * b.shape[1] for na, nb in zip(a_recv, b_recv)]
-    recv = all_to_all_flat(flat, send_sizes, recv_sizes, group, tag=tag)
-    return _unpack(recv, a_recv, b_recv, a.shape[1], b.shape[1])
+@dataclass
+class _Shapes:
+    H_q: int
+    H_kv: int
+    D: int
+
+    @property
+    def q_width(self):
+        return self.H_q * self.D
+
+    @property
+    def kv_width(self):
+        return 2 * self.H_kv * self.D
 
 
-def _server_inputs(L: DispatchLayout, q, k, v, q_recv, kv_recv):
+class _DispatchStart(torch.autograd.Function):
+    """Launch Q and KV rows to their servers. Backward: wait for dQ and dKV, add them at the source."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, L: DispatchLayout, sh: _Shapes, handle: _Handle, group):
+        q_out = q[L.q_send_rows].reshape(-1, sh.q_width)
+        kv_out = torch.stack([k[L.kv_send_rows], v[L.kv_send_rows]], 1).reshape(-1, sh.kv_width)
+        send = _pack(torch.split(q_out, L.q_send_splits), torch.split(kv_out, L.kv_send_splits))
+        recv = handle.launch(send, _sizes(L.q_send_splits, L.kv_send_splits, sh.q_width, sh.kv_width),
+                             _sizes(L.q_recv_splits, L.kv_recv_splits, sh.q_width, sh.kv_width), group, "dispatch")
+        ctx.meta = (L, sh, handle, q.shape, k.shape)
+        ctx.set_materialize_grads(False)
+        return recv
+
+    @staticmethod
+    def backward(ctx, _):
+        L, sh, handle, q_shape, k_shape = ctx.meta
+        grad_recv = handle.wait()  # filled by the exchange _DispatchWait.backward launched
+        dq_rows, dkv_rows = _unpack(grad_recv, L.q_send_splits, L.kv_send_splits, sh.q_width, sh.kv_width)
+        dq = grad_recv.new_zeros(q_shape)
+        dq[L.q_send_rows] = dq_rows.view(-1, sh.H_q, sh.D)
+        # A KV row sent to several servers gets every server's gradient summed.
+        dkv = dkv_rows.view(-1, 2, sh.H_kv, sh.D)
+        dk = grad_recv.new_zeros(k_shape).index_add_(0, L.kv_send_rows, dkv[:, 0])
+        dv = grad_recv.new_zeros(k_shape).index_add_(0, L.kv_send_rows, dkv[:, 1])
+        return dq, dk, dv, None, None, None, None
+
+
+class _DispatchWait(torch.autograd.Function):
+    """Wait for the Q and KV this rank serves. Backward: launch dQ and dKV back to their sources."""
+
+    @staticmethod
+    def forward(ctx, recv, L: DispatchLayout, sh: _Shapes, handle: _Handle, group):
+        handle.wait()
+        ctx.meta = (L, sh, handle, group)
+        return _unpack(recv, L.q_recv_splits, L.kv_recv_splits, sh.q_width, sh.kv_width)
+
+    @staticmethod
+    def backward(ctx, dq_recv, dkv_recv):
+        L, sh, handle, group = ctx.meta
+        send = _pack(torch.split(dq_recv, L.q_recv_splits), torch.split(dkv_recv, L.kv_recv_splits))
+        handle.launch(send, _sizes(L.q_recv_splits, L.kv_recv_splits, sh.q_width, sh.kv_width),
+                      _sizes(L.q_send_splits, L.kv_send_splits, sh.q_width, sh.kv_width), group, "return_grad")
+        return None, None, None, None, None
+
+
+def _server_inputs(L: DispatchLayout, sh: _Shapes, q, k, v, q_recv, kv_recv):
     """The server's Q in task order and its unique K, V buffers."""
-    H_q, D = q.shape[1], q.shape[2]
-    H_kv = k.shape[1]
-    q_srv = q.new_empty(L.num_server_q, H_q, D)
+    q_srv = q.new_empty(L.num_server_q, sh.H_q, sh.D)
     q_srv[L.local_q_pos] = q[L.local_q_rows]
-    q_srv[L.recv_q_pos] = q_recv.view(-1, H_q, D)
-    k_u = k.new_empty(L.num_unique_kv, H_kv, D)
-    v_u = v.new_empty(L.num_unique_kv, H_kv, D)
+    q_srv[L.recv_q_pos] = q_recv.view(-1, sh.H_q, sh.D)
+    k_u = k.new_empty(L.num_unique_kv, sh.H_kv, sh.D)
+    v_u = v.new_empty(L.num_unique_kv, sh.H_kv, sh.D)
     k_u[L.local_kv_pos] = k[L.local_kv_rows]
     v_u[L.local_kv_pos] = v[L.local_kv_rows]
-    kv = kv_recv.view(-1, 2, H_kv, D)
+    kv = kv_recv.view(-1, 2, sh.H_kv, sh.D)
     k_u[L.recv_kv_pos] = kv[:, 0]
     v_u[L.recv_kv_pos] = kv[:, 1]
     return q_srv, k_u, v_u
 
 
-class _CoreAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, L: DispatchLayout, backend: Backend, scale, group):
-        T, H_q, D = q.shape
-        H_kv = k.shape[1]
-        if L.any_traffic:
-            q_out = q[L.q_send_rows].reshape(-1, H_q * D)
-            kv_out = torch.stack([k[L.kv_send_rows], v[L.kv_send_rows]], 1).reshape(-1, 2 * H_kv * D)
-            q_recv, kv_recv = _exchange(q_out, kv_out, L.q_send_splits, L.kv_send_splits,
-                                        L.q_recv_splits, L.kv_recv_splits, group, "dispatch")
-        else:
-            q_recv, kv_recv = q.new_empty(0, H_q * D), k.new_empty(0, 2 * H_kv * D)
-        q_srv, k_u, v_u = _server_inputs(L, q, k, v, q_recv, kv_recv)
-        out_srv, lse = backend.forward(q_srv, k_u[L.kv_expand], v_u[L.kv_expand],
-                                       L.cu_q, L.cu_k, L.max_q, L.max_k, scale=scale)
-        out = q.new_empty(T, H_q, D)
-        out[L.local_q_rows] = out_srv[L.local_q_pos]
-        if L.any_traffic:
-            o_send = out_srv[L.recv_q_pos].reshape(-1)
-            o_recv = all_to_all_flat(o_send, [n * H_q * D for n in L.q_recv_splits],
-                                     [n * H_q * D for n in L.q_send_splits], group, tag="return")
-            out[L.q_send_rows] = o_recv.view(-1, H_q, D)
-        ctx.save_for_backward(q, k, v, q_recv, kv_recv, out_srv, lse)
-        ctx.layout, ctx.backend, ctx.scale, ctx.group = L, backend, scale, group
-        return out
+class _Serve(torch.autograd.Function):
+    """One fused kernel call over every CA-task this rank serves, in canonical task order."""
 
     @staticmethod
-    def backward(ctx, dout):
+    def forward(ctx, q, k, v, q_recv, kv_recv, L: DispatchLayout, sh: _Shapes, backend: Backend, scale):
+        q_srv, k_u, v_u = _server_inputs(L, sh, q, k, v, q_recv, kv_recv)
+        out_srv, lse = backend.forward(q_srv, k_u[L.kv_expand], v_u[L.kv_expand],
+                                       L.cu_q, L.cu_k, L.max_q, L.max_k, scale=scale)
+        ctx.save_for_backward(q, k, v, q_recv, kv_recv, out_srv, lse)
+        ctx.meta = (L, sh, backend, scale)
+        return out_srv
+
+    @staticmethod
+    def backward(ctx, dout_srv):
         q, k, v, q_recv, kv_recv, out_srv, lse = ctx.saved_tensors
-        L, backend, group = ctx.layout, ctx.backend, ctx.group
-        H_q, D = q.shape[1], q.shape[2]
-        H_kv = k.shape[1]
-        dout = dout.contiguous()
-        dout_srv = dout.new_empty(L.num_server_q, H_q, D)
-        dout_srv[L.local_q_pos] = dout[L.local_q_rows]
-        if L.any_traffic:
-            d_recv = all_to_all_flat(dout[L.q_send_rows].reshape(-1), [n * H_q * D for n in L.q_send_splits],
-                                     [n * H_q * D for n in L.q_recv_splits], group, tag="dispatch_grad")
-            dout_srv[L.recv_q_pos] = d_recv.view(-1, H_q, D)
-        q_srv, k_u, v_u = _server_inputs(L, q, k, v, q_recv, kv_recv)
-        dq_srv, dk_exp, dv_exp = backend.backward(dout_srv, q_srv, k_u[L.kv_expand], v_u[L.kv_expand], out_srv, lse,
-                                                  L.cu_q, L.cu_k, L.max_q, L.max_k, scale=ctx.scale)
+        L, sh, backend, scale = ctx.meta
+        q_srv, k_u, v_u = _server_inputs(L, sh, q, k, v, q_recv, kv_recv)
+        dq_srv, dk_exp, dv_exp = backend.backward(dout_srv.contiguous(), q_srv, k_u[L.kv_expand], v_u[L.kv_expand],
+                                                  out_srv, lse, L.cu_q, L.cu_k, L.max_q, L.max_k, scale=scale)
         # Each unique KV row may feed several tasks: sum the copies' gradients once here.
         dk_u = torch.zeros_like(k_u).index_add_(0, L.kv_expand, dk_exp)
         dv_u = torch.zeros_like(v_u).index_add_(0, L.kv_expand, dv_exp)
         dq = torch.zeros_like(q)
-        dk = torch.zeros_like(k)
-        dv = torch.zeros_like(v)
         dq[L.local_q_rows] = dq_srv[L.local_q_pos]
-        dk.index_add_(0, L.local_kv_rows, dk_u[L.local_kv_pos])
-        dv.index_add_(0, L.local_kv_rows, dv_u[L.local_kv_pos])
-        if L.any_traffic:
-            dq_back = dq_srv[L.recv_q_pos].reshape(-1, H_q * D)
-            dkv_back = torch.stack([dk_u[L.recv_kv_pos], dv_u[L.recv_kv_pos]], 1).reshape(-1, 2 * H_kv * D)
-            dq_recv, dkv_recv = _exchange(dq_back, dkv_back, L.q_recv_splits, L.kv_recv_splits,
-                                          L.q_send_splits, L.kv_send_splits, group, "return_grad")
-            dq[L.q_send_rows] = dq_recv.view(-1, H_q, D)
-            # A KV row sent to several servers gets every server's gradient summed.
-            dkv = dkv_recv.view(-1, 2, H_kv, D)
-            dk.index_add_(0, L.kv_send_rows, dkv[:, 0])
-            dv.index_add_(0, L.kv_send_rows, dkv[:, 1])
-        return dq, dk, dv, None, None, None, None
+        dk = torch.zeros_like(k).index_add_(0, L.local_kv_rows, dk_u[L.local_kv_pos])
+        dv = torch.zeros_like(v).index_add_(0, L.local_kv_rows, dv_u[L.local_kv_pos])
+        dq_recv = dq_srv[L.recv_q_pos].reshape(-1, sh.q_width)
+        dkv_recv = torch.stack([dk_u[L.recv_kv_pos], dv_u[L.recv_kv_pos]], 1).reshape(-1, sh.kv_width)
+        return dq, dk, dv, dq_recv, dkv_recv, None, None, None, None
+
+
+class _ReturnStart(torch.autograd.Function):
+    """Launch outputs back to their home ranks. Backward: wait for dO, place it in server order."""
+
+    @staticmethod
+    def forward(ctx, out_srv, L: DispatchLayout, sh: _Shapes, handle: _Handle, group):
+        o_send = out_srv[L.recv_q_pos].reshape(-1)
+        recv = handle.launch(o_send, [n * sh.q_width for n in L.q_recv_splits],
+                             [n * sh.q_width for n in L.q_send_splits], group, "return")
+        ctx.meta = (L, sh, handle)
+        ctx.set_materialize_grads(False)
+        return recv
+
+    @staticmethod
+    def backward(ctx, _):
+        L, sh, handle = ctx.meta
+        grad_recv = handle.wait()  # filled by the exchange _Collect.backward launched
+        dout_srv = grad_recv.new_zeros(L.num_server_q, sh.H_q, sh.D)
+        dout_srv[L.recv_q_pos] = grad_recv.view(-1, sh.H_q, sh.D)
+        return dout_srv, None, None, None, None
+
+
+class _Collect(torch.autograd.Function):
+    """Wait for the outputs of remote tasks and assemble this rank's output. Backward: launch dO to servers."""
+
+    @staticmethod
+    def forward(ctx, out_srv, o_recv, L: DispatchLayout, sh: _Shapes, handle: _Handle | None, group):
+        out = out_srv.new_empty(L.num_tokens, sh.H_q, sh.D)
+        out[L.local_q_rows] = out_srv[L.local_q_pos]
+        if handle is not None:
+            handle.wait()
+            out[L.q_send_rows] = o_recv.view(-1, sh.H_q, sh.D)
+        ctx.meta = (L, sh, handle, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        L, sh, handle, group = ctx.meta
+        dout = dout.contiguous()
+        d_local = dout.new_zeros(L.num_server_q, sh.H_q, sh.D)
+        d_local[L.local_q_pos] = dout[L.local_q_rows]
+        if handle is not None:
+            handle.launch(dout[L.q_send_rows].reshape(-1), [n * sh.q_width for n in L.q_send_splits],
+                          [n * sh.q_width for n in L.q_recv_splits], group, "dispatch_grad")
+        return d_local, None, None, None, None, None
+
+
+@dataclass
+class _InFlight:
+    """Between phases: what the next phase of one call needs."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    layout: DispatchLayout
+    shapes: _Shapes
+    recv: torch.Tensor | None = None
+    handle: _Handle | None = None
+    out_srv: torch.Tensor | None = None
 
 
 def _local_problem(q, k, v, plan: Plan, rank: int, world: int, group) -> str | None:
@@ -179,6 +291,50 @@ def dispatch_layout(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return layout
 
 
+class CoreAttention:
+    """Core attention of one (nano-)batch under one plan.
+
+    Call it as ``attention(q, k, v)``, or run its three phases yourself to overlap
+    two nano-batches: ``p = attention.dispatch(q, k, v)``, ``attention.compute(p)``,
+    ``out = attention.collect(p)``. A fully local plan launches no collective.
+    """
+
+    def __init__(self, plan: Plan, group=None, *, backend: str | Backend | None = None, scale: float | None = None):
+        self.plan, self.group, self.backend, self.scale = plan, group, backend, scale
+
+    def __call__(self, q, k, v):
+        pending = self.dispatch(q, k, v)
+        self.compute(pending)
+        return self.collect(pending)
+
+    def dispatch(self, q, k, v) -> _InFlight:
+        layout = dispatch_layout(self.plan, q, k, v, self.group)
+        p = _InFlight(q, k, v, layout, _Shapes(q.shape[1], k.shape[1], q.shape[2]))
+        if layout.any_traffic:
+            p.handle = _Handle()
+            p.recv = _DispatchStart.apply(q, k, v, layout, p.shapes, p.handle, self.group)
+        return p
+
+    def compute(self, p: _InFlight) -> None:
+        L, sh = p.layout, p.shapes
+        if L.any_traffic:
+            q_recv, kv_recv = _DispatchWait.apply(p.recv, L, sh, p.handle, self.group)
+        else:
+            q_recv, kv_recv = p.q.new_empty(0, sh.q_width), p.k.new_empty(0, sh.kv_width)
+        backend = self.backend
+        if backend is None:
+            backend = default_backend(p.q)
+        elif not isinstance(backend, Backend):
+            backend = get_backend(backend, p.q.device)
+        p.out_srv = _Serve.apply(p.q, p.k, p.v, q_recv, kv_recv, L, sh, backend, self.scale)
+        if L.any_traffic:
+            p.handle = _Handle()
+            p.recv = _ReturnStart.apply(p.out_srv, L, sh, p.handle, self.group)
+
+    def collect(self, p: _InFlight) -> torch.Tensor:
+        return _Collect.apply(p.out_srv, p.recv, p.layout, p.shapes, p.handle, self.group)
+
+
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, group=None, *,
                    backend: str | Backend | None = None, scale: float | None = None) -> torch.Tensor:
     """Causal attention of every token over its own document's earlier tokens, wherever they live.
@@ -186,9 +342,4 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan
     q (T_r, H_q, D), k and v (T_r, H_kv, D) hold this rank's tokens in the order of its
     pieces in ``plan``; returns (T_r, H_q, D). Differentiable in q, k and v.
     """
-    layout = dispatch_layout(plan, q, k, v, group)
-    if backend is None:
-        backend = default_backend(q)
-    elif not isinstance(backend, Backend):
-        backend = get_backend(backend, q.device)
-    return _CoreAttention.apply(q, k, v, layout, backend, scale, group)
+    return CoreAttention(plan, group, backend=backend, scale=scale)(q, k, v)

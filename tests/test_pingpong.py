@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from attnpool import plan_attention
-from attnpool.model import Transformer, model_config
+from attnpool.model import Transformer, apply_activation_checkpointing, model_config
 from attnpool.plan import linear_layout
 from attnpool.runtime import CoreAttention
 from dist_harness import run_distributed
@@ -34,10 +34,12 @@ def worker(rank, world):
         return sum(F.cross_entropy(lg[:-1], b[0][1:], reduction="sum") for lg, b in zip(logits_list, batches))
 
     results = {}
-    for mode in ("sequential", "pingpong"):
+    for mode in ("sequential", "pingpong", "pingpong+recompute"):
+        if mode == "pingpong+recompute":
+            apply_activation_checkpointing(model, recompute_attention=False)
         model.zero_grad()
         attentions = [CoreAttention(b[2]) for b in batches]
-        if mode == "pingpong":
+        if mode.startswith("pingpong"):
             logits = model([b[0] for b in batches], [b[1] for b in batches], attentions)
         else:
             logits = [model(b[0], b[1], a) for b, a in zip(batches, attentions)]
@@ -50,8 +52,9 @@ def worker(rank, world):
 
 def test_pingpong_equals_sequential():
     for res in run_distributed(worker, 2):
-        seq, pp = res["sequential"], res["pingpong"]
-        for a, b in zip(seq["logits"], pp["logits"]):
-            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
-        for name, g in seq["grads"].items():
-            torch.testing.assert_close(pp["grads"][name], g, rtol=1e-10, atol=1e-12, msg=name)
+        seq = res["sequential"]
+        for mode in ("pingpong", "pingpong+recompute"):
+            for a, b in zip(seq["logits"], res[mode]["logits"]):
+                torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+            for name, g in seq["grads"].items():
+                torch.testing.assert_close(res[mode]["grads"][name], g, rtol=1e-10, atol=1e-12, msg=f"{mode} {name}")

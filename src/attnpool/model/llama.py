@@ -148,24 +148,22 @@ class TransformerBlock(nn.Module):
         self.recompute: str | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, core_attention: CoreAttention) -> Tensor:
-        if isinstance(x, (list, tuple)):  # nano-batches (ping-pong)
-            if self.recompute == "layer":
-                return checkpoint(self._forward_interleaved, x, cos, sin, core_attention, use_reentrant=False)
-            if self.recompute == "linear":
-                raise ConfigError("activation_checkpointing", "linear", "not supported with ping-pong nano-batches")
-            return self._forward_interleaved(x, cos, sin, core_attention)
+        forward = self._forward_interleaved if isinstance(x, (list, tuple)) else self._forward  # list: ping-pong
         if self.recompute == "layer":
-            return checkpoint(self._forward, x, cos, sin, core_attention, use_reentrant=False)
+            return checkpoint(forward, x, cos, sin, core_attention, use_reentrant=False)
+        return forward(x, cos, sin, core_attention)
+
+    def _linear(self, fn, *args):
+        """Run a linear part; with recompute == "linear" keep only its inputs and redo it in
+        backward. Core attention between the linear parts runs once either way."""
         if self.recompute == "linear":
-            q, k, v = checkpoint(self._qkv, x, cos, sin, use_reentrant=False)
-            out = core_attention(q, k, v)  # runs once; its inputs and output are kept
-            return checkpoint(self._output_and_mlp, x, out, use_reentrant=False)
-        return self._forward(x, cos, sin, core_attention)
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
 
     def _forward(self, x, cos, sin, core_attention):
-        q, k, v = self._qkv(x, cos, sin)  # linear in tokens: stays on this rank
+        q, k, v = self._linear(self._qkv, x, cos, sin)  # linear in tokens: stays on this rank
         out = core_attention(q, k, v)  # quadratic in document length: runs wherever the plan says
-        return self._output_and_mlp(x, out)  # linear again
+        return self._linear(self._output_and_mlp, x, out)  # linear again
 
     def _forward_interleaved(self, xs, coss, sins, attentions):
         """Several nano-batches, each with its own core attention in three phases.
@@ -177,11 +175,12 @@ class TransformerBlock(nn.Module):
         """
         pending = []
         for x, cos, sin, attention in zip(xs, coss, sins, attentions):
-            q, k, v = self._qkv(x, cos, sin)
+            q, k, v = self._linear(self._qkv, x, cos, sin)
             pending.append(attention.dispatch(q, k, v))
         for attention, p in zip(attentions, pending):
             attention.compute(p)
-        return [self._output_and_mlp(x, attention.collect(p)) for x, attention, p in zip(xs, attentions, pending)]
+        return [self._linear(self._output_and_mlp, x, attention.collect(p))
+                for x, attention, p in zip(xs, attentions, pending)]
 
     def _qkv(self, x, cos, sin):
         return self.attention.qkv(self.attention_norm(x), cos, sin)

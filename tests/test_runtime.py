@@ -102,8 +102,7 @@ def world_results(request):
     return world, run_distributed(worker, world, "float32")
 
 
-def test_outputs_and_grads_match_reference_float32(world_results):
-    world, results = world_results
+def assert_matches_reference(world, results, tolerance):
     for case, pieces in make_cases(world):
         for heads, (n_q, n_kv) in HEADS.items():
             ref = reference(pieces, n_q, n_kv, seed=case_seed(case, heads))
@@ -113,7 +112,11 @@ def test_outputs_and_grads_match_reference_float32(world_results):
                     for name in ("out", "dq", "dk", "dv"):
                         if ref[rank][name].numel():
                             err = rel_err(got[name], ref[rank][name])
-                            assert err <= 1e-5, (world, case, strategy, heads, rank, name, err)
+                            assert err <= tolerance, (world, case, strategy, heads, rank, name, err)
+
+
+def test_outputs_and_grads_match_reference_float32(world_results):
+    assert_matches_reference(*world_results, tolerance=1e-5)
 
 
 def test_bytes_counted_equal_plan_prediction(world_results):
@@ -143,17 +146,7 @@ def test_bytes_counted_equal_plan_prediction(world_results):
 
 
 def test_bfloat16_within_tolerance():
-    world = 2
-    results = run_distributed(worker, world, "bfloat16")
-    for case, pieces in make_cases(world):
-        for heads, (n_q, n_kv) in HEADS.items():
-            ref = reference(pieces, n_q, n_kv, seed=case_seed(case, heads))
-            for strategy in STRATEGIES:
-                for rank in range(world):
-                    got = results[rank][(case, strategy, heads)]
-                    for name in ("out", "dq", "dk", "dv"):
-                        if ref[rank][name].numel():
-                            assert rel_err(got[name], ref[rank][name]) <= 2e-2, (case, strategy, heads, rank, name)
+    assert_matches_reference(2, run_distributed(worker, 2, "bfloat16"), tolerance=2e-2)
 
 
 def local_worker(rank, world):

@@ -114,6 +114,20 @@ def test_fingerprint_is_identical_in_another_process():
     assert len(outs) == 1
 
 
+def test_fast_layouts_equal_the_simple_reference():
+    import layout_reference as ref
+    rng = np.random.default_rng(0)
+    for _ in range(80):
+        W = int(rng.integers(1, 10))
+        lens = rng.integers(1, 3000, size=int(rng.integers(1, 50)))
+        if rng.random() < 0.4:
+            lens[int(rng.integers(len(lens)))] = 15000  # a document that fits nowhere whole
+        B = int(-(-lens.sum() // W)) + int(rng.integers(0, 40))
+        cap = float(rng.choice([1.0, 1.1, 1.5]))
+        assert linear_layout(lens, W, B) == ref.linear_layout(lens, W, B)
+        assert wlb_layout(lens, W, B, cap) == ref.wlb_layout(lens, W, B, cap)
+
+
 def test_default_min_shard_from_measured_rates():
     assert default_min_shard_tokens() == 512
 

@@ -103,12 +103,21 @@ def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: floa
     kv_bytes = float(shape.kv_bytes)
     tol = eps / 2.0
     stuck = np.zeros(W, dtype=bool)
+    # Stop when the tolerance is met, or when W moves in a row have not lowered the
+    # busiest server (the minimum shard makes a tighter balance unreachable, e.g. eps=0).
+    best_max, stalled = np.inf, 0
     for _ in range(8 * (W + table.num_pieces)):  # a bound only; every home token moves at most once
         mean = loads.sum() / W
         masked = np.where(stuck, -np.inf, loads)
         d = int(np.argmax(masked))
         if masked[d] <= mean * (1.0 + tol):
             break
+        if masked[d] < best_max * (1.0 - 1e-6):
+            best_max, stalled = masked[d], 0
+        else:
+            stalled += 1
+            if stalled > W:
+                break
         ids = np.asarray(movable[d], dtype=np.int64)
         if ids.size == 0:
             stuck[d] = True

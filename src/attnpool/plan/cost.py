@@ -142,22 +142,30 @@ class TableCost:
     @classmethod
     def from_json(cls, obj: dict, phase: str | None = None) -> "TableCost":
         """Load a table. A file may hold several phases under ``tables``; pick one."""
+        if not isinstance(obj, dict):
+            raise ConfigError("cost_table", type(obj).__name__, "must be a JSON object")
+        missing = [f for f in ("q_grid", "k_grid", "n_q_heads", "head_dim") if f not in obj]
+        if "tables" in obj:
+            phase = phase or "fwd+bwd"
+            if not isinstance(obj["tables"], dict) or phase not in obj["tables"]:
+                raise ConfigError("phase", phase, f"cost table has no '{phase}' table under 'tables'")
+            table = obj["tables"][phase]
+        else:
+            table = obj
+            phase = table.get("phase", phase or "fwd+bwd")
+        if not isinstance(table, dict) or "tflops" not in table:
+            missing.append("tflops")
+        if missing:
+            raise ConfigError("cost_table", ", ".join(missing), "missing field(s); a table needs q_grid, k_grid, tflops, n_q_heads, head_dim")
         try:
-            if "tables" in obj:
-                phase = phase or "fwd+bwd"
-                if phase not in obj["tables"]:
-                    raise ConfigError("phase", phase, f"cost table has phases {sorted(obj['tables'])}")
-                table = obj["tables"][phase]
-            else:
-                table = obj
-                phase = table.get("phase", phase or "fwd+bwd")
-            q = np.asarray(obj.get("q_grid", table.get("q_grid")), dtype=np.float64)
-            k = np.asarray(obj.get("k_grid", table.get("k_grid")), dtype=np.float64)
+            q = np.asarray(obj["q_grid"], dtype=np.float64)
+            k = np.asarray(obj["k_grid"], dtype=np.float64)
             t = np.asarray(table["tflops"], dtype=np.float64)
             heads, dim = int(obj["n_q_heads"]), int(obj["head_dim"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError("cost_table", str(exc), "malformed cost table: needs q_grid, k_grid, tflops, n_q_heads, head_dim") from None
-        if t.shape != (len(q), len(k)) or len(q) < 2 or len(k) < 2 or np.any(t <= 0) or np.any(np.diff(q) <= 0) or np.any(np.diff(k) <= 0):
+        except (TypeError, ValueError) as exc:
+            raise ConfigError("cost_table", str(exc), "malformed cost table: grids and tflops must be numbers") from None
+        if q.ndim != 1 or k.ndim != 1 or t.shape != (len(q), len(k)) or len(q) < 2 or len(k) < 2 \
+                or np.any(t <= 0) or np.any(np.diff(q) <= 0) or np.any(np.diff(k) <= 0):
             raise ConfigError("cost_table", f"shape {t.shape}", "tflops must be positive with shape (len(q_grid), len(k_grid)), grids ascending, at least 2 points each")
         return cls(q, k, t, heads, dim, phase, str(obj.get("source", "")))
 

@@ -117,6 +117,16 @@ class PieceTable:
         offset = csum - rank_base[rank]
         return cls(W, doc_ids, dl, rank, doc, start, length, offset, tokens_per_rank)
 
+    @classmethod
+    def from_arrays(cls, num_ranks: int, doc_len, rank, doc, start, length) -> "PieceTable":
+        """A table from pieces already in rank-major order, documents 0..D-1 (trusted: layouts build it)."""
+        rank, doc, start, length = (np.asarray(x, dtype=np.int64) for x in (rank, doc, start, length))
+        tokens = np.bincount(rank, weights=length, minlength=num_ranks).astype(np.int64)
+        base = np.r_[0, np.cumsum(tokens)[:-1]]
+        offset = (np.cumsum(length) - length) - base[rank]
+        dl = np.asarray(doc_len, dtype=np.int64)
+        return cls(num_ranks, np.arange(len(dl), dtype=np.int64), dl, rank, doc, start, length, offset, tokens)
+
     def to_pieces(self) -> list[list[DocPiece]]:
         out: list[list[DocPiece]] = [[] for _ in range(self.num_ranks)]
         for r, d, s, n in zip(self.rank.tolist(), self.doc.tolist(), self.start.tolist(), self.length.tolist()):

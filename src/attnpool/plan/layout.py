@@ -8,6 +8,11 @@
   a memory cap, so attention work evens out while token counts may differ by up
   to the cap; a document that fits nowhere is split over the ranks with the
   most room.
+
+Each comes as a :class:`PieceTable` (``*_table``, what planners and the
+simulator use; vectorised or O(documents log ranks)) and as lists of
+:class:`DocPiece` per rank (``*_layout``). Document ids are indices into
+``doc_lens``.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from attnpool.errors import ConfigError
-from attnpool.plan.documents import DocPiece, causal_pairs
+from attnpool.plan.documents import DocPiece, PieceTable
 
 
 def validate_doc_lens(doc_lens: Sequence[int], field: str = "doc_lens") -> np.ndarray:
@@ -49,72 +54,91 @@ def _budget(lens: np.ndarray, num_ranks: int, tokens_per_rank: int | None) -> in
     return int(tokens_per_rank)
 
 
-def linear_layout(doc_lens: Sequence[int], num_ranks: int, tokens_per_rank: int | None = None) -> list[list[DocPiece]]:
+def linear_table(doc_lens: Sequence[int], num_ranks: int, tokens_per_rank: int | None = None) -> PieceTable:
     """Pour documents in order into ranks of ``tokens_per_rank`` tokens (default: total / ranks, rounded up)."""
     lens = validate_doc_lens(doc_lens)
     budget = _budget(lens, num_ranks, tokens_per_rank)
     doc_start = np.r_[0, np.cumsum(lens)[:-1]]
     doc_end = doc_start + lens
-    layout: list[list[DocPiece]] = [[] for _ in range(num_ranks)]
-    # Rank r covers global tokens [r*budget, (r+1)*budget); intersect with every document.
-    first_rank = doc_start // budget
-    last_rank = (doc_end - 1) // budget
-    for d in range(len(lens)):
-        for r in range(int(first_rank[d]), int(last_rank[d]) + 1):
-            lo = max(int(doc_start[d]), r * budget)
-            hi = min(int(doc_end[d]), (r + 1) * budget)
-            layout[r].append(DocPiece(d, int(lens[d]), lo - int(doc_start[d]), hi - lo))
-    return layout
+    # Rank r covers global tokens [r * budget, (r + 1) * budget); intersect with every document.
+    first = doc_start // budget
+    count = (doc_end - 1) // budget - first + 1
+    doc = np.repeat(np.arange(len(lens)), count)
+    rank = np.repeat(first, count) + (np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count))
+    lo = np.maximum(doc_start[doc], rank * budget)
+    hi = np.minimum(doc_end[doc], (rank + 1) * budget)
+    return PieceTable.from_arrays(num_ranks, lens, rank, doc, lo - doc_start[doc], hi - lo)
 
 
-def wlb_layout(doc_lens: Sequence[int], num_ranks: int, tokens_per_rank: int | None = None,
-               memory_cap: float = 1.1) -> list[list[DocPiece]]:
-    """WLB-LLM packing: even out causal pairs per rank, tokens per rank <= memory_cap x budget."""
+def wlb_pieces(doc_lens: Sequence[int], num_ranks: int, tokens_per_rank: int | None = None, memory_cap: float = 1.1):
+    """WLB-LLM packing as arrays ``(lens, rank, doc, start, length)`` sorted by (rank, doc, start).
+
+    Longest document first, to the rank with the fewest causal pairs that has room
+    under the cap. Ranks without room for the current document are parked until the
+    (non-increasing) document length drops to their room: O(documents log ranks).
+    """
     lens = validate_doc_lens(doc_lens)
     budget = _budget(lens, num_ranks, tokens_per_rank)
     if not memory_cap >= 1.0:
         raise ConfigError("memory_cap", memory_cap, "must be >= 1.0 (tokens per rank relative to the budget)")
     cap = int(memory_cap * budget)
-    room = np.full(num_ranks, cap, dtype=np.int64)
-    work = np.zeros(num_ranks, dtype=np.float64)
-    layout: list[list[DocPiece]] = [[] for _ in range(num_ranks)]
-    # Heap of (work, rank): the least-loaded rank with room is found lazily.
-    heap = [(0.0, r) for r in range(num_ranks)]
-    order = np.argsort(-lens, kind="stable")
-    for d in order.tolist():
-        length = int(lens[d])
-        skipped = []
+    W = num_ranks
+    room = [cap] * W
+    work = [0.0] * W
+    heap = [(0.0, r) for r in range(W)]  # every rank that may fit the current document
+    parked: list[tuple[int, int]] = []  # (-room, rank): too full for the current document
+    out_r, out_d, out_s, out_n = [], [], [], []
+    lens_l = lens.tolist()
+    for d in np.argsort(-lens, kind="stable").tolist():
+        length = lens_l[d]
+        while parked and -parked[0][0] >= length:
+            _, r = heapq.heappop(parked)
+            heapq.heappush(heap, (work[r], r))
         placed = False
         while heap:
-            w, r = heapq.heappop(heap)
-            if w != work[r]:
-                continue  # stale entry
+            _, r = heapq.heappop(heap)
             if room[r] >= length:
-                layout[r].append(DocPiece(d, length, 0, length))
+                out_r.append(r); out_d.append(d); out_s.append(0); out_n.append(length)
                 room[r] -= length
-                work[r] += float(causal_pairs(0, length))
+                work[r] += float(length * (length + 1) // 2)
                 heapq.heappush(heap, (work[r], r))
                 placed = True
                 break
-            skipped.append((w, r))
-        for item in skipped:
-            heapq.heappush(heap, item)
+            heapq.heappush(parked, (-room[r], r))
         if placed:
             continue
         # Fits nowhere whole: split it over the ranks with the most room, in order.
         start = 0
-        for r in np.argsort(-room, kind="stable").tolist():
-            take = min(int(room[r]), length - start)
+        for r in np.argsort(-np.asarray(room), kind="stable").tolist():
+            take = min(room[r], length - start)
             if take <= 0:
                 break
-            layout[r].append(DocPiece(d, length, start, take))
-            work[r] += float(causal_pairs(start, start + take))
+            out_r.append(r); out_d.append(d); out_s.append(start); out_n.append(take)
+            work[r] += float((start + take) * (start + take + 1) // 2 - start * (start + 1) // 2)
             room[r] -= take
             start += take
-        heap = [(work[r], r) for r in range(num_ranks)]
+        heap = [(work[r], r) for r in range(W)]
         heapq.heapify(heap)
-    # Keep each rank's pieces in document order (deterministic token order).
-    return [sorted(pieces, key=lambda p: (p.doc_id, p.start)) for pieces in layout]
+        parked = []
+    rank, doc, start_a, length_a = (np.asarray(x, dtype=np.int64) for x in (out_r, out_d, out_s, out_n))
+    o = np.lexsort((start_a, doc, rank))
+    return lens, rank[o], doc[o], start_a[o], length_a[o]
 
 
-LAYOUTS = {"linear": linear_layout, "wlb": wlb_layout}
+def wlb_table(doc_lens: Sequence[int], num_ranks: int, tokens_per_rank: int | None = None,
+              memory_cap: float = 1.1) -> PieceTable:
+    """WLB-LLM packing: even out causal pairs per rank, tokens per rank <= memory_cap x budget."""
+    lens, rank, doc, start, length = wlb_pieces(doc_lens, num_ranks, tokens_per_rank, memory_cap)
+    return PieceTable.from_arrays(num_ranks, lens, rank, doc, start, length)
+
+
+def linear_layout(doc_lens: Sequence[int], num_ranks: int, tokens_per_rank: int | None = None) -> list[list[DocPiece]]:
+    return linear_table(doc_lens, num_ranks, tokens_per_rank).to_pieces()
+
+
+def wlb_layout(doc_lens: Sequence[int], num_ranks: int, tokens_per_rank: int | None = None,
+               memory_cap: float = 1.1) -> list[list[DocPiece]]:
+    return wlb_table(doc_lens, num_ranks, tokens_per_rank, memory_cap).to_pieces()
+
+
+LAYOUTS = {"linear": linear_table, "wlb": wlb_table}

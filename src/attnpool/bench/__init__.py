@@ -1,0 +1,1 @@
+"""Measurements on real hardware: the profiler behind ``attnpool profile``."""

@@ -1,0 +1,289 @@
+"""Simulate training steps at cluster scale: sample batches, lay out, plan, time every strategy.
+
+For each batch of ``gpus x tokens_per_gpu`` tokens drawn with the paper's recipe:
+
+- ``local``: the linear layout, every piece served at home (packed data parallelism).
+- ``wlb``: WLB-LLM packing over all servers (DP only), served at home.
+- ``percp-cp{c}``: WLB-LLM packing over ``servers / c`` DP groups and per-document
+  context parallelism of degree c inside each (modelled analytically, see
+  :meth:`StepModel.percp_step`: ``percp``'s planner is a Python loop over
+  documents, too slow to run at every CP degree for every batch).
+- ``cad``: the linear layout planned by the real ``cad`` scheduler, ping-pong
+  overlap; ``cad-serial`` is the same plan without overlap.
+- WLB-ideal: the best of ``wlb`` and every ``percp-cp{c}`` by total step time
+  over the batches (one DP x CP for the whole run, as the paper sweeps it).
+
+``speedup`` = total step time of WLB-ideal / total step time of ``cad``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+
+from attnpool.data.lengths import SamplingOptions, sample_batches
+from attnpool.errors import ConfigError
+from attnpool.model.config import model_config
+from attnpool.plan.api import plan_attention
+from attnpool.sim.costs import SimCosts, load_sim_costs
+from attnpool.plan.layout import linear_table, wlb_pieces, wlb_table
+from attnpool.sim.steptime import Cluster, StepModel, StepTime
+
+STRATEGY_GROUPS = ("local", "wlb", "percp", "cad")
+# 0.005 stands in for 0: below about 0.001 the cad planner cannot reach its target with
+# shards of at least min_shard tokens and runs to its iteration bound (minutes at 64 servers).
+MIN_EPS = 0.001
+DEFAULT_EPS_SWEEP = (0.005, 0.02, 0.05, 0.1, 0.15)
+PAPER_ELONGATE_BASE = 65536  # pretrain lengths are multiplied by max_doc_len / 64K (paper)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    model: str = "llama3-8b"
+    gpus: int = 512
+    tp: int = 8
+    gpus_per_node: int = 8
+    tokens_per_gpu: int = 65536
+    dist: str = "prolong"
+    max_doc_len: int = 524288
+    batches: int = 30
+    seed: int = 0
+    eps: float = 0.02
+    strategies: tuple = STRATEGY_GROUPS
+    memory_cap: float = 1.1
+    elongate: float | None = None  # None: max_doc_len / 64K for pretrain, 1 otherwise
+    upsample: bool = True
+    cp_degrees: tuple | None = None  # None: every divisor of the number of servers
+
+    def label(self) -> str:
+        return f"{self.model}/{self.dist}/{_size(self.max_doc_len)}/{self.gpus}gpu"
+
+    def elongation(self) -> float:
+        if self.elongate is not None:
+            return float(self.elongate)
+        if self.dist == "pretrain":
+            return max(1.0, self.max_doc_len / PAPER_ELONGATE_BASE)
+        return 1.0
+
+    def check(self) -> None:
+        for s in self.strategies:
+            if s not in STRATEGY_GROUPS:
+                raise ConfigError("strategies", s, f"unknown; choose from {', '.join(STRATEGY_GROUPS)}")
+        if not self.strategies:
+            raise ConfigError("strategies", "", "need at least one strategy")
+        if isinstance(self.batches, bool) or not isinstance(self.batches, int) or self.batches < 1:
+            raise ConfigError("batches", self.batches, "must be a positive integer")
+        check_eps(self.eps, "eps")
+        if not self.max_doc_len >= 1:
+            raise ConfigError("max_doc_len", self.max_doc_len, "must be positive")
+        if not self.memory_cap >= 1.0:
+            raise ConfigError("memory_cap", self.memory_cap, "must be >= 1.0")
+
+
+def check_eps(eps: float, field: str = "eps") -> None:
+    if not (MIN_EPS <= eps < 1.0):
+        raise ConfigError(field, eps, f"must be in [{MIN_EPS}, 1): below {MIN_EPS} the cad planner cannot meet the "
+                                      "tolerance with its minimum shard size and runs for minutes")
+
+
+def _size(n: int) -> str:
+    for unit, mult in (("M", 2**20), ("K", 2**10)):
+        if n >= mult and n % mult == 0:
+            return f"{n // mult}{unit}"
+    return str(n)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class _Acc:
+    steps: list = field(default_factory=list)
+
+    def add(self, st: StepTime):
+        self.steps.append(st)
+
+    def summary(self) -> dict:
+        s = self.steps
+        mean = lambda k: float(np.mean([getattr(x, k) for x in s]))  # noqa: E731
+        return {
+            "step_s": mean("step"),
+            "linear_s": mean("linear"),
+            "attention_s": mean("attention"),
+            "imbalance_s": mean("imbalance"),
+            "comm_exposed_s": mean("comm_exposed"),
+            "comm_total_s": mean("comm_total"),
+            "attention_max_over_mean": mean("attention_max_over_mean"),
+            "bytes_moved": mean("bytes_moved"),
+            "max_bytes_per_server": int(max(x.max_bytes_per_server for x in s)),
+            "max_tokens_per_server": int(max(x.max_tokens_per_server for x in s)),
+            "per_batch_step_s": [x.step for x in s],
+        }
+
+
+def check_tokens(cluster: Cluster, costs: SimCosts) -> None:
+    if cluster.tokens_per_gpu < costs.min_shard_tokens:
+        raise ConfigError("tokens_per_gpu", cluster.tokens_per_gpu,
+                          f"is below the smallest shard the planner may cut ({costs.min_shard_tokens} tokens, from the cost table)")
+
+
+def sample(config: SimConfig, cluster: Cluster) -> list[list[int]]:
+    options = SamplingOptions(upsample=config.upsample, elongate=config.elongation(), max_doc_len=config.max_doc_len)
+    return sample_batches(config.dist, cluster.servers * cluster.tokens_per_server, config.batches, config.seed, options)
+
+
+def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile=None, eps_sweep=None,
+                    doc_batches: list[list[int]] | None = None, progress=None) -> dict:
+    """Simulate one configuration; returns a JSON-ready dict (see module docstring)."""
+    t0 = time.perf_counter()
+    config.check()
+    cfg = model_config(config.model)
+    cluster = Cluster(config.gpus, config.tp, config.gpus_per_node, config.tokens_per_gpu)
+    if costs is None:
+        costs = load_sim_costs(cfg, config.model, profile)
+    check_tokens(cluster, costs)
+    model = StepModel(cfg, cluster, costs)
+    S, B = cluster.servers, cluster.tokens_per_server
+    if doc_batches is None:
+        doc_batches = sample(config, cluster)
+        if config.batches != len(doc_batches):
+            raise ConfigError("batches", config.batches, "sampler returned a different number of batches")
+    else:
+        for i, lens in enumerate(doc_batches):
+            if sum(lens) > S * B:
+                raise ConfigError(f"batch[{i}]", f"{sum(lens)} tokens", f"more than {S} servers x {B} tokens can hold")
+    for e in eps_sweep or ():
+        check_eps(e, "eps_sweep")
+    cps = [c for c in (config.cp_degrees or divisors(S)) if c > 1]
+    for c in cps:
+        if S % c:
+            raise ConfigError("cp", c, f"must divide the number of servers {S}")
+    want = set(config.strategies)
+    acc: dict[str, _Acc] = {}
+    eps_acc: dict[float, _Acc] = {}
+    ideal = []
+    plan_kw = dict(cost_model=costs.attn_fwd_bwd, min_shard_tokens=costs.min_shard_tokens, shape=model.shape)
+
+    def add(st: StepTime):
+        acc.setdefault(st.strategy, _Acc()).add(st)
+
+    for bi, lens in enumerate(doc_batches):
+        ideal.append(model.ideal(lens))
+        if "local" in want or "cad" in want:
+            lin = linear_table(lens, S, B)
+        if "local" in want:
+            add(model.plan_step(plan_attention(lin, "local", **plan_kw), overlap=False))
+        if "wlb" in want:
+            add(model.plan_step(plan_attention(wlb_table(lens, S, B, config.memory_cap), "local", **plan_kw),
+                                overlap=False, name="wlb"))
+        if "percp" in want:
+            for c in cps:
+                add(model.percp_step(wlb_pieces(lens, S // c, c * B, config.memory_cap), c))
+        if "cad" in want:
+            plan = plan_attention(lin, "cad", eps=config.eps, **plan_kw)
+            add(model.plan_step(plan, overlap=True, name="cad"))
+            add(model.plan_step(plan, overlap=False, name="cad-serial"))
+            for e in eps_sweep or ():
+                p = plan if e == config.eps else plan_attention(lin, "cad", eps=e, **plan_kw)
+                eps_acc.setdefault(float(e), _Acc()).add(model.plan_step(p, overlap=True, name="cad"))
+        if progress:
+            progress(bi + 1, len(doc_batches))
+
+    strategies = {k: a.summary() for k, a in acc.items()}
+    result = {
+        "label": config.label(),
+        "config": {**asdict(config), "strategies": list(config.strategies), "elongate": config.elongation(),
+                   "cp_degrees": [1, *cps]},
+        "servers": S,
+        "tokens_per_server": B,
+        "servers_per_node": cluster.servers_per_node,
+        "min_shard_tokens": costs.min_shard_tokens,
+        "batches": len(doc_batches),
+        "num_docs_mean": float(np.mean([len(x) for x in doc_batches])),
+        "longest_doc": int(max(max(x) for x in doc_batches)),
+        "ideal_step_s": float(np.mean(ideal)),
+        "strategies": strategies,
+    }
+    baselines = [k for k in strategies if k == "wlb" or k.startswith("percp-cp")]
+    if baselines:
+        best = min(baselines, key=lambda k: (sum(strategies[k]["per_batch_step_s"]), k))
+        cp = 1 if best == "wlb" else int(best.removeprefix("percp-cp"))
+        result["wlb_ideal"] = {"strategy": best, "cp": cp, "dp": S // cp, "step_s": strategies[best]["step_s"]}
+        per_batch_best = np.min([strategies[k]["per_batch_step_s"] for k in baselines], axis=0)
+        result["wlb_ideal_per_batch_best_step_s"] = float(per_batch_best.mean())
+    if "cad" in strategies and baselines:
+        cad = sum(strategies["cad"]["per_batch_step_s"])
+        result["speedup"] = sum(strategies[result["wlb_ideal"]["strategy"]]["per_batch_step_s"]) / cad
+        result["speedup_vs_best_per_batch"] = float(per_batch_best.sum()) / cad
+        result["speedup_serial"] = sum(strategies[result["wlb_ideal"]["strategy"]]["per_batch_step_s"]) / sum(
+            strategies["cad-serial"]["per_batch_step_s"])
+    else:
+        result["speedup"] = None
+    if "cad" in strategies:
+        result["cad_efficiency"] = result["ideal_step_s"] / strategies["cad"]["step_s"]
+    if eps_acc:
+        result["eps_sweep"] = [{"eps": e, **{k: v for k, v in a.summary().items() if k != "per_batch_step_s"}}
+                               for e, a in sorted(eps_acc.items())]
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def expand(base: SimConfig, *, models=None, dists=None, max_doc_lens=None, gpus=None) -> list[SimConfig]:
+    """The cartesian product of the swept fields (model, dist, max_doc_len, gpus), in that nesting order."""
+    out = []
+    for m in models or [base.model]:
+        for d in dists or [base.dist]:
+            for L in max_doc_lens or [base.max_doc_len]:
+                for g in gpus or [base.gpus]:
+                    out.append(replace(base, model=m, dist=d, max_doc_len=L, gpus=g))
+    return out
+
+
+def simulate_many(configs: list[SimConfig], *, profile=None, eps_sweep=None, overrides=None, progress=None) -> list[dict]:
+    """Run several configurations, sharing the costs of each model."""
+    overrides = overrides or {}
+    costs_by_model: dict[str, SimCosts] = {}
+    for c in configs:  # validate everything before the first long run
+        c.check()
+        Cluster(c.gpus, c.tp, c.gpus_per_node, c.tokens_per_gpu)
+        if c.model not in costs_by_model:
+            costs_by_model[c.model] = load_sim_costs(model_config(c.model), c.model, profile, **overrides)
+        check_tokens(Cluster(c.gpus, c.tp, c.gpus_per_node, c.tokens_per_gpu), costs_by_model[c.model])
+    results = []
+    for i, c in enumerate(configs):
+        results.append(simulate_config(c, costs_by_model[c.model], eps_sweep=eps_sweep))
+        if progress:
+            progress(i + 1, len(configs), results[-1])
+    return results
+
+
+def assumptions(configs: list[SimConfig], *, profile=None, overrides=None) -> dict:
+    """What the numbers rest on, for every report: sources, network, and per model the linear costs."""
+    overrides = overrides or {}
+    out: dict = {}
+    for c in configs:
+        if c.model in out.get("models", {}):
+            continue
+        cfg = model_config(c.model)
+        costs = load_sim_costs(cfg, c.model, profile, **overrides)
+        step = StepModel(cfg, Cluster(c.gpus, c.tp, c.gpus_per_node, c.tokens_per_gpu), costs)
+        if not out:
+            out = {
+                "sources": dict(costs.sources),
+                "intra_node": {"bandwidth_GBps_per_gpu": costs.intra.bandwidth / 1e9, "latency_us": costs.intra.latency * 1e6},
+                "inter_node": {"bandwidth_GBps_per_gpu": costs.inter.bandwidth / 1e9, "latency_us": costs.inter.latency * 1e6},
+                "min_shard_tokens": costs.min_shard_tokens,
+                "models": {},
+                "not_modelled": ["pipeline parallelism", "gradient all-reduce and optimizer step (the same for every strategy)",
+                                 "memory limits", "kernel launch and planning overheads"],
+            }
+        out["models"][c.model] = {
+            "linear": costs.linear.source,
+            "linear_s_per_token_per_layer": {"fwd": costs.linear.fwd, "bwd": costs.linear.bwd},
+            "head_s_per_token": {"fwd": costs.linear.head_fwd, "bwd": costs.linear.head_bwd},
+            f"tp_comm_s_per_token_per_layer_at_tp{c.tp}": step.tp_comm_per_token,
+        }
+    return out

@@ -1,0 +1,333 @@
+"""Step time of one micro-batch on a cluster, from a plan and :class:`SimCosts`.
+
+Servers. With tensor parallelism of degree ``tp`` inside a node, one attention
+server is one TP group: its ``tp`` GPUs hold the same tokens and each computes
+``n_heads / tp`` heads of every CA-task the server runs, so a server's attention
+time is its tasks' table time divided by ``tp``, its linear time is its tokens'
+linear time divided by ``tp``, and each GPU sends ``1/tp`` of the server's
+bytes over its own link. ``servers = gpus / tp``; ``gpus_per_node / tp`` servers
+share a node (NVLink between them); other traffic crosses the inter-node network.
+
+Per server s, per layer (seconds on each of its GPUs), with T_s its tokens:
+
+    linear fwd  = T_s * (lin_fwd / tp + tp_comm)   lin_fwd: profile, per token, TP=1
+    linear bwd  = T_s * lin_bwd / tp               (backward TP collectives overlap
+                                                    the weight-gradient GEMMs)
+    tp_comm     = 4 * (tp - 1) / tp * dim * 2 B / intra_bw   (sequence parallel:
+                                                    2 all-gathers + 2 reduce-scatters)
+    attention   = sum over its tasks of table_cost(a, b) / tp  (fwd; bwd = fwd+bwd - fwd)
+    head        = T_s * head_{fwd,bwd} / tp, once per step
+
+Collectives. A collective costs ``latency + max over its group's servers of
+max(bytes_intra / intra_bw, bytes_inter / inter_bw)`` per GPU, where a server's
+bytes are the larger of what it sends and receives, split by whether the peer is
+in the same node. A collective with no bytes is not launched (a fully local
+plan costs nothing beyond local attention). Per layer, plan-based strategies
+run 4 all-to-alls (as the runtime does): forward Q+KV out and O back, backward
+dO out and dQ+dKV back (the server keeps what it received for the backward).
+Per-document CP (``percp``) runs an all-gather of KV before attention in
+forward and backward, and a reduce-scatter of dKV after it in backward, each
+inside its CP group.
+
+Overlap. A tiny two-stream event simulation per layer: a compute stream per
+server, and collectives that start when every server of the group has reached
+them and the previous collective of the group is done. Without overlap (one
+nano-batch) every collective is exposed. With DistCA's ping-pong, the
+micro-batch is split into two nano-batches (half the tokens, half the attention
+work, half the bytes each; the latency is paid per collective) and the
+compute stream runs  pre(a) pre(b) attn(a) attn(b) post+pre(a) post+pre(b) ...
+while nano-batch a's collectives run behind nano-batch b's compute.
+
+Breakdown (sums to the step time): ``linear`` and ``attention`` are means over
+servers; ``imbalance`` is the slowest server's compute minus the mean compute;
+``comm_exposed`` is the rest: time the slowest server waits at collectives,
+for the transfer itself and for the other servers of its group to reach them.
+Not modelled: pipeline parallelism, the gradient all-reduce and optimizer step
+(the same for every strategy), memory limits, kernel launch overheads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from attnpool.errors import ConfigError
+from attnpool.plan.plan import AttentionShape, Plan
+from attnpool.sim.costs import SimCosts
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    tp: int = 8
+    gpus_per_node: int = 8
+    tokens_per_gpu: int = 65536
+
+    def __post_init__(self):
+        for name in ("gpus", "tp", "gpus_per_node", "tokens_per_gpu"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ConfigError(name, v, "must be a positive integer")
+        if self.gpus_per_node % self.tp:
+            raise ConfigError("tp", self.tp, f"must divide gpus_per_node={self.gpus_per_node}: a TP group stays inside one node")
+        if self.gpus % self.tp:
+            raise ConfigError("gpus", self.gpus, f"is not divisible by tp={self.tp}")
+
+    @property
+    def servers(self) -> int:
+        """Attention servers = TP groups."""
+        return self.gpus // self.tp
+
+    @property
+    def servers_per_node(self) -> int:
+        return self.gpus_per_node // self.tp
+
+    @property
+    def tokens_per_server(self) -> int:
+        return self.tokens_per_gpu * self.tp
+
+    def node(self, server):
+        return np.asarray(server) // self.servers_per_node
+
+
+@dataclass
+class Collective:
+    """One kind of collective per layer, per group: fixed latency and transfer time of the whole micro-batch."""
+
+    latency: np.ndarray  # (G,)
+    transfer: np.ndarray  # (G,)
+
+    @property
+    def active(self) -> bool:
+        return bool(np.any(self.transfer > 0))
+
+    def duration(self, nano: int) -> np.ndarray:
+        return np.where(self.transfer > 0, self.latency + self.transfer / nano, 0.0)
+
+
+@dataclass
+class StepTime:
+    """Step time of one batch under one strategy, and where it goes (seconds)."""
+
+    strategy: str
+    step: float
+    linear: float
+    attention: float
+    imbalance: float
+    comm_exposed: float
+    comm_total: float  # collective time of one group summed over the step (the largest group)
+    bytes_moved: int  # per layer, forward: every server's bytes of the forward collectives
+    max_bytes_per_server: int
+    max_tokens_per_server: int
+    attention_max_over_mean: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class StepModel:
+    """Step times for one model, cluster and set of costs."""
+
+    def __init__(self, cfg, cluster: Cluster, costs: SimCosts):
+        self.cfg = cfg
+        self.cluster = cluster
+        self.costs = costs
+        self.shape = AttentionShape(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, 2)
+        tp = cluster.tp
+        lin = costs.linear
+        tp_comm = 4 * (tp - 1) / tp * cfg.dim * 2 / costs.intra.bandwidth if tp > 1 else 0.0
+        # Per token, per layer, per GPU: forward/backward linear split at core attention.
+        # Of the four forward TP collectives one precedes core attention.
+        self.tok_fwd_pre = lin.fwd * lin.pre_fraction / tp + tp_comm / 4
+        self.tok_fwd_post = lin.fwd * (1 - lin.pre_fraction) / tp + 3 * tp_comm / 4
+        self.tok_bwd_pre = lin.bwd * lin.pre_fraction / tp
+        self.tok_bwd_post = lin.bwd * (1 - lin.pre_fraction) / tp
+        self.tok_head_fwd = lin.head_fwd / tp
+        self.tok_head_bwd = lin.head_bwd / tp
+        self.tp_comm_per_token = tp_comm
+
+    # --- the pieces ---
+
+    def linear_per_token_step(self) -> float:
+        """Seconds per token of a server over the whole step (all layers, fwd+bwd, head)."""
+        per_layer = self.tok_fwd_pre + self.tok_fwd_post + self.tok_bwd_pre + self.tok_bwd_post
+        return self.cfg.n_layers * per_layer + self.tok_head_fwd + self.tok_head_bwd
+
+    def task_attention(self, a, b) -> tuple[np.ndarray, np.ndarray]:
+        """Per-GPU (fwd, bwd) seconds of tasks on a server of tp GPUs (each GPU runs n_heads / tp)."""
+        f, b_ = self.costs.attention(a, b)
+        return f / self.cluster.tp, b_ / self.cluster.tp
+
+    def ideal(self, doc_lens) -> float:
+        """Perfect balance, no communication: mean linear + mean attention (whole documents)."""
+        lens = np.asarray(doc_lens, dtype=np.int64)
+        S = self.cluster.servers
+        f, b = self.task_attention(np.zeros_like(lens), lens)
+        attn = self.cfg.n_layers * float(f.sum() + b.sum()) / S
+        return float(lens.sum()) / S * self.linear_per_token_step() + attn
+
+    def _a2a(self, src, dst, nbytes, group_size: int) -> Collective:
+        """One all-to-all over groups of ``group_size`` consecutive servers (bytes src -> dst)."""
+        S, c = self.cluster.servers, group_size
+        G = S // c
+        keep = (src != dst) & (nbytes > 0)
+        src, dst, nbytes = src[keep], dst[keep], nbytes[keep].astype(np.float64)
+        inter = self.cluster.node(src) != self.cluster.node(dst)
+        send_i = np.bincount(src, weights=np.where(inter, 0, nbytes), minlength=S)
+        recv_i = np.bincount(dst, weights=np.where(inter, 0, nbytes), minlength=S)
+        send_x = np.bincount(src, weights=np.where(inter, nbytes, 0), minlength=S)
+        recv_x = np.bincount(dst, weights=np.where(inter, nbytes, 0), minlength=S)
+        return self._collective(np.maximum(send_i, recv_i), np.maximum(send_x, recv_x), c, G)
+
+    def _collective(self, intra_bytes, inter_bytes, c: int, G: int) -> Collective:
+        tp = self.cluster.tp
+        t = np.maximum(intra_bytes / tp / self.costs.intra.bandwidth, inter_bytes / tp / self.costs.inter.bandwidth)
+        transfer = t.reshape(G, c).max(1)
+        has_inter = inter_bytes.reshape(G, c).sum(1) > 0
+        latency = np.where(has_inter, self.costs.inter.latency, self.costs.intra.latency)
+        return Collective(latency, transfer)
+
+    # --- strategies ---
+
+    def plan_step(self, plan: Plan, overlap: bool = False, name: str | None = None) -> StepTime:
+        """Step time of a plan from the real planner (local, wlb, cad): all-to-alls over all servers."""
+        S = self.cluster.servers
+        if plan.num_ranks != S:
+            raise ConfigError("plan.num_ranks", plan.num_ranks, f"the cluster has {S} servers")
+        t = plan.pieces
+        tokens = t.tokens_per_rank.astype(np.float64)
+        f, b = self.task_attention(plan.task_start, plan.task_end)
+        attn_f = np.bincount(plan.task_server, weights=f, minlength=S)
+        attn_b = np.bincount(plan.task_server, weights=b, minlength=S)
+        home, srv, ln = plan.task_home, plan.task_server, plan.task_len
+        x = plan.kv_transfers()
+        sh = self.shape
+        src = np.concatenate([home, x.src])
+        dst = np.concatenate([srv, x.server])
+        nbytes = np.concatenate([ln * sh.q_bytes, x.length * sh.kv_bytes])
+        out = self._a2a(src, dst, nbytes, S)  # Q + KV out (fwd), dQ + dKV back (bwd)
+        back = self._a2a(srv, home, ln * sh.o_bytes, S)  # O back (fwd), dO out (bwd)
+        moved = np.where(src != dst, nbytes, 0)
+        o_moved = np.where(srv != home, ln * sh.o_bytes, 0)
+        per_server = (np.bincount(src, weights=moved, minlength=S) + np.bincount(srv, weights=o_moved, minlength=S))
+        return self._simulate(name or plan.strategy, tokens, attn_f, attn_b, (out, back), (back, out),
+                              group_size=S, nano=2 if overlap else 1,
+                              bytes_moved=int(moved.sum() + o_moved.sum()), max_bytes=int(per_server.max()))
+
+    def percp_step(self, group_pieces, cp: int, name: str | None = None) -> StepTime:
+        """WLB-LLM packing over DP groups + per-document CP of degree ``cp`` inside each group, analytically.
+
+        ``group_pieces = (doc_len, group, doc, start, length)``: the WLB layout over
+        ``servers / cp`` groups (see :func:`attnpool.plan.layout.wlb_pieces`). Every
+        piece of a group is cut into ``n = min(2 cp, length // min_shard)`` equal
+        chunks (at least 1), chunk i served by CP rank ``min(i, n - 1 - i)`` (head-tail
+        pairs; a piece with fewer than 2 cp chunks starts at the CP rank where its
+        first token lies in the group's token order); each chunk is one task over its
+        causal prefix, and its tokens live on that rank (equal tokens per rank). KV:
+        every rank holding part of a piece all-gathers the rest of it (and a piece
+        that starts inside its document fetches the prefix from another group,
+        charged as inter-node traffic). CP=1 keeps every piece whole.
+        """
+        doc_len, grp, doc, start, length = group_pieces
+        S = self.cluster.servers
+        c = int(cp)
+        if S % c:
+            raise ConfigError("cp", c, f"must divide the number of servers {S}")
+        G = S // c
+        min_shard = self.costs.min_shard_tokens
+        n = np.ones_like(length) if c == 1 else np.minimum(2 * c, np.maximum(1, length // min_shard))
+        gtok = np.bincount(grp, weights=length, minlength=G)
+        gbase = np.r_[0, np.cumsum(gtok)[:-1]]
+        offset = (np.cumsum(length) - length) - gbase[grp]
+        first = (offset * c // np.maximum(gtok[grp], 1)).astype(np.int64)
+        piece = np.repeat(np.arange(len(length)), n)
+        i = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)
+        nn = n[piece]
+        a = start[piece] + (i * length[piece]) // nn
+        b = start[piece] + ((i + 1) * length[piece]) // nn
+        pair = np.minimum(i, nn - 1 - i)
+        rank = np.where(nn == 2 * c, pair, (first[piece] + pair) % c)
+        server = grp[piece] * c + rank
+        tokens = np.bincount(server, weights=b - a, minlength=S)
+        f, bw = self.task_attention(a, b)
+        attn_f = np.bincount(server, weights=f, minlength=S)
+        attn_b = np.bincount(server, weights=bw, minlength=S)
+        # KV each (piece, rank) receives: the rest of the piece if split, and a remote prefix.
+        key = piece * c + rank
+        ukey, inv = np.unique(key, return_inverse=True)
+        own = np.bincount(inv, weights=b - a)
+        upiece, urank = ukey // c, ukey % c
+        nranks = np.bincount(upiece, minlength=len(length))[upiece]
+        gather = np.where(nranks > 1, length[upiece] - own, 0.0)
+        prefix = start[upiece].astype(np.float64)
+        userver = grp[upiece] * c + urank
+        kvb = self.shape.kv_bytes
+        gather_b = np.bincount(userver, weights=gather, minlength=S) * kvb
+        prefix_b = np.bincount(userver, weights=prefix, minlength=S) * kvb
+        # A CP group of consecutive servers that crosses a node boundary gathers over the inter-node network.
+        first_server = np.arange(G) * c
+        spans = np.repeat(self.cluster.node(first_server) != self.cluster.node(first_server + c - 1), c)
+        intra = np.where(spans, 0.0, gather_b)
+        inter = np.where(spans, gather_b, 0.0) + prefix_b
+        ag = self._collective(intra, inter, c, G)
+        none = Collective(np.zeros(G), np.zeros(G))
+        total = gather_b + prefix_b
+        return self._simulate(name or f"percp-cp{c}", tokens, attn_f, attn_b, (ag, none), (ag, ag),
+                              group_size=c, nano=1, bytes_moved=int(total.sum()), max_bytes=int(total.max()))
+
+    # --- the event simulation ---
+
+    def _simulate(self, name, tokens, attn_f, attn_b, fwd_comm, bwd_comm, group_size, nano,
+                  bytes_moved, max_bytes) -> StepTime:
+        S, c = self.cluster.servers, group_size
+        G = S // c
+        L = self.cfg.n_layers
+        m = nano
+        fwd_pre, fwd_post = tokens * self.tok_fwd_pre, tokens * self.tok_fwd_post
+        bwd_pre, bwd_post = tokens * self.tok_bwd_pre, tokens * self.tok_bwd_post
+        head_f, head_b = tokens * self.tok_head_fwd, tokens * self.tok_head_bwd
+        cf = np.zeros(S)
+        mf = np.zeros(G)
+        comm_total = np.zeros(G)
+        passes = (
+            (fwd_pre, fwd_post + fwd_pre, fwd_post + head_f, attn_f, fwd_comm),
+            (head_b + bwd_post, bwd_post + bwd_pre, bwd_pre, attn_b, bwd_comm),
+        )
+        for first, mid, last, attn, (before, after) in passes:
+            first, mid, last, attn = first / m, mid / m, last / m, attn / m
+            d_before, d_after = before.duration(m), after.duration(m)
+            on_before, on_after = before.active, after.active
+            ready = [None] * m  # per nano-batch: when its previous 'after' collective ends (G,)
+            for layer in range(L):
+                pre = first if layer == 0 else mid
+                dispatched = [None] * m
+                for x in range(m):
+                    cf = cf + pre if ready[x] is None else np.maximum(cf, np.repeat(ready[x], c)) + pre
+                    if on_before:
+                        mf = np.maximum(mf, cf.reshape(G, c).max(1)) + d_before
+                        comm_total += d_before
+                        dispatched[x] = mf
+                for x in range(m):
+                    cf = cf + attn if dispatched[x] is None else np.maximum(cf, np.repeat(dispatched[x], c)) + attn
+                    if on_after:
+                        mf = np.maximum(mf, cf.reshape(G, c).max(1)) + d_after
+                        comm_total += d_after
+                        ready[x] = mf
+                    else:
+                        ready[x] = None
+            for x in range(m):
+                cf = cf + last if ready[x] is None else np.maximum(cf, np.repeat(ready[x], c)) + last
+        step = float(cf.max())
+        lin = tokens * self.linear_per_token_step()
+        attn = L * (attn_f + attn_b)
+        compute = lin + attn
+        mean_attn = float(attn.mean())
+        return StepTime(
+            strategy=name, step=step, linear=float(lin.mean()), attention=mean_attn,
+            imbalance=max(0.0, float(compute.max() - compute.mean())), comm_exposed=max(0.0, step - float(compute.max())),
+            comm_total=float(comm_total.max()), bytes_moved=bytes_moved, max_bytes_per_server=max_bytes,
+            max_tokens_per_server=int(tokens.max()),
+            attention_max_over_mean=float(attn.max() / mean_attn) if mean_attn > 0 else 1.0,
+        )
+

@@ -1,0 +1,322 @@
+"""Cluster simulator (attnpool.sim) and the profiler's table assembly (attnpool.bench.profile), on CPU."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from attnpool.bench.profile import ProfileOptions, assemble, attention_points, attention_table, comm_entry, linear_entry
+from attnpool.cli.main import main
+from attnpool.errors import ConfigError
+from attnpool.model.config import model_config
+from attnpool.plan import PieceTable, TableCost, plan_attention
+from attnpool.plan.cost import attention_flops
+from attnpool.plan.documents import causal_pairs
+from attnpool.sim.costs import DEFAULT_LINEAR_TFLOPS, layer_flops_per_token, load_sim_costs
+from attnpool.plan.layout import linear_table, wlb_pieces, wlb_table
+from attnpool.sim.report import paper_report
+from attnpool.sim.simulate import SimConfig, simulate_config
+from attnpool.sim.steptime import Cluster, StepModel
+
+CFG = model_config("llama3-8b")
+SMALL = SimConfig(gpus=32, tp=8, tokens_per_gpu=8192, max_doc_len=65536, batches=3, dist="prolong")
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "attnpool.cli.main", *args], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def costs():
+    return load_sim_costs(CFG, "llama3-8b")
+
+
+# --- step-time model ---
+
+def _local_step(model, lens_per_server, B):
+    S = len(lens_per_server)
+    lens, rank = [], []
+    for r, docs in enumerate(lens_per_server):
+        lens += docs
+        rank += [r] * len(docs)
+    n = len(lens)
+    table = PieceTable.from_arrays(S, np.asarray(lens), rank, np.arange(n), np.zeros(n), lens)
+    plan = plan_attention(table, "local", cost_model=model.costs.attn_fwd_bwd)
+    return model.plan_step(plan), lens
+
+
+def test_balanced_plan_costs_exactly_the_ideal(costs):
+    model = StepModel(CFG, Cluster(gpus=32, tp=8, tokens_per_gpu=4096), costs)
+    B = 4 * 4096
+    st, lens = _local_step(model, [[8192, 4096, 4096]] * 4, B)
+    assert st.comm_total == 0.0 and st.comm_exposed == pytest.approx(0.0, abs=1e-12) and st.bytes_moved == 0
+    assert st.step == pytest.approx(model.ideal(lens), rel=1e-12)
+    assert st.imbalance == pytest.approx(0.0, abs=1e-12)
+    assert st.linear + st.attention == pytest.approx(st.step, rel=1e-12)
+
+
+def test_more_imbalance_takes_longer(costs):
+    model = StepModel(CFG, Cluster(gpus=32, tp=8, tokens_per_gpu=4096), costs)
+    steps = []
+    for long_doc in (4096, 8192, 16384):  # the same tokens on every server, one longer document on server 0
+        rest = [4096] * ((16384 - long_doc) // 4096)
+        st, _ = _local_step(model, [[long_doc, *rest]] + [[4096] * 4] * 3, 16384)
+        steps.append(st)
+    assert steps[0].imbalance == pytest.approx(0.0, abs=1e-12)
+    assert steps[0].step < steps[1].step < steps[2].step
+    assert 0 < steps[1].imbalance < steps[2].imbalance
+    for st in steps:  # the breakdown adds up
+        assert st.linear + st.attention + st.imbalance + st.comm_exposed == pytest.approx(st.step, rel=1e-9)
+
+
+def test_pingpong_hides_communication_and_slower_network_costs_more(costs):
+    lens = [60000, 3000, 2000, 1000, 30000, 500, 20000, 14572]  # 131072 tokens on 8 servers (TP=1)
+    cl = Cluster(gpus=8, tp=1, gpus_per_node=1, tokens_per_gpu=16384)  # one GPU per node: all traffic inter-node
+    model = StepModel(CFG, cl, costs)
+    plan = plan_attention(linear_table(lens, 8, 16384), "cad", cost_model=costs.attn_fwd_bwd, eps=0.05, shape=model.shape)
+    assert plan.num_ranks == 8 and not plan.is_fully_local()
+    serial, overlap = model.plan_step(plan, overlap=False), model.plan_step(plan, overlap=True)
+    assert overlap.step < serial.step
+    # serial: every collective is exposed, plus the wait for the slowest server at each of them
+    assert serial.comm_exposed >= serial.comm_total * (1 - 1e-9)
+    assert overlap.comm_exposed < serial.comm_exposed
+    slow = StepModel(CFG, cl, replace(costs, inter=replace(costs.inter, bandwidth=costs.inter.bandwidth / 100)))
+    assert slow.plan_step(plan, overlap=True).step > overlap.step
+
+
+def test_tp_divides_attention_and_linear_per_server(costs):
+    # One server of 8 GPUs holds 8x the tokens of one GPU at TP=1: the same work per GPU, plus TP collectives.
+    one = StepModel(CFG, Cluster(gpus=1, tp=1, gpus_per_node=8, tokens_per_gpu=8192), costs)
+    eight = StepModel(CFG, Cluster(gpus=8, tp=8, gpus_per_node=8, tokens_per_gpu=8192), costs)
+    f1, b1 = one.task_attention(np.array([0]), np.array([8192]))
+    f8, b8 = eight.task_attention(np.array([0]), np.array([8192]))
+    assert f8[0] == pytest.approx(f1[0] / 8) and b8[0] == pytest.approx(b1[0] / 8)
+    assert one.tp_comm_per_token == 0.0 and eight.tp_comm_per_token > 0.0
+    assert 8 * 8192 * (eight.linear_per_token_step()) > 8192 * one.linear_per_token_step()
+
+
+def test_percp_model_conserves_work_and_balances_long_documents(costs):
+    S, B = 4, 65536
+    model = StepModel(CFG, Cluster(gpus=4 * 8, tp=8, tokens_per_gpu=B // 8), costs)
+    lens = [131072, 65536, 32768, 32768]
+    pieces = wlb_pieces(lens, 1, S * B)
+    st = model.percp_step(pieces, S)
+    assert st.attention_max_over_mean < 1.01  # every long document cut head-tail over all 4 ranks
+    assert st.max_tokens_per_server == B
+    assert st.bytes_moved > 0 and st.comm_exposed > 0
+    pairs = sum(float(causal_pairs(0, L)) for L in lens)
+    ideal_flops = CFG.n_layers * float(attention_flops(pairs, CFG.n_heads, CFG.head_dim, "fwd+bwd")) / 8
+    assert st.attention * S == pytest.approx(ideal_flops / 330e12, rel=0.1)  # ~330 TFLOP/s on big shards
+
+
+# --- simulation ---
+
+def test_wlb_ideal_is_the_best_dp_x_cp_and_speedup_is_over_it():
+    r = simulate_config(SMALL)
+    s = r["strategies"]
+    baselines = {k: sum(v["per_batch_step_s"]) for k, v in s.items() if k == "wlb" or k.startswith("percp-cp")}
+    assert set(baselines) == {"wlb", "percp-cp2", "percp-cp4"}  # 4 servers: CP 1, 2, 4
+    best = min(baselines, key=baselines.get)
+    assert r["wlb_ideal"]["strategy"] == best
+    assert r["wlb_ideal"]["cp"] * r["wlb_ideal"]["dp"] == r["servers"] == 4
+    assert r["speedup"] == pytest.approx(baselines[best] / sum(s["cad"]["per_batch_step_s"]))
+    assert r["speedup_vs_best_per_batch"] <= r["speedup"] + 1e-12
+    assert s["cad"]["step_s"] <= s["cad-serial"]["step_s"]
+    assert r["ideal_step_s"] <= s["cad"]["step_s"] * (1 + 1e-9)
+
+
+def test_small_run_is_deterministic():
+    a, b = simulate_config(SMALL, eps_sweep=[0.01, 0.1]), simulate_config(SMALL, eps_sweep=[0.01, 0.1])
+    a.pop("wall_s"), b.pop("wall_s")
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    assert [p["eps"] for p in a["eps_sweep"]] == [0.01, 0.1]
+
+
+def test_cli_json_has_speedup(capsys, tmp_path):
+    assert main(["simulate", "--gpus", "32", "--tokens-per-gpu", "8K", "--max-doc-len", "64K", "--batches", "2",
+                 "--json", "--plot-dir", str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert isinstance(out["speedup"], float) and out["speedup"] > 0
+    assert out["configs"][0]["speedup"] == out["speedup"]
+    assert {"local", "wlb", "cad", "cad-serial"} <= set(out["configs"][0]["strategies"])
+    assert "linear" in out["assumptions"]["sources"]
+    assert (tmp_path / "speedup.png").stat().st_size > 5000
+    assert (tmp_path / "breakdown.png").stat().st_size > 5000
+
+
+def test_cli_sweep_gives_speedup_per_configuration(capsys):
+    assert main(["simulate", "--gpus", "16,32", "--tokens-per-gpu", "8K", "--max-doc-len", "32K,64K", "--batches", "1",
+                 "--strategies", "wlb,cad", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["configs"]) == 4 and set(out["speedup"]) == {r["label"] for r in out["configs"]}
+    assert all(v > 0 for v in out["speedup"].values())
+
+
+def test_cli_table_output(capsys):
+    assert main(["simulate", "--gpus", "16", "--tokens-per-gpu", "8K", "--max-doc-len", "32K", "--batches", "1",
+                 "--eps-sweep", "0.01,0.1"]) == 0
+    out = capsys.readouterr().out
+    assert "speedup of cad over WLB-ideal" in out and "tolerance sweep" in out
+
+
+def test_paper_report_writes_markdown_and_json(tmp_path):
+    info = paper_report(tmp_path, replace(SMALL, batches=1, tokens_per_gpu=8192),
+                        grid=dict(models=("llama3-8b",), dists=("prolong",), max_doc_lens=(65536,), gpus=(16, 32)),
+                        command="test")
+    md = (tmp_path / "sim_paper_scale.md").read_text()
+    data = json.loads((tmp_path / "sim_paper_scale.json").read_text())
+    assert "not measurements" in md and "1.05-1.12x" in md
+    assert data["predictions"] is True and len(data["configs"]) == 2
+    assert info["speedup_range"][0] > 0
+
+
+def _write(tmp_path, name, obj):
+    p = tmp_path / name
+    p.write_text(json.dumps(obj))
+    return str(p)
+
+
+def test_bad_input_exits_2(tmp_path, capsys):
+    default = json.loads((__import__("importlib").resources.files("attnpool.resources") / "cost_h200.json").read_text())
+    other_model = _write(tmp_path, "d64.json", {**default, "head_dim": 64})
+    no_fwd = _write(tmp_path, "nofwd.json", {**default, "tables": {"fwd+bwd": default["tables"]["fwd+bwd"]}})
+    no_grid = _write(tmp_path, "nogrid.json", {k: v for k, v in default.items() if k != "q_grid"})
+    bad_linear = _write(tmp_path, "lin.json", {**default, "linear": {"models": {"llama3-8b": {"fwd_s_per_token": 1e-9}}}})
+    base = ["simulate", "--batches", "1", "--gpus", "16", "--tokens-per-gpu", "8K", "--max-doc-len", "32K"]
+    cases = [
+        (["--gpus", "12"], "not divisible by tp"),
+        (["--tp", "3"], "gpus_per_node"),
+        (["--tokens-per-gpu", "256"], "smallest shard"),
+        (["--profile", other_model], "head_dim"),
+        (["--profile", no_fwd], "tables.fwd"),
+        (["--profile", no_grid], "malformed cost table"),
+        (["--profile", bad_linear], "fwd_bwd_s_per_token"),
+        (["--profile", str(tmp_path / "missing.json")], "no such file"),
+        (["--model", "gpt5"], "unknown preset"),
+        (["--eps", "0"], "eps"),
+        (["--dist", "nope"], "unknown distribution"),
+        (["--inter-bw", "0"], "bandwidth"),
+        (["--max-doc-len", "12Q"], "not a size"),  # argparse: exits 2 itself
+    ]
+    for extra, needle in cases:  # in-process (fast); any exception other than ConfigError would fail the test
+        try:
+            code = main([*base, *extra])
+        except SystemExit as exc:
+            code = exc.code
+        err = capsys.readouterr().err
+        assert code == 2, (extra, err)
+        assert needle in err, (extra, err)
+    r = run_cli(*base, "--gpus", "12")  # and once end to end: one line, exit 2, no traceback
+    assert r.returncode == 2 and "not divisible by tp" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_profile_without_gpu_exits_2(tmp_path):
+    r = run_cli("profile", "--out", str(tmp_path / "p.json"), "--quick")
+    assert r.returncode == 2 and "CUDA" in r.stderr and "Traceback" not in r.stderr
+
+
+# --- profiler table assembly with a fake timer ---
+
+def _fake_rate(q, k, phase):
+    """A made-up kernel: slower for short shards and short prefixes (TFLOP/s)."""
+    base = 340.0 if phase == "fwd" else 320.0
+    return base * min(1.0, 0.3 + 0.1 * np.log2(q)) * min(1.0, 0.5 + 0.05 * np.log2(k))
+
+
+def test_profile_table_round_trips_through_tablecost_and_sim_costs():
+    opts = replace(ProfileOptions.quick(), q_grid=(128, 512, 2048, 8192), k_grid=(128, 512, 2048, 8192, 32768),
+                   q_measure_max=2048, models=("llama3-8b",))
+    calls = []
+
+    def fake_attention(q, k, n, phase):
+        calls.append((q, k, n, phase))
+        flops = attention_flops(n * causal_pairs(k - q, k), opts.n_q_heads, opts.head_dim, phase)
+        return float(flops) / (_fake_rate(q, k, phase) * 1e12)
+
+    att = attention_table(fake_attention, opts)
+    assert len(calls) == 2 * len(attention_points(opts))
+    assert all(n >= 1 and n * q <= max(opts.target_q_tokens, q) for q, _, n, _ in calls)
+
+    lin_cfg = model_config("llama3-8b")
+    pre, post = layer_flops_per_token(lin_cfg)
+    fake_layer = lambda T, phase: T * (pre + post) * (1 if phase == "fwd" else 3) / 500e12 + 1e-4  # noqa: E731
+    linear = {"llama3-8b": linear_entry(fake_layer, lin_cfg, (2048, 8192), lambda phase: 0.01, 4096)}
+    fake_coll = lambda kind, b: 20e-6 + b * 7 / 8 / 200e9 if kind == "all_to_all" else 30e-6 + b * 7 / 300e9  # noqa: E731
+    comm = comm_entry(fake_coll, 8, (2**16, 2**20, 2**24))
+    obj = json.loads(json.dumps(assemble(att, opts, linear=linear, comm=comm, device={"name": "FakeGPU"},
+                                         meta={"torch": "x"})))
+
+    for phase in ("fwd", "fwd+bwd"):
+        t = TableCost.from_json(obj, phase)
+        for q, k, _, _ in calls:
+            assert float(t.interpolate(q, k)) == pytest.approx(_fake_rate(q, k, phase), rel=1e-4)
+        # filled: q above the measured maximum takes the largest measured q of its column
+        assert float(t.interpolate(8192, 32768)) == pytest.approx(_fake_rate(2048, 32768, phase), rel=1e-4)
+        # filled: q > k takes the diagonal
+        assert float(t.interpolate(2048, 512)) == pytest.approx(_fake_rate(512, 512, phase), rel=1e-4)
+    assert obj["attention"]["filled"] > 0 and obj["device"]["name"] == "FakeGPU"
+
+    c8 = load_sim_costs(lin_cfg, "llama3-8b", obj)
+    assert c8.linear.source.startswith("measured")
+    assert c8.linear.fwd + c8.linear.bwd == pytest.approx(linear["llama3-8b"]["fwd_bwd_s_per_token"])
+    assert c8.intra.bandwidth == pytest.approx(200e9, rel=1e-3) and c8.intra.latency == pytest.approx(20e-6, rel=1e-2)
+    # another model: the measured TFLOP/s applied to its FLOPs
+    cfg34 = model_config("llama-34b")
+    c34 = load_sim_costs(cfg34, "llama-34b", obj)
+    p34, q34 = layer_flops_per_token(cfg34)
+    assert (c34.linear.fwd + c34.linear.bwd) == pytest.approx(3 * (p34 + q34) / (linear["llama3-8b"]["tflops_fwd_bwd"] * 1e12))
+    # the packaged table has no linear section: the documented assumption
+    d = load_sim_costs(lin_cfg, "llama3-8b")
+    assert d.linear.fwd == pytest.approx((pre + post) / (DEFAULT_LINEAR_TFLOPS * 1e12))
+    with pytest.raises(ConfigError, match="head_dim"):
+        load_sim_costs(model_config("tiny"), "tiny", obj)
+
+
+def test_profile_measuring_code_runs_on_cpu_with_reference_backend():
+    """The CUDA profiler's plumbing (buffers, cu_seqlens, the layer and head calls) with a wall-clock timer."""
+    import torch
+
+    from attnpool.bench.profile import AttentionBench, linear_measures, wall_median
+
+    opts = ProfileOptions(q_grid=(16, 32), k_grid=(16, 32, 64), q_measure_max=32, target_q_tokens=64, max_kv_tokens=256,
+                          n_q_heads=2, n_kv_heads=1, head_dim=16, min_time_s=0.0, max_reps=3)
+    bench = AttentionBench(opts, "cpu", backend_name="reference", timer=wall_median, dtype=torch.float32)
+    obj = assemble(attention_table(bench, opts), opts, device={"name": "cpu"})
+    assert TableCost.from_json(obj, "fwd").tflops.shape == (2, 3)
+    tiny = model_config("tiny")
+    layer, head = linear_measures(tiny, "cpu", replace(opts, head_tokens=32), timer=wall_median, dtype=torch.float32)
+    entry = linear_entry(layer, tiny, (32, 64), head, 32)
+    assert entry["fwd_bwd_s_per_token"] > 0 and entry["head_fwd_bwd_s_per_token"] > 0
+
+
+def _comm_rank(rank, world):
+    from attnpool.bench.profile import measure_collectives, wall_median
+
+    opts = replace(ProfileOptions(), min_time_s=0.0, max_reps=3, comm_bytes=(2**12, 2**16))
+    return measure_collectives("cpu", opts, timer=wall_median, backend="gloo")
+
+
+def test_profile_comm_code_runs_on_gloo():
+    from dist_harness import run_distributed
+
+    r0, r1 = run_distributed(_comm_rank, 3)[:2]
+    assert r1 == {}  # rank 0 reports
+    assert r0["world_size"] == 3 and set(r0["by_world_size"]) == {"2", "3"}
+    assert len(r0["all_to_all"]) == 2 and r0["fit"]["all_gather"]["bandwidth_Bps"] > 0
+    obj = assemble({}, ProfileOptions(), comm=r0, base=json.loads(
+        (__import__("importlib").resources.files("attnpool.resources") / "cost_h200.json").read_text()))
+    assert load_sim_costs(CFG, "llama3-8b", obj).intra.source.startswith("measured")
+
+
+def test_cp_group_inside_a_node_uses_nvlink(costs):
+    """CP=2 inside an 8-GPU node (TP=4: 2 servers per node) gathers faster than CP=2 across nodes (TP=8)."""
+    lens = [65536, 32768, 32768]
+    inside = StepModel(CFG, Cluster(gpus=8, tp=4, gpus_per_node=8, tokens_per_gpu=16384), costs)
+    across = StepModel(CFG, Cluster(gpus=16, tp=8, gpus_per_node=8, tokens_per_gpu=8192), costs)
+    a = inside.percp_step(wlb_pieces(lens, 1, 131072), 2)
+    b = across.percp_step(wlb_pieces(lens, 1, 131072), 2)
+    assert a.bytes_moved == b.bytes_moved > 0
+    assert a.comm_total < b.comm_total

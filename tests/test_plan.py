@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from attnpool.errors import ConfigError
 from attnpool.plan import (STRATEGIES, DocPiece, PairsCost, PieceTable, causal_pairs, default_cost_model,
                            default_min_shard_tokens, linear_layout, plan_attention, wlb_layout)
+from attnpool.plan.cost import build_h200_default_table
 from attnpool.plan.metrics import PlanMetrics
 
 batches = st.lists(st.integers(1, 6000), min_size=1, max_size=14)
@@ -132,10 +133,16 @@ def test_default_min_shard_from_measured_rates():
     assert default_min_shard_tokens() == 512
 
 
-def test_table_cost_reproduces_measured_rates():
-    m = default_cost_model()
+def test_design_table_reproduces_its_measured_rates():
+    m = build_h200_default_table()
     np.testing.assert_allclose(m.rate([128, 512, 1024, 4096, 512, 2048, 8192], [32768] * 4 + [512, 2048, 8192]),
                                [181, 275, 301, 325, 139, 255, 313], rtol=0.015)
+
+
+def test_shipped_table_is_a_measured_h200_profile_close_to_design():
+    shipped, design = default_cost_model(), build_h200_default_table()
+    q, k = [128, 512, 1024, 4096, 8192, 65536], [32768] * 4 + [8192, 65536]
+    np.testing.assert_allclose(shipped.rate(q, k), design.rate(q, k), rtol=0.1)
 
 
 @pytest.mark.parametrize("bad, field", [

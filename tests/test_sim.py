@@ -268,9 +268,12 @@ def test_profile_table_round_trips_through_tablecost_and_sim_costs():
     c34 = load_sim_costs(cfg34, "llama-34b", obj)
     p34, q34 = layer_flops_per_token(cfg34)
     assert (c34.linear.fwd + c34.linear.bwd) == pytest.approx(3 * (p34 + q34) / (linear["llama3-8b"]["tflops_fwd_bwd"] * 1e12))
-    # the packaged table has no linear section: the documented assumption
-    d = load_sim_costs(lin_cfg, "llama3-8b")
+    # a table without a linear section: the documented assumption
+    no_linear = {k: v for k, v in obj.items() if k != "linear"}
+    d = load_sim_costs(lin_cfg, "llama3-8b", no_linear)
     assert d.linear.fwd == pytest.approx((pre + post) / (DEFAULT_LINEAR_TFLOPS * 1e12))
+    # the packaged table was measured on an H200: its linear section is used
+    assert load_sim_costs(lin_cfg, "llama3-8b").linear.source.startswith("measured")
     with pytest.raises(ConfigError, match="head_dim"):
         load_sim_costs(model_config("tiny"), "tiny", obj)
 

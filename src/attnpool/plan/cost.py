@@ -9,9 +9,10 @@ Two models, one interface (``cost(a, b) -> float64 array``, vectorised):
   It knows that small shards and short documents run the kernel below its peak,
   which pair counts alone do not. The schedulers use it by default.
 
-The default table (``resources/cost_h200.json``) is built from the H200 FlashAttention-2
-varlen measurements in DESIGN.md; ``attnpool profile`` (a later issue) measures one
-on any GPU in the same format.
+The default table (``resources/cost_h200.json``) was measured on an H200 by
+``attnpool profile`` (bench/results/2026-11-21-h200-profile.md has the command); it
+agrees with DESIGN.md's FlashAttention-2 measurements, which
+:func:`build_h200_default_table` reproduces, within a few percent.
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def _load_packaged(name: str, phase: str) -> TableCost:
 
 
 def default_cost_model(phase: str = "fwd+bwd") -> TableCost:
-    """The shipped H200 table (packaged JSON; same numbers as :func:`build_h200_default_table`)."""
+    """The shipped table, measured on an H200 with ``attnpool profile``."""
     if phase not in PHASES:
         raise ConfigError("phase", phase, f"must be one of {PHASES}")
     return _load_packaged("cost_h200.json", phase)

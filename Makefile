@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test bench-plan clean
+.PHONY: demo demo-plan test bench-plan clean
 
 $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml
 	@rm -f $(VENV)/.installed-* && touch $@
 
 demo: $(STAMP)
+	@rm -rf runs/demo-cpu
+	$(VENV)/bin/attnpool train --config configs/demo-cpu.yaml --out runs/demo-cpu
+
+demo-plan: $(STAMP)
 	@mkdir -p runs
 	$(VENV)/bin/attnpool plan --dist prolong --servers 64 --tokens-per-server 512K --strategy all --plot runs/plan-demo.png
 	@echo "per-server load plot: runs/plan-demo.png"

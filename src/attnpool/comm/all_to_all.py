@@ -3,11 +3,14 @@
 ``torch.distributed.all_to_all_single`` on a 1-D tensor works on NCCL and on gloo
 with uneven and zero splits (DESIGN.md platform facts). Every call made through
 :func:`all_to_all_flat` adds to :data:`comm_stats`, so tests can check the bytes
-that actually crossed against what the plan predicted.
+that actually crossed against what the plan predicted. With
+``comm_stats.timing = True`` it also adds up communication time (see
+:class:`CommStats`).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -16,16 +19,46 @@ import torch.distributed as dist
 
 @dataclass
 class CommStats:
-    """Bytes this process sent to and received from other ranks (self-traffic excluded)."""
+    """Bytes this process sent to and received from other ranks (self-traffic excluded).
+
+    Time is measured only while ``timing`` is True. On CPU it is the wall time
+    the caller spends in the call and, for ``async_op``, in the handle's
+    ``wait()``: the communication time not hidden behind compute. On CUDA it is
+    measured by events on the current stream, from the launch to the return of
+    ``wait()`` (or of a blocking call): for an async call that span includes any
+    compute overlapped with it. Either way it includes waiting for the slowest peer.
+    """
 
     calls: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
     by_tag: dict = field(default_factory=dict)
+    timing: bool = False
+    _seconds: float = 0.0
+    _events: list = field(default_factory=list)  # (start, end) CUDA events not yet read
 
     def reset(self) -> None:
         self.calls = self.bytes_sent = self.bytes_received = 0
         self.by_tag = {}
+        self._seconds = 0.0
+        self._events = []
+
+    def seconds(self) -> float:
+        """Time inside timed calls since the last reset (waits for pending CUDA events)."""
+        for start, end in self._events:
+            end.synchronize()
+            self._seconds += start.elapsed_time(end) / 1e3
+        self._events = []
+        return self._seconds
+
+    def _finish(self, start, t0: float) -> None:
+        """Close an interval opened at host time ``t0`` (CPU) or at CUDA event ``start``."""
+        if start is None:
+            self._seconds += time.perf_counter() - t0
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((start, end))
 
     def add(self, tag: str, sent: int, received: int) -> None:
         self.calls += 1
@@ -58,5 +91,36 @@ def all_to_all_flat(send: torch.Tensor, send_splits: list[int], recv_splits: lis
     recv = send.new_empty(sum(recv_splits))
     elem = send.element_size()
     comm_stats.add(tag, elem * (sum(send_splits) - send_splits[me]), elem * (sum(recv_splits) - recv_splits[me]))
+    timed = comm_stats.timing
+    start = None
+    if timed and send.is_cuda:
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
     work = dist.all_to_all_single(recv, send.contiguous(), recv_splits, send_splits, group=group, async_op=async_op)
+    if timed:
+        if not async_op:
+            comm_stats._finish(start, t0)
+        else:
+            if start is None:
+                comm_stats._seconds += time.perf_counter() - t0  # the launch
+            work = _TimedWork(work, start)
     return (recv, work) if async_op else recv
+
+
+class _TimedWork:
+    """An async call's work handle whose first ``wait()`` adds to comm_stats' time; otherwise the same."""
+
+    def __init__(self, work, start):
+        self._work, self._start, self._done = work, start, False
+
+    def wait(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        result = self._work.wait(*args, **kwargs)
+        if not self._done:
+            self._done = True
+            comm_stats._finish(self._start, t0)
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)

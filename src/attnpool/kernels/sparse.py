@@ -1,0 +1,422 @@
+"""Sparse backend: vertical-slash attention over the CA-task layout (Triton on CUDA, a twin on CPU).
+
+Same contract as every backend (kernels.base): packed varlen segments, queries
+the tail of their keys (bottom-right causal), GQA, (out, lse) with lse (H_q, T_q)
+float32 (float64 for float64 inputs in the twin), -inf / 0 / zero gradients for
+rows that see no key. Plus one keyword: the ``pattern`` (a
+:class:`~attnpool.sparse.pattern.VerticalSlashPattern`, one entry per document)
+and ``seg_doc``, the pattern document of each segment (default: segment i is
+document i). A segment's key coordinates are its document's: a CA-task [a, b)
+passes keys [0, b) of its document. The attended set is defined in
+:mod:`attnpool.sparse.pattern`.
+
+    out, lse = forward(q, k, v, cu_q, cu_k, max_q, max_k, pattern=p)
+    dq, dk, dv = backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, pattern=p)
+    be = backend(p)        # a Backend bound to one pattern, for core_attention
+
+``impl``: "triton" (CUDA default; on CPU only under TRITON_INTERPRET=1) or "twin"
+(CPU default): the same attended set applied as an explicit mask with the
+reference math, accumulating in float32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from attnpool.errors import ConfigError
+from attnpool.kernels.base import Backend, check_inputs, default_scale
+from attnpool.sparse.pattern import VerticalSlashPattern, _excl_cumsum, _slot_owner
+
+VERTICAL_CHUNK = 64  # vertical columns gathered per kernel step on GPUs
+QSPLIT = 64  # query blocks per program of the vertical dK/dV pass
+# Launch configuration on CUDA per kernel: warps, pipeline stages, and the sub-tile
+# (keys per dQ step, query rows per dK/dV step) that a 128 x 128 tile is cut into.
+# bench/gpu_sparse.py sweeps these; the defaults are its best on an H200.
+CONFIG = {
+    "fwd": dict(num_warps=8, num_stages=2),
+    "dq": dict(num_warps=8, num_stages=2, SUB_N=64),
+    "dkdv": dict(num_warps=8, num_stages=2, SUB_M=64),
+    "vert": dict(num_warps=4, num_stages=2, SUB_M=64),
+}
+
+
+def _acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True, eq=False)
+class SparseIndex:
+    """Per-call kernel index: programs and per-(head, program) loop counts.
+
+    Built on the device from the pattern and cu_q/cu_k with shapes bounded by
+    the tensor sizes, never by their values: no host synchronisation.
+    """
+
+    block: int
+    chunk: int
+    # query-block programs (forward, dQ)
+    prog_seg: torch.Tensor  # (NPQ,) int32, -1 for unused
+    prog_blk: torch.Tensor  # (NPQ,) int32
+    n_sl: torch.Tensor  # (H, NPQ) int32: diagonals Delta <= I
+    v_hi: torch.Tensor  # (H, NPQ) int32: verticals visited (c // B <= I - run)
+    # key-block programs (slash dK/dV)
+    kprog_seg: torch.Tensor
+    kprog_blk: torch.Tensor
+    kv_lo: torch.Tensor  # (H, NPK) int32: first diagonal-list entry reaching a query block
+    kv_hi: torch.Tensor  # (H, NPK) int32
+    # vertical-chunk programs (vertical dK/dV)
+    vprog_seg: torch.Tensor
+    vprog_chunk: torch.Tensor
+    v_max: torch.Tensor  # (H, NPV) int32: verticals visited by the segment's last query block
+    n_split: int
+    seg_doc: torch.Tensor  # (S,) int32
+
+    @classmethod
+    def build(cls, pattern: VerticalSlashPattern, cu_q: torch.Tensor, cu_k: torch.Tensor, T_q: int, T_k: int,
+              max_q: int, seg_doc: torch.Tensor | None = None, chunk: int = VERTICAL_CHUNK) -> "SparseIndex":
+        B = pattern.block
+        dev = pattern.device
+        S = cu_q.numel() - 1
+        cu_q = cu_q.to(dev, torch.int64)
+        cu_k = cu_k.to(dev, torch.int64)
+        doc = torch.arange(S, device=dev) if seg_doc is None else seg_doc.to(dev, torch.int64)
+        q_len, k_len = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+        shift = k_len - q_len
+        i0 = shift.clamp(min=0) // B
+        i1 = torch.where(q_len > 0, (k_len + B - 1) // B, i0).clamp(min=i0)
+        H = pattern.num_heads
+
+        def programs(count, bound):
+            off = _excl_cumsum(count)
+            seg = _slot_owner(off, bound)
+            segc = seg.clamp(max=max(S - 1, 0))
+            local = torch.arange(bound, device=dev) - off[segc]
+            return seg, segc, local, seg < S
+
+        # Query blocks [i0, i1) of each segment: at most q_len / B + 2 of them.
+        NPQ = T_q // B + 2 * S
+        seg, segc, local, used = programs(i1 - i0, NPQ)
+        blk = i0[segc] + local
+        d = doc[segc]
+        n_sl = torch.where(used, pattern.slash_le(d, blk), 0)
+        v_hi = torch.where(used, pattern.vert_active(d, blk), 0)
+        prog_seg, prog_blk = torch.where(used, segc, -1), torch.where(used, blk, 0)
+
+        # Key blocks of each segment.
+        NPK = T_k // B + S
+        seg, segc, local, used = programs((k_len + B - 1) // B, NPK)
+        J = local
+        d = doc[segc]
+        lo = pattern.slash_le(d, torch.maximum(i0[segc], J) - J - 1)
+        hi = pattern.slash_le(d, i1[segc] - 1 - J)
+        kv_lo = torch.where(used, lo, 0)
+        kv_hi = torch.where(used, torch.maximum(hi, lo), 0)
+        kprog_seg, kprog_blk = torch.where(used, segc, -1), torch.where(used, J, 0)
+
+        # Vertical chunks: columns visited by the segment's last query block.
+        cap = (pattern.vert_off[1:] - pattern.vert_off[:-1])[doc]
+        n_chunks = (torch.minimum(cap, k_len) + chunk - 1) // chunk
+        NVT = pattern.vert.shape[1]
+        NPV = max(1, min(T_k // chunk + S, S * ((NVT + chunk - 1) // chunk)))
+        seg, segc, local, used = programs(n_chunks, NPV)
+        d = doc[segc]
+        last = pattern.vert_active(d, (i1 - 1)[segc])
+        v_max = torch.where(used & (i1 > i0)[segc], last, 0)
+        vprog_seg, vprog_chunk = torch.where(used, segc, -1), torch.where(used, local, 0)
+        n_split = max(1, -(-(int(max_q) // B + 2) // QSPLIT))
+
+        i32 = lambda x: x.to(torch.int32).contiguous()
+        return cls(B, chunk, i32(prog_seg), i32(prog_blk), i32(n_sl), i32(v_hi), i32(kprog_seg), i32(kprog_blk),
+                   i32(kv_lo), i32(kv_hi), i32(vprog_seg), i32(vprog_chunk), i32(v_max), n_split, i32(doc))
+
+    def tiles(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slash tiles, vertical tiles) the forward visits, summed over heads: B x B
+        tiles and B x chunk gathered tiles (device scalars)."""
+        return self.n_sl.sum(), ((self.v_hi + self.chunk - 1) // self.chunk).sum()
+
+
+def _check_pattern(pattern, q, seg_doc, cu_q):
+    if not isinstance(pattern, VerticalSlashPattern):
+        raise ConfigError("pattern", type(pattern).__name__, "the sparse backend needs a VerticalSlashPattern")
+    if pattern.num_heads != q.shape[1]:
+        raise ConfigError("pattern.num_heads", pattern.num_heads, f"q has {q.shape[1]} heads")
+    if seg_doc is None and pattern.num_docs != cu_q.numel() - 1:
+        raise ConfigError("seg_doc", None, f"{cu_q.numel() - 1} segments but the pattern has {pattern.num_docs} "
+                          "documents: pass seg_doc")
+
+
+# --- the CPU twin: explicit mask, reference math ---
+
+def _twin_segments(cu_q, cu_k, seg_doc, n_docs):
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    docs = list(range(len(bq) - 1)) if seg_doc is None else [int(x) for x in seg_doc.tolist()]
+    for i in range(len(bq) - 1):
+        yield bq[i], bq[i + 1] - bq[i], bk[i], bk[i + 1] - bk[i], docs[i]
+
+
+def _twin_probabilities(q_seg, k_seg, mask, scale, group, row_lse=None):
+    """(H, q_len, k_len) probabilities under the mask, and the row lse."""
+    kh = k_seg.repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = scale * torch.matmul(q_seg.transpose(0, 1), kh.transpose(1, 2))
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if row_lse is None:
+        row_lse = torch.logsumexp(scores, dim=-1)
+    shift = row_lse.masked_fill(torch.isinf(row_lse), 0.0)
+    return torch.exp(scores - shift[..., None]), row_lse
+
+
+def twin_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, *, pattern, seg_doc=None):
+    check_inputs(q, k, v, cu_q, cu_k)
+    _check_pattern(pattern, q, seg_doc, cu_q)
+    scale = default_scale(q.shape[2]) if scale is None else scale
+    acc = _acc_dtype(q.dtype)
+    group = q.shape[1] // k.shape[1]
+    out = torch.zeros_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc, device=q.device)
+    for q0, q_len, k0, k_len, d in _twin_segments(cu_q, cu_k, seg_doc, pattern.num_docs):
+        if q_len == 0 or k_len == 0:
+            continue
+        mask = pattern.mask(d, q_len, k_len, device=q.device)
+        p, row_lse = _twin_probabilities(q[q0:q0 + q_len].to(acc), k[k0:k0 + k_len].to(acc), mask, scale, group)
+        vh = v[k0:k0 + k_len].to(acc).repeat_interleave(group, dim=1).transpose(0, 1)
+        out[q0:q0 + q_len] = torch.matmul(p, vh).transpose(0, 1).to(q.dtype)
+        lse[:, q0:q0 + q_len] = row_lse
+    return out, lse
+
+
+def twin_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None, *, pattern, seg_doc=None):
+    check_inputs(q, k, v, cu_q, cu_k)
+    _check_pattern(pattern, q, seg_doc, cu_q)
+    scale = default_scale(q.shape[2]) if scale is None else scale
+    acc = _acc_dtype(q.dtype)
+    n_q, n_kv = q.shape[1], k.shape[1]
+    group = n_q // n_kv
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for q0, q_len, k0, k_len, d in _twin_segments(cu_q, cu_k, seg_doc, pattern.num_docs):
+        if q_len == 0 or k_len == 0:
+            continue
+        mask = pattern.mask(d, q_len, k_len, device=q.device)
+        qs, ks, vs = q[q0:q0 + q_len].to(acc), k[k0:k0 + k_len].to(acc), v[k0:k0 + k_len].to(acc)
+        p, _ = _twin_probabilities(qs, ks, mask, scale, group, lse[:, q0:q0 + q_len].to(acc))
+        go = dout[q0:q0 + q_len].to(acc).transpose(0, 1)  # (H, q, D)
+        vh = vs.repeat_interleave(group, dim=1).transpose(0, 1)
+        kh = ks.repeat_interleave(group, dim=1).transpose(0, 1)
+        dp = torch.matmul(go, vh.transpose(1, 2))
+        delta = (go * out[q0:q0 + q_len].to(acc).transpose(0, 1)).sum(-1, keepdim=True)
+        ds = p * (dp - delta)
+        dq[q0:q0 + q_len] = (torch.matmul(ds, kh) * scale).transpose(0, 1).to(q.dtype)
+        dkh = torch.matmul(ds.transpose(1, 2), qs.transpose(0, 1)) * scale  # (H, k, D)
+        dvh = torch.matmul(p.transpose(1, 2), go)
+        dk[k0:k0 + k_len] = dkh.view(n_kv, group, k_len, -1).sum(1).transpose(0, 1).to(k.dtype)
+        dv[k0:k0 + k_len] = dvh.view(n_kv, group, k_len, -1).sum(1).transpose(0, 1).to(v.dtype)
+    return dq, dk, dv
+
+
+# --- Triton ---
+
+def _triton_module():
+    try:
+        from attnpool.kernels import sparse_triton
+    except ImportError as error:  # triton missing
+        raise ConfigError("backend", "sparse", f"needs triton ({error})") from error
+    return sparse_triton
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _pattern_args(pattern: VerticalSlashPattern, dev):
+    cache = pattern.__dict__.setdefault("_kernel_tables", {})
+    if dev not in cache:
+        i32 = lambda x: x.to(device=dev, dtype=torch.int32).contiguous()
+        sl_list = torch.where(pattern.slash_list == torch.iinfo(torch.int64).max, 0, pattern.slash_list)
+        cache[dev] = dict(sl_list=i32(sl_list), bits=pattern.slash.to(device=dev, dtype=torch.int8).contiguous(),
+                          blk_off=i32(pattern.blk_off), vert=i32(pattern.vert), vert_off=i32(pattern.vert_off),
+                          run=i32(pattern.run))
+    return cache[dev]
+
+
+def _last_dim_contiguous(x):
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _launch_ok(q, k):
+    D = q.shape[2]
+    if D < 16 or D & (D - 1):
+        raise ConfigError("head_dim", D, "the sparse Triton kernels need a power-of-two head_dim >= 16")
+
+
+def triton_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, *, pattern, seg_doc=None, index=None):
+    check_inputs(q, k, v, cu_q, cu_k)
+    _check_pattern(pattern, q, seg_doc, cu_q)
+    _launch_ok(q, k)
+    st = _triton_module()
+    scale = default_scale(q.shape[2]) if scale is None else scale
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    dev = q.device
+    pattern = _on_device(pattern, dev)
+    idx = index or SparseIndex.build(pattern, cu_q, cu_k, q.shape[0], k.shape[0], max_q, seg_doc)
+    tab = _pattern_args(pattern, dev)
+    H, D = q.shape[1], q.shape[2]
+    out = torch.zeros_like(q)
+    lse = torch.full((H, q.shape[0]), float("-inf"), dtype=torch.float32, device=dev)
+    npq = idx.prog_seg.numel()
+    if npq and q.shape[0] and k.shape[0]:
+        st._fwd[(npq, H)](
+            q, k, v, out, lse, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), q.shape[0],
+            cu_q.to(dev, torch.int32), cu_k.to(dev, torch.int32), idx.seg_doc, idx.prog_seg, idx.prog_blk, npq,
+            tab["sl_list"], tab["bits"], tab["bits"].shape[1], tab["blk_off"], tab["vert"], tab["vert"].shape[1],
+            tab["vert_off"], idx.n_sl, idx.v_hi, scale * 1.4426950408889634,
+            GROUP=H // k.shape[1], HEAD_DIM=D, BLOCK=idx.block, BV=idx.chunk, IEEE=q.dtype == torch.float32,
+            **_launch_options(dev, idx.block, "fwd"))
+    return out, lse
+
+
+def _launch_options(dev, block, kernel):
+    """Triton launch options and sub-tile sizes of one kernel (no warps/stages under the interpreter)."""
+    cfg = dict(CONFIG[kernel])
+    for name in ("SUB_N", "SUB_M"):
+        if name in cfg:
+            cfg[name] = min(cfg[name], block)
+    if torch.device(dev).type != "cuda":
+        cfg.pop("num_warps", None)
+        cfg.pop("num_stages", None)
+    return cfg
+
+
+def _on_device(pattern: VerticalSlashPattern, dev) -> VerticalSlashPattern:
+    """The pattern on the kernel's device (copied once and cached on the pattern)."""
+    dev = torch.device(dev)
+    if pattern.device == dev or (dev.type == "cuda" and pattern.device.type == "cuda" and dev.index is None):
+        return pattern
+    cache = pattern.__dict__.setdefault("_copies", {})
+    if dev not in cache:
+        cache[dev] = pattern.to(dev)
+    return cache[dev]
+
+
+def triton_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None, *, pattern, seg_doc=None,
+                    index=None, timings: dict | None = None):
+    check_inputs(q, k, v, cu_q, cu_k)
+    _check_pattern(pattern, q, seg_doc, cu_q)
+    _launch_ok(q, k)
+    st = _triton_module()
+    scale = default_scale(q.shape[2]) if scale is None else scale
+    q, k, v, out, dout = (_last_dim_contiguous(x) for x in (q, k, v, out, dout.to(q.dtype)))
+    dev = q.device
+    pattern = _on_device(pattern, dev)
+    idx = index or SparseIndex.build(pattern, cu_q, cu_k, q.shape[0], k.shape[0], max_q, seg_doc)
+    tab = _pattern_args(pattern, dev)
+    H, H_kv, D = q.shape[1], k.shape[1], q.shape[2]
+    G = H // H_kv
+    lse = lse.float().contiguous()
+    # D_i = rowsum(dout * out), (H, T_q) float32.
+    delta = (dout.float() * out.float()).sum(-1).transpose(0, 1).contiguous()
+    dq = torch.zeros_like(q)
+    dk32 = torch.zeros(k.shape, dtype=torch.float32, device=dev)
+    dv32 = torch.zeros(v.shape, dtype=torch.float32, device=dev)
+    cuq, cuk = cu_q.to(dev, torch.int32), cu_k.to(dev, torch.int32)
+    common = dict(GROUP=G, HEAD_DIM=D, BLOCK=idx.block, IEEE=q.dtype == torch.float32)
+    opts = lambda name: _launch_options(dev, idx.block, name)
+    scale_log2 = scale * 1.4426950408889634
+    events = []
+
+    def mark(name):  # CUDA events between kernels, only when the caller asks for timings
+        if timings is not None and dev.type == "cuda":
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            events.append((name, e))
+
+    if q.shape[0] and k.shape[0]:
+        mark("start")
+        npq = idx.prog_seg.numel()
+        st._bwd_dq[(npq, H)](
+            q, k, v, dout, lse, delta, dq, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), q.shape[0],
+            cuq, cuk, idx.seg_doc, idx.prog_seg, idx.prog_blk, npq,
+            tab["sl_list"], tab["bits"], tab["bits"].shape[1], tab["blk_off"], tab["vert"], tab["vert"].shape[1],
+            tab["vert_off"], idx.n_sl, idx.v_hi, scale, scale_log2, BV=idx.chunk, **common, **opts("dq"))
+        mark("dq")
+        npk = idx.kprog_seg.numel()
+        st._bwd_dkdv_slash[(npk, H_kv)](
+            q, k, v, dout, lse, delta, dk32, dv32, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), dk32.stride(0), dk32.stride(1), q.shape[0],
+            cuq, cuk, idx.seg_doc, idx.kprog_seg, idx.kprog_blk, npk,
+            tab["sl_list"], tab["bits"].shape[1], tab["blk_off"], idx.kv_lo, idx.kv_hi, scale, scale_log2, **common,
+            **opts("dkdv"))
+        mark("dkdv_slash")
+        npv = idx.vprog_seg.numel()
+        st._bwd_dkdv_vert[(npv, H, idx.n_split)](
+            q, k, v, dout, lse, delta, dk32, dv32, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), dk32.stride(0), dk32.stride(1), q.shape[0],
+            cuq, cuk, idx.seg_doc, idx.vprog_seg, idx.vprog_chunk, npv, idx.v_max,
+            tab["bits"], tab["bits"].shape[1], tab["blk_off"], tab["vert"], tab["vert"].shape[1], tab["vert_off"],
+            tab["run"], H, scale, scale_log2, BV=idx.chunk, QSPLIT=QSPLIT, **common, **opts("vert"))
+        mark("dkdv_vertical")
+    if events:
+        torch.cuda.synchronize(dev)
+        for (_, a), (name, b) in zip(events, events[1:]):
+            timings[name] = timings.get(name, 0.0) + a.elapsed_time(b) / 1e3
+    return dq, dk32.to(k.dtype), dv32.to(v.dtype)
+
+
+# --- dispatch ---
+
+def _impl(q, impl):
+    if impl is None:
+        return "triton" if q.device.type == "cuda" else "twin"
+    if impl not in ("triton", "twin"):
+        raise ConfigError("impl", impl, "choose 'triton' or 'twin'")
+    if impl == "triton" and q.device.type != "cuda" and not _interpreting():
+        raise ConfigError("impl", impl, "Triton on CPU needs TRITON_INTERPRET=1")
+    return impl
+
+
+def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, *, pattern, seg_doc=None, impl=None, index=None):
+    """Vertical-slash attention; returns (out, lse) per the kernels contract."""
+    if _impl(q, impl) == "twin":
+        return twin_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, pattern=pattern, seg_doc=seg_doc)
+    return triton_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, pattern=pattern, seg_doc=seg_doc, index=index)
+
+
+def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None, *, pattern, seg_doc=None, impl=None,
+             index=None):
+    """Gradients (dq, dk, dv) of vertical-slash attention, from the forward's out and lse (same pattern)."""
+    if _impl(q, impl) == "twin":
+        return twin_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, pattern=pattern,
+                             seg_doc=seg_doc)
+    return triton_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, pattern=pattern,
+                           seg_doc=seg_doc, index=index)
+
+
+def backend(pattern: VerticalSlashPattern, seg_doc: torch.Tensor | None = None, impl: str | None = None) -> Backend:
+    """A Backend bound to one pattern (one layer, one step): forward and backward reuse it.
+
+    The kernel index is built once per (cu_q, cu_k) and shared by forward and backward.
+    """
+    cache: dict = {}
+
+    def _index(q, k, cu_q, cu_k, max_q):
+        if _impl(q, impl) == "twin":
+            return None
+        key = (id(cu_q), id(cu_k), q.shape[0], k.shape[0])
+        if key not in cache:
+            cache.clear()
+            cache[key] = SparseIndex.build(pattern, cu_q, cu_k, q.shape[0], k.shape[0], max_q, seg_doc)
+        return cache[key]
+
+    def fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale=None):
+        return forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, pattern=pattern, seg_doc=seg_doc, impl=impl,
+                       index=_index(q, k, cu_q, cu_k, max_q))
+
+    def bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None):
+        return backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, pattern=pattern, seg_doc=seg_doc,
+                        impl=impl, index=_index(q, k, cu_q, cu_k, max_q))
+
+    return Backend("sparse", fwd, bwd)

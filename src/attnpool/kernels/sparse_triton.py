@@ -1,0 +1,309 @@
+"""Triton kernels of vertical-slash sparse attention over the CA-task layout.
+
+Four kernels, all over the index built in :mod:`attnpool.kernels.sparse`
+(``SparseIndex``); see :mod:`attnpool.sparse.pattern` for the attended set.
+
+- ``_fwd``: one program per (query block, query head). Loops over the head's block
+  diagonals Delta <= I (key block J = I - Delta, a 128x128 tile, causal inside
+  the diagonal tile), then over the vertical columns c with c // B <= I - run,
+  gathered BV (64) at a time, masking those whose tile is a slash tile. Online
+  softmax in base 2; returns out and the natural-log LSE.
+- ``_bwd_dq``: the same loops, computing dQ (no atomics).
+- ``_bwd_dkdv_slash``: one program per (key block, kv head); loops over the query
+  heads of the group and, per head, over the diagonals that reach a query block of
+  the segment (the transposed slash index is a contiguous range of the sorted
+  diagonal list: Delta in [max(i0, J) - J, i1 - 1 - J]). Writes dK/dV of the
+  block once, no atomics.
+- ``_bwd_dkdv_vert``: one program per (vertical chunk of BV columns, query head,
+  split of the query blocks); accumulates the columns' dK/dV over the query
+  blocks that attend them as verticals and adds them with fp32 atomics into the
+  buffers the slash pass wrote (contention: only query heads of one group that
+  chose the same column, and the splits of one chunk).
+
+Rows are positions in key coordinates (p = k_len - q_len + row); blocks are
+aligned to key position 0, so a query shard that starts mid-block gets a partial
+first tile, exactly as the cost model counts.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _fwd(Q, K, V, O, LSE,
+         sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, T_q,
+         CU_Q, CU_K, SEG_DOC, PROG_SEG, PROG_BLK, N_PROG,
+         SL_LIST, SL_BITS, NBT, BLK_OFF, VERT, NVT, VERT_OFF, N_SL, V_HI,
+         scale_log2,
+         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BV: tl.constexpr,
+         IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.load(PROG_SEG + pid)
+    if s >= 0:
+        I = tl.load(PROG_BLK + pid)
+        q0 = tl.load(CU_Q + s)
+        q_len = tl.load(CU_Q + s + 1) - q0
+        k0 = tl.load(CU_K + s)
+        k_len = tl.load(CU_K + s + 1) - k0
+        shift = k_len - q_len
+        doc = tl.load(SEG_DOC + s)
+        boff = tl.load(BLK_OFF + doc)
+        voff = tl.load(VERT_OFF + doc)
+        kvh = h // GROUP
+        offs_m = I * BLOCK + tl.arange(0, BLOCK)
+        rows = offs_m - shift
+        row_ok = (rows >= 0) & (rows < q_len)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_n = tl.arange(0, BLOCK)
+        offs_v = tl.arange(0, BV)
+        q = tl.load(Q + (q0 + rows)[:, None].to(tl.int64) * sq_t + h * sq_h + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        m_i = tl.full([BLOCK], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK], tl.float32)
+        acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+        n_sl = tl.load(N_SL + h * N_PROG + pid)
+        for t in range(0, n_sl):
+            delta = tl.load(SL_LIST + h * NBT + boff + t)
+            kpos = (I - delta) * BLOCK + offs_n
+            kmask = kpos < k_len
+            krow = (k0 + kpos).to(tl.int64)
+            kt = tl.load(K + krow[None, :] * sk_t + kvh * sk_h + offs_d[:, None], mask=kmask[None, :], other=0.0)
+            qk = _dot(q, kt, IEEE) * scale_log2
+            qk = tl.where(kmask[None, :] & (kpos[None, :] <= offs_m[:, None]), qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(qk - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vt = tl.load(V + krow[:, None] * sv_t + kvh * sv_h + offs_d[None, :], mask=kmask[:, None], other=0.0)
+            acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, IEEE)
+            m_i = m_new
+        v_hi = tl.load(V_HI + h * N_PROG + pid)
+        for t0 in range(0, v_hi, BV):
+            idx = t0 + offs_v
+            vm = idx < v_hi
+            cols = tl.load(VERT + h * NVT + voff + idx, mask=vm, other=0)
+            covered = tl.load(SL_BITS + h * NBT + boff + I - cols // BLOCK, mask=vm, other=1)
+            ok = vm & (covered == 0)
+            krow = (k0 + cols).to(tl.int64)
+            kt = tl.load(K + krow[None, :] * sk_t + kvh * sk_h + offs_d[:, None], mask=ok[None, :], other=0.0)
+            qk = _dot(q, kt, IEEE) * scale_log2
+            qk = tl.where(ok[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(qk - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vt = tl.load(V + krow[:, None] * sv_t + kvh * sv_h + offs_d[None, :], mask=ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, IEEE)
+            m_i = m_new
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        orow = (q0 + rows).to(tl.int64)
+        tl.store(O + orow[:, None] * so_t + h * so_h + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(LSE + h * T_q + orow, lse, mask=row_ok)
+
+
+@triton.jit
+def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
+            sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, sdq_t, sdq_h, T_q,
+            CU_Q, CU_K, SEG_DOC, PROG_SEG, PROG_BLK, N_PROG,
+            SL_LIST, SL_BITS, NBT, BLK_OFF, VERT, NVT, VERT_OFF, N_SL, V_HI,
+            scale, scale_log2,
+            GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BV: tl.constexpr,
+            SUB_N: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.load(PROG_SEG + pid)
+    if s >= 0:
+        I = tl.load(PROG_BLK + pid)
+        q0 = tl.load(CU_Q + s)
+        q_len = tl.load(CU_Q + s + 1) - q0
+        k0 = tl.load(CU_K + s)
+        k_len = tl.load(CU_K + s + 1) - k0
+        shift = k_len - q_len
+        doc = tl.load(SEG_DOC + s)
+        boff = tl.load(BLK_OFF + doc)
+        voff = tl.load(VERT_OFF + doc)
+        kvh = h // GROUP
+        offs_m = I * BLOCK + tl.arange(0, BLOCK)
+        rows = offs_m - shift
+        row_ok = (rows >= 0) & (rows < q_len)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_n = tl.arange(0, BLOCK)
+        offs_v = tl.arange(0, BV)
+        offs_sn = tl.arange(0, SUB_N)
+        qrow = (q0 + rows).to(tl.int64)
+        q = tl.load(Q + qrow[:, None] * sq_t + h * sq_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + qrow[:, None] * sdo_t + h * sdo_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        lse2 = tl.load(LSE + h * T_q + qrow, mask=row_ok, other=0.0) * 1.4426950408889634
+        lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
+        di = tl.load(DELTA + h * T_q + qrow, mask=row_ok, other=0.0)
+        dq = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+        n_sl = tl.load(N_SL + h * N_PROG + pid)
+        for t in range(0, n_sl):
+            delta = tl.load(SL_LIST + h * NBT + boff + t)
+            for sub in tl.static_range(BLOCK // SUB_N):
+                kpos = (I - delta) * BLOCK + sub * SUB_N + offs_sn
+                kmask = kpos < k_len
+                krow = (k0 + kpos).to(tl.int64)
+                kt = tl.load(K + krow[None, :] * sk_t + kvh * sk_h + offs_d[:, None], mask=kmask[None, :], other=0.0)
+                ok = row_ok[:, None] & kmask[None, :] & (kpos[None, :] <= offs_m[:, None])
+                p = tl.where(ok, tl.math.exp2(_dot(q, kt, IEEE) * scale_log2 - lse2[:, None]), 0.0)
+                vt = tl.load(V + krow[None, :] * sv_t + kvh * sv_h + offs_d[:, None], mask=kmask[None, :], other=0.0)
+                ds = p * (_dot(do, vt, IEEE) - di[:, None])
+                dq += _dot(ds.to(kt.dtype), tl.trans(kt), IEEE)
+        v_hi = tl.load(V_HI + h * N_PROG + pid)
+        for t0 in range(0, v_hi, BV):
+            idx = t0 + offs_v
+            vm = idx < v_hi
+            cols = tl.load(VERT + h * NVT + voff + idx, mask=vm, other=0)
+            covered = tl.load(SL_BITS + h * NBT + boff + I - cols // BLOCK, mask=vm, other=1)
+            okc = vm & (covered == 0)
+            krow = (k0 + cols).to(tl.int64)
+            kt = tl.load(K + krow[None, :] * sk_t + kvh * sk_h + offs_d[:, None], mask=okc[None, :], other=0.0)
+            ok = row_ok[:, None] & okc[None, :]
+            p = tl.where(ok, tl.math.exp2(_dot(q, kt, IEEE) * scale_log2 - lse2[:, None]), 0.0)
+            vt = tl.load(V + krow[None, :] * sv_t + kvh * sv_h + offs_d[:, None], mask=okc[None, :], other=0.0)
+            ds = p * (_dot(do, vt, IEEE) - di[:, None])
+            dq += _dot(ds.to(kt.dtype), tl.trans(kt), IEEE)
+        tl.store(DQ + qrow[:, None] * sdq_t + h * sdq_h + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+                 mask=row_ok[:, None])
+
+
+@triton.jit
+def _bwd_dkdv_slash(Q, K, V, DO, LSE, DELTA, DK, DV,
+                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, sdk_t, sdk_h, T_q,
+                    CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK, N_KPROG,
+                    SL_LIST, NBT, BLK_OFF, KV_LO, KV_HI,
+                    scale, scale_log2,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SUB_M: tl.constexpr,
+                    IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.load(KPROG_SEG + pid)
+    if s >= 0:
+        J = tl.load(KPROG_BLK + pid)
+        q0 = tl.load(CU_Q + s)
+        q_len = tl.load(CU_Q + s + 1) - q0
+        k0 = tl.load(CU_K + s)
+        k_len = tl.load(CU_K + s + 1) - k0
+        shift = k_len - q_len
+        doc = tl.load(SEG_DOC + s)
+        boff = tl.load(BLK_OFF + doc)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_n = tl.arange(0, BLOCK)
+        offs_b = tl.arange(0, SUB_M)
+        kpos = J * BLOCK + offs_n
+        kmask = kpos < k_len
+        krow = (k0 + kpos).to(tl.int64)
+        k = tl.load(K + krow[:, None] * sk_t + kvh * sk_h + offs_d[None, :], mask=kmask[:, None], other=0.0)
+        v = tl.load(V + krow[:, None] * sv_t + kvh * sv_h + offs_d[None, :], mask=kmask[:, None], other=0.0)
+        dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+        dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+        for g in range(GROUP):
+            h = kvh * GROUP + g
+            lo = tl.load(KV_LO + h * N_KPROG + pid)
+            hi = tl.load(KV_HI + h * N_KPROG + pid)
+            for t in range(lo, hi):
+                delta = tl.load(SL_LIST + h * NBT + boff + t)
+                for sub in tl.static_range(BLOCK // SUB_M):
+                    offs_m = (J + delta) * BLOCK + sub * SUB_M + offs_b
+                    rows = offs_m - shift
+                    row_ok = (rows >= 0) & (rows < q_len)
+                    qrow = (q0 + rows).to(tl.int64)
+                    q = tl.load(Q + qrow[:, None] * sq_t + h * sq_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+                    do = tl.load(DO + qrow[:, None] * sdo_t + h * sdo_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+                    lse2 = tl.load(LSE + h * T_q + qrow, mask=row_ok, other=0.0) * 1.4426950408889634
+                    lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
+                    di = tl.load(DELTA + h * T_q + qrow, mask=row_ok, other=0.0)
+                    # Transposed tile: keys along rows, queries along columns.
+                    qkT = _dot(k, tl.trans(q), IEEE) * scale_log2
+                    ok = kmask[:, None] & row_ok[None, :] & (kpos[:, None] <= offs_m[None, :])
+                    pT = tl.where(ok, tl.math.exp2(qkT - lse2[None, :]), 0.0)
+                    dv += _dot(pT.to(do.dtype), do, IEEE)
+                    dpT = _dot(v, tl.trans(do), IEEE)
+                    dsT = pT * (dpT - di[None, :])
+                    dk += _dot(dsT.to(q.dtype), q, IEEE)
+        tl.store(DK + krow[:, None] * sdk_t + kvh * sdk_h + offs_d[None, :], dk * scale, mask=kmask[:, None])
+        tl.store(DV + krow[:, None] * sdk_t + kvh * sdk_h + offs_d[None, :], dv, mask=kmask[:, None])
+
+
+@triton.jit
+def _bwd_dkdv_vert(Q, K, V, DO, LSE, DELTA, DK, DV,
+                   sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, sdk_t, sdk_h, T_q,
+                   CU_Q, CU_K, SEG_DOC, VPROG_SEG, VPROG_CHUNK, N_VPROG, V_MAX,
+                   SL_BITS, NBT, BLK_OFF, VERT, NVT, VERT_OFF, RUN, N_HEADS,
+                   scale, scale_log2,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BV: tl.constexpr,
+                   QSPLIT: tl.constexpr, SUB_M: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    s = tl.load(VPROG_SEG + pid)
+    if s >= 0:
+        chunk = tl.load(VPROG_CHUNK + pid)
+        nv = tl.load(V_MAX + h * N_VPROG + pid)
+        q0 = tl.load(CU_Q + s)
+        q_len = tl.load(CU_Q + s + 1) - q0
+        k0 = tl.load(CU_K + s)
+        k_len = tl.load(CU_K + s + 1) - k0
+        shift = k_len - q_len
+        doc = tl.load(SEG_DOC + s)
+        boff = tl.load(BLK_OFF + doc)
+        voff = tl.load(VERT_OFF + doc)
+        run = tl.load(RUN + doc * N_HEADS + h)
+        i0 = tl.maximum(shift, 0) // BLOCK
+        i1 = (k_len + BLOCK - 1) // BLOCK
+        first = tl.load(VERT + h * NVT + voff + chunk * BV, mask=chunk * BV < nv, other=0)
+        lo = tl.maximum(tl.maximum(i0, first // BLOCK + run), i0 + split * QSPLIT)
+        hi = tl.minimum(i1, i0 + (split + 1) * QSPLIT)
+        if (chunk * BV < nv) & (lo < hi):
+            kvh = h // GROUP
+            offs_d = tl.arange(0, HEAD_DIM)
+            offs_b = tl.arange(0, SUB_M)
+            idx = chunk * BV + tl.arange(0, BV)
+            vm = idx < nv
+            cols = tl.load(VERT + h * NVT + voff + idx, mask=vm, other=0)
+            cb = cols // BLOCK
+            krow = (k0 + cols).to(tl.int64)
+            k = tl.load(K + krow[:, None] * sk_t + kvh * sk_h + offs_d[None, :], mask=vm[:, None], other=0.0)
+            v = tl.load(V + krow[:, None] * sv_t + kvh * sv_h + offs_d[None, :], mask=vm[:, None], other=0.0)
+            dk = tl.zeros([BV, HEAD_DIM], tl.float32)
+            dv = tl.zeros([BV, HEAD_DIM], tl.float32)
+            for I in range(lo, hi):
+                dlt = I - cb
+                covered = tl.load(SL_BITS + h * NBT + boff + dlt, mask=vm & (dlt >= 0), other=1)
+                okc = vm & (covered == 0)
+                for sub in tl.static_range(BLOCK // SUB_M):
+                    offs_m = I * BLOCK + sub * SUB_M + offs_b
+                    rows = offs_m - shift
+                    row_ok = (rows >= 0) & (rows < q_len)
+                    qrow = (q0 + rows).to(tl.int64)
+                    q = tl.load(Q + qrow[:, None] * sq_t + h * sq_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+                    do = tl.load(DO + qrow[:, None] * sdo_t + h * sdo_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+                    lse2 = tl.load(LSE + h * T_q + qrow, mask=row_ok, other=0.0) * 1.4426950408889634
+                    lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
+                    di = tl.load(DELTA + h * T_q + qrow, mask=row_ok, other=0.0)
+                    qkT = _dot(k, tl.trans(q), IEEE) * scale_log2
+                    ok = okc[:, None] & row_ok[None, :]
+                    pT = tl.where(ok, tl.math.exp2(qkT - lse2[None, :]), 0.0)
+                    dv += _dot(pT.to(do.dtype), do, IEEE)
+                    dpT = _dot(v, tl.trans(do), IEEE)
+                    dsT = pT * (dpT - di[None, :])
+                    dk += _dot(dsT.to(q.dtype), q, IEEE)
+            ptr = krow[:, None] * sdk_t + kvh * sdk_h + offs_d[None, :]
+            tl.atomic_add(DK + ptr, dk * scale, mask=vm[:, None])
+            tl.atomic_add(DV + ptr, dv, mask=vm[:, None])

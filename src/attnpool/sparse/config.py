@@ -1,0 +1,82 @@
+"""``SparseConfig``: the options of dynamic vertical-slash sparse attention, validated.
+
+Training flags map one to one (the lead wires them in train/config.py):
+``--sparse vertical-slash`` -> ``mode``, ``--sparse-coverage`` -> ``coverage``,
+``--sparse-min-doc-len`` -> ``min_doc_len``, ``--dense-layers N`` -> ``dense_layers``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from attnpool.errors import ConfigError
+
+MODES = ("none", "vertical-slash")
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """Vertical-slash pattern estimation and kernel granularity.
+
+    - ``coverage``: greedy selection stops once the chosen verticals hold this share
+      of the estimating queries' column mass, and (separately) once the chosen
+      slashes hold this share of their diagonal mass, so the union holds at least it.
+    - ``vertical_cap`` / ``slash_cap``: at most this many vertical columns / slash
+      offsets per (document, head), forced ones included.
+    - ``min_doc_len``: documents shorter than this stay dense.
+    - ``last_queries``: the estimating queries are each document's last this many
+      (fewer for shorter documents).
+    - ``sink_tokens``: the first this many keys are always vertical columns.
+    - ``local_window``: slash offsets 0 .. local_window-1 are always kept (with
+      ``block`` 128 and window 128: block diagonals 0 and 1).
+    - ``block``: query/key block of the slash tiles (128 on GPUs; tests use less).
+    - ``vertical_chunk``: vertical columns gathered per kernel step (64 on GPUs).
+    - ``dense_layers``: the first this many transformer layers stay dense.
+    """
+
+    mode: str = "vertical-slash"
+    coverage: float = 0.9
+    vertical_cap: int = 4096
+    slash_cap: int = 4096
+    min_doc_len: int = 8192
+    last_queries: int = 64
+    sink_tokens: int = 64
+    local_window: int = 128
+    block: int = 128
+    vertical_chunk: int = 64
+    dense_layers: int = 0
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ConfigError("sparse", self.mode, f"unknown sparse mode; choose one of {', '.join(MODES)}")
+        if not isinstance(self.coverage, (int, float)) or isinstance(self.coverage, bool) \
+                or not math.isfinite(self.coverage) or not (0.0 < self.coverage <= 1.0):
+            raise ConfigError("sparse_coverage", self.coverage, "must be a number in (0, 1]")
+        for name in ("vertical_cap", "slash_cap", "last_queries", "local_window", "block", "vertical_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"sparse_{name}", value, "must be an integer >= 1")
+        for name in ("min_doc_len", "sink_tokens", "dense_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"sparse_{name}" if name != "dense_layers" else name, value,
+                                  "must be an integer >= 0")
+        for name in ("block", "vertical_chunk"):
+            value = getattr(self, name)
+            if value & (value - 1) or value < 16:
+                raise ConfigError(f"sparse_{name}", value, "must be a power of two >= 16 (a Triton tile size)")
+        if self.sink_tokens > self.vertical_cap:
+            raise ConfigError("sparse_sink_tokens", self.sink_tokens,
+                              f"exceeds vertical_cap={self.vertical_cap}: the forced sinks must fit in the cap")
+        if self.local_window > self.slash_cap:
+            raise ConfigError("sparse_local_window", self.local_window,
+                              f"exceeds slash_cap={self.slash_cap}: the forced local band must fit in the cap")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether transformer layer ``layer`` (0-based) runs sparse."""
+        return self.enabled and layer >= self.dense_layers

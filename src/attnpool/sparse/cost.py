@@ -1,0 +1,247 @@
+"""Cost of a sparse CA-task from its pattern: tile counts times per-GPU coefficients.
+
+A CA-task [a, b) of a document (queries a..b-1, keys 0..b-1) runs the query
+blocks I in [i0, i1) = [a // B, ceil(b / B)) (a shard that starts mid-block
+still pays its whole first tile, as the kernel does). Per query head:
+
+- slash tiles (B x B): query block I visits the diagonals Delta <= I, so
+  ``slash = sum_{Delta in set} max(0, i1 - max(i0, Delta))`` -- REFERENCE.md's
+  formula without its factor 2, because a token slash is stored as the (at most
+  2) block diagonals it touches, deduplicated.
+- bar tiles (B x chunk gathered columns): query block I visits the verticals with
+  c // B <= I - run (``vert_active``), in chunks: ``bars = sum_I ceil(v(I) / chunk)``,
+  a prefix count over the sorted columns, so ``bars(i0, i1) = P(i1) - P(i0)``.
+
+Both are summed over heads and turned into seconds per phase:
+``t = a * slash + b * bars + c``. Defaults: REFERENCE.md's H200 fit of
+MTraining's kernels (forward a = 10.1 ns, b = 11.1 ns; backward 55.8, 79.5 ns);
+``bench/gpu_sparse.py`` fits ours and writes :class:`SparseCoefficients` JSON.
+
+Heavy shared columns (sinks) make no hot spot here: a vertical column is work of
+every query block that visits it, and the model charges it there (the prefix
+count v(I) includes the sinks for every block past the local band). Each CA-task
+carries its own KV prefix, so a sink column is computed by the server of each
+query shard, in proportion to the shard's query blocks, never by one server that
+"owns" the sink key (the ring-attention hot spot MTraining measured). What the
+count does capture is that late query blocks see more verticals than early ones,
+so a document's tail costs more bar work than its head.
+
+The planner calls cost models with (a, b) only; this one needs the document
+too: ``cost(a, b, doc)`` / ``cost1(a, b, doc)`` with ``doc`` the planner's dense
+document index (``PieceTable.doc``). ``per_doc = True`` tells the planner so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from attnpool.errors import ConfigError
+from attnpool.sparse.pattern import VerticalSlashPattern
+
+PHASES = ("fwd", "bwd", "fwd+bwd")
+
+
+@dataclass(frozen=True)
+class SparseCoefficients:
+    """Seconds per (tile, head) and per task, forward and backward."""
+
+    fwd_slash: float = 10.1e-9
+    fwd_bar: float = 11.1e-9
+    fwd_task: float = 0.0
+    bwd_slash: float = 55.8e-9
+    bwd_bar: float = 79.5e-9
+    bwd_task: float = 0.0
+    source: str = "REFERENCE.md: MTraining kernels on H200 (forward 10.1/11.1 ns, backward 55.8/79.5 ns)"
+
+    def __post_init__(self):
+        for name in ("fwd_slash", "fwd_bar", "fwd_task", "bwd_slash", "bwd_bar", "bwd_task"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"sparse_cost.{name}", value, "must be a finite number >= 0")
+
+    def phase(self, phase: str) -> tuple[float, float, float]:
+        """(a, b, c) of one phase; fwd+bwd adds them."""
+        if phase == "fwd":
+            return self.fwd_slash, self.fwd_bar, self.fwd_task
+        if phase == "bwd":
+            return self.bwd_slash, self.bwd_bar, self.bwd_task
+        if phase == "fwd+bwd":
+            return (self.fwd_slash + self.bwd_slash, self.fwd_bar + self.bwd_bar, self.fwd_task + self.bwd_task)
+        raise ConfigError("phase", phase, f"must be one of {PHASES}")
+
+    def to_json(self) -> dict:
+        return {"format": "attnpool-sparse-cost/1", **asdict(self)}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "SparseCoefficients":
+        fields = {k: obj[k] for k in ("fwd_slash", "fwd_bar", "fwd_task", "bwd_slash", "bwd_bar", "bwd_task", "source")
+                  if k in obj}
+        return cls(**fields)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "SparseCoefficients":
+        try:
+            return cls.from_json(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError, TypeError) as exc:
+            raise ConfigError("sparse_cost", str(path), f"cannot read coefficients ({exc})") from None
+
+
+# Our kernels on one H200 (bench/gpu_sparse.py, torch 2.11, triton 3.6, bf16, head_dim 128):
+# per (tile, head); the per-call constant (0.74 ms forward, 5.5 ms backward: index building,
+# fp32 dK/dV buffers) is the same for every server, so it is left out of task costs.
+H200_MEASURED = SparseCoefficients(25.1e-9, 23.4e-9, 0.0, 71.9e-9, 54.9e-9, 0.0,
+                                   source="bench/gpu_sparse.py, NVIDIA H200, 2026-11-21 (mean fit error 1.2% / 1.9%)")
+
+
+def fit_coefficients(slash, bars, seconds, tasks=None) -> tuple[float, float, float]:
+    """Least-squares (a, b, c) >= 0 of ``seconds ~ a * slash + b * bars + c * tasks``.
+
+    ``tasks`` (kernel calls' task counts) defaults to 1 per sample. Coefficients
+    that come out negative are dropped and the rest refitted.
+    """
+    slash, bars, seconds = (np.asarray(x, dtype=np.float64) for x in (slash, bars, seconds))
+    tasks = np.ones_like(seconds) if tasks is None else np.asarray(tasks, dtype=np.float64)
+    cols = [slash, bars, tasks]
+    keep = [0, 1, 2]
+    while keep:
+        x = np.stack([cols[i] for i in keep], 1)
+        sol, *_ = np.linalg.lstsq(x, seconds, rcond=None)
+        if (sol >= 0).all():
+            out = [0.0, 0.0, 0.0]
+            for i, value in zip(keep, sol):
+                out[i] = float(value)
+            return tuple(out)
+        keep = [i for i, value in zip(keep, sol) if value >= 0] if (sol >= 0).any() else keep[:-1]
+    return 0.0, 0.0, 0.0
+
+
+class SparseCost:
+    """Per-document sparse cost model: ``cost(a, b, doc)`` seconds of CA-task [a, b) of ``doc``.
+
+    Holds, per document, prefix sums over block diagonals (head counts and head
+    counts times Delta) and over query blocks (bar tiles), flat with offsets.
+    """
+
+    name = "sparse"
+    unit = "s"
+    per_doc = True
+
+    def __init__(self, doc_len, cnt, bars, block: int, chunk: int,
+                 coefficients: SparseCoefficients | None = None, phase: str = "fwd+bwd"):
+        """``cnt[d]``: heads with each diagonal 0..nb-1; ``bars[d]``: bar tiles of each query block."""
+        self.doc_len = np.asarray(doc_len, dtype=np.int64)
+        self.block, self.chunk = int(block), int(chunk)
+        self.coefficients = coefficients or SparseCoefficients()
+        self.phase = phase
+        self.a, self.b, self.c = self.coefficients.phase(phase)
+        nb = -(-self.doc_len // self.block)
+        self.nb = nb
+        # Each document's prefixes occupy nb + 1 slots starting at off[d].
+        self.off = np.concatenate([[0], np.cumsum(nb + 1)])[:-1]
+        c0, c1, pb = [], [], []
+        for counts, bar in zip(cnt, bars):
+            counts = np.asarray(counts, dtype=np.float64)
+            delta = np.arange(counts.size, dtype=np.float64)
+            c0.append(np.concatenate([[0.0], np.cumsum(counts)]))
+            c1.append(np.concatenate([[0.0], np.cumsum(counts * delta)]))
+            pb.append(np.concatenate([[0.0], np.cumsum(np.asarray(bar, dtype=np.float64))]))
+        empty = np.zeros(0)
+        self.C0 = np.concatenate(c0) if c0 else empty
+        self.C1 = np.concatenate(c1) if c1 else empty
+        self.PB = np.concatenate(pb) if pb else empty
+
+    # --- construction ---
+
+    @classmethod
+    def from_pattern(cls, pattern: VerticalSlashPattern, coefficients: SparseCoefficients | None = None,
+                     phase: str = "fwd+bwd", chunk: int = 64) -> "SparseCost":
+        """Exact tile counts of a known pattern (one host copy of small per-block arrays)."""
+        nbt = pattern.slash.shape[1]
+        blk_doc = pattern.blk_doc
+        used = blk_doc < pattern.num_docs
+        d = blk_doc.clamp(max=max(pattern.num_docs - 1, 0))
+        local = torch.arange(nbt, device=pattern.device) - pattern.blk_off[d]
+        cnt = torch.where(used, pattern.slash.sum(0), 0)
+        bars = torch.where(used[None, :], (pattern.vert_active(d, local) + chunk - 1) // chunk, 0).sum(0)
+        cnt, bars = cnt.cpu().numpy(), bars.cpu().numpy()
+        off = pattern.blk_off.cpu().numpy()
+        doc_len = pattern.doc_len.cpu().numpy()
+        split = lambda x: [x[off[i]:off[i + 1]] for i in range(len(doc_len))]
+        return cls(doc_len, split(cnt), split(bars), pattern.block, chunk, coefficients, phase)
+
+    @classmethod
+    def uniform(cls, doc_len, num_heads: int, diagonals: int, verticals: int, *, block: int = 128, chunk: int = 64,
+                local_blocks: int = 2, sinks: int = 64, min_doc_len: int = 8192,
+                coefficients: SparseCoefficients | None = None, phase: str = "fwd+bwd") -> "SparseCost":
+        """A prior for planning before patterns exist: per head, the local diagonals plus
+        ``diagonals`` others spread evenly, ``verticals`` columns spread evenly plus
+        the sinks; documents shorter than ``min_doc_len`` dense. Expected tile counts."""
+        cnt, bars = [], []
+        for L in np.asarray(doc_len, dtype=np.int64).tolist():
+            nb = -(-L // block)
+            if L < min_doc_len:
+                cnt.append(np.full(nb, float(num_heads)))
+                bars.append(np.zeros(nb))
+                continue
+            c = np.zeros(nb)
+            c[:min(local_blocks, nb)] = num_heads
+            rest = nb - min(local_blocks, nb)
+            if rest:
+                c[min(local_blocks, nb):] = num_heads * min(1.0, diagonals / rest)
+            cnt.append(c)
+            run = min(local_blocks, nb)
+            before = np.clip(np.arange(nb) - run + 1, 0, None)  # key blocks visited as verticals
+            v = np.minimum(sinks, before * block) + verticals * before / max(nb, 1)
+            bars.append(num_heads * np.ceil(v / chunk))
+        return cls(doc_len, cnt, bars, block, chunk, coefficients, phase)
+
+    def with_phase(self, phase: str) -> "SparseCost":
+        other = object.__new__(SparseCost)
+        other.__dict__.update(self.__dict__)
+        other.phase = phase
+        other.a, other.b, other.c = self.coefficients.phase(phase)
+        return other
+
+    # --- tile counts ---
+
+    def tiles(self, a, b, doc) -> tuple[np.ndarray, np.ndarray]:
+        """(slash tiles, bar tiles) of tasks [a, b) of ``doc``, summed over heads (vectorised)."""
+        a = np.asarray(a, dtype=np.int64)
+        b = np.asarray(b, dtype=np.int64)
+        doc = np.asarray(doc, dtype=np.int64)
+        B = self.block
+        nb = self.nb[doc]
+        i0 = np.minimum(a // B, nb)
+        i1 = np.where(b > a, np.minimum(-(-b // B), nb), i0)
+        i1 = np.maximum(i1, i0)
+        off = self.off[doc]
+        x0 = off + np.minimum(i0 + 1, nb)  # prefix up to Delta <= i0
+        x1 = off + i1
+        c0_i0, c0_i1 = self.C0[x0] - self.C0[off], self.C0[x1] - self.C0[off]
+        c1_i0, c1_i1 = self.C1[x0] - self.C1[off], self.C1[x1] - self.C1[off]
+        slash = (i1 - i0) * c0_i0 + np.where(i1 > i0 + 1, i1 * (c0_i1 - c0_i0) - (c1_i1 - c1_i0), 0.0)
+        bars = self.PB[off + i1] - self.PB[off + i0]
+        return slash, bars
+
+    def cost(self, a, b, doc) -> np.ndarray:
+        slash, bars = self.tiles(a, b, doc)
+        tasks = (np.asarray(b) > np.asarray(a)).astype(np.float64)
+        return self.a * slash + self.b * bars + self.c * tasks
+
+    def cost1(self, a: int, b: int, doc: int) -> float:
+        return float(self.cost(np.array([a]), np.array([b]), np.array([doc]))[0])
+
+    def density(self, doc) -> np.ndarray:
+        """Slash-tile fraction of each whole document against its dense causal tiles."""
+        doc = np.asarray(doc, dtype=np.int64)
+        L = self.doc_len[doc]
+        slash, _ = self.tiles(np.zeros_like(L), L, doc)
+        nb = self.nb[doc]
+        heads = (self.C0[self.off[doc] + 1] - self.C0[self.off[doc]])  # every head has diagonal 0
+        return slash / np.maximum(heads * nb * (nb + 1) / 2, 1)

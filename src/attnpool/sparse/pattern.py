@@ -1,0 +1,562 @@
+"""Vertical-slash patterns: which keys each query of a document attends to.
+
+A pattern is per document and per query head, in the document's key coordinates
+(position 0 is the document's first token; a CA-task [a, b) sees keys [0, b), so
+its key coordinates are the document's). With block size B (128 on GPUs):
+
+- slash part: a set Delta of *block diagonals*. Query block I = p // B attends key
+  block J = c // B whole (causal inside) iff I - J is in Delta. A token slash at
+  offset d (key = query - d) lies in block diagonals floor(d/B) and ceil(d/B), so
+  a chosen offset d puts both into Delta (one when B divides d): the slash part is
+  a superset of the chosen token slashes, at most 2 key blocks per query block
+  per offset, and 0 is always in Delta (the diagonal block).
+- vertical part: a sorted set V of key columns. Query p attends column c in V iff
+  c <= p and the tile (p // B, c // B) is *not* a slash tile.
+
+The attended set of query p (p >= 0) is therefore
+
+    A(p) = { c : 0 <= c <= p,  (p//B - c//B) in Delta  or  c in V }
+
+with every key counted once: verticals that fall inside a slash tile are left to
+the slash tile. Rows with p < 0 (more queries than keys) attend nothing.
+
+Storage is flat over documents (no padding to the longest document), so a packed
+batch with one 512K document and a thousand short ones costs no more than its tokens:
+
+- ``slash``  (H, NB_total) bool, document d's diagonals at ``blk_off[d] + Delta``;
+- ``vert``   (H, NV_total) int64, document d's columns sorted ascending in slots
+  ``vert_off[d] .. vert_off[d] + n_vert[d, h]``, unused slots hold ``doc_len[d]``.
+
+Everything here is torch on the pattern's device; building and querying a
+pattern never reads a device value on the host.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from attnpool.sparse.config import SparseConfig
+
+
+def _excl_cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Exclusive prefix sum with one more entry: out[..., i] = sum(x[..., :i])."""
+    c = torch.cumsum(x, dim=dim)
+    pad = [0, 0] * (x.dim() - 1 - (dim % x.dim())) + [1, 0]
+    return torch.nn.functional.pad(c, pad)
+
+
+def _slot_owner(offsets: torch.Tensor, n_slots: int) -> torch.Tensor:
+    """Which segment each of ``n_slots`` flat slots belongs to (len(offsets)-1 for unused ones)."""
+    slots = torch.arange(n_slots, device=offsets.device, dtype=offsets.dtype)
+    return torch.searchsorted(offsets[1:].contiguous(), slots, right=True)
+
+
+def block_diagonals_of_offsets(offsets: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block diagonals a token slash at offset d lies in: floor(d/B) and ceil(d/B)."""
+    return offsets // block, (offsets + block - 1) // block
+
+
+@dataclass(frozen=True, eq=False)
+class VerticalSlashPattern:
+    """Per-document, per-head vertical-slash pattern (see the module docstring)."""
+
+    block: int
+    doc_len: torch.Tensor  # (D,) int64
+    blk_off: torch.Tensor  # (D+1,) int64: cumsum(ceil(doc_len / block))
+    slash: torch.Tensor  # (H, NB_total) bool
+    vert_off: torch.Tensor  # (D+1,) int64: slot capacity offsets
+    vert: torch.Tensor  # (H, NV_total) int64
+    n_vert: torch.Tensor  # (D, H) int64
+    dense: torch.Tensor  # (D,) bool
+
+    def __post_init__(self):
+        H, nbt = self.slash.shape
+        D = self.num_docs
+        dev = self.slash.device
+        blk_doc = _slot_owner(self.blk_off, nbt)  # (NB_total,) in [0, D]
+        base = torch.cat([self.blk_off[:-1], self.blk_off[-1:]])[blk_doc]
+        local = torch.arange(nbt, device=dev) - base  # Delta of each slot
+        set_bits = self.slash.to(torch.int64)
+        excl = _excl_cumsum(set_bits, 1)  # (H, NB_total + 1)
+        n_slash = (excl[:, self.blk_off[1:]] - excl[:, self.blk_off[:-1]]).T  # (D, H)
+        # Sorted list of each (doc, head)'s diagonals, compacted in its block slots.
+        rank = excl[:, :-1] - excl[:, base]
+        target = torch.where(self.slash, base[None, :] + rank, nbt)
+        lst = torch.full((H, nbt + 1), torch.iinfo(torch.int64).max, dtype=torch.int64, device=dev)
+        lst.scatter_(1, target, local[None, :].expand(H, -1).contiguous())
+        lst = lst[:, :nbt]
+        # Leading run of consecutive diagonals 0, 1, ..., run-1 (list[t] == t).
+        in_run = (lst == local[None, :]).to(torch.int64)
+        run = torch.zeros(D + 1, H, dtype=torch.int64, device=dev).index_add_(0, blk_doc, in_run.T)[:D]
+        # Verticals per key block, for prefix counts.
+        nvt = self.vert.shape[1]
+        vert_doc = _slot_owner(self.vert_off, nvt)
+        vdoc = vert_doc.clamp(max=max(D - 1, 0))
+        vlocal = torch.arange(nvt, device=dev) - self.vert_off[vdoc]
+        if D:
+            valid = (vert_doc < D)[None, :] & (vlocal[None, :] < self.n_vert[vdoc].T)
+            slot = torch.where(valid, self.blk_off[vdoc][None, :] + self.vert // self.block, nbt)
+        else:
+            valid = torch.zeros(H, nvt, dtype=torch.bool, device=dev)
+            slot = torch.full((H, nvt), nbt, dtype=torch.int64, device=dev)
+        vhist = torch.zeros(H, nbt + 1, dtype=torch.int64, device=dev).scatter_add_(1, slot, valid.to(torch.int64))
+        vexcl = _excl_cumsum(vhist[:, :nbt], 1)
+        for name, value in (("blk_doc", blk_doc), ("slash_excl", excl), ("n_slash", n_slash), ("slash_list", lst),
+                            ("run", run), ("vert_excl", vexcl), ("vert_doc", vert_doc)):
+            object.__setattr__(self, name, value)
+
+    # --- shape ---
+
+    @property
+    def num_docs(self) -> int:
+        return self.doc_len.numel()
+
+    @property
+    def num_heads(self) -> int:
+        return self.slash.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.slash.device
+
+    def num_blocks(self) -> torch.Tensor:
+        """(D,) ceil(doc_len / block)."""
+        return self.blk_off[1:] - self.blk_off[:-1]
+
+    def to(self, device) -> "VerticalSlashPattern":
+        return VerticalSlashPattern(self.block, *(getattr(self, n).to(device) for n in
+                                                   ("doc_len", "blk_off", "slash", "vert_off", "vert", "n_vert", "dense")))
+
+    # --- prefix counts the kernels and the cost model read (vectorised, (H, N) results) ---
+
+    def slash_le(self, doc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Number of diagonals Delta <= x of each (doc, head); x (N,) or (H, N), may be negative."""
+        nb = self.num_blocks()[doc]
+        start = self.blk_off[doc]
+        x = torch.broadcast_to(x, (self.num_heads, doc.numel()))
+        idx = start[None, :] + torch.minimum(torch.clamp(x + 1, min=0), nb[None, :])
+        return self.slash_excl.gather(1, idx) - self.slash_excl[:, start]
+
+    def vert_before_block(self, doc: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        """Number of vertical columns c with c // block < j; j (N,) or (H, N)."""
+        nb = self.num_blocks()[doc]
+        start = self.blk_off[doc]
+        j = torch.broadcast_to(j, (self.num_heads, doc.numel()))
+        idx = start[None, :] + torch.minimum(torch.clamp(j, min=0), nb[None, :])
+        return self.vert_excl.gather(1, idx) - self.vert_excl[:, start]
+
+    def vert_active(self, doc: torch.Tensor, qblock: torch.Tensor) -> torch.Tensor:
+        """Verticals the kernel visits for query block I: those with c // B <= I - run (H, N).
+
+        Key blocks I - run + 1 .. I are all slash tiles (diagonals 0..run-1), so a
+        vertical there is never attended as a vertical; later exclusions are masked
+        in the kernel.
+        """
+        run = self.run[doc].T  # (H, N)
+        return self.vert_before_block(doc, qblock[None, :] - run + 1)
+
+    # --- host-side constructors (tests, benchmarks) ---
+
+    @classmethod
+    def from_lists(cls, doc_lens: Sequence[int], slash: Sequence[Sequence[Sequence[int]]],
+                   vertical: Sequence[Sequence[Sequence[int]]], block: int, dense: Sequence[bool] | None = None,
+                   device="cpu") -> "VerticalSlashPattern":
+        """From Python lists: ``slash[d][h]`` block diagonals, ``vertical[d][h]`` columns.
+
+        Diagonal 0 is added where missing; diagonals outside [0, ceil(L/B)) and
+        columns outside [0, L) are dropped; duplicates are merged.
+        """
+        D = len(doc_lens)
+        H = len(slash[0]) if D else 1
+        nb = [math.ceil(L / block) for L in doc_lens]
+        dense = list(dense) if dense is not None else [False] * D
+        blk_off = [0]
+        for n in nb:
+            blk_off.append(blk_off[-1] + n)
+        sl = torch.zeros(H, blk_off[-1], dtype=torch.bool)
+        cols = [[sorted({int(c) for c in vertical[d][h] if 0 <= c < doc_lens[d]}) if not dense[d] else []
+                 for h in range(H)] for d in range(D)]
+        cap = [max([len(c) for c in cols[d]] + [0]) for d in range(D)]
+        vert_off = [0]
+        for c in cap:
+            vert_off.append(vert_off[-1] + c)
+        vt = torch.zeros(H, vert_off[-1], dtype=torch.int64)
+        nv = torch.zeros(D, H, dtype=torch.int64)
+        for d in range(D):
+            vt[:, vert_off[d]:vert_off[d + 1]] = doc_lens[d]
+            for h in range(H):
+                deltas = range(nb[d]) if dense[d] else {0} | {int(x) for x in slash[d][h] if 0 <= x < nb[d]}
+                for x in deltas:
+                    sl[h, blk_off[d] + x] = True
+                c = cols[d][h]
+                vt[h, vert_off[d]:vert_off[d] + len(c)] = torch.tensor(c, dtype=torch.int64)
+                nv[d, h] = len(c)
+        as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)
+        return cls(block, as_t(list(doc_lens)), as_t(blk_off), sl.to(device), as_t(vert_off), vt.to(device),
+                   nv.to(device), torch.tensor(dense, dtype=torch.bool, device=device))
+
+    @classmethod
+    def full(cls, doc_lens: Sequence[int], num_heads: int, block: int, device="cpu") -> "VerticalSlashPattern":
+        """Every document dense (all diagonals, no verticals): plain causal attention."""
+        D = len(doc_lens)
+        return cls.from_lists(doc_lens, [[[]] * num_heads] * D, [[[]] * num_heads] * D, block,
+                              dense=[True] * D, device=device)
+
+    @classmethod
+    def random(cls, doc_lens: Sequence[int], num_heads: int, block: int, n_slash: int, n_vertical: int,
+               generator: torch.Generator | None = None, device="cpu") -> "VerticalSlashPattern":
+        """Random diagonals (n_slash per head besides 0 and 1) and columns (n_vertical, sinks 0..3 among them)."""
+        g = generator or torch.Generator().manual_seed(0)
+        sl, vt = [], []
+        for L in doc_lens:
+            nb = math.ceil(L / block)
+            sl.append([[0, 1] + torch.randint(0, nb, (n_slash,), generator=g).tolist() for _ in range(num_heads)])
+            vt.append([list(range(min(4, L))) + torch.randint(0, L, (n_vertical,), generator=g).tolist()
+                       for _ in range(num_heads)])
+        return cls.from_lists(doc_lens, sl, vt, block, device=device)
+
+    # --- the attended set, explicitly (CPU twin and tests) ---
+
+    def doc_lists(self, doc: int) -> tuple[list[list[int]], list[list[int]]]:
+        """(diagonals per head, columns per head) of one document, on the host."""
+        a, b = int(self.blk_off[doc]), int(self.blk_off[doc + 1])
+        sl = self.slash[:, a:b].cpu()
+        deltas = [torch.nonzero(sl[h]).flatten().tolist() for h in range(self.num_heads)]
+        v0 = int(self.vert_off[doc])
+        nv = self.n_vert[doc].cpu().tolist()
+        vt = self.vert.cpu()
+        cols = [vt[h, v0:v0 + nv[h]].tolist() for h in range(self.num_heads)]
+        return deltas, cols
+
+    def mask(self, doc: int, q_len: int, k_len: int, device="cpu") -> torch.Tensor:
+        """(H, q_len, k_len) bool: the attended set of a segment of document ``doc``.
+
+        The segment's queries are the tail of its k_len keys (bottom-right):
+        query row j sits at position p = k_len - q_len + j.
+        """
+        H, B = self.num_heads, self.block
+        a, b = int(self.blk_off[doc]), int(self.blk_off[doc + 1])
+        diag = self.slash[:, a:b].to(device)  # (H, nb)
+        p = torch.arange(q_len, device=device) + (k_len - q_len)
+        c = torch.arange(k_len, device=device)
+        causal = (c[None, :] <= p[:, None]) & (p[:, None] >= 0)
+        delta = (p[:, None].div(B, rounding_mode="floor") - c[None, :] // B).clamp(min=0)
+        delta = delta.clamp(max=max(diag.shape[1] - 1, 0))
+        slash_tile = diag[:, delta] if diag.shape[1] else torch.zeros(H, q_len, k_len, dtype=torch.bool, device=device)
+        slash_tile = slash_tile & causal[None]
+        v0 = int(self.vert_off[doc])
+        is_vert = torch.zeros(H, k_len + 1, dtype=torch.bool, device=device)
+        nv = self.n_vert[doc].to(device)
+        slots = torch.arange(int(self.vert_off[doc + 1]) - v0, device=device)
+        cols = self.vert[:, v0:v0 + slots.numel()].to(device).clamp(max=k_len)
+        is_vert.scatter_(1, torch.where(slots[None, :] < nv[:, None], cols, k_len), True)
+        vert_hit = is_vert[:, None, :k_len] & causal[None] & ~slash_tile
+        return slash_tile | vert_hit
+
+
+# --- online estimation ---
+
+def _tail_queries(q: torch.Tensor, cu_q: torch.Tensor, n_last: torch.Tensor, width: int) -> torch.Tensor:
+    """(S, width, H, D) float32: each segment's last n_last[s] query rows, zero-padded after them."""
+    j = torch.arange(width, device=q.device)
+    rows = cu_q[1:, None] - n_last[:, None] + j[None, :]
+    valid = j[None, :] < n_last[:, None]
+    rows = torch.where(valid, rows, 0).clamp(0, max(q.shape[0] - 1, 0))
+    out = q[rows].float() if q.shape[0] else q.new_zeros(rows.shape + q.shape[1:], dtype=torch.float32)
+    return out * valid[:, :, None, None]
+
+
+def _select(mass: torch.Tensor, forced: torch.Tensor, seg: torch.Tensor, seg_start: torch.Tensor,
+            total: torch.Tensor, max_total: float, coverage: float, cap: int) -> torch.Tensor:
+    """Greedy top-mass selection per (segment, head) on flat (H, T) masses.
+
+    Within each segment, entries are taken in order of decreasing mass, forced ones
+    first, while the mass taken before an entry is below ``coverage * total`` and
+    fewer than ``cap`` are taken (forced entries always). Returns (H, T) bool.
+    """
+    H, T = mass.shape
+    big = 4.0 * max_total + 8.0  # above any mass (a mass is at most the total)
+    # Ascending sort by (segment, -priority): one float64 key, exact for these ranges.
+    prio = mass.double() + forced.double() * big
+    key = seg.double()[None, :] * (4.0 * big) - prio
+    order = torch.argsort(key, dim=1, stable=True)
+    sorted_mass = mass.double().gather(1, order)
+    excl = torch.cumsum(sorted_mass, 1) - sorted_mass
+    # Sorting kept segments in place, so sorted slot t still belongs to seg[t].
+    within = excl - excl[:, seg_start[seg]]
+    rank = torch.arange(T, device=mass.device)[None, :] - seg_start[seg][None, :]
+    take = forced.gather(1, order) | ((rank < cap) & (within < coverage * total.double()[seg][None, :]))
+    return torch.zeros_like(take).scatter_(1, order, take)
+
+
+@torch.no_grad()
+def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                            config: SparseConfig | None = None, *, scale: float | None = None,
+                            chunk: int = 2048, memory_elements: int = 1 << 27, return_selection: bool = False):
+    """Estimate one vertical-slash pattern per segment (= document) and query head.
+
+    Same layout as the kernels: segment s has queries q[cu_q[s]:cu_q[s+1]], the
+    tail of its keys k[cu_k[s]:cu_k[s+1]], bottom-right. The keys must be the
+    *whole* document (its full causal prefix), and the estimating queries are the
+    segment's last ``min(config.last_queries, q_len, k_len)`` rows, which must be
+    the document's last tokens: a CA-task server holds exactly this for the task
+    that ends a document (query shard [a, L) with keys [0, L)); pass that task's
+    segment. For a document split over servers, the server of its last shard
+    estimates and sends the pattern to the others (see REPORT / runtime hook).
+
+    Scores are exact softmax rows of the estimating queries over all keys of the
+    document (two passes over key chunks: log-sum-exp, then masses). Column mass
+    of key c: sum over estimating queries of P(q, c). Slash mass of offset d: sum
+    of P(q, pos(q) - d). Verticals and slashes are each selected greedily by mass
+    until ``coverage`` of the total is reached or the cap is hit; sinks (columns
+    < sink_tokens) and the local band (offsets < local_window) are always taken.
+    Documents shorter than ``min_doc_len`` are dense.
+
+    Vectorised over segments and heads: the only Python loop is over groups of key
+    chunks sized to ``memory_elements`` float32 scores (a bound from the tensor
+    shapes, not from their values), so nothing synchronises with the device.
+
+    Returns the pattern, or with ``return_selection`` a :class:`Selection` that
+    also holds the token-level choice and the masses it was made from.
+    """
+    cfg = config or SparseConfig()
+    B = cfg.block
+    dev = q.device
+    S = cu_k.numel() - 1
+    H, D_head = q.shape[1], q.shape[2]
+    H_kv = k.shape[1]
+    G = H // H_kv
+    T_k = k.shape[0]
+    scale = 1.0 / math.sqrt(D_head) if scale is None else scale
+    cu_q = cu_q.to(dev, torch.int64)
+    cu_k = cu_k.to(dev, torch.int64)
+    q_len, k_len = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    n_max = cfg.last_queries
+    n_last = torch.minimum(torch.minimum(q_len, k_len), torch.full_like(q_len, n_max))
+    qt = _tail_queries(q, cu_q, n_last, n_max)  # (S, n, H, D)
+    qt = qt.reshape(S, n_max, H_kv, G, D_head).permute(0, 2, 3, 1, 4).reshape(S, H_kv, G * n_max, D_head)
+
+    # Key chunks of C tokens, never crossing a segment; a static upper bound on their number.
+    C = chunk
+    n_ch = (k_len + C - 1) // C
+    ch_off = _excl_cumsum(n_ch)
+    NCH = T_k // C + S
+    ch_seg = _slot_owner(ch_off, NCH)  # S for unused chunks
+    seg_c = ch_seg.clamp(max=max(S - 1, 0))
+    ch_start = (torch.arange(NCH, device=dev) - ch_off[seg_c]) * C
+    per_chunk = H * n_max * C
+    group = max(1, memory_elements // per_chunk)
+    t_idx = torch.arange(C, device=dev)
+    j_idx = torch.arange(n_max, device=dev)
+
+    def chunk_scores(c0: int, c1: int):
+        seg, sg = ch_seg[c0:c1], seg_c[c0:c1]
+        pos = ch_start[c0:c1, None] + t_idx[None, :]  # key position in its document
+        kvalid = (seg < S)[:, None] & (pos < k_len[sg][:, None])
+        rows = (cu_k[sg][:, None] + pos).clamp(0, max(T_k - 1, 0))
+        kc = k[rows].float().permute(0, 2, 3, 1)  # (g, H_kv, D, C)
+        s = torch.matmul(qt[sg], kc).view(c1 - c0, H_kv, G, n_max, C).reshape(c1 - c0, H, n_max, C)
+        qpos = (k_len[sg] - n_last[sg])[:, None] + j_idx[None, :]  # (g, n)
+        ok = kvalid[:, None, :] & (pos[:, None, :] <= qpos[:, :, None]) & (j_idx[None, :, None] < n_last[sg][:, None, None])
+        return s.mul_(scale).masked_fill_(~ok[:, None], float("-inf")), seg, sg, pos, kvalid, qpos
+
+    # Pass 1: row log-sum-exp per segment, merged over its chunks.
+    ch_lse = torch.empty(NCH, H, n_max, device=dev)
+    for c0 in range(0, NCH, group):
+        c1 = min(NCH, c0 + group)
+        ch_lse[c0:c1] = torch.logsumexp(chunk_scores(c0, c1)[0], dim=-1)
+    idx = ch_seg[:, None, None].expand(-1, H, n_max)
+    m = torch.full((S + 1, H, n_max), float("-inf"), device=dev).scatter_reduce_(0, idx, ch_lse, "amax")
+    m_safe = torch.where(torch.isinf(m), 0.0, m)
+    sumexp = torch.zeros(S + 1, H, n_max, device=dev).index_add_(0, ch_seg, torch.exp(ch_lse - m_safe[ch_seg]))
+    seg_lse = (m_safe + torch.log(sumexp))[:S]  # -inf for padded rows
+
+    # Pass 2: column and diagonal masses, flat over document positions.
+    vmass = torch.zeros(H, T_k + 1, device=dev)
+    smass = torch.zeros(H, T_k + 1, device=dev)
+    for c0 in range(0, NCH, group):
+        c1 = min(NCH, c0 + group)
+        s, seg, sg, pos, kvalid, qpos = chunk_scores(c0, c1)
+        lse = seg_lse[sg]
+        p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])  # (g, H, n, C), 0 where masked
+        flat = torch.where(kvalid, cu_k[sg][:, None] + pos, T_k)  # (g, C)
+        vmass.index_put_((torch.arange(H, device=dev)[None, :, None], flat[:, None, :]), p.sum(2), accumulate=True)
+        # Diagonal sums by skewing: row j shifted right by j after flipping keys, then a column sum.
+        g = c1 - c0
+        skew = torch.nn.functional.pad(p.flip(-1), (0, n_max)).flatten(-2)[..., : n_max * (C + n_max - 1)]
+        diag = skew.view(g, H, n_max, C + n_max - 1).sum(2)  # (g, H, C + n - 1)
+        e = torch.arange(C + n_max - 1, device=dev)
+        d = (qpos[:, 0] - ch_start[c0:c1] - (C - 1))[:, None] + e[None, :]
+        dvalid = (seg < S)[:, None] & (d >= 0) & (d < k_len[sg][:, None])
+        dflat = torch.where(dvalid, cu_k[sg][:, None] + d, T_k)
+        smass.index_put_((torch.arange(H, device=dev)[None, :, None], dflat[:, None, :]), diag, accumulate=True)
+    vmass, smass = vmass[:, :T_k], smass[:, :T_k]
+
+    # Greedy selection per (segment, head).
+    pos_seg = _slot_owner(cu_k, T_k)  # segment of each flat key position
+    local = torch.arange(T_k, device=dev) - cu_k[pos_seg.clamp(max=max(S - 1, 0))]
+    total = n_last.double()
+    dense = k_len < cfg.min_doc_len
+    v_sel = _select(vmass, (local < cfg.sink_tokens)[None, :].expand(H, -1), pos_seg, cu_k, total,
+                    float(n_max), cfg.coverage, cfg.vertical_cap)
+    s_sel = _select(smass, (local < cfg.local_window)[None, :].expand(H, -1), pos_seg, cu_k, total,
+                    float(n_max), cfg.coverage, cfg.slash_cap)
+    sparse_pos = ~dense[pos_seg.clamp(max=max(S - 1, 0))][None, :]
+    v_sel &= sparse_pos
+    s_sel &= sparse_pos
+
+    # Verticals, compacted in position order into each segment's slots.
+    vcap = torch.minimum(k_len, torch.full_like(k_len, max(cfg.vertical_cap, cfg.sink_tokens)))
+    vcap = torch.where(dense, 0, vcap)
+    vert_off = _excl_cumsum(vcap)
+    NVT = min(T_k, S * max(cfg.vertical_cap, cfg.sink_tokens))
+    vsel_i = v_sel.to(torch.int64)
+    rank = torch.cumsum(vsel_i, 1) - vsel_i - _excl_cumsum(vsel_i, 1)[:, cu_k[pos_seg.clamp(max=max(S - 1, 0))]]
+    slot = torch.where(v_sel, vert_off[pos_seg.clamp(max=max(S - 1, 0))][None, :] + rank, NVT)
+    vert_doc = _slot_owner(vert_off, NVT)
+    vert = k_len[vert_doc.clamp(max=max(S - 1, 0))][None, :].expand(H, -1).clone()
+    vert = torch.cat([vert, vert[:, :1]], 1).scatter_(1, slot, local[None, :].expand(H, -1).contiguous())[:, :NVT]
+    vexcl = _excl_cumsum(vsel_i, 1)
+    n_vert = (vexcl[:, cu_k[1:]] - vexcl[:, cu_k[:-1]]).T.contiguous()
+
+    # Slashes -> block diagonals; dense documents get every diagonal.
+    nb = (k_len + B - 1) // B
+    blk_off = _excl_cumsum(nb)
+    NBT = T_k // B + S
+    bm = torch.zeros(H, NBT + 1, dtype=torch.int64, device=dev)
+    base = blk_off[pos_seg.clamp(max=max(S - 1, 0))][None, :]
+    nb_pos = nb[pos_seg.clamp(max=max(S - 1, 0))]
+    for dg in block_diagonals_of_offsets(local, B):
+        # ceil(d / B) can reach nb, a diagonal no query block of the document has: drop it.
+        ok = s_sel & (dg < nb_pos)[None, :]
+        bm.scatter_add_(1, torch.where(ok, base + dg[None, :], NBT), ok.to(torch.int64))
+    slash = bm[:, :NBT] > 0
+    blk_doc = _slot_owner(blk_off, NBT)
+    slash |= (blk_doc < S)[None, :] & dense[blk_doc.clamp(max=max(S - 1, 0))][None, :]
+    # Diagonal 0 always (it is in the local band unless local_window is 0 ... which config forbids).
+    first = torch.zeros(NBT + 1, dtype=torch.bool, device=dev)
+    first.scatter_(0, torch.where(nb > 0, blk_off[:-1], NBT), True)
+    slash |= first[None, :NBT]
+    pattern = VerticalSlashPattern(B, k_len, blk_off, slash, vert_off, vert, n_vert, dense)
+    if return_selection:
+        return Selection(pattern, v_sel, s_sel, vmass, smass, n_last)
+    return pattern
+
+
+@dataclass(frozen=True, eq=False)
+class Selection:
+    """What the estimator chose at token level, flat over key positions (H, T_k).
+
+    ``vertical[h, t]``: key position t (of its segment) is a chosen column;
+    ``slash[h, t]``: offset d = t - cu_k[segment] is a chosen slash. Masses are the
+    estimating queries' column / diagonal sums (each segment's total = ``n_last``).
+    """
+
+    pattern: VerticalSlashPattern
+    vertical: torch.Tensor
+    slash: torch.Tensor
+    vertical_mass: torch.Tensor
+    slash_mass: torch.Tensor
+    n_last: torch.Tensor
+
+
+# --- moving patterns between servers ---
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s + n) for each (s, n), vectorised."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(total, dtype=np.int64)
+
+
+def packed_sizes(doc_lens, num_heads: int, config: SparseConfig) -> np.ndarray:
+    """int32 words of each document's packed pattern, from host-known lengths alone:
+    H x ceil(L/B) diagonal flags, H x vertical capacity columns, H counts."""
+    L = np.asarray(doc_lens, dtype=np.int64)
+    nb = -(-L // config.block)
+    return num_heads * (nb + _vertical_capacity(L, config) + 1)
+
+
+def _vertical_capacity(L: np.ndarray, config: SparseConfig) -> np.ndarray:
+    cap = np.minimum(L, max(config.vertical_cap, config.sink_tokens))
+    return np.where(L < config.min_doc_len, 0, cap)
+
+
+def _pack_index(doc_lens: np.ndarray, H: int, config: SparseConfig):
+    """For each packed word of documents with these lengths, in order: (part, h, slot within the doc).
+
+    Per document: [diagonal flags h-major | vertical columns h-major | counts]."""
+    L = np.asarray(doc_lens, dtype=np.int64)
+    nb = -(-L // config.block)
+    vc = _vertical_capacity(L, config)
+    parts = []
+    for kind, width in ((0, nb), (1, vc), (2, np.ones_like(nb))):
+        n = H * width
+        word = _ranges(np.zeros_like(n), n)  # position inside this part of its document
+        doc = np.repeat(np.arange(len(L)), n)
+        w = np.maximum(width[doc], 1)
+        parts.append((kind, doc, word // w, word % w))
+    return parts, nb, vc
+
+
+def pack_pattern(pattern: VerticalSlashPattern, docs, doc_lens, config: SparseConfig) -> torch.Tensor:
+    """Pattern rows of documents ``docs`` (indices into ``pattern``, host ints) as one int32 buffer.
+
+    ``doc_lens`` are those documents' lengths on the host (the plan knows them), so
+    sizes and index maps need no device read. Per document the buffer holds
+    ``packed_sizes`` words; concatenated in the order of ``docs``.
+    """
+    docs = np.asarray(docs, dtype=np.int64)
+    H = pattern.num_heads
+    parts, nb, vc = _pack_index(doc_lens, H, config)
+    dev = pattern.device
+    d_t = torch.as_tensor(docs, device=dev)
+    blk0, vert0 = pattern.blk_off[d_t], pattern.vert_off[d_t]
+    pieces = []
+    for kind, doc, h, slot in parts:
+        doc_t, h_t, slot_t = (torch.as_tensor(x, device=dev) for x in (doc, h, slot))
+        if kind == 0:
+            pieces.append(pattern.slash[h_t, blk0[doc_t] + slot_t].to(torch.int32))
+        elif kind == 1:
+            pieces.append(pattern.vert[h_t, vert0[doc_t] + slot_t].to(torch.int32))
+        else:
+            pieces.append(pattern.n_vert[d_t[doc_t], h_t].to(torch.int32))
+    # Interleave per document: [flags, columns, counts] of doc 0, then doc 1, ...
+    sizes = np.stack([H * nb, H * vc, np.full_like(nb, H)], 1)
+    order = np.argsort(np.concatenate([np.repeat(np.arange(len(docs)) * 3 + k, sizes[:, k]) for k in range(3)]),
+                       kind="stable")
+    return torch.cat(pieces)[torch.as_tensor(order, device=dev)]
+
+
+def unpack_patterns(buffer: torch.Tensor, doc_lens, num_heads: int, config: SparseConfig) -> VerticalSlashPattern:
+    """Inverse of :func:`pack_pattern` over a concatenation of packed documents."""
+    L = np.asarray(doc_lens, dtype=np.int64)
+    H = num_heads
+    dev = buffer.device
+    parts, nb, vc = _pack_index(L, H, config)
+    sizes = np.stack([H * nb, H * vc, np.full_like(nb, H)], 1)
+    start = np.concatenate([[0], np.cumsum(sizes.sum(1))])[:-1]
+    blk_off = np.concatenate([[0], np.cumsum(nb)])
+    vert_off = np.concatenate([[0], np.cumsum(vc)])
+    slash = torch.zeros(H, int(blk_off[-1]), dtype=torch.bool, device=dev)
+    vert = torch.zeros(H, int(vert_off[-1]), dtype=torch.int64, device=dev)
+    n_vert = torch.zeros(len(L), H, dtype=torch.int64, device=dev)
+    for kind, doc, h, slot in parts:
+        src = start[doc] + sizes[doc, :kind].sum(1) + h * ([nb, vc, np.ones_like(nb)][kind][doc]) + slot
+        values = buffer[torch.as_tensor(src, device=dev)]
+        h_t, doc_t, slot_t = (torch.as_tensor(x, device=dev) for x in (h, doc, slot))
+        if kind == 0:
+            slash[h_t, torch.as_tensor(blk_off[doc], device=dev) + slot_t] = values != 0
+        elif kind == 1:
+            vert[h_t, torch.as_tensor(vert_off[doc], device=dev) + slot_t] = values.to(torch.int64)
+        else:
+            n_vert[doc_t, h_t] = values.to(torch.int64)
+    as_t = lambda x: torch.as_tensor(x, dtype=torch.int64, device=dev)
+    return VerticalSlashPattern(config.block, as_t(L), as_t(blk_off), slash, as_t(vert_off), vert, n_vert,
+                                torch.as_tensor(L < config.min_doc_len, device=dev))

@@ -1,0 +1,233 @@
+"""Training configuration: one dataclass, read from one YAML file, every key overridable on the command line.
+
+A YAML file holds a flat mapping of the fields below (``model_args`` and
+``data_args`` are nested mappings passed on to the model preset and the data
+source). ``attnpool train --config FILE --steps 50 --attention cad`` reads the
+file, then applies the flags; an unknown key in the file is an error, as is an
+unknown flag. Validation happens here, before any process is started, so a bad
+value is refused on every rank alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+from attnpool.errors import ConfigError
+from attnpool.plan import STRATEGIES
+
+PRECISIONS = ("auto", "bf16", "fp32")
+CHECKPOINTING = ("none", "full", "keep_attention")
+DEVICES = ("auto", "cpu", "cuda")
+DATA_KINDS = ("stdlib", "synthetic", "text", "npy", "jsonl")
+# The source option that ``data_path`` fills, per source kind.
+DATA_PATH_OPTION = {"text": "paths", "npy": "tokens_path", "jsonl": "path"}
+
+
+def _help(text: str, **kw):
+    return field(metadata={"help": text}, **kw)
+
+
+@dataclass
+class TrainConfig:
+    # Model
+    model: str = _help("model preset: tiny, llama3-8b, llama-34b, qwen2.5-3b", default="tiny")
+    model_args: dict = _help("model fields to override, e.g. n_layers=2 dim=64", default_factory=dict)
+    # Data
+    data: str = _help(f"document source: {', '.join(DATA_KINDS)}", default="stdlib")
+    data_path: str | None = _help("text: file, directory or glob; npy: tokens .npy; jsonl: .jsonl file", default=None)
+    data_args: dict = _help("more source options, e.g. offsets_path=... tokenizer_path=... dist=prolong", default_factory=dict)
+    tokens_per_rank: int = _help("tokens per rank per step (the global batch is nproc x this)", default=1024)
+    max_doc_len: int | None = _help("cut longer documents into pieces of this many tokens", default=None)
+    seed: int = _help("seed of the initial weights and of the document order", default=0)
+    # Core attention
+    attention: str = _help(f"core attention strategy: {', '.join(STRATEGIES)}", default="cad")
+    cost_model: str = _help("attention cost model: table (measured H200), pairs, or a cost-table JSON", default="table")
+    min_shard: int | None = _help("smallest query shard a scheduler may cut (default: from the cost model)", default=None)
+    eps: float = _help("cad balances until max/mean attention load <= 1 + eps", default=0.02)
+    memory_cap: float = _help("wlb: tokens per rank may reach this multiple of tokens_per_rank", default=1.1)
+    kernel: str | None = _help("core attention kernel: reference or flash (default: flash for bf16 on CUDA)", default=None)
+    # Optimisation
+    steps: int = _help("optimizer steps of the whole run (the schedule's length)", default=100)
+    lr: float = _help("peak learning rate", default=3e-4)
+    min_lr_ratio: float = _help("the cosine decays to lr x this", default=0.1)
+    warmup_steps: int = _help("linear warmup steps", default=10)
+    weight_decay: float = _help("AdamW weight decay (matrices only)", default=0.1)
+    beta1: float = _help("AdamW beta1", default=0.9)
+    beta2: float = _help("AdamW beta2", default=0.95)
+    grad_clip: float = _help("clip the gradient norm to this (0: off)", default=1.0)
+    precision: str = _help("auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32", default="auto")
+    activation_checkpointing: str = _help("none, full (recompute each layer) or keep_attention (recompute all but core attention)",
+                                          default="none")
+    # Run
+    nproc: int = _help("processes to start on this machine (CPU: gloo; under torchrun leave at 1)", default=1)
+    device: str = _help("auto, cpu or cuda", default="auto")
+    out: str = _help("run directory: metrics.jsonl, checkpoints/, summary.png", default="runs/train")
+    checkpoint_every: int = _help("save a checkpoint every this many steps (0: only at the end)", default=0)
+    resume: bool = _help("continue from the latest checkpoint in OUT/checkpoints", default=False)
+    stop_at: int | None = _help("stop (and checkpoint) after this step without changing the schedule", default=None)
+    progress: bool = _help("show a progress bar on rank 0", default=True)
+
+    def __post_init__(self):
+        for f in fields(self):
+            setattr(self, f.name, _coerce(f, getattr(self, f.name)))
+        if self.data not in DATA_KINDS:
+            raise ConfigError("data", self.data, f"unknown source; choose one of {', '.join(DATA_KINDS)}")
+        if self.data_path is not None and self.data not in DATA_PATH_OPTION:
+            raise ConfigError("data_path", self.data_path, f"the {self.data} source takes no path")
+        if self.data in DATA_PATH_OPTION and self.data_path is None and DATA_PATH_OPTION[self.data] not in self.data_args:
+            raise ConfigError("data_path", None, f"the {self.data} source needs a path")
+        _at_least("tokens_per_rank", self.tokens_per_rank, 1, "the token budget per rank")
+        if self.max_doc_len is not None:
+            _at_least("max_doc_len", self.max_doc_len, 1)
+        _at_least("seed", self.seed, 0)
+        if self.attention not in STRATEGIES:
+            raise ConfigError("attention", self.attention, f"unknown strategy; choose one of {', '.join(STRATEGIES)}")
+        if self.min_shard is not None:
+            _at_least("min_shard", self.min_shard, 1)
+        if not 0.0 <= self.eps < 1.0:
+            raise ConfigError("eps", self.eps, "must be in [0, 1)")
+        if not self.memory_cap >= 1.0:
+            raise ConfigError("memory_cap", self.memory_cap, "must be >= 1.0")
+        if self.kernel not in (None, "reference", "flash"):
+            raise ConfigError("kernel", self.kernel, "must be reference or flash (or unset)")
+        _at_least("steps", self.steps, 1)
+        if not self.lr > 0:
+            raise ConfigError("lr", self.lr, "must be positive")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError("min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        _at_least("warmup_steps", self.warmup_steps, 0)
+        if not self.weight_decay >= 0:
+            raise ConfigError("weight_decay", self.weight_decay, "must be >= 0")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(name, getattr(self, name), "must be in [0, 1)")
+        if not self.grad_clip >= 0:
+            raise ConfigError("grad_clip", self.grad_clip, "must be >= 0 (0 turns clipping off)")
+        for name, allowed in (("precision", PRECISIONS), ("activation_checkpointing", CHECKPOINTING), ("device", DEVICES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(name, getattr(self, name), f"choose one of {', '.join(allowed)}")
+        _at_least("nproc", self.nproc, 1)
+        if not self.out:
+            raise ConfigError("out", self.out, "needs a run directory")
+        _at_least("checkpoint_every", self.checkpoint_every, 0)
+        if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
+            raise ConfigError("stop_at", self.stop_at, f"must be in [1, steps={self.steps}]")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+FIELDS = {f.name: f for f in fields(TrainConfig)}
+
+
+def _at_least(name: str, value, low: int, what: str | None = None):
+    if value < low:
+        raise ConfigError(name, value, f"{what + ' ' if what else ''}must be at least {low}")
+
+
+def field_kind(f) -> str:
+    """'int', 'float', 'str', 'bool' or 'dict' from the field's annotation (a string here)."""
+    return str(f.type).split("|")[0].strip()
+
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([kKmMgG]?)\s*$")
+
+
+def _parse_size(name: str, text: str) -> int:
+    """'4096' -> 4096, '4K' -> 4096, '1M' -> 1048576."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ConfigError(name, text, "must be an integer (sizes like 4K allowed)")
+    return int(m.group(1)) * 1024 ** "_KMG".index(m.group(2).upper() or "_")
+
+
+def _coerce(f, value):
+    """Check one value against its field's type; numbers given as strings ('3e-4', '4K') are read."""
+    kind = field_kind(f)
+    optional = "None" in str(f.type)
+    if optional and isinstance(value, str) and value.lower() in ("none", "null"):
+        value = None
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f.name, value, f"needs a value ({kind})")
+    if kind == "dict":
+        if not isinstance(value, dict):
+            raise ConfigError(f.name, value, "must be a mapping of names to values")
+        return dict(value)
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f.name, value, "must be true or false")
+    if kind == "int":
+        if isinstance(value, bool):
+            raise ConfigError(f.name, value, "must be an integer")
+        if isinstance(value, str):
+            return _parse_size(f.name, value)
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if not isinstance(value, int):
+            raise ConfigError(f.name, value, "must be an integer")
+        return value
+    if kind == "float":
+        if isinstance(value, bool):
+            raise ConfigError(f.name, value, "must be a number")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f.name, value, "must be a number") from None
+    if not isinstance(value, (str, Path)):
+        raise ConfigError(f.name, value, "must be a string")
+    return str(value)
+
+
+def read_yaml(path: str | os.PathLike) -> dict:
+    """The mapping in a YAML config file (refused with ConfigError if missing or malformed)."""
+    path = str(path)
+    if not os.path.isfile(path):
+        raise ConfigError("config", path, "no such file")
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh)
+    except yaml.YAMLError as exc:
+        raise ConfigError("config", path, f"not valid YAML ({str(exc).splitlines()[0]})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("config", path, f"must hold a mapping of keys to values, not a {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: dict | None = None) -> TrainConfig:
+    """The config in ``path`` (defaults if None) with ``overrides`` applied on top.
+
+    Dict-valued keys (``model_args``, ``data_args``) are merged key by key, so
+    ``--model-args n_layers=2`` keeps the file's other model arguments.
+    """
+    values = read_yaml(path) if path is not None else {}
+    where = f"in {path}" if path is not None else ""
+    for source, mapping in ((where, values), ("", overrides or {})):
+        unknown = sorted(set(mapping) - set(FIELDS))
+        if unknown:
+            raise ConfigError("config", unknown[0], f"unknown key{' ' + source if source else ''}; known keys: "
+                              f"{', '.join(FIELDS)}")
+    merged = dict(values)
+    for key, value in (overrides or {}).items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return TrainConfig(**merged)
+
+
+def save_config(config: TrainConfig, path: str | os.PathLike) -> None:
+    with open(path, "w") as fh:
+        yaml.safe_dump(config.to_dict(), fh, sort_keys=False)

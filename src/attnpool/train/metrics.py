@@ -1,0 +1,296 @@
+"""What a run reports: per-step metrics in ``metrics.jsonl``, a progress bar, a summary and a plot.
+
+Times (all in seconds, per step):
+
+- ``step_time_s``: rank 0's wall time from taking the batch to the end of the
+  optimizer step and the loss all-gather (which waits for every rank).
+- ``plan_time_s``: rank 0's layout and planning time (every rank plans the same).
+- ``attention_time_s``: time inside core attention, forward and backward, summed
+  over layers, the slowest rank's (:class:`AttentionTimer`).
+- ``comm_time_s``: time inside core attention's all-to-all calls, the slowest
+  rank's. Measured, not estimated (wall time on CPU, CUDA events on GPU); it
+  includes waiting for the slowest peer. ``comm_bytes`` are the bytes all ranks
+  sent to other ranks.
+- ``peak_memory_bytes``: the largest rank's peak: CUDA allocator peak during the
+  step on GPU, the process's peak resident set size (since start) on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+
+import numpy as np
+import torch
+
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+PLOT_FILE = "summary.png"
+
+
+class _Clock:
+    """Adds up intervals between start() and stop() marks; CUDA events on GPU, wall time on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.seconds_cpu = 0.0
+        self.open: list = []  # starts without a stop yet
+        self.pairs: list = []
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self):
+        self.open.append(self._now())
+
+    def stop(self):
+        start, end = self.open.pop(), self._now()
+        if self.cuda:
+            self.pairs.append((start, end))
+        else:
+            self.seconds_cpu += end - start
+
+    def seconds(self) -> float:
+        total = self.seconds_cpu
+        for start, end in self.pairs:
+            end.synchronize()
+            total += start.elapsed_time(end) / 1e3
+        return total
+
+
+class _Mark(torch.autograd.Function):
+    """Identity whose backward calls ``action``: marks when gradients pass a point."""
+
+    @staticmethod
+    def forward(ctx, action, *xs):
+        ctx.action = action
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.action()
+        return (None, *grads)
+
+
+class AttentionTimer:
+    """Wraps core attention ``(q, k, v) -> out`` and times it, forward and backward, over all layers.
+
+    Forward: the call itself. Backward: from the gradient reaching ``out`` to the
+    gradients of q, k and v leaving core attention's backward (two identity marks).
+    """
+
+    def __init__(self, attention, device: torch.device):
+        self.attention = attention
+        self.clock = _Clock(device)
+
+    def __call__(self, q, k, v):
+        if q.requires_grad:
+            q, k, v = _Mark.apply(self.clock.stop, q, k, v)
+        self.clock.start()
+        out = self.attention(q, k, v)
+        self.clock.stop()
+        if out.requires_grad:
+            (out,) = _Mark.apply(self.clock.start, out)
+        return out
+
+    def seconds(self) -> float:
+        return self.clock.seconds()
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+class MetricsLog:
+    """``metrics.jsonl`` in the run directory, one JSON object per step (written by rank 0 only).
+
+    A resumed run keeps the rows up to the step it resumes from and drops any
+    later ones (written after that checkpoint by the run that stopped).
+    """
+
+    def __init__(self, out: str, write: bool, resume_step: int | None):
+        self.path = os.path.join(out, METRICS_FILE)
+        self.write = write
+        self.rows: list[dict] = []
+        if resume_step is not None and os.path.isfile(self.path):
+            with open(self.path) as fh:
+                rows = [json.loads(line) for line in fh if line.strip()]
+            self.rows = [r for r in rows if r.get("step", 0) <= resume_step]
+
+    def start(self) -> None:
+        """(Re)write the file with the rows kept so far. Call once every rank has read it."""
+        if self.write:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            with open(self.path, "w") as fh:
+                for row in self.rows:
+                    fh.write(json.dumps(row) + "\n")
+
+    def append(self, row: dict) -> None:
+        self.rows.append(row)
+        if self.write:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+
+
+def _fmt_rate(x: float) -> str:
+    return f"{x / 1e3:.1f}K" if x < 1e6 else f"{x / 1e6:.2f}M"
+
+
+class Progress:
+    """A rich progress bar on a terminal (rank 0): loss, tokens/s, attention balance before -> after.
+
+    Without a terminal (logs, CI) it prints a plain line about every 5% of the run.
+    """
+
+    def __init__(self, enabled: bool, total: int, start: int, strategy: str):
+        self.enabled = enabled
+        self.total, self.strategy = total, strategy
+        self.bar = None
+        if not enabled:
+            return
+        from rich.console import Console
+
+        self.console = Console()
+        self.every = max(1, total // 20)
+        if self.console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
+
+            self.bar = RichProgress(
+                TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("loss [cyan]{task.fields[loss]}[/]"), TextColumn("{task.fields[rate]} tok/s"),
+                TextColumn("attention max/mean {task.fields[balance]}"), TimeRemainingColumn(),
+                console=self.console)
+            self.task = self.bar.add_task("train", total=total, completed=start, loss="-", rate="-", balance="-")
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+
+    def update(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        balance = f"local {row['imbalance_before']:.2f} -> {self.strategy} {row['imbalance_after']:.2f}"
+        if self.bar is not None:
+            self.bar.update(self.task, completed=row["step"], loss=f"{row['loss']:.3f}",
+                            rate=_fmt_rate(row["tokens_per_s"]), balance=balance)
+        elif row["step"] % self.every == 0 or row["step"] in (1, self.total):
+            self.console.print(f"step {row['step']}/{self.total}  loss {row['loss']:.3f}  "
+                               f"{_fmt_rate(row['tokens_per_s'])} tok/s  attention max/mean {balance}",
+                               highlight=False)
+
+
+def summarize(rows: list[dict], last_loads: dict | None, info: dict) -> dict:
+    """The run's summary: losses, throughput, and the attention balance local would have had vs the plan's."""
+    loss = [r["loss"] for r in rows]
+    tail = max(1, min(10, len(rows) // 10))
+    times = [r["step_time_s"] for r in rows]
+
+    def mean(key):
+        return float(np.mean([r[key] for r in rows]))
+
+    summary = dict(info)
+    summary.update({
+        "steps_run": len(rows),
+        "first_loss": loss[0],
+        "last_loss": loss[-1],
+        "last_loss_mean": float(np.mean(loss[-tail:])),
+        "last_loss_steps": tail,
+        "tokens_per_s": float(np.sum([r["tokens"] for r in rows]) / np.sum(times)),
+        "imbalance_local_mean": mean("imbalance_before"),
+        "imbalance_planned_mean": mean("imbalance_after"),
+        "imbalance_local_last": rows[-1]["imbalance_before"],
+        "imbalance_planned_last": rows[-1]["imbalance_after"],
+        "attention_time_s_mean": mean("attention_time_s"),
+        "comm_time_s_mean": mean("comm_time_s"),
+        "comm_bytes_mean": mean("comm_bytes"),
+        "step_time_s_mean": float(np.mean(times)),
+        "peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows),
+    })
+    if last_loads is not None:
+        summary["last_step_loads"] = last_loads
+    return summary
+
+
+def print_summary(summary: dict, files: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    s = summary
+    console = Console()
+    console.print(f"[bold]attnpool train[/]: {s['model']} ({s['params'] / 1e6:.2f}M params), {s['world']} ranks x "
+                  f"{s['tokens_per_rank']} tokens, {s['strategy']} attention", highlight=False)
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("steps", f"{s['start_step'] + 1}..{s['end_step']} of {s['steps']} in {s['wall_s']:.0f} s")
+    last = s["end_step"]
+    table.add_row("loss", f"{s['first_loss']:.3f} at step 1 -> {s['last_loss_mean']:.3f} mean of steps "
+                          f"{last - s['last_loss_steps'] + 1}..{last} (step {last}: {s['last_loss']:.3f})")
+    table.add_row("throughput", f"{_fmt_rate(s['tokens_per_s'])} tokens/s, {s['step_time_s_mean']:.3f} s/step")
+    table.add_row("attention max/mean", f"local would have had {s['imbalance_local_mean']:.3f} (last step "
+                                        f"{s['imbalance_local_last']:.3f}); {s['strategy']} reached "
+                                        f"{s['imbalance_planned_mean']:.3f} (last step {s['imbalance_planned_last']:.3f})")
+    table.add_row("per step", f"core attention {s['attention_time_s_mean']:.3f} s, of it all-to-all "
+                              f"{s['comm_time_s_mean']:.3f} s; {s['comm_bytes_mean'] / 2**20:.2f} MiB sent")
+    table.add_row("peak memory", f"{s['peak_memory_bytes'] / 2**20:.0f} MiB (largest rank)")
+    table.add_row("files", "\n".join(files))
+    console.print(table, highlight=False)
+
+
+def plot_run(rows: list[dict], last_loads: dict | None, strategy: str, path: str) -> None:
+    """Loss curve, and the per-rank attention load of the last step: local vs the plan."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_load) = plt.subplots(1, 2, figsize=(11, 3.8))
+    steps = [r["step"] for r in rows]
+    loss = np.asarray([r["loss"] for r in rows])
+    ax_loss.plot(steps, loss, lw=0.8, color="#9ecae1", label="per step")
+    if len(loss) >= 10:  # each step is a few documents: show the trend as well
+        k = max(5, len(loss) // 15)
+        smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
+        ax_loss.plot(steps[k - 1:], smooth, lw=1.6, color="#1f77b4", label=f"mean of {k} steps")
+        ax_loss.legend(fontsize=8)
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("loss (mean over tokens)")
+    ax_loss.set_title("training loss", fontsize=10)
+    ax_loss.grid(alpha=0.3)
+    if last_loads is not None:
+        before = np.asarray(last_loads["local"], dtype=float)
+        after = np.asarray(last_loads["planned"], dtype=float)
+        mean = after.mean() if after.mean() > 0 else 1.0
+        x = np.arange(len(before))
+        width = 0.4
+        ax_load.bar(x - width / 2, before / mean, width, color="#bbbbbb",
+                    label=f"local (max/mean {before.max() / mean:.2f})")
+        ax_load.bar(x + width / 2, after / mean, width, color="#1f77b4",
+                    label=f"{strategy} (max/mean {after.max() / mean:.2f})")
+        ax_load.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax_load.set_xticks(x)
+        ax_load.set_xlabel("rank")
+        ax_load.set_ylabel("attention load / mean")
+        ax_load.set_title(f"attention load per rank, step {rows[-1]['step']} ({last_loads['unit']})", fontsize=10)
+        ax_load.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

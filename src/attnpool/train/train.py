@@ -1,0 +1,461 @@
+"""The training loop: FSDP2 data parallelism, with core attention planned once per step.
+
+One step, on every rank::
+
+    batch = stream.next_batch()               # the same global batch on every rank (same seed)
+    layout, plan = plan_batch(batch, ...)     # who holds which tokens; who computes which attention shard
+    loss = model(tokens, positions, core_attention(plan))  -> backward -> clip -> AdamW -> lr schedule
+
+The model never sees the strategy: its attention is ``core_attention`` bound to
+this step's plan, reused by every layer. Every rank plans the same batch the
+same way, so the plans agree (core_attention checks their fingerprints).
+
+The loss is the mean over every real token of the global batch, however the
+tokens are spread: each rank divides its summed token loss by the global
+label-token count, and FSDP is told to sum gradients over ranks instead of
+averaging them.
+
+Launching (:func:`run`): under torchrun, one process per GPU; otherwise ``nproc``
+processes started here (gloo on CPU, NCCL on CUDA). Bad input is refused before
+any process starts; what can only be checked on a rank is checked on every rank
+and agreed on (:func:`agree`) before the first collective that depends on it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import pickle
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from attnpool.comm import comm_stats
+from attnpool.data import IGNORE_INDEX, DocumentStream, GlobalBatch, RankTensors, make_source
+from attnpool.errors import ConfigError
+from attnpool.model import ModelConfig, Transformer, apply_activation_checkpointing, model_config
+from attnpool.plan import AttentionShape, PieceTable, linear_layout, load_cost_model, plan_attention, wlb_layout
+from attnpool.plan.metrics import PlanMetrics
+from attnpool.plan.plan import Plan
+from attnpool.runtime import core_attention
+from attnpool.train.checkpoint import (check_compatible, checkpoint_path, checkpoint_root, latest_checkpoint,
+                                       load_checkpoint, save_checkpoint)
+from attnpool.train.config import DATA_PATH_OPTION, TrainConfig, save_config
+from attnpool.train.metrics import (PLOT_FILE, SUMMARY_FILE, AttentionTimer, MetricsLog, Progress, peak_memory_bytes,
+                                    plot_run, print_summary, reset_peak_memory, summarize)
+
+# Models above this many weights are built on the meta device and initialised
+# shard by shard; smaller ones are built whole first, so their initial weights do
+# not depend on the number of ranks.
+META_INIT_PARAMS = 1_000_000_000
+
+
+# --- What a run is built from (checked before any process group exists) ---------------------
+
+
+@dataclass
+class Setup:
+    model_config: ModelConfig
+    source: object  # a DocumentSource
+    cost_model: object
+    resume_from: str | None  # checkpoint directory, when resuming
+
+
+def build_source(config: TrainConfig, vocab_size: int):
+    options = dict(config.data_args)
+    if config.data_path is not None:
+        options[DATA_PATH_OPTION[config.data]] = config.data_path
+    if config.data == "synthetic":
+        options.setdefault("dist", "pretrain")
+        options.setdefault("vocab_size", vocab_size)
+        options.setdefault("seed", config.seed)
+    if config.data == "npy":
+        options.setdefault("vocab_size", vocab_size)  # token ids are then checked against the model
+    source = make_source(config.data, **options)
+    if source.vocab_size is not None and source.vocab_size > vocab_size:
+        raise ConfigError("data", config.data, f"has {source.vocab_size} token ids but the model's vocab_size is "
+                                               f"{vocab_size}; raise it with --model-args vocab_size=N")
+    return source
+
+
+def prepare(config: TrainConfig) -> Setup:
+    """Build and check everything that needs no process group: model config, data source, cost model, checkpoint."""
+    model_cfg = model_config(config.model, **config.model_args)
+    source = build_source(config, model_cfg.vocab_size)
+    cost_model = load_cost_model(config.cost_model)
+    found = latest_checkpoint(config.out)
+    if config.resume:
+        if found is None:
+            raise ConfigError("resume", config.out, f"no finished checkpoint in {checkpoint_root(config.out)}")
+        check_compatible(found, model_cfg)
+    elif found is not None:
+        raise ConfigError("out", config.out, "holds checkpoints of an earlier run: pass --resume to continue it, "
+                                             "or choose another --out")
+    return Setup(model_cfg, source, cost_model, found if config.resume else None)
+
+
+def resolve_device(config: TrainConfig) -> str:
+    if config.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", "cuda", "no CUDA device is available")
+    return config.device
+
+
+def agree(build):
+    """``build()`` on every rank; if it raises ConfigError on any rank, the same error is raised on every rank."""
+    try:
+        result, problem = build(), None
+    except ConfigError as exc:
+        result, problem = None, _portable(exc)
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    failed = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if failed:
+        r, (field, value, text) = failed[0]
+        if len(failed) < len(problems):
+            text = f"{text} (on rank {r}; {len(failed)} of {len(problems)} ranks failed)"
+        raise ConfigError(field, value, text)
+    return result
+
+
+def _portable(exc: ConfigError) -> tuple:
+    """(field, value, problem), with the value replaced by its repr if it does not pickle."""
+    value = exc.value
+    try:
+        pickle.dumps(value)
+    except Exception:
+        value = repr(value)
+    return exc.field, value, exc.problem
+
+
+# --- Model, optimizer, schedule ----------------------------------------------------------------
+
+
+def build_model(model_cfg: ModelConfig, config: TrainConfig, device: torch.device) -> Transformer:
+    """The model, FSDP2-sharded per layer and then at the root, with gradients summed over ranks."""
+    torch.manual_seed(config.seed)
+    on_meta = model_cfg.num_params() > META_INIT_PARAMS
+    with torch.device("meta" if on_meta else device):
+        model = Transformer(model_cfg)
+    if config.activation_checkpointing != "none":
+        apply_activation_checkpointing(model, recompute_attention=config.activation_checkpointing == "full")
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # Each rank's loss is already a share of the global mean (see forward_backward):
+            # sum the gradients over ranks. Plain SUM, which gloo supports (no PREMUL_SUM).
+            module.set_gradient_divide_factor(1.0)
+            if hasattr(module, "set_force_sum_reduction_for_comms"):
+                module.set_force_sum_reduction_for_comms(True)
+    if on_meta:
+        model.to_empty(device=device)
+        model.init_weights()
+    return model
+
+
+def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not on norms or biases)."""
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2))
+
+
+def lr_factor(done: int, warmup_steps: int, steps: int, min_ratio: float) -> float:
+    """Peak-lr multiplier for the step after ``done`` steps: linear warmup, then cosine down to ``min_ratio``."""
+    if done < warmup_steps:
+        return (done + 1) / warmup_steps
+    progress = min(1.0, (done - warmup_steps) / max(1, steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer, config: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    factor = functools.partial(lr_factor, warmup_steps=config.warmup_steps, steps=config.steps,
+                               min_ratio=config.min_lr_ratio)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# --- One step ----------------------------------------------------------------------------------
+
+
+@dataclass
+class StepPlan:
+    layout: list  # per rank, its DocPieces in token order
+    plan: Plan
+    load_local: list[float]  # per rank: attention load if every rank served its own tokens of the linear layout
+    load_planned: list[float]  # per rank: attention load under the plan
+    imbalance_local: float  # max / mean of load_local
+    imbalance_planned: float  # max / mean of load_planned
+
+
+def plan_batch(batch: GlobalBatch, config: TrainConfig, num_ranks: int, cost_model,
+               shape: AttentionShape = AttentionShape()) -> StepPlan:
+    """Lay out the batch (linear, or wlb's re-packing) and plan its core attention for ``config.attention``."""
+    linear = linear_layout(batch.doc_lens, num_ranks, config.tokens_per_rank)
+    if config.attention == "wlb":
+        layout = wlb_layout(batch.doc_lens, num_ranks, config.tokens_per_rank, config.memory_cap)
+    else:
+        layout = linear
+    plan = plan_attention(layout, config.attention, cost_model=cost_model, min_shard_tokens=config.min_shard,
+                          eps=config.eps, shape=shape)
+    planned = PlanMetrics.of(plan, cost_model, shape).load_after
+    pieces = PieceTable.from_pieces(linear)  # "before" is always plain packing served at home
+    local = np.bincount(pieces.rank, weights=cost_model.cost(pieces.start, pieces.end), minlength=num_ranks).tolist()
+    return StepPlan(layout, plan, local, planned, _imbalance(local), _imbalance(planned))
+
+
+def _imbalance(loads) -> float:
+    mean = float(np.mean(loads))
+    return float(np.max(loads) / mean) if mean > 0 else 1.0
+
+
+def forward_backward(model: Transformer, batch: RankTensors, attention, global_label_tokens: int,
+                     bf16: bool = False) -> torch.Tensor:
+    """Forward and backward of this rank's tokens; returns the rank's summed token loss (detached).
+
+    The rank back-propagates its summed loss / the global batch's label tokens,
+    and FSDP sums gradients over ranks (:func:`build_model`), so the gradient is
+    that of the mean loss over every real token of the global batch.
+    """
+    with torch.autocast(batch.tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits = model(batch.tokens, batch.positions, attention)
+    loss_sum = F.cross_entropy(logits.float(), batch.labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    (loss_sum / global_label_tokens).backward()
+    return loss_sum.detach()
+
+
+def _all_gather_floats(values: list[float], device: torch.device) -> np.ndarray:
+    """(world, len(values)): every rank's values."""
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    out = mine.new_empty(dist.get_world_size() * len(values))
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    all_gather(out, mine)
+    return out.cpu().numpy().reshape(dist.get_world_size(), len(values))
+
+
+# --- The loop ----------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainResult:
+    rows: list[dict]  # metrics of every step of the run so far (earlier runs' rows included on resume)
+    model: Transformer
+    summary: dict | None  # rank 0 only
+
+    @property
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.rows]
+
+
+def rank_device(config: TrainConfig) -> torch.device:
+    if resolve_device(config) == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Train (or, with ``config.resume``, continue) on the ranks of the initialised default process group."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = rank_device(config)
+    setup = agree(lambda: prepare(config))
+    model_cfg, cost_model = setup.model_config, setup.cost_model
+    bf16 = config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda")
+
+    model = build_model(model_cfg, config, device)
+    optimizer = build_optimizer(model, config)
+    scheduler = build_scheduler(optimizer, config)
+    stream = DocumentStream(setup.source, world, config.tokens_per_rank, config.seed, config.max_doc_len)
+    step = 0
+    if setup.resume_from is not None:
+        step = load_checkpoint(setup.resume_from, model, optimizer, scheduler, stream)
+    start_step, last_step = step, config.stop_at or config.steps
+    shape = AttentionShape(model_cfg.n_heads, model_cfg.n_kv_heads, model_cfg.head_dim, 2 if bf16 else 4)
+    attention_kwargs = {"backend": config.kernel} if config.kernel else {}
+
+    if rank == 0:
+        os.makedirs(config.out, exist_ok=True)
+        save_config(config, os.path.join(config.out, "config.yaml"))
+    log = MetricsLog(config.out, write=rank == 0, resume_step=step if setup.resume_from else None)
+    dist.barrier()  # every rank has read the earlier rows before rank 0 rewrites the file
+    log.start()
+    if rank == 0 and config.progress:
+        resumed = f", resumed from {setup.resume_from}" if setup.resume_from else ""
+        print(f"attnpool train: {config.model} ({model_cfg.num_params() / 1e6:.2f}M params) on {world} x {device.type}, "
+              f"{config.attention} attention, {world} x {config.tokens_per_rank} tokens per step, "
+              f"steps {step + 1}..{last_step} of {config.steps}{resumed} -> {config.out}", flush=True)
+
+    comm_stats.timing = True
+    last_plan = None
+    wall0 = time.perf_counter()
+    with Progress(rank == 0 and config.progress, last_step, step, config.attention) as progress:
+        while step < last_step:
+            step += 1
+            t0 = time.perf_counter()
+            reset_peak_memory(device)
+            batch = stream.next_batch()
+            t_plan = time.perf_counter()
+            last_plan = plan_batch(batch, config, world, cost_model, shape)
+            plan_time = time.perf_counter() - t_plan
+            tensors = batch.rank_batch(last_plan.layout, rank).to_torch(device)
+            comm_stats.reset()
+            attention = AttentionTimer(functools.partial(core_attention, plan=last_plan.plan, **attention_kwargs), device)
+            loss_sum = forward_backward(model, tensors, attention, batch.num_label_tokens, bf16)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf"))
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            per_rank = _all_gather_floats([float(loss_sum), attention.seconds(), comm_stats.seconds(),
+                                           float(comm_stats.bytes_sent), float(peak_memory_bytes(device))], device)
+            step_time = time.perf_counter() - t0
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            row = {
+                "step": step,
+                "loss": float(per_rank[:, 0].sum() / batch.num_label_tokens),
+                "lr": lr,
+                "grad_norm": float(grad_norm),
+                "tokens": batch.num_tokens,
+                "tokens_per_s": batch.num_tokens / step_time,
+                "step_time_s": step_time,
+                "plan_time_s": plan_time,
+                "attention_time_s": float(per_rank[:, 1].max()),
+                "comm_time_s": float(per_rank[:, 2].max()),
+                "comm_bytes": int(per_rank[:, 3].sum()),
+                "peak_memory_bytes": int(per_rank[:, 4].max()),
+                "imbalance_before": last_plan.imbalance_local,
+                "imbalance_after": last_plan.imbalance_planned,
+                "num_docs": batch.num_docs,
+                "longest_doc": int(batch.doc_lens.max()),
+            }
+            log.append(row)
+            progress.update(row)
+            if step == last_step or (config.checkpoint_every and step % config.checkpoint_every == 0):
+                save_checkpoint(checkpoint_path(config.out, step), model, optimizer, scheduler, stream, step)
+    comm_stats.timing = False
+
+    summary = None
+    if rank == 0:
+        info = {"model": config.model, "params": model_cfg.num_params(), "world": world,
+                "tokens_per_rank": config.tokens_per_rank, "strategy": config.attention, "steps": config.steps,
+                "start_step": start_step, "end_step": step, "wall_s": time.perf_counter() - wall0}
+        summary = _report(config, log, last_plan, getattr(cost_model, "unit", "work"), info)
+    return TrainResult(log.rows, model, summary)
+
+
+def _report(config: TrainConfig, log: MetricsLog, last_plan: StepPlan | None, unit: str, info: dict) -> dict | None:
+    """Rank 0 at the end: summary.json, summary.png and the printed summary."""
+    if last_plan is None:
+        if config.progress:
+            print(f"nothing to do: the checkpoint is at step {info['end_step']}, the run stops there")
+        return None
+    loads = {"local": last_plan.load_local, "planned": last_plan.load_planned, "unit": unit}
+    summary = summarize(log.rows, loads, info)
+    with open(os.path.join(config.out, SUMMARY_FILE), "w") as fh:
+        json.dump(summary, fh, indent=1)
+    plot = os.path.join(config.out, PLOT_FILE)
+    plot_run(log.rows, loads, config.attention, plot)
+    if config.progress:
+        print_summary(summary, [log.path, plot, checkpoint_path(config.out, info["end_step"])])
+    return summary
+
+
+# --- Launching ---------------------------------------------------------------------------------
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_rank(config: TrainConfig, rank: int, world: int, init_method: str | None) -> None:
+    device = rank_device(config)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(minutes=10), device_id=device if device.type == "cuda" else None)
+    try:
+        train(config)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned(index: int, config: TrainConfig, world: int, init_method: str, errors_dir: str) -> None:
+    os.environ["LOCAL_RANK"] = str(index)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        _run_rank(config, index, world, init_method)
+    except ConfigError as exc:
+        with open(os.path.join(errors_dir, f"{index}.tmp"), "wb") as fh:
+            pickle.dump(_portable(exc), fh)
+        os.replace(os.path.join(errors_dir, f"{index}.tmp"), os.path.join(errors_dir, f"{index}.err"))
+        sys.exit(2)
+
+
+def _first_error(errors_dir: str) -> ConfigError | None:
+    for name in sorted(os.listdir(errors_dir)):
+        if name.endswith(".err"):
+            with open(os.path.join(errors_dir, name), "rb") as fh:
+                return ConfigError(*pickle.load(fh))
+    return None
+
+
+def run(config: TrainConfig) -> int:
+    """Train ``config``: under torchrun in this process (one of torchrun's); otherwise in ``nproc`` processes.
+
+    Returns 0; bad input raises ConfigError (in this process, whichever rank found it).
+    """
+    if _under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if config.nproc not in (1, world):
+            raise ConfigError("nproc", config.nproc, f"under torchrun the processes are torchrun's ({world}); "
+                                                     "leave nproc at 1")
+        _run_rank(config, int(os.environ["RANK"]), world, None)
+        return 0
+    device = resolve_device(config)
+    if device == "cuda" and config.nproc > torch.cuda.device_count():
+        raise ConfigError("nproc", config.nproc, f"one process per GPU, and this machine has {torch.cuda.device_count()}")
+    prepare(config)  # refuse bad input before any process starts
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    if config.nproc == 1:
+        _run_rank(config, 0, 1, init_method)
+        return 0
+    with tempfile.TemporaryDirectory() as errors_dir:
+        context = mp.start_processes(_spawned, args=(config, config.nproc, init_method, errors_dir),
+                                     nprocs=config.nproc, join=False, start_method="spawn")
+        try:
+            # On a failure the other ranks usually fail the same way (agreed errors): let them
+            # exit on their own before terminating what is left.
+            while not context.join(grace_period=10):
+                pass
+        except mp.ProcessExitedException:
+            error = _first_error(errors_dir)
+            if error is not None:
+                raise error from None
+            raise
+        finally:
+            for p in context.processes:
+                if p.is_alive():
+                    p.terminate()
+    return 0

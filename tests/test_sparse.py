@@ -1,0 +1,506 @@
+"""Vertical-slash sparse attention: estimation, attended set, CPU twin, Triton (interpreter), cost model."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from attnpool.errors import ConfigError
+from attnpool.kernels import attention, reference
+from attnpool.kernels import sparse as sk
+from attnpool.sparse import SparseConfig, VerticalSlashPattern, estimate_vertical_slash
+from attnpool.sparse.cost import SparseCoefficients, SparseCost, fit_coefficients
+
+INF = float("inf")
+B = 16  # pattern block in these tests (128 on GPUs)
+CHUNK = 16  # vertical chunk (64 on GPUs)
+
+
+def cu(lengths):
+    return torch.tensor([0] + np.cumsum(lengths).tolist(), dtype=torch.int32)
+
+
+def small_config(**kw):
+    base = dict(coverage=0.6, vertical_cap=24, slash_cap=20, min_doc_len=128, last_queries=16, sink_tokens=4,
+                local_window=16, block=B, vertical_chunk=CHUNK)
+    base.update(kw)
+    return SparseConfig(**base)
+
+
+def rope_like(lengths, n_q, n_kv, dim, seed=0, dtype=torch.float64):
+    """q/k whose scores depend mostly on the distance (slashes), plus a sink key."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    pos = torch.cat([torch.arange(L) for L in lengths]).double()
+    freqs = 1.0 / (50.0 ** (torch.arange(dim // 2).double() / (dim // 2)))
+    ang = pos[:, None] * freqs[None, :]
+    cos, sin = torch.cos(ang), torch.sin(ang)
+
+    def rot(x):
+        a, b = x[..., : dim // 2], x[..., dim // 2:]
+        return torch.cat([a * cos[:, None] - b * sin[:, None], a * sin[:, None] + b * cos[:, None]], -1)
+
+    u = torch.randn(n_q, dim, generator=g, dtype=torch.float64)
+    w = u.view(n_kv, n_q // n_kv, dim).mean(1)
+    q = rot(3.0 * u[None].expand(T, -1, -1) + 0.5 * torch.randn(T, n_q, dim, generator=g, dtype=torch.float64))
+    k = rot(w[None].expand(T, -1, -1) + 0.5 * torch.randn(T, n_kv, dim, generator=g, dtype=torch.float64))
+    starts = np.cumsum([0] + list(lengths[:-1]))
+    k[starts] += 4.0 * u.view(n_kv, -1, dim).mean(1)  # sink tokens: every document's first key
+    return q.to(dtype), k.to(dtype)
+
+
+# --- config ---
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(coverage=0.0), "sparse_coverage"), (dict(coverage=1.5), "sparse_coverage"),
+    (dict(coverage=float("nan")), "sparse_coverage"), (dict(coverage=-0.1), "sparse_coverage"),
+    (dict(vertical_cap=0), "sparse_vertical_cap"), (dict(slash_cap=-3), "sparse_slash_cap"),
+    (dict(min_doc_len=-1), "sparse_min_doc_len"), (dict(dense_layers=-1), "dense_layers"),
+    (dict(mode="block"), "sparse"), (dict(block=100), "sparse_block"), (dict(last_queries=0), "sparse_last_queries"),
+    (dict(sink_tokens=5000), "sparse_sink_tokens"),
+])
+def test_config_errors(kw, field):
+    with pytest.raises(ConfigError) as err:
+        SparseConfig(**kw)
+    assert err.value.field == field
+    assert repr(list(kw.values())[0]) in str(err.value) or field in str(err.value)
+
+
+def test_config_defaults_and_layers():
+    cfg = SparseConfig()
+    assert (cfg.coverage, cfg.vertical_cap, cfg.slash_cap, cfg.min_doc_len, cfg.last_queries) == (0.9, 4096, 4096, 8192, 64)
+    assert SparseConfig(coverage=1.0).coverage == 1.0
+    cfg = SparseConfig(dense_layers=2)
+    assert [cfg.is_sparse_layer(i) for i in range(4)] == [False, False, True, True]
+    assert not SparseConfig(mode="none").is_sparse_layer(5)
+
+
+# --- the attended set, by its definition ---
+
+def brute_mask(diag, cols, q_len, k_len, block):
+    """The attended set written as loops: c <= p and ((p//B - c//B) in diag or c in cols)."""
+    m = torch.zeros(q_len, k_len, dtype=torch.bool)
+    diag, cols = set(diag), set(cols)
+    for j in range(q_len):
+        p = k_len - q_len + j
+        for c in range(min(p + 1, k_len)):
+            if p >= 0 and ((p // block - c // block) in diag or c in cols):
+                m[j, c] = True
+    return m
+
+
+def test_mask_matches_definition():
+    pat = VerticalSlashPattern.from_lists([70, 40], [[[0, 2], [1, 3, 40]], [[], [2]]],
+                                          [[[0, 5, 33, 60, 69], [17]], [[3], []]], block=B)
+    assert pat.doc_lists(0)[0] == [[0, 2], [0, 1, 3]]  # 0 added, 40 out of range dropped
+    for doc, (q_len, k_len) in [(0, (70, 70)), (0, (23, 50)), (1, (40, 40)), (1, (9, 3)), (0, (1, 64))]:
+        m = pat.mask(doc, q_len, k_len)
+        diag, cols = pat.doc_lists(doc)
+        for h in range(2):
+            assert torch.equal(m[h], brute_mask(diag[h], cols[h], q_len, k_len, B)), (doc, q_len, k_len, h)
+
+
+def test_full_pattern_is_causal_attention():
+    segs = [(50, 50), (20, 70), (0, 9), (30, 30)]
+    q, k = torch.randn(100, 4, 16, dtype=torch.float64), torch.randn(159, 2, 16, dtype=torch.float64)
+    v = torch.randn(159, 2, 16, dtype=torch.float64)
+    cu_q, cu_k = cu([s[0] for s in segs]), cu([s[1] for s in segs])
+    pat = VerticalSlashPattern.full([50, 70, 9, 30], 4, B)
+    out, lse = sk.forward(q, k, v, cu_q, cu_k, 50, 70, pattern=pat)
+    ref_out, ref_lse = reference.forward(q, k, v, cu_q, cu_k, 50, 70)
+    assert torch.allclose(out, ref_out, atol=1e-12) and torch.allclose(lse, ref_lse, atol=1e-12)
+
+
+# --- twin against a dense masked float64 computation ---
+
+def dense_masked(q, k, v, segs, masks, scale):
+    """Float64 attention under explicit per-segment (H, q_len, k_len) masks, with autograd."""
+    group = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    q0 = k0 = 0
+    for (q_len, k_len), m in zip(segs, masks):
+        kh = k[k0:k0 + k_len].repeat_interleave(group, 1).transpose(0, 1)
+        vh = v[k0:k0 + k_len].repeat_interleave(group, 1).transpose(0, 1)
+        s = scale * q[q0:q0 + q_len].transpose(0, 1) @ kh.transpose(1, 2)
+        s = s.masked_fill(~m, -INF)
+        lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0)[..., None])
+        outs.append((p @ vh).transpose(0, 1))
+        lses.append(lse)
+        q0 += q_len
+        k0 += k_len
+    return torch.cat(outs), torch.cat(lses, 1)
+
+
+def segment_case(seed=0, dtype=torch.float64):
+    """Tasks of three documents, as a CA-task server sees them (two tasks of doc 0)."""
+    doc_lens = [100, 40, 70]
+    g = torch.Generator().manual_seed(seed)
+    pat = VerticalSlashPattern.random(doc_lens, 4, B, n_slash=2, n_vertical=6, generator=g)
+    segs = [(70, 100, 0), (40, 40, 1), (50, 50, 2), (17, 17, 0), (5, 3, 2)]
+    Tq, Tk = sum(s[0] for s in segs), sum(s[1] for s in segs)
+    q, k, v = torch.randn(Tq, 4, 16, generator=g), torch.randn(Tk, 2, 16, generator=g), torch.randn(Tk, 2, 16, generator=g)
+    do = torch.randn(Tq, 4, 16, generator=g)
+    return dict(pat=pat, segs=segs, q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), do=do.to(dtype),
+                cu_q=cu([s[0] for s in segs]), cu_k=cu([s[1] for s in segs]),
+                seg_doc=torch.tensor([s[2] for s in segs]))
+
+
+def test_twin_matches_dense_masked_float64():
+    c = segment_case()
+    pat, segs = c["pat"], c["segs"]
+    masks = []
+    for q_len, k_len, d in segs:
+        diag, cols = pat.doc_lists(d)
+        masks.append(torch.stack([brute_mask(diag[h], cols[h], q_len, k_len, B) for h in range(4)]))
+    leaves = [c[n].clone().requires_grad_() for n in ("q", "k", "v")]
+    scale = 0.3
+    ref_out, ref_lse = dense_masked(*leaves, [(s[0], s[1]) for s in segs], masks, scale)
+    ref_grads = torch.autograd.grad(ref_out, leaves, c["do"])
+    # The twin, through the generic autograd wrapper with a bound backend.
+    be = sk.backend(pat, c["seg_doc"])
+    leaves2 = [c[n].clone().requires_grad_() for n in ("q", "k", "v")]
+    out, lse = attention(*leaves2, c["cu_q"], c["cu_k"], 100, 100, backend=be, scale=scale)
+    grads = torch.autograd.grad(out, leaves2, c["do"])
+    assert lse.dtype == torch.float64
+    assert torch.allclose(out, ref_out, atol=1e-12)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    assert torch.allclose(lse[~torch.isinf(lse)], ref_lse[~torch.isinf(ref_lse)], atol=1e-12)
+    blind = slice(c["q"].shape[0] - 5, c["q"].shape[0] - 3)  # the 2 rows of the (5, 3) segment that see no key
+    assert torch.isinf(lse[:, blind]).all() and (lse[:, blind] < 0).all() and (out[blind] == 0).all()
+    for g, r in zip(grads, ref_grads):
+        assert torch.allclose(g, r, atol=1e-10)
+
+
+def test_twin_float32_close_to_float64():
+    c64, c32 = segment_case(1), segment_case(1, torch.float32)
+    o64, l64 = sk.forward(c64["q"], c64["k"], c64["v"], c64["cu_q"], c64["cu_k"], 100, 100, pattern=c64["pat"],
+                          seg_doc=c64["seg_doc"])
+    o32, l32 = sk.forward(c32["q"], c32["k"], c32["v"], c32["cu_q"], c32["cu_k"], 100, 100, pattern=c32["pat"],
+                          seg_doc=c32["seg_doc"])
+    assert l32.dtype == torch.float32
+    assert torch.allclose(o32.double(), o64, atol=1e-5)
+
+
+def test_bad_pattern_refused():
+    c = segment_case()
+    with pytest.raises(ConfigError):
+        sk.forward(c["q"], c["k"], c["v"], c["cu_q"], c["cu_k"], 100, 100, pattern=c["pat"])  # 5 segments, 3 docs
+    with pytest.raises(ConfigError):
+        sk.forward(c["q"][:, :2], c["k"][:, :1], c["v"][:, :1], c["cu_q"], c["cu_k"], 100, 100, pattern=c["pat"],
+                   seg_doc=c["seg_doc"])
+    with pytest.raises(ConfigError):
+        sk.forward(c["q"], c["k"], c["v"], c["cu_q"], c["cu_k"], 100, 100, pattern="x")
+
+
+# --- estimation ---
+
+def brute_masses(q, k, lengths, n_last, scale):
+    """Per document: (vertical mass (H, L), slash mass (H, L), n) in float64 from the exact softmax."""
+    group = q.shape[1] // k.shape[1]
+    out, start = [], 0
+    for L in lengths:
+        n = min(n_last, L)
+        qs = q[start + L - n:start + L].double().transpose(0, 1)
+        ks = k[start:start + L].double().repeat_interleave(group, 1).transpose(0, 1)
+        s = scale * qs @ ks.transpose(1, 2)
+        pos = torch.arange(L - n, L)
+        s = s.masked_fill(torch.arange(L)[None, :] > pos[:, None], -INF)
+        p = torch.softmax(s, -1)
+        vm = p.sum(1)
+        sm = torch.zeros(q.shape[1], L, dtype=torch.float64)
+        for j in range(n):
+            c = torch.arange(pos[j] + 1)
+            sm[:, pos[j] - c] += p[:, j, c]
+        out.append((vm, sm, n))
+        start += L
+    return out
+
+
+def check_greedy(mass, chosen, forced, total, coverage, cap, tol=1e-5):
+    """One (doc, head): forced kept, cap respected, coverage reached, greedy and minimal."""
+    assert chosen[forced].all()
+    count = int(chosen.sum())
+    assert count <= cap
+    got = float(mass[chosen].sum())
+    assert got >= coverage * total - tol or count == cap
+    free = chosen & ~forced
+    if free.any():
+        smallest = float(mass[free].min())
+        rest = mass[~chosen]
+        assert (float(rest.max()) if rest.numel() else 0.0) <= smallest + tol  # greedy by mass
+        assert got - smallest < coverage * total + tol  # stops once coverage is reached
+
+
+def test_estimation_properties():
+    lengths = [300, 90, 520, 200]
+    cfg = small_config(coverage=0.7, vertical_cap=40, slash_cap=24, min_doc_len=128)
+    q, k = rope_like(lengths, 4, 2, 16, dtype=torch.float32)
+    c = cu(lengths)
+    sel = estimate_vertical_slash(q, k, c, c, cfg, chunk=64, return_selection=True)
+    pat = sel.pattern
+    masses = brute_masses(q, k, lengths, cfg.last_queries, 1 / 4)
+    assert pat.dense.tolist() == [False, True, False, False]
+    start = 0
+    for d, L in enumerate(lengths):
+        vm, sm, n = masses[d]
+        diag, cols = pat.doc_lists(d)
+        nb = math.ceil(L / B)
+        for h in range(4):
+            v_sel = sel.vertical[h, start:start + L]
+            s_sel = sel.slash[h, start:start + L]
+            assert torch.allclose(sel.vertical_mass[h, start:start + L].double(), vm[h], atol=1e-5)
+            assert torch.allclose(sel.slash_mass[h, start:start + L].double(), sm[h], atol=1e-5)
+            if pat.dense[d]:
+                assert diag[h] == list(range(nb)) and cols[h] == [] and not v_sel.any() and not s_sel.any()
+                continue
+            pos = torch.arange(L)
+            check_greedy(vm[h], v_sel, pos < cfg.sink_tokens, n, cfg.coverage, cfg.vertical_cap)
+            check_greedy(sm[h], s_sel, pos < cfg.local_window, n, cfg.coverage, cfg.slash_cap)
+            assert cols[h] == torch.nonzero(v_sel).flatten().tolist()  # stored sorted
+            want = {0}
+            for off in torch.nonzero(s_sel).flatten().tolist():
+                want |= {x for x in (off // B, -(-off // B)) if x < nb}
+            assert set(diag[h]) == want and {0, 1} <= want  # block diagonals of the chosen offsets, local band
+            assert int(pat.run[d, h]) >= 2
+        start += L
+    # Slash structure is found: the estimated pattern is sparse on the long document.
+    m = pat.mask(2, 520, 520)
+    assert m.float().mean() < 0.5 * (520 * 521 / 2) / 520 ** 2 * 2
+
+
+def test_estimation_full_coverage_and_caps():
+    lengths = [260]
+    q, k = rope_like(lengths, 2, 2, 16, seed=3, dtype=torch.float32)
+    c = cu(lengths)
+    sel = estimate_vertical_slash(q, k, c, c, small_config(coverage=1.0, vertical_cap=7, slash_cap=20), chunk=32,
+                                  return_selection=True)
+    assert sel.vertical.sum(1).tolist() == [7, 7] and sel.slash.sum(1).tolist() == [20, 20]
+    assert sel.pattern.n_vert[0].tolist() == [7, 7]
+
+
+def test_estimation_short_queries_and_shard_tail():
+    """A CA-task server estimating from the task that ends each document: shard [a, L) over keys [0, L)."""
+    lengths = [300, 200]
+    q, k = rope_like(lengths, 4, 2, 16, seed=5, dtype=torch.float32)
+    c = cu(lengths)
+    full = estimate_vertical_slash(q, k, c, c, small_config(), chunk=64)
+    # Only the last 40 and 10 queries of each document are present (the tail shards).
+    tails = torch.cat([q[260:300], q[490:500]])
+    part = estimate_vertical_slash(tails, k, cu([40, 10]), c, small_config(), chunk=64, return_selection=True)
+    assert part.n_last.tolist() == [16, 10]  # "fewer for short shards"
+    assert torch.equal(part.pattern.slash[:, :19], full.slash[:, :19])  # doc 0: same 16 estimating queries
+    assert torch.equal(part.pattern.vert[:, :full.vert_off[1]], full.vert[:, :full.vert_off[1]])
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    # Layout ops differ with shapes (a reshape is a view or a copy); count the rest.
+    LAYOUT = ("view", "_unsafe_view", "clone", "alias", "expand", "permute", "reshape", "t.", "transpose",
+              "unsqueeze", "squeeze", "slice", "select", "detach", "constant_pad_nd", "copy_")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if not any(name.startswith(f"aten.{op}") for op in self.LAYOUT):
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_estimation_is_vectorised():
+    """The same sequence of tensor ops for 2 documents x 2 heads as for 40 documents x 8 heads:
+    no Python loop over documents or heads, and no host read of a device value (.item/.tolist)."""
+    def ops(lengths, heads):
+        q, k = rope_like(lengths, heads, 2, 16, dtype=torch.float32)
+        c = cu(lengths)
+        with _OpCounter() as counter:
+            estimate_vertical_slash(q, k, c, c, small_config(), chunk=64, memory_elements=1 << 30)
+        return counter.ops
+
+    small, large = ops([300, 150], 2), ops([50 + 7 * i for i in range(40)], 8)
+    assert small == large
+    assert not any("item" in op or "_local_scalar_dense" in op for op in small)
+
+
+# --- kernel index and cost model against brute-force counting ---
+
+def brute_tiles(pat, doc, a, b, chunk):
+    """(slash tiles, bar tiles) of task [a, b) from the pattern's lists, by loops."""
+    diag, cols = pat.doc_lists(doc)
+    Bk = pat.block
+    i0, i1 = a // Bk, -(-b // Bk) if b > a else a // Bk
+    slash = bars = 0
+    for h in range(len(diag)):
+        ds = set(diag[h])
+        run = 0
+        while run in ds:
+            run += 1
+        for I in range(i0, i1):
+            slash += sum(1 for x in ds if x <= I)
+            bars += -(-sum(1 for c in cols[h] if c // Bk <= I - run) // chunk)
+    return slash, bars
+
+
+def attended_tiles(pat, doc, a, b):
+    """Distinct (head, I, J) tiles holding an attended slash pair, from the mask."""
+    m = pat.mask(doc, b - a, b)
+    diag, _ = pat.doc_lists(doc)
+    n = 0
+    p = torch.arange(a, b)
+    for h in range(m.shape[0]):
+        hit = torch.nonzero(m[h])
+        tiles = {(int(p[j]) // B, int(c) // B) for j, c in hit.tolist() if (int(p[j]) // B - int(c) // B) in diag[h]}
+        n += len(tiles)
+    return n
+
+
+def test_cost_tiles_match_brute_force_and_kernel_index():
+    g = torch.Generator().manual_seed(7)
+    doc_lens = [333, 100, 64, 17]
+    pat = VerticalSlashPattern.random(doc_lens, 3, B, n_slash=4, n_vertical=12, generator=g)
+    tasks = [(0, 0, 333), (0, 100, 333), (0, 7, 45), (0, 320, 333), (1, 0, 100), (1, 50, 51), (2, 16, 64),
+             (3, 0, 17), (0, 40, 40)]
+    model = SparseCost.from_pattern(pat, chunk=CHUNK)
+    doc, a, b = (np.array(x) for x in zip(*tasks))
+    slash, bars = model.tiles(a, b, doc)
+    for (d, ta, tb), s, br in zip(tasks, slash, bars):
+        want = brute_tiles(pat, d, ta, tb, CHUNK)
+        assert (s, br) == want, (d, ta, tb)
+        if tb > ta:
+            assert attended_tiles(pat, d, ta, tb) == want[0]
+    # The kernel index visits exactly these tiles, all tasks in one call.
+    live = [t for t in tasks if t[2] > t[1]]
+    cu_q, cu_k = cu([t[2] - t[1] for t in live]), cu([t[2] for t in live])
+    idx = sk.SparseIndex.build(pat, cu_q, cu_k, int(cu_q[-1]), int(cu_k[-1]), 333,
+                               torch.tensor([t[0] for t in live]), chunk=CHUNK)
+    n_sl, n_bar = idx.tiles()
+    live_model = model.tiles(*(np.array(x) for x in zip(*[(t[1], t[2], t[0]) for t in live])))
+    assert int(n_sl) == live_model[0].sum() and int(n_bar) == live_model[1].sum()
+    # Seconds: the coefficients times the counts; scalar path agrees.
+    coef = SparseCoefficients()
+    t = model.cost(a, b, doc)
+    assert np.allclose(t, (coef.fwd_slash + coef.bwd_slash) * slash + (coef.fwd_bar + coef.bwd_bar) * bars)
+    assert model.cost1(100, 333, 0) == pytest.approx(t[1])
+    assert model.with_phase("fwd").cost1(100, 333, 0) == pytest.approx(coef.fwd_slash * slash[1] + coef.fwd_bar * bars[1])
+
+
+def test_cost_dense_document_is_causal_tiles_and_uniform_prior():
+    model = SparseCost.from_pattern(VerticalSlashPattern.full([1000], 2, B), chunk=CHUNK)
+    nb = math.ceil(1000 / B)
+    assert model.tiles([0], [1000], [0])[0][0] == 2 * nb * (nb + 1) / 2
+    assert model.density([0])[0] == pytest.approx(1.0)
+    prior = SparseCost.uniform([1 << 17, 4096], 8, diagonals=40, verticals=512)
+    full = prior.tiles(np.array([0, 0]), np.array([1 << 17, 4096]), np.array([0, 1]))[0]
+    assert prior.density([1])[0] == pytest.approx(1.0) and 0.0 < prior.density([0])[0] < 0.1
+    # The tail shard costs far less more than the head one than it does dense (pairs ratio ~31).
+    L, m = 1 << 17, 8192
+    head, tail = prior.cost(np.array([0, L - m]), np.array([m, L]), np.array([0, 0]))
+    dense_ratio = (m * (2 * L - m + 1) / 2) / (m * (m + 1) / 2)
+    assert 1.0 < tail / head < 0.5 * dense_ratio and full[0] > 0
+
+
+def test_fit_coefficients_recovers_a_linear_model():
+    rng = np.random.default_rng(0)
+    slash, bars = rng.integers(1000, 10 ** 6, 30), rng.integers(0, 10 ** 5, 30)
+    t = 20e-9 * slash + 30e-9 * bars + 5e-6
+    a, b, c = fit_coefficients(slash, bars, t * (1 + 0.01 * rng.standard_normal(30)))
+    assert a == pytest.approx(20e-9, rel=0.05) and b == pytest.approx(30e-9, rel=0.1)
+    coef = SparseCoefficients(fwd_slash=a, fwd_bar=b, fwd_task=c)
+    assert SparseCoefficients.from_json(coef.to_json()) == coef
+    with pytest.raises(ConfigError):
+        SparseCoefficients(fwd_slash=-1.0)
+
+
+# --- Triton through its interpreter ---
+
+def _patch_interpreter_for_numpy2():
+    """Triton 3.6's interpreter calls int() on 1-element arrays, which NumPy >= 2.4 refuses."""
+    import triton.runtime.interpreter as ti
+
+    if getattr(ti, "_attnpool_patched", False):
+        return
+    original = ti._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    ti._patch_lang_tensor = patched
+    ti._attnpool_patched = True
+
+
+def _interpreter_check():
+    """Run in a fresh process with TRITON_INTERPRET=1 (Triton reads it when its own library is first
+    imported, and torch may import Triton earlier in this one)."""
+    _patch_interpreter_for_numpy2()
+    _interpreter_case(segment_case(2, torch.float32))
+    # Blocks of 32 cut into sub-tiles of 16 in the backward kernels, as 128 into 32 on GPUs.
+    g = torch.Generator().manual_seed(4)
+    pat = VerticalSlashPattern.random([150, 70], 4, 32, n_slash=2, n_vertical=10, generator=g)
+    segs = [(100, 150), (70, 70), (20, 64)]
+    c = dict(pat=pat, seg_doc=torch.tensor([0, 1, 0]), cu_q=cu([s[0] for s in segs]), cu_k=cu([s[1] for s in segs]),
+             q=torch.randn(190, 4, 16, generator=g), k=torch.randn(284, 2, 16, generator=g),
+             v=torch.randn(284, 2, 16, generator=g), do=torch.randn(190, 4, 16, generator=g))
+    for name in ("dq", "dkdv", "vert"):
+        sk.CONFIG[name] = {key: (16 if key.startswith("SUB") else val) for key, val in sk.CONFIG[name].items()}
+    _interpreter_case(c)
+    print("INTERPRETER OK")
+
+
+def _interpreter_case(c):
+    mq, mk = int((c["cu_q"][1:] - c["cu_q"][:-1]).max()), int((c["cu_k"][1:] - c["cu_k"][:-1]).max())
+    args = (c["q"], c["k"], c["v"], c["cu_q"], c["cu_k"], mq, mk)
+    idx = sk.SparseIndex.build(c["pat"], c["cu_q"], c["cu_k"], c["q"].shape[0], c["k"].shape[0], 150, c["seg_doc"],
+                               chunk=CHUNK)
+    o_twin, l_twin = sk.forward(*args, pattern=c["pat"], seg_doc=c["seg_doc"], impl="twin")
+    o_tri, l_tri = sk.forward(*args, pattern=c["pat"], seg_doc=c["seg_doc"], impl="triton", index=idx)
+    assert torch.allclose(o_tri, o_twin, atol=1e-5)
+    assert torch.equal(torch.isinf(l_tri), torch.isinf(l_twin))
+    fin = ~torch.isinf(l_twin)
+    assert torch.allclose(l_tri[fin], l_twin[fin].float(), atol=1e-5)
+    g_twin = sk.backward(c["do"], *args[:3], o_twin, l_twin, *args[3:], pattern=c["pat"], seg_doc=c["seg_doc"],
+                         impl="twin")
+    g_tri = sk.backward(c["do"], *args[:3], o_tri, l_tri, *args[3:], pattern=c["pat"], seg_doc=c["seg_doc"],
+                        impl="triton", index=idx)
+    for a, b in zip(g_tri, g_twin):
+        assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
+
+
+def test_triton_interpreter_matches_twin():
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = f"import sys; sys.path.insert(0, {here!r}); import test_sparse; test_sparse._interpreter_check()"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "INTERPRETER OK" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]
+
+
+def test_pack_unpack_moves_documents_between_servers():
+    """The server of a document's last shard estimates; others receive its rows as one int32 buffer."""
+    from attnpool.sparse.pattern import pack_pattern, packed_sizes, unpack_patterns
+
+    lengths = [300, 90, 520]
+    cfg = small_config(coverage=0.8, vertical_cap=30, slash_cap=24)
+    q, k = rope_like(lengths, 4, 2, 16, seed=9, dtype=torch.float32)
+    c = cu(lengths)
+    pat = estimate_vertical_slash(q, k, c, c, cfg, chunk=64)
+    docs = [2, 1, 0]
+    buf = pack_pattern(pat, docs, [lengths[d] for d in docs], cfg)
+    assert buf.dtype == torch.int32 and buf.numel() == packed_sizes([lengths[d] for d in docs], 4, cfg).sum()
+    got = unpack_patterns(buf, [lengths[d] for d in docs], 4, cfg)
+    for i, d in enumerate(docs):
+        assert got.doc_lists(i) == pat.doc_lists(d)
+        assert bool(got.dense[i]) == bool(pat.dense[d])
+        assert torch.equal(got.mask(i, 50, lengths[d]), pat.mask(d, 50, lengths[d]))

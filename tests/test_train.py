@@ -1,0 +1,258 @@
+"""Training loop on gloo: strategies agree, resume is exact, the loss is layout-independent, bad input exits 2.
+
+Tiny models (dim 32, 2 layers) on the standard-library corpus, a few hundred
+tokens per rank, float32 on CPU. Each distributed test starts one group of
+processes and runs several trainings in it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from attnpool.data import DocumentStream, stdlib_corpus
+from attnpool.errors import ConfigError
+from attnpool.model import model_config
+from attnpool.plan import load_cost_model
+from attnpool.runtime import core_attention
+from attnpool.train import TrainConfig, load_config, train
+from attnpool.train.train import agree, build_model, forward_backward, lr_factor, plan_batch
+from dist_harness import run_distributed
+
+TINY = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
+METRIC_KEYS = ("step", "loss", "lr", "tokens_per_s", "step_time_s", "plan_time_s", "attention_time_s", "comm_time_s",
+               "comm_bytes", "peak_memory_bytes", "imbalance_before", "imbalance_after")
+
+
+def tiny_config(out, **overrides) -> TrainConfig:
+    values = dict(model="tiny", model_args=dict(TINY), data="stdlib", tokens_per_rank=256, steps=10, lr=3e-3,
+                  warmup_steps=2, cost_model="pairs", min_shard=16, device="cpu", progress=False, out=str(out))
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def full_weights(model) -> dict:
+    return {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+
+
+def rel_diff(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-12)))
+
+
+# --- Strategies compute the same training ------------------------------------------------------
+
+
+def _train_each_strategy(rank, world, out):
+    results = {}
+    for strategy in ("local", "percp", "cad"):
+        result = train(tiny_config(Path(out) / strategy, attention=strategy))
+        results[strategy] = (result.rows, full_weights(result.model))
+    return results
+
+
+def test_strategies_give_the_same_training(tmp_path):
+    results = run_distributed(_train_each_strategy, 2, str(tmp_path))[0]
+    ref_rows, ref_weights = results["local"]
+    assert len(ref_rows) == 10
+    for strategy in ("percp", "cad"):
+        rows, weights = results[strategy]
+        assert rel_diff([r["loss"] for r in rows], [r["loss"] for r in ref_rows]) <= 1e-4, strategy
+        for name, w in ref_weights.items():
+            torch.testing.assert_close(weights[name], w, rtol=1e-3, atol=1e-4, msg=f"{strategy}: {name}")
+    cad = results["cad"][0]
+    # cad really moved work: every step's batch is a document over both ranks, balanced by sending shards.
+    assert all(r["comm_bytes"] > 0 for r in cad)
+    assert np.mean([r["imbalance_before"] for r in cad]) > 1.2
+    assert max(r["imbalance_after"] for r in cad) < 1.05
+    assert ref_rows[0]["loss"] > ref_rows[-1]["loss"] + 0.5  # it learns
+
+
+# --- Resume continues exactly ------------------------------------------------------------------
+
+
+def _train_and_resume(rank, world, out):
+    full = train(tiny_config(Path(out) / "full"))
+    first = train(tiny_config(Path(out) / "cut", stop_at=4))
+    resumed = train(tiny_config(Path(out) / "cut", resume=True))
+    return full.losses, first.losses, resumed.losses, full_weights(full.model), full_weights(resumed.model)
+
+
+def test_resume_equals_uninterrupted_run(tmp_path):
+    full, first, resumed, w_full, w_resumed = run_distributed(_train_and_resume, 2, str(tmp_path))[0]
+    assert len(first) == 4 and first == full[:4]
+    assert len(resumed) == 10  # rows 1..4 from the metrics file, 5..10 run after the resume
+    assert resumed[4:] == full[4:]  # bit for bit
+    for name, w in w_full.items():
+        assert torch.equal(w_resumed[name], w), name
+    rows = [json.loads(line) for line in open(tmp_path / "cut" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["step-000004", "step-000010"]
+
+
+# --- The loss does not depend on how tokens are spread -----------------------------------------
+
+
+def _loss_and_grads(rank, world, strategies, global_tokens):
+    """Per strategy: the loss and full gradients at the initial weights on each of the first two batches."""
+    mcfg = model_config("tiny", **TINY)
+    out = {}
+    for strategy in strategies:
+        cfg = tiny_config("unused", attention=strategy, tokens_per_rank=global_tokens // world)
+        model = build_model(mcfg, cfg, torch.device("cpu"))
+        stream = DocumentStream(stdlib_corpus(), world, cfg.tokens_per_rank, cfg.seed)
+        steps = []
+        for _ in range(2):
+            batch = stream.next_batch()
+            step = plan_batch(batch, cfg, world, load_cost_model("pairs"))
+            tensors = batch.rank_batch(step.layout, rank).to_torch()
+            loss_sum = forward_backward(model, tensors, functools.partial(core_attention, plan=step.plan),
+                                        batch.num_label_tokens)
+            dist.all_reduce(loss_sum)
+            grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+            model.zero_grad(set_to_none=True)
+            steps.append((float(loss_sum) / batch.num_label_tokens, grads,
+                          [len(p) for p in step.layout], step.imbalance_planned))
+        out[strategy] = steps
+    return out
+
+
+def _agree_when_one_rank_fails(rank, world):
+    def build():
+        if rank == 1:
+            raise ConfigError("data_path", "/only/on/rank/1", "no such file or directory")
+        return "ok"
+
+    try:
+        agree(build)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_loss_and_gradients_do_not_depend_on_layout():
+    global_tokens = 512
+    single = run_distributed(_loss_and_grads, 1, ("local",), global_tokens)[0]["local"]
+    double = run_distributed(_loss_and_grads, 2, ("local", "wlb", "cad"), global_tokens)[0]
+    for strategy, steps in double.items():
+        for (loss, grads, _, _), (ref_loss, ref_grads, _, _) in zip(steps, single):
+            assert abs(loss - ref_loss) <= 1e-5 * ref_loss, strategy
+            for name, g in ref_grads.items():
+                # A wrong normalisation (FSDP's average over ranks) would be off by 2x here.
+                torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-7, msg=f"{strategy}: {name}")
+    # wlb really re-packed: its ranks hold different numbers of pieces or tokens than linear's split.
+    assert any(s[2] != d[2] for s, d in zip(double["wlb"], double["local"])) or \
+        any(s[3] != d[3] for s, d in zip(double["wlb"], double["local"]))
+
+
+def test_a_problem_on_one_rank_is_raised_on_every_rank():
+    messages = run_distributed(_agree_when_one_rank_fails, 2)
+    assert messages[0] == messages[1]
+    assert "no such file" in messages[0] and "on rank 1" in messages[0]
+
+
+# --- Config and schedule -----------------------------------------------------------------------
+
+
+def test_config_file_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model: tiny\nmodel_args: {n_layers: 2, dim: 64}\nlr: 3e-3\ntokens_per_rank: 4K\nsteps: 20\n")
+    cfg = load_config(path, {"steps": "50", "attention": "local", "model_args": {"n_layers": 3}})
+    assert cfg.steps == 50 and cfg.attention == "local" and cfg.lr == 3e-3 and cfg.tokens_per_rank == 4096
+    assert cfg.model_args == {"n_layers": 3, "dim": 64}
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_config(None, {"stepz": 3})
+
+
+def test_lr_schedule_warmup_then_cosine():
+    f = [lr_factor(i, warmup_steps=4, steps=20, min_ratio=0.1) for i in range(20)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in zip(f[3:], f[4:]))
+    assert 0.1 <= f[-1] < 0.12
+
+
+# --- The command line --------------------------------------------------------------------------
+
+
+def cli(*args, cwd=None):
+    return subprocess.Popen([sys.executable, "-m", "attnpool.cli.main", "train", *args], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def tiny_flags(out):
+    return ["--model-args", "dim=32", "n_layers=1", "n_heads=4", "n_kv_heads=2", "ffn_dim=64",
+            "--tokens-per-rank", "128", "--steps", "3", "--cost-model", "pairs", "--min-shard", "16",
+            "--device", "cpu", "--out", str(out)]
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """One small run through the CLI on 2 processes (its checkpoint serves the resume checks)."""
+    out = tmp_path_factory.mktemp("cli") / "run"
+    p = cli(*tiny_flags(out), "--nproc", "2", "--attention", "cad")
+    stdout, stderr = p.communicate(timeout=300)
+    return out, p.returncode, stdout, stderr
+
+
+def test_cli_run_writes_metrics_plot_and_summary(cli_run):
+    out, code, stdout, stderr = cli_run
+    assert code == 0, stderr
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for key in METRIC_KEYS:
+        assert all(key in r for r in rows), key
+    assert (out / "summary.png").stat().st_size > 10_000
+    assert (out / "checkpoints" / "step-000003" / ".metadata").is_file()
+    assert "local would have had" in stdout and "cad reached" in stdout
+    assert json.loads((out / "summary.json").read_text())["end_step"] == 3
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory, cli_run):
+    """Every bad input, run at once (each is a fresh interpreter)."""
+    tmp = tmp_path_factory.mktemp("bad")
+    (tmp / "unknown.yaml").write_text("steps: 3\nlearning_rate: 0.1\n")
+    (tmp / "empty").mkdir()
+    (tmp / "empty" / "a.txt").write_text("")
+    (tmp / "empty" / "b.txt").write_text("")
+    # Token ids are checked as documents are read: this error surfaces inside the ranks, mid-run.
+    np.save(tmp / "tokens.npy", np.r_[np.arange(200), np.arange(100) + 250].astype(np.int64))
+    np.save(tmp / "offsets.npy", np.array([0, 200, 300], dtype=np.int64))
+    run_dir = cli_run[0]
+    cases = {
+        "unknown key": (["--config", str(tmp / "unknown.yaml")], "learning_rate"),
+        "unknown flag": (["--learning-rate", "0.1"], "unrecognized arguments"),
+        "heads": (["--model-args", "n_heads=4", "n_kv_heads=3"], "n_kv_heads=3"),
+        "token budget": (["--tokens-per-rank", "0"], "tokens_per_rank=0"),
+        "missing data path": (["--data", "text", "--data-path", str(tmp / "nope")], "no such file"),
+        "empty corpus": (["--data", "text", "--data-path", str(tmp / "empty")], "empty"),
+        "token id beyond vocab": (["--data", "npy", "--data-path", str(tmp / "tokens.npy"), "--data-args",
+                                   f"offsets_path={tmp / 'offsets.npy'}", "--nproc", "2", "--tokens-per-rank", "128",
+                                   "--model-args", "n_layers=1", "dim=32", "--no-progress"], "token id 349"),
+        "other model shape": (tiny_flags(run_dir) + ["--nproc", "2", "--resume", "--model-args", "dim=64"],
+                              "another model shape"),
+        "earlier run": (tiny_flags(run_dir) + ["--nproc", "2"], "--resume"),
+    }
+    procs = {name: cli(*args, "--out", str(tmp / "out")) if name not in ("other model shape", "earlier run")
+             else cli(*args) for name, (args, _) in cases.items()}
+    return {name: (p.wait(timeout=300), p.stderr.read(), cases[name][1]) for name, p in procs.items()}
+
+
+@pytest.mark.parametrize("case", ["unknown key", "unknown flag", "heads", "token budget", "missing data path",
+                                  "empty corpus", "token id beyond vocab", "other model shape", "earlier run"])
+def test_cli_bad_input_exits_2(bad_runs, case):
+    code, stderr, needle = bad_runs[case]
+    assert code == 2, stderr
+    assert needle in stderr
+    assert "Traceback" not in stderr
+    if case != "unknown flag":
+        assert len(stderr.strip().splitlines()) == 1, stderr

@@ -71,7 +71,7 @@ class TrainConfig:
     checkpoint_every: int = _help("save a checkpoint every this many steps (0: only at the end)", default=0)
     resume: bool = _help("continue from the latest checkpoint in OUT/checkpoints", default=False)
     stop_at: int | None = _help("stop (and checkpoint) after this step without changing the schedule", default=None)
-    progress: bool = _help("show a progress bar on rank 0", default=True)
+    progress: bool = _help("show a live progress bar on rank 0 (the start line and the final summary always print)", default=True)
 
     def __post_init__(self):
         for f in fields(self):

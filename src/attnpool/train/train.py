@@ -293,7 +293,7 @@ def train(config: TrainConfig) -> TrainResult:
     log = MetricsLog(config.out, write=rank == 0, resume_step=step if setup.resume_from else None)
     dist.barrier()  # every rank has read the earlier rows before rank 0 rewrites the file
     log.start()
-    if rank == 0 and config.progress:
+    if rank == 0:
         resumed = f", resumed from {setup.resume_from}" if setup.resume_from else ""
         print(f"attnpool train: {config.model} ({model_cfg.num_params() / 1e6:.2f}M params) on {world} x {device.type}, "
               f"{config.attention} attention, {world} x {config.tokens_per_rank} tokens per step, "
@@ -361,8 +361,7 @@ def train(config: TrainConfig) -> TrainResult:
 def _report(config: TrainConfig, log: MetricsLog, last_plan: StepPlan | None, unit: str, info: dict) -> dict | None:
     """Rank 0 at the end: summary.json, summary.png and the printed summary."""
     if last_plan is None:
-        if config.progress:
-            print(f"nothing to do: the checkpoint is at step {info['end_step']}, the run stops there")
+        print(f"nothing to do: the checkpoint is at step {info['end_step']}, the run stops there")
         return None
     loads = {"local": last_plan.load_local, "planned": last_plan.load_planned, "unit": unit}
     summary = summarize(log.rows, loads, info)
@@ -370,8 +369,7 @@ def _report(config: TrainConfig, log: MetricsLog, last_plan: StepPlan | None, un
         json.dump(summary, fh, indent=1)
     plot = os.path.join(config.out, PLOT_FILE)
     plot_run(log.rows, loads, config.attention, plot)
-    if config.progress:
-        print_summary(summary, [log.path, plot, checkpoint_path(config.out, info["end_step"])])
+    print_summary(summary, [log.path, plot, checkpoint_path(config.out, info["end_step"])])
     return summary
 
 

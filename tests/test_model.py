@@ -396,3 +396,19 @@ def test_legacy_and_new_rope_fields_read_alike():
                rope_parameters=dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0,
                                     high_freq_factor=4.0, original_max_position_embeddings=64))
     assert config_from_hf(legacy) == config_from_hf(new)
+
+
+def test_chunked_cross_entropy_equals_full_logits():
+    from attnpool.model.llama import chunked_cross_entropy
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(50, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(33, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 33, (50,), generator=g)
+    labels[[3, 17, 49]] = -100
+    full = torch.nn.functional.cross_entropy(h @ w.T, labels, ignore_index=-100, reduction="sum")
+    gh, gw = torch.autograd.grad(full, (h, w))
+    chunked = chunked_cross_entropy(h, w, labels, chunk=7)
+    ch, cw = torch.autograd.grad(chunked, (h, w))
+    torch.testing.assert_close(chunked, full)
+    torch.testing.assert_close(ch, gh)
+    torch.testing.assert_close(cw, gw)

@@ -77,6 +77,26 @@ def test_strategies_give_the_same_training(tmp_path):
     assert ref_rows[0]["loss"] > ref_rows[-1]["loss"] + 0.5  # it learns
 
 
+def _train_with_and_without_pingpong(rank, world, out):
+    results = {}
+    for pingpong in (False, True):
+        # Documents of at most 96 tokens, so every step has several to split into nano-batches.
+        config = tiny_config(Path(out) / f"pingpong-{pingpong}", attention="cad", max_doc_len=96, steps=6, pingpong=pingpong)
+        result = train(config)
+        results[pingpong] = (result.rows, full_weights(result.model))
+    return results
+
+
+def test_pingpong_trains_the_same(tmp_path):
+    results = run_distributed(_train_with_and_without_pingpong, 2, str(tmp_path))[0]
+    (plain_rows, plain_w), (pp_rows, pp_w) = results[False], results[True]
+    assert all(r["attention_time_s"] is None for r in pp_rows)  # two interleaved nano-batches every step
+    assert all(r["comm_bytes"] > 0 for r in pp_rows)
+    assert rel_diff([r["loss"] for r in pp_rows], [r["loss"] for r in plain_rows]) <= 1e-5
+    for name, w in plain_w.items():
+        torch.testing.assert_close(pp_w[name], w, rtol=1e-4, atol=1e-5, msg=name)
+
+
 # --- Resume continues exactly ------------------------------------------------------------------
 
 
@@ -115,7 +135,7 @@ def _loss_and_grads(rank, world, strategies, global_tokens):
             batch = stream.next_batch()
             step = plan_batch(batch, cfg, world, load_cost_model("pairs"))
             tensors = batch.rank_batch(step.layout, rank).to_torch()
-            loss_sum = forward_backward(model, tensors, functools.partial(core_attention, plan=step.plan),
+            loss_sum = forward_backward(model, [tensors], [functools.partial(core_attention, plan=step.plan)],
                                         batch.num_label_tokens)
             dist.all_reduce(loss_sum)
             grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}

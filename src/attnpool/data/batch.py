@@ -137,6 +137,22 @@ class GlobalBatch:
     def num_label_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    def split_documents(self, parts: int) -> list["GlobalBatch"]:
+        """Up to ``parts`` batches of whole documents, cut at the document boundaries nearest to
+        equal token counts (ping-pong nano-batches). Cutting a document would change what its
+        tokens attend to, so a batch of fewer documents than ``parts`` gives fewer batches."""
+        offsets = self.doc_offsets
+        targets = np.arange(1, parts) * self.num_tokens / parts
+        cuts = np.unique(np.clip(np.searchsorted(offsets, targets), 1, self.num_docs))
+        bounds = [0, *[int(c) for c in cuts if 0 < c < self.num_docs], self.num_docs]
+        out = []
+        for d0, d1 in zip(bounds[:-1], bounds[1:]):
+            t0, t1 = int(offsets[d0]), int(offsets[d1])
+            out.append(GlobalBatch(self.step, self.num_ranks, -(-(t1 - t0) // self.num_ranks), self.doc_lens[d0:d1],
+                                   self.tokens[t0:t1], self.labels[t0:t1], self.loss_mask[t0:t1],
+                                   self.doc_source[d0:d1], self.doc_source_start[d0:d1]))
+        return out
+
     def split(self, layout: Sequence[Sequence[DocPiece]]) -> list[RankBatch]:
         """Every rank's batch for a layout (``doc_id`` = index of a document of this batch)."""
         table = self._check_layout(layout)

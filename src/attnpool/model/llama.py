@@ -244,6 +244,7 @@ class Transformer(nn.Module):
         attention: CoreAttention,
         *,
         return_hidden: bool = False,
+        labels: Tensor | None = None,
     ) -> Tensor:
         """Logits (T, vocab_size) for tokens (T,) at in-document positions (T,).
 
@@ -253,7 +254,7 @@ class Transformer(nn.Module):
         against ``output_weight`` without holding all T x vocab logits.
         """
         if isinstance(tokens, (list, tuple)):
-            return self._forward_nanobatches(tokens, positions, attention, return_hidden)
+            return self._forward_nanobatches(tokens, positions, attention, return_hidden, labels)
         if tokens.dim() != 1:
             raise ConfigError("tokens", tuple(tokens.shape), "must be one flat sequence (T,)")
         if positions.shape != tokens.shape:
@@ -265,15 +266,17 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin, attention)
         h = self.norm(h)
+        if labels is not None:
+            return chunked_cross_entropy(h, self.output_weight, labels)
         if return_hidden:
             return h
         return F.linear(h, self.output_weight)
 
 
-    def _forward_nanobatches(self, tokens, positions, attentions, return_hidden):
+    def _forward_nanobatches(self, tokens, positions, attentions, return_hidden, labels):
         """Ping-pong: lists of nano-batches (tokens, positions, core attention with phases)
-        interleaved layer by layer; returns a list of outputs. Same function as running
-        each nano-batch alone."""
+        interleaved layer by layer; returns a list of outputs (losses with ``labels``).
+        Same function as running each nano-batch alone."""
         if not (len(tokens) == len(positions) == len(attentions)):
             raise ConfigError("nano-batches", (len(tokens), len(positions), len(attentions)),
                               "need one positions tensor and one core attention per nano-batch")
@@ -282,7 +285,30 @@ class Transformer(nn.Module):
         for layer in self.layers:
             hs = layer(hs, coss, sins, attentions)
         hs = [self.norm(h) for h in hs]
+        if labels is not None:
+            return [chunked_cross_entropy(h, self.output_weight, y) for h, y in zip(hs, labels)]
         return hs if return_hidden else [F.linear(h, self.output_weight) for h in hs]
+
+
+LOSS_CHUNK_TOKENS = 8192
+
+
+IGNORE_INDEX = -100  # labels of tokens without a next token (PyTorch's default; attnpool.data uses it too)
+
+
+def _cross_entropy_sum(h: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
+    logits = F.linear(h, weight)
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()  # softmax over a large vocabulary in float32
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_cross_entropy(h: Tensor, weight: Tensor, labels: Tensor, chunk: int = LOSS_CHUNK_TOKENS) -> Tensor:
+    """Summed cross-entropy of ``h @ weight.T`` against ``labels`` (-100 ignored), ``chunk`` tokens
+    at a time, each chunk's logits recomputed in backward: never more than one chunk's
+    (chunk x vocab) logits in memory, where full logits of a long sequence would not fit."""
+    return sum(checkpoint(_cross_entropy_sum, h[start:start + chunk], weight, labels[start:start + chunk],
+                          use_reentrant=False) for start in range(0, h.shape[0], chunk))
 
 
 def apply_activation_checkpointing(model: Transformer, recompute_attention: bool = True) -> None:

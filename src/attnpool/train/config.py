@@ -62,6 +62,8 @@ class TrainConfig:
     beta2: float = _help("AdamW beta2", default=0.95)
     grad_clip: float = _help("clip the gradient norm to this (0: off)", default=1.0)
     precision: str = _help("auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32", default="auto")
+    pingpong: bool = _help("split each step's batch into two nano-batches of whole documents, each planned on its own, "
+                           "and overlap one's attention traffic with the other's compute", default=False)
     activation_checkpointing: str = _help("none, full (recompute each layer) or keep_attention (recompute all but core attention)",
                                           default="none")
     # Run

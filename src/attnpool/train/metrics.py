@@ -6,11 +6,13 @@ Times (all in seconds, per step):
   optimizer step and the loss all-gather (which waits for every rank).
 - ``plan_time_s``: rank 0's layout and planning time (every rank plans the same).
 - ``attention_time_s``: time inside core attention, forward and backward, summed
-  over layers, the slowest rank's (:class:`AttentionTimer`).
+  over layers, the slowest rank's (:class:`AttentionTimer`); null with ping-pong,
+  where its phases interleave with the other nano-batch's work.
 - ``comm_time_s``: time inside core attention's all-to-all calls, the slowest
   rank's. Measured, not estimated (wall time on CPU, CUDA events on GPU); it
-  includes waiting for the slowest peer. ``comm_bytes`` are the bytes all ranks
-  sent to other ranks.
+  includes waiting for the slowest peer; with ping-pong it runs from launch to
+  wait, so it includes compute overlapped with the transfer. ``comm_bytes`` are
+  the bytes all ranks sent to other ranks.
 - ``peak_memory_bytes``: the largest rank's peak: CUDA allocator peak during the
   step on GPU, the process's peak resident set size (since start) on CPU.
 """
@@ -204,7 +206,8 @@ def summarize(rows: list[dict], last_loads: dict | None, info: dict) -> dict:
     times = [r["step_time_s"] for r in rows]
 
     def mean(key):
-        return float(np.mean([r[key] for r in rows]))
+        values = [r[key] for r in rows if r[key] is not None]
+        return float(np.mean(values)) if values else None
 
     summary = dict(info)
     summary.update({
@@ -248,8 +251,9 @@ def print_summary(summary: dict, files: list[str]) -> None:
     table.add_row("attention max/mean", f"local would have had {s['imbalance_local_mean']:.3f} (last step "
                                         f"{s['imbalance_local_last']:.3f}); {s['strategy']} reached "
                                         f"{s['imbalance_planned_mean']:.3f} (last step {s['imbalance_planned_last']:.3f})")
-    table.add_row("per step", f"core attention {s['attention_time_s_mean']:.3f} s, of it all-to-all "
-                              f"{s['comm_time_s_mean']:.3f} s; {s['comm_bytes_mean'] / 2**20:.2f} MiB sent")
+    attention = ("core attention interleaved (ping-pong), all-to-all" if s["attention_time_s_mean"] is None
+                 else f"core attention {s['attention_time_s_mean']:.3f} s, of it all-to-all")
+    table.add_row("per step", f"{attention} {s['comm_time_s_mean']:.3f} s; {s['comm_bytes_mean'] / 2**20:.2f} MiB sent")
     table.add_row("peak memory", f"{s['peak_memory_bytes'] / 2**20:.0f} MiB (largest rank)")
     table.add_row("files", "\n".join(files))
     console.print(table, highlight=False)

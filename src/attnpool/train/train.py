@@ -39,17 +39,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from attnpool.comm import comm_stats
-from attnpool.data import IGNORE_INDEX, DocumentStream, GlobalBatch, RankTensors, make_source
+from attnpool.data import DocumentStream, GlobalBatch, RankTensors, make_source
 from attnpool.errors import ConfigError
 from attnpool.model import ModelConfig, Transformer, apply_activation_checkpointing, model_config
 from attnpool.plan import AttentionShape, PieceTable, linear_layout, load_cost_model, plan_attention, wlb_layout
 from attnpool.plan.metrics import PlanMetrics
 from attnpool.plan.plan import Plan
-from attnpool.runtime import core_attention
+from attnpool.runtime import CoreAttention
 from attnpool.train.checkpoint import (check_compatible, checkpoint_path, checkpoint_root, latest_checkpoint,
                                        load_checkpoint, save_checkpoint)
 from attnpool.train.config import DATA_PATH_OPTION, TrainConfig, save_config
@@ -206,9 +205,9 @@ class StepPlan:
 def plan_batch(batch: GlobalBatch, config: TrainConfig, num_ranks: int, cost_model,
                shape: AttentionShape = AttentionShape()) -> StepPlan:
     """Lay out the batch (linear, or wlb's re-packing) and plan its core attention for ``config.attention``."""
-    linear = linear_layout(batch.doc_lens, num_ranks, config.tokens_per_rank)
+    linear = linear_layout(batch.doc_lens, num_ranks, batch.tokens_per_rank)
     if config.attention == "wlb":
-        layout = wlb_layout(batch.doc_lens, num_ranks, config.tokens_per_rank, config.memory_cap)
+        layout = wlb_layout(batch.doc_lens, num_ranks, batch.tokens_per_rank, config.memory_cap)
     else:
         layout = linear
     plan = plan_attention(layout, config.attention, cost_model=cost_model, min_shard_tokens=config.min_shard,
@@ -219,22 +218,37 @@ def plan_batch(batch: GlobalBatch, config: TrainConfig, num_ranks: int, cost_mod
     return StepPlan(layout, plan, local, planned, _imbalance(local), _imbalance(planned))
 
 
+def combine_plans(plans: list[StepPlan]) -> StepPlan:
+    """One step's balance over its nano-batches: per-rank loads summed (the plans themselves stay separate)."""
+    if len(plans) == 1:
+        return plans[0]
+    local = np.sum([p.load_local for p in plans], axis=0).tolist()
+    planned = np.sum([p.load_planned for p in plans], axis=0).tolist()
+    return StepPlan(None, None, local, planned, _imbalance(local), _imbalance(planned))
+
+
 def _imbalance(loads) -> float:
     mean = float(np.mean(loads))
     return float(np.max(loads) / mean) if mean > 0 else 1.0
 
 
-def forward_backward(model: Transformer, batch: RankTensors, attention, global_label_tokens: int,
+def forward_backward(model: Transformer, batches: list[RankTensors], attentions: list, global_label_tokens: int,
                      bf16: bool = False) -> torch.Tensor:
     """Forward and backward of this rank's tokens; returns the rank's summed token loss (detached).
 
-    The rank back-propagates its summed loss / the global batch's label tokens,
-    and FSDP sums gradients over ranks (:func:`build_model`), so the gradient is
-    that of the mean loss over every real token of the global batch.
+    One batch with its core attention, or (ping-pong) several nano-batches whose
+    layers the model interleaves. The rank back-propagates its summed loss / the
+    global batch's label tokens, and FSDP sums gradients over ranks
+    (:func:`build_model`), so the gradient is that of the mean loss over every real
+    token of the global batch.
     """
-    with torch.autocast(batch.tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
-        logits = model(batch.tokens, batch.positions, attention)
-    loss_sum = F.cross_entropy(logits.float(), batch.labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    with torch.autocast(batches[0].tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
+        if len(batches) == 1:
+            losses = [model(batches[0].tokens, batches[0].positions, attentions[0], labels=batches[0].labels)]
+        else:
+            losses = model([b.tokens for b in batches], [b.positions for b in batches], attentions,
+                           labels=[b.labels for b in batches])
+    loss_sum = sum(losses)  # summed token cross-entropy, computed in chunks inside the model
     (loss_sum / global_label_tokens).backward()
     return loss_sum.detach()
 
@@ -309,18 +323,25 @@ def train(config: TrainConfig) -> TrainResult:
             reset_peak_memory(device)
             batch = stream.next_batch()
             t_plan = time.perf_counter()
-            last_plan = plan_batch(batch, config, world, cost_model, shape)
+            nanos = batch.split_documents(2) if config.pingpong else [batch]
+            plans = [plan_batch(nano, config, world, cost_model, shape) for nano in nanos]
+            last_plan = combine_plans(plans)
             plan_time = time.perf_counter() - t_plan
-            tensors = batch.rank_batch(last_plan.layout, rank).to_torch(device)
+            tensors = [nano.rank_batch(p.layout, rank).to_torch(device) for nano, p in zip(nanos, plans)]
             comm_stats.reset()
-            attention = AttentionTimer(functools.partial(core_attention, plan=last_plan.plan, **attention_kwargs), device)
-            loss_sum = forward_backward(model, tensors, attention, batch.num_label_tokens, bf16)
+            if len(nanos) == 1:
+                timer = AttentionTimer(CoreAttention(plans[0].plan, **attention_kwargs), device)
+                attentions = [timer]
+            else:  # interleaved phases: core attention has no wall time of its own to measure
+                timer = None
+                attentions = [CoreAttention(p.plan, **attention_kwargs) for p in plans]
+            loss_sum = forward_backward(model, tensors, attentions, batch.num_label_tokens, bf16)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf"))
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-            per_rank = _all_gather_floats([float(loss_sum), attention.seconds(), comm_stats.seconds(),
+            per_rank = _all_gather_floats([float(loss_sum), timer.seconds() if timer else float("nan"), comm_stats.seconds(),
                                            float(comm_stats.bytes_sent), float(peak_memory_bytes(device))], device)
             step_time = time.perf_counter() - t0
             if hasattr(grad_norm, "full_tensor"):
@@ -334,7 +355,7 @@ def train(config: TrainConfig) -> TrainResult:
                 "tokens_per_s": batch.num_tokens / step_time,
                 "step_time_s": step_time,
                 "plan_time_s": plan_time,
-                "attention_time_s": float(per_rank[:, 1].max()),
+                "attention_time_s": None if timer is None else float(per_rank[:, 1].max()),
                 "comm_time_s": float(per_rank[:, 2].max()),
                 "comm_bytes": int(per_rank[:, 3].sum()),
                 "peak_memory_bytes": int(per_rank[:, 4].max()),

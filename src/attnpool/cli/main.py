@@ -11,12 +11,13 @@ from attnpool.errors import ConfigError
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnpool", description="Core attention disaggregation for long-context training.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from attnpool.cli import plan_cmd, profile_cmd, simulate_cmd, train_cmd
+    from attnpool.cli import bench_cmd, plan_cmd, profile_cmd, simulate_cmd, train_cmd
 
     plan_cmd.add_parser(sub)
     train_cmd.add_parser(sub)
     simulate_cmd.add_parser(sub)
     profile_cmd.add_parser(sub)
+    bench_cmd.add_parser(sub)
     return parser
 
 

@@ -10,6 +10,7 @@ that actually crossed against what the plan predicted. With
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -80,6 +81,26 @@ def group_rank_size(group=None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+_tiny_messages = False
+
+
+@contextlib.contextmanager
+def tiny_messages():
+    """Benchmark ablation: every all-to-all sends one element per peer instead of its payload.
+
+    Receivers get zeros of the right size, so results are meaningless but the
+    schedule, launches and synchronisation are the real ones: the step time then
+    shows how much communication was exposed. Byte counters still count the real
+    payload.
+    """
+    global _tiny_messages
+    before, _tiny_messages = _tiny_messages, True
+    try:
+        yield
+    finally:
+        _tiny_messages = before
+
+
 def all_to_all_flat(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group=None,
                     tag: str = "", async_op: bool = False):
     """Exchange a flat buffer: ``send_splits[r]`` elements go to rank r, ``recv_splits[r]`` come from it.
@@ -97,7 +118,13 @@ def all_to_all_flat(send: torch.Tensor, send_splits: list[int], recv_splits: lis
         start = torch.cuda.Event(enable_timing=True)
         start.record()
     t0 = time.perf_counter()
-    work = dist.all_to_all_single(recv, send.contiguous(), recv_splits, send_splits, group=group, async_op=async_op)
+    if _tiny_messages:
+        recv.zero_()
+        tiny_send, tiny_recv = [min(n, 1) for n in send_splits], [min(n, 1) for n in recv_splits]
+        work = dist.all_to_all_single(send.new_empty(sum(tiny_recv)), send.new_zeros(sum(tiny_send)), tiny_recv,
+                                      tiny_send, group=group, async_op=async_op)
+    else:
+        work = dist.all_to_all_single(recv, send.contiguous(), recv_splits, send_splits, group=group, async_op=async_op)
     if timed:
         if not async_op:
             comm_stats._finish(start, t0)

@@ -76,11 +76,16 @@ class SyntheticSource(DocumentSource):
     """
 
     def __init__(self, dist: str | Path | Sequence[int], vocab_size: int, seed: int = 0,
-                 options: SamplingOptions = SamplingOptions()):
+                 options: SamplingOptions | dict = SamplingOptions()):
         if not isinstance(vocab_size, (int, np.integer)) or isinstance(vocab_size, bool) or vocab_size < 1:
             raise ConfigError("vocab_size", vocab_size, "must be a positive integer")
         self.seed = _check_seed("seed", seed)
         self.vocab_size = int(vocab_size)
+        if isinstance(options, dict):  # from a YAML file or --data-args
+            try:
+                options = SamplingOptions(**options)
+            except TypeError as exc:
+                raise ConfigError("options", sorted(options), f"unknown sampling option: {exc}") from None
         base = load_lengths(dist) if isinstance(dist, (str, Path)) else validate_doc_lens(dist, "dist")
         sampler = LengthSampler(base, options, self.seed)
         # One refill is exactly one pool of the paper's recipe; the stream reshuffles

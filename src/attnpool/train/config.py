@@ -70,7 +70,7 @@ class TrainConfig:
     nproc: int = _help("processes to start on this machine (CPU: gloo; under torchrun leave at 1)", default=1)
     device: str = _help("auto, cpu or cuda", default="auto")
     out: str = _help("run directory: metrics.jsonl, checkpoints/, summary.png", default="runs/train")
-    checkpoint_every: int = _help("save a checkpoint every this many steps (0: only at the end)", default=0)
+    checkpoint_every: int = _help("save a checkpoint every this many steps (0: only at the end; -1: never)", default=0)
     resume: bool = _help("continue from the latest checkpoint in OUT/checkpoints", default=False)
     stop_at: int | None = _help("stop (and checkpoint) after this step without changing the schedule", default=None)
     progress: bool = _help("show a live progress bar on rank 0 (the start line and the final summary always print)", default=True)
@@ -117,7 +117,7 @@ class TrainConfig:
         _at_least("nproc", self.nproc, 1)
         if not self.out:
             raise ConfigError("out", self.out, "needs a run directory")
-        _at_least("checkpoint_every", self.checkpoint_every, 0)
+        _at_least("checkpoint_every", self.checkpoint_every, -1)
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
             raise ConfigError("stop_at", self.stop_at, f"must be in [1, steps={self.steps}]")
 

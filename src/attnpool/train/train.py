@@ -359,6 +359,7 @@ def train(config: TrainConfig) -> TrainResult:
                 "comm_time_s": float(per_rank[:, 2].max()),
                 "comm_bytes": int(per_rank[:, 3].sum()),
                 "peak_memory_bytes": int(per_rank[:, 4].max()),
+                "attention_work_total": float(np.sum(last_plan.load_local)),  # cost-model units, one layer
                 "imbalance_before": last_plan.imbalance_local,
                 "imbalance_after": last_plan.imbalance_planned,
                 "num_docs": batch.num_docs,
@@ -366,7 +367,8 @@ def train(config: TrainConfig) -> TrainResult:
             }
             log.append(row)
             progress.update(row)
-            if step == last_step or (config.checkpoint_every and step % config.checkpoint_every == 0):
+            every = config.checkpoint_every
+            if every >= 0 and (step == last_step or (every and step % every == 0)):
                 save_checkpoint(checkpoint_path(config.out, step), model, optimizer, scheduler, stream, step)
     comm_stats.timing = False
 

@@ -1,0 +1,208 @@
+"""End-to-end benchmark: full training steps of every strategy on the same batches, on the GPUs at hand.
+
+Run under torchrun, one process per GPU::
+
+    torchrun --nproc-per-node 4 -m attnpool.cli.main bench --out DIR
+
+For each configuration (length distribution x tokens per GPU) and each strategy
+(`local`, `wlb`, `percp`, `cad` without overlap, `cad` with ping-pong) it trains
+the same model from the same seed on the same batches (forward, backward,
+optimizer) and reports, over the measured steps: median step time, tokens/s,
+model FLOPs utilisation, attention imbalance, bytes sent per GPU, peak memory per
+GPU, and efficiency = ideal / measured, where the ideal is the step's FLOPs at
+the measured single-GPU rates of the shipped profile (linear layers and
+whole-document attention), evenly shared. The overlap ablation runs `cad` with
+ping-pong and one-element messages. The bf16 losses of every strategy are
+checked against `local` over the first steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import tempfile
+import time
+from importlib import resources
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from attnpool.comm.all_to_all import tiny_messages
+from attnpool.model import model_config
+from attnpool.train.config import TrainConfig
+from attnpool.train.train import train
+
+STRATEGIES = {  # name -> (attention, pingpong)
+    "local": ("local", False),
+    "wlb": ("wlb", False),
+    "percp": ("percp", False),
+    "cad": ("cad", False),
+    "cad+pingpong": ("cad", True),
+}
+H200_BF16_PEAK_TFLOPS = 989.0  # dense, datasheet: the MFU denominator
+LOSS_TOLERANCE = 0.02
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="directory for e2e.json and e2e.md")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: gloo, a smoke test of the benchmark itself")
+    p.add_argument("--model", default="llama3-8b")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--configs", default="prolong:64K,pretrain:64K,prolong:128K",
+                   help="dist:tokens_per_gpu pairs, comma-separated (pretrain is elongated to the global batch)")
+    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10, help="measured steps")
+    p.add_argument("--ablation", action="store_true", help="also cad+pingpong with one-element messages")
+    p.add_argument("--budget-s", type=float, default=float("inf"), help="start no new run after this many seconds")
+
+
+def layer_weights(cfg) -> int:
+    """Weights of one decoder layer's linear parts (QKV, O, SwiGLU MLP)."""
+    return (cfg.dim * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + cfg.n_heads * cfg.head_dim * cfg.dim
+            + 3 * cfg.dim * cfg.ffn_dim)
+
+
+def model_flops_per_token(cfg) -> float:
+    """Forward+backward FLOPs per token of the linear layers and the output head (6 per weight)."""
+    return 6.0 * (cfg.n_layers * layer_weights(cfg) + cfg.dim * cfg.vocab_size)
+
+
+def linear_s_per_token(cfg) -> float:
+    """Forward+backward time per token of every linear layer and the head on one GPU, from the shipped
+    profile (measured on Llama-3-8B's shapes; other shapes scale by FLOPs)."""
+    prof = json.loads(resources.files("attnpool.resources").joinpath("cost_h200.json").read_text())
+    lin = prof["linear"]["models"]["llama3-8b"]
+    ref = model_config("llama3-8b")
+    layers = cfg.n_layers * lin["fwd_bwd_s_per_token"] * layer_weights(cfg) / layer_weights(ref)
+    head = lin["head_fwd_bwd_s_per_token"] * (cfg.dim * cfg.vocab_size) / (ref.dim * ref.vocab_size)
+    return layers + head
+
+
+def run_one(name, dist_name, tokens, args, out_dir):
+    attention, pingpong = STRATEGIES[name]
+    elongate = {"dist": dist_name}
+    if dist_name == "pretrain":  # the paper elongates pretrain lengths to reach the context
+        elongate["options"] = {"elongate": max(1.0, tokens * dist.get_world_size() / 65536)}
+    config = TrainConfig(
+        model=args.model, model_args={"n_layers": args.layers}, data="synthetic", data_args=elongate,
+        tokens_per_rank=tokens, steps=args.warmup + args.steps, warmup_steps=2, lr=1e-4, seed=0,
+        attention=attention, pingpong=pingpong, activation_checkpointing="keep_attention", precision="bf16",
+        device=args.device, progress=False, checkpoint_every=-1, out=os.path.join(out_dir, f"{dist_name}-{tokens}-{name}"),
+    )
+    return train(config).rows
+
+
+def summarize(name, dist_name, tokens, rows, args, world, cfg):
+    measured = rows[args.warmup:]
+    step = statistics.median(r["step_time_s"] for r in measured)
+    global_tokens = rows[0]["tokens"]
+    flops = model_flops_per_token(cfg) * global_tokens
+    rec = {
+        "strategy": name, "dist": dist_name, "tokens_per_gpu": tokens, "gpus": world,
+        "step_time_s": step, "step_times_s": [r["step_time_s"] for r in measured],
+        "tokens_per_s": global_tokens / step,
+        "mfu": flops / (step * world * H200_BF16_PEAK_TFLOPS * 1e12),
+        "imbalance_after": statistics.mean(r["imbalance_after"] for r in measured),
+        "imbalance_before": statistics.mean(r["imbalance_before"] for r in measured),
+        "bytes_sent_per_gpu": statistics.mean(r["comm_bytes"] for r in measured) / world,
+        "peak_memory_bytes": max(r["peak_memory_bytes"] for r in measured),
+        # Ideal: the step's linear work and whole-document attention (the plan's total load,
+        # seconds per layer under the measured table) at single-GPU rates, shared evenly.
+        "ideal_step_s": tokens * linear_s_per_token(cfg)
+        + statistics.median(r["attention_work_total"] for r in measured) * cfg.n_layers / world,
+        "losses": [r["loss"] for r in rows],
+        "longest_doc": max(r["longest_doc"] for r in rows),
+    }
+    rec["efficiency"] = rec["ideal_step_s"] / step
+    return rec
+
+
+def run(args: argparse.Namespace) -> int:
+    cuda = args.device == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    cfg = model_config(args.model, n_layers=args.layers)
+    configs = [(c.split(":")[0], _size(c.split(":")[1])) for c in args.configs.split(",")]
+    strategies = args.strategies.split(",") + (["ablation"] if args.ablation else [])
+    t0 = time.perf_counter()
+    records, skipped = [], []
+    work_dir = tempfile.mkdtemp(prefix="attnpool-bench-")
+    for dist_name, tokens in configs:
+        for name in strategies:
+            # Every rank must take the same decision, or one would wait in a collective forever.
+            go = [time.perf_counter() - t0 < args.budget_s]
+            dist.broadcast_object_list(go, src=0)
+            if not go[0]:
+                skipped.append(f"{dist_name}:{tokens}:{name}")
+                continue
+            if name == "ablation":
+                with tiny_messages():
+                    rows = run_one("cad+pingpong", dist_name, tokens, args, work_dir)
+                rec = summarize("cad+pingpong (1-element messages)", dist_name, tokens, rows, args, world, cfg)
+            else:
+                rows = run_one(name, dist_name, tokens, args, work_dir)
+                rec = summarize(name, dist_name, tokens, rows, args, world, cfg)
+            records.append(rec)
+            if rank == 0:
+                print(f"{dist_name:8s} {tokens // 1024:4d}K {rec['strategy']:34s} step {rec['step_time_s']:7.3f} s  "
+                      f"{rec['tokens_per_s'] / 1e3:8.1f}K tok/s  imbalance {rec['imbalance_after']:.3f}  "
+                      f"peak {rec['peak_memory_bytes'] / 2**30:.1f} GiB  [{time.perf_counter() - t0:.0f} s]", flush=True)
+    if rank == 0:
+        finish(records, skipped, args, world, cfg)
+    dist.destroy_process_group()
+    return 0
+
+
+def _size(text: str) -> int:
+    text = text.strip().upper()
+    return int(float(text[:-1]) * 1024) if text.endswith("K") else int(text)
+
+
+def finish(records, skipped, args, world, cfg):
+    by_config = {}
+    for r in records:
+        by_config.setdefault((r["dist"], r["tokens_per_gpu"]), []).append(r)
+    for (dist_name, tokens), recs in by_config.items():
+        local = next((r for r in recs if r["strategy"] == "local"), None)
+        for r in recs:
+            r["speedup_vs_local"] = local["step_time_s"] / r["step_time_s"] if local else None
+            if local and "1-element" not in r["strategy"]:
+                n = min(5, len(r["losses"]), len(local["losses"]))
+                dev = max(abs(a - b) / b for a, b in zip(r["losses"][:n], local["losses"][:n]))
+                r["loss_vs_local_max_rel"] = dev
+                r["loss_ok"] = dev <= LOSS_TOLERANCE
+    os.makedirs(args.out, exist_ok=True)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU process (gloo)"
+    meta = {"date": str(datetime.date.today()), "machine": f"{world} x {device}",
+            "torch": torch.__version__, "model": f"{args.model} x {args.layers} layers", "warmup": args.warmup,
+            "measured_steps": args.steps, "skipped": skipped,
+            "command": f"torchrun --nproc-per-node {world} -m attnpool.cli.main bench --model {args.model} "
+                       f"--layers {args.layers} --configs {args.configs} "
+                       f"--strategies {args.strategies} --warmup {args.warmup} --steps {args.steps}"
+                       + (" --ablation" if args.ablation else "")}
+    with open(os.path.join(args.out, "e2e.json"), "w") as f:
+        json.dump({"meta": meta, "records": records}, f, indent=1)
+    lines = [f"# End-to-end training steps on {meta['machine']}", "",
+             f"{meta['model']}, torch {meta['torch']}, bf16, FSDP2, activation checkpointing of the linear parts, "
+             f"{args.warmup} warm-up + {args.steps} measured steps (median), same seeds and batches for all strategies.",
+             "", f"Command: `{meta['command']}`", "",
+             "| dist | tokens/GPU | strategy | step (s) | tokens/s | vs local | MFU | efficiency | attn max/mean | MiB sent/GPU | peak GiB | loss vs local |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        lv = r.get("loss_vs_local_max_rel")
+        lines.append(f"| {r['dist']} | {r['tokens_per_gpu'] // 1024}K | {r['strategy']} | {r['step_time_s']:.3f} | "
+                     f"{r['tokens_per_s'] / 1e3:.1f}K | {r['speedup_vs_local'] or 0:.3f} | {r['mfu']:.3f} | {r['efficiency']:.3f} | "
+                     f"{r['imbalance_after']:.3f} | {r['bytes_sent_per_gpu'] / 2**20:.0f} | "
+                     f"{r['peak_memory_bytes'] / 2**30:.1f} | {'-' if lv is None else f'{lv:.4f}'} |")
+    if skipped:
+        lines += ["", f"Not run (time budget): {', '.join(skipped)}."]
+    with open(os.path.join(args.out, "e2e.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines[6:]))

@@ -38,6 +38,9 @@ def add_parser(sub) -> None:
                     "sweep: one configuration per combination of --model, --dist, --max-doc-len and --gpus.")
     p.add_argument("--model", type=_list(str, "model presets"), default=None,
                    help=f"model preset(s): {', '.join(k for k in MODEL_PRESETS if k != 'tiny')} (default llama3-8b)")
+    p.add_argument("--layers", type=int, default=None, help="override the preset's number of layers (reduced-depth runs)")
+    p.add_argument("--recompute", default="none", choices=("none", "linear"),
+                   help="linear: activation checkpointing of the linear parts, as attnpool train's keep_attention")
     p.add_argument("--gpus", type=_list(int, "GPU counts"), default=None, help="number(s) of GPUs (default 64)")
     p.add_argument("--tp", type=int, default=8, help="tensor-parallel size inside a node; an attention server is one TP group (default 8)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
@@ -105,7 +108,7 @@ def _base(args) -> SimConfig:
     for name in ("tp", "gpus_per_node", "batches"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), "must be positive")
-    return SimConfig(tp=args.tp, gpus_per_node=args.gpus_per_node, tokens_per_gpu=args.tokens_per_gpu,
+    return SimConfig(layers=args.layers, recompute=args.recompute, tp=args.tp, gpus_per_node=args.gpus_per_node, tokens_per_gpu=args.tokens_per_gpu,
                      batches=args.batches, seed=args.seed, eps=args.eps, strategies=tuple(dict.fromkeys(args.strategies)),
                      memory_cap=args.memory_cap, elongate=elongate, upsample=not args.no_upsample,
                      cp_degrees=tuple(args.cp) if args.cp else None,
@@ -173,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         if len(configs) > 1:
             raise ConfigError("--batch-file", args.batch_file, "fixes the batches: simulate one --model and --gpus with it")
         batches = _load_batch_file(args.batch_file)
-        costs = load_sim_costs(model_config(configs[0].model), configs[0].model, args.profile, **overrides)
+        costs = load_sim_costs(configs[0].model_config(), configs[0].model, args.profile, **overrides)
         results = [simulate_config(replace(configs[0], batches=len(batches)), costs, eps_sweep=args.eps_sweep,
                                    doc_batches=batches)]
     else:

@@ -42,6 +42,7 @@ PAPER_ELONGATE_BASE = 65536  # pretrain lengths are multiplied by max_doc_len / 
 @dataclass(frozen=True)
 class SimConfig:
     model: str = "llama3-8b"
+    layers: int | None = None  # None: the preset's depth
     gpus: int = 512
     tp: int = 8
     gpus_per_node: int = 8
@@ -56,6 +57,10 @@ class SimConfig:
     elongate: float | None = None  # None: max_doc_len / 64K for pretrain, 1 otherwise
     upsample: bool = True
     cp_degrees: tuple | None = None  # None: every divisor of the number of servers
+    recompute: str = "none"  # "linear": linear forwards and head logits run again in backward
+
+    def model_config(self):
+        return model_config(self.model, **({"n_layers": self.layers} if self.layers else {}))
 
     def label(self) -> str:
         return f"{self.model}/{self.dist}/{_size(self.max_doc_len)}/{self.gpus}gpu"
@@ -140,12 +145,12 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
     """Simulate one configuration; returns a JSON-ready dict (see module docstring)."""
     t0 = time.perf_counter()
     config.check()
-    cfg = model_config(config.model)
+    cfg = config.model_config()
     cluster = Cluster(config.gpus, config.tp, config.gpus_per_node, config.tokens_per_gpu)
     if costs is None:
         costs = load_sim_costs(cfg, config.model, profile)
     check_tokens(cluster, costs)
-    model = StepModel(cfg, cluster, costs)
+    model = StepModel(cfg, cluster, costs, config.recompute)
     S, B = cluster.servers, cluster.tokens_per_server
     if doc_batches is None:
         doc_batches = sample(config, cluster)
@@ -250,7 +255,7 @@ def simulate_many(configs: list[SimConfig], *, profile=None, eps_sweep=None, ove
         c.check()
         Cluster(c.gpus, c.tp, c.gpus_per_node, c.tokens_per_gpu)
         if c.model not in costs_by_model:
-            costs_by_model[c.model] = load_sim_costs(model_config(c.model), c.model, profile, **overrides)
+            costs_by_model[c.model] = load_sim_costs(c.model_config(), c.model, profile, **overrides)
         check_tokens(Cluster(c.gpus, c.tp, c.gpus_per_node, c.tokens_per_gpu), costs_by_model[c.model])
     results = []
     for i, c in enumerate(configs):
@@ -267,7 +272,7 @@ def assumptions(configs: list[SimConfig], *, profile=None, overrides=None) -> di
     for c in configs:
         if c.model in out.get("models", {}):
             continue
-        cfg = model_config(c.model)
+        cfg = c.model_config()
         costs = load_sim_costs(cfg, c.model, profile, **overrides)
         step = StepModel(cfg, Cluster(c.gpus, c.tp, c.gpus_per_node, c.tokens_per_gpu), costs)
         if not out:

@@ -126,10 +126,15 @@ class StepTime:
         return asdict(self)
 
 
+RECOMPUTE = ("none", "linear")
+
+
 class StepModel:
     """Step times for one model, cluster and set of costs."""
 
-    def __init__(self, cfg, cluster: Cluster, costs: SimCosts):
+    def __init__(self, cfg, cluster: Cluster, costs: SimCosts, recompute: str = "none"):
+        if recompute not in RECOMPUTE:
+            raise ConfigError("recompute", recompute, f"choose one of {', '.join(RECOMPUTE)}")
         self.cfg = cfg
         self.cluster = cluster
         self.costs = costs
@@ -145,6 +150,13 @@ class StepModel:
         self.tok_bwd_post = lin.bwd * (1 - lin.pre_fraction) / tp
         self.tok_head_fwd = lin.head_fwd / tp
         self.tok_head_bwd = lin.head_bwd / tp
+        if recompute == "linear":
+            # Activation checkpointing of the linear parts (core attention kept) and a loss
+            # computed in checkpointed chunks: backward runs every linear forward and the
+            # head's logits once more.
+            self.tok_bwd_pre += lin.fwd * lin.pre_fraction / tp
+            self.tok_bwd_post += lin.fwd * (1 - lin.pre_fraction) / tp
+            self.tok_head_bwd += lin.head_fwd / tp
         self.tp_comm_per_token = tp_comm
 
     # --- the pieces ---

@@ -504,3 +504,23 @@ def test_pack_unpack_moves_documents_between_servers():
         assert got.doc_lists(i) == pat.doc_lists(d)
         assert bool(got.dense[i]) == bool(pat.dense[d])
         assert torch.equal(got.mask(i, 50, lengths[d]), pat.mask(d, 50, lengths[d]))
+
+
+def test_cad_balances_sparse_tasks_by_their_tile_cost():
+    """The planner takes a per-document cost model: cad balances the sparse cost itself."""
+    import numpy as np
+    from attnpool.plan import linear_table, plan_attention
+    from attnpool.plan.cost import doc_costs
+    from attnpool.sparse.cost import SparseCost
+
+    lens = [40000, 3000, 9000, 26000, 700, 12000, 30000, 1500]
+    table = linear_table(lens, 4)
+    sparse = SparseCost.uniform(table.doc_len, num_heads=4, diagonals=8, verticals=64)
+    cost, _ = doc_costs(sparse)
+
+    def imbalance(plan):
+        loads = np.bincount(plan.task_server, weights=cost(plan.task_start, plan.task_end, plan.task_doc), minlength=4)
+        return loads.max() / loads.mean()
+
+    assert imbalance(plan_attention(table, "local", cost_model=sparse)) > 1.2
+    assert imbalance(plan_attention(table, "cad", cost_model=sparse, min_shard_tokens=128)) <= 1.02

@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from attnpool.plan.cost import PairsCost
+from attnpool.plan.cost import PairsCost, doc_costs
 from attnpool.plan.documents import PieceTable, causal_pairs
 from attnpool.plan.plan import AttentionShape
 
@@ -75,9 +75,9 @@ WHOLE, SUFFIX, PREFIX = 0, 1, 2
 def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: float = 0.02,
                  shape: AttentionShape = AttentionShape(), **_):
     W = table.num_ranks
-    cost = cost_model.cost
+    cost, cost1 = doc_costs(cost_model)
     exact_cost = isinstance(cost_model, PairsCost)
-    cost0 = cost(table.start, table.end)
+    cost0 = cost(table.start, table.end, table.doc)
     items = _Items(table.doc, table.start, table.end, np.arange(table.num_pieces), table.rank, cost0)
     loads = np.bincount(table.rank, weights=cost0, minlength=W).astype(np.float64)
     if W == 1:
@@ -147,7 +147,7 @@ def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: floa
         opt_a = np.concatenate([a, cs, a])
         opt_b = np.concatenate([b, b, cp])
         valid = np.concatenate([np.ones(a.size, bool), cs - a >= min_shard_tokens, b - cp >= min_shard_tokens])
-        moved = np.where(valid, cost(opt_a, np.where(valid, opt_b, opt_a + 1)), 0.0)
+        moved = np.where(valid, cost(opt_a, np.where(valid, opt_b, opt_a + 1), np.tile(items.doc[it], 3)), 0.0)
         receiver = np.tile(cr, 3)
         after = loads[receiver] + moved
         fits = valid & (after <= mean * (1.0 + tol))
@@ -171,7 +171,7 @@ def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: floa
         g = int(items.doc[i])
         ma, mb, mcost = int(opt_a[best]), int(opt_b[best]), float(moved[best])
         if kind != WHOLE and not exact_cost:
-            ma, mb, mcost = _refine_cut(cost_model.cost1, kind, int(a[c]), int(b[c]), ma, mb, float(delta[c]),
+            ma, mb, mcost = _refine_cut(lambda x, y: cost1(x, y, g), kind, int(a[c]), int(b[c]), ma, mb, float(delta[c]),
                                         mean * (1.0 + tol) - loads[r], min_shard_tokens, mcost)
         if kind == WHOLE:
             items.server[i] = r
@@ -179,7 +179,7 @@ def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: floa
             loads[d] -= items.cost[i]
         else:  # the part that stays keeps item i; the moved part becomes a new item
             ka, kb = (int(a[c]), ma) if kind == SUFFIX else (mb, int(b[c]))
-            kept = cost_model.cost1(ka, kb)
+            kept = cost1(ka, kb, g)
             loads[d] += kept - items.cost[i]
             items.a[i], items.b[i], items.cost[i] = ka, kb, kept
             items.add(g, ma, mb, int(items.piece[i]), r, mcost)

@@ -36,6 +36,17 @@ BWD_TO_FWD_FLOPS = 2.5
 PHASES = ("fwd", "fwd+bwd")
 
 
+def doc_costs(cost_model):
+    """``(cost(a, b, doc), cost1(a, b, doc))`` for any cost model.
+
+    A per-document model (``per_doc = True``, e.g. sparse attention, whose cost depends
+    on each document's pattern) gets the document; the others ignore it.
+    """
+    if getattr(cost_model, "per_doc", False):
+        return cost_model.cost, cost_model.cost1
+    return (lambda a, b, doc: cost_model.cost(a, b)), (lambda a, b, doc: cost_model.cost1(a, b))
+
+
 def attention_flops(pairs, n_q_heads: int, head_dim: int, phase: str = "fwd+bwd"):
     """FLOPs of core attention over ``pairs`` causal pairs."""
     fwd = FWD_FLOPS_PER_PAIR_PER_HEAD_DIM * head_dim * n_q_heads * np.asarray(pairs, dtype=np.float64)

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from attnpool.plan.cost import doc_costs
 from attnpool.plan.plan import AttentionShape, Plan
 
 SHARD_HISTOGRAM_EDGES = (1, 128, 256, 512, 1024, 4096, 16384, 65536, 2**62)
@@ -47,8 +48,9 @@ class PlanMetrics:
     def of(cls, plan: Plan, cost_model, shape: AttentionShape = AttentionShape()) -> "PlanMetrics":
         W = plan.num_ranks
         t = plan.pieces
-        before = np.bincount(t.rank, weights=cost_model.cost(t.start, t.end), minlength=W)
-        after = np.bincount(plan.task_server, weights=cost_model.cost(plan.task_start, plan.task_end), minlength=W)
+        cost, _ = doc_costs(cost_model)
+        before = np.bincount(t.rank, weights=cost(t.start, t.end, t.doc), minlength=W)
+        after = np.bincount(plan.task_server, weights=cost(plan.task_start, plan.task_end, plan.task_doc), minlength=W)
         remote = plan.task_server != plan.task_home
         qlen = np.where(remote, plan.task_len, 0)
         q_out = np.bincount(plan.task_home, weights=qlen, minlength=W).astype(np.int64) * shape.q_bytes

@@ -214,7 +214,7 @@ def plan_batch(batch: GlobalBatch, config: TrainConfig, num_ranks: int, cost_mod
                           eps=config.eps, shape=shape)
     planned = PlanMetrics.of(plan, cost_model, shape).load_after
     pieces = PieceTable.from_pieces(linear)  # "before" is always plain packing served at home
-    local = np.bincount(pieces.rank, weights=cost_model.cost(pieces.start, pieces.end), minlength=num_ranks).tolist()
+    local = PlanMetrics.of(plan_attention(pieces, "local", cost_model=cost_model), cost_model, shape).load_after
     return StepPlan(layout, plan, local, planned, _imbalance(local), _imbalance(planned))
 
 

@@ -37,6 +37,10 @@ def test_plan_table_and_plot(tmp_path, capsys):
     (["--tokens-per-server", "12Q"], "not a size"),
     (["--bogus-flag"], "unrecognized arguments"),
     (["--eps", "-1"], "eps"),
+    (["--seed", "-1"], "--seed"),
+    (["--memory-cap", "inf", "--strategy", "wlb"], "--memory-cap"),
+    (["--elongate", "inf"], "elongate"),
+    (["--plot", "/nonexistent-dir/loads.png"], "--plot"),
 ])
 def test_bad_input_exits_2(args, needle):
     r = run_cli("plan", *args)
@@ -56,3 +60,13 @@ def test_malformed_length_file_exits_2(tmp_path, content, needle):
     f.write_text(content)
     r = run_cli("plan", "--dist", str(f), "--servers", "2", "--tokens-per-server", "1K")
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["simulate", "--layers", "0", "--batches", "1", "--gpus", "8"], "layers"),
+    (["simulate", "--seed", "-1", "--batches", "1", "--gpus", "8"], "seed"),
+    (["bench", "--out", "/tmp/unused"], "torchrun"),
+])
+def test_other_commands_refuse_bad_input(args, needle):
+    r = run_cli(*args)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr

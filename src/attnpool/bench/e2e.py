@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -32,7 +34,10 @@ import torch
 import torch.distributed as dist
 
 from attnpool.comm.all_to_all import tiny_messages
+from attnpool.data.lengths import DISTRIBUTIONS
+from attnpool.errors import ConfigError
 from attnpool.model import model_config
+from attnpool.sizes import parse_size
 from attnpool.train.config import TrainConfig
 from attnpool.train.train import train
 
@@ -122,15 +127,40 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg):
     return rec
 
 
+def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
+    """(configs, strategies) from the arguments, refused with ConfigError before any process group exists."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise ConfigError("launch", "no torchrun", "run it under torchrun: torchrun --nproc-per-node N -m attnpool.cli.main bench ...")
+    configs = []
+    for item in args.configs.split(","):
+        dist_name, _, size = item.partition(":")
+        if dist_name not in DISTRIBUTIONS:
+            raise ConfigError("--configs", item, f"distribution must be one of {', '.join(DISTRIBUTIONS)}")
+        try:
+            tokens = parse_size(size)
+        except ValueError:
+            raise ConfigError("--configs", item, "expected dist:tokens_per_gpu, e.g. prolong:128K") from None
+        if tokens < 1:
+            raise ConfigError("--configs", item, "tokens per GPU must be positive")
+        configs.append((dist_name, tokens))
+    strategies = args.strategies.split(",")
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        raise ConfigError("--strategies", ",".join(unknown), f"unknown; choose from {', '.join(STRATEGIES)}")
+    if args.steps < 1 or args.warmup < 0 or args.layers < 1:
+        raise ConfigError("--steps/--warmup/--layers", (args.steps, args.warmup, args.layers),
+                          "need at least 1 measured step, 0 or more warm-up steps and 1 or more layers")
+    return configs, strategies + (["ablation"] if args.ablation else [])
+
+
 def run(args: argparse.Namespace) -> int:
+    configs, strategies = check_arguments(args)
     cuda = args.device == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     cfg = model_config(args.model, n_layers=args.layers)
-    configs = [(c.split(":")[0], _size(c.split(":")[1])) for c in args.configs.split(",")]
-    strategies = args.strategies.split(",") + (["ablation"] if args.ablation else [])
     t0 = time.perf_counter()
     records, skipped = [], []
     work_dir = tempfile.mkdtemp(prefix="attnpool-bench-")
@@ -150,19 +180,21 @@ def run(args: argparse.Namespace) -> int:
                 rows = run_one(name, dist_name, tokens, args, work_dir)
                 rec = summarize(name, dist_name, tokens, rows, args, world, cfg)
             records.append(rec)
+            # FSDP modules hold reference cycles: free this run's model and optimizer before
+            # the next one, or its memory (and peak-memory figures) carry over.
+            del rows
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
             if rank == 0:
                 print(f"{dist_name:8s} {tokens // 1024:4d}K {rec['strategy']:34s} step {rec['step_time_s']:7.3f} s  "
                       f"{rec['tokens_per_s'] / 1e3:8.1f}K tok/s  imbalance {rec['imbalance_after']:.3f}  "
                       f"peak {rec['peak_memory_bytes'] / 2**30:.1f} GiB  [{time.perf_counter() - t0:.0f} s]", flush=True)
     if rank == 0:
         finish(records, skipped, args, world, cfg)
+    shutil.rmtree(work_dir, ignore_errors=True)
     dist.destroy_process_group()
     return 0
-
-
-def _size(text: str) -> int:
-    text = text.strip().upper()
-    return int(float(text[:-1]) * 1024) if text.endswith("K") else int(text)
 
 
 def finish(records, skipped, args, world, cfg):

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 
 from attnpool.cli.common import parse_size
 from attnpool.data.lengths import DISTRIBUTIONS, SamplingOptions, sample_batches
 from attnpool.errors import ConfigError
-from attnpool.plan import STRATEGIES, AttentionShape, PieceTable, linear_layout, load_cost_model, plan_attention, wlb_layout
-from attnpool.plan.metrics import PlanMetrics
+from attnpool.plan import STRATEGIES, AttentionShape, linear_table, load_cost_model, plan_attention, wlb_table
+from attnpool.plan.metrics import PlanMetrics, home_loads, imbalance
 
 
 def add_parser(sub) -> None:
@@ -21,7 +23,7 @@ def add_parser(sub) -> None:
     p.add_argument("--tokens-per-server", type=parse_size, default=parse_size("512K"), help="tokens per server, e.g. 128K (default 512K)")
     p.add_argument("--strategy", default="cad", choices=STRATEGIES + ("all",), help="scheduler, or 'all' side by side (default cad)")
     p.add_argument("--seed", type=int, default=0, help="batch sampling seed (default 0)")
-    p.add_argument("--eps", type=float, default=0.02, help="cad balances until max/mean <= 1 + eps (default 0.02)")
+    p.add_argument("--eps", type=float, default=0.02, help="cad leaves max/mean <= 1 + eps (default 0.02)")
     p.add_argument("--min-shard", type=parse_size, default=None, help="smallest query shard a scheduler may cut (default from the cost table: 512)")
     p.add_argument("--cost-model", default="table", help="'table' (measured H200 default), 'pairs', or a cost-table JSON file")
     p.add_argument("--memory-cap", type=float, default=1.1, help="wlb: tokens per server may reach this multiple of the budget (default 1.1)")
@@ -38,23 +40,26 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--servers", args.servers, "need at least one server")
     if args.tokens_per_server < 1:
         raise ConfigError("--tokens-per-server", args.tokens_per_server, "must be positive")
+    if args.seed < 0:
+        raise ConfigError("--seed", args.seed, "must be >= 0")
+    if not (math.isfinite(args.memory_cap) and args.memory_cap >= 1.0):
+        raise ConfigError("--memory-cap", args.memory_cap, "must be a finite number >= 1.0")
+    if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+        raise ConfigError("--plot", args.plot, "its directory does not exist")
     options = SamplingOptions(upsample=not args.no_upsample, elongate=args.elongate, max_doc_len=args.max_doc_len)
     cost_model = load_cost_model(args.cost_model)
     doc_lens = sample_batches(args.dist, args.servers * args.tokens_per_server, 1, args.seed, options)[0]
     strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
     shape = AttentionShape()
-    linear = PieceTable.from_pieces(linear_layout(doc_lens, args.servers, args.tokens_per_server))
+    linear = linear_table(doc_lens, args.servers, args.tokens_per_server)
     results = {}
     for strategy in strategies:
-        if strategy == "wlb":
-            table = PieceTable.from_pieces(wlb_layout(doc_lens, args.servers, args.tokens_per_server, args.memory_cap))
-        else:
-            table = linear
+        table = wlb_table(doc_lens, args.servers, args.tokens_per_server, args.memory_cap) if strategy == "wlb" else linear
         plan = plan_attention(table, strategy, cost_model=cost_model, min_shard_tokens=args.min_shard, eps=args.eps, shape=shape)
         metrics = PlanMetrics.of(plan, cost_model, shape)
         if strategy == "wlb":  # "before" is the linear layout served locally, as for the others
-            metrics.load_before = PlanMetrics.of(plan_attention(linear, "local", cost_model=cost_model), cost_model, shape).load_before
-            metrics.imbalance_before = max(metrics.load_before) / (sum(metrics.load_before) / len(metrics.load_before))
+            before = home_loads(linear, cost_model)
+            metrics.load_before, metrics.imbalance_before = before.tolist(), imbalance(before)
         results[strategy] = metrics
     batch = {"dist": args.dist, "servers": args.servers, "tokens_per_server": args.tokens_per_server, "seed": args.seed,
              "num_docs": len(doc_lens), "max_doc_len": max(doc_lens), "cost_model": getattr(cost_model, "name", ""),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from attnpool.comm.all_to_all import all_gather_flat
 from attnpool.errors import ConfigError
 
 _RECORD = 32 + 1 + 255  # fingerprint digest, status, message
@@ -33,11 +34,7 @@ def agree_on_plan(fingerprint_hex: str, problem: str | None, group=None, device=
             raise ConfigError("core_attention", "rank 0", problem)
         return
     world = dist.get_world_size(group)
-    mine = _encode(fingerprint_hex, problem).to(device or "cpu")
-    gathered = mine.new_empty(world * _RECORD)
-    # torch 2.13 renamed all_gather_into_tensor to all_gather_single; 2.11 has only the former.
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    all_gather(gathered, mine, group=group)
+    gathered = all_gather_flat(_encode(fingerprint_hex, problem).to(device or "cpu"), group)
     records = gathered.cpu().view(world, _RECORD).numpy().tobytes()
     errors = []
     prints = set()

@@ -101,6 +101,15 @@ def tiny_messages():
         _tiny_messages = before
 
 
+def all_gather_flat(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Every rank's 1-D ``tensor``, concatenated in rank order."""
+    out = tensor.new_empty(dist.get_world_size(group) * tensor.numel())
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single; 2.11 has only the former.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather(out, tensor.contiguous(), group=group)
+    return out
+
+
 def all_to_all_flat(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group=None,
                     tag: str = "", async_op: bool = False):
     """Exchange a flat buffer: ``send_splits[r]`` elements go to rank r, ``recv_splits[r]`` come from it.

@@ -70,8 +70,8 @@ class SamplingOptions:
             raise ConfigError("keep_short", self.keep_short, "must be in (0, 1]")
         if self.long_repeat < 1:
             raise ConfigError("long_repeat", self.long_repeat, "must be >= 1")
-        if not self.elongate > 0:
-            raise ConfigError("elongate", self.elongate, "must be positive")
+        if not (np.isfinite(self.elongate) and self.elongate > 0):
+            raise ConfigError("elongate", self.elongate, "must be a positive finite number")
         if self.max_doc_len is not None and self.max_doc_len < 1:
             raise ConfigError("max_doc_len", self.max_doc_len, "must be positive")
 

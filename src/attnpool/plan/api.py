@@ -31,7 +31,8 @@ def plan_attention(pieces_per_rank: Sequence[Sequence[DocPiece]] | PieceTable, s
       path, or a cost-model object.
     - ``min_shard_tokens``: smallest query shard a scheduler may cut; default from
       the cost table (512 for the H200 table).
-    - ``eps``: ``cad`` balances until max/mean server load <= 1 + eps.
+    - ``eps``: ``cad`` leaves max/mean server load <= 1 + eps (it aims at 1 + eps/2, and
+      stops early only where the minimum shard size makes the tolerance unreachable).
     """
     if strategy not in SCHEDULERS:
         raise ConfigError("strategy", strategy, f"unknown; choose one of {', '.join(STRATEGIES)}")

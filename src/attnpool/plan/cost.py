@@ -176,9 +176,12 @@ class TableCost:
             heads, dim = int(obj["n_q_heads"]), int(obj["head_dim"])
         except (TypeError, ValueError) as exc:
             raise ConfigError("cost_table", str(exc), "malformed cost table: grids and tflops must be numbers") from None
+        if heads < 1 or dim < 1:
+            raise ConfigError("cost_table", f"n_q_heads={heads} head_dim={dim}", "must both be >= 1")
         if q.ndim != 1 or k.ndim != 1 or t.shape != (len(q), len(k)) or len(q) < 2 or len(k) < 2 \
-                or np.any(t <= 0) or np.any(np.diff(q) <= 0) or np.any(np.diff(k) <= 0):
-            raise ConfigError("cost_table", f"shape {t.shape}", "tflops must be positive with shape (len(q_grid), len(k_grid)), grids ascending, at least 2 points each")
+                or not np.all(np.isfinite(t)) or np.any(t <= 0) or np.any(q < 1) or np.any(k < 1) \
+                or np.any(np.diff(q) <= 0) or np.any(np.diff(k) <= 0):
+            raise ConfigError("cost_table", f"shape {t.shape}", "tflops must be positive and finite with shape (len(q_grid), len(k_grid)); grids ascending, >= 1, at least 2 points each")
         return cls(q, k, t, heads, dim, phase, str(obj.get("source", "")))
 
     def scaled_to(self, n_q_heads: int, head_dim: int) -> "TableCost":

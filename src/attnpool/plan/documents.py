@@ -30,6 +30,16 @@ class DocPiece:
         return self.start + self.length
 
 
+def ranges(starts, lengths) -> np.ndarray:
+    """Concatenation of arange(s, s + n) for each (s, n), vectorised."""
+    starts = np.asarray(starts, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(total, dtype=np.int64)
+
+
 def causal_pairs(a, b):
     """(query, key) pairs of causal attention for query tokens [a, b) over keys [0, b).
 

@@ -18,6 +18,7 @@ simulator use; vectorised or O(documents log ranks)) and as lists of
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Sequence
 
 import numpy as np
@@ -79,8 +80,8 @@ def wlb_pieces(doc_lens: Sequence[int], num_ranks: int, tokens_per_rank: int | N
     """
     lens = validate_doc_lens(doc_lens)
     budget = _budget(lens, num_ranks, tokens_per_rank)
-    if not memory_cap >= 1.0:
-        raise ConfigError("memory_cap", memory_cap, "must be >= 1.0 (tokens per rank relative to the budget)")
+    if not (math.isfinite(memory_cap) and memory_cap >= 1.0):
+        raise ConfigError("memory_cap", memory_cap, "must be a finite number >= 1.0 (tokens per rank relative to the budget)")
     cap = int(memory_cap * budget)
     W = num_ranks
     room = [cap] * W

@@ -18,9 +18,24 @@ def shard_histogram(lengths: np.ndarray) -> dict[str, int]:
     return dict(zip(labels, counts.tolist()))
 
 
-def _imbalance(loads: np.ndarray) -> float:
+def imbalance(loads) -> float:
+    """max / mean of per-server loads (1.0 when there is no work)."""
+    loads = np.asarray(loads, dtype=np.float64)
     mean = float(loads.mean())
     return float(loads.max() / mean) if mean > 0 else 1.0
+
+
+def home_loads(table, cost_model) -> np.ndarray:
+    """Per-rank work if every piece were served at home (the `local` strategy)."""
+    cost, _ = doc_costs(cost_model)
+    return np.bincount(table.rank, weights=cost(table.start, table.end, table.doc), minlength=table.num_ranks)
+
+
+def server_loads(plan: Plan, cost_model) -> np.ndarray:
+    """Per-server work under a plan."""
+    cost, _ = doc_costs(cost_model)
+    return np.bincount(plan.task_server, weights=cost(plan.task_start, plan.task_end, plan.task_doc),
+                       minlength=plan.num_ranks)
 
 
 @dataclass
@@ -48,9 +63,7 @@ class PlanMetrics:
     def of(cls, plan: Plan, cost_model, shape: AttentionShape = AttentionShape()) -> "PlanMetrics":
         W = plan.num_ranks
         t = plan.pieces
-        cost, _ = doc_costs(cost_model)
-        before = np.bincount(t.rank, weights=cost(t.start, t.end, t.doc), minlength=W)
-        after = np.bincount(plan.task_server, weights=cost(plan.task_start, plan.task_end, plan.task_doc), minlength=W)
+        before, after = home_loads(t, cost_model), server_loads(plan, cost_model)
         remote = plan.task_server != plan.task_home
         qlen = np.where(remote, plan.task_len, 0)
         q_out = np.bincount(plan.task_home, weights=qlen, minlength=W).astype(np.int64) * shape.q_bytes
@@ -63,7 +76,7 @@ class PlanMetrics:
         return cls(
             strategy=plan.strategy, num_servers=W, cost_unit=getattr(cost_model, "unit", "work"),
             load_before=before.tolist(), load_after=after.tolist(),
-            imbalance_before=_imbalance(before), imbalance_after=_imbalance(after),
+            imbalance_before=imbalance(before), imbalance_after=imbalance(after),
             q_bytes_out=q_out.tolist(), kv_bytes_out=kv_out.tolist(), o_bytes_back=o_back.tolist(),
             bytes_moved=int(q_out.sum() + kv_out.sum() + o_back.sum()),
             kv_tokens_unique=unique.tolist(), kv_tokens_expanded=expanded.tolist(),

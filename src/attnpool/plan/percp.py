@@ -14,12 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnpool.plan.documents import PieceTable
-
-
-def _ranges(starts, lengths):
-    total = int(lengths.sum())
-    return np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(total, dtype=np.int64)
+from attnpool.plan.documents import PieceTable, ranges
 
 
 def schedule_percp(table: PieceTable, min_shard_tokens: int = 1, **_):
@@ -32,7 +27,7 @@ def schedule_percp(table: PieceTable, min_shard_tokens: int = 1, **_):
     edges = np.unique(np.concatenate([p_doc * span + p_start, p_doc * span + p_end]))
     # Desired chunk boundaries j * L // n for j = 1 .. n-1 of every document.
     cut_doc = np.repeat(np.arange(len(L)), n - 1)
-    j = _ranges(np.ones(len(L), np.int64), n - 1)
+    j = ranges(np.ones(len(L), np.int64), n - 1)
     cuts = cut_doc * span + (j * L[cut_doc]) // n[cut_doc]
     # Drop those closer than min_shard to a piece edge (edges include 0 and L of every doc).
     right = np.searchsorted(edges, cuts, side="left")

@@ -23,18 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from attnpool.plan.documents import ranges
 from attnpool.plan.plan import Plan
-
-
-def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(s, s + n) for each (s, n), vectorised."""
-    starts = np.asarray(starts, dtype=np.int64)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    run_base = np.cumsum(lengths) - lengths
-    return np.repeat(starts - run_base, lengths) + np.arange(total, dtype=np.int64)
 
 
 def _splits(owner: np.ndarray, lengths: np.ndarray, world: int) -> list[int]:

@@ -60,7 +60,7 @@ class SimConfig:
     recompute: str = "none"  # "linear": linear forwards and head logits run again in backward
 
     def model_config(self):
-        return model_config(self.model, **({"n_layers": self.layers} if self.layers else {}))
+        return model_config(self.model, **({"n_layers": self.layers} if self.layers is not None else {}))
 
     def label(self) -> str:
         return f"{self.model}/{self.dist}/{_size(self.max_doc_len)}/{self.gpus}gpu"
@@ -73,6 +73,10 @@ class SimConfig:
         return 1.0
 
     def check(self) -> None:
+        if self.layers is not None and self.layers < 1:
+            raise ConfigError("layers", self.layers, "must be >= 1")
+        if self.seed < 0:
+            raise ConfigError("seed", self.seed, "must be >= 0")
         for s in self.strategies:
             if s not in STRATEGY_GROUPS:
                 raise ConfigError("strategies", s, f"unknown; choose from {', '.join(STRATEGY_GROUPS)}")

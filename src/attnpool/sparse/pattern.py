@@ -40,6 +40,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from attnpool.plan.documents import ranges
 from attnpool.sparse.config import SparseConfig
 
 
@@ -467,14 +468,6 @@ class Selection:
 
 # --- moving patterns between servers ---
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(s, s + n) for each (s, n), vectorised."""
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    return np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(total, dtype=np.int64)
-
-
 def packed_sizes(doc_lens, num_heads: int, config: SparseConfig) -> np.ndarray:
     """int32 words of each document's packed pattern, from host-known lengths alone:
     H x ceil(L/B) diagonal flags, H x vertical capacity columns, H counts."""
@@ -498,7 +491,7 @@ def _pack_index(doc_lens: np.ndarray, H: int, config: SparseConfig):
     parts = []
     for kind, width in ((0, nb), (1, vc), (2, np.ones_like(nb))):
         n = H * width
-        word = _ranges(np.zeros_like(n), n)  # position inside this part of its document
+        word = ranges(np.zeros_like(n), n)  # position inside this part of its document
         doc = np.repeat(np.arange(len(L)), n)
         w = np.maximum(width[doc], 1)
         parts.append((kind, doc, word // w, word % w))

@@ -11,13 +11,14 @@ value is refused on every rank alike.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
-import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import yaml
 
+from attnpool.sizes import parse_size
 from attnpool.errors import ConfigError
 from attnpool.plan import STRATEGIES
 
@@ -99,8 +100,8 @@ class TrainConfig:
         if self.kernel not in (None, "reference", "flash"):
             raise ConfigError("kernel", self.kernel, "must be reference or flash (or unset)")
         _at_least("steps", self.steps, 1)
-        if not self.lr > 0:
-            raise ConfigError("lr", self.lr, "must be positive")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError("lr", self.lr, "must be a positive finite number")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError("min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
         _at_least("warmup_steps", self.warmup_steps, 0)
@@ -138,15 +139,12 @@ def field_kind(f) -> str:
     return str(f.type).split("|")[0].strip()
 
 
-_SIZE = re.compile(r"^\s*(\d+)\s*([kKmMgG]?)\s*$")
-
-
 def _parse_size(name: str, text: str) -> int:
     """'4096' -> 4096, '4K' -> 4096, '1M' -> 1048576."""
-    m = _SIZE.match(text)
-    if not m:
-        raise ConfigError(name, text, "must be an integer (sizes like 4K allowed)")
-    return int(m.group(1)) * 1024 ** "_KMG".index(m.group(2).upper() or "_")
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise ConfigError(name, text, "must be an integer (sizes like 4K allowed)") from None
 
 
 def _coerce(f, value):

@@ -41,12 +41,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from attnpool.comm import comm_stats
+from attnpool.comm import all_gather_flat, comm_stats
 from attnpool.data import DocumentStream, GlobalBatch, RankTensors, make_source
 from attnpool.errors import ConfigError
 from attnpool.model import ModelConfig, Transformer, apply_activation_checkpointing, model_config
-from attnpool.plan import AttentionShape, PieceTable, linear_layout, load_cost_model, plan_attention, wlb_layout
-from attnpool.plan.metrics import PlanMetrics
+from attnpool.plan import AttentionShape, linear_table, load_cost_model, plan_attention, wlb_table
+from attnpool.plan.metrics import home_loads, imbalance, server_loads
 from attnpool.plan.plan import Plan
 from attnpool.runtime import CoreAttention
 from attnpool.train.checkpoint import (check_compatible, checkpoint_path, checkpoint_root, latest_checkpoint,
@@ -205,17 +205,14 @@ class StepPlan:
 def plan_batch(batch: GlobalBatch, config: TrainConfig, num_ranks: int, cost_model,
                shape: AttentionShape = AttentionShape()) -> StepPlan:
     """Lay out the batch (linear, or wlb's re-packing) and plan its core attention for ``config.attention``."""
-    linear = linear_layout(batch.doc_lens, num_ranks, batch.tokens_per_rank)
-    if config.attention == "wlb":
-        layout = wlb_layout(batch.doc_lens, num_ranks, batch.tokens_per_rank, config.memory_cap)
-    else:
-        layout = linear
-    plan = plan_attention(layout, config.attention, cost_model=cost_model, min_shard_tokens=config.min_shard,
+    linear = linear_table(batch.doc_lens, num_ranks, batch.tokens_per_rank)
+    table = wlb_table(batch.doc_lens, num_ranks, batch.tokens_per_rank, config.memory_cap) \
+        if config.attention == "wlb" else linear
+    plan = plan_attention(table, config.attention, cost_model=cost_model, min_shard_tokens=config.min_shard,
                           eps=config.eps, shape=shape)
-    planned = PlanMetrics.of(plan, cost_model, shape).load_after
-    pieces = PieceTable.from_pieces(linear)  # "before" is always plain packing served at home
-    local = PlanMetrics.of(plan_attention(pieces, "local", cost_model=cost_model), cost_model, shape).load_after
-    return StepPlan(layout, plan, local, planned, _imbalance(local), _imbalance(planned))
+    local = home_loads(linear, cost_model)  # "before" is always plain packing served at home
+    planned = server_loads(plan, cost_model)
+    return StepPlan(table.to_pieces(), plan, local.tolist(), planned.tolist(), imbalance(local), imbalance(planned))
 
 
 def combine_plans(plans: list[StepPlan]) -> StepPlan:
@@ -224,12 +221,7 @@ def combine_plans(plans: list[StepPlan]) -> StepPlan:
         return plans[0]
     local = np.sum([p.load_local for p in plans], axis=0).tolist()
     planned = np.sum([p.load_planned for p in plans], axis=0).tolist()
-    return StepPlan(None, None, local, planned, _imbalance(local), _imbalance(planned))
-
-
-def _imbalance(loads) -> float:
-    mean = float(np.mean(loads))
-    return float(np.max(loads) / mean) if mean > 0 else 1.0
+    return StepPlan(None, None, local, planned, imbalance(local), imbalance(planned))
 
 
 def forward_backward(model: Transformer, batches: list[RankTensors], attentions: list, global_label_tokens: int,
@@ -255,10 +247,7 @@ def forward_backward(model: Transformer, batches: list[RankTensors], attentions:
 
 def _all_gather_floats(values: list[float], device: torch.device) -> np.ndarray:
     """(world, len(values)): every rank's values."""
-    mine = torch.tensor(values, dtype=torch.float64, device=device)
-    out = mine.new_empty(dist.get_world_size() * len(values))
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    all_gather(out, mine)
+    out = all_gather_flat(torch.tensor(values, dtype=torch.float64, device=device))
     return out.cpu().numpy().reshape(dist.get_world_size(), len(values))
 
 

@@ -20,12 +20,13 @@ import inspect
 import json
 import pathlib
 import platform
-import statistics
 import sys
 import time
 import traceback
 
 import torch
+
+from attnpool.bench.timing import cuda_median_s
 
 from attnpool.kernels import attention, flash, reference
 
@@ -149,18 +150,7 @@ def shard_layout(doc_len, shard):
 
 
 def median_ms(fn, warmup=3, iters=10):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return 1e3 * cuda_median_s(fn, warmup=warmup, reps=iters)
 
 
 def bench_shards(doc_len, shard, n_q, n_kv, dim):

@@ -20,12 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import zlib
 
 import numpy as np
 import torch
+
+from attnpool.bench.timing import cuda_median_s
 import torch.distributed as dist
 
 from attnpool import core_attention, plan_attention
@@ -115,17 +116,7 @@ def exact(out_dir: str) -> int:
 
 
 def median_ms(fn, warmup=2, iters=7) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return 1e3 * cuda_median_s(fn, warmup=warmup, reps=iters)
 
 
 def time_call(backend, q, k, v, cu_q, cu_k, max_q, max_k):

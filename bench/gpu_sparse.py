@@ -32,13 +32,14 @@ import json
 import math
 import pathlib
 import platform
-import statistics
 import sys
 import time
 import traceback
 
 import numpy as np
 import torch
+
+from attnpool.bench.timing import cuda_median_s
 
 from attnpool.kernels import flash
 from attnpool.kernels import sparse as sk
@@ -94,18 +95,7 @@ def cu(lengths):
 
 
 def time_cuda(fn, reps=3, warmup=1):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
+    return cuda_median_s(fn, warmup=warmup, reps=reps)
 
 
 def rel(a, b):

@@ -19,6 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
+from attnpool.errors import ConfigError
 from attnpool.plan.documents import DocPiece, causal_pairs
 from attnpool.plan.layout import _budget, validate_doc_lens
 

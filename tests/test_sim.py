@@ -16,7 +16,7 @@ from attnpool.plan import PieceTable, TableCost, plan_attention
 from attnpool.plan.cost import attention_flops
 from attnpool.plan.documents import causal_pairs
 from attnpool.sim.costs import DEFAULT_LINEAR_TFLOPS, layer_flops_per_token, load_sim_costs
-from attnpool.plan.layout import linear_table, wlb_pieces, wlb_table
+from attnpool.plan.layout import linear_table, wlb_pieces
 from attnpool.sim.report import paper_report
 from attnpool.sim.simulate import SimConfig, simulate_config
 from attnpool.sim.steptime import Cluster, StepModel

@@ -29,7 +29,6 @@ import tempfile
 import time
 from importlib import resources
 
-import numpy as np
 import torch
 import torch.distributed as dist
 

@@ -31,6 +31,8 @@ table (:func:`attention_table`, :func:`linear_entry`, :func:`comm_entry`,
 
 from __future__ import annotations
 
+from attnpool.bench.timing import cuda_median_s
+
 import math
 import os
 import statistics
@@ -242,24 +244,6 @@ def assemble(attention: dict, opts: ProfileOptions, *, linear: dict | None = Non
 
 # --- measuring on CUDA ---
 
-def cuda_median(fn, opts: ProfileOptions, warmup: int = 1) -> float:
-    """Median seconds of ``fn()`` by CUDA events; repeats short calls until about ``min_time_s``."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    while len(times) < 3 or (sum(times) < opts.min_time_s and len(times) < opts.max_reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
 def wall_median(fn, opts: ProfileOptions, warmup: int = 1) -> float:
     """Median wall-clock seconds of ``fn()``: the CPU stand-in for :func:`cuda_median` (tests)."""
     for _ in range(warmup):
@@ -270,6 +254,12 @@ def wall_median(fn, opts: ProfileOptions, warmup: int = 1) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+
+def cuda_median(fn, opts: ProfileOptions, warmup: int = 1) -> float:
+    """Median seconds of ``fn()`` by CUDA events; repeats short calls until about ``min_time_s``."""
+    return cuda_median_s(fn, warmup=warmup, reps=3, min_time_s=opts.min_time_s, max_reps=opts.max_reps)
 
 
 @dataclass
@@ -480,3 +470,4 @@ def run_profile(opts: ProfileOptions, parts: tuple = ("attention", "linear", "co
     meta = {"torch": torch.__version__, "cuda": torch.version.cuda, "command": command,
             "seconds": round(time.time() - started, 1)}
     return assemble(attention, opts, linear=linear, comm=comm, device=device_info(), meta=meta, base=base)
+

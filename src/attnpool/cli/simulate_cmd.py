@@ -12,7 +12,7 @@ from pathlib import Path
 from attnpool.cli.common import parse_size
 from attnpool.data.lengths import DISTRIBUTIONS
 from attnpool.errors import ConfigError
-from attnpool.model.config import MODEL_PRESETS, model_config
+from attnpool.model.config import MODEL_PRESETS
 from attnpool.sim.costs import DEFAULT_INTER, DEFAULT_INTRA, Link, load_sim_costs
 from attnpool.sim.simulate import (DEFAULT_EPS_SWEEP, STRATEGY_GROUPS, SimConfig, assumptions, check_eps, expand,
                                    simulate_config, simulate_many)

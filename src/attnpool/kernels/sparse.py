@@ -21,7 +21,6 @@ reference math, accumulating in float32 (float64 for float64 inputs).
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -88,7 +87,6 @@ class SparseIndex:
         shift = k_len - q_len
         i0 = shift.clamp(min=0) // B
         i1 = torch.where(q_len > 0, (k_len + B - 1) // B, i0).clamp(min=i0)
-        H = pattern.num_heads
 
         def programs(count, bound):
             off = _excl_cumsum(count)

@@ -125,7 +125,7 @@ class KVTransfers:
 
 def kv_transfers(plan: Plan) -> KVTransfers:
     t = plan.pieces
-    W, D = plan.num_ranks, t.num_docs
+    D = t.num_docs
     # Largest task end per (server, doc): groups sorted by server then doc.
     key = plan.task_server * D + plan.task_doc
     ukey, inv = np.unique(key, return_inverse=True)

@@ -315,8 +315,8 @@ def test_unknown_preset_lists_known_ones():
     with pytest.raises(ConfigError, match="llama3-8b") as info:
         model_config("gpt-5")
     assert info.value.field == "model"
-    with pytest.raises(ConfigError, match="layers"):
-        model_config("tiny", layers=4)
+    with pytest.raises(ConfigError, match="not a model field"):
+        model_config("tiny", depth=4)
 
 
 @pytest.mark.parametrize("overrides,field", [
@@ -412,3 +412,10 @@ def test_chunked_cross_entropy_equals_full_logits():
     torch.testing.assert_close(chunked, full)
     torch.testing.assert_close(ch, gh)
     torch.testing.assert_close(cw, gw)
+
+
+def test_presets_take_a_layers_override():
+    assert model_config("llama3-8b", layers=4).n_layers == 4
+    assert model_config("llama3-8b", layers=4) == model_config("llama3-8b", n_layers=4)
+    with pytest.raises(ConfigError, match="not both"):
+        model_config("tiny", layers=2, n_layers=3)

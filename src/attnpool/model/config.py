@@ -133,9 +133,14 @@ MODEL_PRESETS: dict[str, dict] = {
 
 
 def model_config(name: str, **overrides) -> ModelConfig:
-    """The preset called ``name``, with any field replaced, e.g. ``n_layers=4``."""
+    """The preset called ``name``, with any field replaced, e.g. ``n_layers=4`` (or ``layers=4``,
+    the reduced-depth override benchmarks use)."""
     if name not in MODEL_PRESETS:
         raise ConfigError("model", name, f"unknown preset; known: {', '.join(MODEL_PRESETS)}")
+    if "layers" in overrides:
+        if "n_layers" in overrides:
+            raise ConfigError("layers", overrides["layers"], "give layers or n_layers, not both")
+        overrides["n_layers"] = overrides.pop("layers")
     known_fields = {f.name for f in fields(ModelConfig)}
     for key in overrides:
         if key not in known_fields:

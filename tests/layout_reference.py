@@ -1,16 +1,4 @@
-"""Simple loop versions of the layouts, kept as an independent reference for the fast ones in attnpool.plan.layout.
-
-Layouts: which rank holds which contiguous pieces of the batch's documents.
-
-- :func:`linear_layout`: every rank gets the same token budget; documents are
-  poured in order and the one that overflows a rank continues on the next, as
-  DistCA does. Equal tokens, so equal linear-layer work and activation memory.
-- :func:`wlb_layout`: WLB-LLM's variable-length packing. Documents (longest
-  first) go to the rank with the least attention work that still has room under
-  a memory cap, so attention work evens out while token counts may differ by up
-  to the cap; a document that fits nowhere is split over the ranks with the
-  most room.
-"""
+"""Simple loop versions of the layouts: an independent reference for the fast ones in attnpool.plan.layout."""
 
 from __future__ import annotations
 

@@ -134,14 +134,14 @@ def _loss_and_grads(rank, world, strategies, global_tokens):
         for _ in range(2):
             batch = stream.next_batch()
             step = plan_batch(batch, cfg, world, load_cost_model("pairs"))
-            tensors = batch.rank_batch(step.layout, rank).to_torch()
+            tensors = batch.rank_batch(step.plan.pieces, rank).to_torch()
             loss_sum = forward_backward(model, [tensors], [functools.partial(core_attention, plan=step.plan)],
                                         batch.num_label_tokens)
             dist.all_reduce(loss_sum)
             grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
             model.zero_grad(set_to_none=True)
             steps.append((float(loss_sum) / batch.num_label_tokens, grads,
-                          [len(p) for p in step.layout], step.imbalance_planned))
+                          np.bincount(step.plan.pieces.rank, minlength=world).tolist(), step.imbalance_planned))
         out[strategy] = steps
     return out
 

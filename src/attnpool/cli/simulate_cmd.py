@@ -7,10 +7,9 @@ import json
 import shlex
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 from attnpool.cli.common import parse_size
-from attnpool.data.lengths import DISTRIBUTIONS
+from attnpool.data.lengths import DISTRIBUTIONS, check_length_list, read_json_file
 from attnpool.errors import ConfigError
 from attnpool.model.config import MODEL_PRESETS
 from attnpool.sim.costs import DEFAULT_INTER, DEFAULT_INTRA, Link, load_sim_costs
@@ -134,19 +133,11 @@ def _check_lists(args) -> None:
 
 
 def _load_batch_file(path: str) -> list[list[int]]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError("--batch-file", path, "no such file")
-    try:
-        data = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError("--batch-file", path, f"not valid JSON ({exc})") from None
-    if not isinstance(data, list) or not data or not all(isinstance(b, list) and b for b in data):
-        raise ConfigError("--batch-file", path, "must hold a non-empty list of non-empty lists of document lengths")
-    for i, b in enumerate(data):
-        bad = [x for x in b if not isinstance(x, int) or isinstance(x, bool) or x <= 0]
-        if bad:
-            raise ConfigError(f"--batch-file[{i}]", bad[0], "document lengths must be positive integers")
+    data = read_json_file("--batch-file", path)
+    if not isinstance(data, list) or not data:
+        raise ConfigError("--batch-file", path, "must hold a non-empty list of batches (lists of document lengths)")
+    for i, batch in enumerate(data):
+        check_length_list(f"--batch-file[{i}]", path, batch)
     return data
 
 

@@ -153,20 +153,22 @@ class GlobalBatch:
                                    self.doc_source[d0:d1], self.doc_source_start[d0:d1]))
         return out
 
-    def split(self, layout: Sequence[Sequence[DocPiece]]) -> list[RankBatch]:
-        """Every rank's batch for a layout (``doc_id`` = index of a document of this batch)."""
+    def split(self, layout: Sequence[Sequence[DocPiece]] | PieceTable) -> list[RankBatch]:
+        """Every rank's batch for a layout (``doc_id`` = index of a document of this batch): DocPiece
+        lists per rank, or a PieceTable such as a plan's ``pieces``."""
         table = self._check_layout(layout)
-        return [self._rank_batch(table, layout, r) for r in range(table.num_ranks)]
+        return [self._rank_batch(table, r) for r in range(table.num_ranks)]
 
-    def rank_batch(self, layout: Sequence[Sequence[DocPiece]], rank: int) -> RankBatch:
+    def rank_batch(self, layout: Sequence[Sequence[DocPiece]] | PieceTable, rank: int) -> RankBatch:
         """One rank's batch for a layout (the layout is validated as a whole)."""
         table = self._check_layout(layout)
         if not 0 <= rank < table.num_ranks:
             raise ConfigError("rank", rank, f"must be in [0, {table.num_ranks})")
-        return self._rank_batch(table, layout, rank)
+        return self._rank_batch(table, rank)
 
     def _check_layout(self, layout) -> PieceTable:
-        table = PieceTable.from_pieces(layout)  # checks that pieces tile each document exactly
+        # DocPiece lists are checked to tile each document exactly; a PieceTable already was.
+        table = layout if isinstance(layout, PieceTable) else PieceTable.from_pieces(layout)
         if table.num_docs != self.num_docs or np.any(table.doc_ids != np.arange(self.num_docs)):
             raise ConfigError("layout", f"doc_ids {table.doc_ids[:8].tolist()}...",
                               f"must cover documents 0..{self.num_docs - 1} of the batch, each exactly once")
@@ -177,7 +179,7 @@ class GlobalBatch:
                               f"the batch's document {d} has {int(self.doc_lens[d])} tokens")
         return table
 
-    def _rank_batch(self, table: PieceTable, layout, rank: int) -> RankBatch:
+    def _rank_batch(self, table: PieceTable, rank: int) -> RankBatch:
         # Pieces of a rank are contiguous in the rank-major table, in layout order.
         sel = table.rank == rank
         doc, start, length = table.doc[sel], table.start[sel], table.length[sel]
@@ -185,7 +187,8 @@ class GlobalBatch:
         positions = np.repeat(start, length) + within
         index = np.repeat(self.doc_offsets[doc], length) + positions
         return RankBatch(rank, self.step, self.tokens[index], self.labels[index], self.loss_mask[index],
-                         positions, list(layout[rank]), self.num_label_tokens)
+                         positions, [DocPiece(int(table.doc_ids[d]), int(table.doc_len[d]), int(s), int(n))
+                                     for d, s, n in zip(doc, start, length)], self.num_label_tokens)
 
 
 class DocumentStream:

@@ -38,18 +38,29 @@ def load_lengths(name_or_path: str | Path) -> np.ndarray:
     path = Path(name)
     if not path.suffix and not path.exists():
         raise ConfigError("dist", name, f"unknown distribution; use one of {', '.join(DISTRIBUTIONS)} or a path to a JSON list of lengths")
+    data = read_json_file("dist", path)
+    check_length_list("dist", name, data)
+    return np.asarray(data, dtype=np.int64)
+
+
+def read_json_file(field: str, path: str | Path):
+    """The JSON value in ``path``, or ConfigError naming ``field``."""
+    path = Path(path)
     if not path.is_file():
-        raise ConfigError("dist", name, "no such file")
+        raise ConfigError(field, str(path), "no such file")
     try:
-        data = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError("dist", name, f"not valid JSON ({exc})") from None
+        raise ConfigError(field, str(path), f"not valid JSON ({exc})") from None
+
+
+def check_length_list(field: str, where, data) -> None:
+    """Refuse anything but a non-empty list of positive integers (document lengths)."""
     if not isinstance(data, list) or not data:
-        raise ConfigError("dist", name, "must hold a non-empty JSON list of document lengths")
+        raise ConfigError(field, where, "must hold a non-empty JSON list of document lengths")
     bad = [x for x in data if not isinstance(x, int) or isinstance(x, bool) or x <= 0]
     if bad:
-        raise ConfigError("dist", name, f"every length must be a positive integer; found {bad[0]!r}")
-    return np.asarray(data, dtype=np.int64)
+        raise ConfigError(field, where, f"every length must be a positive integer; found {bad[0]!r}")
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,8 @@ class Plan:
     min_shard_tokens: int
     options: dict = field(default_factory=dict)
     plan_seconds: float = 0.0
-    # Per-rank dispatch layouts built from this plan by the runtime (not part of the plan's content).
+    # Derived from the plan and kept with it (not part of its content): the KV transfers, and
+    # the per-rank dispatch layouts the runtime builds.
     runtime_cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -86,7 +87,10 @@ class Plan:
         return h.hexdigest()
 
     def kv_transfers(self) -> "KVTransfers":
-        return kv_transfers(self)
+        """The unique KV segments every server needs (computed once per plan)."""
+        if "kv_transfers" not in self.runtime_cache:
+            self.runtime_cache["kv_transfers"] = kv_transfers(self)
+        return self.runtime_cache["kv_transfers"]
 
     def is_fully_local(self) -> bool:
         """True when no token crosses the network: no Q, KV or O leaves its rank."""

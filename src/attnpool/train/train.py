@@ -194,8 +194,7 @@ def build_scheduler(optimizer, config: TrainConfig) -> torch.optim.lr_scheduler.
 
 @dataclass
 class StepPlan:
-    layout: list  # per rank, its DocPieces in token order
-    plan: Plan
+    plan: Plan | None  # its ``pieces`` are the layout (None for a step's combined nano-batches)
     load_local: list[float]  # per rank: attention load if every rank served its own tokens of the linear layout
     load_planned: list[float]  # per rank: attention load under the plan
     imbalance_local: float  # max / mean of load_local
@@ -212,7 +211,7 @@ def plan_batch(batch: GlobalBatch, config: TrainConfig, num_ranks: int, cost_mod
                           eps=config.eps, shape=shape)
     local = home_loads(linear, cost_model)  # "before" is always plain packing served at home
     planned = server_loads(plan, cost_model)
-    return StepPlan(table.to_pieces(), plan, local.tolist(), planned.tolist(), imbalance(local), imbalance(planned))
+    return StepPlan(plan, local.tolist(), planned.tolist(), imbalance(local), imbalance(planned))
 
 
 def combine_plans(plans: list[StepPlan]) -> StepPlan:
@@ -221,7 +220,7 @@ def combine_plans(plans: list[StepPlan]) -> StepPlan:
         return plans[0]
     local = np.sum([p.load_local for p in plans], axis=0).tolist()
     planned = np.sum([p.load_planned for p in plans], axis=0).tolist()
-    return StepPlan(None, None, local, planned, imbalance(local), imbalance(planned))
+    return StepPlan(None, local, planned, imbalance(local), imbalance(planned))
 
 
 def forward_backward(model: Transformer, batches: list[RankTensors], attentions: list, global_label_tokens: int,
@@ -316,7 +315,7 @@ def train(config: TrainConfig) -> TrainResult:
             plans = [plan_batch(nano, config, world, cost_model, shape) for nano in nanos]
             last_plan = combine_plans(plans)
             plan_time = time.perf_counter() - t_plan
-            tensors = [nano.rank_batch(p.layout, rank).to_torch(device) for nano, p in zip(nanos, plans)]
+            tensors = [nano.rank_batch(p.plan.pieces, rank).to_torch(device) for nano, p in zip(nanos, plans)]
             comm_stats.reset()
             if len(nanos) == 1:
                 timer = AttentionTimer(CoreAttention(plans[0].plan, **attention_kwargs), device)

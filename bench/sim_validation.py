@@ -4,7 +4,7 @@
 Regenerates the benchmark's batches (same synthetic source, seed and stream as
 `attnpool bench`), simulates them at 4 GPUs, TP = 1, one node, Llama-3-8B with 4
 layers, and compares with the measured step times in
-bench/results/2026-11-21-h200x4-e2e.json, per strategy and per step.
+bench/results/2026-11-21-h200x4-e2e-short.json, per strategy and per step.
 
     python bench/sim_validation.py --out bench/results
 """
@@ -21,7 +21,7 @@ import numpy as np
 from attnpool.data import DocumentStream, make_source
 from attnpool.sim.simulate import SimConfig, simulate_config
 
-MEASURED = "bench/results/2026-11-21-h200x4-e2e.json"
+MEASURED = "bench/results/2026-11-21-h200x4-e2e-short.json"  # the first, shortened run (2 + 4 steps)
 # simulator strategy -> benchmark strategy
 PAIRS = {"local": "local", "wlb": "wlb", "cad-serial": "cad", "cad": "cad+pingpong"}
 TARGET = 0.15

@@ -47,7 +47,7 @@ def document_attention(doc_ids):
     """Core attention for a packed batch: causal within each document, nothing across."""
     i = torch.arange(len(doc_ids))
     allowed = (doc_ids[:, None] == doc_ids[None, :]) & (i[None, :] <= i[:, None])
-    return lambda q, k, v: dense_attention(q, k, v, allowed)
+    return lambda q, k, v, layer=None: dense_attention(q, k, v, allowed)
 
 
 def assert_close_relative(actual, expected, tol=1e-5):
@@ -169,8 +169,8 @@ class RecordingAttention:
         self.prefix_kv = prefix_kv or []
         self.calls = []
 
-    def __call__(self, q, k, v):
-        layer = len(self.calls)
+    def __call__(self, q, k, v, *, layer):
+        assert layer == len(self.calls)  # the model names each block's index, in order
         self.calls.append((q, k, v))
         if self.prefix_kv:
             k = torch.cat([self.prefix_kv[layer][0], k])
@@ -212,8 +212,8 @@ def test_positions_are_not_assumed_to_start_at_zero():
     torch.manual_seed(0)
     model = Transformer(model_config("tiny", n_layers=1))
     calls = []
-    model(torch.arange(4), torch.arange(4), lambda q, k, v: calls.append(q) or q)
-    model(torch.arange(4), torch.arange(100, 104), lambda q, k, v: calls.append(q) or q)
+    model(torch.arange(4), torch.arange(4), lambda q, k, v, layer=None: calls.append(q) or q)
+    model(torch.arange(4), torch.arange(100, 104), lambda q, k, v, layer=None: calls.append(q) or q)
     assert not torch.allclose(calls[0], calls[1])
 
 
@@ -244,7 +244,7 @@ def test_activation_checkpointing_same_gradients(recompute_attention):
     def grads(model):
         calls = []
 
-        def attention(q, k, v):
+        def attention(q, k, v, layer=None):
             calls.append(1)
             return base_attention(q, k, v)
 
@@ -287,9 +287,9 @@ def test_meta_device_init_is_seeded():
 def test_forward_refuses_mismatched_positions():
     model = Transformer(model_config("tiny", n_layers=1))
     with pytest.raises(ConfigError, match="positions"):
-        model(torch.arange(4), torch.arange(5), lambda q, k, v: q)
+        model(torch.arange(4), torch.arange(5), lambda q, k, v, layer=None: q)
     with pytest.raises(ConfigError, match="tokens"):
-        model(torch.arange(4)[None], torch.arange(4)[None], lambda q, k, v: q)
+        model(torch.arange(4)[None], torch.arange(4)[None], lambda q, k, v, layer=None: q)
 
 
 # --- configs ----------------------------------------------------------------------

@@ -527,3 +527,62 @@ def test_cad_balances_sparse_tasks_by_their_tile_cost():
     sparse_plan = imbalance(plan_attention(table, "cad", cost_model=sparse, min_shard_tokens=128))
     assert local > 1.05 and dense_plan > 1.05  # balancing dense work leaves sparse work unbalanced
     assert sparse_plan <= 1.02
+
+
+# --- the greedy selection against a per-(segment, head) Python reference ---
+
+def greedy_reference(mass, forced, total, coverage, cap):
+    """One (segment, head), as loops: forced first, then by decreasing mass, equal masses in position order;
+    take while the mass taken before an entry is below coverage * total and fewer than cap precede it."""
+    order = sorted(range(len(mass)), key=lambda t: (not forced[t], -mass[t], t))
+    taken, before = [False] * len(mass), 0.0
+    for rank, t in enumerate(order):
+        taken[t] = forced[t] or (rank < cap and before < coverage * total)
+        before += mass[t]
+    return taken
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_select_matches_python_reference(seed):
+    from attnpool.sparse.pattern import _select, _slot_owner
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = [0, 5, 37, 1, 200, 0, 64, 130, 9]  # empty segments, segments shorter than the cap, long ones
+    H, n_forced = 3, 3
+    cap = [4, 10, 50][seed % 3]
+    coverage = [0.5, 0.9, 1.0][(seed // 3) % 3]
+    T = sum(lengths)
+    # Few distinct values (many ties, forced and unforced alike), zeros, and some random masses;
+    # totals: the exact column sums, a larger value (coverage never reached), or 0 (nothing unforced).
+    levels = torch.tensor([0.0, 0.125, 0.25, 0.5, 1.0])
+    mass = levels[torch.randint(0, 5, (H, T), generator=g)]
+    mass = torch.where(torch.rand(H, T, generator=g) < 0.3, torch.rand(H, T, generator=g), mass).float()
+    c = cu(lengths).long()
+    pos_seg = _slot_owner(c, T)
+    forced = (torch.arange(T) - c[pos_seg]) < n_forced
+    seg_total = torch.zeros(H, len(lengths), dtype=torch.float64).index_add_(1, pos_seg, mass.double())
+    total = torch.tensor([4.0, 3.0, 1.5, 1.0, 50.0, 0.0, 0.0, 40.0, 2.0], dtype=torch.float64)
+    total[2] = float(seg_total[0, 2])  # one total for all heads (as n_last): head 0's exact sum
+    got = _select(mass, forced[None].expand(H, -1), pos_seg, c, total, 64.0, coverage, cap)
+    for s, L in enumerate(lengths):
+        a, b = int(c[s]), int(c[s + 1])
+        for h in range(H):
+            want = greedy_reference(mass[h, a:b].double().tolist(), forced[a:b].tolist(), float(total[s]),
+                                    coverage, cap)
+            assert got[h, a:b].tolist() == want, (s, h, cap, coverage)
+
+
+def test_estimation_same_pattern_with_host_lengths_and_selection():
+    """Host lengths only size the chunk layout exactly; return_selection also scores dense documents:
+    neither changes the pattern."""
+    lengths = [300, 90, 20, 520, 1, 200, 60]
+    cfg = small_config(coverage=0.8)
+    q, k = rope_like(lengths, 4, 2, 16, seed=11, dtype=torch.float32)
+    c = cu(lengths)
+    base = estimate_vertical_slash(q, k, c, c, cfg, chunk=64)
+    for host in (None, lengths):
+        sel = estimate_vertical_slash(q, k, c, c, cfg, chunk=64, k_lens_host=host, return_selection=True)
+        pat = estimate_vertical_slash(q, k, c, c, cfg, chunk=64, k_lens_host=host)
+        for p in (sel.pattern, pat):
+            for name in ("slash", "vert", "n_vert", "dense", "vert_off", "blk_off"):
+                assert torch.equal(getattr(p, name), getattr(base, name)), (host, name)

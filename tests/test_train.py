@@ -25,7 +25,7 @@ from attnpool.model import model_config
 from attnpool.plan import load_cost_model
 from attnpool.runtime import core_attention
 from attnpool.train import TrainConfig, load_config, train
-from attnpool.train.train import agree, build_model, forward_backward, lr_factor, plan_batch
+from attnpool.train.train import agree, build_model, check_sparse, forward_backward, lr_factor, plan_batch
 from dist_harness import run_distributed
 
 TINY = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
@@ -95,6 +95,38 @@ def test_pingpong_trains_the_same(tmp_path):
     assert rel_diff([r["loss"] for r in pp_rows], [r["loss"] for r in plain_rows]) <= 1e-5
     for name, w in plain_w.items():
         torch.testing.assert_close(pp_w[name], w, rtol=1e-4, atol=1e-5, msg=name)
+
+
+# --- Sparse attention trains the same under every strategy -------------------------------------
+
+SPARSE = dict(sparse="vertical-slash", sparse_coverage=0.8, sparse_min_doc_len=128,
+              sparse_args=dict(block=16, vertical_chunk=16, last_queries=16, sink_tokens=4, local_window=16,
+                               vertical_cap=32, slash_cap=24))
+
+
+def _train_sparse(rank, world, out):
+    results = {}
+    for strategy in ("local", "wlb", "percp", "cad", "cad+pingpong"):
+        config = tiny_config(Path(out) / strategy, attention=strategy.split("+")[0], pingpong="+" in strategy,
+                             steps=4, **SPARSE)
+        result = train(config)
+        results[strategy] = (result.rows, full_weights(result.model))
+    dense_first = train(tiny_config(Path(out) / "dense-first", attention="cad", steps=4, dense_layers=1, **SPARSE))
+    return results, dense_first.rows
+
+
+def test_sparse_training_is_the_same_under_every_strategy(tmp_path):
+    results, dense_first = run_distributed(_train_sparse, 2, str(tmp_path))[0]
+    ref_rows, ref_weights = results["local"]
+    for strategy in ("wlb", "percp", "cad", "cad+pingpong"):
+        rows, weights = results[strategy]
+        assert rel_diff([r["loss"] for r in rows], [r["loss"] for r in ref_rows]) <= 1e-4, strategy
+        for name, w in ref_weights.items():
+            torch.testing.assert_close(weights[name], w, rtol=1e-3, atol=1e-4, msg=f"{strategy}: {name}")
+    densities = [r["attention_density"] for r in ref_rows]
+    assert all(0.0 < d < 1.0 for d in densities), densities  # the documents over 128 tokens really are sparse
+    # One of the two layers dense: more of the causal pairs computed, in the sparse layer's share.
+    assert all(d is not None for d in (r["attention_density"] for r in dense_first))
 
 
 # --- Resume continues exactly ------------------------------------------------------------------
@@ -261,6 +293,10 @@ def bad_runs(tmp_path_factory, cli_run):
         "other model shape": (tiny_flags(run_dir) + ["--nproc", "2", "--resume", "--model-args", "dim=64"],
                               "another model shape"),
         "earlier run": (tiny_flags(run_dir) + ["--nproc", "2"], "--resume"),
+        "sparse coverage": (["--sparse", "vertical-slash", "--sparse-coverage", "1.5"], "sparse_coverage=1.5"),
+        "sparse cap": (["--sparse", "vertical-slash", "--sparse-args", "vertical_cap=0"], "sparse_vertical_cap=0"),
+        "sparse mode": (["--sparse", "block-sparse"], "sparse='block-sparse'"),
+        "dense layers": (["--sparse", "vertical-slash", "--dense-layers", "4"], "dense_layers=4"),
     }
     procs = {name: cli(*args, "--out", str(tmp / "out")) if name not in ("other model shape", "earlier run")
              else cli(*args) for name, (args, _) in cases.items()}
@@ -268,7 +304,8 @@ def bad_runs(tmp_path_factory, cli_run):
 
 
 @pytest.mark.parametrize("case", ["unknown key", "unknown flag", "heads", "token budget", "missing data path",
-                                  "empty corpus", "token id beyond vocab", "other model shape", "earlier run"])
+                                  "empty corpus", "token id beyond vocab", "other model shape", "earlier run",
+                                  "sparse coverage", "sparse cap", "sparse mode", "dense layers"])
 def test_cli_bad_input_exits_2(bad_runs, case):
     code, stderr, needle = bad_runs[case]
     assert code == 2, stderr
@@ -276,3 +313,19 @@ def test_cli_bad_input_exits_2(bad_runs, case):
     assert "Traceback" not in stderr
     if case != "unknown flag":
         assert len(stderr.strip().splitlines()) == 1, stderr
+
+
+def test_sparse_needs_triton_and_a_power_of_two_head_dim_on_cuda(monkeypatch, tmp_path):
+    """What the GPU path checks before any process starts (the CPU twin runs any shape)."""
+    train_module = sys.modules[check_sparse.__module__]
+
+    config = tiny_config(tmp_path, **SPARSE)
+    monkeypatch.setattr(train_module, "resolve_device", lambda config: "cuda")
+    monkeypatch.setattr(train_module.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="Triton") as err:
+        train_module.check_sparse(config, model_config("tiny", **TINY))
+    assert err.value.field == "sparse"
+    monkeypatch.setattr(train_module.importlib.util, "find_spec", lambda name: object())
+    with pytest.raises(ConfigError, match="head_dim"):
+        train_module.check_sparse(config, model_config("tiny", **TINY))  # head_dim 8
+    train_module.check_sparse(config, model_config("tiny", **dict(TINY, dim=64)))  # head_dim 16

@@ -13,14 +13,18 @@ GPU, and efficiency = ideal / measured, where the ideal is the step's FLOPs at
 the measured single-GPU rates of the shipped profile (linear layers and
 whole-document attention), evenly shared. The overlap ablation runs `cad` with
 ping-pong and one-element messages. The bf16 losses of every strategy are
-checked against `local` over the first steps.
+checked against `local` over the first steps (those of the ``+sparse``
+strategies, which train with vertical-slash sparse attention, against
+``local+sparse``). ``--trace`` profiles two extra steps of one strategy.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
+import gzip
 import json
 import os
 import shutil
@@ -40,13 +44,17 @@ from attnpool.sizes import parse_size
 from attnpool.train.config import TrainConfig
 from attnpool.train.train import train
 
-STRATEGIES = {  # name -> (attention, pingpong)
-    "local": ("local", False),
-    "wlb": ("wlb", False),
-    "percp": ("percp", False),
-    "cad": ("cad", False),
-    "cad+pingpong": ("cad", True),
+STRATEGIES = {  # name -> (attention, pingpong, vertical-slash sparse attention)
+    "local": ("local", False, False),
+    "wlb": ("wlb", False, False),
+    "percp": ("percp", False, False),
+    "cad": ("cad", False, False),
+    "cad+pingpong": ("cad", True, False),
+    "local+sparse": ("local", False, True),
+    "cad+sparse": ("cad", False, True),
+    "cad+pingpong+sparse": ("cad", True, True),
 }
+DEFAULT_STRATEGIES = ("local", "wlb", "percp", "cad", "cad+pingpong")
 H200_BF16_PEAK_TFLOPS = 989.0  # dense, datasheet: the MFU denominator
 LOSS_TOLERANCE = 0.02
 
@@ -58,11 +66,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--configs", default="prolong:64K,pretrain:64K,prolong:128K",
                    help="dist:tokens_per_gpu pairs, comma-separated (pretrain is elongated to the global batch)")
-    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
+                   help=f"comma-separated, from {', '.join(STRATEGIES)} (the +sparse ones train with "
+                        "--sparse vertical-slash at the default coverage)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10, help="measured steps")
     p.add_argument("--ablation", action="store_true", help="also cad+pingpong with one-element messages")
     p.add_argument("--budget-s", type=float, default=float("inf"), help="start no new run after this many seconds")
+    p.add_argument("--sparse-args", default="", metavar="K=V,...",
+                   help="options of the +sparse strategies, e.g. coverage=0.9,slash_cap=64,vertical_cap=1024 "
+                        "(coverage, min_doc_len, and any --sparse-args key of attnpool train)")
+    p.add_argument("--trace", default=None, metavar="STRATEGY",
+                   help="profile two extra steps of this strategy in the first configuration with torch.profiler "
+                        "(not part of the measured steps): trace-*.txt (ops by GPU time) and trace-*.json.gz")
 
 
 def layer_weights(cfg) -> int:
@@ -87,18 +103,56 @@ def linear_s_per_token(cfg) -> float:
     return layers + head
 
 
-def run_one(name, dist_name, tokens, args, out_dir):
-    attention, pingpong = STRATEGIES[name]
+def run_one(name, dist_name, tokens, args, out_dir, trace=False):
+    attention, pingpong, sparse = STRATEGIES[name]
     elongate = {"dist": dist_name}
     if dist_name == "pretrain":  # the paper elongates pretrain lengths to reach the context
         elongate["options"] = {"elongate": max(1.0, tokens * dist.get_world_size() / 65536)}
     config = TrainConfig(
         model=args.model, model_args={"n_layers": args.layers}, data="synthetic", data_args=elongate,
-        tokens_per_rank=tokens, steps=args.warmup + args.steps, warmup_steps=2, lr=1e-4, seed=0,
-        attention=attention, pingpong=pingpong, activation_checkpointing="keep_attention", precision="bf16",
+        tokens_per_rank=tokens, steps=args.warmup + args.steps + (2 if trace else 0), warmup_steps=2, lr=1e-4, seed=0,
+        attention=attention, pingpong=pingpong, **(sparse_options(args.sparse_args) if sparse else {}),
+        activation_checkpointing="keep_attention", precision="bf16",
         device=args.device, progress=False, checkpoint_every=-1, out=os.path.join(out_dir, f"{dist_name}-{tokens}-{name}"),
     )
-    return train(config).rows
+    if not trace:
+        return train(config).rows
+    tag = f"{dist_name}-{tokens // 1024}K-{name}".replace("+", "_")
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    schedule = torch.profiler.schedule(skip_first=args.warmup + args.steps, wait=0, warmup=1, active=1, repeat=1)
+    with torch.profiler.profile(activities=activities, schedule=schedule,
+                                on_trace_ready=functools.partial(_write_trace, args.out, tag)) as prof:
+        rows = train(config, on_step=prof.step).rows
+    return rows[:args.warmup + args.steps]
+
+
+def sparse_options(text: str) -> dict:
+    """TrainConfig fields of ``--sparse-args`` ("coverage=0.9,slash_cap=64"), with vertical-slash turned on."""
+    options = {"sparse": "vertical-slash", "sparse_args": {}}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError("--sparse-args", item, "expected key=value")
+        if key in ("coverage", "min_doc_len"):
+            options[f"sparse_{key}"] = value
+        else:
+            options["sparse_args"][key] = value
+    return options
+
+
+def _write_trace(out, tag, prof):
+    """Rank 0: the profiled step's ops by GPU (or CPU) time, and the trace itself, gzipped."""
+    if dist.get_rank() != 0:
+        return
+    os.makedirs(out, exist_ok=True)
+    key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    with open(os.path.join(out, f"trace-{tag}.txt"), "w") as f:
+        f.write(prof.key_averages().table(sort_by=key, row_limit=60))
+    path = os.path.join(out, f"trace-{tag}.json")
+    prof.export_chrome_trace(path)
+    with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(path)
 
 
 def summarize(name, dist_name, tokens, rows, args, world, cfg):
@@ -120,6 +174,8 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg):
         "ideal_step_s": tokens * linear_s_per_token(cfg)
         + statistics.median(r["attention_work_total"] for r in measured) * cfg.n_layers / world,
         "losses": [r["loss"] for r in rows],
+        "attention_density": None if measured[0].get("attention_density") is None
+        else statistics.mean(r["attention_density"] for r in measured),
         "longest_doc": max(r["longest_doc"] for r in rows),
     }
     rec["efficiency"] = rec["ideal_step_s"] / step
@@ -146,6 +202,9 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise ConfigError("--strategies", ",".join(unknown), f"unknown; choose from {', '.join(STRATEGIES)}")
+    TrainConfig(**sparse_options(args.sparse_args))  # refuses bad sparse options before any process group
+    if args.trace is not None and args.trace not in strategies:
+        raise ConfigError("--trace", args.trace, f"must be one of the strategies run: {', '.join(strategies)}")
     if args.steps < 1 or args.warmup < 0 or args.layers < 1:
         raise ConfigError("--steps/--warmup/--layers", (args.steps, args.warmup, args.layers),
                           "need at least 1 measured step, 0 or more warm-up steps and 1 or more layers")
@@ -176,7 +235,8 @@ def run(args: argparse.Namespace) -> int:
                     rows = run_one("cad+pingpong", dist_name, tokens, args, work_dir)
                 rec = summarize("cad+pingpong (1-element messages)", dist_name, tokens, rows, args, world, cfg)
             else:
-                rows = run_one(name, dist_name, tokens, args, work_dir)
+                trace = name == args.trace and (dist_name, tokens) == configs[0]
+                rows = run_one(name, dist_name, tokens, args, work_dir, trace)
                 rec = summarize(name, dist_name, tokens, rows, args, world, cfg)
             records.append(rec)
             # FSDP modules hold reference cycles: free this run's model and optimizer before
@@ -204,9 +264,12 @@ def finish(records, skipped, args, world, cfg):
         local = next((r for r in recs if r["strategy"] == "local"), None)
         for r in recs:
             r["speedup_vs_local"] = local["step_time_s"] / r["step_time_s"] if local else None
-            if local and "1-element" not in r["strategy"]:
-                n = min(5, len(r["losses"]), len(local["losses"]))
-                dev = max(abs(a - b) / b for a, b in zip(r["losses"][:n], local["losses"][:n]))
+            # Sparse training computes another function: its losses are checked against sparse local.
+            sparse = r["strategy"].endswith("+sparse")
+            same = next((x for x in recs if x["strategy"] == "local+sparse"), None) if sparse else local
+            if same and "1-element" not in r["strategy"]:
+                n = min(5, len(r["losses"]), len(same["losses"]))
+                dev = max(abs(a - b) / b for a, b in zip(r["losses"][:n], same["losses"][:n]))
                 r["loss_vs_local_max_rel"] = dev
                 r["loss_ok"] = dev <= LOSS_TOLERANCE
     os.makedirs(args.out, exist_ok=True)
@@ -217,21 +280,23 @@ def finish(records, skipped, args, world, cfg):
             "command": f"torchrun --nproc-per-node {world} -m attnpool.cli.main bench --model {args.model} "
                        f"--layers {args.layers} --configs {args.configs} "
                        f"--strategies {args.strategies} --warmup {args.warmup} --steps {args.steps}"
-                       + (" --ablation" if args.ablation else "")}
+                       + (" --ablation" if args.ablation else "") + (f" --trace {args.trace}" if args.trace else "")
+                       + (f" --sparse-args {args.sparse_args}" if args.sparse_args else "")}
     with open(os.path.join(args.out, "e2e.json"), "w") as f:
         json.dump({"meta": meta, "records": records}, f, indent=1)
     lines = [f"# End-to-end training steps on {meta['machine']}", "",
              f"{meta['model']}, torch {meta['torch']}, bf16, FSDP2, activation checkpointing of the linear parts, "
              f"{args.warmup} warm-up + {args.steps} measured steps (median), same seeds and batches for all strategies.",
              "", f"Command: `{meta['command']}`", "",
-             "| dist | tokens/GPU | strategy | step (s) | tokens/s | vs local | MFU | efficiency | attn max/mean | MiB sent/GPU | peak GiB | loss vs local |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| dist | tokens/GPU | strategy | step (s) | tokens/s | vs local | MFU | efficiency | attn max/mean | MiB sent/GPU | peak GiB | loss vs local | attn density |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
-        lv = r.get("loss_vs_local_max_rel")
+        lv, density = r.get("loss_vs_local_max_rel"), r["attention_density"]
         lines.append(f"| {r['dist']} | {r['tokens_per_gpu'] // 1024}K | {r['strategy']} | {r['step_time_s']:.3f} | "
                      f"{r['tokens_per_s'] / 1e3:.1f}K | {r['speedup_vs_local'] or 0:.3f} | {r['mfu']:.3f} | {r['efficiency']:.3f} | "
                      f"{r['imbalance_after']:.3f} | {r['bytes_sent_per_gpu'] / 2**20:.0f} | "
-                     f"{r['peak_memory_bytes'] / 2**30:.1f} | {'-' if lv is None else f'{lv:.4f}'} |")
+                     f"{r['peak_memory_bytes'] / 2**30:.1f} | {'-' if lv is None else f'{lv:.4f}'} | "
+                     f"{'-' if density is None else f'{density:.3f}'} |")
     if skipped:
         lines += ["", f"Not run (time budget): {', '.join(skipped)}."]
     with open(os.path.join(args.out, "e2e.md"), "w") as f:

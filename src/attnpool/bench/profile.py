@@ -322,7 +322,7 @@ def linear_measures(cfg, device, opts: ProfileOptions, timer: Callable = cuda_me
     dtype = dtype or torch.bfloat16
     torch.manual_seed(0)
     block = TransformerBlock(cfg).to(device=device, dtype=dtype)
-    identity = lambda q, k, v: q  # noqa: E731 - core attention is not part of the linear time
+    identity = lambda q, k, v, layer=None: q  # noqa: E731 - core attention is not part of the linear time
 
     def layer(T: int, phase: str) -> float:
         x = torch.randn(T, cfg.dim, device=device, dtype=dtype, requires_grad=True)

@@ -9,9 +9,11 @@ and nothing here assumes positions start at 0.
 Every part of a layer costs time linear in the tokens except core attention,
 softmax(Q K^T / sqrt(d)) V, whose cost is quadratic in each document's length.
 So core attention is not in this file: ``Transformer.forward`` takes it as a
-callable ``(q, k, v) -> out`` with q (T, H_q, D), k and v (T, H_kv, D) after
-RoPE, returning (T, H_q, D), causal within each document with scale
-``D ** -0.5``. The model does not know who computes it, or where.
+callable ``(q, k, v, *, layer) -> out`` with q (T, H_q, D), k and v (T, H_kv, D)
+after RoPE and ``layer`` the block's 0-based index (so a caller can treat layers
+differently, e.g. keep the first ones dense under sparse attention), returning
+(T, H_q, D), causal within each document with scale ``D ** -0.5``. The model
+does not know who computes it, or where.
 
 Parallelism is applied from outside (TorchTitan style): ``model.layers`` is a
 ModuleList, so FSDP2's ``fully_shard`` can wrap each block, and
@@ -31,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from attnpool.errors import ConfigError
 from attnpool.model.config import ModelConfig
 
-CoreAttention = Callable[[Tensor, Tensor, Tensor], Tensor]
+CoreAttention = Callable[..., Tensor]  # (q, k, v, *, layer: int) -> out
 
 
 class RMSNorm(nn.Module):
@@ -137,8 +139,9 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """x + attention(norm(x)), then h + mlp(norm(h)), with core attention passed in."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer_id: int = 0):
         super().__init__()
+        self.layer_id = layer_id
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config)
         self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
@@ -162,7 +165,7 @@ class TransformerBlock(nn.Module):
 
     def _forward(self, x, cos, sin, core_attention):
         q, k, v = self._linear(self._qkv, x, cos, sin)  # linear in tokens: stays on this rank
-        out = core_attention(q, k, v)  # quadratic in document length: runs wherever the plan says
+        out = core_attention(q, k, v, layer=self.layer_id)  # quadratic in document length: runs wherever the plan says
         return self._linear(self._output_and_mlp, x, out)  # linear again
 
     def _forward_interleaved(self, xs, coss, sins, attentions):
@@ -176,7 +179,7 @@ class TransformerBlock(nn.Module):
         pending = []
         for x, cos, sin, attention in zip(xs, coss, sins, attentions):
             q, k, v = self._linear(self._qkv, x, cos, sin)
-            pending.append(attention.dispatch(q, k, v))
+            pending.append(attention.dispatch(q, k, v, layer=self.layer_id))
         for attention, p in zip(attentions, pending):
             attention.compute(p)
         return [self._linear(self._output_and_mlp, x, attention.collect(p))
@@ -197,7 +200,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         # Tied: the output projection is embed.weight itself, so there is one
         # parameter and no lm_head entry in the state dict (keep embed in the

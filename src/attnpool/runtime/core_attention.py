@@ -32,6 +32,8 @@ from attnpool.kernels import get_backend
 from attnpool.kernels.base import Backend
 from attnpool.plan.plan import Plan
 from attnpool.runtime.dispatch import DispatchLayout
+from attnpool.runtime.sparse import SparseServing, SparseStats
+from attnpool.sparse import SparseConfig
 
 
 class _Handle:
@@ -150,11 +152,17 @@ def _server_inputs(L: DispatchLayout, sh: _Shapes, q, k, v, q_recv, kv_recv):
 
 
 class _Serve(torch.autograd.Function):
-    """One fused kernel call over every CA-task this rank serves, in canonical task order."""
+    """One fused kernel call over every CA-task this rank serves, in canonical task order.
+
+    ``backend`` is a Backend, or a SparseServing that binds the sparse backend to
+    patterns estimated from the server's inputs; backward reuses the bound one.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, q_recv, kv_recv, L: DispatchLayout, sh: _Shapes, backend: Backend, scale):
+    def forward(ctx, q, k, v, q_recv, kv_recv, L: DispatchLayout, sh: _Shapes, backend, scale):
         q_srv, k_u, v_u = _server_inputs(L, sh, q, k, v, q_recv, kv_recv)
+        if isinstance(backend, SparseServing):
+            backend = backend.bind(q, q_srv, k_u)
         out_srv, lse = backend.forward(q_srv, k_u[L.kv_expand], v_u[L.kv_expand],
                                        L.cu_q, L.cu_k, L.max_q, L.max_k, scale=scale)
         ctx.save_for_backward(q, k, v, q_recv, kv_recv, out_srv, lse)
@@ -235,6 +243,7 @@ class _InFlight:
     v: torch.Tensor
     layout: DispatchLayout
     shapes: _Shapes
+    layer: int | None = None
     recv: torch.Tensor | None = None
     handle: _Handle | None = None
     out_srv: torch.Tensor | None = None
@@ -297,23 +306,43 @@ class CoreAttention:
     Call it as ``attention(q, k, v)``, or run its three phases yourself to overlap
     two nano-batches: ``p = attention.dispatch(q, k, v)``, ``attention.compute(p)``,
     ``out = attention.collect(p)``. A fully local plan launches no collective.
+
+    ``sparse``: a SparseConfig turns on vertical-slash sparse attention in the
+    layers it names (``layer`` is the caller's 0-based layer index; a call without
+    one counts as a sparse layer); ``sparse_stats`` accumulates what the patterns
+    looked like (runtime.sparse.SparseStats).
     """
 
-    def __init__(self, plan: Plan, group=None, *, backend: str | Backend | None = None, scale: float | None = None):
+    def __init__(self, plan: Plan, group=None, *, backend: str | Backend | None = None, scale: float | None = None,
+                 sparse: SparseConfig | None = None, sparse_stats: SparseStats | None = None):
         self.plan, self.group, self.backend, self.scale = plan, group, backend, scale
+        self.sparse = sparse if sparse is not None and sparse.enabled else None
+        self.sparse_stats = sparse_stats
 
-    def __call__(self, q, k, v):
-        pending = self.dispatch(q, k, v)
+    def __call__(self, q, k, v, *, layer: int | None = None):
+        pending = self.dispatch(q, k, v, layer=layer)
         self.compute(pending)
         return self.collect(pending)
 
-    def dispatch(self, q, k, v) -> _InFlight:
+    def dispatch(self, q, k, v, *, layer: int | None = None) -> _InFlight:
         layout = dispatch_layout(self.plan, q, k, v, self.group)
-        p = _InFlight(q, k, v, layout, _Shapes(q.shape[1], k.shape[1], q.shape[2]))
+        p = _InFlight(q, k, v, layout, _Shapes(q.shape[1], k.shape[1], q.shape[2]), layer)
         if layout.any_traffic:
             p.handle = _Handle()
             p.recv = _DispatchStart.apply(q, k, v, layout, p.shapes, p.handle, self.group)
         return p
+
+    def _backend(self, q, layer):
+        if self.backend is None:
+            dense = default_backend(q)
+        elif not isinstance(self.backend, Backend):
+            dense = get_backend(self.backend, q.device)
+        else:
+            dense = self.backend
+        if self.sparse is not None and (layer is None or self.sparse.is_sparse_layer(layer)):
+            return SparseServing(self.plan, group_rank_size(self.group)[0], self.sparse, dense, self.group,
+                                 self.sparse_stats)
+        return dense
 
     def compute(self, p: _InFlight) -> None:
         L, sh = p.layout, p.shapes
@@ -321,12 +350,7 @@ class CoreAttention:
             q_recv, kv_recv = _DispatchWait.apply(p.recv, L, sh, p.handle, self.group)
         else:
             q_recv, kv_recv = p.q.new_empty(0, sh.q_width), p.k.new_empty(0, sh.kv_width)
-        backend = self.backend
-        if backend is None:
-            backend = default_backend(p.q)
-        elif not isinstance(backend, Backend):
-            backend = get_backend(backend, p.q.device)
-        p.out_srv = _Serve.apply(p.q, p.k, p.v, q_recv, kv_recv, L, sh, backend, self.scale)
+        p.out_srv = _Serve.apply(p.q, p.k, p.v, q_recv, kv_recv, L, sh, self._backend(p.q, p.layer), self.scale)
         if L.any_traffic:
             p.handle = _Handle()
             p.recv = _ReturnStart.apply(p.out_srv, L, sh, p.handle, self.group)
@@ -336,10 +360,12 @@ class CoreAttention:
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, group=None, *,
-                   backend: str | Backend | None = None, scale: float | None = None) -> torch.Tensor:
+                   backend: str | Backend | None = None, scale: float | None = None,
+                   sparse: SparseConfig | None = None, layer: int | None = None) -> torch.Tensor:
     """Causal attention of every token over its own document's earlier tokens, wherever they live.
 
     q (T_r, H_q, D), k and v (T_r, H_kv, D) hold this rank's tokens in the order of its
     pieces in ``plan``; returns (T_r, H_q, D). Differentiable in q, k and v.
+    ``sparse`` and ``layer``: vertical-slash sparse attention, as :class:`CoreAttention` takes them.
     """
-    return CoreAttention(plan, group, backend=backend, scale=scale)(q, k, v)
+    return CoreAttention(plan, group, backend=backend, scale=scale, sparse=sparse)(q, k, v, layer=layer)

@@ -245,3 +245,86 @@ class SparseCost:
         nb = self.nb[doc]
         heads = (self.C0[self.off[doc] + 1] - self.C0[self.off[doc]])  # every head has diagonal 0
         return slash / np.maximum(heads * nb * (nb + 1) / 2, 1)
+
+
+def pairs_coefficients(block: int, chunk: int) -> SparseCoefficients:
+    """Coefficients that count (query, key) pairs instead of seconds, to mix with the ``pairs`` dense model."""
+    return SparseCoefficients(float(block * block), float(block * chunk), 0.0, 0.0, 0.0, 0.0,
+                              source="pairs: B x B per slash tile, B x chunk per bar tile")
+
+
+class LayerMixCost:
+    """Cost of a CA-task in the average layer: dense layers at one model, sparse layers at another.
+
+    The plan serves every layer, so with ``--dense-layers`` it balances
+    ``(dense_layers * dense.cost(a, b) + sparse_layers * s(a, b, doc)) / layers``
+    (per layer, like every other cost model), where ``s`` is ``sparse.cost`` for
+    a sparse document and ``dense.cost`` for one below the sparse length threshold
+    (those run through the dense kernel in every layer). Both models must count in
+    one unit (seconds with the measured table, pairs with ``pairs``).
+    """
+
+    per_doc = True
+
+    def __init__(self, dense, sparse: SparseCost, dense_layers: int, sparse_layers: int, sparse_docs):
+        self.dense, self.sparse = dense, sparse
+        self.dense_layers, self.sparse_layers = int(dense_layers), int(sparse_layers)
+        self.sparse_docs = np.asarray(sparse_docs, dtype=bool)
+        self.name = f"{getattr(dense, 'name', 'dense')}+sparse"
+        self.unit = getattr(dense, "unit", "work")
+
+    def cost(self, a, b, doc) -> np.ndarray:
+        dense = self.dense.cost(a, b)
+        sparse = np.where(self.sparse_docs[doc], self.sparse.cost(a, b, doc), dense)
+        return (self.dense_layers * dense + self.sparse_layers * sparse) / (self.dense_layers + self.sparse_layers)
+
+    def cost1(self, a: int, b: int, doc: int) -> float:
+        dense = self.dense.cost1(a, b)
+        sparse = self.sparse.cost1(a, b, doc) if self.sparse_docs[doc] else dense
+        return (self.dense_layers * dense + self.sparse_layers * sparse) / (self.dense_layers + self.sparse_layers)
+
+
+class SparsePrior:
+    """The expected pattern size of the next step, for planning it before its patterns exist.
+
+    A step's plan is made before its forward pass estimates the patterns, so cad
+    balances :meth:`SparseCost.uniform` tile counts: per (sparse document, head),
+    the local band plus ``diagonals`` block diagonals, the sinks plus
+    ``verticals`` columns. Both start from the caps and then follow the patterns
+    actually estimated (:meth:`update` with the step's ``SparseStats`` sums, an
+    exponential average with weight ``smoothing`` on the newest step). What this
+    misses is how pattern size varies between documents: it is the same for all of
+    a step's sparse documents, so their cost grows linearly with length, while
+    dense (short) documents keep the dense model's quadratic cost.
+    """
+
+    def __init__(self, config, num_heads: int, n_layers: int, smoothing: float = 0.5):
+        self.config, self.num_heads, self.smoothing = config, int(num_heads), float(smoothing)
+        self.dense_layers = min(config.dense_layers, n_layers)
+        self.sparse_layers = n_layers - self.dense_layers
+        self.local_blocks = -(-(config.local_window - 1) // config.block) + 1  # diagonals of offsets < window
+        self.diagonals = float(config.slash_cap) / config.block
+        self.verticals = float(max(config.vertical_cap - config.sink_tokens, 0)) / 2
+
+    def update(self, sparse_heads: float, diagonals: float, verticals: float) -> None:
+        """Fold in one step's sums over its sparse (document, head) pairs (all layers, all ranks)."""
+        if sparse_heads <= 0:
+            return
+        w = self.smoothing
+        seen_diagonals = max(diagonals / sparse_heads - self.local_blocks, 0.0)
+        seen_verticals = max(verticals / sparse_heads - self.config.sink_tokens, 0.0)
+        self.diagonals = (1 - w) * self.diagonals + w * seen_diagonals
+        self.verticals = (1 - w) * self.verticals + w * seen_verticals
+
+    def cost_model(self, doc_len, dense_model) -> LayerMixCost:
+        """The planning cost of a batch with these document lengths, in ``dense_model``'s unit."""
+        cfg = self.config
+        if getattr(dense_model, "unit", None) == "s":
+            coefficients = H200_MEASURED
+        else:
+            coefficients = pairs_coefficients(cfg.block, cfg.vertical_chunk)
+        sparse = SparseCost.uniform(doc_len, self.num_heads, int(round(self.diagonals)), int(round(self.verticals)),
+                                    block=cfg.block, chunk=cfg.vertical_chunk, local_blocks=self.local_blocks,
+                                    sinks=cfg.sink_tokens, min_doc_len=cfg.min_doc_len, coefficients=coefficients)
+        sparse_docs = np.asarray(doc_len) >= cfg.min_doc_len
+        return LayerMixCost(dense_model, sparse, self.dense_layers, self.sparse_layers, sparse_docs)

@@ -21,6 +21,7 @@ import yaml
 from attnpool.sizes import parse_size
 from attnpool.errors import ConfigError
 from attnpool.plan import STRATEGIES
+from attnpool.sparse import SparseConfig
 
 PRECISIONS = ("auto", "bf16", "fp32")
 CHECKPOINTING = ("none", "full", "keep_attention")
@@ -53,6 +54,14 @@ class TrainConfig:
     eps: float = _help("cad balances until max/mean attention load <= 1 + eps", default=0.02)
     memory_cap: float = _help("wlb: tokens per rank may reach this multiple of tokens_per_rank", default=1.1)
     kernel: str | None = _help("core attention kernel: reference or flash (default: flash for bf16 on CUDA)", default=None)
+    sparse: str = _help("sparse core attention: none, or vertical-slash (a pattern per layer, step, document and head, "
+                        "estimated online)", default="none")
+    sparse_coverage: float = _help("vertical-slash: keep columns and diagonals until they hold this share of the "
+                                   "attention mass, in (0, 1]", default=0.9)
+    sparse_min_doc_len: int = _help("vertical-slash: documents shorter than this stay dense", default=8192)
+    dense_layers: int = _help("vertical-slash: the first this many layers stay dense", default=0)
+    sparse_args: dict = _help("more vertical-slash options: vertical_cap, slash_cap, last_queries, sink_tokens, "
+                              "local_window, block, vertical_chunk", default_factory=dict)
     # Optimisation
     steps: int = _help("optimizer steps of the whole run (the schedule's length)", default=100)
     lr: float = _help("peak learning rate", default=3e-4)
@@ -99,6 +108,7 @@ class TrainConfig:
             raise ConfigError("memory_cap", self.memory_cap, "must be >= 1.0")
         if self.kernel not in (None, "reference", "flash"):
             raise ConfigError("kernel", self.kernel, "must be reference or flash (or unset)")
+        self.sparse_config()  # refuses bad sparse options
         _at_least("steps", self.steps, 1)
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError("lr", self.lr, "must be a positive finite number")
@@ -121,6 +131,19 @@ class TrainConfig:
         _at_least("checkpoint_every", self.checkpoint_every, -1)
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
             raise ConfigError("stop_at", self.stop_at, f"must be in [1, steps={self.steps}]")
+
+    def sparse_config(self) -> SparseConfig | None:
+        """The SparseConfig of ``--sparse`` and its options, or None for dense attention."""
+        if self.sparse == "none":
+            return None
+        allowed = ("vertical_cap", "slash_cap", "last_queries", "sink_tokens", "local_window", "block",
+                   "vertical_chunk")
+        unknown = sorted(set(self.sparse_args) - set(allowed))
+        if unknown:
+            raise ConfigError("sparse_args", unknown[0], f"unknown option; choose from {', '.join(allowed)}")
+        args = {k: (_parse_size(f"sparse_args.{k}", v) if isinstance(v, str) else v) for k, v in self.sparse_args.items()}
+        return SparseConfig(mode=self.sparse, coverage=self.sparse_coverage, min_doc_len=self.sparse_min_doc_len,
+                            dense_layers=self.dense_layers, **args)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

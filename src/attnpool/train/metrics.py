@@ -15,6 +15,12 @@ Times (all in seconds, per step):
   the bytes all ranks sent to other ranks.
 - ``peak_memory_bytes``: the largest rank's peak: CUDA allocator peak during the
   step on GPU, the process's peak resident set size (since start) on CPU.
+
+With ``--sparse vertical-slash``, ``attention_density`` is the share of causal
+(query, key) pairs the step's patterns computed, over all documents (dense
+short ones included), heads and sparse layers (null for dense attention).
+``attention_work_total`` and the imbalances are then in the sparse planning
+cost (per average layer; see ``sparse.cost.SparsePrior``).
 """
 
 from __future__ import annotations
@@ -91,11 +97,11 @@ class AttentionTimer:
         self.attention = attention
         self.clock = _Clock(device)
 
-    def __call__(self, q, k, v):
+    def __call__(self, q, k, v, **kwargs):
         if q.requires_grad:
             q, k, v = _Mark.apply(self.clock.stop, q, k, v)
         self.clock.start()
-        out = self.attention(q, k, v)
+        out = self.attention(q, k, v, **kwargs)
         self.clock.stop()
         if out.requires_grad:
             (out,) = _Mark.apply(self.clock.start, out)
@@ -226,6 +232,7 @@ def summarize(rows: list[dict], last_loads: dict | None, info: dict) -> dict:
         "comm_bytes_mean": mean("comm_bytes"),
         "step_time_s_mean": float(np.mean(times)),
         "peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows),
+        "attention_density_mean": mean("attention_density") if "attention_density" in rows[0] else None,
     })
     if last_loads is not None:
         summary["last_step_loads"] = last_loads
@@ -254,6 +261,8 @@ def print_summary(summary: dict, files: list[str]) -> None:
     attention = ("core attention interleaved (ping-pong), all-to-all" if s["attention_time_s_mean"] is None
                  else f"core attention {s['attention_time_s_mean']:.3f} s, of it all-to-all")
     table.add_row("per step", f"{attention} {s['comm_time_s_mean']:.3f} s; {s['comm_bytes_mean'] / 2**20:.2f} MiB sent")
+    if s.get("attention_density_mean") is not None:
+        table.add_row("sparse attention", f"{s['attention_density_mean']:.3f} of the causal (query, key) pairs computed")
     table.add_row("peak memory", f"{s['peak_memory_bytes'] / 2**20:.0f} MiB (largest rank)")
     table.add_row("files", "\n".join(files))
     console.print(table, highlight=False)

@@ -24,6 +24,7 @@ and agreed on (:func:`agree`) before the first collective that depends on it.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from attnpool.comm import all_gather_flat, comm_stats
 from attnpool.data import DocumentStream, GlobalBatch, RankTensors, make_source
@@ -49,6 +50,8 @@ from attnpool.plan import AttentionShape, linear_table, load_cost_model, plan_at
 from attnpool.plan.metrics import home_loads, imbalance, server_loads
 from attnpool.plan.plan import Plan
 from attnpool.runtime import CoreAttention
+from attnpool.runtime.sparse import SparseStats
+from attnpool.sparse.cost import SparsePrior
 from attnpool.train.checkpoint import (check_compatible, checkpoint_path, checkpoint_root, latest_checkpoint,
                                        load_checkpoint, save_checkpoint)
 from attnpool.train.config import DATA_PATH_OPTION, TrainConfig, save_config
@@ -94,6 +97,7 @@ def prepare(config: TrainConfig) -> Setup:
     model_cfg = model_config(config.model, **config.model_args)
     source = build_source(config, model_cfg.vocab_size)
     cost_model = load_cost_model(config.cost_model)
+    check_sparse(config, model_cfg)
     found = latest_checkpoint(config.out)
     if config.resume:
         if found is None:
@@ -103,6 +107,23 @@ def prepare(config: TrainConfig) -> Setup:
         raise ConfigError("out", config.out, "holds checkpoints of an earlier run: pass --resume to continue it, "
                                              "or choose another --out")
     return Setup(model_cfg, source, cost_model, found if config.resume else None)
+
+
+def check_sparse(config: TrainConfig, model_cfg: ModelConfig) -> None:
+    """Refuse sparse options this model or device cannot run (the CPU twin runs anything)."""
+    sparse = config.sparse_config()
+    if sparse is None:
+        return
+    if sparse.dense_layers >= model_cfg.n_layers:
+        raise ConfigError("dense_layers", sparse.dense_layers, f"the model has {model_cfg.n_layers} layers, so none "
+                                                               "would be sparse; use --sparse none for dense attention")
+    if resolve_device(config) == "cuda":
+        if importlib.util.find_spec("triton") is None:
+            raise ConfigError("sparse", config.sparse, "the sparse kernels need Triton on CUDA, and it is not installed")
+        D = model_cfg.head_dim
+        if D < 16 or D & (D - 1):
+            raise ConfigError("sparse", config.sparse, f"the sparse Triton kernels need a power-of-two head_dim >= 16; "
+                                                       f"this model's is {D}")
 
 
 def resolve_device(config: TrainConfig) -> str:
@@ -143,17 +164,23 @@ def _portable(exc: ConfigError) -> tuple:
 # --- Model, optimizer, schedule ----------------------------------------------------------------
 
 
-def build_model(model_cfg: ModelConfig, config: TrainConfig, device: torch.device) -> Transformer:
-    """The model, FSDP2-sharded per layer and then at the root, with gradients summed over ranks."""
+def build_model(model_cfg: ModelConfig, config: TrainConfig, device: torch.device, bf16: bool = False) -> Transformer:
+    """The model, FSDP2-sharded per layer and then at the root, with gradients summed over ranks.
+
+    With ``bf16`` FSDP gathers parameters in bf16 for compute (half the all-gather bytes,
+    no per-use casts) and reduces gradients in float32; the sharded master weights and the
+    optimizer stay float32."""
     torch.manual_seed(config.seed)
     on_meta = model_cfg.num_params() > META_INIT_PARAMS
     with torch.device("meta" if on_meta else device):
         model = Transformer(model_cfg)
     if config.activation_checkpointing != "none":
         apply_activation_checkpointing(model, recompute_attention=config.activation_checkpointing == "full")
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
     for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # Each rank's loss is already a share of the global mean (see forward_backward):
@@ -202,9 +229,13 @@ class StepPlan:
 
 
 def plan_batch(batch: GlobalBatch, config: TrainConfig, num_ranks: int, cost_model,
-               shape: AttentionShape = AttentionShape()) -> StepPlan:
-    """Lay out the batch (linear, or wlb's re-packing) and plan its core attention for ``config.attention``."""
+               shape: AttentionShape = AttentionShape(), sparse_prior: SparsePrior | None = None) -> StepPlan:
+    """Lay out the batch (linear, or wlb's re-packing) and plan its core attention for ``config.attention``.
+
+    With sparse attention the cost of a task is its expected sparse work (``sparse_prior``)."""
     linear = linear_table(batch.doc_lens, num_ranks, batch.tokens_per_rank)
+    if sparse_prior is not None:  # both tables number documents in batch order
+        cost_model = sparse_prior.cost_model(linear.doc_len, cost_model)
     table = wlb_table(batch.doc_lens, num_ranks, batch.tokens_per_rank, config.memory_cap) \
         if config.attention == "wlb" else linear
     plan = plan_attention(table, config.attention, cost_model=cost_model, min_shard_tokens=config.min_shard,
@@ -270,15 +301,17 @@ def rank_device(config: TrainConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def train(config: TrainConfig) -> TrainResult:
-    """Train (or, with ``config.resume``, continue) on the ranks of the initialised default process group."""
+def train(config: TrainConfig, on_step=None) -> TrainResult:
+    """Train (or, with ``config.resume``, continue) on the ranks of the initialised default process group.
+
+    ``on_step()``, if given, is called after every step (e.g. a torch.profiler's ``step``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device(config)
     setup = agree(lambda: prepare(config))
     model_cfg, cost_model = setup.model_config, setup.cost_model
     bf16 = config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda")
 
-    model = build_model(model_cfg, config, device)
+    model = build_model(model_cfg, config, device, bf16)
     optimizer = build_optimizer(model, config)
     scheduler = build_scheduler(optimizer, config)
     stream = DocumentStream(setup.source, world, config.tokens_per_rank, config.seed, config.max_doc_len)
@@ -288,6 +321,8 @@ def train(config: TrainConfig) -> TrainResult:
     start_step, last_step = step, config.stop_at or config.steps
     shape = AttentionShape(model_cfg.n_heads, model_cfg.n_kv_heads, model_cfg.head_dim, 2 if bf16 else 4)
     attention_kwargs = {"backend": config.kernel} if config.kernel else {}
+    sparse = config.sparse_config()
+    prior = SparsePrior(sparse, model_cfg.n_heads, model_cfg.n_layers) if sparse else None
 
     if rank == 0:
         os.makedirs(config.out, exist_ok=True)
@@ -312,17 +347,16 @@ def train(config: TrainConfig) -> TrainResult:
             batch = stream.next_batch()
             t_plan = time.perf_counter()
             nanos = batch.split_documents(2) if config.pingpong else [batch]
-            plans = [plan_batch(nano, config, world, cost_model, shape) for nano in nanos]
+            plans = [plan_batch(nano, config, world, cost_model, shape, prior) for nano in nanos]
             last_plan = combine_plans(plans)
             plan_time = time.perf_counter() - t_plan
             tensors = [nano.rank_batch(p.plan.pieces, rank).to_torch(device) for nano, p in zip(nanos, plans)]
             comm_stats.reset()
-            if len(nanos) == 1:
-                timer = AttentionTimer(CoreAttention(plans[0].plan, **attention_kwargs), device)
-                attentions = [timer]
-            else:  # interleaved phases: core attention has no wall time of its own to measure
-                timer = None
-                attentions = [CoreAttention(p.plan, **attention_kwargs) for p in plans]
+            stats = SparseStats()
+            attentions = [CoreAttention(p.plan, sparse=sparse, sparse_stats=stats, **attention_kwargs) for p in plans]
+            # Interleaved phases (ping-pong) leave core attention no wall time of its own to measure.
+            timer = AttentionTimer(attentions[0], device) if len(nanos) == 1 else None
+            attentions = [timer] if timer else attentions
             loss_sum = forward_backward(model, tensors, attentions, batch.num_label_tokens, bf16)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf"))
             lr = scheduler.get_last_lr()[0]
@@ -330,7 +364,11 @@ def train(config: TrainConfig) -> TrainResult:
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             per_rank = _all_gather_floats([float(loss_sum), timer.seconds() if timer else float("nan"), comm_stats.seconds(),
-                                           float(comm_stats.bytes_sent), float(peak_memory_bytes(device))], device)
+                                           float(comm_stats.bytes_sent), float(peak_memory_bytes(device)),
+                                           *stats.values()], device)
+            sparse_sums = per_rank[:, 5:].sum(0)  # each document was estimated on one rank
+            if prior is not None:
+                prior.update(*sparse_sums[:3])
             step_time = time.perf_counter() - t0
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
@@ -347,7 +385,8 @@ def train(config: TrainConfig) -> TrainResult:
                 "comm_time_s": float(per_rank[:, 2].max()),
                 "comm_bytes": int(per_rank[:, 3].sum()),
                 "peak_memory_bytes": int(per_rank[:, 4].max()),
-                "attention_work_total": float(np.sum(last_plan.load_local)),  # cost-model units, one layer
+                "attention_work_total": float(np.sum(last_plan.load_local)),  # cost-model units
+                "attention_density": float(sparse_sums[3] / sparse_sums[4]) if sparse else None,
                 "imbalance_before": last_plan.imbalance_local,
                 "imbalance_after": last_plan.imbalance_planned,
                 "num_docs": batch.num_docs,
@@ -355,6 +394,8 @@ def train(config: TrainConfig) -> TrainResult:
             }
             log.append(row)
             progress.update(row)
+            if on_step is not None:
+                on_step()
             every = config.checkpoint_every
             if every >= 0 and (step == last_step or (every and step % every == 0)):
                 save_checkpoint(checkpoint_path(config.out, step), model, optimizer, scheduler, stream, step)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# End-to-end benchmark runs on 4 x H200 (device kind nvidia-h200-x4), one phase per device call:
+#   bash bench/gpu_e2e.sh PHASE        (results under $OUT, or ./bench-out without it)
+# Each phase stays under the 10-minute command limit through --budget-s.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src PYTHONUNBUFFERED=1
+OUT=${OUT:-bench-out}
+mkdir -p "$OUT"
+bench() {  # bench NAME ARGS...: one torchrun of `attnpool bench`, its log and results kept under $OUT/NAME
+  local name=$1; shift
+  mkdir -p "$OUT/$name"
+  python3 -m torch.distributed.run --nproc_per_node 4 -m attnpool.cli.main bench --model llama3-8b --layers 4 \
+    --out "$OUT/$name" "$@" 2>&1 | grep -v "^\[rank" | tee "$OUT/$name/log"
+}
+case "${1:-}" in
+  smoke)  # the sparse path once on GPUs, a few seconds of steps
+    bench smoke --configs prolong:32K --strategies local+sparse,cad+sparse --warmup 1 --steps 1 --budget-s 60 \
+      --sparse-args min_doc_len=4096,slash_cap=192,vertical_cap=1024 ;;
+  prolong128)  # issue 6's headline configuration, every strategy, the overlap ablation, one profiled step
+    bench prolong128 --configs prolong:128K --warmup 3 --steps 10 --ablation --trace cad+pingpong --budget-s 450 ;;
+  prolong256)  # issue 8's end-to-end sparse run, next to dense cad and local
+    bench prolong256 --configs prolong:256K --strategies cad+sparse,local+sparse,cad+pingpong,local \
+      --sparse-args slash_cap=192,vertical_cap=1024 \
+      --warmup 2 --steps 5 --trace cad+sparse --budget-s 420 ;;
+  pretrain64)
+    bench pretrain64 --configs pretrain:64K --warmup 3 --steps 10 --trace cad+pingpong --budget-s 430 ;;
+  *) echo "usage: bash bench/gpu_e2e.sh smoke|prolong128|prolong256|pretrain64" >&2; exit 2 ;;
+esac

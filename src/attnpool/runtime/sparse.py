@@ -1,0 +1,347 @@
+"""Sparse core attention on the servers: each document's pattern estimated once, shared, bound to the kernel.
+
+Who estimates. A vertical-slash pattern is estimated from a document's last
+``m = min(last_queries, L)`` queries against all of its keys
+(:mod:`attnpool.sparse.pattern`). Of the CA-tasks of a document exactly one ends
+at the document's end, and its server holds the whole KV prefix [0, L) and that
+shard's queries. That server estimates. Where the shard is shorter than ``m``
+(a layout may cut a document anywhere), the home ranks of the missing queries
+send them first, so the pattern never depends on how the document was cut: every
+strategy computes the same function. Every other server of the document then
+receives the packed pattern in one all-to-all of int32 words. All sizes follow
+from the plan and document lengths alone (``packed_sizes``), so no exchange
+needs a size negotiation or a device read. A plan in which no document has
+tasks on two servers (a fully local plan, for one) exchanges nothing.
+
+Documents shorter than ``min_doc_len`` stay dense: their tasks run through the
+dense backend (FlashAttention on GPUs) and take no part in estimation or
+exchange; a server with both kinds makes one call of each kernel.
+
+The forward binds the backend to the patterns and ``_Serve`` keeps that backend
+for its backward, so backward reuses the forward's patterns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from attnpool.comm import all_to_all_flat
+from attnpool.kernels import sparse as sparse_kernels
+from attnpool.kernels.base import Backend
+from attnpool.plan.documents import ranges
+from attnpool.plan.plan import Plan
+from attnpool.sparse import SparseConfig, VerticalSlashPattern, estimate_vertical_slash, pack_pattern, \
+    packed_sizes, unpack_patterns
+
+# Per call, summed over the documents this rank estimated (each document is estimated once
+# in the whole group, so summing over ranks counts each once): see SparseStats.
+_STAT_FIELDS = ("sparse_heads", "diagonals", "verticals", "pairs_computed", "pairs_causal")
+
+
+@dataclass(frozen=True, eq=False)
+class PatternRoutes:
+    """Host-built index maps of one (plan, rank, query heads, sparse config)."""
+
+    est_docs: np.ndarray  # plan document indices estimated here, ascending
+    est_lens: np.ndarray
+    extra_send_rows: torch.Tensor  # local rows of queries other servers estimate with, peer by peer
+    extra_send_splits: list[int]
+    extra_recv_splits: list[int]
+    extra_local_rows: torch.Tensor  # local rows of queries this server estimates with but does not serve
+    est_q_index: torch.Tensor  # each estimating query in cat(server Q, extra local, extra received)
+    est_cu_q: torch.Tensor  # int32
+    est_k_rows: torch.Tensor  # rows of the server's unique KV buffer: each estimated document's keys [0, L)
+    est_cu_k: torch.Tensor  # int32
+    send_words: torch.Tensor  # words of the own packed buffer to send, peer by peer
+    send_splits: list[int]
+    recv_splits: list[int]
+    served_lens: np.ndarray  # lengths of the documents served here, ascending document index
+    served_words: torch.Tensor | None  # index into cat(own packed, received); None: served == estimated
+    seg_doc: torch.Tensor  # served sparse-document index of each sparse task served here (a kernel segment)
+    sparse_rows: "SegmentRows | None"  # the sparse tasks among those served here (None: all of them)
+    dense_rows: "SegmentRows | None"  # the dense (short-document) tasks; None when there are none
+    dense_pairs: float  # causal (query, key) pairs x heads of the dense documents whose last task is here
+    exchange: bool  # some document has tasks on two servers (a plan property: equal on every rank)
+    extra_exchange: bool  # some estimating server needs queries from another rank (also a plan property)
+
+    @classmethod
+    def build(cls, plan: Plan, rank: int, num_heads: int, config: SparseConfig, device) -> "PatternRoutes":
+        W = plan.num_ranks
+        doc_len = plan.pieces.doc_len
+        D = len(doc_len)
+        sparse_doc = doc_len >= config.min_doc_len
+        server, doc, n, end = plan.task_server, plan.task_doc, plan.task_len, plan.task_end
+        # The estimating server of each document: the server of its task that ends at the document's end.
+        last = np.flatnonzero(end == doc_len[doc])
+        est_server = np.full(D, -1, dtype=np.int64)
+        est_server[doc[last]] = server[last]
+        last_task = np.full(D, -1, dtype=np.int64)
+        last_task[doc[last]] = last
+
+        x = plan.kv_transfers()  # (server, doc) groups, sorted: the documents each server serves
+        g_server, g_doc = x.group_server, x.group_doc
+        mine = np.flatnonzero(server == rank)
+        my_all = np.flatnonzero(g_server == rank)
+        group_base = (np.cumsum(x.group_kv_end[my_all]) - x.group_kv_end[my_all])[sparse_doc[g_doc[my_all]]]
+        my_groups = my_all[sparse_doc[g_doc[my_all]]]  # only sparse documents are estimated and exchanged
+        served = g_doc[my_groups]
+        task_pos = np.cumsum(n[mine]) - n[mine]  # first row of each served task in the server's Q buffer
+        pos_of_task = np.full(plan.num_tasks, -1, dtype=np.int64)
+        pos_of_task[mine] = task_pos
+
+        est_here = served[est_server[served] == rank]
+        est_lens = doc_len[est_here]
+        est_k_rows = ranges(group_base[np.searchsorted(served, est_here)], est_lens)
+
+        queries = _estimating_queries(plan, rank, est_server, last_task, est_here, pos_of_task,
+                                      int(n[mine].sum()), config)
+        words = packed_sizes(doc_len, num_heads, config)
+        own_off = np.zeros(D, dtype=np.int64)
+        own_off[est_here] = np.cumsum(words[est_here]) - words[est_here]
+        remote = (g_server != est_server[g_doc]) & sparse_doc[g_doc]  # groups whose pattern comes from elsewhere
+        # Send: to each peer, the documents I estimate that it also serves, in document order.
+        out = np.flatnonzero(remote & (est_server[g_doc] == rank))  # groups sorted by (server, doc)
+        send_words = ranges(own_off[g_doc[out]], words[g_doc[out]])
+        send_splits = np.bincount(g_server[out], weights=words[g_doc[out]], minlength=W).astype(np.int64).tolist()
+        # Receive: from each peer, the documents it estimates that I serve, in document order.
+        inc = my_groups[remote[my_groups]]
+        inc = inc[np.lexsort((g_doc[inc], est_server[g_doc[inc]]))]
+        recv_splits = np.bincount(est_server[g_doc[inc]], weights=words[g_doc[inc]],
+                                  minlength=W).astype(np.int64).tolist()
+        served_words = None
+        if len(est_here) != len(served):
+            recv_off = np.zeros(D, dtype=np.int64)
+            recv_off[g_doc[inc]] = int(words[est_here].sum()) + np.cumsum(words[g_doc[inc]]) - words[g_doc[inc]]
+            start = np.where(est_server[served] == rank, own_off[served], recv_off[served])
+            served_words = ranges(start, words[served])
+
+        def dev(a, dtype=torch.int64):
+            return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype).to(device)
+
+        is_sparse = sparse_doc[doc[mine]]
+        dense_here = np.flatnonzero(~sparse_doc & (est_server == rank))
+        L = doc_len[dense_here].astype(np.float64)
+
+        return cls(
+            est_docs=est_here, est_lens=est_lens,
+            extra_send_rows=dev(queries["extra_send_rows"]), extra_send_splits=queries["extra_send_splits"],
+            extra_recv_splits=queries["extra_recv_splits"], extra_local_rows=dev(queries["extra_local_rows"]),
+            est_q_index=dev(queries["est_q_index"]), est_cu_q=dev(queries["est_cu_q"], torch.int32),
+            est_k_rows=dev(est_k_rows), est_cu_k=dev(np.r_[0, np.cumsum(est_lens)], torch.int32),
+            send_words=dev(send_words), send_splits=send_splits, recv_splits=recv_splits,
+            served_lens=doc_len[served], served_words=None if served_words is None else dev(served_words),
+            seg_doc=dev(np.searchsorted(served, doc[mine[is_sparse]])),
+            sparse_rows=None if is_sparse.all() else SegmentRows.of(plan, mine, is_sparse, device),
+            dense_rows=None if is_sparse.all() else SegmentRows.of(plan, mine, ~is_sparse, device),
+            dense_pairs=float(num_heads * (L * (L + 1) / 2).sum()), exchange=bool(np.any(remote)),
+            extra_exchange=queries["extra_exchange"],
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class SegmentRows:
+    """A subset of a server's tasks as their own kernel call: rows in the full call's Q and expanded-KV
+    buffers, and the subset's own segment boundaries."""
+
+    q_rows: torch.Tensor
+    k_rows: torch.Tensor
+    cu_q: torch.Tensor  # int32
+    cu_k: torch.Tensor  # int32
+    max_q: int
+    max_k: int
+
+    @classmethod
+    def of(cls, plan: Plan, mine: np.ndarray, keep: np.ndarray, device) -> "SegmentRows":
+        n, end = plan.task_len[mine], plan.task_end[mine]  # the server's tasks in call order
+        q_start, k_start = np.cumsum(n) - n, np.cumsum(end) - end
+        n, end = n[keep], end[keep]
+
+        def dev(a, dtype=torch.int64):
+            return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype).to(device)
+
+        return cls(dev(ranges(q_start[keep], n)), dev(ranges(k_start[keep], end)),
+                   dev(np.r_[0, np.cumsum(n)], torch.int32), dev(np.r_[0, np.cumsum(end)], torch.int32),
+                   int(n.max(initial=0)), int(end.max(initial=0)))
+
+
+def split_backend(sparse: Backend, dense: Backend, sparse_rows: SegmentRows, dense_rows: SegmentRows) -> Backend:
+    """One backend over a server's tasks that runs the sparse ones and the dense ones as two kernel calls.
+
+    The caller's segment arguments are those of the whole call; the subsets carry their own."""
+
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None):
+        out = torch.zeros_like(q)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # the kernels' lse dtype
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc, device=q.device)
+        for p, be in ((sparse_rows, sparse), (dense_rows, dense)):
+            out[p.q_rows], lse[:, p.q_rows] = be.forward(q[p.q_rows], k[p.k_rows], v[p.k_rows], p.cu_q, p.cu_k,
+                                                         p.max_q, p.max_k, scale=scale)
+        return out, lse
+
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None):
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for p, be in ((sparse_rows, sparse), (dense_rows, dense)):
+            g = be.backward(dout[p.q_rows], q[p.q_rows], k[p.k_rows], v[p.k_rows], out[p.q_rows],
+                            lse[:, p.q_rows].contiguous(), p.cu_q, p.cu_k, p.max_q, p.max_k, scale=scale)
+            dq[p.q_rows], dk[p.k_rows], dv[p.k_rows] = g
+        return dq, dk, dv
+
+    return Backend(f"{sparse.name}+{dense.name}", forward, backward)
+
+
+def _estimating_queries(plan: Plan, rank: int, est_server, last_task, est_here, pos_of_task, n_srv: int,
+                        config: SparseConfig) -> dict:
+    """Index maps that put each estimated document's last ``m`` queries together on its estimating server.
+
+    The last shard [a, L) gives its tail; where a > L - m the queries [L - m, a) come from
+    the pieces holding them: copied if this rank holds them, else received from their home.
+    """
+    doc_len, doc, n = plan.pieces.doc_len, plan.task_doc, plan.task_len
+    W, D = plan.num_ranks, len(doc_len)
+    last = last_task[last_task >= 0]
+    m_all = np.minimum(doc_len, config.last_queries)
+    a_all = np.zeros(D, dtype=np.int64)
+    a_all[doc[last]] = plan.task_start[last]
+    t = plan.pieces
+    lo = np.maximum(t.start, doc_len[t.doc] - m_all[t.doc])
+    hi = np.where(doc_len[t.doc] >= config.min_doc_len, np.minimum(t.end, a_all[t.doc]), lo)  # sparse docs only
+    e = np.flatnonzero(hi > lo)  # pieces holding missing estimating queries
+    e = e[np.lexsort((lo[e], t.doc[e]))]  # (doc, position) order
+    e_src, e_dst, e_doc, e_len = t.rank[e], est_server[t.doc[e]], t.doc[e], hi[e] - lo[e]
+    e_row = t.offset[e] + lo[e] - t.start[e]
+    e_out = np.flatnonzero((e_src == rank) & (e_dst != rank))
+    e_out = e_out[np.argsort(e_dst[e_out], kind="stable")]
+    e_loc = np.flatnonzero((e_src == rank) & (e_dst == rank))
+    e_inc = np.flatnonzero((e_dst == rank) & (e_src != rank))
+    e_inc = e_inc[np.argsort(e_src[e_inc], kind="stable")]
+    # Where each extra piece lands in cat(server Q, extra local, extra received).
+    e_at = np.zeros(len(e), dtype=np.int64)
+    e_at[e_loc] = n_srv + np.cumsum(e_len[e_loc]) - e_len[e_loc]
+    e_at[e_inc] = n_srv + int(e_len[e_loc].sum()) + np.cumsum(e_len[e_inc]) - e_len[e_inc]
+    mine_e = np.flatnonzero(e_dst == rank)  # already in (doc, position) order
+    tl = last_task[est_here]
+    m = m_all[est_here]
+    shard_rows = np.minimum(n[tl], m)
+    starts = np.concatenate([e_at[mine_e], pos_of_task[tl] + n[tl] - shard_rows])
+    lengths = np.concatenate([e_len[mine_e], shard_rows])
+    keys = np.concatenate([e_doc[mine_e], est_here])  # per document: its extra pieces, then its shard's tail
+    first = np.concatenate([np.zeros(len(mine_e)), np.ones(len(est_here))])
+    order = np.lexsort((first, keys))
+    est_q_index = ranges(starts[order], lengths[order])
+
+    return dict(
+        extra_send_rows=ranges(e_row[e_out], e_len[e_out]),
+        extra_send_splits=np.bincount(e_dst[e_out], weights=e_len[e_out], minlength=W).astype(np.int64).tolist(),
+        extra_recv_splits=np.bincount(e_src[e_inc], weights=e_len[e_inc], minlength=W).astype(np.int64).tolist(),
+        extra_local_rows=ranges(e_row[e_loc], e_len[e_loc]),
+        est_q_index=est_q_index, est_cu_q=np.r_[0, np.cumsum(m)], extra_exchange=bool(np.any(e_src != e_dst)))
+
+
+class SparseStats:
+    """What the patterns of one step looked like, summed on the device (read once per step).
+
+    - ``sparse_heads``: (document, head) pairs estimated sparse (dense short documents excluded);
+    - ``diagonals`` / ``verticals``: their block diagonals and vertical columns, summed;
+    - ``pairs_computed`` / ``pairs_causal``: every document's attended (query, key) pairs
+      (slash tiles counted whole, verticals as their causal column length; dense
+      documents all their pairs) against its causal pairs, per head: their ratio
+      is the attention density.
+    """
+
+    def __init__(self):
+        self.sums: torch.Tensor | None = None
+        self.dense_pairs = 0.0  # dense documents' pairs, known on the host
+
+    def add(self, pattern: VerticalSlashPattern | None, dense_pairs: float = 0.0) -> None:
+        """One call's estimated patterns (None: none here) and the causal pairs of its dense documents."""
+        self.dense_pairs += dense_pairs
+        if pattern is not None:
+            values = _pattern_stats(pattern)
+            self.sums = values if self.sums is None else self.sums + values
+
+    def values(self) -> list[float]:
+        """The sums as floats (synchronises with the device)."""
+        sums = [0.0] * len(_STAT_FIELDS) if self.sums is None else self.sums.double().cpu().tolist()
+        sums[3] += self.dense_pairs
+        sums[4] += self.dense_pairs
+        return sums
+
+
+@torch.no_grad()
+def _pattern_stats(pattern: VerticalSlashPattern) -> torch.Tensor:
+    B, H = pattern.block, pattern.num_heads
+    dev = pattern.device
+    L = pattern.doc_len.double()
+    nb = pattern.num_blocks()
+    sparse = ~pattern.dense
+    n_slash = pattern.n_slash.double()  # (D, H)
+    n_vert = pattern.n_vert.double()
+    # Slash tiles: diagonal Delta of a document with nb blocks has nb - Delta tiles.
+    blk_doc = pattern.blk_doc.clamp(max=max(pattern.num_docs - 1, 0))
+    delta = torch.arange(pattern.slash.shape[1], device=dev) - pattern.blk_off[blk_doc]
+    tiles = (pattern.slash.double() * (nb[blk_doc] - delta).clamp(min=0).double()[None, :]).sum()
+    # A vertical column c is read by the L - c queries at or after it.
+    vdoc = pattern.vert_doc.clamp(max=max(pattern.num_docs - 1, 0))
+    vlen = (pattern.doc_len[vdoc][None, :] - pattern.vert).clamp(min=0).double()
+    vert_pairs = vlen.sum()  # unused slots hold doc_len, so they add 0
+    causal = (L * (L + 1) / 2).sum() * H
+    computed = torch.minimum(tiles * B * B + vert_pairs, causal)
+    return torch.stack([(sparse[:, None].double() * torch.ones_like(n_slash)).sum(),
+                        (n_slash * sparse[:, None]).sum(), (n_vert * sparse[:, None]).sum(), computed, causal])
+
+
+class SparseServing:
+    """Turns a server's inputs into a Backend bound to their documents' patterns (dense documents: ``dense``)."""
+
+    def __init__(self, plan: Plan, rank: int, config: SparseConfig, dense: Backend, group,
+                 stats: SparseStats | None = None):
+        self.plan, self.rank, self.config, self.dense, self.group, self.stats = plan, rank, config, dense, group, stats
+
+    def routes(self, num_heads: int, device) -> PatternRoutes:
+        key = ("sparse_routes", self.rank, num_heads, self.config, str(device), id(self.group))
+        cache = self.plan.runtime_cache
+        if key not in cache:
+            cache[key] = PatternRoutes.build(self.plan, self.rank, num_heads, self.config, device)
+        return cache[key]
+
+    @torch.no_grad()
+    def bind(self, q: torch.Tensor, q_srv: torch.Tensor, k_unique: torch.Tensor) -> Backend:
+        """Estimate the documents whose last shard is served here, exchange, and bind the backend.
+
+        ``q``: this rank's own queries (home side); ``q_srv``, ``k_unique``: the
+        server's query buffer and unique KV buffer (runtime.core_attention). Every
+        rank takes part in both exchanges whenever the plan has any, with or
+        without documents of its own in them."""
+        r = self.routes(q_srv.shape[1], q_srv.device)
+        extra = [q[r.extra_local_rows]]
+        if r.extra_exchange:
+            width = q.shape[1] * q.shape[2]
+            received = all_to_all_flat(q[r.extra_send_rows].reshape(-1), [x * width for x in r.extra_send_splits],
+                                       [x * width for x in r.extra_recv_splits], self.group, tag="sparse_queries")
+            extra.append(received.view(-1, *q.shape[1:]))
+        pattern = None
+        if len(r.est_docs):
+            q_est = torch.cat([q_srv, *extra])[r.est_q_index]
+            # Scores in float32 whatever the caller's autocast: the selection ranks small masses.
+            with torch.autocast(q.device.type, enabled=False):
+                pattern = estimate_vertical_slash(q_est, k_unique[r.est_k_rows], r.est_cu_q, r.est_cu_k, self.config,
+                                                  k_lens_host=r.est_lens)
+        if self.stats is not None:
+            self.stats.add(pattern, r.dense_pairs)
+        if r.exchange:
+            own = q.new_empty(0, dtype=torch.int32) if pattern is None else \
+                pack_pattern(pattern, np.arange(len(r.est_docs)), r.est_lens, self.config)
+            received = all_to_all_flat(own[r.send_words], r.send_splits, r.recv_splits, self.group,
+                                       tag="sparse_pattern")
+            if r.served_words is not None:
+                served = torch.cat([own, received])[r.served_words]
+                pattern = unpack_patterns(served, r.served_lens, q_srv.shape[1], self.config)
+        if not len(r.served_lens):
+            return self.dense  # no sparse document served here
+        sparse = sparse_kernels.backend(pattern, seg_doc=r.seg_doc)
+        if r.dense_rows is None:
+            return sparse
+        return split_backend(sparse, self.dense, r.sparse_rows, r.dense_rows)

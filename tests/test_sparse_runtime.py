@@ -1,0 +1,156 @@
+"""Sparse core attention through the distributed runtime (gloo, CPU twin) against a single-process reference.
+
+The reference estimates each document's pattern in one process from the
+document's last queries and all of its keys, applies it as an explicit mask to
+dense float64 attention with autograd, and cuts the results into ranks' rows.
+Every strategy must compute that same function, wherever the shards ran and
+whichever server estimated.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from attnpool import DocPiece, plan_attention
+from attnpool.comm import comm_stats
+from attnpool.plan import linear_layout
+from attnpool.runtime import CoreAttention
+from attnpool.runtime.sparse import PatternRoutes, SparseStats
+from attnpool.sparse import SparseConfig, estimate_vertical_slash
+from dist_harness import run_distributed
+from test_runtime import local_rows, rel_err
+from test_sparse import rope_like
+
+STRATEGIES = ("local", "percp", "cad")
+N_Q, N_KV, HEAD_DIM = 4, 2, 16
+CONFIG = SparseConfig(coverage=0.7, vertical_cap=24, slash_cap=20, min_doc_len=200, last_queries=16, sink_tokens=4,
+                      local_window=16, block=16, vertical_chunk=16)
+
+
+def make_cases(world):
+    """(name, pieces per rank). "linear": long sparse documents (one over every rank), short
+    dense ones, odd lengths. "short-tails": every rank holds a sparse document's head and
+    the previous rank's document's last few tokens, fewer than the estimating queries."""
+    linear = linear_layout([260 * world + 37, 150, 410, 90, 333, 45, 520, 201], world)
+    tails = [[] for _ in range(world)]
+    for r in range(world):
+        L, tail = 280 + 10 * r + 3 + r, 3 + r
+        tails[r].append(DocPiece(r, L, 0, L - tail))
+        tails[(r + 1) % world].append(DocPiece(r, L, L - tail, tail))
+        tails[r].append(DocPiece(world + r, 50 + r, 0, 50 + r))
+    return [("linear", linear), ("short-tails", tails)]
+
+
+def plans(pieces):
+    return {s: plan_attention(pieces, s, cost_model="pairs", min_shard_tokens=32) for s in STRATEGIES}
+
+
+def global_inputs(pieces_per_rank):
+    """q/k with slash and sink structure per document, random v and upstream grad; float64."""
+    docs = sorted({(p.doc_id, p.doc_len) for pieces in pieces_per_rank for p in pieces})
+    data = {}
+    for d, L in docs:
+        q, k = rope_like([L], N_Q, N_KV, HEAD_DIM, seed=100 + d)
+        g = torch.Generator().manual_seed(200 + d)
+        v = torch.randn(L, N_KV, HEAD_DIM, generator=g, dtype=torch.float64)
+        dout = torch.randn(L, N_Q, HEAD_DIM, generator=g, dtype=torch.float64)
+        data[d] = [q, k, v, dout]
+    return data
+
+
+def worker(rank, world):
+    results = {}
+    for case, pieces in make_cases(world):
+        results[case] = run_case(rank, pieces)
+    return results
+
+
+def run_case(rank, pieces):
+    data = global_inputs(pieces)
+    results = {}
+    for strategy, plan in plans(pieces).items():
+        q, k, v, dout = (local_rows(data, pieces[rank], i) for i in range(4))
+        for t in (q, k, v):
+            t.requires_grad_(True)
+        stats = SparseStats()
+        comm_stats.reset()
+        attention = CoreAttention(plan, sparse=CONFIG, sparse_stats=stats)
+        out = attention(q, k, v, layer=0)
+        out.backward(dout)
+        results[strategy] = dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad, stats=stats.values(),
+                                 pattern_bytes=comm_stats.by_tag.get("sparse_pattern", [0, 0, 0])[1],
+                                 query_bytes=comm_stats.by_tag.get("sparse_queries", [0, 0, 0])[1])
+    return results
+
+
+def reference(pieces_per_rank):
+    data = global_inputs(pieces_per_rank)
+    grads = {}
+    for d, (q, k, v, dout) in data.items():
+        L = q.shape[0]
+        m = min(L, CONFIG.last_queries)
+        cu_q = torch.tensor([0, m], dtype=torch.int32)
+        cu_k = torch.tensor([0, L], dtype=torch.int32)
+        pattern = estimate_vertical_slash(q[L - m:], k, cu_q, cu_k, CONFIG)
+        mask = pattern.mask(0, L, L)  # (H, L, L): the attended set, explicitly
+        q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+        rep = N_Q // N_KV
+        kk, vv = k.repeat_interleave(rep, 1).transpose(0, 1), v.repeat_interleave(rep, 1).transpose(0, 1)
+        scores = (q.transpose(0, 1) @ kk.transpose(1, 2)) / HEAD_DIM ** 0.5
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        out = (probs @ vv).transpose(0, 1)
+        out.backward(dout)
+        grads[d] = (out.detach(), q.grad, k.grad, v.grad)
+    return [{name: local_rows(grads, pieces, i) for i, name in enumerate(("out", "dq", "dk", "dv"))}
+            for pieces in pieces_per_rank]
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def world_results(request):
+    return request.param, run_distributed(worker, request.param)
+
+
+def test_sparse_matches_masked_reference_every_strategy(world_results):
+    world, results = world_results
+    for case, pieces in make_cases(world):
+        ref = reference(pieces)
+        for strategy in STRATEGIES:
+            for rank in range(world):
+                for name in ("out", "dq", "dk", "dv"):
+                    if ref[rank][name].numel():
+                        err = rel_err(results[rank][case][strategy][name], ref[rank][name])
+                        assert err <= 1e-10, (world, case, strategy, rank, name, err)
+    # The short tails made local's estimating servers fetch the queries they lack.
+    assert all(results[r]["short-tails"]["local"]["query_bytes"] > 0 for r in range(world))
+
+
+def test_pattern_exchange_only_where_documents_are_shared(world_results):
+    """Patterns move only from a document's estimating server to its other servers, and each
+    sparse document is estimated exactly once in the group."""
+    world, all_results = world_results
+    for case, pieces in make_cases(world):
+        check_routes(world, pieces, [r[case] for r in all_results])
+
+
+def check_routes(world, pieces, results):
+    for strategy, plan in plans(pieces).items():
+        routes = [PatternRoutes.build(plan, r, N_Q, CONFIG, "cpu") for r in range(world)]
+        estimated = np.concatenate([r.est_docs for r in routes])
+        sparse_docs = np.flatnonzero(plan.pieces.doc_len >= CONFIG.min_doc_len)
+        assert sorted(estimated.tolist()) == sparse_docs.tolist(), strategy  # short documents stay dense
+        shared = any(len(set(plan.task_server[plan.task_doc == d])) > 1 for d in sparse_docs)
+        assert routes[0].exchange == shared
+        assert shared or strategy == "local"  # percp and cad split the long documents over servers
+        for r in range(world):
+            assert sum(routes[r].extra_send_splits) * routes[r].est_q_index.numel() >= 0
+        for r in range(world):
+            assert sum(routes[r].send_splits) * 4 == results[r][strategy]["pattern_bytes"]
+            assert [routes[s].send_splits[r] for s in range(world)] == routes[r].recv_splits
+        # Each document's stats counted once: the causal pairs over ranks are the batch's.
+        causal = sum(results[r][strategy]["stats"][4] for r in range(world))
+        L = plan.pieces.doc_len.astype(np.float64)
+        assert causal == pytest.approx(N_Q * float((L * (L + 1) / 2).sum()))
+        density = sum(results[r][strategy]["stats"][3] for r in range(world)) / causal
+        assert 0.2 < density < 1.0, (strategy, density)  # the long documents really are sparse

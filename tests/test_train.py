@@ -112,11 +112,14 @@ def _train_sparse(rank, world, out):
         result = train(config)
         results[strategy] = (result.rows, full_weights(result.model))
     dense_first = train(tiny_config(Path(out) / "dense-first", attention="cad", steps=4, dense_layers=1, **SPARSE))
-    return results, dense_first.rows
+    cut = dict(attention="cad", steps=4, **SPARSE)
+    train(tiny_config(Path(out) / "cut", stop_at=2, **cut))
+    resumed = train(tiny_config(Path(out) / "cut", resume=True, **cut))
+    return results, dense_first.rows, resumed.rows
 
 
 def test_sparse_training_is_the_same_under_every_strategy(tmp_path):
-    results, dense_first = run_distributed(_train_sparse, 2, str(tmp_path))[0]
+    results, dense_first, resumed = run_distributed(_train_sparse, 2, str(tmp_path))[0]
     ref_rows, ref_weights = results["local"]
     for strategy in ("wlb", "percp", "cad", "cad+pingpong"):
         rows, weights = results[strategy]
@@ -125,8 +128,11 @@ def test_sparse_training_is_the_same_under_every_strategy(tmp_path):
             torch.testing.assert_close(weights[name], w, rtol=1e-3, atol=1e-4, msg=f"{strategy}: {name}")
     densities = [r["attention_density"] for r in ref_rows]
     assert all(0.0 < d < 1.0 for d in densities), densities  # the documents over 128 tokens really are sparse
-    # One of the two layers dense: more of the causal pairs computed, in the sparse layer's share.
     assert all(d is not None for d in (r["attention_density"] for r in dense_first))
+    # Resuming restores the planning prior too: the steps after the cut are planned as without it.
+    cad = results["cad"][0]
+    assert [r["attention_work_total"] for r in resumed[2:]] == [r["attention_work_total"] for r in cad[2:]]
+    assert rel_diff([r["loss"] for r in resumed[2:]], [r["loss"] for r in cad[2:]]) <= 1e-5
 
 
 # --- Resume continues exactly ------------------------------------------------------------------

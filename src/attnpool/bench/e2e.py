@@ -55,6 +55,7 @@ STRATEGIES = {  # name -> (attention, pingpong, vertical-slash sparse attention)
     "cad+pingpong+sparse": ("cad", True, True),
 }
 DEFAULT_STRATEGIES = ("local", "wlb", "percp", "cad", "cad+pingpong")
+TRACE_STEPS = 2  # profiled after the measured steps: one warm-up step of the profiler, one recorded
 H200_BF16_PEAK_TFLOPS = 989.0  # dense, datasheet: the MFU denominator
 LOSS_TOLERANCE = 0.02
 
@@ -110,7 +111,10 @@ def run_one(name, dist_name, tokens, args, out_dir, trace=False):
         elongate["options"] = {"elongate": max(1.0, tokens * dist.get_world_size() / 65536)}
     config = TrainConfig(
         model=args.model, model_args={"n_layers": args.layers}, data="synthetic", data_args=elongate,
-        tokens_per_rank=tokens, steps=args.warmup + args.steps + (2 if trace else 0), warmup_steps=2, lr=1e-4, seed=0,
+        # Every run's schedule is as long as a traced run's, so that tracing changes no learning rate;
+        # the others stop before the traced steps.
+        tokens_per_rank=tokens, steps=args.warmup + args.steps + TRACE_STEPS,
+        stop_at=None if trace else args.warmup + args.steps, warmup_steps=2, lr=1e-4, seed=0,
         attention=attention, pingpong=pingpong, **(sparse_options(args.sparse_args) if sparse else {}),
         activation_checkpointing="keep_attention", precision="bf16",
         device=args.device, progress=False, checkpoint_every=-1, out=os.path.join(out_dir, f"{dist_name}-{tokens}-{name}"),
@@ -121,7 +125,7 @@ def run_one(name, dist_name, tokens, args, out_dir, trace=False):
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda" else [])
     schedule = torch.profiler.schedule(skip_first=args.warmup + args.steps, wait=0, warmup=1, active=1, repeat=1)
     with torch.profiler.profile(activities=activities, schedule=schedule,
-                                on_trace_ready=functools.partial(_write_trace, args.out, tag)) as prof:
+                                on_trace_ready=functools.partial(_write_trace, args.out, tag, args.device)) as prof:
         rows = train(config, on_step=prof.step).rows
     return rows[:args.warmup + args.steps]
 
@@ -140,12 +144,12 @@ def sparse_options(text: str) -> dict:
     return options
 
 
-def _write_trace(out, tag, prof):
+def _write_trace(out, tag, device, prof):
     """Rank 0: the profiled step's ops by GPU (or CPU) time, and the trace itself, gzipped."""
     if dist.get_rank() != 0:
         return
     os.makedirs(out, exist_ok=True)
-    key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    key = "cuda_time_total" if device == "cuda" else "cpu_time_total"
     with open(os.path.join(out, f"trace-{tag}.txt"), "w") as f:
         f.write(prof.key_averages().table(sort_by=key, row_limit=60))
     path = os.path.join(out, f"trace-{tag}.json")

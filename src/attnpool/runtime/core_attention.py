@@ -310,7 +310,10 @@ class CoreAttention:
     ``sparse``: a SparseConfig turns on vertical-slash sparse attention in the
     layers it names (``layer`` is the caller's 0-based layer index; a call without
     one counts as a sparse layer); ``sparse_stats`` accumulates what the patterns
-    looked like (runtime.sparse.SparseStats).
+    looked like (runtime.sparse.SparseStats). A layer's patterns are estimated on its
+    first call and reused by later calls with the same ``layer`` -- the recompute of
+    activation checkpointing, so that backward runs with the forward's patterns --
+    so make one CoreAttention per forward and backward pass, as the training loop does.
     """
 
     def __init__(self, plan: Plan, group=None, *, backend: str | Backend | None = None, scale: float | None = None,
@@ -318,6 +321,7 @@ class CoreAttention:
         self.plan, self.group, self.backend, self.scale = plan, group, backend, scale
         self.sparse = sparse if sparse is not None and sparse.enabled else None
         self.sparse_stats = sparse_stats
+        self._serving = {}  # layer -> its SparseServing, whose patterns a recompute reuses
 
     def __call__(self, q, k, v, *, layer: int | None = None):
         pending = self.dispatch(q, k, v, layer=layer)
@@ -340,8 +344,13 @@ class CoreAttention:
         else:
             dense = self.backend
         if self.sparse is not None and (layer is None or self.sparse.is_sparse_layer(layer)):
-            return SparseServing(self.plan, group_rank_size(self.group)[0], self.sparse, dense, self.group,
-                                 self.sparse_stats)
+            serving = self._serving.get(layer)
+            if serving is None:
+                serving = SparseServing(self.plan, group_rank_size(self.group)[0], self.sparse, dense, self.group,
+                                        self.sparse_stats)
+                if layer is not None:
+                    self._serving[layer] = serving
+            return serving
         return dense
 
     def compute(self, p: _InFlight) -> None:

@@ -33,8 +33,8 @@ from attnpool.kernels import sparse as sparse_kernels
 from attnpool.kernels.base import Backend
 from attnpool.plan.documents import ranges
 from attnpool.plan.plan import Plan
-from attnpool.sparse import SparseConfig, VerticalSlashPattern, estimate_vertical_slash, pack_pattern, \
-    packed_sizes, unpack_patterns
+from attnpool.sparse import SparseConfig, VerticalSlashPattern, estimate_vertical_slash, packed_sizes
+from attnpool.sparse.pattern import PackLayout
 
 # Per call, summed over the documents this rank estimated (each document is estimated once
 # in the whole group, so summing over ranks counts each once): see SparseStats.
@@ -51,15 +51,19 @@ class PatternRoutes:
     extra_send_splits: list[int]
     extra_recv_splits: list[int]
     extra_local_rows: torch.Tensor  # local rows of queries this server estimates with but does not serve
-    est_q_index: torch.Tensor  # each estimating query in cat(server Q, extra local, extra received)
+    tail_rows: torch.Tensor  # rows of the server's Q buffer: the estimating queries its last shards hold
+    est_q_index: torch.Tensor  # each estimating query in cat(Q[tail_rows], extra local, extra received)
     est_cu_q: torch.Tensor  # int32
     est_k_rows: torch.Tensor  # rows of the server's unique KV buffer: each estimated document's keys [0, L)
     est_cu_k: torch.Tensor  # int32
+    own_pack: PackLayout  # the estimated documents' packed buffer
+    est_index: torch.Tensor  # 0 .. len(est_docs) - 1 on the device: the estimated pattern's documents
     send_words: torch.Tensor  # words of the own packed buffer to send, peer by peer
     send_splits: list[int]
     recv_splits: list[int]
     served_lens: np.ndarray  # lengths of the documents served here, ascending document index
     served_words: torch.Tensor | None  # index into cat(own packed, received); None: served == estimated
+    served_pack: PackLayout | None  # the served documents' packed buffer (None with served_words)
     seg_doc: torch.Tensor  # served sparse-document index of each sparse task served here (a kernel segment)
     sparse_rows: "SegmentRows | None"  # the sparse tasks among those served here (None: all of them)
     dense_rows: "SegmentRows | None"  # the dense (short-document) tasks; None when there are none
@@ -96,8 +100,7 @@ class PatternRoutes:
         est_lens = doc_len[est_here]
         est_k_rows = ranges(group_base[np.searchsorted(served, est_here)], est_lens)
 
-        queries = _estimating_queries(plan, rank, est_server, last_task, est_here, pos_of_task,
-                                      int(n[mine].sum()), config)
+        queries = _estimating_queries(plan, rank, est_server, last_task, est_here, pos_of_task, config)
         words = packed_sizes(doc_len, num_heads, config)
         own_off = np.zeros(D, dtype=np.int64)
         own_off[est_here] = np.cumsum(words[est_here]) - words[est_here]
@@ -129,10 +132,13 @@ class PatternRoutes:
             est_docs=est_here, est_lens=est_lens,
             extra_send_rows=dev(queries["extra_send_rows"]), extra_send_splits=queries["extra_send_splits"],
             extra_recv_splits=queries["extra_recv_splits"], extra_local_rows=dev(queries["extra_local_rows"]),
+            tail_rows=dev(queries["tail_rows"]),
             est_q_index=dev(queries["est_q_index"]), est_cu_q=dev(queries["est_cu_q"], torch.int32),
             est_k_rows=dev(est_k_rows), est_cu_k=dev(np.r_[0, np.cumsum(est_lens)], torch.int32),
+            own_pack=PackLayout.build(est_lens, num_heads, config, device), est_index=dev(np.arange(len(est_here))),
             send_words=dev(send_words), send_splits=send_splits, recv_splits=recv_splits,
             served_lens=doc_len[served], served_words=None if served_words is None else dev(served_words),
+            served_pack=None if served_words is None else PackLayout.build(doc_len[served], num_heads, config, device),
             seg_doc=dev(np.searchsorted(served, doc[mine[is_sparse]])),
             sparse_rows=None if is_sparse.all() else SegmentRows.of(plan, mine, is_sparse, device),
             dense_rows=None if is_sparse.all() else SegmentRows.of(plan, mine, ~is_sparse, device),
@@ -192,7 +198,7 @@ def split_backend(sparse: Backend, dense: Backend, sparse_rows: SegmentRows, den
     return Backend(f"{sparse.name}+{dense.name}", forward, backward)
 
 
-def _estimating_queries(plan: Plan, rank: int, est_server, last_task, est_here, pos_of_task, n_srv: int,
+def _estimating_queries(plan: Plan, rank: int, est_server, last_task, est_here, pos_of_task,
                         config: SparseConfig) -> dict:
     """Index maps that put each estimated document's last ``m`` queries together on its estimating server.
 
@@ -217,15 +223,16 @@ def _estimating_queries(plan: Plan, rank: int, est_server, last_task, est_here, 
     e_loc = np.flatnonzero((e_src == rank) & (e_dst == rank))
     e_inc = np.flatnonzero((e_dst == rank) & (e_src != rank))
     e_inc = e_inc[np.argsort(e_src[e_inc], kind="stable")]
-    # Where each extra piece lands in cat(server Q, extra local, extra received).
-    e_at = np.zeros(len(e), dtype=np.int64)
-    e_at[e_loc] = n_srv + np.cumsum(e_len[e_loc]) - e_len[e_loc]
-    e_at[e_inc] = n_srv + int(e_len[e_loc].sum()) + np.cumsum(e_len[e_inc]) - e_len[e_inc]
-    mine_e = np.flatnonzero(e_dst == rank)  # already in (doc, position) order
+    # Where each piece lands in cat(the last shards' tails, extra local, extra received).
     tl = last_task[est_here]
     m = m_all[est_here]
     shard_rows = np.minimum(n[tl], m)
-    starts = np.concatenate([e_at[mine_e], pos_of_task[tl] + n[tl] - shard_rows])
+    n_tails = int(shard_rows.sum())
+    e_at = np.zeros(len(e), dtype=np.int64)
+    e_at[e_loc] = n_tails + np.cumsum(e_len[e_loc]) - e_len[e_loc]
+    e_at[e_inc] = n_tails + int(e_len[e_loc].sum()) + np.cumsum(e_len[e_inc]) - e_len[e_inc]
+    mine_e = np.flatnonzero(e_dst == rank)  # already in (doc, position) order
+    starts = np.concatenate([e_at[mine_e], np.cumsum(shard_rows) - shard_rows])
     lengths = np.concatenate([e_len[mine_e], shard_rows])
     keys = np.concatenate([e_doc[mine_e], est_here])  # per document: its extra pieces, then its shard's tail
     first = np.concatenate([np.zeros(len(mine_e)), np.ones(len(est_here))])
@@ -237,7 +244,7 @@ def _estimating_queries(plan: Plan, rank: int, est_server, last_task, est_here, 
         extra_send_splits=np.bincount(e_dst[e_out], weights=e_len[e_out], minlength=W).astype(np.int64).tolist(),
         extra_recv_splits=np.bincount(e_src[e_inc], weights=e_len[e_inc], minlength=W).astype(np.int64).tolist(),
         extra_local_rows=ranges(e_row[e_loc], e_len[e_loc]),
-        est_q_index=est_q_index, est_cu_q=np.r_[0, np.cumsum(m)], extra_exchange=bool(np.any(e_src != e_dst)))
+        tail_rows=ranges(pos_of_task[tl] + n[tl] - shard_rows, shard_rows), est_q_index=est_q_index, est_cu_q=np.r_[0, np.cumsum(m)], extra_exchange=bool(np.any(e_src != e_dst)))
 
 
 class SparseStats:
@@ -248,7 +255,8 @@ class SparseStats:
     - ``pairs_computed`` / ``pairs_causal``: every document's attended (query, key) pairs
       (slash tiles counted whole, verticals as their causal column length; dense
       documents all their pairs) against its causal pairs, per head: their ratio
-      is the attention density.
+      is the attention density, an upper bound by a little (a column inside a kept
+      diagonal block counts twice).
     """
 
     def __init__(self):
@@ -299,6 +307,7 @@ class SparseServing:
     def __init__(self, plan: Plan, rank: int, config: SparseConfig, dense: Backend, group,
                  stats: SparseStats | None = None):
         self.plan, self.rank, self.config, self.dense, self.group, self.stats = plan, rank, config, dense, group, stats
+        self.bound: Backend | None = None  # after the first bind: reused, with no estimation or exchange
 
     def routes(self, num_heads: int, device) -> PatternRoutes:
         key = ("sparse_routes", self.rank, num_heads, self.config, str(device), id(self.group))
@@ -314,7 +323,13 @@ class SparseServing:
         ``q``: this rank's own queries (home side); ``q_srv``, ``k_unique``: the
         server's query buffer and unique KV buffer (runtime.core_attention). Every
         rank takes part in both exchanges whenever the plan has any, with or
-        without documents of its own in them."""
+        without documents of its own in them. A second call (a recompute of the same
+        layer, on every rank alike) returns the first call's backend."""
+        if self.bound is None:
+            self.bound = self._bind(q, q_srv, k_unique)
+        return self.bound
+
+    def _bind(self, q: torch.Tensor, q_srv: torch.Tensor, k_unique: torch.Tensor) -> Backend:
         r = self.routes(q_srv.shape[1], q_srv.device)
         extra = [q[r.extra_local_rows]]
         if r.extra_exchange:
@@ -324,7 +339,7 @@ class SparseServing:
             extra.append(received.view(-1, *q.shape[1:]))
         pattern = None
         if len(r.est_docs):
-            q_est = torch.cat([q_srv, *extra])[r.est_q_index]
+            q_est = torch.cat([q_srv[r.tail_rows], *extra])[r.est_q_index]
             # Scores in float32 whatever the caller's autocast: the selection ranks small masses.
             with torch.autocast(q.device.type, enabled=False):
                 pattern = estimate_vertical_slash(q_est, k_unique[r.est_k_rows], r.est_cu_q, r.est_cu_k, self.config,
@@ -332,13 +347,11 @@ class SparseServing:
         if self.stats is not None:
             self.stats.add(pattern, r.dense_pairs)
         if r.exchange:
-            own = q.new_empty(0, dtype=torch.int32) if pattern is None else \
-                pack_pattern(pattern, np.arange(len(r.est_docs)), r.est_lens, self.config)
+            own = q.new_empty(0, dtype=torch.int32) if pattern is None else r.own_pack.pack(pattern, r.est_index)
             received = all_to_all_flat(own[r.send_words], r.send_splits, r.recv_splits, self.group,
                                        tag="sparse_pattern")
             if r.served_words is not None:
-                served = torch.cat([own, received])[r.served_words]
-                pattern = unpack_patterns(served, r.served_lens, q_srv.shape[1], self.config)
+                pattern = r.served_pack.unpack(torch.cat([own, received])[r.served_words])
         if not len(r.served_lens):
             return self.dense  # no sparse document served here
         sparse = sparse_kernels.backend(pattern, seg_doc=r.seg_doc)

@@ -247,10 +247,12 @@ class SparseCost:
         return slash / np.maximum(heads * nb * (nb + 1) / 2, 1)
 
 
-def pairs_coefficients(block: int, chunk: int) -> SparseCoefficients:
-    """Coefficients that count (query, key) pairs instead of seconds, to mix with the ``pairs`` dense model."""
-    return SparseCoefficients(float(block * block), float(block * chunk), 0.0, 0.0, 0.0, 0.0,
-                              source="pairs: B x B per slash tile, B x chunk per bar tile")
+def pairs_coefficients(block: int, chunk: int, num_heads: int) -> SparseCoefficients:
+    """Coefficients that count (query, key) pairs of one head instead of seconds, to mix with the ``pairs``
+    dense model (which counts one head's pairs): tile counts are summed over heads, so each head's tile
+    weighs 1 / num_heads of its pairs."""
+    return SparseCoefficients(block * block / num_heads, block * chunk / num_heads, 0.0, 0.0, 0.0, 0.0,
+                              source="pairs of one head: B x B per slash tile, B x chunk per bar tile, / heads")
 
 
 class LayerMixCost:
@@ -290,7 +292,8 @@ class SparsePrior:
     A step's plan is made before its forward pass estimates the patterns, so cad
     balances :meth:`SparseCost.uniform` tile counts: per (sparse document, head),
     the local band plus ``diagonals`` block diagonals, the sinks plus
-    ``verticals`` columns. Both start from the caps and then follow the patterns
+    ``verticals`` columns. They start from the caps (diagonals: the slash cap in
+    blocks; verticals: half the column cap) and then follow the patterns
     actually estimated (:meth:`update` with the step's ``SparseStats`` sums, an
     exponential average with weight ``smoothing`` on the newest step). What this
     misses is how pattern size varies between documents: it is the same for all of
@@ -298,13 +301,19 @@ class SparsePrior:
     dense (short) documents keep the dense model's quadratic cost.
     """
 
-    def __init__(self, config, num_heads: int, n_layers: int, smoothing: float = 0.5):
-        self.config, self.num_heads, self.smoothing = config, int(num_heads), float(smoothing)
+    def __init__(self, config, num_heads: int, head_dim: int, n_layers: int, smoothing: float = 0.5):
+        self.config, self.num_heads, self.head_dim, self.smoothing = config, int(num_heads), int(head_dim), float(smoothing)
         self.dense_layers = min(config.dense_layers, n_layers)
         self.sparse_layers = n_layers - self.dense_layers
         self.local_blocks = -(-(config.local_window - 1) // config.block) + 1  # diagonals of offsets < window
         self.diagonals = float(config.slash_cap) / config.block
         self.verticals = float(max(config.vertical_cap - config.sink_tokens, 0)) / 2
+
+    def state_dict(self) -> dict:
+        return {"diagonals": float(self.diagonals), "verticals": float(self.verticals)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.diagonals, self.verticals = float(state["diagonals"]), float(state["verticals"])
 
     def update(self, sparse_heads: float, diagonals: float, verticals: float) -> None:
         """Fold in one step's sums over its sparse (document, head) pairs (all layers, all ranks)."""
@@ -320,9 +329,17 @@ class SparsePrior:
         """The planning cost of a batch with these document lengths, in ``dense_model``'s unit."""
         cfg = self.config
         if getattr(dense_model, "unit", None) == "s":
-            coefficients = H200_MEASURED
+            # Both models in seconds for this model's heads: the dense table scaled from the
+            # shape it was measured with, the sparse kernels' per-(tile, head) cost by head_dim
+            # from the 128 they were measured with.
+            if hasattr(dense_model, "scaled_to"):
+                dense_model = dense_model.scaled_to(self.num_heads, self.head_dim)
+            f = self.head_dim / 128
+            c = H200_MEASURED
+            coefficients = SparseCoefficients(c.fwd_slash * f, c.fwd_bar * f, c.fwd_task, c.bwd_slash * f,
+                                              c.bwd_bar * f, c.bwd_task, source=f"{c.source}, x {f:g} for head_dim")
         else:
-            coefficients = pairs_coefficients(cfg.block, cfg.vertical_chunk)
+            coefficients = pairs_coefficients(cfg.block, cfg.vertical_chunk, self.num_heads)
         sparse = SparseCost.uniform(doc_len, self.num_heads, int(round(self.diagonals)), int(round(self.verticals)),
                                     block=cfg.block, chunk=cfg.vertical_chunk, local_blocks=self.local_blocks,
                                     sinks=cfg.sink_tokens, min_doc_len=cfg.min_doc_len, coefficients=coefficients)

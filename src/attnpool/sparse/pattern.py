@@ -544,75 +544,88 @@ def _vertical_capacity(L: np.ndarray, config: SparseConfig) -> np.ndarray:
     return np.where(L < config.min_doc_len, 0, cap)
 
 
-def _pack_index(doc_lens: np.ndarray, H: int, config: SparseConfig):
-    """For each packed word of documents with these lengths, in order: (part, h, slot within the doc).
+@dataclass(frozen=True, eq=False)
+class PackLayout:
+    """Where each word of a packed buffer of documents with known lengths comes from and goes to.
 
-    Per document: [diagonal flags h-major | vertical columns h-major | counts]."""
-    L = np.asarray(doc_lens, dtype=np.int64)
-    nb = -(-L // config.block)
-    vc = _vertical_capacity(L, config)
-    parts = []
-    for kind, width in ((0, nb), (1, vc), (2, np.ones_like(nb))):
-        n = H * width
-        word = ranges(np.zeros_like(n), n)  # position inside this part of its document
-        doc = np.repeat(np.arange(len(L)), n)
-        w = np.maximum(width[doc], 1)
-        parts.append((kind, doc, word // w, word % w))
-    return parts, nb, vc
+    Per document: [diagonal flags h-major | vertical columns h-major | counts], ``packed_sizes``
+    words. Built once on the host from the lengths (e.g. once per plan) and kept on the device,
+    so that packing and unpacking per layer is gathers and scatters only: no host-to-device
+    copy, which would synchronise the host with the GPU.
+    """
+
+    doc_lens: np.ndarray
+    num_heads: int
+    config: SparseConfig
+    parts: tuple  # per kind (flags, columns, counts): (h, doc, slot) device tensors of its words, in buffer order
+    order: torch.Tensor  # buffer position -> position in cat(flags words, column words, count words)
+    sources: tuple  # per kind: the buffer positions of its words (for unpacking)
+    blk_off: torch.Tensor  # the unpacked pattern's offsets, lengths and dense flags
+    vert_off: torch.Tensor
+    lens: torch.Tensor
+    dense: torch.Tensor
+    num_words: int  # of the buffer
+    num_blocks: int  # block diagonals and vertical slots of the unpacked pattern, per head
+    num_vert_slots: int
+
+    @classmethod
+    def build(cls, doc_lens, num_heads: int, config: SparseConfig, device) -> "PackLayout":
+        L = np.asarray(doc_lens, dtype=np.int64)
+        H = num_heads
+        nb = -(-L // config.block)
+        widths = (nb, _vertical_capacity(L, config), np.ones_like(nb))
+        sizes = np.stack([H * w for w in widths], 1)  # (D, 3) words per document and kind
+        start = np.concatenate([[0], np.cumsum(sizes.sum(1))])[:-1]
+        dev = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64).to(device)
+        parts, sources, kind_of_word = [], [], []
+        for kind, width in enumerate(widths):
+            n = H * width
+            word = ranges(np.zeros_like(n), n)  # position inside this kind's part of its document
+            doc = np.repeat(np.arange(len(L)), n)
+            w = np.maximum(width[doc], 1)
+            parts.append(tuple(dev(x) for x in (word // w, doc, word % w)))
+            sources.append(dev(start[doc] + sizes[doc, :kind].sum(1) + word))
+            kind_of_word.append(np.repeat(np.arange(len(L)) * 3 + kind, n))
+        order = np.argsort(np.concatenate(kind_of_word), kind="stable")
+        return cls(L, H, config, tuple(parts), dev(order), tuple(sources),
+                   dev(np.concatenate([[0], np.cumsum(nb)])), dev(np.concatenate([[0], np.cumsum(widths[1])])),
+                   dev(L), torch.as_tensor(L < config.min_doc_len).to(device), int(sizes.sum()), int(nb.sum()),
+                   int(widths[1].sum()))
+
+    def pack(self, pattern: VerticalSlashPattern, docs: torch.Tensor) -> torch.Tensor:
+        """The rows of documents ``docs`` (device indices into ``pattern``, one per layout document)."""
+        blk0, vert0 = pattern.blk_off[docs], pattern.vert_off[docs]
+        (fh, fd, fs), (vh, vd, vs), (ch, cd, _) = self.parts
+        words = torch.cat([pattern.slash[fh, blk0[fd] + fs].to(torch.int32),
+                           pattern.vert[vh, vert0[vd] + vs].to(torch.int32),
+                           pattern.n_vert[docs[cd], ch].to(torch.int32)])
+        return words[self.order]
+
+    def unpack(self, buffer: torch.Tensor) -> VerticalSlashPattern:
+        H, D, dev = self.num_heads, len(self.doc_lens), buffer.device
+        slash = torch.zeros(H, self.num_blocks, dtype=torch.bool, device=dev)
+        vert = torch.zeros(H, self.num_vert_slots, dtype=torch.int64, device=dev)
+        n_vert = torch.zeros(D, H, dtype=torch.int64, device=dev)
+        (fh, fd, fs), (vh, vd, vs), (ch, cd, _) = self.parts
+        flags, cols, counts = (buffer[src] for src in self.sources)
+        slash[fh, self.blk_off[fd] + fs] = flags != 0
+        vert[vh, self.vert_off[vd] + vs] = cols.to(torch.int64)
+        n_vert[cd, ch] = counts.to(torch.int64)
+        return VerticalSlashPattern(self.config.block, self.lens, self.blk_off, slash, self.vert_off, vert, n_vert,
+                                    self.dense)
 
 
 def pack_pattern(pattern: VerticalSlashPattern, docs, doc_lens, config: SparseConfig) -> torch.Tensor:
     """Pattern rows of documents ``docs`` (indices into ``pattern``, host ints) as one int32 buffer.
 
-    ``doc_lens`` are those documents' lengths on the host (the plan knows them), so
-    sizes and index maps need no device read. Per document the buffer holds
-    ``packed_sizes`` words; concatenated in the order of ``docs``.
+    ``doc_lens`` are those documents' lengths on the host (the plan knows them). Per
+    document the buffer holds ``packed_sizes`` words; concatenated in the order of
+    ``docs``. To pack the same documents every layer, build a :class:`PackLayout` once.
     """
-    docs = np.asarray(docs, dtype=np.int64)
-    H = pattern.num_heads
-    parts, nb, vc = _pack_index(doc_lens, H, config)
-    dev = pattern.device
-    d_t = torch.as_tensor(docs, device=dev)
-    blk0, vert0 = pattern.blk_off[d_t], pattern.vert_off[d_t]
-    pieces = []
-    for kind, doc, h, slot in parts:
-        doc_t, h_t, slot_t = (torch.as_tensor(x, device=dev) for x in (doc, h, slot))
-        if kind == 0:
-            pieces.append(pattern.slash[h_t, blk0[doc_t] + slot_t].to(torch.int32))
-        elif kind == 1:
-            pieces.append(pattern.vert[h_t, vert0[doc_t] + slot_t].to(torch.int32))
-        else:
-            pieces.append(pattern.n_vert[d_t[doc_t], h_t].to(torch.int32))
-    # Interleave per document: [flags, columns, counts] of doc 0, then doc 1, ...
-    sizes = np.stack([H * nb, H * vc, np.full_like(nb, H)], 1)
-    order = np.argsort(np.concatenate([np.repeat(np.arange(len(docs)) * 3 + k, sizes[:, k]) for k in range(3)]),
-                       kind="stable")
-    return torch.cat(pieces)[torch.as_tensor(order, device=dev)]
+    layout = PackLayout.build(doc_lens, pattern.num_heads, config, pattern.device)
+    return layout.pack(pattern, torch.as_tensor(np.asarray(docs, dtype=np.int64)).to(pattern.device))
 
 
 def unpack_patterns(buffer: torch.Tensor, doc_lens, num_heads: int, config: SparseConfig) -> VerticalSlashPattern:
     """Inverse of :func:`pack_pattern` over a concatenation of packed documents."""
-    L = np.asarray(doc_lens, dtype=np.int64)
-    H = num_heads
-    dev = buffer.device
-    parts, nb, vc = _pack_index(L, H, config)
-    sizes = np.stack([H * nb, H * vc, np.full_like(nb, H)], 1)
-    start = np.concatenate([[0], np.cumsum(sizes.sum(1))])[:-1]
-    blk_off = np.concatenate([[0], np.cumsum(nb)])
-    vert_off = np.concatenate([[0], np.cumsum(vc)])
-    slash = torch.zeros(H, int(blk_off[-1]), dtype=torch.bool, device=dev)
-    vert = torch.zeros(H, int(vert_off[-1]), dtype=torch.int64, device=dev)
-    n_vert = torch.zeros(len(L), H, dtype=torch.int64, device=dev)
-    for kind, doc, h, slot in parts:
-        src = start[doc] + sizes[doc, :kind].sum(1) + h * ([nb, vc, np.ones_like(nb)][kind][doc]) + slot
-        values = buffer[torch.as_tensor(src, device=dev)]
-        h_t, doc_t, slot_t = (torch.as_tensor(x, device=dev) for x in (h, doc, slot))
-        if kind == 0:
-            slash[h_t, torch.as_tensor(blk_off[doc], device=dev) + slot_t] = values != 0
-        elif kind == 1:
-            vert[h_t, torch.as_tensor(vert_off[doc], device=dev) + slot_t] = values.to(torch.int64)
-        else:
-            n_vert[doc_t, h_t] = values.to(torch.int64)
-    as_t = lambda x: torch.as_tensor(x, dtype=torch.int64, device=dev)
-    return VerticalSlashPattern(config.block, as_t(L), as_t(blk_off), slash, as_t(vert_off), vert, n_vert,
-                                torch.as_tensor(L < config.min_doc_len, device=dev))
+    return PackLayout.build(doc_lens, num_heads, config, buffer.device).unpack(buffer)

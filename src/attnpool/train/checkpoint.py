@@ -87,18 +87,24 @@ def check_compatible(path: str, model_config: ModelConfig) -> None:
     raise ConfigError("resume", path, f"the checkpoint is of another model shape: {detail}")
 
 
-def save_checkpoint(path: str, model, optimizer, scheduler, stream, step: int) -> None:
-    """Write a checkpoint from every rank (a collective: call it on all ranks)."""
+def save_checkpoint(path: str, model, optimizer, scheduler, stream, step: int, extra: dict | None = None) -> None:
+    """Write a checkpoint from every rank (a collective: call it on all ranks).
+
+    ``extra``: more state by name, each an object with ``state_dict()`` (e.g. the sparse planning prior)."""
     rank = dist.get_rank()
     model_state, optim_state = get_state_dict(model, optimizer)
     device = next(model.parameters()).device
     state = {"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict(),
              "data": stream.state_dict(), "step": step, _rng_key(rank): _rng_state(device)}
+    state.update({name: obj.state_dict() for name, obj in (extra or {}).items()})
     dcp.save(state, checkpoint_id=path)
 
 
-def load_checkpoint(path: str, model, optimizer, scheduler, stream) -> int:
-    """Restore everything :func:`save_checkpoint` wrote; returns the step it was taken after."""
+def load_checkpoint(path: str, model, optimizer, scheduler, stream, extra: dict | None = None) -> int:
+    """Restore everything :func:`save_checkpoint` wrote; returns the step it was taken after.
+
+    Each ``extra`` object the checkpoint holds state for gets ``load_state_dict``; one it
+    holds none for (a checkpoint of a run without it) keeps its fresh state."""
     rank = dist.get_rank()
     model_state, optim_state = get_state_dict(model, optimizer)
     device = next(model.parameters()).device
@@ -110,7 +116,11 @@ def load_checkpoint(path: str, model, optimizer, scheduler, stream) -> int:
     has_rng = any(k.startswith(_rng_key(rank) + ".") for k in keys)
     if has_rng:
         state[_rng_key(rank)] = _rng_state(device)
+    saved_extra = {name: obj for name, obj in (extra or {}).items() if any(k.startswith(name + ".") for k in keys)}
+    state.update({name: obj.state_dict() for name, obj in saved_extra.items()})
     dcp.load(state, checkpoint_id=path)
+    for name, obj in saved_extra.items():
+        obj.load_state_dict(state[name])
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(state["scheduler"])
     stream.load_state_dict(state["data"])

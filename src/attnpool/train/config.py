@@ -135,6 +135,8 @@ class TrainConfig:
     def sparse_config(self) -> SparseConfig | None:
         """The SparseConfig of ``--sparse`` and its options, or None for dense attention."""
         if self.sparse == "none":
+            SparseConfig(mode="none", coverage=self.sparse_coverage, min_doc_len=self.sparse_min_doc_len,
+                         dense_layers=self.dense_layers)  # still refuses bad values
             return None
         allowed = ("vertical_cap", "slash_cap", "last_queries", "sink_tokens", "local_window", "block",
                    "vertical_chunk")

@@ -315,14 +315,15 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
     optimizer = build_optimizer(model, config)
     scheduler = build_scheduler(optimizer, config)
     stream = DocumentStream(setup.source, world, config.tokens_per_rank, config.seed, config.max_doc_len)
+    sparse = config.sparse_config()
+    prior = SparsePrior(sparse, model_cfg.n_heads, model_cfg.head_dim, model_cfg.n_layers) if sparse else None
+    extra_state = {"sparse_prior": prior} if prior else {}
     step = 0
     if setup.resume_from is not None:
-        step = load_checkpoint(setup.resume_from, model, optimizer, scheduler, stream)
+        step = load_checkpoint(setup.resume_from, model, optimizer, scheduler, stream, extra_state)
     start_step, last_step = step, config.stop_at or config.steps
     shape = AttentionShape(model_cfg.n_heads, model_cfg.n_kv_heads, model_cfg.head_dim, 2 if bf16 else 4)
     attention_kwargs = {"backend": config.kernel} if config.kernel else {}
-    sparse = config.sparse_config()
-    prior = SparsePrior(sparse, model_cfg.n_heads, model_cfg.n_layers) if sparse else None
 
     if rank == 0:
         os.makedirs(config.out, exist_ok=True)
@@ -398,7 +399,7 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
                 on_step()
             every = config.checkpoint_every
             if every >= 0 and (step == last_step or (every and step % every == 0)):
-                save_checkpoint(checkpoint_path(config.out, step), model, optimizer, scheduler, stream, step)
+                save_checkpoint(checkpoint_path(config.out, step), model, optimizer, scheduler, stream, step, extra_state)
     comm_stats.timing = False
 
     summary = None

@@ -27,6 +27,12 @@ from attnpool.plan.documents import ranges
 from attnpool.plan.plan import Plan
 
 
+def index_tensor(a, device, dtype=torch.int64) -> torch.Tensor:
+    """A host-built index array on ``device``: built once per plan, never per layer (a host-to-device
+    copy per layer would synchronise the host with the GPU)."""
+    return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype).to(device)
+
+
 def _splits(owner: np.ndarray, lengths: np.ndarray, world: int) -> list[int]:
     return np.bincount(owner, weights=lengths, minlength=world).astype(np.int64).tolist()
 
@@ -110,7 +116,7 @@ class DispatchLayout:
         cu_k = np.r_[0, np.cumsum(end[mine])]
 
         def dev(a, dtype=torch.int64):
-            return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype).to(device)
+            return index_tensor(a, device, dtype)
 
         return cls(
             rank=rank, world=W, num_tokens=int(t.tokens_per_rank[rank]), any_traffic=not plan.is_fully_local(),

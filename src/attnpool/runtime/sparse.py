@@ -33,6 +33,7 @@ from attnpool.kernels import sparse as sparse_kernels
 from attnpool.kernels.base import Backend
 from attnpool.plan.documents import ranges
 from attnpool.plan.plan import Plan
+from attnpool.runtime.dispatch import index_tensor
 from attnpool.sparse import SparseConfig, VerticalSlashPattern, estimate_vertical_slash, packed_sizes
 from attnpool.sparse.pattern import PackLayout
 
@@ -122,7 +123,7 @@ class PatternRoutes:
             served_words = ranges(start, words[served])
 
         def dev(a, dtype=torch.int64):
-            return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype).to(device)
+            return index_tensor(a, device, dtype)
 
         is_sparse = sparse_doc[doc[mine]]
         dense_here = np.flatnonzero(~sparse_doc & (est_server == rank))
@@ -166,7 +167,7 @@ class SegmentRows:
         n, end = n[keep], end[keep]
 
         def dev(a, dtype=torch.int64):
-            return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype).to(device)
+            return index_tensor(a, device, dtype)
 
         return cls(dev(ranges(q_start[keep], n)), dev(ranges(k_start[keep], end)),
                    dev(np.r_[0, np.cumsum(n)], torch.int32), dev(np.r_[0, np.cumsum(end)], torch.int32),

@@ -314,13 +314,19 @@ class CoreAttention:
     first call and reused by later calls with the same ``layer`` -- the recompute of
     activation checkpointing, so that backward runs with the forward's patterns --
     so make one CoreAttention per forward and backward pass, as the training loop does.
+    ``pattern_group``: the group (of the same ranks, in the same order) for the sparse
+    exchanges; with ping-pong give them one of their own (see __init__).
     """
 
     def __init__(self, plan: Plan, group=None, *, backend: str | Backend | None = None, scale: float | None = None,
-                 sparse: SparseConfig | None = None, sparse_stats: SparseStats | None = None):
+                 sparse: SparseConfig | None = None, sparse_stats: SparseStats | None = None, pattern_group=None):
         self.plan, self.group, self.backend, self.scale = plan, group, backend, scale
         self.sparse = sparse if sparse is not None and sparse.enabled else None
         self.sparse_stats = sparse_stats
+        # The sparse exchanges (a few queries, packed patterns) happen inside compute. On the
+        # group of the Q/KV/O traffic they would queue behind the other nano-batch's dispatch
+        # (one NCCL communicator runs in order); a group of the same ranks of their own does not.
+        self.pattern_group = group if pattern_group is None else pattern_group
         self._serving = {}  # layer -> its SparseServing, whose patterns a recompute reuses
 
     def __call__(self, q, k, v, *, layer: int | None = None):
@@ -346,8 +352,8 @@ class CoreAttention:
         if self.sparse is not None and (layer is None or self.sparse.is_sparse_layer(layer)):
             serving = self._serving.get(layer)
             if serving is None:
-                serving = SparseServing(self.plan, group_rank_size(self.group)[0], self.sparse, dense, self.group,
-                                        self.sparse_stats)
+                serving = SparseServing(self.plan, group_rank_size(self.group)[0], self.sparse, dense,
+                                        self.pattern_group, self.sparse_stats)
                 if layer is not None:
                     self._serving[layer] = serving
             return serving

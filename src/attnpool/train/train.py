@@ -318,6 +318,8 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
     sparse = config.sparse_config()
     prior = SparsePrior(sparse, model_cfg.n_heads, model_cfg.head_dim, model_cfg.n_layers) if sparse else None
     extra_state = {"sparse_prior": prior} if prior else {}
+    # With ping-pong, the sparse exchanges get a communicator of their own (CoreAttention.pattern_group).
+    pattern_group = dist.new_group(list(range(world))) if sparse and config.pingpong else None
     step = 0
     if setup.resume_from is not None:
         step = load_checkpoint(setup.resume_from, model, optimizer, scheduler, stream, extra_state)
@@ -354,7 +356,8 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
             tensors = [nano.rank_batch(p.plan.pieces, rank).to_torch(device) for nano, p in zip(nanos, plans)]
             comm_stats.reset()
             stats = SparseStats()
-            attentions = [CoreAttention(p.plan, sparse=sparse, sparse_stats=stats, **attention_kwargs) for p in plans]
+            attentions = [CoreAttention(p.plan, sparse=sparse, sparse_stats=stats, pattern_group=pattern_group,
+                                        **attention_kwargs) for p in plans]
             # Interleaved phases (ping-pong) leave core attention no wall time of its own to measure.
             timer = AttentionTimer(attentions[0], device) if len(nanos) == 1 else None
             attentions = [timer] if timer else attentions

@@ -18,6 +18,7 @@ sender and its receiver agree without talking:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,7 +28,7 @@ from attnpool.plan.documents import ranges
 from attnpool.plan.plan import Plan
 
 
-def index_tensor(a, device, dtype=torch.int64) -> torch.Tensor:
+def index_tensor(a, dtype=torch.int64, *, device) -> torch.Tensor:
     """A host-built index array on ``device``: built once per plan, never per layer (a host-to-device
     copy per layer would synchronise the host with the GPU)."""
     return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype).to(device)
@@ -115,8 +116,7 @@ class DispatchLayout:
         cu_q = np.r_[0, np.cumsum(n[mine])]
         cu_k = np.r_[0, np.cumsum(end[mine])]
 
-        def dev(a, dtype=torch.int64):
-            return index_tensor(a, device, dtype)
+        dev = functools.partial(index_tensor, device=device)
 
         return cls(
             rank=rank, world=W, num_tokens=int(t.tokens_per_rank[rank]), any_traffic=not plan.is_fully_local(),

@@ -23,6 +23,7 @@ for its backward, so backward reuses the forward's patterns.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -122,8 +123,7 @@ class PatternRoutes:
             start = np.where(est_server[served] == rank, own_off[served], recv_off[served])
             served_words = ranges(start, words[served])
 
-        def dev(a, dtype=torch.int64):
-            return index_tensor(a, device, dtype)
+        dev = functools.partial(index_tensor, device=device)
 
         is_sparse = sparse_doc[doc[mine]]
         dense_here = np.flatnonzero(~sparse_doc & (est_server == rank))
@@ -166,8 +166,7 @@ class SegmentRows:
         q_start, k_start = np.cumsum(n) - n, np.cumsum(end) - end
         n, end = n[keep], end[keep]
 
-        def dev(a, dtype=torch.int64):
-            return index_tensor(a, device, dtype)
+        dev = functools.partial(index_tensor, device=device)
 
         return cls(dev(ranges(q_start[keep], n)), dev(ranges(k_start[keep], end)),
                    dev(np.r_[0, np.cumsum(n)], torch.int32), dev(np.r_[0, np.cumsum(end)], torch.int32),

@@ -24,5 +24,20 @@ case "${1:-}" in
       --warmup 2 --steps 5 --trace cad+sparse --budget-s 420 ;;
   pretrain64)
     bench pretrain64 --configs pretrain:64K --warmup 3 --steps 10 --trace cad+pingpong --budget-s 430 ;;
-  *) echo "usage: bash bench/gpu_e2e.sh smoke|prolong128|prolong256|pretrain64" >&2; exit 2 ;;
+  # The rest of issue 6's matrix, each phase sized to fit one 10-minute call.
+  prolong64)
+    bench prolong64 --configs prolong:64K --warmup 3 --steps 10 --budget-s 450 ;;
+  pretrain128)
+    bench pretrain128 --configs pretrain:128K --warmup 3 --steps 10 --budget-s 480 ;;
+  pretrain256)
+    bench pretrain256 --configs pretrain:256K --strategies local,percp,cad+pingpong --warmup 3 --steps 10 \
+      --budget-s 500 ;;
+  prolong256-baselines)  # 256K at the full 3 + 10 steps, with the baselines the first 256K run lacked
+    bench prolong256-baselines --configs prolong:256K --strategies local,wlb,percp,cad+pingpong --warmup 3 \
+      --steps 10 --budget-s 520 ;;
+  prolong256-sparse-pingpong)  # the sparse exchanges on their own communicator under ping-pong, never timed yet
+    bench prolong256-sparse-pingpong --configs prolong:256K --strategies cad+sparse,cad+pingpong+sparse \
+      --sparse-args slash_cap=192,vertical_cap=1024 --warmup 2 --steps 5 --budget-s 420 ;;
+  *) phases="smoke|prolong128|prolong256|pretrain64|prolong64|pretrain128|pretrain256|prolong256-baselines"
+     echo "usage: bash bench/gpu_e2e.sh $phases|prolong256-sparse-pingpong" >&2; exit 2 ;;
 esac

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import tempfile
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from attnpool.comm import end_process, process_group
 
 
 def _free_port() -> int:
@@ -22,12 +24,11 @@ def _entry(rank, world, port, fn, args, outdir):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
+    faulthandler.enable(all_threads=True)  # a native abort in a rank prints every thread's Python stack
     # A short timeout turns a rank left waiting into a test failure instead of a hang.
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
+    with process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60)):
         torch.save(fn(rank, world, *args), os.path.join(outdir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    end_process(0)  # as the training processes do (attnpool.comm.process); an exception still reaches mp.spawn
 
 
 def run_distributed(fn, world: int, *args) -> list:

@@ -199,3 +199,13 @@ def test_bad_input_fails_on_every_rank(kind, needle):
     messages = run_distributed(bad_input_worker, 2, kind)
     for msg in messages:
         assert msg is not None and needle in msg, messages
+
+
+def test_end_process_flushes_and_exits_with_the_code():
+    """Ranks leave through end_process (attnpool.comm.process): what they printed must still arrive."""
+    import subprocess
+    import sys
+
+    code = "from attnpool.comm import end_process; print('rank done', end=''); end_process(3)"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 3 and p.stdout == "rank done", (p.returncode, p.stdout, p.stderr)

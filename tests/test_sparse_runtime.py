@@ -182,3 +182,24 @@ def test_recompute_reuses_the_forward_patterns():
         assert plain[3] == recomputed[3] == 1  # one pattern exchange, not a second one in the recompute
         for a, b in zip(plain[:3], recomputed[:3]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def mismatched_options_worker(rank, world):
+    """Rank 1 asks for a different coverage: the exchanges would be sized differently on each rank."""
+    from dataclasses import replace
+
+    from attnpool.errors import ConfigError
+
+    pieces = make_cases(world)[0][1]
+    q, k, v, _ = (local_rows(global_inputs(pieces), pieces[rank], i) for i in range(4))
+    config = CONFIG if rank == 0 else replace(CONFIG, coverage=0.8)
+    try:
+        CoreAttention(plans(pieces)["cad"], sparse=config)(q, k, v, layer=0)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_mismatched_sparse_options_fail_on_every_rank():
+    for message in run_distributed(mismatched_options_worker, 2):
+        assert message is not None and "different plans or sparse options" in message, message

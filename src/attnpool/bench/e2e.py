@@ -36,6 +36,7 @@ from importlib import resources
 import torch
 import torch.distributed as dist
 
+from attnpool.comm import process_group
 from attnpool.comm.all_to_all import tiny_messages
 from attnpool.data.lengths import DISTRIBUTIONS
 from attnpool.errors import ConfigError
@@ -218,7 +219,12 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
 def run(args: argparse.Namespace) -> int:
     configs, strategies = check_arguments(args)
     cuda = args.device == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo")
+    with process_group("nccl" if cuda else "gloo"):
+        _run_all(args, configs, strategies, cuda)
+    return 0
+
+
+def _run_all(args: argparse.Namespace, configs: list, strategies: list, cuda: bool) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -256,10 +262,6 @@ def run(args: argparse.Namespace) -> int:
     if rank == 0:
         finish(records, skipped, args, world, cfg)
     shutil.rmtree(work_dir, ignore_errors=True)
-    dist.destroy_process_group()
-    return 0
-
-
 def finish(records, skipped, args, world, cfg):
     by_config = {}
     for r in records:

@@ -431,16 +431,13 @@ def run_profile(opts: ProfileOptions, parts: tuple = ("attention", "linear", "co
     device = torch.device("cuda", local)
     comm = None
     if world > 1:
-        import torch.distributed as dist
+        from attnpool.comm import process_group
 
-        dist.init_process_group("nccl", device_id=device)
-        try:
+        with process_group("nccl", device_id=device):
             if "comm" in parts:
                 if rank == 0:
                     log(f"collectives on {world} GPUs ...")
                 comm = measure_collectives(device, opts)
-        finally:
-            dist.destroy_process_group()
         if rank != 0:
             return None
     elif "comm" in parts:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from attnpool.comm import end_process, opened_process_group
 from attnpool.errors import ConfigError
 
 
@@ -34,5 +35,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The ``attnpool`` command (console script and ``python -m attnpool.cli.main``)."""
+    code = main()
+    if opened_process_group():
+        end_process(code)  # see attnpool.comm.process
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

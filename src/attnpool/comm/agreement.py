@@ -27,8 +27,11 @@ def _encode(fingerprint_hex: str, problem: str | None) -> torch.Tensor:
     return torch.frombuffer(rec, dtype=torch.uint8).clone()
 
 
-def agree_on_plan(fingerprint_hex: str, problem: str | None, group=None, device=None) -> None:
-    """All-gather (fingerprint, local problem) and raise ConfigError on every rank if anything is off."""
+def agree_on_plan(fingerprint_hex: str, problem: str | None, group=None, device=None, *,
+                  subject: str = "plans") -> None:
+    """All-gather (fingerprint, local problem) and raise ConfigError on every rank if anything is off.
+
+    ``subject`` names what the fingerprint covers, for the error message."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
         if problem:
             raise ConfigError("core_attention", "rank 0", problem)
@@ -47,4 +50,4 @@ def agree_on_plan(fingerprint_hex: str, problem: str | None, group=None, device=
         raise ConfigError("core_attention", f"{len(errors)} rank(s)", "; ".join(errors))
     if len(prints) > 1:
         raise ConfigError("plan", "fingerprints differ",
-                          f"ranks hold {len(prints)} different plans; every rank must plan the same batch with the same options")
+                          f"ranks hold {len(prints)} different {subject}; every rank must plan the same batch with the same options")

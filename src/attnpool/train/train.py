@@ -30,7 +30,6 @@ import math
 import os
 import pickle
 import socket
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from attnpool.comm import all_gather_flat, comm_stats
+from attnpool.comm import all_gather_flat, comm_stats, end_process, process_group
 from attnpool.data import DocumentStream, GlobalBatch, RankTensors, make_source
 from attnpool.errors import ConfigError
 from attnpool.model import ModelConfig, Transformer, apply_activation_checkpointing, model_config
@@ -447,12 +446,9 @@ def _run_rank(config: TrainConfig, rank: int, world: int, init_method: str | Non
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=timedelta(minutes=10), device_id=device if device.type == "cuda" else None)
-    try:
+    with process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timedelta(minutes=10),
+                       device_id=device if device.type == "cuda" else None):
         train(config)
-    finally:
-        dist.destroy_process_group()
 
 
 def _spawned(index: int, config: TrainConfig, world: int, init_method: str, errors_dir: str) -> None:
@@ -464,7 +460,8 @@ def _spawned(index: int, config: TrainConfig, world: int, init_method: str, erro
         with open(os.path.join(errors_dir, f"{index}.tmp"), "wb") as fh:
             pickle.dump(_portable(exc), fh)
         os.replace(os.path.join(errors_dir, f"{index}.tmp"), os.path.join(errors_dir, f"{index}.err"))
-        sys.exit(2)
+        end_process(2)
+    end_process(0)  # see attnpool.comm.process: no interpreter teardown with a group still referenced
 
 
 def _first_error(errors_dir: str) -> ConfigError | None:

@@ -62,7 +62,7 @@ def rope_like(lengths, n_q, n_kv, dim, seed=0, dtype=torch.float64):
     (dict(vertical_cap=0), "sparse_vertical_cap"), (dict(slash_cap=-3), "sparse_slash_cap"),
     (dict(min_doc_len=-1), "sparse_min_doc_len"), (dict(dense_layers=-1), "dense_layers"),
     (dict(mode="block"), "sparse"), (dict(block=100), "sparse_block"), (dict(last_queries=0), "sparse_last_queries"),
-    (dict(sink_tokens=5000), "sparse_sink_tokens"),
+    (dict(sink_tokens=5000), "sparse_sink_tokens"), (dict(kv_transfer="blocks"), "sparse_kv_transfer"),
 ])
 def test_config_errors(kw, field):
     with pytest.raises(ConfigError) as err:
@@ -103,6 +103,25 @@ def test_mask_matches_definition():
         diag, cols = pat.doc_lists(doc)
         for h in range(2):
             assert torch.equal(m[h], brute_mask(diag[h], cols[h], q_len, k_len, B)), (doc, q_len, k_len, h)
+
+
+def test_keys_read_is_the_union_of_the_attended_sets():
+    """What kv_transfer="read" sends a task: every key some head attends from some of its queries."""
+    g = torch.Generator().manual_seed(1)
+    lens = [300, 77, 513, 16]
+    pat = VerticalSlashPattern.random(lens, 3, B, n_slash=2, n_vertical=5, generator=g)
+    doc, q_first, q_last, key, want = [], [], [], [], []
+    for d, L in enumerate(lens):
+        for _ in range(6):
+            a = int(torch.randint(0, L, (1,), generator=g))
+            b = int(torch.randint(a + 1, L + 1, (1,), generator=g))
+            read = pat.mask(d, b - a, b).any(0).any(0)  # queries [a, b) over keys [0, b)
+            for c in range(b):
+                doc.append(d), q_first.append(a), q_last.append(b - 1), key.append(c), want.append(bool(read[c]))
+    t = torch.tensor
+    got = pat.keys_read(t(doc), t(q_first), t(q_last), t(key), sum(lens))
+    assert torch.equal(got, t(want))
+    assert 0.3 < float(t(want).float().mean()) < 0.95  # neither nothing nor everything is read
 
 
 def test_full_pattern_is_causal_attention():

@@ -9,6 +9,8 @@ whichever server estimated.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,7 @@ from attnpool.comm import comm_stats
 from attnpool.plan import linear_layout
 from attnpool.runtime import CoreAttention
 from attnpool.runtime.sparse import PatternRoutes, SparseStats
+from attnpool.runtime.sparse_kv import withheld_segments
 from attnpool.sparse import SparseConfig, estimate_vertical_slash
 from dist_harness import run_distributed
 from test_runtime import local_rows, rel_err
@@ -68,20 +71,23 @@ def worker(rank, world):
 
 
 def run_case(rank, pieces):
+    """Per strategy (kv_transfer "prefix") and per "strategy/read" (kv_transfer "read")."""
     data = global_inputs(pieces)
     results = {}
     for strategy, plan in plans(pieces).items():
-        q, k, v, dout = (local_rows(data, pieces[rank], i) for i in range(4))
-        for t in (q, k, v):
-            t.requires_grad_(True)
-        stats = SparseStats()
-        comm_stats.reset()
-        attention = CoreAttention(plan, sparse=CONFIG, sparse_stats=stats)
-        out = attention(q, k, v, layer=0)
-        out.backward(dout)
-        results[strategy] = dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad, stats=stats.values(),
-                                 pattern_bytes=comm_stats.by_tag.get("sparse_pattern", [0, 0, 0])[1],
-                                 query_bytes=comm_stats.by_tag.get("sparse_queries", [0, 0, 0])[1])
+        for transfer in ("prefix", "read"):
+            q, k, v, dout = (local_rows(data, pieces[rank], i) for i in range(4))
+            for t in (q, k, v):
+                t.requires_grad_(True)
+            stats = SparseStats()
+            comm_stats.reset()
+            attention = CoreAttention(plan, sparse=replace(CONFIG, kv_transfer=transfer), sparse_stats=stats)
+            out = attention(q, k, v, layer=0)
+            out.backward(dout)
+            sent = {tag: v[1] for tag, v in comm_stats.by_tag.items()}
+            results[strategy if transfer == "prefix" else f"{strategy}/read"] = dict(
+                out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad, stats=stats.values(), sent=sent,
+                pattern_bytes=sent.get("sparse_pattern", 0), query_bytes=sent.get("sparse_queries", 0))
     return results
 
 
@@ -116,7 +122,7 @@ def test_sparse_matches_masked_reference_every_strategy(world_results):
     world, results = world_results
     for case, pieces in make_cases(world):
         ref = reference(pieces)
-        for strategy in STRATEGIES:
+        for strategy in STRATEGIES + tuple(f"{s}/read" for s in STRATEGIES):
             for rank in range(world):
                 for name in ("out", "dq", "dk", "dv"):
                     if ref[rank][name].numel():
@@ -124,6 +130,55 @@ def test_sparse_matches_masked_reference_every_strategy(world_results):
                         assert err <= 1e-10, (world, case, strategy, rank, name, err)
     # The short tails made local's estimating servers fetch the queries they lack.
     assert all(results[r]["short-tails"]["local"]["query_bytes"] > 0 for r in range(world))
+
+
+def test_read_kv_transfer_withholds_where_documents_are_split(world_results):
+    """kv_transfer="read" computes the same function (above); it withholds KV only where a sparse
+    document has servers besides its estimating one."""
+    world, results = world_results
+    withheld_somewhere = False
+    for case, pieces in make_cases(world):
+        for strategy, plan in plans(pieces).items():
+            withheld = withheld_segments(plan, CONFIG).any()
+            read = [results[r][case][f"{strategy}/read"]["sent"] for r in range(world)]
+            assert any(s.get("sparse_kv_marks", 0) for s in read) == withheld, (case, strategy)
+            assert not withheld or strategy != "local"
+            withheld_somewhere |= withheld
+    assert withheld_somewhere
+
+
+def long_document_worker(rank, world):
+    """One 4096-token document over the ranks, small caps: per strategy and transfer, output,
+    gradients and bytes sent by tag."""
+    config = replace(CONFIG, vertical_cap=12, slash_cap=16, min_doc_len=1024)
+    pieces = linear_layout([4096, 300], world)
+    data = global_inputs(pieces)
+    results = {}
+    for strategy in ("percp", "cad"):
+        plan = plan_attention(pieces, strategy, cost_model="pairs", min_shard_tokens=256)
+        for transfer in ("prefix", "read"):
+            q, k, v, dout = (local_rows(data, pieces[rank], i).requires_grad_(i < 3) for i in range(4))
+            comm_stats.reset()
+            out = CoreAttention(plan, sparse=replace(config, kv_transfer=transfer))(q, k, v, layer=0)
+            out.backward(dout)
+            sent = {tag: v[1] for tag, v in comm_stats.by_tag.items()}
+            results[strategy, transfer] = (out.detach(), q.grad, k.grad, v.grad, sent)
+    return results
+
+
+def test_read_kv_transfer_moves_fewer_bytes_on_a_sparse_document():
+    per_rank = run_distributed(long_document_worker, 2)
+    for strategy in ("percp", "cad"):
+        for r in per_rank:
+            for a, b in zip(r[strategy, "prefix"][:4], r[strategy, "read"][:4]):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        # KV the read transfer withheld from the dispatch, and what it sent instead (rows read, marks).
+        withheld = sum(r[strategy, "prefix"][4]["dispatch"] - r[strategy, "read"][4]["dispatch"] for r in per_rank)
+        rows = sum(r[strategy, "read"][4]["sparse_kv"] for r in per_rank)
+        marks = sum(r[strategy, "read"][4]["sparse_kv_marks"] for r in per_rank)
+        assert 0 < rows <= withheld, (strategy, rows, withheld)
+        if strategy == "percp":  # its servers hold late shards, whose sparse rows read little of the prefix
+            assert rows + marks < 0.6 * withheld, (rows, marks, withheld)
 
 
 def test_pattern_exchange_only_where_documents_are_shared(world_results):
@@ -156,30 +211,37 @@ def check_routes(world, pieces, results):
         assert 0.2 < density < 1.0, (strategy, density)  # the long documents really are sparse
 
 
-def recompute_worker(rank, world):
+def recompute_worker(rank, world, strategy, transfer):
     """Activation checkpointing recomputes core attention in backward: the layer's patterns are reused."""
     from torch.utils.checkpoint import checkpoint
 
     pieces = make_cases(world)[0][1]
-    plan = plans(pieces)["cad"]
+    plan = plans(pieces)[strategy]
     data = global_inputs(pieces)
     grads = []
     for recompute in (False, True):
         q, k, v, dout = (local_rows(data, pieces[rank], i).clone() for i in range(4))
         for t in (q, k, v):
             t.requires_grad_(True)
-        attention = CoreAttention(plan, sparse=CONFIG)
+        attention = CoreAttention(plan, sparse=replace(CONFIG, kv_transfer=transfer))
         comm_stats.reset()
         fn = lambda q, k, v: attention(q, k, v, layer=3)
         out = checkpoint(fn, q, k, v, use_reentrant=False) if recompute else fn(q, k, v)
         out.backward(dout)
-        grads.append((q.grad, k.grad, v.grad, comm_stats.by_tag["sparse_pattern"][0]))
+        calls = {tag: comm_stats.by_tag.get(tag, [0])[0] for tag in ("sparse_pattern", "sparse_kv_marks", "sparse_kv")}
+        grads.append((q.grad, k.grad, v.grad, calls))
     return grads
 
 
-def test_recompute_reuses_the_forward_patterns():
-    for plain, recomputed in run_distributed(recompute_worker, 2):
-        assert plain[3] == recomputed[3] == 1  # one pattern exchange, not a second one in the recompute
+@pytest.mark.parametrize("strategy, transfer", [("cad", "prefix"), ("percp", "read")])
+def test_recompute_reuses_the_forward_patterns(strategy, transfer):
+    for plain, recomputed in run_distributed(recompute_worker, 2, strategy, transfer):
+        # One pattern exchange, not a second one in the recompute; with "read" the marks are kept
+        # too, and only the rows read are fetched again.
+        assert plain[3]["sparse_pattern"] == recomputed[3]["sparse_pattern"] == 1
+        if transfer == "read":
+            assert plain[3]["sparse_kv_marks"] == recomputed[3]["sparse_kv_marks"] == 1
+            assert (plain[3]["sparse_kv"], recomputed[3]["sparse_kv"]) == (1, 2)
         for a, b in zip(plain[:3], recomputed[:3]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 

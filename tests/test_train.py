@@ -106,9 +106,11 @@ SPARSE = dict(sparse="vertical-slash", sparse_coverage=0.8, sparse_min_doc_len=1
 
 def _train_sparse(rank, world, out):
     results = {}
-    for strategy in ("local", "wlb", "percp", "cad", "cad+pingpong"):
-        config = tiny_config(Path(out) / strategy, attention=strategy.split("+")[0], pingpong="+" in strategy,
-                             steps=4, **SPARSE)
+    for strategy in ("local", "wlb", "percp", "cad", "cad+pingpong", "percp/read"):
+        name, _, transfer = strategy.partition("/")
+        options = dict(SPARSE, sparse_args=dict(SPARSE["sparse_args"], kv_transfer=transfer or "prefix"))
+        config = tiny_config(Path(out) / strategy.replace("/", "-"), attention=name.split("+")[0],
+                             pingpong="+" in name, steps=4, **options)
         result = train(config)
         results[strategy] = (result.rows, full_weights(result.model))
     dense_first = train(tiny_config(Path(out) / "dense-first", attention="cad", steps=4, dense_layers=1, **SPARSE))
@@ -121,11 +123,14 @@ def _train_sparse(rank, world, out):
 def test_sparse_training_is_the_same_under_every_strategy(tmp_path):
     results, dense_first, resumed = run_distributed(_train_sparse, 2, str(tmp_path))[0]
     ref_rows, ref_weights = results["local"]
-    for strategy in ("wlb", "percp", "cad", "cad+pingpong"):
+    for strategy in ("wlb", "percp", "cad", "cad+pingpong", "percp/read"):
         rows, weights = results[strategy]
         assert rel_diff([r["loss"] for r in rows], [r["loss"] for r in ref_rows]) <= 1e-4, strategy
         for name, w in ref_weights.items():
             torch.testing.assert_close(weights[name], w, rtol=1e-3, atol=1e-4, msg=f"{strategy}: {name}")
+    # kv_transfer="read" withheld KV and fetched it (at this tiny size nearly every row is read:
+    # the byte saving is tested on a sparse document in test_sparse_runtime).
+    assert sum(r["comm_bytes"] for r in results["percp/read"][0]) != sum(r["comm_bytes"] for r in results["percp"][0])
     densities = [r["attention_density"] for r in ref_rows]
     assert all(0.0 < d < 1.0 for d in densities), densities  # the documents over 128 tokens really are sparse
     assert all(d is not None for d in (r["attention_density"] for r in dense_first))

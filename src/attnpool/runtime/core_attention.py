@@ -33,6 +33,7 @@ from attnpool.kernels.base import Backend
 from attnpool.plan.plan import Plan
 from attnpool.runtime.dispatch import DispatchLayout
 from attnpool.runtime.sparse import SparseServing, SparseStats
+from attnpool.runtime.sparse_kv import withheld_segments
 from attnpool.sparse import SparseConfig
 
 
@@ -141,8 +142,10 @@ def _server_inputs(L: DispatchLayout, sh: _Shapes, q, k, v, q_recv, kv_recv):
     q_srv = q.new_empty(L.num_server_q, sh.H_q, sh.D)
     q_srv[L.local_q_pos] = q[L.local_q_rows]
     q_srv[L.recv_q_pos] = q_recv.view(-1, sh.H_q, sh.D)
-    k_u = k.new_empty(L.num_unique_kv, sh.H_kv, sh.D)
-    v_u = v.new_empty(L.num_unique_kv, sh.H_kv, sh.D)
+    # Withheld rows (sparse kv_transfer="read") that no pattern reads are never filled: zeros, not garbage.
+    alloc = k.new_zeros if L.num_withheld_kv else k.new_empty
+    k_u = alloc(L.num_unique_kv, sh.H_kv, sh.D)
+    v_u = alloc(L.num_unique_kv, sh.H_kv, sh.D)
     k_u[L.local_kv_pos] = k[L.local_kv_rows]
     v_u[L.local_kv_pos] = v[L.local_kv_rows]
     kv = kv_recv.view(-1, 2, sh.H_kv, sh.D)
@@ -156,24 +159,30 @@ class _Serve(torch.autograd.Function):
 
     ``backend`` is a Backend, or a SparseServing that binds the sparse backend to
     patterns estimated from the server's inputs; backward reuses the bound one.
+    With kv_transfer="read" the serving also fetches the withheld KV rows the
+    patterns read (runtime.sparse_kv), and backward sends their gradients home.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, q_recv, kv_recv, L: DispatchLayout, sh: _Shapes, backend, scale):
         q_srv, k_u, v_u = _server_inputs(L, sh, q, k, v, q_recv, kv_recv)
+        serving, kv_read = None, None
         if isinstance(backend, SparseServing):
-            backend = backend.bind(q, q_srv, k_u)
+            serving, backend = backend, backend.bind(q, q_srv, k_u)
+            kv_read = serving.fetch_read_kv(k, v, k_u, v_u)
         out_srv, lse = backend.forward(q_srv, k_u[L.kv_expand], v_u[L.kv_expand],
                                        L.cu_q, L.cu_k, L.max_q, L.max_k, scale=scale)
         ctx.save_for_backward(q, k, v, q_recv, kv_recv, out_srv, lse)
-        ctx.meta = (L, sh, backend, scale)
+        ctx.meta = (L, sh, backend, scale, serving, kv_read)
         return out_srv
 
     @staticmethod
     def backward(ctx, dout_srv):
         q, k, v, q_recv, kv_recv, out_srv, lse = ctx.saved_tensors
-        L, sh, backend, scale = ctx.meta
+        L, sh, backend, scale, serving, kv_read = ctx.meta
         q_srv, k_u, v_u = _server_inputs(L, sh, q, k, v, q_recv, kv_recv)
+        if kv_read is not None:
+            serving.read.place(kv_read, k_u, v_u)
         dq_srv, dk_exp, dv_exp = backend.backward(dout_srv.contiguous(), q_srv, k_u[L.kv_expand], v_u[L.kv_expand],
                                                   out_srv, lse, L.cu_q, L.cu_k, L.max_q, L.max_k, scale=scale)
         # Each unique KV row may feed several tasks: sum the copies' gradients once here.
@@ -183,6 +192,8 @@ class _Serve(torch.autograd.Function):
         dq[L.local_q_rows] = dq_srv[L.local_q_pos]
         dk = torch.zeros_like(k).index_add_(0, L.local_kv_rows, dk_u[L.local_kv_pos])
         dv = torch.zeros_like(v).index_add_(0, L.local_kv_rows, dv_u[L.local_kv_pos])
+        if kv_read is not None:
+            serving.read.return_grads(dk_u, dv_u, dk, dv, serving.group)
         dq_recv = dq_srv[L.recv_q_pos].reshape(-1, sh.q_width)
         dkv_recv = torch.stack([dk_u[L.recv_kv_pos], dv_u[L.recv_kv_pos]], 1).reshape(-1, sh.kv_width)
         return dq, dk, dv, dq_recv, dkv_recv, None, None, None, None
@@ -280,24 +291,29 @@ def default_backend(q: torch.Tensor) -> Backend:
     return get_backend("reference", q.device)
 
 
-def dispatch_layout(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None) -> DispatchLayout:
-    """This rank's layout for ``plan``: checked and agreed on once, then cached on the plan."""
+def dispatch_layout(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
+                    read_kv: SparseConfig | None = None) -> DispatchLayout:
+    """This rank's layout for ``plan``: checked and agreed on once, then cached on the plan.
+
+    ``read_kv``: the SparseConfig of a sparse layer with kv_transfer="read", whose layout withholds
+    KV that runtime.sparse_kv sends later."""
     rank, world = group_rank_size(group)
-    key = (rank, str(q.device), id(group))
     problem = _local_problem(q, k, v, plan, rank, world, group)
-    layout = plan.runtime_cache.get(key)
-    if layout is not None:
-        if problem:
-            raise ConfigError("core_attention", f"rank {rank}", problem)
-        return layout
-    # First use of this plan: every rank checks and compares fingerprints before the first
-    # collective that depends on the plan. A fully local plan launches none, so needs none.
-    if not (plan.num_ranks == world and plan.is_fully_local()) or problem:
-        device = q.device if world > 1 and dist.get_backend(group) == "nccl" else torch.device("cpu")
-        agree_on_plan(plan.fingerprint(), problem, group, device)
-    layout = DispatchLayout.build(plan, rank, q.device)
-    plan.runtime_cache[key] = layout
-    return layout
+    agreed = ("agreed", rank, id(group))
+    if agreed not in plan.runtime_cache:
+        # First use of this plan: every rank checks and compares fingerprints before the first
+        # collective that depends on the plan. A fully local plan launches none, so needs none.
+        if not (plan.num_ranks == world and plan.is_fully_local()) or problem:
+            device = q.device if world > 1 and dist.get_backend(group) == "nccl" else torch.device("cpu")
+            agree_on_plan(plan.fingerprint(), problem, group, device)
+        plan.runtime_cache[agreed] = True
+    if problem:
+        raise ConfigError("core_attention", f"rank {rank}", problem)
+    key = (rank, str(q.device), id(group), read_kv)
+    if key not in plan.runtime_cache:
+        withheld = None if read_kv is None else withheld_segments(plan, read_kv)
+        plan.runtime_cache[key] = DispatchLayout.build(plan, rank, q.device, withheld)
+    return plan.runtime_cache[key]
 
 
 class CoreAttention:
@@ -335,7 +351,8 @@ class CoreAttention:
         return self.collect(pending)
 
     def dispatch(self, q, k, v, *, layer: int | None = None) -> _InFlight:
-        layout = dispatch_layout(self.plan, q, k, v, self.group)
+        read_kv = self.sparse if self._sparse_layer(layer) and self.sparse.kv_transfer == "read" else None
+        layout = dispatch_layout(self.plan, q, k, v, self.group, read_kv)
         p = _InFlight(q, k, v, layout, _Shapes(q.shape[1], k.shape[1], q.shape[2]), layer)
         if layout.any_traffic:
             p.handle = _Handle()
@@ -349,7 +366,7 @@ class CoreAttention:
             dense = get_backend(self.backend, q.device)
         else:
             dense = self.backend
-        if self.sparse is not None and (layer is None or self.sparse.is_sparse_layer(layer)):
+        if self._sparse_layer(layer):
             serving = self._serving.get(layer)
             if serving is None:
                 serving = SparseServing(self.plan, group_rank_size(self.group)[0], self.sparse, dense,
@@ -358,6 +375,9 @@ class CoreAttention:
                     self._serving[layer] = serving
             return serving
         return dense
+
+    def _sparse_layer(self, layer: int | None) -> bool:
+        return self.sparse is not None and (layer is None or self.sparse.is_sparse_layer(layer))
 
     def compute(self, p: _InFlight) -> None:
         L, sh = p.layout, p.shapes

@@ -60,6 +60,7 @@ class DispatchLayout:
     local_kv_pos: torch.Tensor  # ... and their positions in it
     recv_kv_pos: torch.Tensor  # position in the unique KV buffer of each received KV row
     num_unique_kv: int
+    num_withheld_kv: int  # rows of the unique KV buffer this dispatch leaves unfilled (``withheld``)
     kv_expand: torch.Tensor  # unique-KV row of each expanded key (per-task prefixes)
     cu_q: torch.Tensor  # int32
     cu_k: torch.Tensor  # int32
@@ -67,7 +68,9 @@ class DispatchLayout:
     max_k: int
 
     @classmethod
-    def build(cls, plan: Plan, rank: int, device) -> "DispatchLayout":
+    def build(cls, plan: Plan, rank: int, device, withheld: np.ndarray | None = None) -> "DispatchLayout":
+        """``withheld``: bool per KV segment of ``plan.kv_transfers()``; remote ones marked are not sent
+        (runtime.sparse_kv sends what of them is read later). Local segments are always copied."""
         W = plan.num_ranks
         t = plan.pieces
         home, server, n = plan.task_home, plan.task_server, plan.task_len
@@ -92,8 +95,9 @@ class DispatchLayout:
 
         # KV segments (sorted by server, doc, start).
         x = plan.kv_transfers()
+        sent = np.ones(len(x.src), dtype=bool) if withheld is None else ~withheld
         src_row = t.offset[x.piece] + (x.start - t.start[x.piece])
-        out_kv = np.flatnonzero((x.src == rank) & (x.server != rank))  # already server-ordered
+        out_kv = np.flatnonzero((x.src == rank) & (x.server != rank) & sent)  # already server-ordered
         kv_send_rows = ranges(src_row[out_kv], x.length[out_kv])
         kv_send_splits = _splits(x.server[out_kv], x.length[out_kv], W)
         seg = np.flatnonzero(x.server == rank)
@@ -101,7 +105,7 @@ class DispatchLayout:
         seg_local = x.src[seg] == rank
         local_kv_rows = ranges(src_row[seg[seg_local]], x.length[seg[seg_local]])
         local_kv_pos = ranges(seg_pos[seg_local], x.length[seg[seg_local]])
-        seg_remote = np.flatnonzero(~seg_local)
+        seg_remote = np.flatnonzero(~seg_local & sent[seg])
         seg_remote = seg_remote[np.argsort(x.src[seg[seg_remote]], kind="stable")]
         recv_kv_pos = ranges(seg_pos[seg_remote], x.length[seg[seg_remote]])
         kv_recv_splits = _splits(x.src[seg[seg_remote]], x.length[seg[seg_remote]], W)
@@ -126,7 +130,7 @@ class DispatchLayout:
             local_q_rows=dev(local_q_rows), local_q_pos=dev(local_q_pos), recv_q_pos=dev(recv_q_pos),
             num_server_q=int(n[mine].sum()),
             local_kv_rows=dev(local_kv_rows), local_kv_pos=dev(local_kv_pos), recv_kv_pos=dev(recv_kv_pos),
-            num_unique_kv=int(x.length[seg].sum()),
+            num_unique_kv=int(x.length[seg].sum()), num_withheld_kv=int(x.length[seg[~seg_local & ~sent[seg]]].sum()),
             kv_expand=dev(kv_expand), cu_q=dev(cu_q, torch.int32), cu_k=dev(cu_k, torch.int32),
             max_q=int(n[mine].max(initial=0)), max_k=int(end[mine].max(initial=0)),
         )

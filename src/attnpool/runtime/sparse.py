@@ -37,6 +37,7 @@ from attnpool.kernels.base import Backend
 from attnpool.plan.documents import ranges
 from attnpool.plan.plan import Plan
 from attnpool.runtime.dispatch import index_tensor
+from attnpool.runtime.sparse_kv import ReadRoutes, ReadSelection, estimating_servers
 from attnpool.sparse import SparseConfig, VerticalSlashPattern, estimate_vertical_slash, packed_sizes
 from attnpool.sparse.pattern import PackLayout
 
@@ -81,13 +82,8 @@ class PatternRoutes:
         doc_len = plan.pieces.doc_len
         D = len(doc_len)
         sparse_doc = doc_len >= config.min_doc_len
-        server, doc, n, end = plan.task_server, plan.task_doc, plan.task_len, plan.task_end
-        # The estimating server of each document: the server of its task that ends at the document's end.
-        last = np.flatnonzero(end == doc_len[doc])
-        est_server = np.full(D, -1, dtype=np.int64)
-        est_server[doc[last]] = server[last]
-        last_task = np.full(D, -1, dtype=np.int64)
-        last_task[doc[last]] = last
+        server, doc, n = plan.task_server, plan.task_doc, plan.task_len
+        est_server, last_task = estimating_servers(plan)
 
         x = plan.kv_transfers()  # (server, doc) groups, sorted: the documents each server serves
         g_server, g_doc = x.group_server, x.group_doc
@@ -310,6 +306,9 @@ class SparseServing:
                  stats: SparseStats | None = None):
         self.plan, self.rank, self.config, self.dense, self.group, self.stats = plan, rank, config, dense, group, stats
         self.bound: Backend | None = None  # after the first bind: reused, with no estimation or exchange
+        # kv_transfer="read": the withheld KV rows this layer's patterns read (runtime.sparse_kv), kept
+        # with the bound backend; None where nothing is withheld.
+        self.read: ReadSelection | None = None
 
     def routes(self, num_heads: int, device) -> PatternRoutes:
         key = ("sparse_routes", self.rank, num_heads, self.config, str(device), id(self.group))
@@ -339,6 +338,16 @@ class SparseServing:
             self.bound = self._bind(q, q_srv, k_unique)
         return self.bound
 
+    def fetch_read_kv(self, k: torch.Tensor, v: torch.Tensor, k_unique: torch.Tensor,
+                      v_unique: torch.Tensor) -> torch.Tensor | None:
+        """After ``bind``: fill the withheld rows the patterns read into the server's KV buffers and
+        return them (backward places them again), or None where nothing is withheld (on every rank)."""
+        if self.read is None:
+            return None
+        rows = self.read.fetch(k, v, self.group)
+        self.read.place(rows, k_unique, v_unique)
+        return rows
+
     def _bind(self, q: torch.Tensor, q_srv: torch.Tensor, k_unique: torch.Tensor) -> Backend:
         r = self.routes(q_srv.shape[1], q_srv.device)
         extra = [q[r.extra_local_rows]]
@@ -362,6 +371,13 @@ class SparseServing:
                                        tag="sparse_pattern")
             if r.served_words is not None:
                 pattern = r.served_pack.unpack(torch.cat([own, received])[r.served_words])
+        if self.config.kv_transfer == "read":
+            key = ("sparse_read_routes", self.rank, self.config, str(q.device))
+            cache = self.plan.runtime_cache
+            if key not in cache:
+                cache[key] = ReadRoutes.build(self.plan, self.rank, self.config, q.device)
+            if cache[key].active:
+                self.read = ReadSelection.select(cache[key], pattern, self.group)
         if not len(r.served_lens):
             return self.dense  # no sparse document served here
         sparse = sparse_kernels.backend(pattern, seg_doc=r.seg_doc)

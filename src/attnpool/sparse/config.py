@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from attnpool.errors import ConfigError
 
 MODES = ("none", "vertical-slash")
+KV_TRANSFERS = ("prefix", "read")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,10 @@ class SparseConfig:
     - ``block``: query/key block of the slash tiles (128 on GPUs; tests use less).
     - ``vertical_chunk``: vertical columns gathered per kernel step (64 on GPUs).
     - ``dense_layers``: the first this many transformer layers stay dense.
+    - ``kv_transfer``: ``"prefix"`` sends every sparse CA-task its whole KV prefix with the
+      queries; ``"read"`` sends a server other than a document's estimating one only the KV
+      rows its tasks' patterns read, after estimation (runtime.sparse_kv): fewer bytes, one
+      more exchange and one host read per sparse layer.
     """
 
     mode: str = "vertical-slash"
@@ -46,10 +51,13 @@ class SparseConfig:
     block: int = 128
     vertical_chunk: int = 64
     dense_layers: int = 0
+    kv_transfer: str = "prefix"
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ConfigError("sparse", self.mode, f"unknown sparse mode; choose one of {', '.join(MODES)}")
+        if self.kv_transfer not in KV_TRANSFERS:
+            raise ConfigError("sparse_kv_transfer", self.kv_transfer, f"choose one of {', '.join(KV_TRANSFERS)}")
         if not isinstance(self.coverage, (int, float)) or isinstance(self.coverage, bool) \
                 or not math.isfinite(self.coverage) or not (0.0 < self.coverage <= 1.0):
             raise ConfigError("sparse_coverage", self.coverage, "must be a number in (0, 1]")

@@ -161,6 +161,36 @@ class VerticalSlashPattern:
         run = self.run[doc].T  # (H, N)
         return self.vert_before_block(doc, qblock[None, :] - run + 1)
 
+    def keys_read(self, doc: torch.Tensor, q_first: torch.Tensor, q_last: torch.Tensor, key: torch.Tensor,
+                  num_tokens: int) -> torch.Tensor:
+        """(N,) bool: whether some head attends key position ``key`` of document ``doc`` from some
+        query position in [q_first, q_last] (all (N,); ``key <= q_last``).
+
+        The union over heads of the attended sets: key block J = key // B is read whole (up to the
+        queries' end) iff some head's diagonal Delta in [max(q_first//B - J, 0), q_last//B - J] is
+        set; a vertical column iff some head chose it (any query at or after it attends it).
+        ``num_tokens``: sum of the documents' lengths (host-known; sizes a lookup table).
+        """
+        B, D, dev = self.block, self.num_docs, self.device
+        nb = self.num_blocks()[doc]
+        blk = key // B
+        lo = torch.minimum(torch.clamp(q_first // B - blk, min=0), nb)
+        hi = torch.minimum(q_last // B - blk, nb - 1)
+        diag = _excl_cumsum(self.slash.any(0).to(torch.int64))  # union of the heads' diagonals
+        base = self.blk_off[doc]
+        slash_hit = (hi >= lo) & (diag[base + hi + 1] - diag[base + lo] > 0)
+        # Union of the heads' columns as a per-token table over the documents, end to end.
+        tok_off = _excl_cumsum(self.doc_len)
+        nvt = self.vert.shape[1]
+        vdoc = self.vert_doc.clamp(max=max(D - 1, 0))
+        slot = torch.arange(nvt, device=dev) - self.vert_off[vdoc]
+        valid = (self.vert_doc < D)[None, :] & (slot[None, :] < self.n_vert[vdoc].T) if D else \
+            torch.zeros(self.num_heads, nvt, dtype=torch.bool, device=dev)
+        table = torch.zeros(num_tokens + 1, dtype=torch.bool, device=dev)
+        table[torch.where(valid, tok_off[vdoc][None, :] + self.vert, num_tokens)] = True
+        table[num_tokens] = False
+        return slash_hit | table[tok_off[doc] + key]
+
     # --- host-side constructors (tests, benchmarks) ---
 
     @classmethod

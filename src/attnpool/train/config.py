@@ -61,7 +61,8 @@ class TrainConfig:
     sparse_min_doc_len: int = _help("vertical-slash: documents shorter than this stay dense", default=8192)
     dense_layers: int = _help("vertical-slash: the first this many layers stay dense", default=0)
     sparse_args: dict = _help("more vertical-slash options: vertical_cap, slash_cap, last_queries, sink_tokens, "
-                              "local_window, block, vertical_chunk", default_factory=dict)
+                              "local_window, block, vertical_chunk, kv_transfer (prefix or read)",
+                              default_factory=dict)
     # Optimisation
     steps: int = _help("optimizer steps of the whole run (the schedule's length)", default=100)
     lr: float = _help("peak learning rate", default=3e-4)
@@ -138,12 +139,13 @@ class TrainConfig:
             SparseConfig(mode="none", coverage=self.sparse_coverage, min_doc_len=self.sparse_min_doc_len,
                          dense_layers=self.dense_layers)  # still refuses bad values
             return None
-        allowed = ("vertical_cap", "slash_cap", "last_queries", "sink_tokens", "local_window", "block",
-                   "vertical_chunk")
+        sizes = ("vertical_cap", "slash_cap", "last_queries", "sink_tokens", "local_window", "block", "vertical_chunk")
+        allowed = sizes + ("kv_transfer",)
         unknown = sorted(set(self.sparse_args) - set(allowed))
         if unknown:
             raise ConfigError("sparse_args", unknown[0], f"unknown option; choose from {', '.join(allowed)}")
-        args = {k: (_parse_size(f"sparse_args.{k}", v) if isinstance(v, str) else v) for k, v in self.sparse_args.items()}
+        args = {k: (_parse_size(f"sparse_args.{k}", v) if isinstance(v, str) and k in sizes else v)
+                for k, v in self.sparse_args.items()}
         return SparseConfig(mode=self.sparse, coverage=self.sparse_coverage, min_doc_len=self.sparse_min_doc_len,
                             dense_layers=self.dense_layers, **args)
 

@@ -45,15 +45,16 @@ from attnpool.sizes import parse_size
 from attnpool.train.config import TrainConfig
 from attnpool.train.train import train
 
-STRATEGIES = {  # name -> (attention, pingpong, vertical-slash sparse attention)
-    "local": ("local", False, False),
-    "wlb": ("wlb", False, False),
-    "percp": ("percp", False, False),
-    "cad": ("cad", False, False),
-    "cad+pingpong": ("cad", True, False),
-    "local+sparse": ("local", False, True),
-    "cad+sparse": ("cad", False, True),
-    "cad+pingpong+sparse": ("cad", True, True),
+STRATEGIES = {  # name -> (attention, pingpong, vertical-slash sparse attention: None or its kv_transfer)
+    "local": ("local", False, None),
+    "wlb": ("wlb", False, None),
+    "percp": ("percp", False, None),
+    "cad": ("cad", False, None),
+    "cad+pingpong": ("cad", True, None),
+    "local+sparse": ("local", False, "prefix"),
+    "cad+sparse": ("cad", False, "prefix"),
+    "cad+pingpong+sparse": ("cad", True, "prefix"),
+    "cad+sparse+readkv": ("cad", False, "read"),  # servers receive only the KV their patterns read
 }
 DEFAULT_STRATEGIES = ("local", "wlb", "percp", "cad", "cad+pingpong")
 TRACE_STEPS = 2  # profiled after the measured steps: one warm-up step of the profiler, one recorded
@@ -70,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="dist:tokens_per_gpu pairs, comma-separated (pretrain is elongated to the global batch)")
     p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
                    help=f"comma-separated, from {', '.join(STRATEGIES)} (the +sparse ones train with "
-                        "--sparse vertical-slash at the default coverage)")
+                        "--sparse vertical-slash at the default coverage; +readkv with kv_transfer=read)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10, help="measured steps")
     p.add_argument("--ablation", action="store_true", help="also cad+pingpong with one-element messages")
@@ -106,7 +107,11 @@ def linear_s_per_token(cfg) -> float:
 
 
 def run_one(name, dist_name, tokens, args, out_dir, trace=False):
-    attention, pingpong, sparse = STRATEGIES[name]
+    attention, pingpong, kv_transfer = STRATEGIES[name]
+    sparse = {}
+    if kv_transfer is not None:
+        sparse = sparse_options(args.sparse_args)
+        sparse["sparse_args"]["kv_transfer"] = kv_transfer
     elongate = {"dist": dist_name}
     if dist_name == "pretrain":  # the paper elongates pretrain lengths to reach the context
         elongate["options"] = {"elongate": max(1.0, tokens * dist.get_world_size() / 65536)}
@@ -116,7 +121,7 @@ def run_one(name, dist_name, tokens, args, out_dir, trace=False):
         # the others stop before the traced steps.
         tokens_per_rank=tokens, steps=args.warmup + args.steps + TRACE_STEPS,
         stop_at=None if trace else args.warmup + args.steps, warmup_steps=2, lr=1e-4, seed=0,
-        attention=attention, pingpong=pingpong, **(sparse_options(args.sparse_args) if sparse else {}),
+        attention=attention, pingpong=pingpong, **sparse,
         activation_checkpointing="keep_attention", precision="bf16",
         device=args.device, progress=False, checkpoint_every=-1, out=os.path.join(out_dir, f"{dist_name}-{tokens}-{name}"),
     )
@@ -262,6 +267,8 @@ def _run_all(args: argparse.Namespace, configs: list, strategies: list, cuda: bo
     if rank == 0:
         finish(records, skipped, args, world, cfg)
     shutil.rmtree(work_dir, ignore_errors=True)
+
+
 def finish(records, skipped, args, world, cfg):
     by_config = {}
     for r in records:
@@ -271,7 +278,7 @@ def finish(records, skipped, args, world, cfg):
         for r in recs:
             r["speedup_vs_local"] = local["step_time_s"] / r["step_time_s"] if local else None
             # Sparse training computes another function: its losses are checked against sparse local.
-            sparse = r["strategy"].endswith("+sparse")
+            sparse = STRATEGIES.get(r["strategy"], (None, None, None))[2] is not None
             same = next((x for x in recs if x["strategy"] == "local+sparse"), None) if sparse else local
             if same and "1-element" not in r["strategy"]:
                 n = min(5, len(r["losses"]), len(same["losses"]))

@@ -106,7 +106,7 @@ SPARSE = dict(sparse="vertical-slash", sparse_coverage=0.8, sparse_min_doc_len=1
 
 def _train_sparse(rank, world, out):
     results = {}
-    for strategy in ("local", "wlb", "percp", "cad", "cad+pingpong", "percp/read"):
+    for strategy in ("local", "wlb", "percp", "cad", "cad+pingpong", "percp/read", "cad+pingpong/read"):
         name, _, transfer = strategy.partition("/")
         options = dict(SPARSE, sparse_args=dict(SPARSE["sparse_args"], kv_transfer=transfer or "prefix"))
         config = tiny_config(Path(out) / strategy.replace("/", "-"), attention=name.split("+")[0],
@@ -123,7 +123,7 @@ def _train_sparse(rank, world, out):
 def test_sparse_training_is_the_same_under_every_strategy(tmp_path):
     results, dense_first, resumed = run_distributed(_train_sparse, 2, str(tmp_path))[0]
     ref_rows, ref_weights = results["local"]
-    for strategy in ("wlb", "percp", "cad", "cad+pingpong", "percp/read"):
+    for strategy in ("wlb", "percp", "cad", "cad+pingpong", "percp/read", "cad+pingpong/read"):
         rows, weights = results[strategy]
         assert rel_diff([r["loss"] for r in rows], [r["loss"] for r in ref_rows]) <= 1e-4, strategy
         for name, w in ref_weights.items():

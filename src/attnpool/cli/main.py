@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 
 from attnpool.comm import end_process, opened_process_group
 from attnpool.errors import ConfigError
@@ -37,7 +38,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     """The ``attnpool`` command (console script and ``python -m attnpool.cli.main``)."""
-    code = main()
+    try:
+        code = main()
+    except Exception:
+        if not opened_process_group():
+            raise
+        traceback.print_exc()  # then leave as below, exit code 1 as Python's own
+        code = 1
     if opened_process_group():
         end_process(code)  # see attnpool.comm.process
     sys.exit(code)

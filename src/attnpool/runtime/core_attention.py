@@ -21,6 +21,7 @@ transiently around each kernel call.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -142,10 +143,8 @@ def _server_inputs(L: DispatchLayout, sh: _Shapes, q, k, v, q_recv, kv_recv):
     q_srv = q.new_empty(L.num_server_q, sh.H_q, sh.D)
     q_srv[L.local_q_pos] = q[L.local_q_rows]
     q_srv[L.recv_q_pos] = q_recv.view(-1, sh.H_q, sh.D)
-    # Withheld rows (sparse kv_transfer="read") that no pattern reads are never filled: zeros, not garbage.
-    alloc = k.new_zeros if L.num_withheld_kv else k.new_empty
-    k_u = alloc(L.num_unique_kv, sh.H_kv, sh.D)
-    v_u = alloc(L.num_unique_kv, sh.H_kv, sh.D)
+    k_u = k.new_empty(L.num_unique_kv, sh.H_kv, sh.D)  # withheld rows (kv_transfer="read"): see sparse_kv
+    v_u = v.new_empty(L.num_unique_kv, sh.H_kv, sh.D)
     k_u[L.local_kv_pos] = k[L.local_kv_rows]
     v_u[L.local_kv_pos] = v[L.local_kv_rows]
     kv = kv_recv.view(-1, 2, sh.H_kv, sh.D)
@@ -172,14 +171,15 @@ class _Serve(torch.autograd.Function):
             kv_read = serving.fetch_read_kv(k, v, k_u, v_u)
         out_srv, lse = backend.forward(q_srv, k_u[L.kv_expand], v_u[L.kv_expand],
                                        L.cu_q, L.cu_k, L.max_q, L.max_k, scale=scale)
-        ctx.save_for_backward(q, k, v, q_recv, kv_recv, out_srv, lse)
-        ctx.meta = (L, sh, backend, scale, serving, kv_read)
+        # kv_read is saved like kv_recv: activation checkpointing frees it and its recompute fetches again.
+        ctx.save_for_backward(q, k, v, q_recv, kv_recv, out_srv, lse, kv_read)
+        ctx.meta = (L, sh, backend, scale, serving)
         return out_srv
 
     @staticmethod
     def backward(ctx, dout_srv):
-        q, k, v, q_recv, kv_recv, out_srv, lse = ctx.saved_tensors
-        L, sh, backend, scale, serving, kv_read = ctx.meta
+        q, k, v, q_recv, kv_recv, out_srv, lse, kv_read = ctx.saved_tensors
+        L, sh, backend, scale, serving = ctx.meta
         q_srv, k_u, v_u = _server_inputs(L, sh, q, k, v, q_recv, kv_recv)
         if kv_read is not None:
             serving.read.place(kv_read, k_u, v_u)
@@ -292,11 +292,12 @@ def default_backend(q: torch.Tensor) -> Backend:
 
 
 def dispatch_layout(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
-                    read_kv: SparseConfig | None = None) -> DispatchLayout:
+                    read_kv: SparseConfig | None = None, sparse: SparseConfig | None = None) -> DispatchLayout:
     """This rank's layout for ``plan``: checked and agreed on once, then cached on the plan.
 
     ``read_kv``: the SparseConfig of a sparse layer with kv_transfer="read", whose layout withholds
-    KV that runtime.sparse_kv sends later."""
+    KV that runtime.sparse_kv sends later. ``sparse``: the caller's sparse options, agreed on with
+    the plan (they size the sparse exchanges, and with kv_transfer="read" the dispatch)."""
     rank, world = group_rank_size(group)
     problem = _local_problem(q, k, v, plan, rank, world, group)
     agreed = ("agreed", rank, id(group))
@@ -305,7 +306,8 @@ def dispatch_layout(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         # collective that depends on the plan. A fully local plan launches none, so needs none.
         if not (plan.num_ranks == world and plan.is_fully_local()) or problem:
             device = q.device if world > 1 and dist.get_backend(group) == "nccl" else torch.device("cpu")
-            agree_on_plan(plan.fingerprint(), problem, group, device)
+            digest = hashlib.sha256(f"{plan.fingerprint()}|{sparse!r}".encode()).hexdigest()
+            agree_on_plan(digest, problem, group, device, subject="plans or sparse options")
         plan.runtime_cache[agreed] = True
     if problem:
         raise ConfigError("core_attention", f"rank {rank}", problem)
@@ -352,7 +354,7 @@ class CoreAttention:
 
     def dispatch(self, q, k, v, *, layer: int | None = None) -> _InFlight:
         read_kv = self.sparse if self._sparse_layer(layer) and self.sparse.kv_transfer == "read" else None
-        layout = dispatch_layout(self.plan, q, k, v, self.group, read_kv)
+        layout = dispatch_layout(self.plan, q, k, v, self.group, read_kv, self.sparse)
         p = _InFlight(q, k, v, layout, _Shapes(q.shape[1], k.shape[1], q.shape[2]), layer)
         if layout.any_traffic:
             p.handle = _Handle()

@@ -60,7 +60,6 @@ class DispatchLayout:
     local_kv_pos: torch.Tensor  # ... and their positions in it
     recv_kv_pos: torch.Tensor  # position in the unique KV buffer of each received KV row
     num_unique_kv: int
-    num_withheld_kv: int  # rows of the unique KV buffer this dispatch leaves unfilled (``withheld``)
     kv_expand: torch.Tensor  # unique-KV row of each expanded key (per-task prefixes)
     cu_q: torch.Tensor  # int32
     cu_k: torch.Tensor  # int32
@@ -130,7 +129,7 @@ class DispatchLayout:
             local_q_rows=dev(local_q_rows), local_q_pos=dev(local_q_pos), recv_q_pos=dev(recv_q_pos),
             num_server_q=int(n[mine].sum()),
             local_kv_rows=dev(local_kv_rows), local_kv_pos=dev(local_kv_pos), recv_kv_pos=dev(recv_kv_pos),
-            num_unique_kv=int(x.length[seg].sum()), num_withheld_kv=int(x.length[seg[~seg_local & ~sent[seg]]].sum()),
+            num_unique_kv=int(x.length[seg].sum()),
             kv_expand=dev(kv_expand), cu_q=dev(cu_q, torch.int32), cu_k=dev(cu_k, torch.int32),
             max_q=int(n[mine].max(initial=0)), max_k=int(end[mine].max(initial=0)),
         )

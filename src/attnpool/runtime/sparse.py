@@ -24,14 +24,12 @@ for its backward, so backward reuses the forward's patterns.
 from __future__ import annotations
 
 import functools
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from attnpool.comm import agree_on_plan, all_to_all_flat
+from attnpool.comm import all_to_all_flat
 from attnpool.kernels import sparse as sparse_kernels
 from attnpool.kernels.base import Backend
 from attnpool.plan.documents import ranges
@@ -314,15 +312,8 @@ class SparseServing:
         key = ("sparse_routes", self.rank, num_heads, self.config, str(device), id(self.group))
         cache = self.plan.runtime_cache
         if key not in cache:
-            routes = PatternRoutes.build(self.plan, self.rank, num_heads, self.config, device)
-            if routes.exchange or routes.extra_exchange:  # plan properties: equal on every rank
-                # Ranks with different sparse options would size the exchanges differently and
-                # wait on each other forever: compare first, and fail on every rank alike.
-                digest = hashlib.sha256(f"{self.plan.fingerprint()}|{num_heads}|{self.config!r}".encode())
-                nccl = dist.get_backend(self.group) == "nccl"
-                agree_on_plan(digest.hexdigest(), None, self.group, device if nccl else torch.device("cpu"),
-                              subject="plans or sparse options")
-            cache[key] = routes
+            # Every rank's options were compared with the plan (core_attention.dispatch_layout).
+            cache[key] = PatternRoutes.build(self.plan, self.rank, num_heads, self.config, device)
         return cache[key]
 
     @torch.no_grad()

@@ -13,9 +13,10 @@ holds its documents' patterns (runtime.sparse), per sparse layer:
 3. the homes send the marked K and V rows, which fill the server's KV buffer.
    Backward sends their gradients home the same way.
 
-Rows never read stay zero in the server's buffer: a kernel that loads one (a
-key block beside a read one) masks it out. A layer's marks and counts are kept
-for its activation-checkpointing recompute, which repeats step 3 only.
+The withheld rows never read are zeroed in the server's buffer: the Triton
+kernels never use them, but the CPU twin multiplies masked probabilities by
+every value row. A layer's marks and counts are kept for its
+activation-checkpointing recompute, which repeats step 3 only.
 """
 
 from __future__ import annotations
@@ -132,22 +133,23 @@ class ReadSelection:
     send_counts: list[int]
     server_pos: torch.Tensor  # the unique-KV positions the received rows fill, grouped by home
     recv_counts: list[int]
+    withheld_pos: torch.Tensor  # every withheld position of the server's unique KV buffer
 
     @classmethod
     def select(cls, routes: ReadRoutes, pattern: VerticalSlashPattern | None, group) -> "ReadSelection":
         """Mark, exchange marks, count (the one host read). Every rank calls it when ``routes.active``."""
         r = routes
-        marks = torch.zeros(r.server_pos.numel(), dtype=torch.uint8, device=r.server_pos.device)
+        hits = torch.zeros(r.server_pos.numel(), dtype=torch.int32, device=r.server_pos.device)
         if r.pair_row.numel():  # rows withheld here imply served sparse documents, hence a pattern
             hit = pattern.keys_read(r.pair_doc, r.pair_q_first, r.pair_q_last, r.pair_key, r.served_tokens)
-            marks.index_fill_(0, r.pair_row[hit], 1)
+            hits.index_add_(0, r.pair_row, hit.to(torch.int32))
+        marks = (hits > 0).to(torch.uint8)
         wanted = all_to_all_flat(marks, r.server_splits, r.home_splits, group, tag="sparse_kv_marks")
-        W = r.world
-        counts = torch.zeros(2, W, dtype=torch.int64, device=marks.device)
+        counts = torch.zeros(2, r.world, dtype=torch.int64, device=marks.device)
         counts[0].index_add_(0, r.home_peer, wanted.to(torch.int64))
         counts[1].index_add_(0, r.server_peer, marks.to(torch.int64))
-        send_counts, recv_counts = counts.cpu().tolist()
-        return cls(r.home_rows[wanted.bool()], send_counts, r.server_pos[marks.bool()], recv_counts)
+        send_counts, recv_counts = counts.cpu().tolist()  # the host read; the selections below follow it
+        return cls(r.home_rows[wanted.bool()], send_counts, r.server_pos[marks.bool()], recv_counts, r.server_pos)
 
     def fetch(self, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
         """The selected K and V rows from their homes: (rows, 2, kv_heads, head_dim), grouped by home."""
@@ -158,6 +160,9 @@ class ReadSelection:
         return received.view(-1, 2, k.shape[1], k.shape[2])
 
     def place(self, rows: torch.Tensor, k_unique: torch.Tensor, v_unique: torch.Tensor) -> None:
+        """Write the fetched rows (``fetch``) into the server's unique KV buffers, zeros in the other withheld rows."""
+        k_unique[self.withheld_pos] = 0
+        v_unique[self.withheld_pos] = 0
         k_unique[self.server_pos] = rows[:, 0]
         v_unique[self.server_pos] = rows[:, 1]
 

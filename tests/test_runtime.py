@@ -209,3 +209,23 @@ def test_end_process_flushes_and_exits_with_the_code():
     code = "from attnpool.comm import end_process; print('rank done', end=''); end_process(3)"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 3 and p.stdout == "rank done", (p.returncode, p.stdout, p.stderr)
+
+
+def test_contiguous_tasks_share_one_kernel_segment():
+    """Shards of one document on one server that continue each other run as one kernel segment,
+    so their shared prefix is expanded once (the reference tests above run such plans)."""
+    from attnpool.runtime.dispatch import DispatchLayout, kernel_segments
+
+    merged_somewhere = False
+    for world in (2, 4):
+        for _, pieces in make_cases(world):
+            for strategy in STRATEGIES:
+                plan = plan_attention(pieces, strategy, cost_model="pairs", min_shard_tokens=32)
+                for r in range(world):
+                    tasks = plan.server_tasks(r)
+                    doc, q_len, k_len = kernel_segments(plan, r)
+                    layout = DispatchLayout.build(plan, r, "cpu")
+                    assert q_len.sum() == plan.task_len[tasks].sum() == layout.num_server_q
+                    assert layout.kv_expand.numel() == k_len.sum() <= plan.task_end[tasks].sum()
+                    merged_somewhere |= len(doc) < len(tasks)
+    assert merged_somewhere

@@ -34,7 +34,7 @@ from attnpool.kernels import sparse as sparse_kernels
 from attnpool.kernels.base import Backend
 from attnpool.plan.documents import ranges
 from attnpool.plan.plan import Plan
-from attnpool.runtime.dispatch import index_tensor
+from attnpool.runtime.dispatch import index_tensor, kernel_segments
 from attnpool.runtime.sparse_kv import ReadRoutes, ReadSelection, estimating_servers
 from attnpool.sparse import SparseConfig, VerticalSlashPattern, estimate_vertical_slash, packed_sizes
 from attnpool.sparse.pattern import PackLayout
@@ -67,9 +67,9 @@ class PatternRoutes:
     served_lens: np.ndarray  # lengths of the documents served here, ascending document index
     served_words: torch.Tensor | None  # index into cat(own packed, received); None: served == estimated
     served_pack: PackLayout | None  # the served documents' packed buffer (None with served_words)
-    seg_doc: torch.Tensor  # served sparse-document index of each sparse task served here (a kernel segment)
-    sparse_rows: "SegmentRows | None"  # the sparse tasks among those served here (None: all of them)
-    dense_rows: "SegmentRows | None"  # the dense (short-document) tasks; None when there are none
+    seg_doc: torch.Tensor  # served sparse-document index of each sparse kernel segment (dispatch.kernel_segments)
+    sparse_rows: "SegmentRows | None"  # the sparse segments of the kernel call (None: all of them)
+    dense_rows: "SegmentRows | None"  # the dense (short-document) segments; None when there are none
     dense_pairs: float  # causal (query, key) pairs x heads of the dense documents whose last task is here
     exchange: bool  # some document has tasks on two servers (a plan property: equal on every rank)
     extra_exchange: bool  # some estimating server needs queries from another rank (also a plan property)
@@ -80,7 +80,7 @@ class PatternRoutes:
         doc_len = plan.pieces.doc_len
         D = len(doc_len)
         sparse_doc = doc_len >= config.min_doc_len
-        server, doc, n = plan.task_server, plan.task_doc, plan.task_len
+        server, n = plan.task_server, plan.task_len
         est_server, last_task = estimating_servers(plan)
 
         x = plan.kv_transfers()  # (server, doc) groups, sorted: the documents each server serves
@@ -121,7 +121,8 @@ class PatternRoutes:
 
         dev = functools.partial(index_tensor, device=device)
 
-        is_sparse = sparse_doc[doc[mine]]
+        seg_doc, seg_q, seg_k = kernel_segments(plan, rank)  # the kernel call's segments
+        is_sparse = sparse_doc[seg_doc]
         dense_here = np.flatnonzero(~sparse_doc & (est_server == rank))
         L = doc_len[dense_here].astype(np.float64)
 
@@ -136,9 +137,9 @@ class PatternRoutes:
             send_words=dev(send_words), send_splits=send_splits, recv_splits=recv_splits,
             served_lens=doc_len[served], served_words=None if served_words is None else dev(served_words),
             served_pack=None if served_words is None else PackLayout.build(doc_len[served], num_heads, config, device),
-            seg_doc=dev(np.searchsorted(served, doc[mine[is_sparse]])),
-            sparse_rows=None if is_sparse.all() else SegmentRows.of(plan, mine, is_sparse, device),
-            dense_rows=None if is_sparse.all() else SegmentRows.of(plan, mine, ~is_sparse, device),
+            seg_doc=dev(np.searchsorted(served, seg_doc[is_sparse])),
+            sparse_rows=None if is_sparse.all() else SegmentRows.of(seg_q, seg_k, is_sparse, device),
+            dense_rows=None if is_sparse.all() else SegmentRows.of(seg_q, seg_k, ~is_sparse, device),
             dense_pairs=float(num_heads * (L * (L + 1) / 2).sum()), exchange=bool(np.any(remote)),
             extra_exchange=queries["extra_exchange"],
         )
@@ -146,8 +147,8 @@ class PatternRoutes:
 
 @dataclass(frozen=True, eq=False)
 class SegmentRows:
-    """A subset of a server's tasks as their own kernel call: rows in the full call's Q and expanded-KV
-    buffers, and the subset's own segment boundaries."""
+    """A subset of a server's kernel segments as their own kernel call: rows in the full call's Q and
+    expanded-KV buffers, and the subset's own segment boundaries."""
 
     q_rows: torch.Tensor
     k_rows: torch.Tensor
@@ -157,8 +158,9 @@ class SegmentRows:
     max_k: int
 
     @classmethod
-    def of(cls, plan: Plan, mine: np.ndarray, keep: np.ndarray, device) -> "SegmentRows":
-        n, end = plan.task_len[mine], plan.task_end[mine]  # the server's tasks in call order
+    def of(cls, q_len: np.ndarray, k_len: np.ndarray, keep: np.ndarray, device) -> "SegmentRows":
+        """``q_len``, ``k_len``: the full call's segments in call order; ``keep``: the subset's."""
+        n, end = q_len, k_len
         q_start, k_start = np.cumsum(n) - n, np.cumsum(end) - end
         n, end = n[keep], end[keep]
 

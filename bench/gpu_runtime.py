@@ -143,7 +143,6 @@ def fused(out_dir: str) -> int:
     for dist_name in ("prolong", "pretrain"):
         for seed in range(2):
             lens = sample_batches(dist_name, servers * tokens, 1, seed)[0]
-            T = sum(lens)
             q, k, v = doc_tensors(lens, (n_q, n_kv, n_kv), dim, seed, dev)
             cu = torch.as_tensor(np.r_[0, np.cumsum(lens)], dtype=torch.int32, device=dev)
             pairs_total = int(sum(causal_pairs(0, L) for L in lens))
@@ -152,8 +151,8 @@ def fused(out_dir: str) -> int:
             doc_start = np.r_[0, np.cumsum(lens)[:-1]]
             fused_f = fused_fb = 0.0
             for s in range(servers):
-                tasks = plan.server_tasks(s)
-                a, b, g = plan.task_start[tasks], plan.task_end[tasks], plan.task_doc[tasks]
+                g, n, b = plan.kernel_segments(s)  # the segments of the runtime's kernel call
+                a = b - n
                 qrows = np.concatenate([np.arange(doc_start[d] + x, doc_start[d] + y) for d, x, y in zip(g, a, b)])
                 krows = np.concatenate([np.arange(doc_start[d], doc_start[d] + y) for d, y in zip(g, b)])
                 qi = torch.as_tensor(qrows, device=dev)

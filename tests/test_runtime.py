@@ -214,7 +214,7 @@ def test_end_process_flushes_and_exits_with_the_code():
 def test_contiguous_tasks_share_one_kernel_segment():
     """Shards of one document on one server that continue each other run as one kernel segment,
     so their shared prefix is expanded once (the reference tests above run such plans)."""
-    from attnpool.runtime.dispatch import DispatchLayout, kernel_segments
+    from attnpool.runtime.dispatch import DispatchLayout
 
     merged_somewhere = False
     for world in (2, 4):
@@ -223,7 +223,7 @@ def test_contiguous_tasks_share_one_kernel_segment():
                 plan = plan_attention(pieces, strategy, cost_model="pairs", min_shard_tokens=32)
                 for r in range(world):
                     tasks = plan.server_tasks(r)
-                    doc, q_len, k_len = kernel_segments(plan, r)
+                    doc, q_len, k_len = plan.kernel_segments(r)
                     layout = DispatchLayout.build(plan, r, "cpu")
                     assert q_len.sum() == plan.task_len[tasks].sum() == layout.num_server_q
                     assert layout.kv_expand.numel() == k_len.sum() <= plan.task_end[tasks].sum()

@@ -52,7 +52,8 @@ class PlanMetrics:
     o_bytes_back: list[int]  # per rank (as server): outputs returned to homes
     bytes_moved: int  # all of the above, summed over ranks
     kv_tokens_unique: list[int]  # per server: KV tokens held, each once
-    kv_tokens_expanded: list[int]  # per server: sum of task prefixes (a copy per shard)
+    kv_tokens_expanded: list[int]  # per server: sum of task prefixes (a copy per shard, as DistCA keeps;
+    # the runtime's kernel call expands less: Plan.kernel_segments)
     max_kv_tokens: int
     num_shards: int
     min_shard_tokens: int  # smallest shard in the plan

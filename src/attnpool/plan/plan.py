@@ -103,6 +103,22 @@ class Plan:
         """Indices of the tasks a server runs, in canonical (doc, start) order."""
         return np.flatnonzero(self.task_server == server)
 
+    def kernel_segments(self, server: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(document, query length, key length) of each segment of the server's kernel call, in task order.
+
+        A segment is a CA-task, or a run of tasks adjacent in the server's canonical order where each
+        starts at the document position the previous one ends (shards of different pieces that the
+        planner put on one server): their queries are consecutive rows of the server's Q buffer and
+        consecutive positions [a, e), so one causal segment over keys [0, e) computes them all and
+        their shared prefix is expanded once, not once per task (bench/kv_expansion.py)."""
+        mine = self.server_tasks(server)
+        if not len(mine):
+            return (np.zeros(0, dtype=np.int64),) * 3
+        doc, start, end = self.task_doc[mine], self.task_start[mine], self.task_end[mine]
+        first = np.flatnonzero(np.r_[True, (doc[1:] != doc[:-1]) | (start[1:] != end[:-1])])
+        last = np.r_[first[1:], len(mine)] - 1
+        return doc[first], end[last] - start[first], end[last]
+
 
 @dataclass(frozen=True, eq=False)
 class KVTransfers:

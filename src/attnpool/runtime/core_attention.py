@@ -15,8 +15,8 @@ wait waits; in backward, wait's backward launches the reverse exchange and
 start's backward waits for it, so the overlap carries over to backward.
 
 Saved for backward: this rank's own q, k, v, the Q and unique KV it received,
-and its server outputs and LSE. Per-task KV prefixes are expanded only
-transiently around each kernel call.
+and its server outputs and LSE. KV prefixes are expanded (one per kernel
+segment, Plan.kernel_segments) only transiently around each kernel call.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ sender and its receiver agree without talking:
 - On the server, tasks run in canonical order; its unique KV buffer holds each
   served document's prefix [0, kv_end) once, in (doc, start) order. Each kernel
   segment's keys are a slice of it, expanded only transiently for the kernel
-  (``kernel_segments``: adjacent tasks that continue each other are one segment).
+  (``Plan.kernel_segments``: adjacent tasks that continue each other are one segment).
 - Outputs go back in the order the queries came.
 """
 
@@ -33,23 +33,6 @@ def index_tensor(a, dtype=torch.int64, *, device) -> torch.Tensor:
     """A host-built index array on ``device``: built once per plan, never per layer (a host-to-device
     copy per layer would synchronise the host with the GPU)."""
     return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype).to(device)
-
-
-def kernel_segments(plan: Plan, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(document, query length, key length) of each segment of the server's kernel call, in task order.
-
-    A segment is a CA-task, or a run of tasks adjacent in the server's canonical order where each
-    starts at the document position the previous one ends (shards of different pieces that the
-    planner put on one server): their queries are consecutive rows of the server's Q buffer and
-    consecutive positions [a, e), so one causal segment over keys [0, e) computes them all and
-    their shared prefix is expanded once, not once per task (bench/kv_expansion.py)."""
-    mine = plan.server_tasks(rank)
-    if not len(mine):
-        return (np.zeros(0, dtype=np.int64),) * 3
-    doc, start, end = plan.task_doc[mine], plan.task_start[mine], plan.task_end[mine]
-    first = np.flatnonzero(np.r_[True, (doc[1:] != doc[:-1]) | (start[1:] != end[:-1])])
-    last = np.r_[first[1:], len(mine)] - 1
-    return doc[first], end[last] - start[first], end[last]
 
 
 def _splits(owner: np.ndarray, lengths: np.ndarray, world: int) -> list[int]:
@@ -78,7 +61,7 @@ class DispatchLayout:
     local_kv_pos: torch.Tensor  # ... and their positions in it
     recv_kv_pos: torch.Tensor  # position in the unique KV buffer of each received KV row
     num_unique_kv: int
-    kv_expand: torch.Tensor  # unique-KV row of each expanded key (per-task prefixes)
+    kv_expand: torch.Tensor  # unique-KV row of each expanded key (one prefix per kernel segment)
     cu_q: torch.Tensor  # int32
     cu_k: torch.Tensor  # int32
     max_q: int
@@ -132,7 +115,7 @@ class DispatchLayout:
         my_groups = np.flatnonzero(x.group_server == rank)
         group_doc = x.group_doc[my_groups]
         group_base = np.cumsum(x.group_kv_end[my_groups]) - x.group_kv_end[my_groups]
-        seg_doc, seg_q, seg_k = kernel_segments(plan, rank)
+        seg_doc, seg_q, seg_k = plan.kernel_segments(rank)
         kv_expand = ranges(group_base[np.searchsorted(group_doc, seg_doc)], seg_k)
         cu_q = np.r_[0, np.cumsum(seg_q)]
         cu_k = np.r_[0, np.cumsum(seg_k)]

@@ -34,7 +34,7 @@ from attnpool.kernels import sparse as sparse_kernels
 from attnpool.kernels.base import Backend
 from attnpool.plan.documents import ranges
 from attnpool.plan.plan import Plan
-from attnpool.runtime.dispatch import index_tensor, kernel_segments
+from attnpool.runtime.dispatch import index_tensor
 from attnpool.runtime.sparse_kv import ReadRoutes, ReadSelection, estimating_servers
 from attnpool.sparse import SparseConfig, VerticalSlashPattern, estimate_vertical_slash, packed_sizes
 from attnpool.sparse.pattern import PackLayout
@@ -67,7 +67,7 @@ class PatternRoutes:
     served_lens: np.ndarray  # lengths of the documents served here, ascending document index
     served_words: torch.Tensor | None  # index into cat(own packed, received); None: served == estimated
     served_pack: PackLayout | None  # the served documents' packed buffer (None with served_words)
-    seg_doc: torch.Tensor  # served sparse-document index of each sparse kernel segment (dispatch.kernel_segments)
+    seg_doc: torch.Tensor  # served sparse-document index of each sparse kernel segment (Plan.kernel_segments)
     sparse_rows: "SegmentRows | None"  # the sparse segments of the kernel call (None: all of them)
     dense_rows: "SegmentRows | None"  # the dense (short-document) segments; None when there are none
     dense_pairs: float  # causal (query, key) pairs x heads of the dense documents whose last task is here
@@ -121,7 +121,7 @@ class PatternRoutes:
 
         dev = functools.partial(index_tensor, device=device)
 
-        seg_doc, seg_q, seg_k = kernel_segments(plan, rank)  # the kernel call's segments
+        seg_doc, seg_q, seg_k = plan.kernel_segments(rank)  # the kernel call's segments
         is_sparse = sparse_doc[seg_doc]
         dense_here = np.flatnonzero(~sparse_doc & (est_server == rank))
         L = doc_len[dense_here].astype(np.float64)

@@ -222,13 +222,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        configs, strategies = check_arguments(args)
-    except ConfigError:
-        # Every torchrun rank checks the same arguments and finds the same error: let rank 0 say it.
-        if int(os.environ.get("RANK", "0")) != 0:
-            return 2
-        raise
+    configs, strategies = check_arguments(args)
     cuda = args.device == "cuda"
     with process_group("nccl" if cuda else "gloo"):
         _run_all(args, configs, strategies, cuda)

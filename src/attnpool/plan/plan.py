@@ -137,6 +137,7 @@ class KVTransfers:
     src: np.ndarray
     start: np.ndarray
     length: np.ndarray
+    src_row: np.ndarray  # the segment's first row in its source rank's tokens
     # per (server, doc) group:
     group_server: np.ndarray
     group_doc: np.ndarray
@@ -168,7 +169,7 @@ def kv_transfers(plan: Plan) -> KVTransfers:
     grp, piece, seg_start, seg_end = grp[keep], piece[keep], seg_start[keep], seg_end[keep]
     return KVTransfers(
         server=g_server[grp], doc=g_doc[grp], piece=piece, src=t.rank[piece],
-        start=seg_start, length=seg_end - seg_start,
+        start=seg_start, length=seg_end - seg_start, src_row=t.offset[piece] + (seg_start - t.start[piece]),
         group_server=g_server, group_doc=g_doc, group_kv_end=kv_end,
     )
 

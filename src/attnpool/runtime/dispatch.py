@@ -96,14 +96,13 @@ class DispatchLayout:
         # KV segments (sorted by server, doc, start).
         x = plan.kv_transfers()
         sent = np.ones(len(x.src), dtype=bool) if withheld is None else ~withheld
-        src_row = t.offset[x.piece] + (x.start - t.start[x.piece])
         out_kv = np.flatnonzero((x.src == rank) & (x.server != rank) & sent)  # already server-ordered
-        kv_send_rows = ranges(src_row[out_kv], x.length[out_kv])
+        kv_send_rows = ranges(x.src_row[out_kv], x.length[out_kv])
         kv_send_splits = _splits(x.server[out_kv], x.length[out_kv], W)
         seg = np.flatnonzero(x.server == rank)
         seg_pos = np.cumsum(x.length[seg]) - x.length[seg]
         seg_local = x.src[seg] == rank
-        local_kv_rows = ranges(src_row[seg[seg_local]], x.length[seg[seg_local]])
+        local_kv_rows = ranges(x.src_row[seg[seg_local]], x.length[seg[seg_local]])
         local_kv_pos = ranges(seg_pos[seg_local], x.length[seg[seg_local]])
         seg_remote = np.flatnonzero(~seg_local & sent[seg])
         seg_remote = seg_remote[np.argsort(x.src[seg[seg_remote]], kind="stable")]

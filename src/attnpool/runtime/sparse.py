@@ -310,13 +310,19 @@ class SparseServing:
         # with the bound backend; None where nothing is withheld.
         self.read: ReadSelection | None = None
 
-    def routes(self, num_heads: int, device) -> PatternRoutes:
-        key = ("sparse_routes", self.rank, num_heads, self.config, str(device), id(self.group))
+    def _per_plan(self, kind, build, *key):
+        """``build()`` once per plan (cached on it; every rank's options were compared with the plan in
+        core_attention.dispatch_layout) for this rank, config and ``key``."""
+        key = (kind, self.rank, self.config, *key)
         cache = self.plan.runtime_cache
         if key not in cache:
-            # Every rank's options were compared with the plan (core_attention.dispatch_layout).
-            cache[key] = PatternRoutes.build(self.plan, self.rank, num_heads, self.config, device)
+            cache[key] = build()
         return cache[key]
+
+    def routes(self, num_heads: int, device) -> PatternRoutes:
+        return self._per_plan("sparse_routes", lambda: PatternRoutes.build(self.plan, self.rank, num_heads,
+                                                                           self.config, device),
+                              num_heads, str(device))
 
     @torch.no_grad()
     def bind(self, q: torch.Tensor, q_srv: torch.Tensor, k_unique: torch.Tensor) -> Backend:
@@ -365,12 +371,10 @@ class SparseServing:
             if r.served_words is not None:
                 pattern = r.served_pack.unpack(torch.cat([own, received])[r.served_words])
         if self.config.kv_transfer == "read":
-            key = ("sparse_read_routes", self.rank, self.config, str(q.device))
-            cache = self.plan.runtime_cache
-            if key not in cache:
-                cache[key] = ReadRoutes.build(self.plan, self.rank, self.config, q.device)
-            if cache[key].active:
-                self.read = ReadSelection.select(cache[key], pattern, self.group)
+            read = self._per_plan("sparse_read_routes",
+                                  lambda: ReadRoutes.build(self.plan, self.rank, self.config, q.device), str(q.device))
+            if read.active:
+                self.read = ReadSelection.select(read, pattern, self.group)
         if not len(r.served_lens):
             return self.dense  # no sparse document served here
         sparse = sparse_kernels.backend(pattern, seg_doc=r.seg_doc)

@@ -85,10 +85,9 @@ class ReadRoutes:
         W = plan.num_ranks
         t, x = plan.pieces, plan.kv_transfers()
         withheld = withheld_segments(plan, config)
-        src_row = t.offset[x.piece] + (x.start - t.start[x.piece])
 
         out = np.flatnonzero(withheld & (x.src == rank))  # x is sorted by (server, doc, start)
-        home_rows = ranges(src_row[out], x.length[out])
+        home_rows = ranges(x.src_row[out], x.length[out])
         home_splits = np.bincount(x.server[out], weights=x.length[out], minlength=W).astype(np.int64).tolist()
 
         seg = np.flatnonzero(x.server == rank)  # my unique KV buffer, segment by segment

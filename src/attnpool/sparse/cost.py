@@ -308,6 +308,7 @@ class SparsePrior:
         self.local_blocks = -(-(config.local_window - 1) // config.block) + 1  # diagonals of offsets < window
         self.diagonals = float(config.slash_cap) / config.block
         self.verticals = float(max(config.vertical_cap - config.sink_tokens, 0)) / 2
+        self._priced: dict = {}  # id(dense model) -> (it, it for this model's heads, sparse coefficients)
 
     def state_dict(self) -> dict:
         return {"diagonals": float(self.diagonals), "verticals": float(self.verticals)}
@@ -325,21 +326,30 @@ class SparsePrior:
         self.diagonals = (1 - w) * self.diagonals + w * seen_diagonals
         self.verticals = (1 - w) * self.verticals + w * seen_verticals
 
+    def _pricing(self, dense_model):
+        """(dense model for this model's heads, sparse coefficients) in ``dense_model``'s unit: once per run."""
+        if id(dense_model) not in self._priced:
+            cfg, scaled = self.config, dense_model
+            if getattr(dense_model, "unit", None) == "s":
+                # Both models in seconds for this model's heads: the dense table scaled from the
+                # shape it was measured with, the sparse kernels' per-(tile, head) cost by head_dim
+                # from the 128 they were measured with.
+                if hasattr(dense_model, "scaled_to"):
+                    scaled = dense_model.scaled_to(self.num_heads, self.head_dim)
+                f = self.head_dim / 128
+                c = H200_MEASURED
+                coefficients = SparseCoefficients(c.fwd_slash * f, c.fwd_bar * f, c.fwd_task, c.bwd_slash * f,
+                                                  c.bwd_bar * f, c.bwd_task, source=f"{c.source}, x {f:g} for head_dim")
+            else:
+                coefficients = pairs_coefficients(cfg.block, cfg.vertical_chunk, self.num_heads)
+            # The model itself is kept too, so that its id is not reused by another while cached.
+            self._priced[id(dense_model)] = (dense_model, scaled, coefficients)
+        return self._priced[id(dense_model)][1:]
+
     def cost_model(self, doc_len, dense_model) -> LayerMixCost:
         """The planning cost of a batch with these document lengths, in ``dense_model``'s unit."""
         cfg = self.config
-        if getattr(dense_model, "unit", None) == "s":
-            # Both models in seconds for this model's heads: the dense table scaled from the
-            # shape it was measured with, the sparse kernels' per-(tile, head) cost by head_dim
-            # from the 128 they were measured with.
-            if hasattr(dense_model, "scaled_to"):
-                dense_model = dense_model.scaled_to(self.num_heads, self.head_dim)
-            f = self.head_dim / 128
-            c = H200_MEASURED
-            coefficients = SparseCoefficients(c.fwd_slash * f, c.fwd_bar * f, c.fwd_task, c.bwd_slash * f,
-                                              c.bwd_bar * f, c.bwd_task, source=f"{c.source}, x {f:g} for head_dim")
-        else:
-            coefficients = pairs_coefficients(cfg.block, cfg.vertical_chunk, self.num_heads)
+        dense_model, coefficients = self._pricing(dense_model)
         sparse = SparseCost.uniform(doc_len, self.num_heads, int(round(self.diagonals)), int(round(self.verticals)),
                                     block=cfg.block, chunk=cfg.vertical_chunk, local_blocks=self.local_blocks,
                                     sinks=cfg.sink_tokens, min_doc_len=cfg.min_doc_len, coefficients=coefficients)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end benchmark runs on 4 x H200 (device kind nvidia-h200-x4), one phase per device call:
-#   bash bench/gpu_e2e.sh PHASE        (results under $OUT, or ./bench-out without it)
-# Each phase stays under the 10-minute command limit through --budget-s.
+#   bash bench/gpu_e2e.sh PHASE [BENCH ARGS...]   (results under $OUT, or ./bench-out without it)
+# Each phase stays under the 10-minute command limit through --budget-s. NPROC=2 runs a phase on
+# two GPUs; extra arguments go to `attnpool bench` after the phase's own (the last one wins).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-bench-out}
@@ -9,10 +10,12 @@ mkdir -p "$OUT"
 bench() {  # bench NAME ARGS...: one torchrun of `attnpool bench`, its log and results kept under $OUT/NAME
   local name=$1; shift
   mkdir -p "$OUT/$name"
-  python3 -m torch.distributed.run --nproc_per_node 4 -m attnpool.cli.main bench --model llama3-8b --layers 4 \
-    --out "$OUT/$name" "$@" 2>&1 | grep -v "^\[rank" | tee "$OUT/$name/log"
+  python3 -m torch.distributed.run --nproc_per_node "${NPROC:-4}" -m attnpool.cli.main bench --model llama3-8b \
+    --layers 4 --out "$OUT/$name" "$@" "${EXTRA[@]}" 2>&1 | grep -v "^\[rank" | tee "$OUT/$name/log"
 }
-case "${1:-}" in
+PHASE=${1:-}
+EXTRA=("${@:2}")
+case "$PHASE" in
   smoke)  # the sparse path once on GPUs, a few seconds of steps
     bench smoke --configs prolong:32K --strategies local+sparse,cad+sparse --warmup 1 --steps 1 --budget-s 60 \
       --sparse-args min_doc_len=4096,slash_cap=192,vertical_cap=1024 ;;
@@ -24,6 +27,9 @@ case "${1:-}" in
       --warmup 2 --steps 5 --trace cad+sparse --budget-s 420 ;;
   pretrain64)
     bench pretrain64 --configs pretrain:64K --warmup 3 --steps 10 --trace cad+pingpong --budget-s 430 ;;
+  pretrain64-memory)  # peak memory of cad against local where it was missed (+10.8%), no trace
+    bench pretrain64-memory --configs pretrain:64K --strategies local,cad,cad+pingpong --warmup 3 --steps 10 \
+      --budget-s 300 ;;
   # The rest of issue 6's matrix, each phase sized to fit one 10-minute call.
   prolong64)
     bench prolong64 --configs prolong:64K --warmup 3 --steps 10 --budget-s 450 ;;
@@ -39,6 +45,7 @@ case "${1:-}" in
     # neither timed on GPUs yet
     bench prolong256-sparse-pingpong --configs prolong:256K --strategies cad+sparse,cad+pingpong+sparse,cad+sparse+readkv \
       --sparse-args slash_cap=192,vertical_cap=1024 --warmup 2 --steps 5 --budget-s 420 ;;
-  *) phases="smoke|prolong128|prolong256|pretrain64|prolong64|pretrain128|pretrain256|prolong256-baselines"
-     echo "usage: bash bench/gpu_e2e.sh $phases|prolong256-sparse-pingpong" >&2; exit 2 ;;
+  *) phases="smoke|prolong128|prolong256|pretrain64|pretrain64-memory|prolong64|pretrain128|pretrain256"
+     echo "usage: bash bench/gpu_e2e.sh $phases|prolong256-baselines|prolong256-sparse-pingpong [BENCH ARGS...]" >&2
+     exit 2 ;;
 esac

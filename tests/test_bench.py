@@ -18,6 +18,7 @@ def test_bench_runs_every_strategy_and_writes_results(tmp_path):
                      "cad+pingpong (1-element messages)"]
     for rec in records:
         for key in ("strategy", "dist", "tokens_per_gpu", "step_time_s", "tokens_per_s", "speedup_vs_local",
+                    "speedup_vs_local_total", "total_time_s", "plan_time_s",
                     "efficiency", "mfu", "imbalance_after", "bytes_sent_per_gpu", "peak_memory_bytes"):
             assert key in rec
     assert all(rec["loss_ok"] for rec in records[:6])  # same batches, same initial weights

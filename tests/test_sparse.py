@@ -215,6 +215,9 @@ def test_bad_pattern_refused():
                    seg_doc=c["seg_doc"])
     with pytest.raises(ConfigError):
         sk.forward(c["q"], c["k"], c["v"], c["cu_q"], c["cu_k"], 100, 100, pattern="x")
+    with pytest.raises(ConfigError, match="dq_mode"):  # refused before any kernel (or Triton) is needed
+        sk.triton_backward(c["q"], c["q"], c["k"], c["v"], c["q"], None, c["cu_q"], c["cu_k"], 100, 100,
+                           pattern=c["pat"], seg_doc=c["seg_doc"], dq_mode="atomic")
 
 
 # --- estimation ---
@@ -486,10 +489,11 @@ def _interpreter_case(c):
     assert torch.allclose(l_tri[fin], l_twin[fin].float(), atol=1e-5)
     g_twin = sk.backward(c["do"], *args[:3], o_twin, l_twin, *args[3:], pattern=c["pat"], seg_doc=c["seg_doc"],
                          impl="twin")
-    g_tri = sk.backward(c["do"], *args[:3], o_tri, l_tri, *args[3:], pattern=c["pat"], seg_doc=c["seg_doc"],
-                        impl="triton", index=idx)
-    for a, b in zip(g_tri, g_twin):
-        assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
+    for mode in sk.DQ_MODES:  # dQ in its own pass, and fused into the dK/dV passes by atomics
+        g_tri = sk.triton_backward(c["do"], *args[:3], o_tri, l_tri, *args[3:], pattern=c["pat"],
+                                   seg_doc=c["seg_doc"], index=idx, dq_mode=mode)
+        for name, a, b in zip(("dq", "dk", "dv"), g_tri, g_twin):
+            assert torch.allclose(a, b, atol=1e-4), (mode, name, (a - b).abs().max())
 
 
 def test_triton_interpreter_matches_twin():

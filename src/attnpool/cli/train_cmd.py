@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 
 import yaml
 
@@ -60,11 +59,7 @@ def run(args: argparse.Namespace) -> int:
         if value is None:
             continue
         overrides[name] = _key_values(name, value) if field_kind(f) == "dict" else value
-    try:
-        config = load_config(args.config, overrides)
-        return run_training(config)
-    except ConfigError:
-        # Under torchrun every rank holds the same (agreed) error: let rank 0 say it.
-        if int(os.environ.get("RANK", "0")) != 0 and "LOCAL_RANK" in os.environ:
-            return 2
-        raise
+    # Under torchrun every rank holds the same (agreed) error and says it: torchrun stops the other
+    # ranks as soon as one exits, so a rank that stayed silent could cut rank 0 off before it spoke.
+    config = load_config(args.config, overrides)
+    return run_training(config)

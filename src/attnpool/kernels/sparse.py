@@ -31,7 +31,15 @@ from attnpool.kernels.base import Backend, check_inputs, default_scale
 from attnpool.sparse.pattern import VerticalSlashPattern, _excl_cumsum, _slot_owner
 
 VERTICAL_CHUNK = 64  # vertical columns gathered per kernel step on GPUs
+DELTA_ROWS = 64  # query rows per program of the backward's rowsum(dout * out)
 QSPLIT = 64  # query blocks per program of the vertical dK/dV pass
+# How the backward computes dQ. "separate": its own query-major pass, no atomics
+# (7 tile products per tile in all). "fused": the dK/dV passes also form dQ from the
+# dS they already hold and add it with fp32 atomics (5 products, as FlashAttention-2),
+# which makes dQ's summation order nondeterministic. bench/gpu_sparse.py times both;
+# on an H200 "fused" is 6-9% slower (the atomics cost more than the pass they save).
+DQ_MODES = ("separate", "fused")
+DQ_MODE = "separate"
 # Launch configuration on CUDA per kernel: warps, pipeline stages, and the sub-tile
 # (keys per dQ step, query rows per dK/dV step) that a 128 x 128 tile is cut into.
 # bench/gpu_sparse.py sweeps these; the defaults are its best on an H200.
@@ -39,7 +47,9 @@ CONFIG = {
     "fwd": dict(num_warps=8, num_stages=2),
     "dq": dict(num_warps=8, num_stages=2, SUB_N=64),
     "dkdv": dict(num_warps=8, num_stages=2, SUB_M=64),
-    "vert": dict(num_warps=4, num_stages=2, SUB_M=64),
+    "vert": dict(num_warps=4, num_stages=1, SUB_M=64),
+    "dkdv_fused": dict(num_warps=8, num_stages=2, SUB_M=64),
+    "vert_fused": dict(num_warps=4, num_stages=1, SUB_M=64),
 }
 
 
@@ -300,7 +310,11 @@ def _on_device(pattern: VerticalSlashPattern, dev) -> VerticalSlashPattern:
 
 
 def triton_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None, *, pattern, seg_doc=None,
-                    index=None, timings: dict | None = None):
+                    index=None, timings: dict | None = None, dq_mode: str | None = None):
+    dq_mode = DQ_MODE if dq_mode is None else dq_mode
+    if dq_mode not in DQ_MODES:
+        raise ConfigError("dq_mode", dq_mode, f"choose one of {', '.join(DQ_MODES)}")
+    fuse_dq = dq_mode == "fused"
     check_inputs(q, k, v, cu_q, cu_k)
     _check_pattern(pattern, q, seg_doc, cu_q)
     _launch_ok(q, k)
@@ -315,13 +329,17 @@ def triton_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=Non
     G = H // H_kv
     lse = lse.float().contiguous()
     # D_i = rowsum(dout * out), (H, T_q) float32.
-    delta = (dout.float() * out.float()).sum(-1).transpose(0, 1).contiguous()
-    dq = torch.zeros_like(q)
+    delta = torch.empty(H, q.shape[0], dtype=torch.float32, device=dev)
+    if q.shape[0]:
+        st._bwd_delta[(-(-q.shape[0] // DELTA_ROWS), H)](
+            out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), q.shape[0],
+            HEAD_DIM=D, ROWS=DELTA_ROWS)
+    dq = torch.zeros(q.shape, dtype=torch.float32 if fuse_dq else q.dtype, device=dev)
     dk32 = torch.zeros(k.shape, dtype=torch.float32, device=dev)
     dv32 = torch.zeros(v.shape, dtype=torch.float32, device=dev)
     cuq, cuk = cu_q.to(dev, torch.int32), cu_k.to(dev, torch.int32)
     common = dict(GROUP=G, HEAD_DIM=D, BLOCK=idx.block, IEEE=q.dtype == torch.float32)
-    opts = lambda name: _launch_options(dev, idx.block, name)
+    opts = lambda name: _launch_options(dev, idx.block, name + ("_fused" if fuse_dq and name != "dq" else ""))
     scale_log2 = scale * 1.4426950408889634
     events = []
 
@@ -333,35 +351,37 @@ def triton_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=Non
 
     if q.shape[0] and k.shape[0]:
         mark("start")
-        npq = idx.prog_seg.numel()
-        st._bwd_dq[(npq, H)](
-            q, k, v, dout, lse, delta, dq, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-            v.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), q.shape[0],
-            cuq, cuk, idx.seg_doc, idx.prog_seg, idx.prog_blk, npq,
-            tab["sl_list"], tab["bits"], tab["bits"].shape[1], tab["blk_off"], tab["vert"], tab["vert"].shape[1],
-            tab["vert_off"], idx.n_sl, idx.v_hi, scale, scale_log2, BV=idx.chunk, **common, **opts("dq"))
-        mark("dq")
+        if not fuse_dq:
+            npq = idx.prog_seg.numel()
+            st._bwd_dq[(npq, H)](
+                q, k, v, dout, lse, delta, dq, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+                v.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), q.shape[0],
+                cuq, cuk, idx.seg_doc, idx.prog_seg, idx.prog_blk, npq,
+                tab["sl_list"], tab["bits"], tab["bits"].shape[1], tab["blk_off"], tab["vert"], tab["vert"].shape[1],
+                tab["vert_off"], idx.n_sl, idx.v_hi, scale, scale_log2, BV=idx.chunk, **common, **opts("dq"))
+            mark("dq")
         npk = idx.kprog_seg.numel()
         st._bwd_dkdv_slash[(npk, H_kv)](
-            q, k, v, dout, lse, delta, dk32, dv32, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), dk32.stride(0), dk32.stride(1), q.shape[0],
-            cuq, cuk, idx.seg_doc, idx.kprog_seg, idx.kprog_blk, npk,
-            tab["sl_list"], tab["bits"].shape[1], tab["blk_off"], idx.kv_lo, idx.kv_hi, scale, scale_log2, **common,
-            **opts("dkdv"))
+            q, k, v, dout, lse, delta, dk32, dv32, dq, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), dk32.stride(0), dk32.stride(1),
+            dq.stride(0), dq.stride(1), q.shape[0], cuq, cuk, idx.seg_doc, idx.kprog_seg, idx.kprog_blk, npk,
+            tab["sl_list"], tab["bits"].shape[1], tab["blk_off"], idx.kv_lo, idx.kv_hi, scale, scale_log2,
+            FUSE_DQ=fuse_dq, **common, **opts("dkdv"))
         mark("dkdv_slash")
         npv = idx.vprog_seg.numel()
         st._bwd_dkdv_vert[(npv, H, idx.n_split)](
-            q, k, v, dout, lse, delta, dk32, dv32, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), dk32.stride(0), dk32.stride(1), q.shape[0],
-            cuq, cuk, idx.seg_doc, idx.vprog_seg, idx.vprog_chunk, npv, idx.v_max,
-            tab["bits"], tab["bits"].shape[1], tab["blk_off"], tab["vert"], tab["vert"].shape[1], tab["vert_off"],
-            tab["run"], H, scale, scale_log2, BV=idx.chunk, QSPLIT=QSPLIT, **common, **opts("vert"))
+            q, k, v, dout, lse, delta, dk32, dv32, dq, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), dk32.stride(0), dk32.stride(1),
+            dq.stride(0), dq.stride(1), q.shape[0], cuq, cuk, idx.seg_doc, idx.vprog_seg, idx.vprog_chunk, npv,
+            idx.v_max, tab["bits"], tab["bits"].shape[1], tab["blk_off"], tab["vert"], tab["vert"].shape[1],
+            tab["vert_off"], tab["run"], H, scale, scale_log2, BV=idx.chunk, QSPLIT=QSPLIT, FUSE_DQ=fuse_dq,
+            **common, **opts("vert"))
         mark("dkdv_vertical")
     if events:
         torch.cuda.synchronize(dev)
         for (_, a), (name, b) in zip(events, events[1:]):
             timings[name] = timings.get(name, 0.0) + a.elapsed_time(b) / 1e3
-    return dq, dk32.to(k.dtype), dv32.to(v.dtype)
+    return dq.to(q.dtype), dk32.to(k.dtype), dv32.to(v.dtype)
 
 
 # --- dispatch ---

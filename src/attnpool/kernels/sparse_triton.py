@@ -1,6 +1,6 @@
 """Triton kernels of vertical-slash sparse attention over the CA-task layout.
 
-Four kernels, all over the index built in :mod:`attnpool.kernels.sparse`
+Five kernels, all over the index built in :mod:`attnpool.kernels.sparse`
 (``SparseIndex``); see :mod:`attnpool.sparse.pattern` for the attended set.
 
 - ``_fwd``: one program per (query block, query head). Loops over the head's block
@@ -19,6 +19,14 @@ Four kernels, all over the index built in :mod:`attnpool.kernels.sparse`
   blocks that attend them as verticals and adds them with fp32 atomics into the
   buffers the slash pass wrote (contention: only query heads of one group that
   chose the same column, and the splits of one chunk).
+- ``_bwd_delta``: the backward's rowsum(dO * O) per (row, head), read once in bf16.
+
+With ``FUSE_DQ`` the two dK/dV passes also form dQ from the dS they hold and add
+it with fp32 atomics, and ``_bwd_dq`` is skipped (``sparse.DQ_MODE = "fused"``):
+5 tile products instead of 7, but on an H200 the atomics cost more than the dQ
+pass they replace (bench/results/2026-11-22-h200-sparse-backward.md). Atomics are
+``relaxed``: only the sum after the kernel matters, and Triton's default
+acquire-release ordering made them twice as slow.
 
 Rows are positions in key coordinates (p = k_len - q_len + row); blocks are
 aligned to key position 0, so a query shard that starts mid-block gets a partial
@@ -37,6 +45,19 @@ def _dot(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def _bwd_delta(O, DO, DELTA, so_t, so_h, sdo_t, sdo_h, T_q, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """DELTA[h, i] = sum_d O[i, h, d] * DO[i, h, d] in fp32: one read of both, no fp32 copies."""
+    h = tl.program_id(1)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = rows < T_q
+    offs_d = tl.arange(0, HEAD_DIM)
+    r = rows.to(tl.int64)[:, None]
+    o = tl.load(O + r * so_t + h * so_h + offs_d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + r * sdo_t + h * sdo_h + offs_d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    tl.store(DELTA + h * T_q + rows, tl.sum(o * do, 1), mask=ok)
 
 
 @triton.jit
@@ -142,7 +163,6 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
         rows = offs_m - shift
         row_ok = (rows >= 0) & (rows < q_len)
         offs_d = tl.arange(0, HEAD_DIM)
-        offs_n = tl.arange(0, BLOCK)
         offs_v = tl.arange(0, BV)
         offs_sn = tl.arange(0, SUB_N)
         qrow = (q0 + rows).to(tl.int64)
@@ -184,13 +204,13 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
 
 
 @triton.jit
-def _bwd_dkdv_slash(Q, K, V, DO, LSE, DELTA, DK, DV,
-                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, sdk_t, sdk_h, T_q,
+def _bwd_dkdv_slash(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
+                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, sdk_t, sdk_h, sdq_t, sdq_h, T_q,
                     CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK, N_KPROG,
                     SL_LIST, NBT, BLK_OFF, KV_LO, KV_HI,
                     scale, scale_log2,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SUB_M: tl.constexpr,
-                    IEEE: tl.constexpr):
+                    FUSE_DQ: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.load(KPROG_SEG + pid)
@@ -237,18 +257,23 @@ def _bwd_dkdv_slash(Q, K, V, DO, LSE, DELTA, DK, DV,
                     dpT = _dot(v, tl.trans(do), IEEE)
                     dsT = pT * (dpT - di[None, :])
                     dk += _dot(dsT.to(q.dtype), q, IEEE)
+                    if FUSE_DQ:
+                        dq = _dot(tl.trans(dsT.to(k.dtype)), k, IEEE) * scale
+                        tl.atomic_add(DQ + qrow[:, None] * sdq_t + h * sdq_h + offs_d[None, :], dq,
+                                      mask=row_ok[:, None], sem="relaxed")
         tl.store(DK + krow[:, None] * sdk_t + kvh * sdk_h + offs_d[None, :], dk * scale, mask=kmask[:, None])
         tl.store(DV + krow[:, None] * sdk_t + kvh * sdk_h + offs_d[None, :], dv, mask=kmask[:, None])
 
 
 @triton.jit
-def _bwd_dkdv_vert(Q, K, V, DO, LSE, DELTA, DK, DV,
-                   sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, sdk_t, sdk_h, T_q,
+def _bwd_dkdv_vert(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
+                   sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, sdk_t, sdk_h, sdq_t, sdq_h, T_q,
                    CU_Q, CU_K, SEG_DOC, VPROG_SEG, VPROG_CHUNK, N_VPROG, V_MAX,
                    SL_BITS, NBT, BLK_OFF, VERT, NVT, VERT_OFF, RUN, N_HEADS,
                    scale, scale_log2,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BV: tl.constexpr,
-                   QSPLIT: tl.constexpr, SUB_M: tl.constexpr, IEEE: tl.constexpr):
+                   QSPLIT: tl.constexpr, SUB_M: tl.constexpr, FUSE_DQ: tl.constexpr,
+                   IEEE: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -304,6 +329,10 @@ def _bwd_dkdv_vert(Q, K, V, DO, LSE, DELTA, DK, DV,
                     dpT = _dot(v, tl.trans(do), IEEE)
                     dsT = pT * (dpT - di[None, :])
                     dk += _dot(dsT.to(q.dtype), q, IEEE)
+                    if FUSE_DQ:
+                        dq = _dot(tl.trans(dsT.to(k.dtype)), k, IEEE) * scale
+                        tl.atomic_add(DQ + qrow[:, None] * sdq_t + h * sdq_h + offs_d[None, :], dq,
+                                      mask=row_ok[:, None], sem="relaxed")
             ptr = krow[:, None] * sdk_t + kvh * sdk_h + offs_d[None, :]
-            tl.atomic_add(DK + ptr, dk * scale, mask=vm[:, None])
-            tl.atomic_add(DV + ptr, dv, mask=vm[:, None])
+            tl.atomic_add(DK + ptr, dk * scale, mask=vm[:, None], sem="relaxed")
+            tl.atomic_add(DV + ptr, dv, mask=vm[:, None], sem="relaxed")

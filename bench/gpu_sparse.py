@@ -45,8 +45,6 @@ import torch
 
 from attnpool.bench.timing import cuda_median_s
 
-from triton.runtime.errors import OutOfResources
-
 from attnpool.kernels import flash
 from attnpool.kernels import sparse as sk
 from attnpool.sparse import SparseConfig, VerticalSlashPattern, estimate_vertical_slash
@@ -179,6 +177,8 @@ def run_sparse(q, k, v, do, cu_q, cu_k, mq, mk, pattern, seg_doc=None, reps=3, m
 
 def tune_backward(q, k, v, do, c, L, pattern):
     """Pick warps and sub-tile per backward kernel and dQ mode on this pattern (per-kernel CUDA-event times)."""
+    from triton.runtime.errors import OutOfResources
+
     idx = sk.SparseIndex.build(pattern, c, c, q.shape[0], k.shape[0], L)
     o, l = sk.forward(q, k, v, c, c, L, L, pattern=pattern, impl="triton", index=idx)
     results = {}
@@ -204,6 +204,8 @@ def tune_backward(q, k, v, do, c, L, pattern):
             results[name] = ms
             if best is None or ms < best[0]:
                 best = (ms, dict(sk.CONFIG[kernel]))
+        if best is None:
+            raise RuntimeError(f"no launch configuration of {kernel} fits this GPU: {results}")
         sk.CONFIG[kernel] = best[1]
         print(f"  tuned {kernel}: {best[1]} ({best[0]:.1f} ms)", flush=True)
     return results, {k: dict(v) for k, v in sk.CONFIG.items()}

@@ -470,7 +470,7 @@ def _interpreter_check():
     c = dict(pat=pat, seg_doc=torch.tensor([0, 1, 0]), cu_q=cu([s[0] for s in segs]), cu_k=cu([s[1] for s in segs]),
              q=torch.randn(190, 4, 16, generator=g), k=torch.randn(284, 2, 16, generator=g),
              v=torch.randn(284, 2, 16, generator=g), do=torch.randn(190, 4, 16, generator=g))
-    for name in ("dq", "dkdv", "vert"):
+    for name in ("dq", "dkdv", "vert", "dkdv_fused", "vert_fused"):
         sk.CONFIG[name] = {key: (16 if key.startswith("SUB") else val) for key, val in sk.CONFIG[name].items()}
     _interpreter_case(c)
     print("INTERPRETER OK")

@@ -93,10 +93,10 @@ class SparseCoefficients:
 
 
 # Our kernels on one H200 (bench/gpu_sparse.py, torch 2.11, triton 3.6, bf16, head_dim 128):
-# per (tile, head); the per-call constant (0.74 ms forward, 5.5 ms backward: index building,
+# per (tile, head); the per-call constant (0.77 ms forward, 2.4 ms backward: index building,
 # fp32 dK/dV buffers) is the same for every server, so it is left out of task costs.
-H200_MEASURED = SparseCoefficients(25.1e-9, 23.4e-9, 0.0, 71.9e-9, 54.9e-9, 0.0,
-                                   source="bench/gpu_sparse.py, NVIDIA H200, 2026-11-21 (mean fit error 1.2% / 1.9%)")
+H200_MEASURED = SparseCoefficients(25.1e-9, 23.5e-9, 0.0, 71.2e-9, 44.8e-9, 0.0,
+                                   source="bench/gpu_sparse.py, NVIDIA H200, 2026-11-22 (mean fit error 0.9% / 1.1%)")
 
 
 def fit_coefficients(slash, bars, seconds, tasks=None) -> tuple[float, float, float]:

@@ -419,3 +419,24 @@ def test_presets_take_a_layers_override():
     assert model_config("llama3-8b", layers=4) == model_config("llama3-8b", n_layers=4)
     with pytest.raises(ConfigError, match="not both"):
         model_config("tiny", layers=2, n_layers=3)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
+def test_rmsnorm_matches_float64_formula(dtype, tol):
+    """x * weight / sqrt(mean(x^2) + eps), output and both gradients, rounded once to the input's dtype."""
+    from attnpool.model.llama import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(37, 64, generator=g, dtype=torch.float64)).to(dtype).requires_grad_()
+    norm = RMSNorm(64, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(64, generator=g, dtype=torch.float64))
+    grad = torch.randn(37, 64, generator=g, dtype=torch.float64)
+    out = norm(x)
+    out.backward(grad.to(dtype))
+    assert out.dtype == dtype
+    xr, wr = x.detach().double().requires_grad_(), norm.weight.detach().double().requires_grad_()
+    ref = wr * xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-5)
+    ref.backward(grad)
+    for got, want in ((out, ref), (x.grad, xr.grad), (norm.weight.grad, wr.grad)):
+        assert (got.double() - want).abs().max() <= tol * want.abs().max()

@@ -26,3 +26,14 @@ def test_bench_runs_every_strategy_and_writes_results(tmp_path):
     assert (tmp_path / "trace-prolong-1K-cad.txt").read_text().strip()  # the profiled extra step
     assert (tmp_path / "trace-prolong-1K-cad.json.gz").stat().st_size > 0
     assert "| prolong | 1K | cad |" in (tmp_path / "e2e.md").read_text()
+
+
+def test_bench_without_activation_checkpointing_says_so(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "attnpool.cli.main", "bench",
+           "--device", "cpu", "--model", "tiny", "--layers", "1", "--configs", "prolong:1K", "--strategies", "local,cad",
+           "--warmup", "0", "--steps", "1", "--activation-checkpointing", "none", "--out", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    meta = json.loads((tmp_path / "e2e.json").read_text())["meta"]
+    assert meta["command"].endswith("--activation-checkpointing none")
+    assert "activation checkpointing off" in (tmp_path / "e2e.md").read_text()

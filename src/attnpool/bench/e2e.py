@@ -42,7 +42,7 @@ from attnpool.data.lengths import DISTRIBUTIONS
 from attnpool.errors import ConfigError
 from attnpool.model import model_config
 from attnpool.sizes import parse_size
-from attnpool.train.config import TrainConfig
+from attnpool.train.config import CHECKPOINTING, TrainConfig
 from attnpool.train.train import train
 
 STRATEGIES = {  # name -> (attention, pingpong, vertical-slash sparse attention: None or its kv_transfer)
@@ -62,6 +62,9 @@ H200_BF16_PEAK_TFLOPS = 989.0  # dense, datasheet: the MFU denominator
 LOSS_TOLERANCE = 0.02
 
 
+CHECKPOINTING_TEXT = {"keep_attention": "of the linear parts", "full": "of whole layers", "none": "off"}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="directory for e2e.json and e2e.md")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: gloo, a smoke test of the benchmark itself")
@@ -76,6 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=10, help="measured steps")
     p.add_argument("--ablation", action="store_true", help="also cad+pingpong with one-element messages")
     p.add_argument("--budget-s", type=float, default=float("inf"), help="start no new run after this many seconds")
+    p.add_argument("--activation-checkpointing", default="keep_attention", choices=CHECKPOINTING,
+                   help="what the backward recomputes (default: everything but core attention); 'none' shows what "
+                        "the recompute costs, which the ideal leaves out, where memory allows")
     p.add_argument("--sparse-args", default="", metavar="K=V,...",
                    help="options of the +sparse strategies, e.g. coverage=0.9,slash_cap=64,vertical_cap=1024 "
                         "(coverage, min_doc_len, and any --sparse-args key of attnpool train)")
@@ -122,7 +128,7 @@ def run_one(name, dist_name, tokens, args, out_dir, trace=False):
         tokens_per_rank=tokens, steps=args.warmup + args.steps + TRACE_STEPS,
         stop_at=None if trace else args.warmup + args.steps, warmup_steps=2, lr=1e-4, seed=0,
         attention=attention, pingpong=pingpong, **sparse,
-        activation_checkpointing="keep_attention", precision="bf16",
+        activation_checkpointing=args.activation_checkpointing, precision="bf16",
         device=args.device, progress=False, checkpoint_every=-1, out=os.path.join(out_dir, f"{dist_name}-{tokens}-{name}"),
     )
     if not trace:
@@ -303,11 +309,14 @@ def finish(records, skipped, args, world, cfg):
                        f"--layers {args.layers} --configs {args.configs} "
                        f"--strategies {args.strategies} --warmup {args.warmup} --steps {args.steps}"
                        + (" --ablation" if args.ablation else "") + (f" --trace {args.trace}" if args.trace else "")
-                       + (f" --sparse-args {args.sparse_args}" if args.sparse_args else "")}
+                       + (f" --sparse-args {args.sparse_args}" if args.sparse_args else "")
+                       + (f" --activation-checkpointing {args.activation_checkpointing}"
+                          if args.activation_checkpointing != "keep_attention" else "")}
     with open(os.path.join(args.out, "e2e.json"), "w") as f:
         json.dump({"meta": meta, "records": records}, f, indent=1)
     lines = [f"# End-to-end training steps on {meta['machine']}", "",
-             f"{meta['model']}, torch {meta['torch']}, bf16, FSDP2, activation checkpointing of the linear parts, "
+             f"{meta['model']}, torch {meta['torch']}, bf16, FSDP2, activation checkpointing "
+             f"{CHECKPOINTING_TEXT[args.activation_checkpointing]}, "
              f"{args.warmup} warm-up + {args.steps} measured steps (median), same seeds and batches for all strategies.",
              "", f"Command: `{meta['command']}`", "",
              "| dist | tokens/GPU | strategy | step (s) | tokens/s | vs local | vs local (total) | MFU | efficiency | "

@@ -162,8 +162,9 @@ def exactness(quick):
 
 # --- 2. speed, 3. cost samples ---
 
-def run_sparse(q, k, v, do, cu_q, cu_k, mq, mk, pattern, seg_doc=None, reps=3, modes=(None,)):
-    """Forward time, backward time per dQ mode (None: the module default), slash and bar tiles."""
+def run_sparse(q, k, v, do, cu_q, cu_k, mq, mk, pattern, seg_doc=None, reps=3, modes=None):
+    """Forward time, {dQ mode: backward time} (default: the module's mode only), slash and bar tiles."""
+    modes = (sk.DQ_MODE,) if modes is None else modes
     idx = sk.SparseIndex.build(pattern, cu_q, cu_k, q.shape[0], k.shape[0], mq, seg_doc)
     fwd = lambda: sk.forward(q, k, v, cu_q, cu_k, mq, mk, pattern=pattern, seg_doc=seg_doc, impl="triton", index=idx)
     o, l = fwd()
@@ -172,7 +173,7 @@ def run_sparse(q, k, v, do, cu_q, cu_k, mq, mk, pattern, seg_doc=None, reps=3, m
                                                       seg_doc=seg_doc, index=idx, dq_mode=mode), reps)
            for mode in modes}
     n_sl, n_bar = idx.tiles()
-    return t_f, (t_b[None] if modes == (None,) else t_b), int(n_sl), int(n_bar)
+    return t_f, t_b, int(n_sl), int(n_bar)
 
 
 def tune_backward(q, k, v, do, c, L, pattern):
@@ -263,7 +264,7 @@ def speed(quick, report):
             ks, vs = torch.cat([k[:L // 2], k]), torch.cat([v[:L // 2], v])
             t_f, t_b, n_sl, n_bar = run_sparse(qs, ks, vs, do[:Tq], cu([s[0] for s in segs]), cu([s[1] for s in segs]),
                                                L // 2, L, pat, torch.tensor([0, 0], device=DEV), reps=reps)
-            samples.append(dict(kind=f"shards L={L} cov={cov}", slash=n_sl, bars=n_bar, fwd=t_f, bwd=t_b))
+            samples.append(dict(kind=f"shards L={L} cov={cov}", slash=n_sl, bars=n_bar, fwd=t_f, bwd=t_b[sk.DQ_MODE]))
             del pat, qs, ks, vs
         del q, k, v, do
     return rows, samples
@@ -283,6 +284,7 @@ def mix_samples(quick):
     for n_slash, n_vert in ((8, 0), (64, 0), (0, 1024), (0, 3072), (24, 1024), (128, 2048)):
         pat = VerticalSlashPattern.random([L], Hq, 128, n_slash=n_slash, n_vertical=n_vert, generator=gh, device=DEV)
         t_f, t_b, n_sl, n_bar = run_sparse(q, k, v, do, c, c, L, L, pat)
+        t_b = t_b[sk.DQ_MODE]
         out.append(dict(kind=f"random L={L} slash={n_slash} vert={n_vert}", slash=n_sl, bars=n_bar, fwd=t_f, bwd=t_b))
         print(f"  {out[-1]['kind']}: slash tiles {n_sl}, bar tiles {n_bar}, fwd {t_f*1e3:.2f} ms, bwd {t_b*1e3:.2f} ms",
               flush=True)

@@ -160,9 +160,8 @@ class SegmentRows:
     @classmethod
     def of(cls, q_len: np.ndarray, k_len: np.ndarray, keep: np.ndarray, device) -> "SegmentRows":
         """``q_len``, ``k_len``: the full call's segments in call order; ``keep``: the subset's."""
-        n, end = q_len, k_len
-        q_start, k_start = np.cumsum(n) - n, np.cumsum(end) - end
-        n, end = n[keep], end[keep]
+        q_start, k_start = np.cumsum(q_len) - q_len, np.cumsum(k_len) - k_len
+        n, end = q_len[keep], k_len[keep]
 
         dev = functools.partial(index_tensor, device=device)
 

@@ -1,5 +1,6 @@
 """`attnpool bench` end to end on CPU (gloo, tiny model): the GPU benchmark's own logic, in CI."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -37,3 +38,22 @@ def test_bench_without_activation_checkpointing_says_so(tmp_path):
     meta = json.loads((tmp_path / "e2e.json").read_text())["meta"]
     assert meta["command"].endswith("--activation-checkpointing none")
     assert "activation checkpointing off" in (tmp_path / "e2e.md").read_text()
+
+
+def test_summary_of_ping_pong_steps_with_one_document():
+    """Under ping-pong a step of one document runs as one nano-batch and times its core attention; the
+    others do not. The record then says "not measured" rather than failing or quoting those steps alone."""
+    from attnpool.bench.e2e import summarize
+    from attnpool.model import model_config
+
+    def row(attention_time_s):
+        return dict(step_time_s=1.0, tokens=4096, imbalance_after=1.0, imbalance_before=1.5, comm_bytes=0,
+                    peak_memory_bytes=1, attention_work_total=1.0, loss=1.0, plan_time_s=1e-3,
+                    attention_time_s=attention_time_s, longest_doc=4096)
+
+    args = argparse.Namespace(warmup=1)
+    cfg = model_config("tiny", n_layers=1)
+    mixed = summarize("cad+pingpong", "pretrain", 2048, [row(0.5), row(None), row(0.2), row(None)], args, 2, cfg)
+    assert mixed["attention_time_s"] is None
+    timed = summarize("cad", "pretrain", 2048, [row(0.5), row(0.1), row(0.2), row(0.3)], args, 2, cfg)
+    assert timed["attention_time_s"] == 0.2

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from attnpool import ConfigError, DocPiece, core_attention, plan_attention
 from attnpool.comm import comm_stats
 from attnpool.plan import AttentionShape, linear_layout
+from attnpool.runtime.core_attention import dispatch_layout
 from dist_harness import run_distributed
 
 STRATEGIES = ("local", "percp", "cad")
@@ -65,11 +66,18 @@ def worker(rank, world, dtype_name):
                 for t in (q, k, v):
                     t.requires_grad_(True)
                 comm_stats.reset()
-                out = core_attention(q, k, v, plan)
+                saved = []
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                    out = core_attention(q, k, v, plan)
+                layout = dispatch_layout(plan, q, k, v)
                 out.backward(dout)
                 results[(case, strategy, heads)] = dict(
                     out=out.detach().double(), dq=q.grad.double(), dk=k.grad.double(), dv=v.grad.double(),
                     stats={t: list(v) for t, v in comm_stats.by_tag.items()}, calls=comm_stats.calls,
+                    saved_numel=sum(t.numel() for t in saved),
+                    saved_inputs=any(t.data_ptr() == x.data_ptr() for t in saved for x in (q, k, v) if x.numel()),
+                    server_numel=(2 * layout.num_server_q * n_q + 2 * layout.num_unique_kv * n_kv) * HEAD_DIM
+                    + layout.num_server_q * n_q,  # Q and O, unique K and V, LSE
                 )
     return results
 
@@ -117,6 +125,16 @@ def assert_matches_reference(world, results, tolerance):
 
 def test_outputs_and_grads_match_reference_float32(world_results):
     assert_matches_reference(*world_results, tolerance=1e-5)
+
+
+def test_saved_for_backward_is_the_servers_buffers_alone(world_results):
+    """Rows a rank sends to other servers are held there, not also at home: backward keeps the server's
+    Q, unique KV, outputs and LSE, and none of the caller's q, k, v."""
+    world, results = world_results
+    for rank_results in results:
+        for key, got in rank_results.items():
+            assert got["saved_numel"] == got["server_numel"], key
+            assert not got["saved_inputs"], key
 
 
 def test_bytes_counted_equal_plan_prediction(world_results):

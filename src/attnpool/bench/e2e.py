@@ -192,9 +192,10 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg):
         + statistics.median(r["attention_work_total"] for r in measured) * cfg.n_layers / world,
         "losses": [r["loss"] for r in rows],
         # Host-side planning of each step (every rank plans the batch), and core attention's own time
-        # on the slowest rank (not measured under ping-pong, where it interleaves with the rest).
+        # on the slowest rank. Ping-pong interleaves it with the rest, except in a step of one document
+        # (one nano-batch): a median over only those steps would mislead, so none unless every step has one.
         "plan_time_s": statistics.median(r["plan_time_s"] for r in measured),
-        "attention_time_s": None if measured[0]["attention_time_s"] is None
+        "attention_time_s": None if any(r["attention_time_s"] is None for r in measured)
         else statistics.median(r["attention_time_s"] for r in measured),
         "attention_density": None if measured[0].get("attention_density") is None
         else statistics.mean(r["attention_density"] for r in measured),

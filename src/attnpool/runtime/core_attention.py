@@ -14,9 +14,12 @@ an autograd pair (start, wait) sharing a handle: in forward, start launches and
 wait waits; in backward, wait's backward launches the reverse exchange and
 start's backward waits for it, so the overlap carries over to backward.
 
-Saved for backward: this rank's own q, k, v, the Q and unique KV it received,
-and its server outputs and LSE. KV prefixes are expanded (one per kernel
-segment, Plan.kernel_segments) only transiently around each kernel call.
+Saved for backward: the server's own buffers, Q in task order and unique KV
+(what it serves, local rows and received rows together), its outputs and LSE;
+not this rank's own q, k, v, whose rows served elsewhere would otherwise be
+held twice. KV prefixes are expanded (one per kernel segment,
+Plan.kernel_segments) only transiently around each kernel call, and not at all
+where each served document is one segment (DispatchLayout.kv_expand_identity).
 """
 
 from __future__ import annotations
@@ -159,44 +162,49 @@ class _Serve(torch.autograd.Function):
     ``backend`` is a Backend, or a SparseServing that binds the sparse backend to
     patterns estimated from the server's inputs; backward reuses the bound one.
     With kv_transfer="read" the serving also fetches the withheld KV rows the
-    patterns read (runtime.sparse_kv), and backward sends their gradients home.
+    patterns read (runtime.sparse_kv), and backward sends their gradients home;
+    its saved unique KV then holds zeros in the withheld rows the patterns skip.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, q_recv, kv_recv, L: DispatchLayout, sh: _Shapes, backend, scale):
         q_srv, k_u, v_u = _server_inputs(L, sh, q, k, v, q_recv, kv_recv)
-        serving, kv_read = None, None
+        serving = None
         if isinstance(backend, SparseServing):
             serving, backend = backend, backend.bind(q, q_srv, k_u)
-            kv_read = serving.fetch_read_kv(k, v, k_u, v_u)
-        out_srv, lse = backend.forward(q_srv, k_u[L.kv_expand], v_u[L.kv_expand],
-                                       L.cu_q, L.cu_k, L.max_q, L.max_k, scale=scale)
-        # kv_read is saved like kv_recv: activation checkpointing frees it and its recompute fetches again.
-        ctx.save_for_backward(q, k, v, q_recv, kv_recv, out_srv, lse, kv_read)
-        ctx.meta = (L, sh, backend, scale, serving)
+            serving.fetch_read_kv(k, v, k_u, v_u)  # withheld rows the patterns read, into k_u and v_u
+        out_srv, lse = backend.forward(q_srv, *_expanded(L, k_u, v_u), L.cu_q, L.cu_k, L.max_q, L.max_k, scale=scale)
+        ctx.save_for_backward(q_srv, k_u, v_u, out_srv, lse)
+        ctx.meta = (L, sh, backend, scale, serving, q.shape, k.shape)
         return out_srv
 
     @staticmethod
     def backward(ctx, dout_srv):
-        q, k, v, q_recv, kv_recv, out_srv, lse, kv_read = ctx.saved_tensors
-        L, sh, backend, scale, serving = ctx.meta
-        q_srv, k_u, v_u = _server_inputs(L, sh, q, k, v, q_recv, kv_recv)
-        if kv_read is not None:
-            serving.read.place(kv_read, k_u, v_u)
-        dq_srv, dk_exp, dv_exp = backend.backward(dout_srv.contiguous(), q_srv, k_u[L.kv_expand], v_u[L.kv_expand],
-                                                  out_srv, lse, L.cu_q, L.cu_k, L.max_q, L.max_k, scale=scale)
-        # Each unique KV row may feed several tasks: sum the copies' gradients once here.
-        dk_u = torch.zeros_like(k_u).index_add_(0, L.kv_expand, dk_exp)
-        dv_u = torch.zeros_like(v_u).index_add_(0, L.kv_expand, dv_exp)
-        dq = torch.zeros_like(q)
+        q_srv, k_u, v_u, out_srv, lse = ctx.saved_tensors
+        L, sh, backend, scale, serving, q_shape, k_shape = ctx.meta
+        dq_srv, dk_exp, dv_exp = backend.backward(dout_srv.contiguous(), q_srv, *_expanded(L, k_u, v_u), out_srv, lse,
+                                                  L.cu_q, L.cu_k, L.max_q, L.max_k, scale=scale)
+        # Each unique KV row may feed several kernel segments: sum the copies' gradients once here.
+        if not L.kv_expand_identity:
+            dk_exp = torch.zeros_like(k_u).index_add_(0, L.kv_expand, dk_exp)
+            dv_exp = torch.zeros_like(v_u).index_add_(0, L.kv_expand, dv_exp)
+        dk_u, dv_u = dk_exp, dv_exp
+        dq = dq_srv.new_zeros(q_shape)
         dq[L.local_q_rows] = dq_srv[L.local_q_pos]
-        dk = torch.zeros_like(k).index_add_(0, L.local_kv_rows, dk_u[L.local_kv_pos])
-        dv = torch.zeros_like(v).index_add_(0, L.local_kv_rows, dv_u[L.local_kv_pos])
-        if kv_read is not None:
+        dk = dk_u.new_zeros(k_shape).index_add_(0, L.local_kv_rows, dk_u[L.local_kv_pos])
+        dv = dv_u.new_zeros(k_shape).index_add_(0, L.local_kv_rows, dv_u[L.local_kv_pos])
+        if serving is not None and serving.read is not None:
             serving.read.return_grads(dk_u, dv_u, dk, dv, serving.group)
         dq_recv = dq_srv[L.recv_q_pos].reshape(-1, sh.q_width)
         dkv_recv = torch.stack([dk_u[L.recv_kv_pos], dv_u[L.recv_kv_pos]], 1).reshape(-1, sh.kv_width)
         return dq, dk, dv, dq_recv, dkv_recv, None, None, None, None
+
+
+def _expanded(L: DispatchLayout, k_u: torch.Tensor, v_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as the kernel call reads them: one prefix per kernel segment."""
+    if L.kv_expand_identity:
+        return k_u, v_u
+    return k_u[L.kv_expand], v_u[L.kv_expand]
 
 
 class _ReturnStart(torch.autograd.Function):

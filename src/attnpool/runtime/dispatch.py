@@ -62,6 +62,7 @@ class DispatchLayout:
     recv_kv_pos: torch.Tensor  # position in the unique KV buffer of each received KV row
     num_unique_kv: int
     kv_expand: torch.Tensor  # unique-KV row of each expanded key (one prefix per kernel segment)
+    kv_expand_identity: bool  # expanded == unique (one segment per served document): no copy needed
     cu_q: torch.Tensor  # int32
     cu_k: torch.Tensor  # int32
     max_q: int
@@ -130,6 +131,8 @@ class DispatchLayout:
             num_server_q=int(n[mine].sum()),
             local_kv_rows=dev(local_kv_rows), local_kv_pos=dev(local_kv_pos), recv_kv_pos=dev(recv_kv_pos),
             num_unique_kv=int(x.length[seg].sum()),
-            kv_expand=dev(kv_expand), cu_q=dev(cu_q, torch.int32), cu_k=dev(cu_k, torch.int32),
+            kv_expand=dev(kv_expand),
+            kv_expand_identity=bool(np.array_equal(kv_expand, np.arange(int(x.length[seg].sum())))),
+            cu_q=dev(cu_q, torch.int32), cu_k=dev(cu_k, torch.int32),
             max_q=int(seg_q.max(initial=0)), max_k=int(seg_k.max(initial=0)),
         )

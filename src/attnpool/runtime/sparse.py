@@ -336,15 +336,11 @@ class SparseServing:
             self.bound = self._bind(q, q_srv, k_unique)
         return self.bound
 
-    def fetch_read_kv(self, k: torch.Tensor, v: torch.Tensor, k_unique: torch.Tensor,
-                      v_unique: torch.Tensor) -> torch.Tensor | None:
-        """After ``bind``: fill the withheld rows the patterns read into the server's KV buffers and
-        return them (backward places them again), or None where nothing is withheld (on every rank)."""
-        if self.read is None:
-            return None
-        rows = self.read.fetch(k, v, self.group)
-        self.read.place(rows, k_unique, v_unique)
-        return rows
+    def fetch_read_kv(self, k: torch.Tensor, v: torch.Tensor, k_unique: torch.Tensor, v_unique: torch.Tensor) -> None:
+        """After ``bind``: fill the withheld rows the patterns read into the server's KV buffers (zeros in
+        the other withheld rows); nothing where nothing is withheld (on every rank)."""
+        if self.read is not None:
+            self.read.place(self.read.fetch(k, v, self.group), k_unique, v_unique)
 
     def _bind(self, q: torch.Tensor, q_srv: torch.Tensor, k_unique: torch.Tensor) -> Backend:
         r = self.routes(q_srv.shape[1], q_srv.device)

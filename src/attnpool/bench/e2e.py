@@ -43,6 +43,7 @@ from attnpool.errors import ConfigError
 from attnpool.model import model_config
 from attnpool.sizes import parse_size
 from attnpool.train.config import CHECKPOINTING, TrainConfig
+from attnpool.train.metrics import attention_times
 from attnpool.train.train import train
 
 STRATEGIES = {  # name -> (attention, pingpong, vertical-slash sparse attention: None or its kv_transfer)
@@ -192,11 +193,9 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg):
         + statistics.median(r["attention_work_total"] for r in measured) * cfg.n_layers / world,
         "losses": [r["loss"] for r in rows],
         # Host-side planning of each step (every rank plans the batch), and core attention's own time
-        # on the slowest rank. Ping-pong interleaves it with the rest, except in a step of one document
-        # (one nano-batch): a median over only those steps would mislead, so none unless every step has one.
+        # on the slowest rank (not measured under ping-pong, where it interleaves with the rest).
         "plan_time_s": statistics.median(r["plan_time_s"] for r in measured),
-        "attention_time_s": None if any(r["attention_time_s"] is None for r in measured)
-        else statistics.median(r["attention_time_s"] for r in measured),
+        "attention_time_s": None if attention_times(measured) is None else statistics.median(attention_times(measured)),
         "attention_density": None if measured[0].get("attention_density") is None
         else statistics.mean(r["attention_density"] for r in measured),
         "longest_doc": max(r["longest_doc"] for r in rows),

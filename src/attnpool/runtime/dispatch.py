@@ -12,8 +12,9 @@ sender and its receiver agree without talking:
   (doc, start) order; received grouped by source.
 - On the server, tasks run in canonical order; its unique KV buffer holds each
   served document's prefix [0, kv_end) once, in (doc, start) order. Each kernel
-  segment's keys are a slice of it, expanded only transiently for the kernel
-  (``Plan.kernel_segments``: adjacent tasks that continue each other are one segment).
+  segment's keys are a slice of it, expanded only transiently for the kernel, and
+  not at all where each served document is one segment (``kv_expand_identity``;
+  ``Plan.kernel_segments``: adjacent tasks that continue each other are one segment).
 - Outputs go back in the order the queries came.
 """
 

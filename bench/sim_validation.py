@@ -3,10 +3,13 @@
 
 Regenerates the benchmark's batches (same synthetic source, seed and stream as
 `attnpool bench`), simulates them at 4 GPUs, TP = 1, one node, Llama-3-8B with 4
-layers, and compares with the measured step times in
-bench/results/2026-11-21-h200x4-e2e-short.json, per strategy and per step.
+layers, and compares with the measured step times of a results file, per strategy
+and per step: one run's `e2e.json`, or a merged file whose records name their run
+(`run`, with warm-up and step counts under `runs`); where a configuration and
+strategy were measured twice, the later record is used.
 
     python bench/sim_validation.py --out bench/results
+    python bench/sim_validation.py --measured bench/results/2026-11-21-h200x4-e2e-short.json
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import numpy as np
 from attnpool.data import DocumentStream, make_source
 from attnpool.sim.simulate import SimConfig, simulate_config
 
-MEASURED = "bench/results/2026-11-21-h200x4-e2e-short.json"  # the first, shortened run (2 + 4 steps)
+MEASURED = "bench/results/2026-11-22-h200x4-e2e.json"  # 3 + 10 steps
 # simulator strategy -> benchmark strategy
 PAIRS = {"local": "local", "wlb": "wlb", "cad-serial": "cad", "cad": "cad+pingpong"}
 TARGET = 0.15
@@ -43,11 +46,16 @@ def main() -> int:
     args = parser.parse_args()
     data = json.load(open(args.measured))
     meta, records = data["meta"], data["records"]
+    runs = {run["name"]: run for run in data.get("runs", [])}
     world = int(meta["machine"].split(" x ")[0])
     rows = []
     for dist, tokens in sorted({(r["dist"], r["tokens_per_gpu"]) for r in records}):
         measured = {r["strategy"]: r for r in records if (r["dist"], r["tokens_per_gpu"]) == (dist, tokens)}
-        batches = bench_batches(dist, tokens, world, meta["warmup"], meta["measured_steps"])
+        steps = {(runs.get(r.get("run"), meta)["warmup"], runs.get(r.get("run"), meta)["measured_steps"])
+                 for r in measured.values()}
+        if len(steps) != 1:
+            raise SystemExit(f"{dist} {tokens}: runs with different warm-up or step counts {sorted(steps)}")
+        batches = bench_batches(dist, tokens, world, *steps.pop())
         config = SimConfig(model="llama3-8b", layers=4, gpus=world, tp=1, gpus_per_node=world, tokens_per_gpu=tokens,
                            dist=dist, strategies=("local", "wlb", "cad"), batches=len(batches),
                            recompute="linear")  # the benchmark's keep_attention checkpointing and chunked loss

@@ -38,9 +38,11 @@ case "$PHASE" in
   pretrain128-baselines)
     bench pretrain128-baselines --configs pretrain:128K --strategies cad+pingpong,percp,wlb --warmup 3 --steps 10 \
       --budget-s 330 ;;
-  pretrain256)  # not run yet: at 3 + 10 steps local alone may not fit one 10-minute call
-    bench pretrain256 --configs pretrain:256K --strategies local,percp,cad+pingpong --warmup 3 --steps 10 \
-      --budget-s 500 ;;
+  pretrain256)  # not run yet; the simulator predicts 31 s local steps (7 minutes for 13) and 20 s cad steps
+    bench pretrain256 --configs pretrain:256K --strategies local --warmup 3 --steps 10 ;;
+  pretrain256-baselines)
+    bench pretrain256-baselines --configs pretrain:256K --strategies cad+pingpong,percp --warmup 3 --steps 10 \
+      --budget-s 300 ;;
   prolong256-baselines)  # 256K at the full 3 + 10 steps, with the baselines the first 256K run lacked
     bench prolong256-baselines --configs prolong:256K --strategies local,wlb,percp,cad+pingpong --warmup 3 \
       --steps 10 --budget-s 520 ;;
@@ -49,6 +51,7 @@ case "$PHASE" in
     bench prolong256-sparse-pingpong --configs prolong:256K --strategies cad+sparse,cad+pingpong+sparse,cad+sparse+readkv \
       --sparse-args slash_cap=192,vertical_cap=1024 --warmup 2 --steps 5 --budget-s 420 ;;
   *) phases="smoke|prolong128|prolong256|pretrain64|pretrain64-memory|prolong64|pretrain128|pretrain128-baselines|pretrain256"
+     phases="$phases|pretrain256-baselines"
      echo "usage: bash bench/gpu_e2e.sh $phases|prolong256-baselines|prolong256-sparse-pingpong [BENCH ARGS...]" >&2
      exit 2 ;;
 esac

@@ -74,10 +74,12 @@ def worker(rank, world, dtype_name):
                 results[(case, strategy, heads)] = dict(
                     out=out.detach().double(), dq=q.grad.double(), dk=k.grad.double(), dv=v.grad.double(),
                     stats={t: list(v) for t, v in comm_stats.by_tag.items()}, calls=comm_stats.calls,
-                    saved_numel=sum(t.numel() for t in saved),
+                    # The output itself is saved too: the caller's next layer keeps it anyway.
+                    saved_numel=sum(t.numel() for t in saved if not (out.numel() and t.data_ptr() == out.data_ptr())),
                     saved_inputs=any(t.data_ptr() == x.data_ptr() for t in saved for x in (q, k, v) if x.numel()),
-                    server_numel=(2 * layout.num_server_q * n_q + 2 * layout.num_unique_kv * n_kv) * HEAD_DIM
-                    + layout.num_server_q * n_q,  # Q and O, unique K and V, LSE
+                    server_numel=(layout.num_server_q * n_q + 2 * layout.num_unique_kv * n_kv
+                                  + sum(layout.q_recv_splits) * n_q) * HEAD_DIM
+                    + layout.num_server_q * n_q,  # Q, unique K and V, outputs sent home to other ranks, LSE
                 )
     return results
 
@@ -128,8 +130,9 @@ def test_outputs_and_grads_match_reference_float32(world_results):
 
 
 def test_saved_for_backward_is_the_servers_buffers_alone(world_results):
-    """Rows a rank sends to other servers are held there, not also at home: backward keeps the server's
-    Q, unique KV, outputs and LSE, and none of the caller's q, k, v."""
+    """No row is held twice: backward keeps the server's Q, unique KV and LSE, of its outputs only the
+    rows it returned to other ranks (the local ones are in the rank's output), and none of the caller's
+    q, k, v (their rows served elsewhere are held by their server)."""
     world, results = world_results
     for rank_results in results:
         for key, got in rank_results.items():

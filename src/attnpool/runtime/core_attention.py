@@ -14,12 +14,15 @@ an autograd pair (start, wait) sharing a handle: in forward, start launches and
 wait waits; in backward, wait's backward launches the reverse exchange and
 start's backward waits for it, so the overlap carries over to backward.
 
-Saved for backward: the server's own buffers, Q in task order and unique KV
-(what it serves, local rows and received rows together), its outputs and LSE;
-not this rank's own q, k, v, whose rows served elsewhere would otherwise be
-held twice. KV prefixes are expanded (one per kernel segment,
-Plan.kernel_segments) only transiently around each kernel call, and not at all
-where each served document is one segment (DispatchLayout.kv_expand_identity).
+Saved for backward, so that no row is held twice: the server's own buffers, Q
+in task order and unique KV (local and received rows together), and its LSE;
+not this rank's own q, k, v, whose rows served elsewhere live on their server.
+The kernel's output is not kept as the server wrote it: its local rows are the
+rank's output, which the layer after attention keeps anyway, and only the rows
+sent home to other ranks are saved; backward reassembles it (_ServerOutput).
+KV prefixes are expanded (one per kernel segment, Plan.kernel_segments) only
+transiently around each kernel call, and not at all where each served document
+is one segment (DispatchLayout.kv_expand_identity).
 """
 
 from __future__ import annotations
@@ -64,6 +67,30 @@ class _Handle:
             self.work.wait()
         received, self.work, self.keep, self.received = self.received, None, None, None
         return received
+
+
+class _ServerOutput:
+    """The server's output in task order, reassembled in backward for the kernel's backward.
+
+    Forward keeps no copy of it: _Collect saves the rank's output (local rows) and
+    _ReturnStart the rows it sends home to other ranks; their backward runs before
+    _Serve's (its output feeds both) and each places its rows here.
+    """
+
+    def __init__(self):
+        self.rows = None
+
+    def place(self, positions, rows, num_rows, sh: "_Shapes"):
+        if self.rows is None:
+            self.rows = rows.new_empty(num_rows, sh.H_q, sh.D)
+        self.rows[positions] = rows.view(-1, sh.H_q, sh.D)
+
+    def take(self, num_rows, sh: "_Shapes", like: torch.Tensor) -> torch.Tensor:
+        rows, self.rows = self.rows, None
+        if rows is None:  # only a server with no tasks has nothing placed
+            assert num_rows == 0, "core attention's collect phase was not part of the graph"
+            return like.new_empty(0, sh.H_q, sh.D)
+        return rows
 
 
 def _pack(parts_a, parts_b):
@@ -167,21 +194,22 @@ class _Serve(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, q_recv, kv_recv, L: DispatchLayout, sh: _Shapes, backend, scale):
+    def forward(ctx, q, k, v, q_recv, kv_recv, L: DispatchLayout, sh: _Shapes, backend, scale, out_srv_rows: _ServerOutput):
         q_srv, k_u, v_u = _server_inputs(L, sh, q, k, v, q_recv, kv_recv)
         serving = None
         if isinstance(backend, SparseServing):
             serving, backend = backend, backend.bind(q, q_srv, k_u)
             serving.fetch_read_kv(k, v, k_u, v_u)  # withheld rows the patterns read, into k_u and v_u
         out_srv, lse = backend.forward(q_srv, *_expanded(L, k_u, v_u), L.cu_q, L.cu_k, L.max_q, L.max_k, scale=scale)
-        ctx.save_for_backward(q_srv, k_u, v_u, out_srv, lse)
-        ctx.meta = (L, sh, backend, scale, serving, q.shape, k.shape)
+        ctx.save_for_backward(q_srv, k_u, v_u, lse)
+        ctx.meta = (L, sh, backend, scale, serving, q.shape, k.shape, out_srv_rows)
         return out_srv
 
     @staticmethod
     def backward(ctx, dout_srv):
-        q_srv, k_u, v_u, out_srv, lse = ctx.saved_tensors
-        L, sh, backend, scale, serving, q_shape, k_shape = ctx.meta
+        q_srv, k_u, v_u, lse = ctx.saved_tensors
+        L, sh, backend, scale, serving, q_shape, k_shape, out_srv_rows = ctx.meta
+        out_srv = out_srv_rows.take(L.num_server_q, sh, q_srv)
         dq_srv, dk_exp, dv_exp = backend.backward(dout_srv.contiguous(), q_srv, *_expanded(L, k_u, v_u), out_srv, lse,
                                                   L.cu_q, L.cu_k, L.max_q, L.max_k, scale=scale)
         # Each unique KV row may feed several kernel segments: sum the copies' gradients once here.
@@ -197,7 +225,7 @@ class _Serve(torch.autograd.Function):
             serving.read.return_grads(dk_u, dv_u, dk, dv, serving.group)
         dq_recv = dq_srv[L.recv_q_pos].reshape(-1, sh.q_width)
         dkv_recv = torch.stack([dk_u[L.recv_kv_pos], dv_u[L.recv_kv_pos]], 1).reshape(-1, sh.kv_width)
-        return dq, dk, dv, dq_recv, dkv_recv, None, None, None, None
+        return dq, dk, dv, dq_recv, dkv_recv, None, None, None, None, None
 
 
 def _expanded(L: DispatchLayout, k_u: torch.Tensor, v_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,46 +239,53 @@ class _ReturnStart(torch.autograd.Function):
     """Launch outputs back to their home ranks. Backward: wait for dO, place it in server order."""
 
     @staticmethod
-    def forward(ctx, out_srv, L: DispatchLayout, sh: _Shapes, handle: _Handle, group):
+    def forward(ctx, out_srv, L: DispatchLayout, sh: _Shapes, handle: _Handle, group, out_srv_rows: _ServerOutput):
         o_send = out_srv[L.recv_q_pos].reshape(-1)
         recv = handle.launch(o_send, [n * sh.q_width for n in L.q_recv_splits],
                              [n * sh.q_width for n in L.q_send_splits], group, "return")
-        ctx.meta = (L, sh, handle)
+        ctx.save_for_backward(o_send)  # the server's rows of other ranks' outputs (see _ServerOutput)
+        ctx.meta = (L, sh, handle, out_srv_rows)
         ctx.set_materialize_grads(False)
         return recv
 
     @staticmethod
     def backward(ctx, _):
-        L, sh, handle = ctx.meta
+        L, sh, handle, out_srv_rows = ctx.meta
+        out_srv_rows.place(L.recv_q_pos, ctx.saved_tensors[0], L.num_server_q, sh)
         grad_recv = handle.wait()  # filled by the exchange _Collect.backward launched
         dout_srv = grad_recv.new_zeros(L.num_server_q, sh.H_q, sh.D)
         dout_srv[L.recv_q_pos] = grad_recv.view(-1, sh.H_q, sh.D)
-        return dout_srv, None, None, None, None
+        return dout_srv, None, None, None, None, None
 
 
 class _Collect(torch.autograd.Function):
     """Wait for the outputs of remote tasks and assemble this rank's output. Backward: launch dO to servers."""
 
     @staticmethod
-    def forward(ctx, out_srv, o_recv, L: DispatchLayout, sh: _Shapes, handle: _Handle | None, group):
+    def forward(ctx, out_srv, o_recv, L: DispatchLayout, sh: _Shapes, handle: _Handle | None, group,
+                out_srv_rows: _ServerOutput):
         out = out_srv.new_empty(L.num_tokens, sh.H_q, sh.D)
         out[L.local_q_rows] = out_srv[L.local_q_pos]
         if handle is not None:
             handle.wait()
             out[L.q_send_rows] = o_recv.view(-1, sh.H_q, sh.D)
-        ctx.meta = (L, sh, handle, group)
+        # The caller's next layer keeps its input: saving it here costs nothing, and it holds the
+        # server's local rows (see _ServerOutput).
+        ctx.save_for_backward(out)
+        ctx.meta = (L, sh, handle, group, out_srv_rows)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        L, sh, handle, group = ctx.meta
+        L, sh, handle, group, out_srv_rows = ctx.meta
+        out_srv_rows.place(L.local_q_pos, ctx.saved_tensors[0][L.local_q_rows], L.num_server_q, sh)
         dout = dout.contiguous()
         d_local = dout.new_zeros(L.num_server_q, sh.H_q, sh.D)
         d_local[L.local_q_pos] = dout[L.local_q_rows]
         if handle is not None:
             handle.launch(dout[L.q_send_rows].reshape(-1), [n * sh.q_width for n in L.q_send_splits],
                           [n * sh.q_width for n in L.q_recv_splits], group, "dispatch_grad")
-        return d_local, None, None, None, None, None
+        return d_local, None, None, None, None, None, None
 
 
 @dataclass
@@ -266,6 +301,7 @@ class _InFlight:
     recv: torch.Tensor | None = None
     handle: _Handle | None = None
     out_srv: torch.Tensor | None = None
+    out_srv_rows: _ServerOutput | None = None
 
 
 def _local_problem(q, k, v, plan: Plan, rank: int, world: int, group) -> str | None:
@@ -395,13 +431,15 @@ class CoreAttention:
             q_recv, kv_recv = _DispatchWait.apply(p.recv, L, sh, p.handle, self.group)
         else:
             q_recv, kv_recv = p.q.new_empty(0, sh.q_width), p.k.new_empty(0, sh.kv_width)
-        p.out_srv = _Serve.apply(p.q, p.k, p.v, q_recv, kv_recv, L, sh, self._backend(p.q, p.layer), self.scale)
+        p.out_srv_rows = _ServerOutput()
+        p.out_srv = _Serve.apply(p.q, p.k, p.v, q_recv, kv_recv, L, sh, self._backend(p.q, p.layer), self.scale,
+                                 p.out_srv_rows)
         if L.any_traffic:
             p.handle = _Handle()
-            p.recv = _ReturnStart.apply(p.out_srv, L, sh, p.handle, self.group)
+            p.recv = _ReturnStart.apply(p.out_srv, L, sh, p.handle, self.group, p.out_srv_rows)
 
     def collect(self, p: _InFlight) -> torch.Tensor:
-        return _Collect.apply(p.out_srv, p.recv, p.layout, p.shapes, p.handle, self.group)
+        return _Collect.apply(p.out_srv, p.recv, p.layout, p.shapes, p.handle, self.group, p.out_srv_rows)
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, group=None, *,

@@ -34,9 +34,11 @@ def worker(rank, world):
         return sum(F.cross_entropy(lg[:-1], b[0][1:], reduction="sum") for lg, b in zip(logits_list, batches))
 
     results = {}
-    for mode in ("sequential", "pingpong", "pingpong+recompute"):
+    for mode in ("sequential", "pingpong", "pingpong+recompute", "pingpong+full-recompute"):
         if mode == "pingpong+recompute":
             apply_activation_checkpointing(model, recompute_attention=False)
+        if mode == "pingpong+full-recompute":  # core attention and its exchanges run again in backward
+            apply_activation_checkpointing(model, recompute_attention=True)
         model.zero_grad()
         attentions = [CoreAttention(b[2]) for b in batches]
         if mode.startswith("pingpong"):
@@ -53,7 +55,7 @@ def worker(rank, world):
 def test_pingpong_equals_sequential():
     for res in run_distributed(worker, 2):
         seq = res["sequential"]
-        for mode in ("pingpong", "pingpong+recompute"):
+        for mode in ("pingpong", "pingpong+recompute", "pingpong+full-recompute"):
             for a, b in zip(seq["logits"], res[mode]["logits"]):
                 torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
             for name, g in seq["grads"].items():

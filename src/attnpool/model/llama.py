@@ -322,9 +322,9 @@ def apply_activation_checkpointing(model: Transformer, recompute_attention: bool
 
     ``recompute_attention=True`` keeps only each block's input, and runs the
     whole block again in backward, core attention and its communication
-    included. ``False`` keeps q, k, v and core attention's output as well and
-    recomputes only the linear parts: more memory, but core attention, the
-    expensive and possibly remote part, runs once. Apply before ``fully_shard``
+    included. ``False`` keeps what core attention saves for its backward and
+    its output as well, and recomputes only the linear parts: more memory, but
+    core attention, the expensive and possibly remote part, runs once. Apply before ``fully_shard``
     or after; either way the checkpoint sits inside the FSDP unit.
     """
     for layer in model.layers:

@@ -23,6 +23,11 @@ sent home to other ranks are saved; backward reassembles it (_ServerOutput).
 KV prefixes are expanded (one per kernel segment, Plan.kernel_segments) only
 transiently around each kernel call, and not at all where each served document
 is one segment (DispatchLayout.kv_expand_identity).
+
+Keeping the output costs nothing only where the caller keeps it too, as the
+model's next layer does (as its input, or under activation checkpointing as the
+checkpoint's); and like any saved tensor it must not be modified in place
+before backward.
 """
 
 from __future__ import annotations
@@ -368,6 +373,7 @@ class CoreAttention:
     Call it as ``attention(q, k, v)``, or run its three phases yourself to overlap
     two nano-batches: ``p = attention.dispatch(q, k, v)``, ``attention.compute(p)``,
     ``out = attention.collect(p)``. A fully local plan launches no collective.
+    The output is saved for backward: do not modify it in place.
 
     ``sparse``: a SparseConfig turns on vertical-slash sparse attention in the
     layers it names (``layer`` is the caller's 0-based layer index; a call without

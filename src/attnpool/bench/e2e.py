@@ -43,7 +43,7 @@ from attnpool.errors import ConfigError
 from attnpool.model import model_config
 from attnpool.sizes import parse_size
 from attnpool.train.config import CHECKPOINTING, TrainConfig
-from attnpool.train.metrics import attention_times
+from attnpool.train.metrics import attention_time
 from attnpool.train.train import train
 
 STRATEGIES = {  # name -> (attention, pingpong, vertical-slash sparse attention: None or its kv_transfer)
@@ -195,7 +195,7 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg):
         # Host-side planning of each step (every rank plans the batch), and core attention's own time
         # on the slowest rank (not measured under ping-pong, where it interleaves with the rest).
         "plan_time_s": statistics.median(r["plan_time_s"] for r in measured),
-        "attention_time_s": None if attention_times(measured) is None else statistics.median(attention_times(measured)),
+        "attention_time_s": attention_time(measured, statistics.median),
         "attention_density": None if measured[0].get("attention_density") is None
         else statistics.mean(r["attention_density"] for r in measured),
         "longest_doc": max(r["longest_doc"] for r in rows),

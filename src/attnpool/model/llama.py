@@ -324,8 +324,9 @@ def apply_activation_checkpointing(model: Transformer, recompute_attention: bool
     whole block again in backward, core attention and its communication
     included. ``False`` keeps what core attention saves for its backward and
     its output as well, and recomputes only the linear parts: more memory, but
-    core attention, the expensive and possibly remote part, runs once. Apply before ``fully_shard``
-    or after; either way the checkpoint sits inside the FSDP unit.
+    core attention, the expensive and possibly remote part, runs once. Apply
+    before ``fully_shard`` or after; either way the checkpoint sits inside the
+    FSDP unit.
     """
     for layer in model.layers:
         layer.recompute = "layer" if recompute_attention else "linear"

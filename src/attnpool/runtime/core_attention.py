@@ -82,19 +82,17 @@ class _ServerOutput:
     _Serve's (its output feeds both) and each places its rows here.
     """
 
-    def __init__(self):
-        self.rows = None
+    def __init__(self, num_rows: int, sh: "_Shapes"):
+        self.num_rows, self.sh, self.rows = num_rows, sh, None
 
-    def place(self, positions, rows, num_rows, sh: "_Shapes"):
+    def place(self, positions, rows):
         if self.rows is None:
-            self.rows = rows.new_empty(num_rows, sh.H_q, sh.D)
-        self.rows[positions] = rows.view(-1, sh.H_q, sh.D)
+            self.rows = rows.new_empty(self.num_rows, self.sh.H_q, self.sh.D)
+        self.rows[positions] = rows.view(-1, self.sh.H_q, self.sh.D)
 
-    def take(self, num_rows, sh: "_Shapes", like: torch.Tensor) -> torch.Tensor:
+    def take(self) -> torch.Tensor:
         rows, self.rows = self.rows, None
-        if rows is None:  # only a server with no tasks has nothing placed
-            assert num_rows == 0, "core attention's collect phase was not part of the graph"
-            return like.new_empty(0, sh.H_q, sh.D)
+        assert rows is not None, "core attention's collect phase was not part of the graph"
         return rows
 
 
@@ -214,14 +212,10 @@ class _Serve(torch.autograd.Function):
     def backward(ctx, dout_srv):
         q_srv, k_u, v_u, lse = ctx.saved_tensors
         L, sh, backend, scale, serving, q_shape, k_shape, out_srv_rows = ctx.meta
-        out_srv = out_srv_rows.take(L.num_server_q, sh, q_srv)
+        out_srv = out_srv_rows.take()
         dq_srv, dk_exp, dv_exp = backend.backward(dout_srv.contiguous(), q_srv, *_expanded(L, k_u, v_u), out_srv, lse,
                                                   L.cu_q, L.cu_k, L.max_q, L.max_k, scale=scale)
-        # Each unique KV row may feed several kernel segments: sum the copies' gradients once here.
-        if not L.kv_expand_identity:
-            dk_exp = torch.zeros_like(k_u).index_add_(0, L.kv_expand, dk_exp)
-            dv_exp = torch.zeros_like(v_u).index_add_(0, L.kv_expand, dv_exp)
-        dk_u, dv_u = dk_exp, dv_exp
+        dk_u, dv_u = _summed(L, dk_exp, dv_exp)
         dq = dq_srv.new_zeros(q_shape)
         dq[L.local_q_rows] = dq_srv[L.local_q_pos]
         dk = dk_u.new_zeros(k_shape).index_add_(0, L.local_kv_rows, dk_u[L.local_kv_pos])
@@ -240,6 +234,16 @@ def _expanded(L: DispatchLayout, k_u: torch.Tensor, v_u: torch.Tensor) -> tuple[
     return k_u[L.kv_expand], v_u[L.kv_expand]
 
 
+def _summed(L: DispatchLayout, dk_exp: torch.Tensor, dv_exp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of the unique K and V (the backward of _expanded): a unique row may feed several
+    kernel segments, and its copies' gradients are summed once here."""
+    if L.kv_expand_identity:
+        return dk_exp, dv_exp
+    shape = (L.num_unique_kv, *dk_exp.shape[1:])
+    return (dk_exp.new_zeros(shape).index_add_(0, L.kv_expand, dk_exp),
+            dv_exp.new_zeros(shape).index_add_(0, L.kv_expand, dv_exp))
+
+
 class _ReturnStart(torch.autograd.Function):
     """Launch outputs back to their home ranks. Backward: wait for dO, place it in server order."""
 
@@ -256,7 +260,7 @@ class _ReturnStart(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _):
         L, sh, handle, out_srv_rows = ctx.meta
-        out_srv_rows.place(L.recv_q_pos, ctx.saved_tensors[0], L.num_server_q, sh)
+        out_srv_rows.place(L.recv_q_pos, ctx.saved_tensors[0])
         grad_recv = handle.wait()  # filled by the exchange _Collect.backward launched
         dout_srv = grad_recv.new_zeros(L.num_server_q, sh.H_q, sh.D)
         dout_srv[L.recv_q_pos] = grad_recv.view(-1, sh.H_q, sh.D)
@@ -283,7 +287,7 @@ class _Collect(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         L, sh, handle, group, out_srv_rows = ctx.meta
-        out_srv_rows.place(L.local_q_pos, ctx.saved_tensors[0][L.local_q_rows], L.num_server_q, sh)
+        out_srv_rows.place(L.local_q_pos, ctx.saved_tensors[0][L.local_q_rows])
         dout = dout.contiguous()
         d_local = dout.new_zeros(L.num_server_q, sh.H_q, sh.D)
         d_local[L.local_q_pos] = dout[L.local_q_rows]
@@ -437,7 +441,7 @@ class CoreAttention:
             q_recv, kv_recv = _DispatchWait.apply(p.recv, L, sh, p.handle, self.group)
         else:
             q_recv, kv_recv = p.q.new_empty(0, sh.q_width), p.k.new_empty(0, sh.kv_width)
-        p.out_srv_rows = _ServerOutput()
+        p.out_srv_rows = _ServerOutput(L.num_server_q, sh)
         p.out_srv = _Serve.apply(p.q, p.k, p.v, q_recv, kv_recv, L, sh, self._backend(p.q, p.layer), self.scale,
                                  p.out_srv_rows)
         if L.any_traffic:

@@ -116,6 +116,7 @@ class DispatchLayout:
         my_groups = np.flatnonzero(x.group_server == rank)
         group_doc = x.group_doc[my_groups]
         group_base = np.cumsum(x.group_kv_end[my_groups]) - x.group_kv_end[my_groups]
+        num_unique_kv = int(x.length[seg].sum())
         seg_doc, seg_q, seg_k = plan.kernel_segments(rank)
         kv_expand = ranges(group_base[np.searchsorted(group_doc, seg_doc)], seg_k)
         cu_q = np.r_[0, np.cumsum(seg_q)]
@@ -131,9 +132,8 @@ class DispatchLayout:
             local_q_rows=dev(local_q_rows), local_q_pos=dev(local_q_pos), recv_q_pos=dev(recv_q_pos),
             num_server_q=int(n[mine].sum()),
             local_kv_rows=dev(local_kv_rows), local_kv_pos=dev(local_kv_pos), recv_kv_pos=dev(recv_kv_pos),
-            num_unique_kv=int(x.length[seg].sum()),
-            kv_expand=dev(kv_expand),
-            kv_expand_identity=bool(np.array_equal(kv_expand, np.arange(int(x.length[seg].sum())))),
+            num_unique_kv=num_unique_kv,
+            kv_expand=dev(kv_expand), kv_expand_identity=bool(np.array_equal(kv_expand, np.arange(num_unique_kv))),
             cu_q=dev(cu_q, torch.int32), cu_k=dev(cu_k, torch.int32),
             max_q=int(seg_q.max(initial=0)), max_k=int(seg_k.max(initial=0)),
         )

@@ -205,11 +205,11 @@ class Progress:
                                highlight=False)
 
 
-def attention_times(rows: list[dict]) -> list[float] | None:
-    """Each step's core-attention time, or None where a step has none. Under ping-pong only the steps of
-    one document (one nano-batch) are timed: a statistic over those alone would mislead."""
+def attention_time(rows: list[dict], statistic) -> float | None:
+    """``statistic`` of the steps' core-attention times, or None where a step has none. Under ping-pong
+    only the steps of one document (one nano-batch) are timed: a statistic over those alone would mislead."""
     times = [r["attention_time_s"] for r in rows]
-    return None if any(t is None for t in times) else times
+    return None if any(t is None for t in times) else float(statistic(times))
 
 
 def summarize(rows: list[dict], last_loads: dict | None, info: dict) -> dict:
@@ -234,7 +234,7 @@ def summarize(rows: list[dict], last_loads: dict | None, info: dict) -> dict:
         "imbalance_planned_mean": mean("imbalance_after"),
         "imbalance_local_last": rows[-1]["imbalance_before"],
         "imbalance_planned_last": rows[-1]["imbalance_after"],
-        "attention_time_s_mean": None if attention_times(rows) is None else float(np.mean(attention_times(rows))),
+        "attention_time_s_mean": attention_time(rows, np.mean),
         "comm_time_s_mean": mean("comm_time_s"),
         "comm_bytes_mean": mean("comm_bytes"),
         "step_time_s_mean": float(np.mean(times)),

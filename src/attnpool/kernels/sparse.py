@@ -37,7 +37,7 @@ QSPLIT = 64  # query blocks per program of the vertical dK/dV pass
 # (7 tile products per tile in all). "fused": the dK/dV passes also form dQ from the
 # dS they already hold and add it with fp32 atomics (5 products, as FlashAttention-2),
 # which makes dQ's summation order nondeterministic. bench/gpu_sparse.py times both;
-# on an H200 "fused" is 5-9% slower over two runs: the atomics cost more than the pass they save.
+# on an H200 "fused" was 2-9% slower in three runs: the atomics cost more than the pass they save.
 DQ_MODES = ("separate", "fused")
 DQ_MODE = "separate"
 # Launch configuration on CUDA per kernel: warps, pipeline stages, and the sub-tile

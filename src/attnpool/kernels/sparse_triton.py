@@ -31,6 +31,13 @@ acquire-release ordering made them twice as slow.
 Rows are positions in key coordinates (p = k_len - q_len + row); blocks are
 aligned to key position 0, so a query shard that starts mid-block gets a partial
 first tile, exactly as the cost model counts.
+
+Masks cost time (a fifth of the slash dK/dV pass on an H200), so only the tiles
+that need them have them. A slash tile below the diagonal (Delta >= 1) lies wholly
+before its queries and inside the segment's keys: the forward and the dQ pass mask
+only the diagonal tile, and the slash dK/dV pass, which loads each tile's query rows,
+masks a head's first and last diagonal, where the query block can be partial
+(bench/results/2026-11-22-h200-sparse-unmasked.md).
 """
 
 from __future__ import annotations
@@ -61,6 +68,34 @@ def _bwd_delta(O, DO, DELTA, so_t, so_h, sdo_t, sdo_h, T_q, HEAD_DIM: tl.constex
 
 
 @triton.jit
+def _fwd_slash_tile(m_i, l_i, acc, q, K, V, k0, kvh, sk_t, sk_h, sv_t, sv_h, kblock, offs_m, k_len, scale_log2,
+                    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+    """One B x B slash tile of the forward's online softmax (masks only when MASKED)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    kpos = kblock * BLOCK + tl.arange(0, BLOCK)
+    krow = (k0 + kpos).to(tl.int64)
+    if MASKED:
+        kmask = kpos < k_len
+        kt = tl.load(K + krow[None, :] * sk_t + kvh * sk_h + offs_d[:, None], mask=kmask[None, :], other=0.0)
+        qk = _dot(q, kt, IEEE) * scale_log2
+        qk = tl.where(kmask[None, :] & (kpos[None, :] <= offs_m[:, None]), qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        vt = tl.load(V + krow[:, None] * sv_t + kvh * sv_h + offs_d[None, :], mask=kmask[:, None], other=0.0)
+    else:
+        kt = tl.load(K + krow[None, :] * sk_t + kvh * sk_h + offs_d[:, None])
+        qk = _dot(q, kt, IEEE) * scale_log2
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = m_new  # finite: every entry of an unmasked tile is
+        vt = tl.load(V + krow[:, None] * sv_t + kvh * sv_h + offs_d[None, :])
+    p = tl.math.exp2(qk - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, IEEE)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _fwd(Q, K, V, O, LSE,
          sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, T_q,
          CU_Q, CU_K, SEG_DOC, PROG_SEG, PROG_BLK, N_PROG,
@@ -86,7 +121,6 @@ def _fwd(Q, K, V, O, LSE,
         rows = offs_m - shift
         row_ok = (rows >= 0) & (rows < q_len)
         offs_d = tl.arange(0, HEAD_DIM)
-        offs_n = tl.arange(0, BLOCK)
         offs_v = tl.arange(0, BV)
         q = tl.load(Q + (q0 + rows)[:, None].to(tl.int64) * sq_t + h * sq_h + offs_d[None, :],
                     mask=row_ok[:, None], other=0.0)
@@ -94,22 +128,17 @@ def _fwd(Q, K, V, O, LSE,
         l_i = tl.zeros([BLOCK], tl.float32)
         acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
         n_sl = tl.load(N_SL + h * N_PROG + pid)
-        for t in range(0, n_sl):
-            delta = tl.load(SL_LIST + h * NBT + boff + t)
-            kpos = (I - delta) * BLOCK + offs_n
-            kmask = kpos < k_len
-            krow = (k0 + kpos).to(tl.int64)
-            kt = tl.load(K + krow[None, :] * sk_t + kvh * sk_h + offs_d[:, None], mask=kmask[None, :], other=0.0)
-            qk = _dot(q, kt, IEEE) * scale_log2
-            qk = tl.where(kmask[None, :] & (kpos[None, :] <= offs_m[:, None]), qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(qk - m_use[:, None])
-            alpha = tl.math.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            vt = tl.load(V + krow[:, None] * sv_t + kvh * sv_h + offs_d[None, :], mask=kmask[:, None], other=0.0)
-            acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, IEEE)
-            m_i = m_new
+        # Only the first diagonal, Delta = 0 (always present), needs masks: the causal one, and the keys
+        # past the segment's end in its last block. Rows outside the segment are never stored.
+        n_masked = tl.minimum(n_sl, 1)
+        for t in range(0, n_masked):
+            kblock = I - tl.load(SL_LIST + h * NBT + boff + t)
+            m_i, l_i, acc = _fwd_slash_tile(m_i, l_i, acc, q, K, V, k0, kvh, sk_t, sk_h, sv_t, sv_h, kblock, offs_m,
+                                            k_len, scale_log2, HEAD_DIM, BLOCK, True, IEEE)
+        for t in range(n_masked, n_sl):
+            kblock = I - tl.load(SL_LIST + h * NBT + boff + t)
+            m_i, l_i, acc = _fwd_slash_tile(m_i, l_i, acc, q, K, V, k0, kvh, sk_t, sk_h, sv_t, sv_h, kblock, offs_m,
+                                            k_len, scale_log2, HEAD_DIM, BLOCK, False, IEEE)
         v_hi = tl.load(V_HI + h * N_PROG + pid)
         for t0 in range(0, v_hi, BV):
             idx = t0 + offs_v
@@ -135,6 +164,30 @@ def _fwd(Q, K, V, O, LSE,
         orow = (q0 + rows).to(tl.int64)
         tl.store(O + orow[:, None] * so_t + h * so_h + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
         tl.store(LSE + h * T_q + orow, lse, mask=row_ok)
+
+
+@triton.jit
+def _dq_slash_tile(dq, q, do, lse2, di, K, V, k0, kvh, sk_t, sk_h, sv_t, sv_h, kblock, offs_m, row_ok, k_len,
+                   scale_log2, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SUB_N: tl.constexpr,
+                   MASKED: tl.constexpr, IEEE: tl.constexpr):
+    """dQ of one B x B slash tile, SUB_N keys at a time (masks only when MASKED)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    for sub in tl.static_range(BLOCK // SUB_N):
+        kpos = kblock * BLOCK + sub * SUB_N + tl.arange(0, SUB_N)
+        krow = (k0 + kpos).to(tl.int64)
+        if MASKED:
+            kmask = kpos < k_len
+            kt = tl.load(K + krow[None, :] * sk_t + kvh * sk_h + offs_d[:, None], mask=kmask[None, :], other=0.0)
+            ok = row_ok[:, None] & kmask[None, :] & (kpos[None, :] <= offs_m[:, None])
+            p = tl.where(ok, tl.math.exp2(_dot(q, kt, IEEE) * scale_log2 - lse2[:, None]), 0.0)
+            vt = tl.load(V + krow[None, :] * sv_t + kvh * sv_h + offs_d[:, None], mask=kmask[None, :], other=0.0)
+        else:
+            kt = tl.load(K + krow[None, :] * sk_t + kvh * sk_h + offs_d[:, None])
+            p = tl.math.exp2(_dot(q, kt, IEEE) * scale_log2 - lse2[:, None])
+            vt = tl.load(V + krow[None, :] * sv_t + kvh * sv_h + offs_d[:, None])
+        ds = p * (_dot(do, vt, IEEE) - di[:, None])
+        dq += _dot(ds.to(kt.dtype), tl.trans(kt), IEEE)
+    return dq
 
 
 @triton.jit
@@ -164,7 +217,6 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
         row_ok = (rows >= 0) & (rows < q_len)
         offs_d = tl.arange(0, HEAD_DIM)
         offs_v = tl.arange(0, BV)
-        offs_sn = tl.arange(0, SUB_N)
         qrow = (q0 + rows).to(tl.int64)
         q = tl.load(Q + qrow[:, None] * sq_t + h * sq_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         do = tl.load(DO + qrow[:, None] * sdo_t + h * sdo_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -173,18 +225,17 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
         di = tl.load(DELTA + h * T_q + qrow, mask=row_ok, other=0.0)
         dq = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
         n_sl = tl.load(N_SL + h * N_PROG + pid)
-        for t in range(0, n_sl):
-            delta = tl.load(SL_LIST + h * NBT + boff + t)
-            for sub in tl.static_range(BLOCK // SUB_N):
-                kpos = (I - delta) * BLOCK + sub * SUB_N + offs_sn
-                kmask = kpos < k_len
-                krow = (k0 + kpos).to(tl.int64)
-                kt = tl.load(K + krow[None, :] * sk_t + kvh * sk_h + offs_d[:, None], mask=kmask[None, :], other=0.0)
-                ok = row_ok[:, None] & kmask[None, :] & (kpos[None, :] <= offs_m[:, None])
-                p = tl.where(ok, tl.math.exp2(_dot(q, kt, IEEE) * scale_log2 - lse2[:, None]), 0.0)
-                vt = tl.load(V + krow[None, :] * sv_t + kvh * sv_h + offs_d[:, None], mask=kmask[None, :], other=0.0)
-                ds = p * (_dot(do, vt, IEEE) - di[:, None])
-                dq += _dot(ds.to(kt.dtype), tl.trans(kt), IEEE)
+        # Only the first diagonal, Delta = 0 (always present), needs masks: the causal one, and the keys
+        # past the segment's end in its last block. Rows outside the segment are never stored.
+        n_masked = tl.minimum(n_sl, 1)
+        for t in range(0, n_masked):
+            kblock = I - tl.load(SL_LIST + h * NBT + boff + t)
+            dq = _dq_slash_tile(dq, q, do, lse2, di, K, V, k0, kvh, sk_t, sk_h, sv_t, sv_h, kblock, offs_m, row_ok,
+                                k_len, scale_log2, HEAD_DIM, BLOCK, SUB_N, True, IEEE)
+        for t in range(n_masked, n_sl):
+            kblock = I - tl.load(SL_LIST + h * NBT + boff + t)
+            dq = _dq_slash_tile(dq, q, do, lse2, di, K, V, k0, kvh, sk_t, sk_h, sv_t, sv_h, kblock, offs_m, row_ok,
+                                k_len, scale_log2, HEAD_DIM, BLOCK, SUB_N, False, IEEE)
         v_hi = tl.load(V_HI + h * N_PROG + pid)
         for t0 in range(0, v_hi, BV):
             idx = t0 + offs_v
@@ -201,6 +252,57 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
             dq += _dot(ds.to(kt.dtype), tl.trans(kt), IEEE)
         tl.store(DQ + qrow[:, None] * sdq_t + h * sdq_h + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
                  mask=row_ok[:, None])
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, kpos, kmask, qblock, Q, DO, LSE, DELTA, DQ, h, q0, shift, q_len, T_q,
+               sq_t, sq_h, sdo_t, sdo_h, sdq_t, sdq_h, scale, scale_log2,
+               HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SUB_M: tl.constexpr, MASKED: tl.constexpr,
+               FUSE_DQ: tl.constexpr, IEEE: tl.constexpr):
+    """dK/dV of the keys held (slash block or gathered columns at positions kpos) from query
+    block qblock, SUB_M query rows at a time; with FUSE_DQ also dQ, added by atomics.
+
+    Unmasked (MASKED false) only for a tile whose rows are all valid and whose keys all lie
+    at or before every row: no mask on loads, probabilities or the dQ atomics.
+    """
+    offs_d = tl.arange(0, HEAD_DIM)
+    for sub in tl.static_range(BLOCK // SUB_M):
+        offs_m = qblock * BLOCK + sub * SUB_M + tl.arange(0, SUB_M)
+        rows = offs_m - shift
+        row_ok = (rows >= 0) & (rows < q_len)
+        qrow = (q0 + rows).to(tl.int64)
+        q_ptr = Q + qrow[:, None] * sq_t + h * sq_h + offs_d[None, :]
+        do_ptr = DO + qrow[:, None] * sdo_t + h * sdo_h + offs_d[None, :]
+        if MASKED:
+            q = tl.load(q_ptr, mask=row_ok[:, None], other=0.0)
+            do = tl.load(do_ptr, mask=row_ok[:, None], other=0.0)
+            lse2 = tl.load(LSE + h * T_q + qrow, mask=row_ok, other=0.0) * 1.4426950408889634
+            lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
+            di = tl.load(DELTA + h * T_q + qrow, mask=row_ok, other=0.0)
+        else:
+            q = tl.load(q_ptr)
+            do = tl.load(do_ptr)
+            lse2 = tl.load(LSE + h * T_q + qrow) * 1.4426950408889634  # finite: each row attends this tile
+            di = tl.load(DELTA + h * T_q + qrow)
+        # Transposed tile: keys along rows, queries along columns.
+        qkT = _dot(k, tl.trans(q), IEEE) * scale_log2
+        if MASKED:
+            ok = kmask[:, None] & row_ok[None, :] & (kpos[:, None] <= offs_m[None, :])
+            pT = tl.where(ok, tl.math.exp2(qkT - lse2[None, :]), 0.0)
+        else:
+            pT = tl.math.exp2(qkT - lse2[None, :])
+        dv += _dot(pT.to(do.dtype), do, IEEE)
+        dpT = _dot(v, tl.trans(do), IEEE)
+        dsT = pT * (dpT - di[None, :])
+        dk += _dot(dsT.to(q.dtype), q, IEEE)
+        if FUSE_DQ:
+            dq = _dot(tl.trans(dsT.to(k.dtype)), k, IEEE) * scale
+            dq_ptr = DQ + qrow[:, None] * sdq_t + h * sdq_h + offs_d[None, :]
+            if MASKED:
+                tl.atomic_add(dq_ptr, dq, mask=row_ok[:, None], sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptr, dq, sem="relaxed")
+    return dk, dv
 
 
 @triton.jit
@@ -224,9 +326,7 @@ def _bwd_dkdv_slash(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
         doc = tl.load(SEG_DOC + s)
         boff = tl.load(BLK_OFF + doc)
         offs_d = tl.arange(0, HEAD_DIM)
-        offs_n = tl.arange(0, BLOCK)
-        offs_b = tl.arange(0, SUB_M)
-        kpos = J * BLOCK + offs_n
+        kpos = J * BLOCK + tl.arange(0, BLOCK)
         kmask = kpos < k_len
         krow = (k0 + kpos).to(tl.int64)
         k = tl.load(K + krow[:, None] * sk_t + kvh * sk_h + offs_d[None, :], mask=kmask[:, None], other=0.0)
@@ -237,30 +337,23 @@ def _bwd_dkdv_slash(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
             h = kvh * GROUP + g
             lo = tl.load(KV_LO + h * N_KPROG + pid)
             hi = tl.load(KV_HI + h * N_KPROG + pid)
-            for t in range(lo, hi):
-                delta = tl.load(SL_LIST + h * NBT + boff + t)
-                for sub in tl.static_range(BLOCK // SUB_M):
-                    offs_m = (J + delta) * BLOCK + sub * SUB_M + offs_b
-                    rows = offs_m - shift
-                    row_ok = (rows >= 0) & (rows < q_len)
-                    qrow = (q0 + rows).to(tl.int64)
-                    q = tl.load(Q + qrow[:, None] * sq_t + h * sq_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-                    do = tl.load(DO + qrow[:, None] * sdo_t + h * sdo_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-                    lse2 = tl.load(LSE + h * T_q + qrow, mask=row_ok, other=0.0) * 1.4426950408889634
-                    lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
-                    di = tl.load(DELTA + h * T_q + qrow, mask=row_ok, other=0.0)
-                    # Transposed tile: keys along rows, queries along columns.
-                    qkT = _dot(k, tl.trans(q), IEEE) * scale_log2
-                    ok = kmask[:, None] & row_ok[None, :] & (kpos[:, None] <= offs_m[None, :])
-                    pT = tl.where(ok, tl.math.exp2(qkT - lse2[None, :]), 0.0)
-                    dv += _dot(pT.to(do.dtype), do, IEEE)
-                    dpT = _dot(v, tl.trans(do), IEEE)
-                    dsT = pT * (dpT - di[None, :])
-                    dk += _dot(dsT.to(q.dtype), q, IEEE)
-                    if FUSE_DQ:
-                        dq = _dot(tl.trans(dsT.to(k.dtype)), k, IEEE) * scale
-                        tl.atomic_add(DQ + qrow[:, None] * sdq_t + h * sdq_h + offs_d[None, :], dq,
-                                      mask=row_ok[:, None], sem="relaxed")
+            # Diagonals are sorted and distinct, so only the first (Delta = 0, or the segment's
+            # first query block) and the last (its last query block) need masks.
+            if hi > lo:
+                qblock = J + tl.load(SL_LIST + h * NBT + boff + lo)
+                dk, dv = _dkdv_tile(dk, dv, k, v, kpos, kmask, qblock, Q, DO, LSE, DELTA, DQ, h, q0, shift, q_len,
+                                    T_q, sq_t, sq_h, sdo_t, sdo_h, sdq_t, sdq_h, scale, scale_log2,
+                                    HEAD_DIM, BLOCK, SUB_M, True, FUSE_DQ, IEEE)
+            for t in range(lo + 1, hi - 1):
+                qblock = J + tl.load(SL_LIST + h * NBT + boff + t)
+                dk, dv = _dkdv_tile(dk, dv, k, v, kpos, kmask, qblock, Q, DO, LSE, DELTA, DQ, h, q0, shift, q_len,
+                                    T_q, sq_t, sq_h, sdo_t, sdo_h, sdq_t, sdq_h, scale, scale_log2,
+                                    HEAD_DIM, BLOCK, SUB_M, False, FUSE_DQ, IEEE)
+            if hi - 1 > lo:
+                qblock = J + tl.load(SL_LIST + h * NBT + boff + hi - 1)
+                dk, dv = _dkdv_tile(dk, dv, k, v, kpos, kmask, qblock, Q, DO, LSE, DELTA, DQ, h, q0, shift, q_len,
+                                    T_q, sq_t, sq_h, sdo_t, sdo_h, sdq_t, sdq_h, scale, scale_log2,
+                                    HEAD_DIM, BLOCK, SUB_M, True, FUSE_DQ, IEEE)
         tl.store(DK + krow[:, None] * sdk_t + kvh * sdk_h + offs_d[None, :], dk * scale, mask=kmask[:, None])
         tl.store(DV + krow[:, None] * sdk_t + kvh * sdk_h + offs_d[None, :], dv, mask=kmask[:, None])
 
@@ -298,7 +391,6 @@ def _bwd_dkdv_vert(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
         if (chunk * BV < nv) & (lo < hi):
             kvh = h // GROUP
             offs_d = tl.arange(0, HEAD_DIM)
-            offs_b = tl.arange(0, SUB_M)
             idx = chunk * BV + tl.arange(0, BV)
             vm = idx < nv
             cols = tl.load(VERT + h * NVT + voff + idx, mask=vm, other=0)
@@ -312,27 +404,10 @@ def _bwd_dkdv_vert(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
                 dlt = I - cb
                 covered = tl.load(SL_BITS + h * NBT + boff + dlt, mask=vm & (dlt >= 0), other=1)
                 okc = vm & (covered == 0)
-                for sub in tl.static_range(BLOCK // SUB_M):
-                    offs_m = I * BLOCK + sub * SUB_M + offs_b
-                    rows = offs_m - shift
-                    row_ok = (rows >= 0) & (rows < q_len)
-                    qrow = (q0 + rows).to(tl.int64)
-                    q = tl.load(Q + qrow[:, None] * sq_t + h * sq_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-                    do = tl.load(DO + qrow[:, None] * sdo_t + h * sdo_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-                    lse2 = tl.load(LSE + h * T_q + qrow, mask=row_ok, other=0.0) * 1.4426950408889634
-                    lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
-                    di = tl.load(DELTA + h * T_q + qrow, mask=row_ok, other=0.0)
-                    qkT = _dot(k, tl.trans(q), IEEE) * scale_log2
-                    ok = okc[:, None] & row_ok[None, :]
-                    pT = tl.where(ok, tl.math.exp2(qkT - lse2[None, :]), 0.0)
-                    dv += _dot(pT.to(do.dtype), do, IEEE)
-                    dpT = _dot(v, tl.trans(do), IEEE)
-                    dsT = pT * (dpT - di[None, :])
-                    dk += _dot(dsT.to(q.dtype), q, IEEE)
-                    if FUSE_DQ:
-                        dq = _dot(tl.trans(dsT.to(k.dtype)), k, IEEE) * scale
-                        tl.atomic_add(DQ + qrow[:, None] * sdq_t + h * sdq_h + offs_d[None, :], dq,
-                                      mask=row_ok[:, None], sem="relaxed")
+                # Columns before the diagonal block: the causal test inside the tile always passes.
+                dk, dv = _dkdv_tile(dk, dv, k, v, cols, okc, I, Q, DO, LSE, DELTA, DQ, h, q0, shift, q_len,
+                                    T_q, sq_t, sq_h, sdo_t, sdo_h, sdq_t, sdq_h, scale, scale_log2,
+                                    HEAD_DIM, BLOCK, SUB_M, True, FUSE_DQ, IEEE)
             ptr = krow[:, None] * sdk_t + kvh * sdk_h + offs_d[None, :]
             tl.atomic_add(DK + ptr, dk * scale, mask=vm[:, None], sem="relaxed")
             tl.atomic_add(DV + ptr, dv, mask=vm[:, None], sem="relaxed")

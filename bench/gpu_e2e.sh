@@ -27,7 +27,7 @@ case "$PHASE" in
       --warmup 2 --steps 5 --trace cad+sparse --budget-s 420 ;;
   pretrain64)
     bench pretrain64 --configs pretrain:64K --warmup 3 --steps 10 --trace cad+pingpong --budget-s 430 ;;
-  pretrain64-memory)  # peak memory of cad against local, the closest to its target (+9.3%), no trace
+  pretrain64-memory)  # peak memory of cad against local (+4.4%; add --memory-breakdown for what is live at the peak)
     bench pretrain64-memory --configs pretrain:64K --strategies local,cad,cad+pingpong --warmup 3 --steps 10 \
       --budget-s 300 ;;
   # The rest of issue 6's matrix, each phase sized to fit one 10-minute call.

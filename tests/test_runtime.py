@@ -53,7 +53,11 @@ def local_rows(tensors, pieces, which):
         torch.zeros(0, *tensors[next(iter(tensors))][which].shape[1:], dtype=torch.float64)
 
 
-def worker(rank, world, dtype_name):
+def worker(rank, world, dtype_name, backward_group_keys=None):
+    if backward_group_keys is not None:  # this process only: the harness runs every worker in its own
+        import attnpool.runtime.dispatch as dispatch
+
+        dispatch.BACKWARD_GROUP_KEYS = backward_group_keys
     dtype = getattr(torch, dtype_name)
     results = {}
     for case, pieces in make_cases(world):
@@ -77,6 +81,7 @@ def worker(rank, world, dtype_name):
                     # The output itself is saved too: the caller's next layer keeps it anyway.
                     saved_numel=sum(t.numel() for t in saved if not (out.numel() and t.data_ptr() == out.data_ptr())),
                     saved_inputs=any(t.data_ptr() == x.data_ptr() for t in saved for x in (q, k, v) if x.numel()),
+                    backward_groups=len(layout.backward_groups),
                     server_numel=(layout.num_server_q * n_q + 2 * layout.num_unique_kv * n_kv
                                   + sum(layout.q_recv_splits) * n_q) * HEAD_DIM
                     + layout.num_server_q * n_q,  # Q, unique K and V, outputs sent home to other ranks, LSE
@@ -127,6 +132,22 @@ def assert_matches_reference(world, results, tolerance):
 
 def test_outputs_and_grads_match_reference_float32(world_results):
     assert_matches_reference(*world_results, tolerance=1e-5)
+
+
+def test_backward_in_groups_of_segments_matches_reference():
+    """With a bound of 700 key rows per backward call, servers run their backward in several calls
+    (and segments longer than the bound alone); the gradients are those of one call."""
+    results = run_distributed(worker, 2, "float32", 700)
+    assert max(got["backward_groups"] for rank_results in results for got in rank_results.values()) >= 3
+    assert_matches_reference(2, results, tolerance=1e-5)
+
+
+def test_segment_groups_bound_their_keys():
+    from attnpool.runtime.dispatch import segment_groups
+
+    assert segment_groups(np.array([300, 300, 500, 2000, 100, 100]), 700) == [(0, 2), (2, 3), (3, 4), (4, 6)]
+    assert segment_groups(np.array([5, 5]), 10) == [(0, 2)]
+    assert segment_groups(np.array([], dtype=np.int64), 10) == []
 
 
 def test_saved_for_backward_is_the_servers_buffers_alone(world_results):

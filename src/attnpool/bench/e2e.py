@@ -36,6 +36,7 @@ from importlib import resources
 import torch
 import torch.distributed as dist
 
+from attnpool.bench.memory import MemoryRecorder, breakdown_markdown
 from attnpool.comm import process_group
 from attnpool.comm.all_to_all import tiny_messages
 from attnpool.data.lengths import DISTRIBUTIONS
@@ -86,6 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sparse-args", default="", metavar="K=V,...",
                    help="options of the +sparse strategies, e.g. coverage=0.9,slash_cap=64,vertical_cap=1024 "
                         "(coverage, min_doc_len, and any --sparse-args key of attnpool train)")
+    p.add_argument("--memory-breakdown", action="store_true",
+                   help="record the CUDA allocator's history during each run and write what was live at the peak "
+                        "of the rank with the highest one, by allocating code (memory-*.md; slows the steps)")
     p.add_argument("--trace", default=None, metavar="STRATEGY",
                    help="profile two extra steps of this strategy in the first configuration with torch.profiler "
                         "(not part of the measured steps): trace-*.txt (ops by GPU time) and trace-*.json.gz")
@@ -227,6 +231,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
     TrainConfig(**sparse_options(args.sparse_args))  # refuses bad sparse options before any process group
     if args.trace is not None and args.trace not in strategies:
         raise ConfigError("--trace", args.trace, f"must be one of the strategies run: {', '.join(strategies)}")
+    if args.memory_breakdown and args.device != "cuda":
+        raise ConfigError("--memory-breakdown", True, "records the CUDA allocator: needs --device cuda")
     if args.steps < 1 or args.warmup < 0 or args.layers < 1:
         raise ConfigError("--steps/--warmup/--layers", (args.steps, args.warmup, args.layers),
                           "need at least 1 measured step, 0 or more warm-up steps and 1 or more layers")
@@ -257,14 +263,17 @@ def _run_all(args: argparse.Namespace, configs: list, strategies: list, cuda: bo
             if not go[0]:
                 skipped.append(f"{dist_name}:{tokens}:{name}")
                 continue
-            if name == "ablation":
-                with tiny_messages():
-                    rows = run_one("cad+pingpong", dist_name, tokens, args, work_dir)
-                rec = summarize("cad+pingpong (1-element messages)", dist_name, tokens, rows, args, world, cfg)
-            else:
-                trace = name == args.trace and (dist_name, tokens) == configs[0]
-                rows = run_one(name, dist_name, tokens, args, work_dir, trace)
-                rec = summarize(name, dist_name, tokens, rows, args, world, cfg)
+            with MemoryRecorder(args.memory_breakdown) as recorder:
+                if name == "ablation":
+                    with tiny_messages():
+                        rows = run_one("cad+pingpong", dist_name, tokens, args, work_dir)
+                else:
+                    trace = name == args.trace and (dist_name, tokens) == configs[0]
+                    rows = run_one(name, dist_name, tokens, args, work_dir, trace)
+            label = "cad+pingpong (1-element messages)" if name == "ablation" else name
+            rec = summarize(label, dist_name, tokens, rows, args, world, cfg)
+            if args.memory_breakdown:
+                _add_memory_breakdown(rec, recorder.breakdown(), args.out, f"{dist_name}-{tokens // 1024}K-{name}")
             records.append(rec)
             # FSDP modules hold reference cycles: free this run's model and optimizer before
             # the next one, or its memory (and peak-memory figures) carry over.
@@ -280,6 +289,20 @@ def _run_all(args: argparse.Namespace, configs: list, strategies: list, cuda: bo
     if rank == 0:
         finish(records, skipped, args, world, cfg)
     shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _add_memory_breakdown(rec: dict, report: dict | None, out: str, tag: str) -> None:
+    """Every rank's peak breakdown to rank 0, which keeps the highest peak's in the record and writes it out."""
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    if dist.get_rank() != 0 or not any(reports):
+        return
+    worst = max((r for r in range(len(reports)) if reports[r]), key=lambda r: reports[r]["start_bytes"] + reports[r]["peak_bytes"])
+    rec["memory_breakdown"] = dict(rank=worst, **reports[worst])
+    os.makedirs(out, exist_ok=True)
+    title = f"Peak memory of {rec['strategy']} on {rec['dist']} {rec['tokens_per_gpu'] // 1024}K, rank {worst}"
+    with open(os.path.join(out, f"memory-{tag.replace('+', '_')}.md"), "w") as f:
+        f.write(breakdown_markdown(title, reports[worst]))
 
 
 def finish(records, skipped, args, world, cfg):

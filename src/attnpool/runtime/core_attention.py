@@ -22,7 +22,9 @@ rank's output, which the layer after attention keeps anyway, and only the rows
 sent home to other ranks are saved; backward reassembles it (_ServerOutput).
 KV prefixes are expanded (one per kernel segment, Plan.kernel_segments) only
 transiently around each kernel call, and not at all where each served document
-is one segment (DispatchLayout.kv_expand_identity).
+is one segment (DispatchLayout.kv_expand_identity). The kernel's backward runs
+over groups of segments of bounded key rows (DispatchLayout.backward_groups): a
+FlashAttention-2 backward over a busy server's whole call was a step's peak memory.
 
 Keeping the output costs nothing only where the caller keeps it too, as the
 model's next layer does (as its input, or under activation checkpointing as the
@@ -212,10 +214,15 @@ class _Serve(torch.autograd.Function):
     def backward(ctx, dout_srv):
         q_srv, k_u, v_u, lse = ctx.saved_tensors
         L, sh, backend, scale, serving, q_shape, k_shape, out_srv_rows = ctx.meta
-        out_srv = out_srv_rows.take()
-        dq_srv, dk_exp, dv_exp = backend.backward(dout_srv.contiguous(), q_srv, *_expanded(L, k_u, v_u), out_srv, lse,
-                                                  L.cu_q, L.cu_k, L.max_q, L.max_k, scale=scale)
+        # Held in one tuple so that the output's reassembly and any expanded K/V go as soon as it does.
+        args = (dout_srv.contiguous(), q_srv, *_expanded(L, k_u, v_u), out_srv_rows.take(), lse)
+        if L.backward_groups and serving is None:  # a sparse backend is bound to the whole call's segments
+            dq_srv, dk_exp, dv_exp = _grouped_backward(backend, L, *args, scale=scale)
+        else:
+            dq_srv, dk_exp, dv_exp = backend.backward(*args, L.cu_q, L.cu_k, L.max_q, L.max_k, scale=scale)
+        del args
         dk_u, dv_u = _summed(L, dk_exp, dv_exp)
+        del dk_exp, dv_exp  # the copies' gradients, once summed
         dq = dq_srv.new_zeros(q_shape)
         dq[L.local_q_rows] = dq_srv[L.local_q_pos]
         dk = dk_u.new_zeros(k_shape).index_add_(0, L.local_kv_rows, dk_u[L.local_kv_pos])
@@ -225,6 +232,21 @@ class _Serve(torch.autograd.Function):
         dq_recv = dq_srv[L.recv_q_pos].reshape(-1, sh.q_width)
         dkv_recv = torch.stack([dk_u[L.recv_kv_pos], dv_u[L.recv_kv_pos]], 1).reshape(-1, sh.kv_width)
         return dq, dk, dv, dq_recv, dkv_recv, None, None, None, None, None
+
+
+def _grouped_backward(backend: Backend, L: DispatchLayout, dout, q, k, v, out, lse, *, scale):
+    """The kernel's backward in one call per group of segments (DispatchLayout.backward_groups), so
+    that its workspace is a group's, not the whole call's. Groups share no rows: each result is
+    written once into its slice."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for g in L.backward_groups:
+        qs, ks = slice(g.q_start, g.q_end), slice(g.k_start, g.k_end)
+        parts = backend.backward(dout[qs], q[qs], k[ks], v[ks], out[qs], lse[:, qs], g.cu_q, g.cu_k, g.max_q,
+                                 g.max_k, scale=scale)
+        for whole, part, rows in zip((dq, dk, dv), parts, (qs, ks, ks)):
+            whole[rows] = part
+        del parts
+    return dq, dk, dv
 
 
 def _expanded(L: DispatchLayout, k_u: torch.Tensor, v_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

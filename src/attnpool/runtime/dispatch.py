@@ -16,6 +16,11 @@ sender and its receiver agree without talking:
   not at all where each served document is one segment (``kv_expand_identity``;
   ``Plan.kernel_segments``: adjacent tasks that continue each other are one segment).
 - Outputs go back in the order the queries came.
+- The kernel's backward runs over groups of consecutive segments of at most
+  ``BACKWARD_GROUP_KEYS`` key rows (``backward_groups``), one call each: FlashAttention-2's
+  backward allocates a workspace in proportion to its call (with GQA, dK and dV for every
+  query head), and one call over every task of a busy server made that workspace the
+  step's peak memory (bench/results/2026-11-22-h200x4-memory.md).
 """
 
 from __future__ import annotations
@@ -34,6 +39,40 @@ def index_tensor(a, dtype=torch.int64, *, device) -> torch.Tensor:
     """A host-built index array on ``device``: built once per plan, never per layer (a host-to-device
     copy per layer would synchronise the host with the GPU)."""
     return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype).to(device)
+
+
+# Key rows (expanded) per backward kernel call: bounds the backward's workspace, while each call
+# stays large enough to run the kernel at full speed. A segment with more keys runs alone.
+BACKWARD_GROUP_KEYS = 128 * 1024
+
+
+@dataclass(frozen=True, eq=False)
+class KernelGroup:
+    """Consecutive kernel segments run by one backward call: their Q rows [q_start, q_end) and
+    expanded key rows [k_start, k_end), with boundaries rebased to the group's first row."""
+
+    q_start: int
+    q_end: int
+    k_start: int
+    k_end: int
+    cu_q: torch.Tensor  # int32
+    cu_k: torch.Tensor  # int32
+    max_q: int
+    max_k: int
+
+
+def segment_groups(seg_k: np.ndarray, max_keys: int) -> list[tuple[int, int]]:
+    """[first, last) segment ranges, consecutive, each with at most ``max_keys`` keys in all
+    (a segment with more is a group of its own)."""
+    groups, first, keys = [], 0, 0
+    for i, n in enumerate(seg_k.tolist()):
+        if i > first and keys + n > max_keys:
+            groups.append((first, i))
+            first, keys = i, 0
+        keys += n
+    if len(seg_k):
+        groups.append((first, len(seg_k)))
+    return groups
 
 
 def _splits(owner: np.ndarray, lengths: np.ndarray, world: int) -> list[int]:
@@ -68,6 +107,7 @@ class DispatchLayout:
     cu_k: torch.Tensor  # int32
     max_q: int
     max_k: int
+    backward_groups: tuple[KernelGroup, ...]  # empty where one backward call covers every segment
 
     @classmethod
     def build(cls, plan: Plan, rank: int, device, withheld: np.ndarray | None = None) -> "DispatchLayout":
@@ -123,6 +163,12 @@ class DispatchLayout:
         cu_k = np.r_[0, np.cumsum(seg_k)]
 
         dev = functools.partial(index_tensor, device=device)
+        groups = segment_groups(seg_k, BACKWARD_GROUP_KEYS)
+        backward_groups = tuple(
+            KernelGroup(q_start=int(cu_q[a]), q_end=int(cu_q[b]), k_start=int(cu_k[a]), k_end=int(cu_k[b]),
+                        cu_q=dev(cu_q[a:b + 1] - cu_q[a], torch.int32), cu_k=dev(cu_k[a:b + 1] - cu_k[a], torch.int32),
+                        max_q=int(seg_q[a:b].max()), max_k=int(seg_k[a:b].max()))
+            for a, b in groups) if len(groups) > 1 else ()
 
         return cls(
             rank=rank, world=W, num_tokens=int(t.tokens_per_rank[rank]), any_traffic=not plan.is_fully_local(),
@@ -135,5 +181,5 @@ class DispatchLayout:
             num_unique_kv=num_unique_kv,
             kv_expand=dev(kv_expand), kv_expand_identity=bool(np.array_equal(kv_expand, np.arange(num_unique_kv))),
             cu_q=dev(cu_q, torch.int32), cu_k=dev(cu_k, torch.int32),
-            max_q=int(seg_q.max(initial=0)), max_k=int(seg_k.max(initial=0)),
+            max_q=int(seg_q.max(initial=0)), max_k=int(seg_k.max(initial=0)), backward_groups=backward_groups,
         )

@@ -60,44 +60,52 @@ def test_summary_of_ping_pong_steps_with_one_document():
 
 
 def test_peak_breakdown_groups_what_was_live_at_the_peak():
-    """Replaying the allocator's trace: the peak, and the live blocks then grouped by their innermost attnpool frame."""
-    from attnpool.bench.memory import NO_FRAME, breakdown_markdown, peak_breakdown
+    """Replaying the allocator's trace as its allocated-bytes statistic moves: the peak, and the live
+    blocks then grouped by their innermost frame in the attnpool package."""
+    import os
+
+    from attnpool.bench.memory import NO_FRAME, PACKAGE_DIR, breakdown_markdown, peak_breakdown
 
     def frames(*where):
         return [dict(filename=f, line=n, name=fn) for f, n, fn in where]
 
-    attn = frames(("/x/torch/functional.py", 10, "cat"), ("/repo/src/attnpool/runtime/core_attention.py", 42, "forward"),
-                  ("/repo/src/attnpool/model/llama.py", 7, "forward"))
-    mlp = frames(("/repo/src/attnpool/model/llama.py", 99, "mlp"))
-    other = frames(("/x/torch/autograd/graph.py", 5, "run"))
+    attn = frames(("/x/torch/functional.py", 10, "cat"), (os.path.join(PACKAGE_DIR, "runtime", "core_attention.py"), 42,
+                  "forward"), (os.path.join(PACKAGE_DIR, "model", "llama.py"), 7, "forward"))
+    mlp = frames((os.path.join(PACKAGE_DIR, "model", "llama.py"), 99, "mlp"))
+    other = frames(("/home/u/attnpool/.venv/torch/autograd/graph.py", 5, "run"))  # not the package itself
     trace = [
-        dict(action="free_completed", addr=999, size=50, frames=[]),  # allocated before recording: ignored
+        dict(action="free_requested", addr=999, size=50, frames=[]),  # allocated before recording: ignored
         dict(action="alloc", addr=1, size=100, frames=attn),
         dict(action="alloc", addr=2, size=300, frames=mlp),
-        dict(action="free_completed", addr=2, size=300, frames=mlp),  # freed before the peak
+        dict(action="free_requested", addr=2, size=300, frames=[]),  # no longer allocated ...
+        dict(action="free_completed", addr=2, size=300, frames=[]),  # ... whenever its free completes
         dict(action="alloc", addr=3, size=200, frames=attn),
         dict(action="alloc", addr=4, size=40, frames=other),
         dict(action="alloc", addr=5, size=10, frames=[]),
-        dict(action="free_requested", addr=3, size=200, frames=attn),  # still counted until completed
-        dict(action="alloc", addr=6, size=5, frames=mlp),  # the peak: 100 + 200 + 40 + 10 + 5 = 355 < 400
-        dict(action="free_completed", addr=3, size=200, frames=attn),
+        dict(action="alloc", addr=6, size=5, frames=mlp),  # 100 + 200 + 40 + 10 + 5 = 355 < 400
+        dict(action="free_requested", addr=3, size=200, frames=[]),
+        dict(action="free_completed", addr=3, size=200, frames=[]),
     ]
     report = peak_breakdown(trace, top=2)
     assert report["peak_bytes"] == 400 and report["peak_index"] == 2  # 100 + 300, before the MLP block's free
     assert report["live_blocks"] == 2
     assert [(g["site"], g["bytes"]) for g in report["groups"]] == [
         ("attnpool/model/llama.py:99 mlp", 300), ("attnpool/runtime/core_attention.py:42 forward", 100)]
-    trace[2]["size"] = trace[3]["size"] = 30  # now the peak is later, with every site live
+    trace[2]["size"] = 30  # now the peak is later, with every site live
     report = peak_breakdown(trace, top=2)
     assert report["peak_bytes"] == 100 + 200 + 40 + 10 + 5
     assert report["peak_index"] == 8 and report["live_blocks"] == 5
     sites = [(g["site"], g["bytes"], g["blocks"]) for g in report["groups"]]
     assert sites == [("attnpool/runtime/core_attention.py:42 forward", 300, 2),
-                     ("/x/torch/autograd/graph.py:5 run", 40, 1), ("(other sites)", 15, 2)]
+                     ("/home/u/attnpool/.venv/torch/autograd/graph.py:5 run", 40, 1), ("(other sites)", 15, 2)]
     report.update(start_bytes=2 ** 30, truncated=False)
     text = breakdown_markdown("t", report)
     assert "| `attnpool/runtime/core_attention.py:42 forward` |" in text and "1.00 GiB live when recording began" in text
     assert NO_FRAME not in text  # grouped into "(other sites)" by top=2
+    # A block whose free waits on another stream stops counting at the request, as the statistic does.
+    late = [dict(action="alloc", addr=1, size=100, frames=[]), dict(action="free_requested", addr=1, size=100, frames=[]),
+            dict(action="alloc", addr=2, size=100, frames=[]), dict(action="free_completed", addr=1, size=100, frames=[])]
+    assert peak_breakdown(late)["peak_bytes"] == 100
 
 
 def test_memory_breakdown_needs_cuda(monkeypatch):

@@ -22,13 +22,16 @@ TRACE_ENTRIES = 1_000_000  # allocator events kept (PyTorch: several KB each); a
 NO_FRAME = "(no Python frame: autograd engine or C++)"
 
 
-def allocation_site(frames: list[dict]) -> str:
-    """Where an allocation was made: the innermost attnpool frame, else the innermost Python frame."""
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../attnpool
+
+
+def allocation_site(frames: list[dict], package_dir: str = PACKAGE_DIR) -> str:
+    """Where an allocation was made: the innermost frame in the attnpool package (shown relative to
+    it), else the innermost Python frame."""
     for frame in frames:
         path = frame.get("filename", "")
-        marker = f"{os.sep}attnpool{os.sep}"
-        if marker in path:
-            return f"attnpool/{path.rsplit(marker, 1)[1]}:{frame.get('line')} {frame.get('name')}"
+        if path.startswith(package_dir + os.sep):
+            return f"attnpool/{os.path.relpath(path, package_dir)}:{frame.get('line')} {frame.get('name')}"
     if frames:
         frame = frames[0]
         return f"{frame.get('filename')}:{frame.get('line')} {frame.get('name')}"
@@ -38,9 +41,11 @@ def allocation_site(frames: list[dict]) -> str:
 def peak_breakdown(trace: list[dict], top: int = 20) -> dict:
     """The peak of allocated bytes over ``trace`` (one device's entries, oldest first) and what was live then.
 
-    Counts ``alloc`` up and ``free_completed`` down (the allocator's allocated-bytes statistic moves at
-    the completed free). Frees of blocks allocated before the trace began are ignored: the peak is
-    above what was live when recording started. Returns peak_bytes, peak_index (the entry that
+    Counts ``alloc`` up and ``free_requested`` down, as the allocator's allocated-bytes statistic
+    (``max_memory_allocated``) moves; a block with pending stream uses completes its free later, but
+    no longer counts as allocated. Sizes are as the trace records them (requested, not rounded to
+    the allocator's blocks). Frees of blocks allocated before the trace began are ignored: the peak
+    is above what was live when recording started. Returns peak_bytes, peak_index (the entry that
     reached it), live_blocks, and groups: [{site, bytes, blocks}] by bytes, the ``top`` largest, then
     one "(other sites)" entry for the rest.
     """
@@ -54,13 +59,13 @@ def peak_breakdown(trace: list[dict], top: int = 20) -> dict:
             total += entry["size"]
             if total > peak:
                 peak, peak_index = total, i
-        elif action == "free_completed":
+        elif action == "free_requested":
             total -= sizes.pop(entry["addr"], 0)
     live: dict[int, dict] = {}
     for entry in trace[:peak_index + 1]:  # second pass: the live set at the peak
         if entry["action"] == "alloc":
             live[entry["addr"]] = entry
-        elif entry["action"] == "free_completed":
+        elif entry["action"] == "free_requested":
             live.pop(entry["addr"], None)
     groups: dict[str, list[int]] = {}
     for entry in live.values():
@@ -114,10 +119,13 @@ def breakdown_markdown(title: str, report: dict) -> str:
     """A readable table of one breakdown."""
     gib = 2.0 ** 30
     lines = [f"# {title}", "",
-             f"Peak {(report['start_bytes'] + report['peak_bytes']) / gib:.2f} GiB allocated: "
+             f"Peak over the whole run (model setup and warm-up steps included) "
+             f"{(report['start_bytes'] + report['peak_bytes']) / gib:.2f} GiB allocated: "
              f"{report['start_bytes'] / gib:.2f} GiB live when recording began, {report['peak_bytes'] / gib:.2f} GiB "
              f"above it at trace entry {report['peak_index']} of {report['entries']}"
-             + (" (the trace was truncated: the oldest entries are missing)" if report["truncated"] else "") + ".",
+             + (" (the trace was truncated: its oldest entries are missing, so the peak and the live set miss "
+                "what they allocated, and the first figure no longer describes the trace's start)"
+                if report["truncated"] else "") + ".",
              "", "| allocated at | GiB | blocks |", "|---|---|---|"]
     lines += [f"| `{g['site']}` | {g['bytes'] / gib:.3f} | {g['blocks']} |" for g in report["groups"]]
     return "\n".join(lines) + "\n"

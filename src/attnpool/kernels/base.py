@@ -39,6 +39,11 @@ class Backend:
     name: str
     forward: ForwardFn
     backward: BackwardFn
+    # Whether backward may run on any consecutive range of the segments (q, k, v, out, lse sliced to
+    # their rows, cu_q/cu_k rebased) with the same result: true where each segment is computed on its
+    # own from the arguments alone. The runtime then splits a large backward to bound its workspace; a
+    # backend bound to one call's segments (a sparse pattern per segment) must leave it False.
+    splits_by_segment: bool = False
 
 
 def default_scale(head_dim: int) -> float:

@@ -164,4 +164,4 @@ def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None):
     return dq, dk, dv
 
 
-BACKEND = Backend("flash", forward, backward)
+BACKEND = Backend("flash", forward, backward, splits_by_segment=True)

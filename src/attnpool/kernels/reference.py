@@ -131,4 +131,4 @@ def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None):
     return dq, dk, dv
 
 
-BACKEND = Backend("reference", forward, backward)
+BACKEND = Backend("reference", forward, backward, splits_by_segment=True)

@@ -216,7 +216,7 @@ class _Serve(torch.autograd.Function):
         L, sh, backend, scale, serving, q_shape, k_shape, out_srv_rows = ctx.meta
         # Held in one tuple so that the output's reassembly and any expanded K/V go as soon as it does.
         args = (dout_srv.contiguous(), q_srv, *_expanded(L, k_u, v_u), out_srv_rows.take(), lse)
-        if L.backward_groups and serving is None:  # a sparse backend is bound to the whole call's segments
+        if L.backward_groups and backend.splits_by_segment:
             dq_srv, dk_exp, dv_exp = _grouped_backward(backend, L, *args, scale=scale)
         else:
             dq_srv, dk_exp, dv_exp = backend.backward(*args, L.cu_q, L.cu_k, L.max_q, L.max_k, scale=scale)

@@ -297,7 +297,8 @@ def _add_memory_breakdown(rec: dict, report: dict | None, out: str, tag: str) ->
     dist.all_gather_object(reports, report)
     if dist.get_rank() != 0 or not any(reports):
         return
-    worst = max((r for r in range(len(reports)) if reports[r]), key=lambda r: reports[r]["start_bytes"] + reports[r]["peak_bytes"])
+    worst = max((r for r, report in enumerate(reports) if report),
+                key=lambda r: reports[r]["start_bytes"] + reports[r]["peak_bytes"])
     rec["memory_breakdown"] = dict(rank=worst, **reports[worst])
     os.makedirs(out, exist_ok=True)
     title = f"Peak memory of {rec['strategy']} on {rec['dist']} {rec['tokens_per_gpu'] // 1024}K, rank {worst}"

@@ -20,8 +20,6 @@ import torch
 
 TRACE_ENTRIES = 1_000_000  # allocator events kept (PyTorch: several KB each); a training step makes thousands
 NO_FRAME = "(no Python frame: autograd engine or C++)"
-
-
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../attnpool
 
 

@@ -45,7 +45,7 @@ from attnpool.errors import ConfigError
 from attnpool.kernels import get_backend
 from attnpool.kernels.base import Backend
 from attnpool.plan.plan import Plan
-from attnpool.runtime.dispatch import DispatchLayout
+from attnpool.runtime.dispatch import DispatchLayout, backward_in_parts
 from attnpool.runtime.sparse import SparseServing, SparseStats
 from attnpool.runtime.sparse_kv import withheld_segments
 from attnpool.sparse import SparseConfig
@@ -217,7 +217,7 @@ class _Serve(torch.autograd.Function):
         # Held in one tuple so that the output's reassembly and any expanded K/V go as soon as it does.
         args = (dout_srv.contiguous(), q_srv, *_expanded(L, k_u, v_u), out_srv_rows.take(), lse)
         if L.backward_groups and backend.splits_by_segment:
-            dq_srv, dk_exp, dv_exp = _grouped_backward(backend, L, *args, scale=scale)
+            dq_srv, dk_exp, dv_exp = backward_in_parts([(rows, backend) for rows in L.backward_groups], *args, scale)
         else:
             dq_srv, dk_exp, dv_exp = backend.backward(*args, L.cu_q, L.cu_k, L.max_q, L.max_k, scale=scale)
         del args
@@ -232,21 +232,6 @@ class _Serve(torch.autograd.Function):
         dq_recv = dq_srv[L.recv_q_pos].reshape(-1, sh.q_width)
         dkv_recv = torch.stack([dk_u[L.recv_kv_pos], dv_u[L.recv_kv_pos]], 1).reshape(-1, sh.kv_width)
         return dq, dk, dv, dq_recv, dkv_recv, None, None, None, None, None
-
-
-def _grouped_backward(backend: Backend, L: DispatchLayout, dout, q, k, v, out, lse, *, scale):
-    """The kernel's backward in one call per group of segments (DispatchLayout.backward_groups), so
-    that its workspace is a group's, not the whole call's. Groups share no rows: each result is
-    written once into its slice."""
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for g in L.backward_groups:
-        qs, ks = slice(g.q_start, g.q_end), slice(g.k_start, g.k_end)
-        parts = backend.backward(dout[qs], q[qs], k[ks], v[ks], out[qs], lse[:, qs], g.cu_q, g.cu_k, g.max_q,
-                                 g.max_k, scale=scale)
-        for whole, part, rows in zip((dq, dk, dv), parts, (qs, ks, ks)):
-            whole[rows] = part
-        del parts
-    return dq, dk, dv
 
 
 def _expanded(L: DispatchLayout, k_u: torch.Tensor, v_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,18 +47,46 @@ BACKWARD_GROUP_KEYS = 128 * 1024
 
 
 @dataclass(frozen=True, eq=False)
-class KernelGroup:
-    """Consecutive kernel segments run by one backward call: their Q rows [q_start, q_end) and
-    expanded key rows [k_start, k_end), with boundaries rebased to the group's first row."""
+class SegmentRows:
+    """A subset of a server's kernel segments as their own kernel call: its rows in the full call's Q
+    and expanded-KV buffers (slices, views without a copy, where the subset is consecutive; else index
+    tensors) and its own segment boundaries."""
 
-    q_start: int
-    q_end: int
-    k_start: int
-    k_end: int
+    q_rows: slice | torch.Tensor
+    k_rows: slice | torch.Tensor
     cu_q: torch.Tensor  # int32
     cu_k: torch.Tensor  # int32
     max_q: int
     max_k: int
+
+    @classmethod
+    def of(cls, q_len: np.ndarray, k_len: np.ndarray, keep: np.ndarray, device) -> "SegmentRows":
+        """``q_len``, ``k_len``: the full call's segments in call order; ``keep``: the subset's (bool)."""
+        q_start, k_start = np.cumsum(q_len) - q_len, np.cumsum(k_len) - k_len
+        n, end = q_len[keep], k_len[keep]
+        kept = np.flatnonzero(keep)
+        dev = functools.partial(index_tensor, device=device)
+        if len(kept) and kept[-1] - kept[0] + 1 == len(kept):
+            first, last = kept[0], kept[-1]
+            q_rows = slice(int(q_start[first]), int(q_start[last] + q_len[last]))
+            k_rows = slice(int(k_start[first]), int(k_start[last] + k_len[last]))
+        else:
+            q_rows, k_rows = dev(ranges(q_start[keep], n)), dev(ranges(k_start[keep], end))
+        return cls(q_rows, k_rows, dev(np.r_[0, np.cumsum(n)], torch.int32), dev(np.r_[0, np.cumsum(end)], torch.int32),
+                   int(n.max(initial=0)), int(end.max(initial=0)))
+
+
+def backward_in_parts(parts, dout, q, k, v, out, lse, scale):
+    """A kernel call's backward as one call per part, ``parts`` being (SegmentRows, Backend) pairs
+    that share no segment; each part's gradients are written into its rows."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for rows, backend in parts:
+        grads = backend.backward(dout[rows.q_rows], q[rows.q_rows], k[rows.k_rows], v[rows.k_rows], out[rows.q_rows],
+                                 lse[:, rows.q_rows].contiguous(), rows.cu_q, rows.cu_k, rows.max_q, rows.max_k,
+                                 scale=scale)
+        dq[rows.q_rows], dk[rows.k_rows], dv[rows.k_rows] = grads
+        del grads  # one part's kernel outputs at a time
+    return dq, dk, dv
 
 
 def segment_groups(seg_k: np.ndarray, max_keys: int) -> list[tuple[int, int]]:
@@ -107,7 +135,7 @@ class DispatchLayout:
     cu_k: torch.Tensor  # int32
     max_q: int
     max_k: int
-    backward_groups: tuple[KernelGroup, ...]  # empty where one backward call covers every segment
+    backward_groups: tuple[SegmentRows, ...]  # empty where one backward call covers every segment
 
     @classmethod
     def build(cls, plan: Plan, rank: int, device, withheld: np.ndarray | None = None) -> "DispatchLayout":
@@ -164,11 +192,9 @@ class DispatchLayout:
 
         dev = functools.partial(index_tensor, device=device)
         groups = segment_groups(seg_k, BACKWARD_GROUP_KEYS)
-        backward_groups = tuple(
-            KernelGroup(q_start=int(cu_q[a]), q_end=int(cu_q[b]), k_start=int(cu_k[a]), k_end=int(cu_k[b]),
-                        cu_q=dev(cu_q[a:b + 1] - cu_q[a], torch.int32), cu_k=dev(cu_k[a:b + 1] - cu_k[a], torch.int32),
-                        max_q=int(seg_q[a:b].max()), max_k=int(seg_k[a:b].max()))
-            for a, b in groups) if len(groups) > 1 else ()
+        segs = np.arange(len(seg_k))
+        backward_groups = tuple(SegmentRows.of(seg_q, seg_k, (segs >= a) & (segs < b), device)
+                                for a, b in groups) if len(groups) > 1 else ()
 
         return cls(
             rank=rank, world=W, num_tokens=int(t.tokens_per_rank[rank]), any_traffic=not plan.is_fully_local(),

@@ -34,7 +34,7 @@ from attnpool.kernels import sparse as sparse_kernels
 from attnpool.kernels.base import Backend
 from attnpool.plan.documents import ranges
 from attnpool.plan.plan import Plan
-from attnpool.runtime.dispatch import index_tensor
+from attnpool.runtime.dispatch import SegmentRows, backward_in_parts, index_tensor
 from attnpool.runtime.sparse_kv import ReadRoutes, ReadSelection, estimating_servers
 from attnpool.sparse import SparseConfig, VerticalSlashPattern, estimate_vertical_slash, packed_sizes
 from attnpool.sparse.pattern import PackLayout
@@ -145,31 +145,6 @@ class PatternRoutes:
         )
 
 
-@dataclass(frozen=True, eq=False)
-class SegmentRows:
-    """A subset of a server's kernel segments as their own kernel call: rows in the full call's Q and
-    expanded-KV buffers, and the subset's own segment boundaries."""
-
-    q_rows: torch.Tensor
-    k_rows: torch.Tensor
-    cu_q: torch.Tensor  # int32
-    cu_k: torch.Tensor  # int32
-    max_q: int
-    max_k: int
-
-    @classmethod
-    def of(cls, q_len: np.ndarray, k_len: np.ndarray, keep: np.ndarray, device) -> "SegmentRows":
-        """``q_len``, ``k_len``: the full call's segments in call order; ``keep``: the subset's."""
-        q_start, k_start = np.cumsum(q_len) - q_len, np.cumsum(k_len) - k_len
-        n, end = q_len[keep], k_len[keep]
-
-        dev = functools.partial(index_tensor, device=device)
-
-        return cls(dev(ranges(q_start[keep], n)), dev(ranges(k_start[keep], end)),
-                   dev(np.r_[0, np.cumsum(n)], torch.int32), dev(np.r_[0, np.cumsum(end)], torch.int32),
-                   int(n.max(initial=0)), int(end.max(initial=0)))
-
-
 def split_backend(sparse: Backend, dense: Backend, sparse_rows: SegmentRows, dense_rows: SegmentRows) -> Backend:
     """One backend over a server's tasks that runs the sparse ones and the dense ones as two kernel calls.
 
@@ -185,12 +160,7 @@ def split_backend(sparse: Backend, dense: Backend, sparse_rows: SegmentRows, den
         return out, lse
 
     def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None):
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for p, be in ((sparse_rows, sparse), (dense_rows, dense)):
-            g = be.backward(dout[p.q_rows], q[p.q_rows], k[p.k_rows], v[p.k_rows], out[p.q_rows],
-                            lse[:, p.q_rows].contiguous(), p.cu_q, p.cu_k, p.max_q, p.max_k, scale=scale)
-            dq[p.q_rows], dk[p.k_rows], dv[p.k_rows] = g
-        return dq, dk, dv
+        return backward_in_parts(((sparse_rows, sparse), (dense_rows, dense)), dout, q, k, v, out, lse, scale)
 
     return Backend(f"{sparse.name}+{dense.name}", forward, backward)
 

@@ -38,7 +38,7 @@ case "$PHASE" in
   pretrain128-baselines)
     bench pretrain128-baselines --configs pretrain:128K --strategies cad+pingpong,percp,wlb --warmup 3 --steps 10 \
       --budget-s 330 ;;
-  pretrain256)  # not run yet; the simulator predicts 31 s local steps (7 minutes for 13) and 20 s cad steps
+  pretrain256)  # local alone: 397 s of one call (its two steps with the 857K-token document take 50 and 140 s)
     bench pretrain256 --configs pretrain:256K --strategies local --warmup 3 --steps 10 ;;
   pretrain256-baselines)
     bench pretrain256-baselines --configs pretrain:256K --strategies cad+pingpong,percp --warmup 3 --steps 10 \

@@ -113,12 +113,19 @@ def rel(a, b):
 
 # --- 1. exactness ---
 
-def exact_case(name, pattern, segs, seg_doc, Hq=32, Hk=8, D=128, seed=0):
+def exact_case(name, pattern, segs, seg_doc, Hq=32, Hk=8, D=128, seed=0, views=False):
+    """``views``: q, k and v as strided views of larger tensors (the kernels' TMA descriptors must use
+    the strides)."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     Tq, Tk = sum(s[0] for s in segs), sum(s[1] for s in segs)
-    q = torch.randn(Tq, Hq, D, device=DEV, generator=g).bfloat16()
-    k = torch.randn(Tk, Hk, D, device=DEV, generator=g).bfloat16()
-    v = torch.randn(Tk, Hk, D, device=DEV, generator=g).bfloat16()
+    if views:
+        q = torch.randn(Tq, Hq + 1, D, device=DEV, generator=g).bfloat16()[:, 1:]
+        kv = torch.randn(Tk, 2, Hk, D, device=DEV, generator=g).bfloat16()
+        k, v = kv[:, 0], kv[:, 1]
+    else:
+        q = torch.randn(Tq, Hq, D, device=DEV, generator=g).bfloat16()
+        k = torch.randn(Tk, Hk, D, device=DEV, generator=g).bfloat16()
+        v = torch.randn(Tk, Hk, D, device=DEV, generator=g).bfloat16()
     do = torch.randn(Tq, Hq, D, device=DEV, generator=g).bfloat16()
     cu_q, cu_k = cu([s[0] for s in segs]), cu([s[1] for s in segs])
     mq, mk = max(s[0] for s in segs), max(s[1] for s in segs)
@@ -154,6 +161,7 @@ def exactness(quick):
     pat2 = VerticalSlashPattern.random([5000, 3000], 32, 128, n_slash=6, n_vertical=300, generator=g, device=DEV)
     segs = [(1000, 1000), (1500, 2500), (2500, 5000), (700, 3000), (100, 1700)]
     out.append(exact_case("CA-task shards (partial blocks)", pat2, segs, [0, 0, 0, 1, 1]))
+    out.append(exact_case("the same, q/k/v strided views", pat2, segs, [0, 0, 0, 1, 1], views=True))
     # c) vertical-heavy.
     pat3 = VerticalSlashPattern.random([3000], 32, 128, n_slash=0, n_vertical=1500, generator=g, device=DEV)
     out.append(exact_case("vertical-heavy random", pat3, [(3000, 3000)], None))

@@ -37,14 +37,14 @@ QSPLIT = 64  # query blocks per program of the vertical dK/dV pass
 # (7 tile products per tile in all). "fused": the dK/dV passes also form dQ from the
 # dS they already hold and add it with fp32 atomics (5 products, as FlashAttention-2),
 # which makes dQ's summation order nondeterministic. bench/gpu_sparse.py times both;
-# on an H200 "fused" was 2-9% slower in three runs: the atomics cost more than the pass they save.
+# on an H200 "fused" was 2-9% slower in three runs, and 14-17% once the dQ pass read K/V through TMA.
 DQ_MODES = ("separate", "fused")
 DQ_MODE = "separate"
 # Launch configuration on CUDA per kernel: warps, pipeline stages, and the sub-tile
 # (keys per dQ step, query rows per dK/dV step) that a 128 x 128 tile is cut into.
 # bench/gpu_sparse.py sweeps these; the defaults are its best on an H200.
 CONFIG = {
-    "fwd": dict(num_warps=8, num_stages=2),
+    "fwd": dict(num_warps=8, num_stages=3),
     "dq": dict(num_warps=8, num_stages=2, SUB_N=64),
     "dkdv": dict(num_warps=8, num_stages=2, SUB_M=64),
     "vert": dict(num_warps=4, num_stages=1, SUB_M=64),
@@ -234,6 +234,14 @@ def _triton_module():
     return sparse_triton
 
 
+def _set_tma_scratch(dev):
+    """Give Triton the global scratch, on ``dev``, that holds the TMA descriptors the forward and the
+    dQ pass build on the device (128 bytes per program and descriptor)."""
+    import triton
+
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=dev))
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -249,8 +257,12 @@ def _pattern_args(pattern: VerticalSlashPattern, dev):
     return cache[dev]
 
 
-def _last_dim_contiguous(x):
-    return x if x.stride(-1) == 1 else x.contiguous()
+def _tma_ready(x):
+    """x, or a contiguous copy where TMA cannot read it: a unit last stride, the other strides and the
+    start 16-byte aligned."""
+    size = x.element_size()
+    aligned = x.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in x.stride()[:-1])
+    return x if x.stride(-1) == 1 and aligned else x.contiguous()
 
 
 def _launch_ok(q, k):
@@ -264,8 +276,9 @@ def triton_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, *, pattern, se
     _check_pattern(pattern, q, seg_doc, cu_q)
     _launch_ok(q, k)
     st = _triton_module()
+    _set_tma_scratch(q.device)
     scale = default_scale(q.shape[2]) if scale is None else scale
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    q, k, v = (_tma_ready(x) for x in (q, k, v))
     dev = q.device
     pattern = _on_device(pattern, dev)
     idx = index or SparseIndex.build(pattern, cu_q, cu_k, q.shape[0], k.shape[0], max_q, seg_doc)
@@ -319,8 +332,9 @@ def triton_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=Non
     _check_pattern(pattern, q, seg_doc, cu_q)
     _launch_ok(q, k)
     st = _triton_module()
+    _set_tma_scratch(q.device)
     scale = default_scale(q.shape[2]) if scale is None else scale
-    q, k, v, out, dout = (_last_dim_contiguous(x) for x in (q, k, v, out, dout.to(q.dtype)))
+    q, k, v, out, dout = (_tma_ready(x) for x in (q, k, v, out, dout.to(q.dtype)))
     dev = q.device
     pattern = _on_device(pattern, dev)
     idx = index or SparseIndex.build(pattern, cu_q, cu_k, q.shape[0], k.shape[0], max_q, seg_doc)

@@ -32,6 +32,13 @@ Rows are positions in key coordinates (p = k_len - q_len + row); blocks are
 aligned to key position 0, so a query shard that starts mid-block gets a partial
 first tile, exactly as the cost model counts.
 
+The forward and the dQ pass read their slash K/V tiles through TMA descriptors
+(``_rows_desc``, one per program, head and tensor, over the segment's rows, so that
+rows outside it load as zeros): on an H200 that made the forward 12-14% and the dQ
+pass 20-22% faster (bench/results/2026-11-22-h200-sparse-tma.md). The dK/dV passes
+keep pointer loads of their query rows: through TMA they were 1-10% slower. Gathered
+vertical columns have no TMA form on Hopper.
+
 Masks cost time (a fifth of the slash dK/dV pass on an H200), so only the tiles
 that need them have them. A slash tile below the diagonal (Delta >= 1) lies wholly
 before its queries and inside the segment's keys: the forward and the dQ pass mask
@@ -55,6 +62,17 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _rows_desc(X, r0, n_rows, s_t, head, s_h, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """TMA descriptor of one head's rows [r0, r0 + n_rows) of a (T, H, HEAD_DIM) tensor, ROWS at a time.
+
+    Row coordinates are relative to r0; rows outside [0, n_rows) load as zeros, which is
+    the masked load of rows outside the segment, without the mask's address arithmetic.
+    """
+    return tl.make_tensor_descriptor(X + r0.to(tl.int64) * s_t + head * s_h, shape=[n_rows, HEAD_DIM],
+                                     strides=[s_t, 1], block_shape=[ROWS, HEAD_DIM])
+
+
+@triton.jit
 def _bwd_delta(O, DO, DELTA, so_t, so_h, sdo_t, sdo_h, T_q, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
     """DELTA[h, i] = sum_d O[i, h, d] * DO[i, h, d] in fp32: one read of both, no fp32 copies."""
     h = tl.program_id(1)
@@ -68,26 +86,20 @@ def _bwd_delta(O, DO, DELTA, so_t, so_h, sdo_t, sdo_h, T_q, HEAD_DIM: tl.constex
 
 
 @triton.jit
-def _fwd_slash_tile(m_i, l_i, acc, q, K, V, k0, kvh, sk_t, sk_h, sv_t, sv_h, kblock, offs_m, k_len, scale_log2,
-                    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+def _fwd_slash_tile(m_i, l_i, acc, q, k_desc, v_desc, kblock, offs_m, k_len, scale_log2,
+                    BLOCK: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
     """One B x B slash tile of the forward's online softmax (masks only when MASKED)."""
-    offs_d = tl.arange(0, HEAD_DIM)
     kpos = kblock * BLOCK + tl.arange(0, BLOCK)
-    krow = (k0 + kpos).to(tl.int64)
+    kt = tl.trans(k_desc.load([kblock * BLOCK, 0]))
+    qk = _dot(q, kt, IEEE) * scale_log2
     if MASKED:
-        kmask = kpos < k_len
-        kt = tl.load(K + krow[None, :] * sk_t + kvh * sk_h + offs_d[:, None], mask=kmask[None, :], other=0.0)
-        qk = _dot(q, kt, IEEE) * scale_log2
-        qk = tl.where(kmask[None, :] & (kpos[None, :] <= offs_m[:, None]), qk, float("-inf"))
+        qk = tl.where((kpos[None, :] < k_len) & (kpos[None, :] <= offs_m[:, None]), qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        vt = tl.load(V + krow[:, None] * sv_t + kvh * sv_h + offs_d[None, :], mask=kmask[:, None], other=0.0)
     else:
-        kt = tl.load(K + krow[None, :] * sk_t + kvh * sk_h + offs_d[:, None])
-        qk = _dot(q, kt, IEEE) * scale_log2
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_use = m_new  # finite: every entry of an unmasked tile is
-        vt = tl.load(V + krow[:, None] * sv_t + kvh * sv_h + offs_d[None, :])
+    vt = v_desc.load([kblock * BLOCK, 0])
     p = tl.math.exp2(qk - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -127,18 +139,20 @@ def _fwd(Q, K, V, O, LSE,
         m_i = tl.full([BLOCK], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK], tl.float32)
         acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+        k_desc = _rows_desc(K, k0, k_len, sk_t, kvh, sk_h, HEAD_DIM, BLOCK)
+        v_desc = _rows_desc(V, k0, k_len, sv_t, kvh, sv_h, HEAD_DIM, BLOCK)
         n_sl = tl.load(N_SL + h * N_PROG + pid)
         # Only the first diagonal, Delta = 0 (always present), needs masks: the causal one, and the keys
         # past the segment's end in its last block. Rows outside the segment are never stored.
         n_masked = tl.minimum(n_sl, 1)
         for t in range(0, n_masked):
             kblock = I - tl.load(SL_LIST + h * NBT + boff + t)
-            m_i, l_i, acc = _fwd_slash_tile(m_i, l_i, acc, q, K, V, k0, kvh, sk_t, sk_h, sv_t, sv_h, kblock, offs_m,
-                                            k_len, scale_log2, HEAD_DIM, BLOCK, True, IEEE)
+            m_i, l_i, acc = _fwd_slash_tile(m_i, l_i, acc, q, k_desc, v_desc, kblock, offs_m, k_len, scale_log2,
+                                            BLOCK, True, IEEE)
         for t in range(n_masked, n_sl):
             kblock = I - tl.load(SL_LIST + h * NBT + boff + t)
-            m_i, l_i, acc = _fwd_slash_tile(m_i, l_i, acc, q, K, V, k0, kvh, sk_t, sk_h, sv_t, sv_h, kblock, offs_m,
-                                            k_len, scale_log2, HEAD_DIM, BLOCK, False, IEEE)
+            m_i, l_i, acc = _fwd_slash_tile(m_i, l_i, acc, q, k_desc, v_desc, kblock, offs_m, k_len, scale_log2,
+                                            BLOCK, False, IEEE)
         v_hi = tl.load(V_HI + h * N_PROG + pid)
         for t0 in range(0, v_hi, BV):
             idx = t0 + offs_v
@@ -167,26 +181,20 @@ def _fwd(Q, K, V, O, LSE,
 
 
 @triton.jit
-def _dq_slash_tile(dq, q, do, lse2, di, K, V, k0, kvh, sk_t, sk_h, sv_t, sv_h, kblock, offs_m, row_ok, k_len,
-                   scale_log2, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SUB_N: tl.constexpr,
-                   MASKED: tl.constexpr, IEEE: tl.constexpr):
+def _dq_slash_tile(dq, q, do, lse2, di, k_desc, v_desc, kblock, offs_m, row_ok, k_len, scale_log2,
+                   BLOCK: tl.constexpr, SUB_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
     """dQ of one B x B slash tile, SUB_N keys at a time (masks only when MASKED)."""
-    offs_d = tl.arange(0, HEAD_DIM)
     for sub in tl.static_range(BLOCK // SUB_N):
         kpos = kblock * BLOCK + sub * SUB_N + tl.arange(0, SUB_N)
-        krow = (k0 + kpos).to(tl.int64)
+        k = k_desc.load([kblock * BLOCK + sub * SUB_N, 0])
         if MASKED:
-            kmask = kpos < k_len
-            kt = tl.load(K + krow[None, :] * sk_t + kvh * sk_h + offs_d[:, None], mask=kmask[None, :], other=0.0)
-            ok = row_ok[:, None] & kmask[None, :] & (kpos[None, :] <= offs_m[:, None])
-            p = tl.where(ok, tl.math.exp2(_dot(q, kt, IEEE) * scale_log2 - lse2[:, None]), 0.0)
-            vt = tl.load(V + krow[None, :] * sv_t + kvh * sv_h + offs_d[:, None], mask=kmask[None, :], other=0.0)
+            ok = row_ok[:, None] & (kpos[None, :] < k_len) & (kpos[None, :] <= offs_m[:, None])
+            p = tl.where(ok, tl.math.exp2(_dot(q, tl.trans(k), IEEE) * scale_log2 - lse2[:, None]), 0.0)
         else:
-            kt = tl.load(K + krow[None, :] * sk_t + kvh * sk_h + offs_d[:, None])
-            p = tl.math.exp2(_dot(q, kt, IEEE) * scale_log2 - lse2[:, None])
-            vt = tl.load(V + krow[None, :] * sv_t + kvh * sv_h + offs_d[:, None])
-        ds = p * (_dot(do, vt, IEEE) - di[:, None])
-        dq += _dot(ds.to(kt.dtype), tl.trans(kt), IEEE)
+            p = tl.math.exp2(_dot(q, tl.trans(k), IEEE) * scale_log2 - lse2[:, None])
+        v = v_desc.load([kblock * BLOCK + sub * SUB_N, 0])
+        ds = p * (_dot(do, tl.trans(v), IEEE) - di[:, None])
+        dq += _dot(ds.to(k.dtype), k, IEEE)
     return dq
 
 
@@ -224,18 +232,20 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
         lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
         di = tl.load(DELTA + h * T_q + qrow, mask=row_ok, other=0.0)
         dq = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+        k_desc = _rows_desc(K, k0, k_len, sk_t, kvh, sk_h, HEAD_DIM, SUB_N)
+        v_desc = _rows_desc(V, k0, k_len, sv_t, kvh, sv_h, HEAD_DIM, SUB_N)
         n_sl = tl.load(N_SL + h * N_PROG + pid)
         # Only the first diagonal, Delta = 0 (always present), needs masks: the causal one, and the keys
         # past the segment's end in its last block. Rows outside the segment are never stored.
         n_masked = tl.minimum(n_sl, 1)
         for t in range(0, n_masked):
             kblock = I - tl.load(SL_LIST + h * NBT + boff + t)
-            dq = _dq_slash_tile(dq, q, do, lse2, di, K, V, k0, kvh, sk_t, sk_h, sv_t, sv_h, kblock, offs_m, row_ok,
-                                k_len, scale_log2, HEAD_DIM, BLOCK, SUB_N, True, IEEE)
+            dq = _dq_slash_tile(dq, q, do, lse2, di, k_desc, v_desc, kblock, offs_m, row_ok, k_len, scale_log2,
+                                BLOCK, SUB_N, True, IEEE)
         for t in range(n_masked, n_sl):
             kblock = I - tl.load(SL_LIST + h * NBT + boff + t)
-            dq = _dq_slash_tile(dq, q, do, lse2, di, K, V, k0, kvh, sk_t, sk_h, sv_t, sv_h, kblock, offs_m, row_ok,
-                                k_len, scale_log2, HEAD_DIM, BLOCK, SUB_N, False, IEEE)
+            dq = _dq_slash_tile(dq, q, do, lse2, di, k_desc, v_desc, kblock, offs_m, row_ok, k_len, scale_log2,
+                                BLOCK, SUB_N, False, IEEE)
         v_hi = tl.load(V_HI + h * N_PROG + pid)
         for t0 in range(0, v_hi, BV):
             idx = t0 + offs_v

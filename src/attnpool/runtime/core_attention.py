@@ -19,7 +19,8 @@ in task order and unique KV (local and received rows together), and its LSE;
 not this rank's own q, k, v, whose rows served elsewhere live on their server.
 The kernel's output is not kept as the server wrote it: its local rows are the
 rank's output, which the layer after attention keeps anyway, and only the rows
-sent home to other ranks are saved; backward reassembles it (_ServerOutput).
+sent home to other ranks are saved; backward reassembles it (_ServerRows). The
+output's gradient is assembled the same way, into one server-ordered buffer.
 KV prefixes are expanded (one per kernel segment, Plan.kernel_segments) only
 transiently around each kernel call, and not at all where each served document
 is one segment (DispatchLayout.kv_expand_identity). The kernel's backward runs
@@ -76,12 +77,15 @@ class _Handle:
         return received
 
 
-class _ServerOutput:
-    """The server's output in task order, reassembled in backward for the kernel's backward.
+class _ServerRows:
+    """A server-ordered buffer assembled in backward from its local and its received rows.
 
-    Forward keeps no copy of it: _Collect saves the rank's output (local rows) and
-    _ReturnStart the rows it sends home to other ranks; their backward runs before
-    _Serve's (its output feeds both) and each places its rows here.
+    Two of them per call. The output: forward keeps no copy of it; _Collect saves the
+    rank's output (local rows) and _ReturnStart the rows it sends home to other ranks.
+    And the output's gradient: _Collect places this rank's dO of its local rows and
+    _ReturnStart the dO that comes back for the rest, so that _Serve receives one buffer,
+    not two that autograd sums into a third. _Collect's backward runs first (it consumes
+    _ReturnStart's output), and both run before _Serve's.
     """
 
     def __init__(self, num_rows: int, sh: "_Shapes"):
@@ -89,7 +93,7 @@ class _ServerOutput:
 
     def place(self, positions, rows):
         if self.rows is None:
-            self.rows = rows.new_empty(self.num_rows, self.sh.H_q, self.sh.D)
+            self.rows = rows.new_empty(self.num_rows, self.sh.H_q, self.sh.D)  # local and received rows cover it
         self.rows[positions] = rows.view(-1, self.sh.H_q, self.sh.D)
 
     def take(self) -> torch.Tensor:
@@ -199,7 +203,7 @@ class _Serve(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, q_recv, kv_recv, L: DispatchLayout, sh: _Shapes, backend, scale, out_srv_rows: _ServerOutput):
+    def forward(ctx, q, k, v, q_recv, kv_recv, L: DispatchLayout, sh: _Shapes, backend, scale, out_srv_rows: _ServerRows):
         q_srv, k_u, v_u = _server_inputs(L, sh, q, k, v, q_recv, kv_recv)
         serving = None
         if isinstance(backend, SparseServing):
@@ -255,23 +259,23 @@ class _ReturnStart(torch.autograd.Function):
     """Launch outputs back to their home ranks. Backward: wait for dO, place it in server order."""
 
     @staticmethod
-    def forward(ctx, out_srv, L: DispatchLayout, sh: _Shapes, handle: _Handle, group, out_srv_rows: _ServerOutput):
+    def forward(ctx, out_srv, L: DispatchLayout, sh: _Shapes, handle: _Handle, group, out_srv_rows: _ServerRows,
+                dout_srv_rows: _ServerRows):
         o_send = out_srv[L.recv_q_pos].reshape(-1)
         recv = handle.launch(o_send, [n * sh.q_width for n in L.q_recv_splits],
                              [n * sh.q_width for n in L.q_send_splits], group, "return")
-        ctx.save_for_backward(o_send)  # the server's rows of other ranks' outputs (see _ServerOutput)
-        ctx.meta = (L, sh, handle, out_srv_rows)
+        ctx.save_for_backward(o_send)  # the server's rows of other ranks' outputs (see _ServerRows)
+        ctx.meta = (L, handle, out_srv_rows, dout_srv_rows)
         ctx.set_materialize_grads(False)
         return recv
 
     @staticmethod
     def backward(ctx, _):
-        L, sh, handle, out_srv_rows = ctx.meta
+        L, handle, out_srv_rows, dout_srv_rows = ctx.meta
         out_srv_rows.place(L.recv_q_pos, ctx.saved_tensors[0])
         grad_recv = handle.wait()  # filled by the exchange _Collect.backward launched
-        dout_srv = grad_recv.new_zeros(L.num_server_q, sh.H_q, sh.D)
-        dout_srv[L.recv_q_pos] = grad_recv.view(-1, sh.H_q, sh.D)
-        return dout_srv, None, None, None, None, None
+        dout_srv_rows.place(L.recv_q_pos, grad_recv)  # beside the local rows _Collect placed
+        return dout_srv_rows.take(), None, None, None, None, None, None
 
 
 class _Collect(torch.autograd.Function):
@@ -279,29 +283,29 @@ class _Collect(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out_srv, o_recv, L: DispatchLayout, sh: _Shapes, handle: _Handle | None, group,
-                out_srv_rows: _ServerOutput):
+                out_srv_rows: _ServerRows, dout_srv_rows: _ServerRows):
         out = out_srv.new_empty(L.num_tokens, sh.H_q, sh.D)
         out[L.local_q_rows] = out_srv[L.local_q_pos]
         if handle is not None:
             handle.wait()
             out[L.q_send_rows] = o_recv.view(-1, sh.H_q, sh.D)
         # The caller's next layer keeps its input: saving it here costs nothing, and it holds the
-        # server's local rows (see _ServerOutput).
+        # server's local rows (see _ServerRows).
         ctx.save_for_backward(out)
-        ctx.meta = (L, sh, handle, group, out_srv_rows)
+        ctx.meta = (L, sh, handle, group, out_srv_rows, dout_srv_rows)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        L, sh, handle, group, out_srv_rows = ctx.meta
+        L, sh, handle, group, out_srv_rows, dout_srv_rows = ctx.meta
         out_srv_rows.place(L.local_q_pos, ctx.saved_tensors[0][L.local_q_rows])
         dout = dout.contiguous()
-        d_local = dout.new_zeros(L.num_server_q, sh.H_q, sh.D)
-        d_local[L.local_q_pos] = dout[L.local_q_rows]
-        if handle is not None:
-            handle.launch(dout[L.q_send_rows].reshape(-1), [n * sh.q_width for n in L.q_send_splits],
-                          [n * sh.q_width for n in L.q_recv_splits], group, "dispatch_grad")
-        return d_local, None, None, None, None, None, None
+        dout_srv_rows.place(L.local_q_pos, dout[L.local_q_rows])
+        if handle is None:  # no _ReturnStart: every server row is local
+            return dout_srv_rows.take(), None, None, None, None, None, None, None
+        handle.launch(dout[L.q_send_rows].reshape(-1), [n * sh.q_width for n in L.q_send_splits],
+                      [n * sh.q_width for n in L.q_recv_splits], group, "dispatch_grad")
+        return None, None, None, None, None, None, None, None  # _ReturnStart's backward returns the whole dO
 
 
 @dataclass
@@ -317,7 +321,8 @@ class _InFlight:
     recv: torch.Tensor | None = None
     handle: _Handle | None = None
     out_srv: torch.Tensor | None = None
-    out_srv_rows: _ServerOutput | None = None
+    out_srv_rows: _ServerRows | None = None
+    dout_srv_rows: _ServerRows | None = None
 
 
 def _local_problem(q, k, v, plan: Plan, rank: int, world: int, group) -> str | None:
@@ -448,15 +453,16 @@ class CoreAttention:
             q_recv, kv_recv = _DispatchWait.apply(p.recv, L, sh, p.handle, self.group)
         else:
             q_recv, kv_recv = p.q.new_empty(0, sh.q_width), p.k.new_empty(0, sh.kv_width)
-        p.out_srv_rows = _ServerOutput(L.num_server_q, sh)
+        p.out_srv_rows, p.dout_srv_rows = _ServerRows(L.num_server_q, sh), _ServerRows(L.num_server_q, sh)
         p.out_srv = _Serve.apply(p.q, p.k, p.v, q_recv, kv_recv, L, sh, self._backend(p.q, p.layer), self.scale,
                                  p.out_srv_rows)
         if L.any_traffic:
             p.handle = _Handle()
-            p.recv = _ReturnStart.apply(p.out_srv, L, sh, p.handle, self.group, p.out_srv_rows)
+            p.recv = _ReturnStart.apply(p.out_srv, L, sh, p.handle, self.group, p.out_srv_rows, p.dout_srv_rows)
 
     def collect(self, p: _InFlight) -> torch.Tensor:
-        return _Collect.apply(p.out_srv, p.recv, p.layout, p.shapes, p.handle, self.group, p.out_srv_rows)
+        return _Collect.apply(p.out_srv, p.recv, p.layout, p.shapes, p.handle, self.group, p.out_srv_rows,
+                              p.dout_srv_rows)
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, group=None, *,

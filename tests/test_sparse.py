@@ -466,14 +466,24 @@ def _interpreter_check():
     # Blocks of 32 cut into sub-tiles of 16 in the backward kernels, as 128 into 32 on GPUs.
     g = torch.Generator().manual_seed(4)
     pat = VerticalSlashPattern.random([150, 70], 4, 32, n_slash=2, n_vertical=10, generator=g)
-    segs = [(100, 150), (70, 70), (20, 64)]
-    # Strided views, as a fused projection's output gives them: the TMA descriptors must use the strides.
-    kv = torch.randn(284, 2, 2, 16, generator=g)
-    c = dict(pat=pat, seg_doc=torch.tensor([0, 1, 0]), cu_q=cu([s[0] for s in segs]), cu_k=cu([s[1] for s in segs]),
-             q=torch.randn(190, 5, 16, generator=g)[:, 1:], k=kv[:, 0], v=kv[:, 1],
+    # The last segment ends mid-block, where the TMA descriptors' zero fill stands in for masks.
+    segs = [(100, 150), (20, 64), (70, 70)]
+    T_k = sum(s[1] for s in segs)
+    # K and V as strided views (different strides, head stride != head_dim), as a fused projection gives
+    # them, with NaN in the rows past T_k: a descriptor must use each tensor's own strides and end.
+    k_buf, v_buf = torch.randn(T_k + 64, 2, 3, 16, generator=g), torch.randn(T_k + 64, 5, 16, generator=g)
+    k_buf[T_k:], v_buf[T_k:] = float("nan"), float("nan")
+    c = dict(pat=pat, seg_doc=torch.tensor([0, 0, 1]), cu_q=cu([s[0] for s in segs]), cu_k=cu([s[1] for s in segs]),
+             q=torch.randn(190, 5, 16, generator=g)[:, 1:], k=k_buf[:T_k, :, 1], v=v_buf[:T_k, 2:4],
              do=torch.randn(190, 4, 16, generator=g))
     for name in ("dq", "dkdv", "vert", "dkdv_fused", "vert_fused"):
         sk.CONFIG[name] = {key: (16 if key.startswith("SUB") else val) for key, val in sk.CONFIG[name].items()}
+    _interpreter_case(c)
+    # Contiguous but starting 4 bytes off 16-byte alignment: TMA cannot read them, so the launcher copies.
+    for name in ("k", "v"):
+        flat = torch.empty(c[name].numel() + 1)
+        c[name] = flat[1:].view(c[name].shape).copy_(c[name])
+        assert c[name].is_contiguous() and c[name].data_ptr() % 16
     _interpreter_case(c)
     print("INTERPRETER OK")
 

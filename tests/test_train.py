@@ -326,12 +326,20 @@ def test_cli_bad_input_exits_2(bad_runs, case):
         assert len(stderr.strip().splitlines()) == 1, stderr
 
 
-def test_sparse_needs_triton_and_a_power_of_two_head_dim_on_cuda(monkeypatch, tmp_path):
+def test_sparse_needs_triton_a_hopper_gpu_and_a_power_of_two_head_dim_on_cuda(monkeypatch, tmp_path):
     """What the GPU path checks before any process starts (the CPU twin runs any shape)."""
     train_module = sys.modules[check_sparse.__module__]
 
     config = tiny_config(tmp_path, **SPARSE)
     monkeypatch.setattr(train_module, "resolve_device", lambda config: "cuda")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(train_module.importlib.util, "find_spec", lambda name: object())
+    with pytest.raises(ConfigError, match="sm_90 .*A100-SXM4-80GB is sm_80") as err:
+        train_module.check_sparse(config, model_config("tiny", **dict(TINY, dim=64)))
+    assert err.value.field == "sparse"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(train_module.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match="Triton") as err:
         train_module.check_sparse(config, model_config("tiny", **TINY))

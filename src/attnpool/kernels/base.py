@@ -51,6 +51,12 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x, or a contiguous copy where head_dim is not its unit-stride dimension: the GPU kernels
+    read any other strides as given."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  cu_q: torch.Tensor, cu_k: torch.Tensor) -> None:
     """Refuse inputs whose shapes break the contract.

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 from attnpool.errors import ConfigError
-from attnpool.kernels.base import Backend, check_inputs
+from attnpool.kernels.base import Backend, check_inputs, last_dim_contiguous
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -107,11 +107,6 @@ def _check_flash_inputs(q, k, v, cu_q, cu_k, scale) -> None:
         raise ConfigError("scale", scale, f"varlen_attn of torch {torch.__version__} has no scale")
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    # FA2 needs unit stride in head_dim; anything else it handles via strides.
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def _run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     """varlen_attn's (out, lse) with FA2's +inf lse left as it is."""
     shim = _varlen()
@@ -134,7 +129,7 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None):
         # Nothing to attend to: every row sees no key.
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
         return torch.zeros_like(q), lse
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     out, lse = _run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale)
     return out, lse.masked_fill(lse == float("inf"), float("-inf"))
 
@@ -152,7 +147,7 @@ def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None):
     _check_flash_inputs(q, k, v, cu_q, cu_k, scale)
     if q.shape[0] == 0 or k.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    q, k, v, out, dout = (_last_dim_contiguous(x) for x in (q, k, v, out, dout.to(q.dtype)))
+    q, k, v, out, dout = (last_dim_contiguous(x) for x in (q, k, v, out, dout.to(q.dtype)))
     op = _backward_op()
     if op is None:
         return tuple(_recompute_backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, scale))

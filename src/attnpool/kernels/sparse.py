@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from attnpool.errors import ConfigError
-from attnpool.kernels.base import Backend, check_inputs, default_scale
+from attnpool.kernels.base import Backend, check_inputs, default_scale, last_dim_contiguous
 from attnpool.sparse.pattern import VerticalSlashPattern, _excl_cumsum, _slot_owner
 
 VERTICAL_CHUNK = 64  # vertical columns gathered per kernel step on GPUs
@@ -51,6 +51,20 @@ CONFIG = {
     "dkdv_fused": dict(num_warps=8, num_stages=2, SUB_M=64),
     "vert_fused": dict(num_warps=4, num_stages=1, SUB_M=64),
 }
+
+
+# CONFIG's shared memory (the dQ pass about 180 KB at head_dim 128, bf16) fits Hopper's 227 KB per
+# block, not the 163 KB of an A100; TMA loads need sm_90 as well.
+MIN_CAPABILITY = (9, 0)
+
+
+def device_problem(device) -> str | None:
+    """Why the sparse Triton kernels cannot run on the CUDA ``device``, or None."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < MIN_CAPABILITY:
+        return (f"the sparse Triton kernels need an sm_{MIN_CAPABILITY[0]}{MIN_CAPABILITY[1]} (Hopper) or newer GPU; "
+                f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}")
+    return None
 
 
 def _acc_dtype(dtype):
@@ -234,12 +248,18 @@ def _triton_module():
     return sparse_triton
 
 
-def _set_tma_scratch(dev):
-    """Give Triton the global scratch, on ``dev``, that holds the TMA descriptors the forward and the
-    dQ pass build on the device (128 bytes per program and descriptor)."""
+def _tma_scratch(size: int, alignment: int, stream):
+    """Global scratch for the TMA descriptors that the forward and the dQ pass build on the device
+    (128 bytes per program and descriptor), on the current device, where Triton launches."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _set_tma_scratch():
+    # Triton keeps its allocator per thread (a ContextVar), and autograd runs backward in a thread
+    # of its own: set it before every launch.
     import triton
 
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=dev))
+    triton.set_allocator(_tma_scratch)
 
 
 def _interpreting() -> bool:
@@ -258,11 +278,13 @@ def _pattern_args(pattern: VerticalSlashPattern, dev):
 
 
 def _tma_ready(x):
-    """x, or a contiguous copy where TMA cannot read it: a unit last stride, the other strides and the
-    start 16-byte aligned."""
+    """x (K or V), or a fresh contiguous copy where TMA cannot read it. TMA needs a unit stride in
+    head_dim, and the start and the token and head strides 16-byte aligned (so that every
+    segment's and head's first row is)."""
     size = x.element_size()
-    aligned = x.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in x.stride()[:-1])
-    return x if x.stride(-1) == 1 and aligned else x.contiguous()
+    ok = x.stride(2) == 1 and x.data_ptr() % 16 == 0 and x.stride(0) * size % 16 == 0 and x.stride(1) * size % 16 == 0
+    # clone, not contiguous(): a contiguous tensor can still start misaligned.
+    return x if ok else x.clone(memory_format=torch.contiguous_format)
 
 
 def _launch_ok(q, k):
@@ -276,9 +298,9 @@ def triton_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, *, pattern, se
     _check_pattern(pattern, q, seg_doc, cu_q)
     _launch_ok(q, k)
     st = _triton_module()
-    _set_tma_scratch(q.device)
+    _set_tma_scratch()
     scale = default_scale(q.shape[2]) if scale is None else scale
-    q, k, v = (_tma_ready(x) for x in (q, k, v))
+    q, k, v = last_dim_contiguous(q), _tma_ready(k), _tma_ready(v)
     dev = q.device
     pattern = _on_device(pattern, dev)
     idx = index or SparseIndex.build(pattern, cu_q, cu_k, q.shape[0], k.shape[0], max_q, seg_doc)
@@ -332,9 +354,10 @@ def triton_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=Non
     _check_pattern(pattern, q, seg_doc, cu_q)
     _launch_ok(q, k)
     st = _triton_module()
-    _set_tma_scratch(q.device)
+    _set_tma_scratch()
     scale = default_scale(q.shape[2]) if scale is None else scale
-    q, k, v, out, dout = (_tma_ready(x) for x in (q, k, v, out, dout.to(q.dtype)))
+    q, out, dout = (last_dim_contiguous(x) for x in (q, out, dout.to(q.dtype)))
+    k, v = _tma_ready(k), _tma_ready(v)
     dev = q.device
     pattern = _on_device(pattern, dev)
     idx = index or SparseIndex.build(pattern, cu_q, cu_k, q.shape[0], k.shape[0], max_q, seg_doc)

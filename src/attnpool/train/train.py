@@ -44,6 +44,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from attnpool.comm import all_gather_flat, comm_stats, end_process, process_group
 from attnpool.data import DocumentStream, GlobalBatch, RankTensors, make_source
 from attnpool.errors import ConfigError
+from attnpool.kernels.sparse import device_problem as sparse_device_problem
 from attnpool.model import ModelConfig, Transformer, apply_activation_checkpointing, model_config
 from attnpool.plan import AttentionShape, linear_table, load_cost_model, plan_attention, wlb_table
 from attnpool.plan.metrics import home_loads, imbalance, server_loads
@@ -119,6 +120,9 @@ def check_sparse(config: TrainConfig, model_cfg: ModelConfig) -> None:
     if resolve_device(config) == "cuda":
         if importlib.util.find_spec("triton") is None:
             raise ConfigError("sparse", config.sparse, "the sparse kernels need Triton on CUDA, and it is not installed")
+        problem = sparse_device_problem(torch.cuda.current_device())
+        if problem is not None:
+            raise ConfigError("sparse", config.sparse, problem)
         D = model_cfg.head_dim
         if D < 16 or D & (D - 1):
             raise ConfigError("sparse", config.sparse, f"the sparse Triton kernels need a power-of-two head_dim >= 16; "

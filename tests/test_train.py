@@ -332,6 +332,7 @@ def test_sparse_needs_triton_a_hopper_gpu_and_a_power_of_two_head_dim_on_cuda(mo
 
     config = tiny_config(tmp_path, **SPARSE)
     monkeypatch.setattr(train_module, "resolve_device", lambda config: "cuda")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))

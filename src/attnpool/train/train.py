@@ -120,7 +120,9 @@ def check_sparse(config: TrainConfig, model_cfg: ModelConfig) -> None:
     if resolve_device(config) == "cuda":
         if importlib.util.find_spec("triton") is None:
             raise ConfigError("sparse", config.sparse, "the sparse kernels need Triton on CUDA, and it is not installed")
-        problem = sparse_device_problem(torch.cuda.current_device())
+        # Asked in the ranks only (they have set their device): a launcher that asked would hold a CUDA
+        # context on GPU 0 for the whole run.
+        problem = sparse_device_problem(torch.cuda.current_device()) if torch.cuda.is_initialized() else None
         if problem is not None:
             raise ConfigError("sparse", config.sparse, problem)
         D = model_cfg.head_dim

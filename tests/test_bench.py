@@ -122,3 +122,27 @@ def test_memory_breakdown_needs_cuda(monkeypatch):
     with pytest.raises(ConfigError) as err:
         check_arguments(args)
     assert err.value.field == "--memory-breakdown"
+
+
+def test_sparse_strategies_refused_before_any_run_on_a_gpu_older_than_hopper(monkeypatch):
+    """Refused among the arguments: refused in the sparse strategy's own run, the results of the
+    strategies before it would be lost."""
+    import pytest
+    import torch
+
+    from attnpool.bench.e2e import add_arguments, check_arguments
+    from attnpool.errors import ConfigError
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    dense = p.parse_args(["--out", "x", "--strategies", "local,cad"])
+    assert check_arguments(dense)[1] == ["local", "cad"]
+    args = p.parse_args(["--out", "x", "--strategies", "local,cad+sparse"])
+    with pytest.raises(ConfigError, match="sm_80") as err:
+        check_arguments(args)
+    assert err.value.field == "--strategies" and err.value.value == "cad+sparse"

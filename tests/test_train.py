@@ -327,19 +327,22 @@ def test_cli_bad_input_exits_2(bad_runs, case):
 
 
 def test_sparse_needs_triton_a_hopper_gpu_and_a_power_of_two_head_dim_on_cuda(monkeypatch, tmp_path):
-    """What the GPU path checks before any process starts (the CPU twin runs any shape)."""
+    """What the GPU path checks before training: Triton and head_dim in the launcher too, the GPU's kind
+    only in a rank, which passes its device (the CPU twin runs any shape)."""
     train_module = sys.modules[check_sparse.__module__]
 
     config = tiny_config(tmp_path, **SPARSE)
+    rank_gpu = torch.device("cuda", 0)
+    asked = []
     monkeypatch.setattr(train_module, "resolve_device", lambda config: "cuda")
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or (8, 0))
     monkeypatch.setattr(train_module.importlib.util, "find_spec", lambda name: object())
     with pytest.raises(ConfigError, match="sm_90 .*A100-SXM4-80GB is sm_80") as err:
-        train_module.check_sparse(config, model_config("tiny", **dict(TINY, dim=64)))
-    assert err.value.field == "sparse"
+        train_module.check_sparse(config, model_config("tiny", **dict(TINY, dim=64)), rank_gpu)
+    assert err.value.field == "sparse" and asked == [rank_gpu]
+    train_module.check_sparse(config, model_config("tiny", **dict(TINY, dim=64)))  # a launcher: no device asked
+    assert asked == [rank_gpu]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(train_module.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match="Triton") as err:
@@ -347,5 +350,5 @@ def test_sparse_needs_triton_a_hopper_gpu_and_a_power_of_two_head_dim_on_cuda(mo
     assert err.value.field == "sparse"
     monkeypatch.setattr(train_module.importlib.util, "find_spec", lambda name: object())
     with pytest.raises(ConfigError, match="head_dim"):
-        train_module.check_sparse(config, model_config("tiny", **TINY))  # head_dim 8
-    train_module.check_sparse(config, model_config("tiny", **dict(TINY, dim=64)))  # head_dim 16
+        train_module.check_sparse(config, model_config("tiny", **TINY), rank_gpu)  # head_dim 8
+    train_module.check_sparse(config, model_config("tiny", **dict(TINY, dim=64)), rank_gpu)  # head_dim 16

@@ -41,6 +41,7 @@ from attnpool.comm import process_group
 from attnpool.comm.all_to_all import tiny_messages
 from attnpool.data.lengths import DISTRIBUTIONS
 from attnpool.errors import ConfigError
+from attnpool.kernels.sparse import device_problem as sparse_device_problem
 from attnpool.model import model_config
 from attnpool.sizes import parse_size
 from attnpool.train.config import CHECKPOINTING, TrainConfig
@@ -229,6 +230,11 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
     if unknown:
         raise ConfigError("--strategies", ",".join(unknown), f"unknown; choose from {', '.join(STRATEGIES)}")
     TrainConfig(**sparse_options(args.sparse_args))  # refuses bad sparse options before any process group
+    sparse = [s for s in strategies if STRATEGIES[s][2] is not None]
+    if sparse and args.device == "cuda":  # here, not in the sparse strategy's run: that would lose the ones before
+        problem = sparse_device_problem(int(os.environ.get("LOCAL_RANK", 0)))
+        if problem is not None:
+            raise ConfigError("--strategies", ",".join(sparse), problem)
     if args.trace is not None and args.trace not in strategies:
         raise ConfigError("--trace", args.trace, f"must be one of the strategies run: {', '.join(strategies)}")
     if args.memory_breakdown and args.device != "cuda":

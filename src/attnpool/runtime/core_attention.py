@@ -85,7 +85,9 @@ class _ServerRows:
     And the output's gradient: _Collect places this rank's dO of its local rows and
     _ReturnStart the dO that comes back for the rest, so that _Serve receives one buffer,
     not two that autograd sums into a third. _Collect's backward runs first (it consumes
-    _ReturnStart's output), and both run before _Serve's.
+    _ReturnStart's output), and both run before _Serve's. Autograd does not see _Collect's
+    writes as a gradient, so it would not order them across CUDA streams: they rely on
+    core attention's backward running on one stream, as it does.
     """
 
     def __init__(self, num_rows: int, sh: "_Shapes"):

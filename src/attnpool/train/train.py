@@ -92,12 +92,16 @@ def build_source(config: TrainConfig, vocab_size: int):
     return source
 
 
-def prepare(config: TrainConfig) -> Setup:
-    """Build and check everything that needs no process group: model config, data source, cost model, checkpoint."""
+def prepare(config: TrainConfig, device: torch.device | None = None) -> Setup:
+    """Build and check everything that needs no process group: model config, data source, cost model, checkpoint.
+
+    ``device``: the rank's device, whose kind the sparse kernels must support; None in a launcher,
+    which must not touch its GPUs (asking one initialises CUDA and would hold a context on it for
+    the whole run)."""
     model_cfg = model_config(config.model, **config.model_args)
     source = build_source(config, model_cfg.vocab_size)
     cost_model = load_cost_model(config.cost_model)
-    check_sparse(config, model_cfg)
+    check_sparse(config, model_cfg, device)
     found = latest_checkpoint(config.out)
     if config.resume:
         if found is None:
@@ -109,8 +113,9 @@ def prepare(config: TrainConfig) -> Setup:
     return Setup(model_cfg, source, cost_model, found if config.resume else None)
 
 
-def check_sparse(config: TrainConfig, model_cfg: ModelConfig) -> None:
-    """Refuse sparse options this model or device cannot run (the CPU twin runs anything)."""
+def check_sparse(config: TrainConfig, model_cfg: ModelConfig, device: torch.device | None = None) -> None:
+    """Refuse sparse options this model or device cannot run (the CPU twin runs anything); the GPU's
+    kind only when ``device`` is given (see prepare)."""
     sparse = config.sparse_config()
     if sparse is None:
         return
@@ -120,9 +125,7 @@ def check_sparse(config: TrainConfig, model_cfg: ModelConfig) -> None:
     if resolve_device(config) == "cuda":
         if importlib.util.find_spec("triton") is None:
             raise ConfigError("sparse", config.sparse, "the sparse kernels need Triton on CUDA, and it is not installed")
-        # Asked in the ranks only (they have set their device): a launcher that asked would hold a CUDA
-        # context on GPU 0 for the whole run.
-        problem = sparse_device_problem(torch.cuda.current_device()) if torch.cuda.is_initialized() else None
+        problem = sparse_device_problem(device) if device is not None and device.type == "cuda" else None
         if problem is not None:
             raise ConfigError("sparse", config.sparse, problem)
         D = model_cfg.head_dim
@@ -312,7 +315,7 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
     ``on_step()``, if given, is called after every step (e.g. a torch.profiler's ``step``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device(config)
-    setup = agree(lambda: prepare(config))
+    setup = agree(lambda: prepare(config, device))
     model_cfg, cost_model = setup.model_config, setup.cost_model
     bf16 = config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda")
 

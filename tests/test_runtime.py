@@ -191,20 +191,32 @@ def test_bfloat16_within_tolerance():
     assert_matches_reference(2, run_distributed(worker, 2, "bfloat16"), tolerance=2e-2)
 
 
+def whole_documents(world):
+    return [[DocPiece(2 * r, 300, 0, 300), DocPiece(2 * r + 1, 77, 0, 77)] for r in range(world)]
+
+
 def local_worker(rank, world):
-    pieces = [[DocPiece(2 * r, 300, 0, 300), DocPiece(2 * r + 1, 77, 0, 77)] for r in range(world)]
+    pieces = whole_documents(world)
     plan = plan_attention(pieces, "local")
-    q = torch.randn(377, 4, 8, requires_grad=True)
-    k = torch.randn(377, 2, 8, requires_grad=True)
-    v = torch.randn(377, 2, 8, requires_grad=True)
+    data = global_inputs(pieces, 4, 2, seed=11)
+    q, k, v, dout = (local_rows(data, pieces[rank], i).float() for i in range(4))
+    for t in (q, k, v):
+        t.requires_grad_(True)
     comm_stats.reset()
-    core_attention(q, k, v, plan).sum().backward()
-    return plan.is_fully_local(), comm_stats.calls
+    out = core_attention(q, k, v, plan)
+    out.backward(dout)
+    got = dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
+    return plan.is_fully_local(), comm_stats.calls, {name: t.double() for name, t in got.items()}
 
 
-def test_fully_local_plan_launches_no_collective():
-    for fully_local, calls in run_distributed(local_worker, 2):
+def test_fully_local_plan_launches_no_collective_and_matches_reference():
+    """The path without traffic: no collective, and the output and its gradients of the reference
+    (in it, _Collect alone assembles the server's dO)."""
+    ref = reference(whole_documents(2), 4, 2, seed=11)
+    for rank, (fully_local, calls, got) in enumerate(run_distributed(local_worker, 2)):
         assert fully_local and calls == 0
+        for name, value in got.items():
+            assert rel_err(value, ref[rank][name]) <= 1e-5, (rank, name)
 
 
 def bad_input_worker(rank, world, kind):

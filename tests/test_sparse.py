@@ -471,11 +471,13 @@ def _interpreter_check():
     T_k = sum(s[1] for s in segs)
     # K and V as strided views (different strides, head stride != head_dim), as a fused projection gives
     # them, with NaN in the rows past T_k: a descriptor must use each tensor's own strides and end.
+    # Q and dO likewise end before NaN rows: no kernel may read a query row past T_q.
     k_buf, v_buf = torch.randn(T_k + 64, 2, 3, 16, generator=g), torch.randn(T_k + 64, 5, 16, generator=g)
-    k_buf[T_k:], v_buf[T_k:] = float("nan"), float("nan")
+    q_buf, do_buf = torch.randn(190 + 64, 5, 16, generator=g), torch.randn(190 + 64, 4, 16, generator=g)
+    for buf, end in ((k_buf, T_k), (v_buf, T_k), (q_buf, 190), (do_buf, 190)):
+        buf[end:] = float("nan")
     c = dict(pat=pat, seg_doc=torch.tensor([0, 0, 1]), cu_q=cu([s[0] for s in segs]), cu_k=cu([s[1] for s in segs]),
-             q=torch.randn(190, 5, 16, generator=g)[:, 1:], k=k_buf[:T_k, :, 1], v=v_buf[:T_k, 2:4],
-             do=torch.randn(190, 4, 16, generator=g))
+             q=q_buf[:190, 1:], k=k_buf[:T_k, :, 1], v=v_buf[:T_k, 2:4], do=do_buf[:190])
     for name in ("dq", "dkdv", "vert", "dkdv_fused", "vert_fused"):
         sk.CONFIG[name] = {key: (16 if key.startswith("SUB") else val) for key, val in sk.CONFIG[name].items()}
     _interpreter_case(c)
@@ -484,6 +486,11 @@ def _interpreter_check():
         flat = torch.empty(c[name].numel() + 1)
         c[name] = flat[1:].view(c[name].shape).copy_(c[name])
         assert c[name].is_contiguous() and c[name].data_ptr() % 16
+    _interpreter_case(c)
+    # Q and dO stored head-major (head stride != head_dim): every kernel must use their own strides.
+    for name in ("q", "do"):
+        c[name] = c[name].permute(1, 0, 2).contiguous().permute(1, 0, 2)
+        assert c[name].stride(1) != c[name].shape[2]
     _interpreter_case(c)
     print("INTERPRETER OK")
 

@@ -515,6 +515,26 @@ def _interpreter_case(c):
             assert torch.allclose(a, b, atol=1e-4), (mode, name, (a - b).abs().max())
 
 
+def test_kernels_do_not_specialise_on_per_call_sizes():
+    """Triton compiles a variant of a kernel for each divisibility class of its integer arguments; the
+    sizes of a call change with every batch, so specialising on them recompiled the kernels mid-training
+    (23 variants instead of 5 over 32 server calls, bench/results/2026-11-22-h200-sparse-warmup.md)."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    from attnpool.kernels import sparse_triton as st
+
+    exempt = set()
+    for kernel in (st._fwd, st._bwd_delta, st._bwd_dq, st._bwd_dkdv_slash, st._bwd_dkdv_vert):
+        for param in kernel.params:
+            if param.name in st.PER_CALL_SIZES:
+                assert param.do_not_specialize, (kernel.__name__, param.name)
+                exempt.add(param.name)
+    # Triton ignores names that are no parameter: a renamed size would silently be specialised again.
+    assert exempt == set(st.PER_CALL_SIZES)
+
+
 def test_triton_interpreter_matches_twin():
     import importlib.util
     import subprocess

@@ -54,6 +54,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# Integer arguments that are sizes of the call: query rows, program counts, pattern-table widths.
+# They change with every batch, and Triton specialises integer arguments on divisibility by 16 (and
+# on == 1): each new combination would compile another variant of a kernel, for seconds, in the
+# middle of training and at a different step on each rank. Not specialising on them cost nothing
+# measurable (bench/results/2026-11-22-h200-sparse-warmup.md).
+PER_CALL_SIZES = ["T_q", "N_PROG", "N_KPROG", "N_VPROG", "NBT", "NVT"]
+
 
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
@@ -74,7 +81,7 @@ def _rows_desc(X, r0, n_rows, s_t, head, s_h, HEAD_DIM: tl.constexpr, ROWS: tl.c
                                      strides=[s_t, 1], block_shape=[ROWS, HEAD_DIM])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_CALL_SIZES)
 def _bwd_delta(O, DO, DELTA, so_t, so_h, sdo_t, sdo_h, T_q, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
     """DELTA[h, i] = sum_d O[i, h, d] * DO[i, h, d] in fp32: one read of both, no fp32 copies."""
     h = tl.program_id(1)
@@ -109,7 +116,7 @@ def _fwd_slash_tile(m_i, l_i, acc, q, k_desc, v_desc, kblock, offs_m, k_len, sca
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_CALL_SIZES)
 def _fwd(Q, K, V, O, LSE,
          sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, T_q,
          CU_Q, CU_K, SEG_DOC, PROG_SEG, PROG_BLK, N_PROG,
@@ -200,7 +207,7 @@ def _dq_slash_tile(dq, q, do, lse2, di, k_desc, v_desc, kblock, offs_m, row_ok, 
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_CALL_SIZES)
 def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
             sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, sdq_t, sdq_h, T_q,
             CU_Q, CU_K, SEG_DOC, PROG_SEG, PROG_BLK, N_PROG,
@@ -317,7 +324,7 @@ def _dkdv_tile(dk, dv, k, v, kpos, kmask, qblock, Q, DO, LSE, DELTA, DQ, h, q0, 
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_CALL_SIZES)
 def _bwd_dkdv_slash(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
                     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, sdk_t, sdk_h, sdq_t, sdq_h, T_q,
                     CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK, N_KPROG,
@@ -370,7 +377,7 @@ def _bwd_dkdv_slash(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
         tl.store(DV + krow[:, None] * sdk_t + kvh * sdk_h + offs_d[None, :], dv, mask=kmask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_CALL_SIZES)
 def _bwd_dkdv_vert(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, sdk_t, sdk_h, sdq_t, sdq_h, T_q,
                    CU_Q, CU_K, SEG_DOC, VPROG_SEG, VPROG_CHUNK, N_VPROG, V_MAX,

@@ -46,8 +46,7 @@ case "$PHASE" in
   prolong256-baselines)  # 256K at the full 3 + 10 steps, with the baselines the first 256K run lacked
     bench prolong256-baselines --configs prolong:256K --strategies local,wlb,percp,cad+pingpong --warmup 3 \
       --steps 10 --budget-s 520 ;;
-  prolong256-sparse-pingpong)  # sparse exchanges on their own communicator under ping-pong, and kv_transfer=read:
-    # neither timed on GPUs yet
+  prolong256-sparse-pingpong)  # sparse exchanges on their own communicator under ping-pong, and kv_transfer=read
     bench prolong256-sparse-pingpong --configs prolong:256K --strategies cad+sparse,cad+pingpong+sparse,cad+sparse+readkv \
       --sparse-args slash_cap=192,vertical_cap=1024 --warmup 2 --steps 5 --budget-s 420 ;;
   *) phases="smoke|prolong128|prolong256|pretrain64|pretrain64-memory|prolong64|pretrain128|pretrain128-baselines|pretrain256"

@@ -471,7 +471,8 @@ def _interpreter_check():
     T_k = sum(s[1] for s in segs)
     # K and V as strided views (different strides, head stride != head_dim), as a fused projection gives
     # them, with NaN in the rows past T_k: a descriptor must use each tensor's own strides and end.
-    # Q and dO likewise end before NaN rows: no kernel may read a query row past T_q.
+    # Q and dO likewise end before NaN rows: no dK/dV pass may take in a query row past T_q (the forward
+    # and the dQ pass never store such rows, so they would not show it).
     k_buf, v_buf = torch.randn(T_k + 64, 2, 3, 16, generator=g), torch.randn(T_k + 64, 5, 16, generator=g)
     q_buf, do_buf = torch.randn(190 + 64, 5, 16, generator=g), torch.randn(190 + 64, 4, 16, generator=g)
     for buf, end in ((k_buf, T_k), (v_buf, T_k), (q_buf, 190), (do_buf, 190)):
@@ -518,13 +519,15 @@ def _interpreter_case(c):
 def test_kernels_do_not_specialise_on_per_call_sizes():
     """Triton compiles a variant of a kernel for each divisibility class of its integer arguments; the
     sizes of a call change with every batch, so specialising on them recompiled the kernels mid-training
-    (23 variants instead of 5 over 32 server calls, bench/results/2026-11-22-h200-sparse-warmup.md)."""
+    (17 variants instead of 5 over 32 server calls, bench/results/2026-11-22-h200-sparse-warmup.md)."""
     import importlib.util
 
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     from attnpool.kernels import sparse_triton as st
 
+    if not hasattr(st._fwd, "params"):  # Triton's interpreter (TRITON_INTERPRET=1) compiles nothing
+        pytest.skip("the kernels are interpreted")
     exempt = set()
     for kernel in (st._fwd, st._bwd_delta, st._bwd_dq, st._bwd_dkdv_slash, st._bwd_dkdv_vert):
         for param in kernel.params:

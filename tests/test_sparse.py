@@ -538,6 +538,21 @@ def test_kernels_do_not_specialise_on_per_call_sizes():
     assert exempt == set(st.PER_CALL_SIZES)
 
 
+def test_kernels_compile_for_hopper_within_its_shared_memory():
+    """Every launch of the GPU path, compiled here as on an sm_90 GPU (Triton's compiler needs none): it
+    compiles at its CONFIG, and fits Hopper's shared memory, which Triton checks only when it launches."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the kernels are interpreted")
+    compiled = sk.compile_offline()
+    assert set(compiled) == {"fwd", "delta", "dq", "dkdv", "vert", "dkdv_fused", "vert_fused"}
+    for name, kernel in compiled.items():
+        assert 0 < kernel.metadata.shared <= sk.HOPPER_SHARED_MEMORY, (name, kernel.metadata.shared)
+
+
 def test_triton_interpreter_matches_twin():
     import importlib.util
     import subprocess

@@ -326,7 +326,7 @@ def test_cli_bad_input_exits_2(bad_runs, case):
         assert len(stderr.strip().splitlines()) == 1, stderr
 
 
-def test_sparse_needs_triton_a_hopper_gpu_and_a_power_of_two_head_dim_on_cuda(monkeypatch, tmp_path):
+def test_sparse_needs_triton_a_hopper_gpu_and_a_head_dim_it_can_tile_on_cuda(monkeypatch, tmp_path):
     """What the GPU path checks before training: Triton and head_dim in the launcher too, the GPU's kind
     only in a rank, which passes its device (the CPU twin runs any shape)."""
     train_module = sys.modules[check_sparse.__module__]
@@ -351,4 +351,12 @@ def test_sparse_needs_triton_a_hopper_gpu_and_a_power_of_two_head_dim_on_cuda(mo
     monkeypatch.setattr(train_module.importlib.util, "find_spec", lambda name: object())
     with pytest.raises(ConfigError, match="head_dim"):
         train_module.check_sparse(config, model_config("tiny", **TINY), rank_gpu)  # head_dim 8
+    # head_dim 256: the forward and the dQ pass would not fit in Hopper's shared memory (refused before
+    # training, where the first launch would fail inside every rank).
+    with pytest.raises(ConfigError, match="head_dim from 16 to 128 for 16-bit inputs, not 256"):
+        train_module.check_sparse(config, model_config("tiny", **dict(TINY, dim=1024)), rank_gpu)
     train_module.check_sparse(config, model_config("tiny", **dict(TINY, dim=64)), rank_gpu)  # head_dim 16
+    train_module.check_sparse(config, model_config("tiny", **dict(TINY, dim=512)), rank_gpu)  # head_dim 128
+    with pytest.raises(ConfigError, match="head_dim from 16 to 64 for 32-bit inputs, not 128"):  # float32 rows
+        train_module.check_sparse(tiny_config(tmp_path, precision="fp32", **SPARSE),
+                                  model_config("tiny", **dict(TINY, dim=512)), rank_gpu)

@@ -287,10 +287,25 @@ def _tma_ready(x):
     return x if ok else x.clone(memory_format=torch.contiguous_format)
 
 
+# The largest head row, in bytes, whose launches fit Hopper's 227 KB of shared memory at CONFIG: head_dim 128
+# in bf16 (the forward needs 224 KB) or 64 in float32 (224.5 KB). At twice that the forward needs about
+# 448 KB (bf16 head_dim 256: bench/kernel_resources.py --head-dim 256; compile_offline measures any other).
+MAX_HEAD_BYTES = 256
+
+
+def head_dim_problem(head_dim: int, element_size: int = 2) -> str | None:
+    """Why the sparse Triton kernels cannot run at ``head_dim`` for elements of ``element_size`` bytes, or None."""
+    largest = MAX_HEAD_BYTES // element_size
+    if head_dim < 16 or head_dim > largest or head_dim & (head_dim - 1):
+        return (f"the sparse Triton kernels need a power-of-two head_dim from 16 to {largest} for "
+                f"{8 * element_size}-bit inputs, not {head_dim}")
+    return None
+
+
 def _launch_ok(q, k):
-    D = q.shape[2]
-    if D < 16 or D & (D - 1):
-        raise ConfigError("head_dim", D, "the sparse Triton kernels need a power-of-two head_dim >= 16")
+    problem = head_dim_problem(q.shape[2], q.element_size())
+    if problem is not None:
+        raise ConfigError("head_dim", q.shape[2], problem)
 
 
 def triton_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, *, pattern, seg_doc=None, index=None):
@@ -331,6 +346,65 @@ def _launch_options(dev, block, kernel):
         cfg.pop("num_warps", None)
         cfg.pop("num_stages", None)
     return cfg
+
+
+# The launches of triton_forward and triton_backward, for compile_offline: name (its CONFIG entry, if any),
+# kernel, the constexprs the launcher adds.
+_LAUNCHES = (
+    ("fwd", "_fwd", dict(BV=VERTICAL_CHUNK)),
+    ("delta", "_bwd_delta", dict(ROWS=DELTA_ROWS)),
+    ("dq", "_bwd_dq", dict(BV=VERTICAL_CHUNK)),
+    ("dkdv", "_bwd_dkdv_slash", dict(FUSE_DQ=False)),
+    ("vert", "_bwd_dkdv_vert", dict(BV=VERTICAL_CHUNK, QSPLIT=QSPLIT, FUSE_DQ=False)),
+    ("dkdv_fused", "_bwd_dkdv_slash", dict(FUSE_DQ=True)),
+    ("vert_fused", "_bwd_dkdv_vert", dict(BV=VERTICAL_CHUNK, QSPLIT=QSPLIT, FUSE_DQ=True)),
+)
+# Hopper's shared memory per block (227 KB): what a launch may use on the GPUs of MIN_CAPABILITY.
+HOPPER_SHARED_MEMORY = 232448
+
+
+def compile_offline(capability: tuple[int, int] = MIN_CAPABILITY, *, head_dim: int = 128, group: int = 4,
+                    block: int = 128, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Compile every sparse kernel launch at its ``CONFIG`` for a CUDA GPU of ``capability``, on any machine:
+    Triton's compiler and the ptxas it ships need no GPU. {launch name: triton CompiledKernel}; its
+    ``metadata.shared`` is the shared memory a launch needs, which Triton checks only when it launches.
+    So CI (no GPU) compiles the GPU path's kernels exactly as a GPU would."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    st = _triton_module()
+    element = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    fp32 = ("LSE", "DELTA", "DK", "DV")
+    tables = ("CU_Q", "CU_K", "SEG_DOC", "PROG_SEG", "PROG_BLK", "KPROG_SEG", "KPROG_BLK", "VPROG_SEG",
+              "VPROG_CHUNK", "SL_LIST", "BLK_OFF", "KV_LO", "KV_HI", "VERT", "VERT_OFF", "N_SL", "V_HI", "V_MAX", "RUN")
+    compiled = {}
+    for launch, kernel, launch_constants in _LAUNCHES:
+        cfg = _launch_options("cuda", block, launch) if launch in CONFIG else {}
+        options = dict(num_warps=cfg.pop("num_warps", 4), num_stages=cfg.pop("num_stages", 3))  # Triton's defaults
+        constants = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK=block, IEEE=dtype == torch.float32, **launch_constants,
+                         **cfg)
+        fn = getattr(st, kernel)
+        signature = {}
+        for name in fn.arg_names:
+            if name in constants:
+                signature[name] = "constexpr"
+            elif name in fp32 or (name == "DQ" and constants.get("FUSE_DQ")):
+                signature[name] = "*fp32"
+            elif name in tables:
+                signature[name] = "*i32"
+            elif name == "SL_BITS":
+                signature[name] = "*i8"
+            elif name in ("scale", "scale_log2"):
+                signature[name] = "fp32"
+            elif name in ("Q", "K", "V", "O", "DO", "DQ"):
+                signature[name] = f"*{element}"
+            else:
+                signature[name] = "i32"  # strides and sizes
+        source = ASTSource(fn, signature, constexprs={k: v for k, v in constants.items() if k in fn.arg_names})
+        target = GPUTarget("cuda", 10 * capability[0] + capability[1], 32)
+        compiled[launch] = triton.compile(source, target=target, options=options)
+    return compiled
 
 
 def _on_device(pattern: VerticalSlashPattern, dev) -> VerticalSlashPattern:

@@ -3,11 +3,14 @@
 
 Compiles every launch of the sparse backend at its ``CONFIG`` for the given compute capability, on this
 machine (no GPU needed: ``attnpool.kernels.sparse.compile_offline``), and prints what each would use:
-registers per thread, the stack frame that register spills take (bytes per thread), and shared memory
-per block against Hopper's 227 KB. ``cuobjdump``, which reads the registers and stack from the binary,
+registers per thread, its stack frame (bytes per thread; these kernels use the stack only for register
+spills), and shared memory per block against Hopper's 227 KB. ``cuobjdump``, which reads the registers and stack from the binary,
 ships with Triton.
 
-    PYTHONPATH=src python3 bench/kernel_resources.py [--capability 9.0] [--head-dim 128] [--group 4]
+    PYTHONPATH=src python3 bench/kernel_resources.py [--capability 9.0] [--head-dim 128] [--group 4] [--dtype bf16]
+        [--vertical-chunk 64]
+
+(float32 kernels take minutes each to compile.)
 """
 
 from __future__ import annotations
@@ -19,7 +22,11 @@ import subprocess
 import sys
 import tempfile
 
+import torch
+
 from attnpool.kernels import sparse as sk
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def resources(cubin: bytes, cuobjdump: str) -> dict:
@@ -37,14 +44,19 @@ def main() -> int:
     parser.add_argument("--capability", default="9.0", help="compute capability, major.minor (default: %(default)s)")
     parser.add_argument("--head-dim", type=int, default=128, help="head dimension (default: %(default)s)")
     parser.add_argument("--group", type=int, default=4, help="query heads per KV head (default: %(default)s)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="input dtype (default: %(default)s)")
+    parser.add_argument("--vertical-chunk", type=int, default=sk.VERTICAL_CHUNK,
+                        help="vertical columns per kernel step (default: %(default)s)")
     args = parser.parse_args()
     major, minor = (int(x) for x in args.capability.split("."))
     import triton
 
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    compiled = sk.compile_offline((major, minor), head_dim=args.head_dim, group=args.group)
-    print(f"sm_{major}{minor}, head_dim {args.head_dim}, group {args.group}, bf16, Triton {triton.__version__}")
-    print(f"{'launch':>11} {'warps':>5} {'stages':>6} {'registers':>9} {'spill stack B':>13} {'shared KB':>9}")
+    compiled = sk.compile_offline((major, minor), head_dim=args.head_dim, group=args.group, chunk=args.vertical_chunk,
+                                  dtype=DTYPES[args.dtype])
+    print(f"sm_{major}{minor}, head_dim {args.head_dim}, group {args.group}, vertical chunk {args.vertical_chunk}, "
+          f"{args.dtype}, Triton {triton.__version__}")
+    print(f"{'launch':>11} {'warps':>5} {'stages':>6} {'registers':>9} {'stack frame B':>13} {'shared KB':>9}")
     for name, kernel in compiled.items():
         r = resources(kernel.asm["cubin"], cuobjdump)
         fits = "" if kernel.metadata.shared <= sk.HOPPER_SHARED_MEMORY else "  over Hopper's 227 KB"

@@ -353,10 +353,19 @@ def test_sparse_needs_triton_a_hopper_gpu_and_a_head_dim_it_can_tile_on_cuda(mon
         train_module.check_sparse(config, model_config("tiny", **TINY), rank_gpu)  # head_dim 8
     # head_dim 256: the forward and the dQ pass would not fit in Hopper's shared memory (refused before
     # training, where the first launch would fail inside every rank).
-    with pytest.raises(ConfigError, match="head_dim from 16 to 128 for 16-bit inputs, not 256"):
+    with pytest.raises(ConfigError, match="head_dim=256: .* from 16 to 128 for 16-bit inputs"):
         train_module.check_sparse(config, model_config("tiny", **dict(TINY, dim=1024)), rank_gpu)
     train_module.check_sparse(config, model_config("tiny", **dict(TINY, dim=64)), rank_gpu)  # head_dim 16
     train_module.check_sparse(config, model_config("tiny", **dict(TINY, dim=512)), rank_gpu)  # head_dim 128
-    with pytest.raises(ConfigError, match="head_dim from 16 to 64 for 32-bit inputs, not 128"):  # float32 rows
+    with pytest.raises(ConfigError, match="head_dim=128: .* from 16 to 64 for 32-bit inputs"):  # float32 rows
         train_module.check_sparse(tiny_config(tmp_path, precision="fp32", **SPARSE),
                                   model_config("tiny", **dict(TINY, dim=512)), rank_gpu)
+    # A pattern block of 256 doubles the tiles: the forward would not fit either.
+    wide = dict(SPARSE, sparse_args=dict(SPARSE["sparse_args"], block=256))
+    with pytest.raises(ConfigError, match="sparse_block=256: .* at most 128") as err:
+        train_module.check_sparse(tiny_config(tmp_path, **wide), model_config("tiny", **dict(TINY, dim=512)), rank_gpu)
+    assert err.value.field == "sparse"
+    # And a vertical chunk of 256 the dQ pass.
+    wide = dict(SPARSE, sparse_args=dict(SPARSE["sparse_args"], vertical_chunk=256))
+    with pytest.raises(ConfigError, match="sparse_vertical_chunk=256: .* at most 128"):
+        train_module.check_sparse(tiny_config(tmp_path, **wide), model_config("tiny", **dict(TINY, dim=512)), rank_gpu)

@@ -53,8 +53,8 @@ CONFIG = {
 }
 
 
-# CONFIG's shared memory (the dQ pass about 180 KB at head_dim 128, bf16) fits Hopper's 227 KB per
-# block, not the 163 KB of an A100; TMA loads need sm_90 as well.
+# CONFIG's shared memory (at head_dim 128, bf16, up to 225 KB: the forward and the fused dK/dV pass,
+# compile_offline) fits Hopper's 227 KB per block, not the 163 KB of an A100; TMA loads need sm_90 as well.
 MIN_CAPABILITY = (9, 0)
 
 
@@ -287,31 +287,43 @@ def _tma_ready(x):
     return x if ok else x.clone(memory_format=torch.contiguous_format)
 
 
-# The largest head row, in bytes, whose launches fit Hopper's 227 KB of shared memory at CONFIG: head_dim 128
-# in bf16 (the forward needs 224 KB) or 64 in float32 (224.5 KB). At twice that the forward needs about
-# 448 KB (bf16 head_dim 256: bench/kernel_resources.py --head-dim 256; compile_offline measures any other).
+# The largest head row (bytes), pattern block and vertical chunk whose launches fit Hopper's 227 KB of shared
+# memory at CONFIG (compile_offline): head_dim 128 in bf16 (the fused dK/dV pass needs 225 KB) or 64 in
+# float32 (the forward, 224.5 KB), at block 128 and chunk 64 or 128 (the dQ pass needs 193 KB at 128). Twice
+# the head row or the block makes the forward need about 448 KB (bench/kernel_resources.py --head-dim 256),
+# and a chunk of 256 the dQ pass 321 KB.
 MAX_HEAD_BYTES = 256
+MAX_BLOCK = 128
+MAX_VERTICAL_CHUNK = 128
 
 
-def head_dim_problem(head_dim: int, element_size: int = 2) -> str | None:
-    """Why the sparse Triton kernels cannot run at ``head_dim`` for elements of ``element_size`` bytes, or None."""
+def launch_problem(head_dim: int, element_size: int = 2, block: int = 128,
+                   vertical_chunk: int = VERTICAL_CHUNK) -> ConfigError | None:
+    """Why the sparse Triton kernels cannot run at ``head_dim`` for elements of ``element_size`` bytes, a
+    pattern of ``block``-token blocks and ``vertical_chunk`` columns per step (an error naming the field), or
+    None."""
     largest = MAX_HEAD_BYTES // element_size
     if head_dim < 16 or head_dim > largest or head_dim & (head_dim - 1):
-        return (f"the sparse Triton kernels need a power-of-two head_dim from 16 to {largest} for "
-                f"{8 * element_size}-bit inputs, not {head_dim}")
+        return ConfigError("head_dim", head_dim, f"the sparse Triton kernels need a power of two from 16 to "
+                                                 f"{largest} for {8 * element_size}-bit inputs")
+    if block > MAX_BLOCK:
+        return ConfigError("sparse_block", block, f"the sparse Triton kernels need at most {MAX_BLOCK}")
+    if vertical_chunk > MAX_VERTICAL_CHUNK:
+        return ConfigError("sparse_vertical_chunk", vertical_chunk,
+                           f"the sparse Triton kernels need at most {MAX_VERTICAL_CHUNK}")
     return None
 
 
-def _launch_ok(q, k):
-    problem = head_dim_problem(q.shape[2], q.element_size())
+def _launch_ok(q, block, chunk):
+    problem = launch_problem(q.shape[2], q.element_size(), block, chunk)
     if problem is not None:
-        raise ConfigError("head_dim", q.shape[2], problem)
+        raise problem
 
 
 def triton_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, *, pattern, seg_doc=None, index=None):
     check_inputs(q, k, v, cu_q, cu_k)
     _check_pattern(pattern, q, seg_doc, cu_q)
-    _launch_ok(q, k)
+    _launch_ok(q, pattern.block, VERTICAL_CHUNK if index is None else index.chunk)
     st = _triton_module()
     _set_tma_scratch()
     scale = default_scale(q.shape[2]) if scale is None else scale
@@ -364,11 +376,13 @@ HOPPER_SHARED_MEMORY = 232448
 
 
 def compile_offline(capability: tuple[int, int] = MIN_CAPABILITY, *, head_dim: int = 128, group: int = 4,
-                    block: int = 128, dtype: torch.dtype = torch.bfloat16) -> dict:
+                    block: int = 128, chunk: int = VERTICAL_CHUNK, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Compile every sparse kernel launch at its ``CONFIG`` for a CUDA GPU of ``capability``, on any machine:
     Triton's compiler and the ptxas it ships need no GPU. {launch name: triton CompiledKernel}; its
     ``metadata.shared`` is the shared memory a launch needs, which Triton checks only when it launches.
-    So CI (no GPU) compiles the GPU path's kernels exactly as a GPU would."""
+
+    The compile is a launch's for aligned tensors and strides that are multiples of 16 elements, as the
+    runtime's buffers are. A launch with a misaligned pointer or stride compiles other code (narrower loads)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -380,6 +394,7 @@ def compile_offline(capability: tuple[int, int] = MIN_CAPABILITY, *, head_dim: i
               "VPROG_CHUNK", "SL_LIST", "BLK_OFF", "KV_LO", "KV_HI", "VERT", "VERT_OFF", "N_SL", "V_HI", "V_MAX", "RUN")
     compiled = {}
     for launch, kernel, launch_constants in _LAUNCHES:
+        launch_constants = {name: chunk if name == "BV" else value for name, value in launch_constants.items()}
         cfg = _launch_options("cuda", block, launch) if launch in CONFIG else {}
         options = dict(num_warps=cfg.pop("num_warps", 4), num_stages=cfg.pop("num_stages", 3))  # Triton's defaults
         constants = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK=block, IEEE=dtype == torch.float32, **launch_constants,
@@ -401,7 +416,13 @@ def compile_offline(capability: tuple[int, int] = MIN_CAPABILITY, *, head_dim: i
                 signature[name] = f"*{element}"
             else:
                 signature[name] = "i32"  # strides and sizes
-        source = ASTSource(fn, signature, constexprs={k: v for k, v in constants.items() if k in fn.arg_names})
+        # A launch tells Triton which pointers are 16-byte aligned and which integers are multiples of 16 (all
+        # of them here, but the per-call sizes it does not specialise on); that decides vector widths and how
+        # many loads go through shared memory (twice as many bytes in the dK/dV passes).
+        aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+                   if signature[name].startswith("*") or (signature[name] == "i32" and name not in st.PER_CALL_SIZES)}
+        source = ASTSource(fn, signature, constexprs={k: v for k, v in constants.items() if k in fn.arg_names},
+                           attrs=aligned)
         target = GPUTarget("cuda", 10 * capability[0] + capability[1], 32)
         compiled[launch] = triton.compile(source, target=target, options=options)
     return compiled
@@ -426,7 +447,7 @@ def triton_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=Non
     fuse_dq = dq_mode == "fused"
     check_inputs(q, k, v, cu_q, cu_k)
     _check_pattern(pattern, q, seg_doc, cu_q)
-    _launch_ok(q, k)
+    _launch_ok(q, pattern.block, VERTICAL_CHUNK if index is None else index.chunk)
     st = _triton_module()
     _set_tma_scratch()
     scale = default_scale(q.shape[2]) if scale is None else scale
@@ -524,10 +545,12 @@ def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None, *, p
                            seg_doc=seg_doc, index=index)
 
 
-def backend(pattern: VerticalSlashPattern, seg_doc: torch.Tensor | None = None, impl: str | None = None) -> Backend:
+def backend(pattern: VerticalSlashPattern, seg_doc: torch.Tensor | None = None, impl: str | None = None,
+            chunk: int = VERTICAL_CHUNK) -> Backend:
     """A Backend bound to one pattern (one layer, one step): forward and backward reuse it.
 
-    The kernel index is built once per (cu_q, cu_k) and shared by forward and backward.
+    The kernel index is built once per (cu_q, cu_k) and shared by forward and backward. ``chunk``: vertical
+    columns gathered per kernel step (``SparseConfig.vertical_chunk``, which the cost model counts in).
     """
     cache: dict = {}
 
@@ -537,7 +560,7 @@ def backend(pattern: VerticalSlashPattern, seg_doc: torch.Tensor | None = None, 
         key = (id(cu_q), id(cu_k), q.shape[0], k.shape[0])
         if key not in cache:
             cache.clear()
-            cache[key] = SparseIndex.build(pattern, cu_q, cu_k, q.shape[0], k.shape[0], max_q, seg_doc)
+            cache[key] = SparseIndex.build(pattern, cu_q, cu_k, q.shape[0], k.shape[0], max_q, seg_doc, chunk)
         return cache[key]
 
     def fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale=None):

@@ -342,7 +342,7 @@ class SparseServing:
                 self.read = ReadSelection.select(read, pattern, self.group)
         if not len(r.served_lens):
             return self.dense  # no sparse document served here
-        sparse = sparse_kernels.backend(pattern, seg_doc=r.seg_doc)
+        sparse = sparse_kernels.backend(pattern, seg_doc=r.seg_doc, chunk=self.config.vertical_chunk)
         if r.dense_rows is None:
             return sparse
         return split_backend(sparse, self.dense, r.sparse_rows, r.dense_rows)

@@ -32,7 +32,7 @@ class SparseConfig:
     - ``local_window``: slash offsets 0 .. local_window-1 are always kept (with
       ``block`` 128 and window 128: block diagonals 0 and 1).
     - ``block``: query/key block of the slash tiles (128 on GPUs; tests use less).
-    - ``vertical_chunk``: vertical columns gathered per kernel step (64 on GPUs).
+    - ``vertical_chunk``: vertical columns gathered per kernel step; the cost model counts in it too.
     - ``dense_layers``: the first this many transformer layers stay dense.
     - ``kv_transfer``: ``"prefix"`` sends every sparse CA-task its whole KV prefix with the
       queries; ``"read"`` sends a server other than a document's estimating one only the KV

@@ -45,7 +45,7 @@ from attnpool.comm import all_gather_flat, comm_stats, end_process, process_grou
 from attnpool.data import DocumentStream, GlobalBatch, RankTensors, make_source
 from attnpool.errors import ConfigError
 from attnpool.kernels.sparse import device_problem as sparse_device_problem
-from attnpool.kernels.sparse import head_dim_problem as sparse_head_dim_problem
+from attnpool.kernels.sparse import launch_problem as sparse_launch_problem
 from attnpool.model import ModelConfig, Transformer, apply_activation_checkpointing, model_config
 from attnpool.plan import AttentionShape, linear_table, load_cost_model, plan_attention, wlb_table
 from attnpool.plan.metrics import home_loads, imbalance, server_loads
@@ -128,11 +128,12 @@ def check_sparse(config: TrainConfig, model_cfg: ModelConfig, device: torch.devi
             raise ConfigError("sparse", config.sparse, "the sparse kernels need Triton on CUDA, and it is not installed")
         problem = sparse_device_problem(device) if device is not None and device.type == "cuda" else None
         if problem is not None:
-            raise ConfigError("sparse", config.sparse, problem)
+            raise ConfigError("sparse", config.sparse, str(problem))
         # Attention runs in bf16 on CUDA unless --precision fp32 (see train).
-        problem = sparse_head_dim_problem(model_cfg.head_dim, 4 if config.precision == "fp32" else 2)
+        problem = sparse_launch_problem(model_cfg.head_dim, 4 if config.precision == "fp32" else 2, sparse.block,
+                                        sparse.vertical_chunk)
         if problem is not None:
-            raise ConfigError("sparse", config.sparse, f"{problem} (this model's head_dim)")
+            raise ConfigError("sparse", config.sparse, str(problem))
 
 
 def resolve_device(config: TrainConfig) -> str:

@@ -361,15 +361,15 @@ def _launch_options(dev, block, kernel):
 
 
 # The launches of triton_forward and triton_backward, for compile_offline: name (its CONFIG entry, if any),
-# kernel, the constexprs the launcher adds.
+# kernel, the constexprs the launcher adds besides the shape ones (GROUP, HEAD_DIM, BLOCK, BV, IEEE).
 _LAUNCHES = (
-    ("fwd", "_fwd", dict(BV=VERTICAL_CHUNK)),
+    ("fwd", "_fwd", {}),
     ("delta", "_bwd_delta", dict(ROWS=DELTA_ROWS)),
-    ("dq", "_bwd_dq", dict(BV=VERTICAL_CHUNK)),
+    ("dq", "_bwd_dq", {}),
     ("dkdv", "_bwd_dkdv_slash", dict(FUSE_DQ=False)),
-    ("vert", "_bwd_dkdv_vert", dict(BV=VERTICAL_CHUNK, QSPLIT=QSPLIT, FUSE_DQ=False)),
+    ("vert", "_bwd_dkdv_vert", dict(QSPLIT=QSPLIT, FUSE_DQ=False)),
     ("dkdv_fused", "_bwd_dkdv_slash", dict(FUSE_DQ=True)),
-    ("vert_fused", "_bwd_dkdv_vert", dict(BV=VERTICAL_CHUNK, QSPLIT=QSPLIT, FUSE_DQ=True)),
+    ("vert_fused", "_bwd_dkdv_vert", dict(QSPLIT=QSPLIT, FUSE_DQ=True)),
 )
 # Hopper's shared memory per block (227 KB): what a launch may use on the GPUs of MIN_CAPABILITY.
 HOPPER_SHARED_MEMORY = 232448
@@ -394,12 +394,12 @@ def compile_offline(capability: tuple[int, int] = MIN_CAPABILITY, *, head_dim: i
               "VPROG_CHUNK", "SL_LIST", "BLK_OFF", "KV_LO", "KV_HI", "VERT", "VERT_OFF", "N_SL", "V_HI", "V_MAX", "RUN")
     compiled = {}
     for launch, kernel, launch_constants in _LAUNCHES:
-        launch_constants = {name: chunk if name == "BV" else value for name, value in launch_constants.items()}
         cfg = _launch_options("cuda", block, launch) if launch in CONFIG else {}
         options = dict(num_warps=cfg.pop("num_warps", 4), num_stages=cfg.pop("num_stages", 3))  # Triton's defaults
-        constants = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK=block, IEEE=dtype == torch.float32, **launch_constants,
-                         **cfg)
         fn = getattr(st, kernel)
+        constants = {name: value for name, value in dict(GROUP=group, HEAD_DIM=head_dim, BLOCK=block, BV=chunk,
+                                                         IEEE=dtype == torch.float32, **launch_constants, **cfg).items()
+                     if name in fn.arg_names}
         signature = {}
         for name in fn.arg_names:
             if name in constants:
@@ -421,8 +421,7 @@ def compile_offline(capability: tuple[int, int] = MIN_CAPABILITY, *, head_dim: i
         # many loads go through shared memory (twice as many bytes in the dK/dV passes).
         aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                    if signature[name].startswith("*") or (signature[name] == "i32" and name not in st.PER_CALL_SIZES)}
-        source = ASTSource(fn, signature, constexprs={k: v for k, v in constants.items() if k in fn.arg_names},
-                           attrs=aligned)
+        source = ASTSource(fn, signature, constexprs=constants, attrs=aligned)
         target = GPUTarget("cuda", 10 * capability[0] + capability[1], 32)
         compiled[launch] = triton.compile(source, target=target, options=options)
     return compiled

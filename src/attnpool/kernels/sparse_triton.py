@@ -38,8 +38,10 @@ rows outside it load as zeros): on an H200 that made the forward 12-14% (with a 
 pipeline stage) and the dQ pass 21% faster (bench/results/2026-11-22-h200-sparse-tma.md).
 The dK/dV passes keep pointer loads of their query rows. Through TMA with a descriptor
 per head, built in the loop over the group's heads, the slash pass was 4-13% slower; with
-one per program over all heads, the backward gained 1-3%, too little to require heads
-contiguous in memory. Gathered vertical columns have no TMA form on Hopper.
+one per program over all heads, the backward moved -1.3% to +1.05% in an A/B in one run,
+and with K/V through TMA as well (fewer register spills) it was no faster
+(bench/results/2026-11-22-h200-sparse-dkdv-tma.md). Gathered vertical columns have no TMA
+form on Hopper.
 
 Masks cost time (a fifth of the slash dK/dV pass on an H200), so only the tiles
 that need them have them. A slash tile below the diagonal (Delta >= 1) lies wholly

@@ -8,7 +8,10 @@ spills), and shared memory per block against Hopper's 227 KB. ``cuobjdump``, whi
 ships with Triton.
 
     PYTHONPATH=src python3 bench/kernel_resources.py [--capability 9.0] [--head-dim 128] [--group 4] [--dtype bf16]
-        [--vertical-chunk 64]
+        [--vertical-chunk 64] [--beyond-limits]
+
+The launchers refuse what ``launch_problem`` knows cannot fit (e.g. head_dim 256 in bf16); ``--beyond-limits``
+compiles it anyway, to show why.
 
 (float32 kernels take minutes each to compile.)
 """
@@ -24,6 +27,7 @@ import tempfile
 
 import torch
 
+from attnpool.errors import ConfigError
 from attnpool.kernels import sparse as sk
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -47,13 +51,21 @@ def main() -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="input dtype (default: %(default)s)")
     parser.add_argument("--vertical-chunk", type=int, default=sk.VERTICAL_CHUNK,
                         help="vertical columns per kernel step (default: %(default)s)")
+    parser.add_argument("--beyond-limits", action="store_true",
+                        help="compile even launches that the launchers refuse (launch_problem)")
     args = parser.parse_args()
+    if args.beyond_limits:
+        sk.launch_problem = lambda *args, **kwargs: None
     major, minor = (int(x) for x in args.capability.split("."))
     import triton
 
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    compiled = sk.compile_offline((major, minor), head_dim=args.head_dim, group=args.group, chunk=args.vertical_chunk,
-                                  dtype=DTYPES[args.dtype])
+    try:
+        compiled = sk.compile_offline((major, minor), head_dim=args.head_dim, group=args.group,
+                                      chunk=args.vertical_chunk, dtype=DTYPES[args.dtype])
+    except ConfigError as error:
+        print(f"the launchers refuse this: {error} (--beyond-limits compiles it anyway)", file=sys.stderr)
+        return 2
     print(f"sm_{major}{minor}, head_dim {args.head_dim}, group {args.group}, vertical chunk {args.vertical_chunk}, "
           f"{args.dtype}, Triton {triton.__version__}")
     print(f"{'launch':>11} {'warps':>5} {'stages':>6} {'registers':>9} {'stack frame B':>13} {'shared KB':>9}")

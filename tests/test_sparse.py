@@ -540,7 +540,8 @@ def test_kernels_do_not_specialise_on_per_call_sizes():
 
 def test_kernels_compile_for_hopper_within_its_shared_memory():
     """Every launch of the GPU path, compiled here as on an sm_90 GPU (Triton's compiler needs none): it
-    compiles at its CONFIG, and fits Hopper's shared memory, which Triton checks only when it launches."""
+    compiles at its CONFIG, and fits Hopper's shared memory, which Triton checks only when it launches.
+    The launches and their argument types are those the launchers make (recorded, not run)."""
     import importlib.util
 
     if importlib.util.find_spec("triton") is None:

@@ -240,7 +240,12 @@ def twin_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None,
 
 # --- Triton ---
 
+_kernel_module_override = None  # a _LaunchRecorder while compile_offline runs the launchers
+
+
 def _triton_module():
+    if _kernel_module_override is not None:
+        return _kernel_module_override
     try:
         from attnpool.kernels import sparse_triton
     except ImportError as error:  # triton missing
@@ -290,8 +295,8 @@ def _tma_ready(x):
 # The largest head row (bytes), pattern block and vertical chunk whose launches fit Hopper's 227 KB of shared
 # memory at CONFIG (compile_offline): head_dim 128 in bf16 (the fused dK/dV pass needs 225 KB) or 64 in
 # float32 (the forward, 224.5 KB), at block 128 and chunk 64 or 128 (the dQ pass needs 193 KB at 128). Twice
-# the head row or the block makes the forward need about 448 KB (bench/kernel_resources.py --head-dim 256),
-# and a chunk of 256 the dQ pass 321 KB.
+# the head row or the block makes the forward need about 448 KB, and a chunk of 256 the dQ pass 321 KB
+# (bench/kernel_resources.py --head-dim 256 --beyond-limits).
 MAX_HEAD_BYTES = 256
 MAX_BLOCK = 128
 MAX_VERTICAL_CHUNK = 128
@@ -344,35 +349,78 @@ def triton_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, *, pattern, se
             tab["sl_list"], tab["bits"], tab["bits"].shape[1], tab["blk_off"], tab["vert"], tab["vert"].shape[1],
             tab["vert_off"], idx.n_sl, idx.v_hi, scale * 1.4426950408889634,
             GROUP=H // k.shape[1], HEAD_DIM=D, BLOCK=idx.block, BV=idx.chunk, IEEE=q.dtype == torch.float32,
-            **_launch_options(dev, idx.block, "fwd"))
+            **_launch_options(idx.block, "fwd"))
     return out, lse
 
 
-def _launch_options(dev, block, kernel):
+def _launch_options(block, kernel):
     """Triton launch options and sub-tile sizes of one kernel (no warps/stages under the interpreter)."""
     cfg = dict(CONFIG[kernel])
     for name in ("SUB_N", "SUB_M"):
         if name in cfg:
             cfg[name] = min(cfg[name], block)
-    if torch.device(dev).type != "cuda":
+    if _interpreting():
         cfg.pop("num_warps", None)
         cfg.pop("num_stages", None)
     return cfg
 
 
-# The launches of triton_forward and triton_backward, for compile_offline: name (its CONFIG entry, if any),
-# kernel, the constexprs the launcher adds besides the shape ones (GROUP, HEAD_DIM, BLOCK, BV, IEEE).
-_LAUNCHES = (
-    ("fwd", "_fwd", {}),
-    ("delta", "_bwd_delta", dict(ROWS=DELTA_ROWS)),
-    ("dq", "_bwd_dq", {}),
-    ("dkdv", "_bwd_dkdv_slash", dict(FUSE_DQ=False)),
-    ("vert", "_bwd_dkdv_vert", dict(QSPLIT=QSPLIT, FUSE_DQ=False)),
-    ("dkdv_fused", "_bwd_dkdv_slash", dict(FUSE_DQ=True)),
-    ("vert_fused", "_bwd_dkdv_vert", dict(QSPLIT=QSPLIT, FUSE_DQ=True)),
-)
 # Hopper's shared memory per block (227 KB): what a launch may use on the GPUs of MIN_CAPABILITY.
 HOPPER_SHARED_MEMORY = 232448
+# Triton's names of the argument types the launchers pass (torch dtype of a tensor -> its pointer type).
+_TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+                 torch.int64: "i64", torch.int8: "i8"}
+
+
+class _LaunchRecorder:
+    """Stands in for the kernel module while the launchers run on the host: ``kernel[grid](*args, **kw)``
+    is recorded as (kernel, args, kw), and nothing runs."""
+
+    def __init__(self, module):
+        self.module, self.launches = module, []
+
+    def __getattr__(self, name):
+        kernel = getattr(self.module, name)
+        if not hasattr(kernel, "arg_names"):  # not a Triton kernel
+            return kernel
+        return _RecordedKernel(self.launches, kernel)
+
+
+class _RecordedKernel:
+    def __init__(self, launches, kernel):
+        self.launches, self.kernel = launches, kernel
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launches.append((self.kernel, args, kw))
+
+
+
+def _recorded_launches(head_dim: int, group: int, block: int, chunk: int, dtype: torch.dtype) -> dict:
+    """{launch name: (kernel, args, constexprs and launch options)}: every launch that triton_forward and
+    triton_backward (both dQ modes) make, with arguments of their real types, on a small host problem.
+    Launch names are the CONFIG entries (and "delta")."""
+    global _kernel_module_override
+    g = torch.Generator().manual_seed(0)
+    lengths, heads = [3 * block, block + 5], 2 * group
+    pattern = VerticalSlashPattern.random(lengths, heads, block, n_slash=2, n_vertical=4, generator=g)
+    cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+    T = sum(lengths)
+    q, do = (torch.randn(T, heads, head_dim, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(T, 2, head_dim, generator=g).to(dtype) for _ in range(2))
+    index = SparseIndex.build(pattern, cu, cu, T, T, max(lengths), chunk=chunk)
+    recorder = _LaunchRecorder(_triton_module())
+    _kernel_module_override = recorder
+    try:
+        out, lse = triton_forward(q, k, v, cu, cu, max(lengths), max(lengths), pattern=pattern, index=index)
+        for mode in DQ_MODES:
+            triton_backward(do, q, k, v, out, lse, cu, cu, max(lengths), max(lengths), pattern=pattern,
+                            index=index, dq_mode=mode)
+    finally:
+        _kernel_module_override = None
+    names = {"_fwd": "fwd", "_bwd_delta": "delta", "_bwd_dq": "dq", "_bwd_dkdv_slash": "dkdv",
+             "_bwd_dkdv_vert": "vert"}
+    return {names[kernel.__name__] + ("_fused" if kw.get("FUSE_DQ") else ""): (kernel, args, kw)
+            for kernel, args, kw in recorder.launches}
 
 
 def compile_offline(capability: tuple[int, int] = MIN_CAPABILITY, *, head_dim: int = 128, group: int = 4,
@@ -381,47 +429,39 @@ def compile_offline(capability: tuple[int, int] = MIN_CAPABILITY, *, head_dim: i
     Triton's compiler and the ptxas it ships need no GPU. {launch name: triton CompiledKernel}; its
     ``metadata.shared`` is the shared memory a launch needs, which Triton checks only when it launches.
 
-    The compile is a launch's for aligned tensors and strides that are multiples of 16 elements, as the
-    runtime's buffers are. A launch with a misaligned pointer or stride compiles other code (narrower loads)."""
+    The launches are those the launchers make: they run on a small host problem with the kernels recorded,
+    not run, and each argument is typed as passed (so a launch the launchers refuse, e.g. a head_dim over
+    ``launch_problem``'s limit, raises its ConfigError here too). The compile is a launch's for aligned
+    tensors and strides that are multiples of 16 elements, as the runtime's buffers are. A launch with a
+    misaligned pointer or stride compiles other code (narrower loads)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    st = _triton_module()
-    element = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    fp32 = ("LSE", "DELTA", "DK", "DV")
-    tables = ("CU_Q", "CU_K", "SEG_DOC", "PROG_SEG", "PROG_BLK", "KPROG_SEG", "KPROG_BLK", "VPROG_SEG",
-              "VPROG_CHUNK", "SL_LIST", "BLK_OFF", "KV_LO", "KV_HI", "VERT", "VERT_OFF", "N_SL", "V_HI", "V_MAX", "RUN")
+    per_call_sizes = _triton_module().PER_CALL_SIZES
     compiled = {}
-    for launch, kernel, launch_constants in _LAUNCHES:
-        cfg = _launch_options("cuda", block, launch) if launch in CONFIG else {}
-        options = dict(num_warps=cfg.pop("num_warps", 4), num_stages=cfg.pop("num_stages", 3))  # Triton's defaults
-        fn = getattr(st, kernel)
-        constants = {name: value for name, value in dict(GROUP=group, HEAD_DIM=head_dim, BLOCK=block, BV=chunk,
-                                                         IEEE=dtype == torch.float32, **launch_constants, **cfg).items()
-                     if name in fn.arg_names}
+    for launch, (kernel, args, kw) in _recorded_launches(head_dim, group, block, chunk, dtype).items():
+        options = {name: kw.pop(name) for name in ("num_warps", "num_stages") if name in kw}
+        values = dict(zip(kernel.arg_names, args))
         signature = {}
-        for name in fn.arg_names:
-            if name in constants:
+        for name in kernel.arg_names:
+            value = values.get(name)
+            if name in kw:
                 signature[name] = "constexpr"
-            elif name in fp32 or (name == "DQ" and constants.get("FUSE_DQ")):
-                signature[name] = "*fp32"
-            elif name in tables:
-                signature[name] = "*i32"
-            elif name == "SL_BITS":
-                signature[name] = "*i8"
-            elif name in ("scale", "scale_log2"):
+            elif isinstance(value, torch.Tensor):
+                signature[name] = "*" + _TRITON_TYPES[value.dtype]
+            elif isinstance(value, float):
                 signature[name] = "fp32"
-            elif name in ("Q", "K", "V", "O", "DO", "DQ"):
-                signature[name] = f"*{element}"
+            elif isinstance(value, int) and -2**31 <= value < 2**31:
+                signature[name] = "i32"
             else:
-                signature[name] = "i32"  # strides and sizes
+                raise TypeError(f"{kernel.__name__}: argument {name} = {value!r} has no Triton type here")
         # A launch tells Triton which pointers are 16-byte aligned and which integers are multiples of 16 (all
         # of them here, but the per-call sizes it does not specialise on); that decides vector widths and how
         # many loads go through shared memory (twice as many bytes in the dK/dV passes).
-        aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-                   if signature[name].startswith("*") or (signature[name] == "i32" and name not in st.PER_CALL_SIZES)}
-        source = ASTSource(fn, signature, constexprs=constants, attrs=aligned)
+        aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+                   if signature[name].startswith("*") or (signature[name] == "i32" and name not in per_call_sizes)}
+        source = ASTSource(kernel, signature, constexprs=kw, attrs=aligned)
         target = GPUTarget("cuda", 10 * capability[0] + capability[1], 32)
         compiled[launch] = triton.compile(source, target=target, options=options)
     return compiled
@@ -470,7 +510,7 @@ def triton_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=Non
     dv32 = torch.zeros(v.shape, dtype=torch.float32, device=dev)
     cuq, cuk = cu_q.to(dev, torch.int32), cu_k.to(dev, torch.int32)
     common = dict(GROUP=G, HEAD_DIM=D, BLOCK=idx.block, IEEE=q.dtype == torch.float32)
-    opts = lambda name: _launch_options(dev, idx.block, name + ("_fused" if fuse_dq and name != "dq" else ""))
+    opts = lambda name: _launch_options(idx.block, name + ("_fused" if fuse_dq and name != "dq" else ""))
     scale_log2 = scale * 1.4426950408889634
     events = []
 

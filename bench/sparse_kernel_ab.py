@@ -4,6 +4,9 @@
     git show a21e4c8:src/attnpool/kernels/sparse_triton.py > sparse_triton_base.py
     PYTHONPATH=src python3 bench/sparse_kernel_ab.py --baseline sparse_triton_base.py --out $OUT
 
+Without ``--baseline`` the baseline is the working tree's kernels at the committed ``CONFIG``: an A/B
+of launch configurations alone.
+
 Cases as in bench/gpu_sparse.py's speed section: one document of 128K (32/8 heads of 128) and of
 512K (8/2), bf16, RoPE-like q/k, the pattern estimated at coverage 0.9 and 0.95; dQ in its own pass.
 Each variant runs with its own launch configuration: the baseline with the committed ``CONFIG``
@@ -158,7 +161,8 @@ def measure(variants, case, rounds):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--baseline", required=True, help="a former attnpool/kernels/sparse_triton.py")
+    parser.add_argument("--baseline", help="a former attnpool/kernels/sparse_triton.py (default: the working "
+                                           "tree's, at the committed CONFIG)")
     parser.add_argument("--out", required=True, help="directory for sparse_kernel_ab.json")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per case (default: %(default)s)")
     args = parser.parse_args()
@@ -170,7 +174,7 @@ def main():
     out_dir.mkdir(parents=True, exist_ok=True)
     from attnpool.kernels import sparse_triton
 
-    base = Variant("baseline", load_module(args.baseline), sk.CONFIG)
+    base = Variant("baseline", load_module(args.baseline) if args.baseline else sparse_triton, sk.CONFIG)
     new = Variant("new", sparse_triton, sk.CONFIG)
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, command=" ".join(sys.argv),
                   baseline_config=base.config, cases=[])

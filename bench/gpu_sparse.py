@@ -6,7 +6,8 @@
    error max|a - b| / max|b| <= 2e-2. Cases: a packed batch with an estimated
    pattern (sparse, dense-short and sparse-long documents), CA-task shards of one
    document (partial first blocks, several tasks of one doc in one call), and a
-   vertical-heavy random pattern; GQA 32/8 x 128.
+   vertical-heavy random pattern; GQA 32/8 x 128. Plus the float32 kernels
+   (``--precision fp32``; 8/2 heads of 32) against the twin in float64, <= 1e-4.
 2. Speed: one document of 128K (32 query / 8 KV heads of 128) and of 512K
    (8 / 2 heads, so dense flash stays within the time budget), bf16. q/k are
    RoPE-like synthetic: per head the query is the key direction rotated by a few
@@ -51,6 +52,7 @@ from attnpool.sparse import SparseConfig, VerticalSlashPattern, estimate_vertica
 from attnpool.sparse.cost import SparseCoefficients, fit_coefficients
 
 TOLERANCE = 2e-2
+FP32_TOLERANCE = 1e-4
 DEV = "cuda"
 
 
@@ -113,27 +115,28 @@ def rel(a, b):
 
 # --- 1. exactness ---
 
-def exact_case(name, pattern, segs, seg_doc, Hq=32, Hk=8, D=128, seed=0, views=False):
+def exact_case(name, pattern, segs, seg_doc, Hq=32, Hk=8, D=128, seed=0, views=False, dtype=torch.bfloat16,
+               tolerance=TOLERANCE):
     """``views``: q, k and v as strided views of larger tensors (the kernels' TMA descriptors must use
-    the strides)."""
+    the strides). The twin runs on the same values in float32, or float64 for float32 inputs."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     Tq, Tk = sum(s[0] for s in segs), sum(s[1] for s in segs)
     if views:
-        q = torch.randn(Tq, Hq + 1, D, device=DEV, generator=g).bfloat16()[:, 1:]
-        kv = torch.randn(Tk, 2, Hk, D, device=DEV, generator=g).bfloat16()
+        q = torch.randn(Tq, Hq + 1, D, device=DEV, generator=g).to(dtype)[:, 1:]
+        kv = torch.randn(Tk, 2, Hk, D, device=DEV, generator=g).to(dtype)
         k, v = kv[:, 0], kv[:, 1]
     else:
-        q = torch.randn(Tq, Hq, D, device=DEV, generator=g).bfloat16()
-        k = torch.randn(Tk, Hk, D, device=DEV, generator=g).bfloat16()
-        v = torch.randn(Tk, Hk, D, device=DEV, generator=g).bfloat16()
-    do = torch.randn(Tq, Hq, D, device=DEV, generator=g).bfloat16()
+        q = torch.randn(Tq, Hq, D, device=DEV, generator=g).to(dtype)
+        k = torch.randn(Tk, Hk, D, device=DEV, generator=g).to(dtype)
+        v = torch.randn(Tk, Hk, D, device=DEV, generator=g).to(dtype)
+    do = torch.randn(Tq, Hq, D, device=DEV, generator=g).to(dtype)
     cu_q, cu_k = cu([s[0] for s in segs]), cu([s[1] for s in segs])
     mq, mk = max(s[0] for s in segs), max(s[1] for s in segs)
     sd = None if seg_doc is None else torch.tensor(seg_doc, device=DEV)
     o, l = sk.forward(q, k, v, cu_q, cu_k, mq, mk, pattern=pattern, seg_doc=sd, impl="triton")
     grads = {mode: sk.triton_backward(do, q, k, v, o, l, cu_q, cu_k, mq, mk, pattern=pattern, seg_doc=sd,
                                       dq_mode=mode) for mode in sk.DQ_MODES}
-    f = lambda x: x.float()
+    f = lambda x: x.double() if dtype == torch.float32 else x.float()
     o_ref, l_ref = sk.forward(f(q), f(k), f(v), cu_q, cu_k, mq, mk, pattern=pattern, seg_doc=sd, impl="twin")
     g_ref = sk.backward(f(do), f(q), f(k), f(v), o_ref, l_ref, cu_q, cu_k, mq, mk, pattern=pattern, seg_doc=sd,
                         impl="twin")
@@ -141,7 +144,7 @@ def exact_case(name, pattern, segs, seg_doc, Hq=32, Hk=8, D=128, seed=0, views=F
     for mode, g in grads.items():
         tag = "" if mode == sk.DQ_MODES[0] else f"_{mode}"
         errs.update({f"dq{tag}": rel(g[0], g_ref[0]), f"dk{tag}": rel(g[1], g_ref[1]), f"dv{tag}": rel(g[2], g_ref[2])})
-    ok = all(e <= TOLERANCE for e in errs.values())
+    ok = all(e <= tolerance for e in errs.values())
     print(f"  {name:34s} " + " ".join(f"{k}={v:.1e}" for k, v in errs.items()) + ("  ok" if ok else "  FAIL"), flush=True)
     return {"case": name, "errors": errs, "ok": ok}
 
@@ -165,6 +168,11 @@ def exactness(quick):
     # c) vertical-heavy.
     pat3 = VerticalSlashPattern.random([3000], 32, 128, n_slash=0, n_vertical=1500, generator=g, device=DEV)
     out.append(exact_case("vertical-heavy random", pat3, [(3000, 3000)], None))
+    # d) float32 (--precision fp32): IEEE products against float64, at head_dim 32: IEEE kernels compile for
+    # minutes at 64 (bench/kernel_resources.py --dtype fp32 --head-dim 64 shows they fit).
+    pat4 = VerticalSlashPattern.random([3000, 1200], 8, 128, n_slash=4, n_vertical=200, generator=g, device=DEV)
+    out.append(exact_case("float32, shards, against float64", pat4, [(1000, 3000), (1200, 1200)], [0, 1], Hq=8,
+                          Hk=2, D=32, dtype=torch.float32, tolerance=FP32_TOLERANCE))
     return out
 
 

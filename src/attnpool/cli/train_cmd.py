@@ -25,7 +25,9 @@ def add_parser(sub) -> None:
         flag = "--" + name.replace("_", "-")
         kind = field_kind(f)
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        help_text = f"{f.metadata.get('help', '')} (default: {default})"
+        help_text = f.metadata.get("help", "")
+        if "(default:" not in help_text:  # some fields say what their None default means
+            help_text += f" (default: {default})"
         if kind == "bool":
             p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif kind == "dict":

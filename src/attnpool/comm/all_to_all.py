@@ -1,7 +1,7 @@
 """All-to-all over flat buffers with explicit split sizes, counted in bytes.
 
 ``torch.distributed.all_to_all_single`` on a 1-D tensor works on NCCL and on gloo
-with uneven and zero splits (DESIGN.md platform facts). Every call made through
+with uneven and zero splits. Every call made through
 :func:`all_to_all_flat` adds to :data:`comm_stats`, so tests can check the bytes
 that actually crossed against what the plan predicted. With
 ``comm_stats.timing = True`` it also adds up communication time (see

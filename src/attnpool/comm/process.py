@@ -6,7 +6,7 @@ does not free a gloo group: its worker threads live on until interpreter
 teardown, which destroys them in no fixed order and can abort a process that
 finished its work ("terminate called without an active exception", SIGABRT).
 A 2-rank loop that keeps a reference to its group past ``destroy_process_group()``
-aborted in 15 of 40 runs, and in none when each rank left through
+aborted in 9 to 15 of 40 runs (two runs), and in none when each rank left through
 :func:`end_process`.
 
 So every process that opened a group through :func:`process_group` and owns its

@@ -4,7 +4,7 @@ The two shipped samples, ``pretrain`` and ``prolong``, are the document-length
 samples published with the core attention disaggregation paper's code
 (arXiv 2510.18121, Apache-2.0). Any other JSON list of positive integers loads by path.
 
-Sampling (paper's recipe, see ../shared/data/README.md):
+Sampling (the paper's recipe):
 - up-sampling of long documents: documents of at least ``upsample_threshold``
   tokens are repeated ``long_repeat`` times; only a fraction ``keep_short`` of
   the shorter ones is kept; the pool is then shuffled and drawn in order;

@@ -10,7 +10,7 @@ already hold (KV of a document it holds or already receives is free). Cuts never
 make a shard below ``min_shard_tokens``; a piece shorter than that moves whole or
 not at all.
 
-Differences from the released DistCA planner (REFERENCE.md): the tolerance
+Differences from the released DistCA planner (arXiv 2510.18121): the tolerance
 bounds the busiest server (max/mean), not each receiver; shards have a minimum
 size; the cost model is the measured kernel table, which knows that small shards
 run slower; KV the receiver already holds costs nothing; one move's candidates

@@ -11,7 +11,7 @@ Two models, one interface (``cost(a, b) -> float64 array``, vectorised):
 
 The default table (``resources/cost_h200.json``) was measured on an H200 by
 ``attnpool profile`` (bench/results/2026-11-21-h200-profile.md has the command); it
-agrees with DESIGN.md's FlashAttention-2 measurements, which
+agrees with our earlier FlashAttention-2 measurements, which
 :func:`build_h200_default_table` reproduces, within a few percent.
 """
 
@@ -31,7 +31,7 @@ from attnpool.plan.documents import causal_pairs
 
 # Forward FLOPs per (query, key) pair and head: QK^T and PV, 2 FLOPs per multiply-add each.
 FWD_FLOPS_PER_PAIR_PER_HEAD_DIM = 4.0
-# Backward is about 2.5x the forward FLOPs (DESIGN.md).
+# Backward is about 2.5x the forward FLOPs.
 BWD_TO_FWD_FLOPS = 2.5
 PHASES = ("fwd", "fwd+bwd")
 
@@ -189,7 +189,7 @@ class TableCost:
         return TableCost(self.q_grid, self.k_grid, self.tflops, n_q_heads, head_dim, self.phase, self.source)
 
 
-# Measured on one H200, FlashAttention-2 varlen (PyTorch), bf16, 32 query / 8 KV heads of 128 (DESIGN.md).
+# Measured on one H200, FlashAttention-2 varlen (PyTorch), bf16, 32 query / 8 KV heads of 128.
 # Query-shard sweep at prefix 32K; "whole" documents of a given length.
 _H200_SHARD = {32: (86, 54), 64: (174, 108), 128: (339, 181), 256: (335, 235), 512: (341, 275),
                1024: (344, 301), 4096: (345, 325), 65536: (348, 331)}
@@ -214,7 +214,7 @@ def build_h200_default_table(phase: str = "fwd+bwd") -> TableCost:
     shard_rate = _interp_log2(_H200_SHARD, grid, idx)
     doc_rate = _interp_log2(_H200_WHOLE_DOC, grid, idx)
     tflops = np.minimum(shard_rate[:, None], doc_rate[None, :])
-    return TableCost(grid, grid.copy(), tflops, 32, 128, phase, "H200 FlashAttention-2 varlen, bf16, DESIGN.md measurements")
+    return TableCost(grid, grid.copy(), tflops, 32, 128, phase, "H200 FlashAttention-2 varlen, bf16, earlier measurements")
 
 
 @lru_cache(maxsize=8)

@@ -8,7 +8,7 @@ prints it.
 - Core attention: the profile's kernel tables (``tables.fwd`` and
   ``tables["fwd+bwd"]``, TFLOP/s by query-shard length and KV-prefix length),
   read by :class:`attnpool.plan.cost.TableCost`. The packaged default is
-  ``resources/cost_h200.json`` (H200, FlashAttention-2 varlen, DESIGN.md).
+  ``resources/cost_h200.json`` (H200, FlashAttention-2 varlen).
   A table keeps its rate for another head count (FLOPs scale with the heads);
   a table measured for another head_dim is refused.
 - Linear layers (QKV/O projections, MLP, norms, RoPE: everything of a layer
@@ -19,7 +19,7 @@ prints it.
   H200's 989 TFLOP/s dense bf16 peak). The LM head (logits) is charged the same
   way, once per token.
 - Network, per GPU: inside a node, the profile's all-to-all fit, else
-  :data:`DEFAULT_INTRA` (260 GiB/s per rank, the NCCL all-to-all DESIGN.md
+  :data:`DEFAULT_INTRA` (260 GiB/s per rank, the NCCL all-to-all we
   measured between two H200s); between nodes :data:`DEFAULT_INTER` (50 GB/s per
   GPU, the DistCA paper appendix's assumption). Latencies are assumptions.
 """
@@ -57,7 +57,7 @@ class Link:
         return self
 
 
-DEFAULT_INTRA = Link(260 * 2**30, 10e-6, "assumed: NCCL all-to-all 260 GiB/s per rank (DESIGN.md, 2x H200); latency 10 us assumed")
+DEFAULT_INTRA = Link(260 * 2**30, 10e-6, "assumed: NCCL all-to-all 260 GiB/s per rank (measured, 2x H200); latency 10 us assumed")
 DEFAULT_INTER = Link(50e9, 20e-6, "assumed: 50 GB/s per GPU (DistCA paper appendix); latency 20 us assumed")
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from attnpool.sim.plots import write_plots
 from attnpool.sim.simulate import SimConfig, assumptions, expand, simulate_many
 
-# REFERENCE.md: end-to-end speedup of DistCA over WLB-ideal without pipeline parallelism (paper).
+# The DistCA paper (arXiv 2510.18121): its end-to-end speedup over WLB-ideal without pipeline parallelism.
 PAPER_SPEEDUP_NO_PP = {"pretrain": (1.07, 1.20), "prolong": (1.05, 1.12)}
 PAPER_GRID = dict(models=("llama3-8b", "llama-34b"), dists=("pretrain", "prolong"),
                   max_doc_lens=(131072, 262144, 524288), gpus=(64, 128, 256, 512))

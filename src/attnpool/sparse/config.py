@@ -1,6 +1,6 @@
 """``SparseConfig``: the options of dynamic vertical-slash sparse attention, validated.
 
-Training flags map one to one (the lead wires them in train/config.py):
+Training flags map one to one (train/config.py):
 ``--sparse vertical-slash`` -> ``mode``, ``--sparse-coverage`` -> ``coverage``,
 ``--sparse-min-doc-len`` -> ``min_doc_len``, ``--dense-layers N`` -> ``dense_layers``.
 """

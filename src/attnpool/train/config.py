@@ -78,7 +78,7 @@ class TrainConfig:
     activation_checkpointing: str = _help("none, full (recompute each layer) or keep_attention (recompute all but core attention)",
                                           default="none")
     # Run
-    nproc: int = _help("processes to start on this machine (CPU: gloo; under torchrun leave at 1)", default=1)
+    nproc: int = _help("processes to start on this machine (gloo on CPU, NCCL on GPUs, one per GPU; under torchrun leave at 1)", default=1)
     device: str = _help("auto, cpu or cuda", default="auto")
     out: str = _help("run directory: metrics.jsonl, checkpoints/, summary.png", default="runs/train")
     checkpoint_every: int = _help("save a checkpoint every this many steps (0: only at the end; -1: never)", default=0)

@@ -242,7 +242,7 @@ def speed(quick, report):
         o, l = flash.forward(q, k, v, c, c, L, L)
         tf_dense = time_cuda(lambda: flash.forward(q, k, v, c, c, L, L), reps)
         tb_dense = time_cuda(lambda: flash.backward(do, q, k, v, o, l, c, c, L, L), reps)
-        del o, l
+        o = l = None  # freed before the next allocations (None, not del: the timing lambdas name them)
         pairs = Hq * L * (L + 1) / 2
         for cov in (0.9, 0.95):
             cfg = SparseConfig(coverage=cov)
@@ -258,7 +258,7 @@ def speed(quick, report):
                 t = {}
                 sk.triton_backward(do, q, k, v, o, l, c, c, L, L, pattern=pat, timings=t, dq_mode=mode)
                 parts.update({f"{name} ({mode})": x for name, x in t.items()})
-            del o, l
+            o = l = None
             computed = n_sl * 128 * 128 + n_bar * 128 * 64
             row = dict(L=L, heads=f"{Hq}/{Hk}", coverage=cov, sparsity=1 - computed / pairs,
                        slash_tiles=n_sl, bar_tiles=n_bar, t_est=t_est, fwd=t_f, bwd=t_b,
@@ -281,8 +281,8 @@ def speed(quick, report):
             t_f, t_b, n_sl, n_bar = run_sparse(qs, ks, vs, do[:Tq], cu([s[0] for s in segs]), cu([s[1] for s in segs]),
                                                L // 2, L, pat, torch.tensor([0, 0], device=DEV), reps=reps)
             samples.append(dict(kind=f"shards L={L} cov={cov}", slash=n_sl, bars=n_bar, fwd=t_f, bwd=t_b[sk.DQ_MODE]))
-            del pat, qs, ks, vs
-        del q, k, v, do
+            pat = qs = ks = vs = None
+        q = k = v = do = None
     return rows, samples
 
 

@@ -348,9 +348,7 @@ def linear_measures(cfg, device, opts: ProfileOptions, timer: Callable = cuda_me
         def fwd_bwd():
             F.cross_entropy(proj(x).float(), labels).backward()
 
-        t = timer(fwd_bwd, opts)
-        del proj
-        return t
+        return timer(fwd_bwd, opts)
 
     return layer, head
 

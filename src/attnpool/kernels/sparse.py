@@ -21,6 +21,7 @@ reference math, accumulating in float32 (float64 for float64 inputs).
 
 from __future__ import annotations
 
+import contextvars
 import os
 from dataclasses import dataclass
 
@@ -240,12 +241,15 @@ def twin_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None,
 
 # --- Triton ---
 
-_kernel_module_override = None  # a _LaunchRecorder while compile_offline runs the launchers
+# A _LaunchRecorder while compile_offline runs the launchers: per thread (and context), so that launches
+# elsewhere, such as autograd's backward thread, stay real.
+_kernel_module_override: contextvars.ContextVar = contextvars.ContextVar("attnpool_sparse_kernels", default=None)
 
 
 def _triton_module():
-    if _kernel_module_override is not None:
-        return _kernel_module_override
+    recorder = _kernel_module_override.get()
+    if recorder is not None:
+        return recorder
     try:
         from attnpool.kernels import sparse_triton
     except ImportError as error:  # triton missing
@@ -295,7 +299,8 @@ def _tma_ready(x):
 # The largest head row (bytes), pattern block and vertical chunk whose launches fit Hopper's 227 KB of shared
 # memory at CONFIG (compile_offline): head_dim 128 in bf16 (the fused dK/dV pass needs 225 KB) or 64 in
 # float32 (the forward, 224.5 KB), at block 128 and chunk 64 or 128 (the dQ pass needs 193 KB at 128). Twice
-# the head row or the block makes the forward need about 448 KB, and a chunk of 256 the dQ pass 321 KB
+# the head row or the block makes the forward need about 448 KB, and a chunk of 256 the forward 289 KB and
+# the dQ pass 321 KB
 # (bench/kernel_resources.py --head-dim 256 --beyond-limits).
 MAX_HEAD_BYTES = 256
 MAX_BLOCK = 128
@@ -349,17 +354,17 @@ def triton_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, *, pattern, se
             tab["sl_list"], tab["bits"], tab["bits"].shape[1], tab["blk_off"], tab["vert"], tab["vert"].shape[1],
             tab["vert_off"], idx.n_sl, idx.v_hi, scale * 1.4426950408889634,
             GROUP=H // k.shape[1], HEAD_DIM=D, BLOCK=idx.block, BV=idx.chunk, IEEE=q.dtype == torch.float32,
-            **_launch_options(idx.block, "fwd"))
+            **_launch_options(dev, idx.block, "fwd"))
     return out, lse
 
 
-def _launch_options(block, kernel):
+def _launch_options(dev, block, kernel):
     """Triton launch options and sub-tile sizes of one kernel (no warps/stages under the interpreter)."""
     cfg = dict(CONFIG[kernel])
     for name in ("SUB_N", "SUB_M"):
         if name in cfg:
             cfg[name] = min(cfg[name], block)
-    if _interpreting():
+    if torch.device(dev).type != "cuda":
         cfg.pop("num_warps", None)
         cfg.pop("num_stages", None)
     return cfg
@@ -394,29 +399,28 @@ class _RecordedKernel:
         return lambda *args, **kw: self.launches.append((self.kernel, args, kw))
 
 
-
 def _recorded_launches(head_dim: int, group: int, block: int, chunk: int, dtype: torch.dtype) -> dict:
-    """{launch name: (kernel, args, constexprs and launch options)}: every launch that triton_forward and
-    triton_backward (both dQ modes) make, with arguments of their real types, on a small host problem.
+    """{launch name: (kernel, args, constexprs)}: every launch that triton_forward and triton_backward (both
+    dQ modes) make, with arguments of their real types, on a small host problem of 8 KV heads (Llama-3-8B's).
     Launch names are the CONFIG entries (and "delta")."""
-    global _kernel_module_override
     g = torch.Generator().manual_seed(0)
-    lengths, heads = [3 * block, block + 5], 2 * group
+    lengths, kv_heads = [3 * block, block + 5], 8
+    heads = kv_heads * group
     pattern = VerticalSlashPattern.random(lengths, heads, block, n_slash=2, n_vertical=4, generator=g)
     cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
     T = sum(lengths)
     q, do = (torch.randn(T, heads, head_dim, generator=g).to(dtype) for _ in range(2))
-    k, v = (torch.randn(T, 2, head_dim, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(T, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
     index = SparseIndex.build(pattern, cu, cu, T, T, max(lengths), chunk=chunk)
     recorder = _LaunchRecorder(_triton_module())
-    _kernel_module_override = recorder
+    token = _kernel_module_override.set(recorder)
     try:
         out, lse = triton_forward(q, k, v, cu, cu, max(lengths), max(lengths), pattern=pattern, index=index)
         for mode in DQ_MODES:
             triton_backward(do, q, k, v, out, lse, cu, cu, max(lengths), max(lengths), pattern=pattern,
                             index=index, dq_mode=mode)
     finally:
-        _kernel_module_override = None
+        _kernel_module_override.reset(token)
     names = {"_fwd": "fwd", "_bwd_delta": "delta", "_bwd_dq": "dq", "_bwd_dkdv_slash": "dkdv",
              "_bwd_dkdv_vert": "vert"}
     return {names[kernel.__name__] + ("_fused" if kw.get("FUSE_DQ") else ""): (kernel, args, kw)
@@ -431,9 +435,10 @@ def compile_offline(capability: tuple[int, int] = MIN_CAPABILITY, *, head_dim: i
 
     The launches are those the launchers make: they run on a small host problem with the kernels recorded,
     not run, and each argument is typed as passed (so a launch the launchers refuse, e.g. a head_dim over
-    ``launch_problem``'s limit, raises its ConfigError here too). The compile is a launch's for aligned
-    tensors and strides that are multiples of 16 elements, as the runtime's buffers are. A launch with a
-    misaligned pointer or stride compiles other code (narrower loads)."""
+    ``launch_problem``'s limit, raises its ConfigError here too). Each compile is what Triton would compile
+    for that launch on a GPU: its pointers are 16-byte aligned and its strides multiples of 16 elements, as
+    the runtime's buffers are. A launch with a misaligned pointer or stride compiles other code (narrower
+    loads)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -441,7 +446,10 @@ def compile_offline(capability: tuple[int, int] = MIN_CAPABILITY, *, head_dim: i
     per_call_sizes = _triton_module().PER_CALL_SIZES
     compiled = {}
     for launch, (kernel, args, kw) in _recorded_launches(head_dim, group, block, chunk, dtype).items():
-        options = {name: kw.pop(name) for name in ("num_warps", "num_stages") if name in kw}
+        # On the host the launchers leave out warps and stages; on a GPU they pass CONFIG's (Triton's defaults
+        # for a launch without an entry).
+        options = dict(num_warps=4, num_stages=3)
+        options.update({name: value for name, value in CONFIG.get(launch, {}).items() if name in options})
         values = dict(zip(kernel.arg_names, args))
         signature = {}
         for name in kernel.arg_names:
@@ -456,11 +464,12 @@ def compile_offline(capability: tuple[int, int] = MIN_CAPABILITY, *, head_dim: i
                 signature[name] = "i32"
             else:
                 raise TypeError(f"{kernel.__name__}: argument {name} = {value!r} has no Triton type here")
-        # A launch tells Triton which pointers are 16-byte aligned and which integers are multiples of 16 (all
-        # of them here, but the per-call sizes it does not specialise on); that decides vector widths and how
-        # many loads go through shared memory (twice as many bytes in the dK/dV passes).
+        # A launch tells Triton which pointers are 16-byte aligned and which integers are multiples of 16 (but
+        # for the per-call sizes it does not specialise on); that decides vector widths and how many loads go
+        # through shared memory (twice as many bytes in the dK/dV passes).
         aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-                   if signature[name].startswith("*") or (signature[name] == "i32" and name not in per_call_sizes)}
+                   if (signature[name].startswith("*") and values[name].data_ptr() % 16 == 0)
+                   or (signature[name] == "i32" and name not in per_call_sizes and values[name] % 16 == 0)}
         source = ASTSource(kernel, signature, constexprs=kw, attrs=aligned)
         target = GPUTarget("cuda", 10 * capability[0] + capability[1], 32)
         compiled[launch] = triton.compile(source, target=target, options=options)
@@ -510,7 +519,7 @@ def triton_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=Non
     dv32 = torch.zeros(v.shape, dtype=torch.float32, device=dev)
     cuq, cuk = cu_q.to(dev, torch.int32), cu_k.to(dev, torch.int32)
     common = dict(GROUP=G, HEAD_DIM=D, BLOCK=idx.block, IEEE=q.dtype == torch.float32)
-    opts = lambda name: _launch_options(idx.block, name + ("_fused" if fuse_dq and name != "dq" else ""))
+    opts = lambda name: _launch_options(dev, idx.block, name + ("_fused" if fuse_dq and name != "dq" else ""))
     scale_log2 = scale * 1.4426950408889634
     events = []
 

@@ -242,7 +242,7 @@ def speed(quick, report):
         o, l = flash.forward(q, k, v, c, c, L, L)
         tf_dense = time_cuda(lambda: flash.forward(q, k, v, c, c, L, L), reps)
         tb_dense = time_cuda(lambda: flash.backward(do, q, k, v, o, l, c, c, L, L), reps)
-        o = l = None  # freed before the next allocations (None, not del: the timing lambdas name them)
+        o = l = None  # freed before the next allocations
         pairs = Hq * L * (L + 1) / 2
         for cov in (0.9, 0.95):
             cfg = SparseConfig(coverage=cov)

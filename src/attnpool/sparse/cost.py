@@ -5,16 +5,16 @@ blocks I in [i0, i1) = [a // B, ceil(b / B)) (a shard that starts mid-block
 still pays its whole first tile, as the kernel does). Per query head:
 
 - slash tiles (B x B): query block I visits the diagonals Delta <= I, so
-  ``slash = sum_{Delta in set} max(0, i1 - max(i0, Delta))`` -- MTraining's
-  formula (arXiv 2510.18830) without its factor 2, because a token slash is stored as the (at most
+  ``slash = sum_{Delta in set} max(0, i1 - max(i0, Delta))`` -- the tile
+  count of MTraining's kernels (arXiv 2510.18830) without its factor 2, because a token slash is stored as the (at most
   2) block diagonals it touches, deduplicated.
 - bar tiles (B x chunk gathered columns): query block I visits the verticals with
   c // B <= I - run (``vert_active``), in chunks: ``bars = sum_I ceil(v(I) / chunk)``,
   a prefix count over the sorted columns, so ``bars(i0, i1) = P(i1) - P(i0)``.
 
 Both are summed over heads and turned into seconds per phase:
-``t = a * slash + b * bars + c``. Defaults: a fit of MTraining's
-kernels on an H200 (arXiv 2510.18830) (forward a = 10.1 ns, b = 11.1 ns; backward 55.8, 79.5 ns);
+``t = a * slash + b * bars + c``. Defaults: our fit of MTraining's
+released kernels on an H200 (MTraining: arXiv 2510.18830) (forward a = 10.1 ns, b = 11.1 ns; backward 55.8, 79.5 ns);
 ``bench/gpu_sparse.py`` fits ours and writes :class:`SparseCoefficients` JSON.
 
 Heavy shared columns (sinks) make no hot spot here: a vertical column is work of
@@ -57,7 +57,7 @@ class SparseCoefficients:
     bwd_slash: float = 55.8e-9
     bwd_bar: float = 79.5e-9
     bwd_task: float = 0.0
-    source: str = "MTraining (arXiv 2510.18830) kernels on H200 (forward 10.1/11.1 ns, backward 55.8/79.5 ns)"
+    source: str = "our fit of MTraining's (arXiv 2510.18830) kernels on H200 (forward 10.1/11.1 ns, backward 55.8/79.5 ns)"
 
     def __post_init__(self):
         for name in ("fwd_slash", "fwd_bar", "fwd_task", "bwd_slash", "bwd_bar", "bwd_task"):

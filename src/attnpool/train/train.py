@@ -349,7 +349,7 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
               f"{config.attention} attention, {world} x {config.tokens_per_rank} tokens per step, "
               f"steps {step + 1}..{last_step} of {config.steps}{resumed} -> {config.out}", flush=True)
         if config.sparse_config() is not None and device.type == "cuda" and config.precision == "fp32":
-            print("the float32 sparse kernels (IEEE products) compile for minutes in the first step", flush=True)
+            print("the float32 sparse kernels (IEEE products) compile for minutes the first time they run", flush=True)
 
     comm_stats.timing = True
     last_plan = None

@@ -440,6 +440,44 @@ def test_fit_coefficients_recovers_a_linear_model():
         SparseCoefficients(fwd_slash=-1.0)
 
 
+def test_calibrated_coefficients_price_the_planned_sparse_work(tmp_path):
+    """``cost_coefficients`` (a bench/gpu_sparse.py calibration) replaces the packaged H200 fit in cad's
+    sparse costs; its per-call constants stay out of task costs; a missing or foreign file is refused,
+    naming the option, when the config is made."""
+    import json
+
+    from attnpool.plan.cost import build_h200_default_table
+    from attnpool.sparse.cost import H200_MEASURED, SparsePrior
+
+    calibrated = SparseCoefficients(2 * H200_MEASURED.fwd_slash, H200_MEASURED.fwd_bar, 1e-3,
+                                    2 * H200_MEASURED.bwd_slash, H200_MEASURED.bwd_bar, 5e-3, source="test GPU")
+    path = tmp_path / "sparse_cost_coefficients.json"
+    path.write_text(json.dumps(calibrated.to_json()))
+    lengths, dense = [1 << 15, 1 << 14], build_h200_default_table()
+
+    def sparse_cost(config):
+        return SparsePrior(config, num_heads=32, head_dim=128, n_layers=4).cost_model(lengths, dense).sparse
+
+    def whole_doc_tiles(model):
+        return model.tiles(np.array([0]), np.array([lengths[0]]), np.array([0]))
+
+    packaged, mine = sparse_cost(SparseConfig()), sparse_cost(SparseConfig(cost_coefficients=str(path)))
+    (slash,), (bars,) = whole_doc_tiles(mine)
+    assert slash > 0 and bars > 0
+    assert all(np.array_equal(x, y) for x, y in zip(whole_doc_tiles(mine), whole_doc_tiles(packaged)))  # same work
+    for model, coef in ((packaged, H200_MEASURED), (mine, calibrated)):
+        whole = model.cost1(0, lengths[0], 0)
+        assert whole == pytest.approx((coef.fwd_slash + coef.bwd_slash) * slash + (coef.fwd_bar + coef.bwd_bar) * bars)
+    with pytest.raises(ConfigError, match="cannot read") as err:
+        SparseConfig(cost_coefficients=str(tmp_path / "missing.json"))
+    assert err.value.field == "sparse_cost_coefficients"
+    dense_table = tmp_path / "cost_table.json"
+    dense_table.write_text(json.dumps({"format": "attnpool-cost-table/1", "tables": {}}))
+    with pytest.raises(ConfigError, match="not a sparse cost file") as err:
+        SparseConfig(cost_coefficients=str(dense_table))
+    assert err.value.field == "sparse_cost_coefficients"
+
+
 # --- Triton through its interpreter ---
 
 def _patch_interpreter_for_numpy2():

@@ -308,6 +308,8 @@ def bad_runs(tmp_path_factory, cli_run):
         "sparse cap": (["--sparse", "vertical-slash", "--sparse-args", "vertical_cap=0"], "sparse_vertical_cap=0"),
         "sparse mode": (["--sparse", "block-sparse"], "sparse='block-sparse'"),
         "dense layers": (["--sparse", "vertical-slash", "--dense-layers", "4"], "dense_layers=4"),
+        "sparse cost file": (["--sparse", "vertical-slash", "--sparse-args", f"cost_coefficients={tmp / 'nope.json'}"],
+                             "sparse_cost_coefficients="),
     }
     procs = {name: cli(*args, "--out", str(tmp / "out")) if name not in ("other model shape", "earlier run")
              else cli(*args) for name, (args, _) in cases.items()}
@@ -316,7 +318,7 @@ def bad_runs(tmp_path_factory, cli_run):
 
 @pytest.mark.parametrize("case", ["unknown key", "unknown flag", "heads", "token budget", "missing data path",
                                   "empty corpus", "token id beyond vocab", "other model shape", "earlier run",
-                                  "sparse coverage", "sparse cap", "sparse mode", "dense layers"])
+                                  "sparse coverage", "sparse cap", "sparse mode", "dense layers", "sparse cost file"])
 def test_cli_bad_input_exits_2(bad_runs, case):
     code, stderr, needle = bad_runs[case]
     assert code == 2, stderr

@@ -38,6 +38,10 @@ class SparseConfig:
       queries; ``"read"`` sends a server other than a document's estimating one only the KV
       rows its tasks' patterns read, after estimation (runtime.sparse_kv): fewer bytes, one
       more exchange and one host read per sparse layer.
+    - ``cost_coefficients``: a :class:`~attnpool.sparse.cost.SparseCoefficients` JSON file, the
+      calibration of the sparse kernels on the GPU in use (``bench/gpu_sparse.py --out DIR`` writes
+      ``DIR/sparse_cost_coefficients.json``); ``cad`` prices sparse work with its per-tile costs.
+      Empty: the packaged H200 fit (``sparse.cost.H200_MEASURED``).
     """
 
     mode: str = "vertical-slash"
@@ -52,6 +56,7 @@ class SparseConfig:
     vertical_chunk: int = 64
     dense_layers: int = 0
     kv_transfer: str = "prefix"
+    cost_coefficients: str = ""
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -80,6 +85,19 @@ class SparseConfig:
         if self.local_window > self.slash_cap:
             raise ConfigError("sparse_local_window", self.local_window,
                               f"exceeds slash_cap={self.slash_cap}: the forced local band must fit in the cap")
+        if self.cost_coefficients:
+            self.coefficients()  # a missing or malformed file is refused here, before training
+
+    def coefficients(self):
+        """The sparse kernels' cost per (tile, head): ``cost_coefficients``' file, or the packaged H200 fit."""
+        from attnpool.sparse.cost import H200_MEASURED, SparseCoefficients
+
+        if not self.cost_coefficients:
+            return H200_MEASURED
+        try:
+            return SparseCoefficients.load(self.cost_coefficients)
+        except ConfigError as error:
+            raise ConfigError("sparse_cost_coefficients", self.cost_coefficients, error.problem) from None
 
     @property
     def enabled(self) -> bool:

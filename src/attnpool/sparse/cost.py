@@ -80,9 +80,11 @@ class SparseCoefficients:
 
     @classmethod
     def from_json(cls, obj: dict) -> "SparseCoefficients":
-        fields = {k: obj[k] for k in ("fwd_slash", "fwd_bar", "fwd_task", "bwd_slash", "bwd_bar", "bwd_task", "source")
-                  if k in obj}
-        return cls(**fields)
+        coefficients = ("fwd_slash", "fwd_bar", "fwd_task", "bwd_slash", "bwd_bar", "bwd_task")
+        missing = [k for k in coefficients if k not in obj] if isinstance(obj, dict) else list(coefficients)
+        if missing:  # another JSON file (a dense cost table, say) would otherwise give the defaults
+            raise ConfigError("sparse_cost", str(obj)[:60], f"not a sparse cost file: no {', '.join(missing)}")
+        return cls(**{k: obj[k] for k in coefficients + ("source",) if k in obj})
 
     @classmethod
     def load(cls, path: str | Path) -> "SparseCoefficients":
@@ -90,6 +92,8 @@ class SparseCoefficients:
             return cls.from_json(json.loads(Path(path).read_text()))
         except (OSError, json.JSONDecodeError, TypeError) as exc:
             raise ConfigError("sparse_cost", str(path), f"cannot read coefficients ({exc})") from None
+        except ConfigError as exc:
+            raise ConfigError("sparse_cost", str(path), exc.problem) from None
 
 
 # Our kernels on one H200 (bench/gpu_sparse.py, torch 2.11, triton 3.6, bf16, head_dim 128), after
@@ -338,10 +342,12 @@ class SparsePrior:
                 # from the 128 they were measured with.
                 if hasattr(dense_model, "scaled_to"):
                     scaled = dense_model.scaled_to(self.num_heads, self.head_dim)
+                # A calibration's per-call constants (index building, buffers) are the same on every
+                # server, so they are left out of task costs, as in H200_MEASURED.
                 f = self.head_dim / 128
-                c = H200_MEASURED
-                coefficients = SparseCoefficients(c.fwd_slash * f, c.fwd_bar * f, c.fwd_task, c.bwd_slash * f,
-                                                  c.bwd_bar * f, c.bwd_task, source=f"{c.source}, x {f:g} for head_dim")
+                c = cfg.coefficients()
+                coefficients = SparseCoefficients(c.fwd_slash * f, c.fwd_bar * f, 0.0, c.bwd_slash * f,
+                                                  c.bwd_bar * f, 0.0, source=f"{c.source}, x {f:g} for head_dim")
             else:
                 coefficients = pairs_coefficients(cfg.block, cfg.vertical_chunk, self.num_heads)
             # The model itself is kept too, so that its id is not reused by another while cached.

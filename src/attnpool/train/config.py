@@ -140,7 +140,7 @@ class TrainConfig:
                          dense_layers=self.dense_layers)  # still refuses bad values
             return None
         sizes = ("vertical_cap", "slash_cap", "last_queries", "sink_tokens", "local_window", "block", "vertical_chunk")
-        allowed = sizes + ("kv_transfer",)
+        allowed = sizes + ("kv_transfer", "cost_coefficients")
         unknown = sorted(set(self.sparse_args) - set(allowed))
         if unknown:
             raise ConfigError("sparse_args", unknown[0], f"unknown option; choose from {', '.join(allowed)}")

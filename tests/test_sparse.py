@@ -691,17 +691,20 @@ def test_select_matches_python_reference(seed):
             assert got[h, a:b].tolist() == want, (s, h, cap, coverage)
 
 
-def test_estimation_same_pattern_with_host_lengths_and_selection():
-    """Host lengths only size the chunk layout exactly; return_selection also scores dense documents:
-    neither changes the pattern."""
+def test_estimation_same_pattern_with_host_lengths_selection_and_chunk_groups():
+    """Host lengths only size the chunk layout exactly; return_selection also scores dense documents;
+    with one group of chunks the masses reuse the log-sum-exp pass's scores, with several they are
+    scored again: none of it changes the pattern."""
     lengths = [300, 90, 20, 520, 1, 200, 60]
     cfg = small_config(coverage=0.8)
     q, k = rope_like(lengths, 4, 2, 16, seed=11, dtype=torch.float32)
     c = cu(lengths)
     base = estimate_vertical_slash(q, k, c, c, cfg, chunk=64)
+    per_chunk = q.shape[1] * cfg.last_queries * 64  # float32 scores of one chunk
     for host in (None, lengths):
         sel = estimate_vertical_slash(q, k, c, c, cfg, chunk=64, k_lens_host=host, return_selection=True)
         pat = estimate_vertical_slash(q, k, c, c, cfg, chunk=64, k_lens_host=host)
-        for p in (sel.pattern, pat):
+        grouped = estimate_vertical_slash(q, k, c, c, cfg, chunk=64, k_lens_host=host, memory_elements=3 * per_chunk)
+        for p in (sel.pattern, pat, grouped):
             for name in ("slash", "vert", "n_vert", "dense", "vert_off", "blk_off"):
                 assert torch.equal(getattr(p, name), getattr(base, name)), (host, name)

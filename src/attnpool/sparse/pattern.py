@@ -383,9 +383,9 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, cu_q: torch.Tensor
     estimates and sends the pattern to the others (runtime.sparse).
 
     Scores are exact softmax rows of the estimating queries over all keys of the
-    document (two passes over key chunks: log-sum-exp, then masses). Column mass
-    of key c: sum over estimating queries of P(q, c). Slash mass of offset d: sum
-    of P(q, pos(q) - d). Verticals and slashes are each selected greedily by mass
+    document (two passes over key chunks: log-sum-exp, then masses; the scores of one group of
+    chunks serve both). Column mass of key c: sum over estimating queries of P(q, c). Slash mass
+    of offset d: sum of P(q, pos(q) - d). Verticals and slashes are each selected greedily by mass
     until ``coverage`` of the total is reached or the cap is hit; sinks (columns
     < sink_tokens) and the local band (offsets < local_window) are always taken.
     Documents shorter than ``min_doc_len`` are dense.
@@ -453,16 +453,27 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, cu_q: torch.Tensor
         ok = kvalid[:, None, :] & (pos[:, None, :] <= qpos[:, :, None]) & (j_idx[None, :, None] < n_last[sg][:, None, None])
         return s.mul_(scale).masked_fill_(~ok[:, None], float("-inf")), seg, sg, qpos
 
-    # Pass 1: row log-sum-exp per segment, merged over its chunks.
+    # Pass 1: row log-sum-exp per segment, merged over its chunks. When all chunks fit in one group
+    # (64K keys at 32 heads and the default bound), pass 2 takes its scores instead of computing them again.
     ch_lse = torch.empty(NCH, H, n_max, device=dev)
+    kept = None
     for c0 in range(0, NCH, group):
         c1 = min(NCH, c0 + group)
-        ch_lse[c0:c1] = torch.logsumexp(chunk_scores(c0, c1)[0], dim=-1)
+        scores = chunk_scores(c0, c1)
+        ch_lse[c0:c1] = torch.logsumexp(scores[0], dim=-1)
+        if NCH <= group:
+            kept = scores
+        del scores
     idx = ch_seg[:, None, None].expand(-1, H, n_max)
     m = torch.full((S + 1, H, n_max), float("-inf"), device=dev).scatter_reduce_(0, idx, ch_lse, "amax")
     m_safe = torch.where(torch.isinf(m), 0.0, m)
-    sumexp = torch.zeros(S + 1, H, n_max, device=dev).index_add_(0, ch_seg, torch.exp(ch_lse - m_safe[ch_seg]))
-    seg_lse = (m_safe + torch.log(sumexp))[:S]  # -inf for padded rows
+    # Summed in float64: on a GPU index_add_ adds a segment's chunks in any order, and float32 sums in
+    # different orders changed a few selections from one call to the next on the same input (an H200, 128K
+    # tokens). Chunk shares lie in (0, 1]: in float64 the order changes a sum by about 1e-16, below float32's
+    # rounding.
+    shares = torch.exp(ch_lse - m_safe[ch_seg]).double()
+    sumexp = torch.zeros(S + 1, H, n_max, device=dev, dtype=torch.float64).index_add_(0, ch_seg, shares)
+    seg_lse = (m_safe + torch.log(sumexp).float())[:S]  # -inf for padded rows
 
     # Pass 2: column and diagonal masses, flat over document positions; column T_k stays 0.0
     # (read by the gathers of padding slots below). A key lies in one chunk, so its column
@@ -478,7 +489,8 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, cu_q: torch.Tensor
     e = torch.arange(E, device=dev)
     for c0 in range(0, NCH, group):
         c1 = min(NCH, c0 + group)
-        s, seg, sg, qpos = chunk_scores(c0, c1)
+        s, seg, sg, qpos = kept if kept is not None else chunk_scores(c0, c1)
+        kept = None
         lse = seg_lse[sg]
         p = s.sub_(torch.where(torch.isinf(lse), 0.0, lse)[..., None]).exp_()  # (g, H, n, C), 0 where masked
         g = c1 - c0

@@ -26,7 +26,7 @@ from attnpool.sparse import SparseConfig, estimate_vertical_slash
 
 CASES = {  # (name, segment lengths)
     "1 x 128K": [131072],
-    "1 x 256K": [262144],  # more score chunks than one group holds at 32 heads: scored twice
+    "1 x 256K": [262144],
     "64K + 250 x 256": [65536] + [256] * 250,
 }
 
@@ -84,7 +84,7 @@ def bench_full(args, device, cfg):
     print(f"whole estimator: heads {args.heads}/{args.kv_heads}, dim {args.dim}, {args.dtype}, "
           f"median of {args.reps} (ms)")
     print(f"{'case':24s} {'T_k':>8s} {'old':>10s} {'new':>10s} {'new+host':>10s} {'speedup':>8s} {'+host':>8s} same"
-          f" {'peak MiB old':>12s} {'new':>6s}")
+          f" {'peak MiB old':>12s} {'new':>6s} {'new+host':>8s}")
     for name, lengths in CASES.items():
         T = sum(lengths)
         q, k, c = inputs(args, device, lengths)
@@ -93,7 +93,7 @@ def bench_full(args, device, cfg):
         t_new = timed(new, device, args.reps)
         t_host = timed(host, device, args.reps)
         t_old, same, m_old = float("nan"), "-", float("nan")
-        m_new = peak_mib(new, device)
+        m_new, m_host = peak_mib(new, device), peak_mib(host, device)
         if base is not None:
             old = lambda: base(q, k, c, c, cfg, chunk=args.chunk)
             t_old = timed(old, device, args.reps)
@@ -101,7 +101,7 @@ def bench_full(args, device, cfg):
             a = old()
             same = all(same_pattern(a, b) for b in (new(), host()))
         print(f"{name:24s} {T:8d} {t_old:10.1f} {t_new:10.1f} {t_host:10.1f} {t_old / t_new:8.1f} "
-              f"{t_old / t_host:8.1f} {same} {m_old:12.0f} {m_new:6.0f}", flush=True)
+              f"{t_old / t_host:8.1f} {same} {m_old:12.0f} {m_new:6.0f} {m_host:8.0f}", flush=True)
 
 
 def repeat(args, device, cfg):

@@ -8,7 +8,7 @@ Training flags map one to one (train/config.py):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from attnpool.errors import ConfigError
 
@@ -41,7 +41,9 @@ class SparseConfig:
     - ``cost_coefficients``: a :class:`~attnpool.sparse.cost.SparseCoefficients` JSON file, the
       calibration of the sparse kernels on the GPU in use (``bench/gpu_sparse.py --out DIR`` writes
       ``DIR/sparse_cost_coefficients.json``); ``cad`` prices sparse work with its per-tile costs.
-      Empty: the packaged H200 fit (``sparse.cost.H200_MEASURED``).
+      Empty: the packaged H200 fit (``sparse.cost.H200_MEASURED``). Seconds are weighed against the
+      dense cost table's, so give the same GPU's (``attnpool profile``); with the ``pairs`` cost model
+      the file is checked but unused.
     """
 
     mode: str = "vertical-slash"
@@ -57,6 +59,8 @@ class SparseConfig:
     dense_layers: int = 0
     kv_transfer: str = "prefix"
     cost_coefficients: str = ""
+    # The file's coefficients, read once, when the config is made (not an option: no init, repr or compare).
+    _coefficients: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -85,19 +89,19 @@ class SparseConfig:
         if self.local_window > self.slash_cap:
             raise ConfigError("sparse_local_window", self.local_window,
                               f"exceeds slash_cap={self.slash_cap}: the forced local band must fit in the cap")
-        if self.cost_coefficients:
-            self.coefficients()  # a missing or malformed file is refused here, before training
+        if self.cost_coefficients:  # a missing or malformed file is refused here, before training
+            from attnpool.sparse.cost import SparseCoefficients
+
+            try:
+                object.__setattr__(self, "_coefficients", SparseCoefficients.load(self.cost_coefficients))
+            except ConfigError as error:
+                raise ConfigError("sparse_cost_coefficients", self.cost_coefficients, error.problem) from None
 
     def coefficients(self):
         """The sparse kernels' cost per (tile, head): ``cost_coefficients``' file, or the packaged H200 fit."""
-        from attnpool.sparse.cost import H200_MEASURED, SparseCoefficients
+        from attnpool.sparse.cost import H200_MEASURED
 
-        if not self.cost_coefficients:
-            return H200_MEASURED
-        try:
-            return SparseCoefficients.load(self.cost_coefficients)
-        except ConfigError as error:
-            raise ConfigError("sparse_cost_coefficients", self.cost_coefficients, error.problem) from None
+        return self._coefficients or H200_MEASURED
 
     @property
     def enabled(self) -> bool:

@@ -93,7 +93,7 @@ class SparseCoefficients:
         except (OSError, json.JSONDecodeError, TypeError) as exc:
             raise ConfigError("sparse_cost", str(path), f"cannot read coefficients ({exc})") from None
         except ConfigError as exc:
-            raise ConfigError("sparse_cost", str(path), exc.problem) from None
+            raise ConfigError("sparse_cost", str(path), f"{exc.field}={exc.value!r}: {exc.problem}") from None
 
 
 # Our kernels on one H200 (bench/gpu_sparse.py, torch 2.11, triton 3.6, bf16, head_dim 128), after

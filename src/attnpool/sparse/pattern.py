@@ -467,13 +467,14 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, cu_q: torch.Tensor
     idx = ch_seg[:, None, None].expand(-1, H, n_max)
     m = torch.full((S + 1, H, n_max), float("-inf"), device=dev).scatter_reduce_(0, idx, ch_lse, "amax")
     m_safe = torch.where(torch.isinf(m), 0.0, m)
-    # Summed in float64: on a GPU index_add_ adds a segment's chunks in any order, and float32 sums in
-    # different orders changed a few selections from one call to the next on the same input (an H200, 128K
-    # tokens). Chunk shares lie in (0, 1]: in float64 the order changes a sum by about 1e-16, below float32's
-    # rounding.
+    # A segment's chunks are consecutive (ch.off), so its sum of chunk shares is a difference of one running
+    # sum, which is computed in a fixed order. index_add_ added them in any order on a GPU, and in float32
+    # that changed a few selections from one call to the next on the same input (an H200, 128K tokens).
+    # Float64 keeps the differences exact to about 1e-13 of a sum, which is at least 1 (its largest share).
     shares = torch.exp(ch_lse - m_safe[ch_seg]).double()
-    sumexp = torch.zeros(S + 1, H, n_max, device=dev, dtype=torch.float64).index_add_(0, ch_seg, shares)
-    seg_lse = (m_safe + torch.log(sumexp).float())[:S]  # -inf for padded rows
+    running = torch.cat([shares.new_zeros(1, H, n_max), shares.cumsum(0)])
+    sumexp = running[ch.off[1:]] - running[ch.off[:-1]]  # (S, H, n): 0.0 for segments without chunks
+    seg_lse = m_safe[:S] + torch.log(sumexp).float()  # -inf for padded rows
 
     # Pass 2: column and diagonal masses, flat over document positions; column T_k stays 0.0
     # (read by the gathers of padding slots below). A key lies in one chunk, so its column
@@ -502,6 +503,7 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, cu_q: torch.Tensor
         dvalid = (seg < S)[:, None] & (d >= 0) & (d < k_len[sg][:, None])
         dflat = torch.where(dvalid, cu_k[sg][:, None] + d, T_k + 1 + e[None, :])
         smass.scatter_add_(1, dflat.view(1, g * E).expand(H, -1), diag.transpose(0, 1).reshape(H, g * E))
+        del s, p, skew, diag  # freed before the next group is scored (about half a GiB at 32 chunks)
 
     # Greedy selection per (segment, head); dense documents take nothing.
     vmass, smass = vmass[:, :T_k], smass[:, :T_k]

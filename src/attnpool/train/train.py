@@ -52,6 +52,7 @@ from attnpool.plan.metrics import home_loads, imbalance, server_loads
 from attnpool.plan.plan import Plan
 from attnpool.runtime import CoreAttention
 from attnpool.runtime.sparse import SparseStats
+from attnpool.sparse import SparseConfig
 from attnpool.sparse.cost import SparsePrior
 from attnpool.train.checkpoint import (check_compatible, checkpoint_path, checkpoint_root, latest_checkpoint,
                                        load_checkpoint, save_checkpoint)
@@ -74,6 +75,7 @@ class Setup:
     source: object  # a DocumentSource
     cost_model: object
     resume_from: str | None  # checkpoint directory, when resuming
+    sparse: SparseConfig | None  # with its cost coefficients read here, on every rank alike
 
 
 def build_source(config: TrainConfig, vocab_size: int):
@@ -102,7 +104,7 @@ def prepare(config: TrainConfig, device: torch.device | None = None) -> Setup:
     model_cfg = model_config(config.model, **config.model_args)
     source = build_source(config, model_cfg.vocab_size)
     cost_model = load_cost_model(config.cost_model)
-    check_sparse(config, model_cfg, device)
+    sparse = check_sparse(config, model_cfg, device)
     found = latest_checkpoint(config.out)
     if config.resume:
         if found is None:
@@ -111,15 +113,16 @@ def prepare(config: TrainConfig, device: torch.device | None = None) -> Setup:
     elif found is not None:
         raise ConfigError("out", config.out, "holds checkpoints of an earlier run: pass --resume to continue it, "
                                              "or choose another --out")
-    return Setup(model_cfg, source, cost_model, found if config.resume else None)
+    return Setup(model_cfg, source, cost_model, found if config.resume else None, sparse)
 
 
-def check_sparse(config: TrainConfig, model_cfg: ModelConfig, device: torch.device | None = None) -> None:
-    """Refuse sparse options this model or device cannot run (the CPU twin runs anything); the GPU's
-    kind only when ``device`` is given (see prepare)."""
+def check_sparse(config: TrainConfig, model_cfg: ModelConfig,
+                 device: torch.device | None = None) -> SparseConfig | None:
+    """The sparse options (None for dense attention), refused where this model or device cannot run them
+    (the CPU twin runs anything); the GPU's kind only when ``device`` is given (see prepare)."""
     sparse = config.sparse_config()
     if sparse is None:
-        return
+        return None
     if sparse.dense_layers >= model_cfg.n_layers:
         raise ConfigError("dense_layers", sparse.dense_layers, f"the model has {model_cfg.n_layers} layers, so none "
                                                                "would be sparse; use --sparse none for dense attention")
@@ -134,6 +137,7 @@ def check_sparse(config: TrainConfig, model_cfg: ModelConfig, device: torch.devi
                                         sparse.vertical_chunk)
         if problem is not None:
             raise ConfigError("sparse", config.sparse, str(problem))
+    return sparse
 
 
 def resolve_device(config: TrainConfig) -> str:
@@ -325,7 +329,7 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
     optimizer = build_optimizer(model, config)
     scheduler = build_scheduler(optimizer, config)
     stream = DocumentStream(setup.source, world, config.tokens_per_rank, config.seed, config.max_doc_len)
-    sparse = config.sparse_config()
+    sparse = setup.sparse
     prior = SparsePrior(sparse, model_cfg.n_heads, model_cfg.head_dim, model_cfg.n_layers) if sparse else None
     extra_state = {"sparse_prior": prior} if prior else {}
     # With ping-pong, the sparse exchanges get a communicator of their own (CoreAttention.pattern_group).
@@ -348,7 +352,7 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
         print(f"attnpool train: {config.model} ({model_cfg.num_params() / 1e6:.2f}M params) on {world} x {device.type}, "
               f"{config.attention} attention, {world} x {config.tokens_per_rank} tokens per step, "
               f"steps {step + 1}..{last_step} of {config.steps}{resumed} -> {config.out}", flush=True)
-        if config.sparse_config() is not None and device.type == "cuda" and config.precision == "fp32":
+        if sparse is not None and device.type == "cuda" and config.precision == "fp32":
             print("the float32 sparse kernels (IEEE products) compile for minutes the first time they run", flush=True)
 
     comm_stats.timing = True

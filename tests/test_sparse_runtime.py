@@ -265,3 +265,27 @@ def mismatched_options_worker(rank, world):
 def test_mismatched_sparse_options_fail_on_every_rank():
     for message in run_distributed(mismatched_options_worker, 2):
         assert message is not None and "different plans or sparse options" in message, message
+
+
+def coefficients_path_worker(rank, world):
+    """Each rank reads the same calibration from a path of its own, as nodes may: not a mismatch (the
+    coefficients price the plan, whose fingerprint is compared)."""
+    import json
+    import tempfile
+    from dataclasses import replace
+
+    from attnpool.sparse.cost import H200_MEASURED
+
+    pieces = make_cases(world)[0][1]
+    q, k, v, _ = (local_rows(global_inputs(pieces), pieces[rank], i) for i in range(4))
+    with tempfile.TemporaryDirectory(prefix=f"rank{rank}-") as tmp:
+        path = f"{tmp}/sparse_cost_coefficients.json"
+        with open(path, "w") as f:
+            json.dump(H200_MEASURED.to_json(), f)
+        out = CoreAttention(plans(pieces)["cad"], sparse=replace(CONFIG, cost_coefficients=path))(q, k, v, layer=0)
+    return tuple(out.shape)
+
+
+def test_same_coefficients_at_other_paths_agree():
+    shapes = run_distributed(coefficients_path_worker, 2)
+    assert all(len(shape) == 3 for shape in shapes)

@@ -36,7 +36,7 @@ before backward.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -373,7 +373,10 @@ def dispatch_layout(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         # collective that depends on the plan. A fully local plan launches none, so needs none.
         if not (plan.num_ranks == world and plan.is_fully_local()) or problem:
             device = q.device if world > 1 and dist.get_backend(group) == "nccl" else torch.device("cpu")
-            digest = hashlib.sha256(f"{plan.fingerprint()}|{sparse!r}".encode()).hexdigest()
+            # Cost coefficients only price the plan, whose fingerprint is compared: their file's path may
+            # differ from node to node.
+            options = None if sparse is None else replace(sparse, cost_coefficients="")
+            digest = hashlib.sha256(f"{plan.fingerprint()}|{options!r}".encode()).hexdigest()
             agree_on_plan(digest, problem, group, device, subject="plans or sparse options")
         plan.runtime_cache[agreed] = True
     if problem:

@@ -17,15 +17,13 @@
    (timed) at coverage 0.9 and 0.95. Reported: forward and backward time of sparse
    and flash, speedup, backward/forward ratio, work sparsity (1 - computed pairs /
    causal pairs, computed = slash tiles x 128^2 + gathered columns x 128). The
-   backward is timed in both dQ modes (``sparse.DQ_MODES``: a separate dQ pass, or
-   dQ fused into the dK/dV passes by atomics), each with its own tuned launch
-   configuration; the speedups use the module's default mode and the table shows both.
+   backward kernels are tuned first (warps, stages, sub-tile per kernel).
 3. Cost model: fits t = a * slash_tiles + b * bar_tiles + c per phase over the
    speed runs plus random patterns of different slash/vertical mix and CA-task
    shards; prints each sample's error and writes the coefficients
    (``sparse_cost_coefficients.json``, :class:`SparseCoefficients` format).
 
-Usage: PYTHONPATH=src python3 bench/gpu_sparse.py --out DIR [--quick] [--dq-mode separate|fused]
+Usage: PYTHONPATH=src python3 bench/gpu_sparse.py --out DIR [--quick]
 (about 2-3 minutes on one H200; --quick: small sizes, a smoke test).
 """
 
@@ -134,16 +132,13 @@ def exact_case(name, pattern, segs, seg_doc, Hq=32, Hk=8, D=128, seed=0, views=F
     mq, mk = max(s[0] for s in segs), max(s[1] for s in segs)
     sd = None if seg_doc is None else torch.tensor(seg_doc, device=DEV)
     o, l = sk.forward(q, k, v, cu_q, cu_k, mq, mk, pattern=pattern, seg_doc=sd, impl="triton")
-    grads = {mode: sk.triton_backward(do, q, k, v, o, l, cu_q, cu_k, mq, mk, pattern=pattern, seg_doc=sd,
-                                      dq_mode=mode) for mode in sk.DQ_MODES}
+    grads = sk.triton_backward(do, q, k, v, o, l, cu_q, cu_k, mq, mk, pattern=pattern, seg_doc=sd)
     f = lambda x: x.double() if dtype == torch.float32 else x.float()
     o_ref, l_ref = sk.forward(f(q), f(k), f(v), cu_q, cu_k, mq, mk, pattern=pattern, seg_doc=sd, impl="twin")
     g_ref = sk.backward(f(do), f(q), f(k), f(v), o_ref, l_ref, cu_q, cu_k, mq, mk, pattern=pattern, seg_doc=sd,
                         impl="twin")
     errs = {"out": rel(o, o_ref), "lse": rel(l, l_ref)}
-    for mode, g in grads.items():
-        tag = "" if mode == sk.DQ_MODES[0] else f"_{mode}"
-        errs.update({f"dq{tag}": rel(g[0], g_ref[0]), f"dk{tag}": rel(g[1], g_ref[1]), f"dv{tag}": rel(g[2], g_ref[2])})
+    errs.update({name: rel(a, b) for name, a, b in zip(("dq", "dk", "dv"), grads, g_ref)})
     ok = all(e <= tolerance for e in errs.values())
     print(f"  {name:34s} " + " ".join(f"{k}={v:.1e}" for k, v in errs.items()) + ("  ok" if ok else "  FAIL"), flush=True)
     return {"case": name, "errors": errs, "ok": ok}
@@ -178,38 +173,33 @@ def exactness(quick):
 
 # --- 2. speed, 3. cost samples ---
 
-def run_sparse(q, k, v, do, cu_q, cu_k, mq, mk, pattern, seg_doc=None, reps=3, modes=None):
-    """Forward time, {dQ mode: backward time} (default: the module's mode only), slash and bar tiles."""
-    modes = (sk.DQ_MODE,) if modes is None else modes
+def run_sparse(q, k, v, do, cu_q, cu_k, mq, mk, pattern, seg_doc=None, reps=3):
+    """Forward time, backward time, slash and bar tiles."""
     idx = sk.SparseIndex.build(pattern, cu_q, cu_k, q.shape[0], k.shape[0], mq, seg_doc)
     fwd = lambda: sk.forward(q, k, v, cu_q, cu_k, mq, mk, pattern=pattern, seg_doc=seg_doc, impl="triton", index=idx)
     o, l = fwd()
     t_f = time_cuda(fwd, reps)
-    t_b = {mode: time_cuda(lambda: sk.triton_backward(do, q, k, v, o, l, cu_q, cu_k, mq, mk, pattern=pattern,
-                                                      seg_doc=seg_doc, index=idx, dq_mode=mode), reps)
-           for mode in modes}
+    t_b = time_cuda(lambda: sk.triton_backward(do, q, k, v, o, l, cu_q, cu_k, mq, mk, pattern=pattern,
+                                               seg_doc=seg_doc, index=idx), reps)
     n_sl, n_bar = idx.tiles()
     return t_f, t_b, int(n_sl), int(n_bar)
 
 
 def tune_backward(q, k, v, do, c, L, pattern):
-    """Pick warps and sub-tile per backward kernel and dQ mode on this pattern (per-kernel CUDA-event times)."""
+    """Pick warps and sub-tile per backward kernel on this pattern (per-kernel CUDA-event times)."""
     from triton.runtime.errors import OutOfResources
 
     idx = sk.SparseIndex.build(pattern, c, c, q.shape[0], k.shape[0], L)
     o, l = sk.forward(q, k, v, c, c, L, L, pattern=pattern, impl="triton", index=idx)
     results = {}
-    for kernel, sub, label, mode in (("dq", "SUB_N", "dq", "separate"), ("dkdv", "SUB_M", "dkdv_slash", "separate"),
-                                     ("vert", "SUB_M", "dkdv_vertical", "separate"),
-                                     ("dkdv_fused", "SUB_M", "dkdv_slash", "fused"),
-                                     ("vert_fused", "SUB_M", "dkdv_vertical", "fused")):
+    for kernel, sub, label in (("dq", "SUB_N", "dq"), ("dkdv", "SUB_M", "dkdv_slash"),
+                               ("vert", "SUB_M", "dkdv_vertical")):
         best = None
         for warps, stages, tile in itertools.product((4, 8), (1, 2), (32, 64)):  # 128: slower everywhere
             sk.CONFIG[kernel] = dict(num_warps=warps, num_stages=stages, **{sub: tile})
             name = f"{kernel} warps={warps} stages={stages} {sub}={tile}"
             t = {}
-            run = lambda **kw: sk.triton_backward(do, q, k, v, o, l, c, c, L, L, pattern=pattern, index=idx,
-                                                  dq_mode=mode, **kw)
+            run = lambda **kw: sk.triton_backward(do, q, k, v, o, l, c, c, L, L, pattern=pattern, index=idx, **kw)
             try:
                 run()  # compile
             except OutOfResources as error:  # e.g. shared memory of this tile and stage count
@@ -250,26 +240,20 @@ def speed(quick, report):
             pat = estimate_vertical_slash(q, k, c, c, cfg)
             if "tuning" not in report:
                 report["tuning"], report["kernel_config"] = tune_backward(q, k, v, do, c, L, pat)
-            t_f, t_modes, n_sl, n_bar = run_sparse(q, k, v, do, c, c, L, L, pat, reps=reps, modes=sk.DQ_MODES)
-            t_b = t_modes[sk.DQ_MODE]
+            t_f, t_b, n_sl, n_bar = run_sparse(q, k, v, do, c, c, L, L, pat, reps=reps)
             parts = {}
             o, l = sk.forward(q, k, v, c, c, L, L, pattern=pat, impl="triton")
-            for mode in sk.DQ_MODES:
-                t = {}
-                sk.triton_backward(do, q, k, v, o, l, c, c, L, L, pattern=pat, timings=t, dq_mode=mode)
-                parts.update({f"{name} ({mode})": x for name, x in t.items()})
+            sk.triton_backward(do, q, k, v, o, l, c, c, L, L, pattern=pat, timings=parts)
             o = l = None
             computed = n_sl * 128 * 128 + n_bar * 128 * 64
             row = dict(L=L, heads=f"{Hq}/{Hk}", coverage=cov, sparsity=1 - computed / pairs,
                        slash_tiles=n_sl, bar_tiles=n_bar, t_est=t_est, fwd=t_f, bwd=t_b,
                        fwd_dense=tf_dense, bwd_dense=tb_dense, speedup_fwd=tf_dense / t_f, speedup_bwd=tb_dense / t_b,
-                       speedup_fwd_bwd=(tf_dense + tb_dense) / (t_f + t_b), bwd_over_fwd=t_b / t_f, dq_mode=sk.DQ_MODE,
-                       bwd_by_dq_mode={m: x for m, x in t_modes.items()},
-                       bwd_over_fwd_by_dq_mode={m: x / t_f for m, x in t_modes.items()},
+                       speedup_fwd_bwd=(tf_dense + tb_dense) / (t_f + t_b), bwd_over_fwd=t_b / t_f,
                        bwd_kernels_ms={name: t * 1e3 for name, t in parts.items()})
             print(f"  L={L} cov={cov}: sparsity {row['sparsity']:.3f}, est {t_est*1e3:.1f} ms, "
                   f"fwd {t_f*1e3:.1f} ms (dense {tf_dense*1e3:.1f}), bwd {t_b*1e3:.1f} ms (dense {tb_dense*1e3:.1f}), "
-                  f"bwd/fwd " + ", ".join(f"{m} {x/t_f:.2f}" for m, x in t_modes.items()) + "; bwd kernels " + ", ".join(f"{n} {t*1e3:.1f}" for n, t in parts.items()) + " ms",
+                  f"bwd/fwd {t_b / t_f:.2f}; bwd kernels " + ", ".join(f"{n} {t*1e3:.1f}" for n, t in parts.items()) + " ms",
                   flush=True)
             rows.append(row)
             samples.append(dict(kind=f"estimated L={L} cov={cov}", slash=n_sl, bars=n_bar, fwd=t_f, bwd=t_b))
@@ -280,7 +264,7 @@ def speed(quick, report):
             ks, vs = torch.cat([k[:L // 2], k]), torch.cat([v[:L // 2], v])
             t_f, t_b, n_sl, n_bar = run_sparse(qs, ks, vs, do[:Tq], cu([s[0] for s in segs]), cu([s[1] for s in segs]),
                                                L // 2, L, pat, torch.tensor([0, 0], device=DEV), reps=reps)
-            samples.append(dict(kind=f"shards L={L} cov={cov}", slash=n_sl, bars=n_bar, fwd=t_f, bwd=t_b[sk.DQ_MODE]))
+            samples.append(dict(kind=f"shards L={L} cov={cov}", slash=n_sl, bars=n_bar, fwd=t_f, bwd=t_b))
             pat = qs = ks = vs = None
         q = k = v = do = None
     return rows, samples
@@ -300,7 +284,6 @@ def mix_samples(quick):
     for n_slash, n_vert in ((8, 0), (64, 0), (0, 1024), (0, 3072), (24, 1024), (128, 2048)):
         pat = VerticalSlashPattern.random([L], Hq, 128, n_slash=n_slash, n_vertical=n_vert, generator=gh, device=DEV)
         t_f, t_b, n_sl, n_bar = run_sparse(q, k, v, do, c, c, L, L, pat)
-        t_b = t_b[sk.DQ_MODE]
         out.append(dict(kind=f"random L={L} slash={n_slash} vert={n_vert}", slash=n_sl, bars=n_bar, fwd=t_f, bwd=t_b))
         print(f"  {out[-1]['kind']}: slash tiles {n_sl}, bar tiles {n_bar}, fwd {t_f*1e3:.2f} ms, bwd {t_b*1e3:.2f} ms",
               flush=True)
@@ -328,10 +311,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for gpu_sparse.json and the fitted coefficients")
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test")
-    parser.add_argument("--dq-mode", choices=sk.DQ_MODES, default=sk.DQ_MODE,
-                        help="dQ mode of the speedups and the cost fit (default: %(default)s); both are timed")
     args = parser.parse_args()
-    sk.DQ_MODE = args.dq_mode
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if not torch.cuda.is_available():
@@ -339,7 +319,7 @@ def main():
         return 2
     t0 = time.time()
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version(),
-                  command=" ".join(sys.argv), quick=args.quick, dq_mode=args.dq_mode)
+                  command=" ".join(sys.argv), quick=args.quick)
     try:
         import triton
 
@@ -371,14 +351,12 @@ def main():
     print(f"\n{report['device']}, torch {torch.__version__}, {time.time() - t0:.0f} s; exactness "
           f"{'FAILED' if failed else 'ok'} (tolerance {TOLERANCE})")
     head = f"{'L':>7} {'heads':>5} {'cov':>5} {'sparsity':>8} {'est ms':>7} {'fwd ms':>8} {'dense':>8} {'x':>5} " \
-           f"{'bwd ms':>8} {'dense':>8} {'x':>5} {'bwd/fwd':>7} {'fwd+bwd x':>9} " + \
-           " ".join(f"{m[:9]:>9} {'/fwd':>5}" for m in sk.DQ_MODES)
+           f"{'bwd ms':>8} {'dense':>8} {'x':>5} {'bwd/fwd':>7} {'fwd+bwd x':>9}"
     print(head)
     for r in rows:
         print(f"{r['L']:>7} {r['heads']:>5} {r['coverage']:>5} {r['sparsity']:>8.3f} {r['t_est']*1e3:>7.1f} "
               f"{r['fwd']*1e3:>8.1f} {r['fwd_dense']*1e3:>8.1f} {r['speedup_fwd']:>5.1f} {r['bwd']*1e3:>8.1f} "
-              f"{r['bwd_dense']*1e3:>8.1f} {r['speedup_bwd']:>5.1f} {r['bwd_over_fwd']:>7.2f} {r['speedup_fwd_bwd']:>9.1f} "
-              + " ".join(f"{r['bwd_by_dq_mode'][m]*1e3:>9.1f} {r['bwd_over_fwd_by_dq_mode'][m]:>5.2f}" for m in sk.DQ_MODES))
+              f"{r['bwd_dense']*1e3:>8.1f} {r['speedup_bwd']:>5.1f} {r['bwd_over_fwd']:>7.2f} {r['speedup_fwd_bwd']:>9.1f}")
     return 1 if failed else 0
 
 

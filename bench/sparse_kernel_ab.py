@@ -103,7 +103,7 @@ def tune(variant, case):
                     else:
                         t = {}
                         run = lambda: sk.triton_backward(do, q, k, v, o, lse, c, c, L, L, pattern=pat, index=idx,
-                                                         dq_mode="separate", timings=t)
+                                                         timings=t)
                         run()  # compile
                         t.clear()
                         for _ in range(2):
@@ -143,8 +143,7 @@ def measure(variants, case, rounds):
             with var:
                 fwd = lambda: sk.forward(q, k, v, c, c, L, L, pattern=pat, impl="triton", index=idx)
                 o, lse = fwd()
-                bwd = lambda: sk.triton_backward(do, q, k, v, o, lse, c, c, L, L, pattern=pat, index=idx,
-                                                 dq_mode="separate")
+                bwd = lambda: sk.triton_backward(do, q, k, v, o, lse, c, c, L, L, pattern=pat, index=idx)
                 tf, tb = event_ms(fwd), event_ms(bwd)
                 if r:
                     times[var.name]["fwd"].append(tf)
@@ -152,7 +151,7 @@ def measure(variants, case, rounds):
                 if r == rounds:
                     t = {}
                     grads = sk.triton_backward(do, q, k, v, o, lse, c, c, L, L, pattern=pat, index=idx,
-                                               dq_mode="separate", timings=t)
+                                               timings=t)
                     kernels[var.name] = {name: x * 1e3 for name, x in t.items()}
                     results[var.name] = (o, lse) + tuple(grads)
     med = {name: {p: statistics.median(x) for p, x in ts.items()} for name, ts in times.items()}

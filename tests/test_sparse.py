@@ -215,9 +215,6 @@ def test_bad_pattern_refused():
                    seg_doc=c["seg_doc"])
     with pytest.raises(ConfigError):
         sk.forward(c["q"], c["k"], c["v"], c["cu_q"], c["cu_k"], 100, 100, pattern="x")
-    with pytest.raises(ConfigError, match="dq_mode"):  # refused before any kernel (or Triton) is needed
-        sk.triton_backward(c["q"], c["q"], c["k"], c["v"], c["q"], None, c["cu_q"], c["cu_k"], 100, 100,
-                           pattern=c["pat"], seg_doc=c["seg_doc"], dq_mode="atomic")
 
 
 # --- estimation ---
@@ -517,7 +514,7 @@ def _interpreter_check():
         buf[end:] = float("nan")
     c = dict(pat=pat, seg_doc=torch.tensor([0, 0, 1]), cu_q=cu([s[0] for s in segs]), cu_k=cu([s[1] for s in segs]),
              q=q_buf[:190, 1:], k=k_buf[:T_k, :, 1], v=v_buf[:T_k, 2:4], do=do_buf[:190])
-    for name in ("dq", "dkdv", "vert", "dkdv_fused", "vert_fused"):
+    for name in ("dq", "dkdv", "vert"):
         sk.CONFIG[name] = {key: (16 if key.startswith("SUB") else val) for key, val in sk.CONFIG[name].items()}
     _interpreter_case(c)
     # Contiguous but starting 4 bytes off 16-byte alignment: TMA cannot read them, so the launcher copies.
@@ -547,11 +544,10 @@ def _interpreter_case(c):
     assert torch.allclose(l_tri[fin], l_twin[fin].float(), atol=1e-5)
     g_twin = sk.backward(c["do"], *args[:3], o_twin, l_twin, *args[3:], pattern=c["pat"], seg_doc=c["seg_doc"],
                          impl="twin")
-    for mode in sk.DQ_MODES:  # dQ in its own pass, and fused into the dK/dV passes by atomics
-        g_tri = sk.triton_backward(c["do"], *args[:3], o_tri, l_tri, *args[3:], pattern=c["pat"],
-                                   seg_doc=c["seg_doc"], index=idx, dq_mode=mode)
-        for name, a, b in zip(("dq", "dk", "dv"), g_tri, g_twin):
-            assert torch.allclose(a, b, atol=1e-4), (mode, name, (a - b).abs().max())
+    g_tri = sk.triton_backward(c["do"], *args[:3], o_tri, l_tri, *args[3:], pattern=c["pat"], seg_doc=c["seg_doc"],
+                               index=idx)
+    for name, a, b in zip(("dq", "dk", "dv"), g_tri, g_twin):
+        assert torch.allclose(a, b, atol=1e-4), (name, (a - b).abs().max())
 
 
 def test_kernels_do_not_specialise_on_per_call_sizes():
@@ -587,7 +583,7 @@ def test_kernels_compile_for_hopper_within_its_shared_memory():
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the kernels are interpreted")
     compiled = sk.compile_offline()
-    assert set(compiled) == {"fwd", "delta", "dq", "dkdv", "vert", "dkdv_fused", "vert_fused"}
+    assert set(compiled) == {"fwd", "delta", "dq", "dkdv", "vert"}
     for name, kernel in compiled.items():
         assert 0 < kernel.metadata.shared <= sk.HOPPER_SHARED_MEMORY, (name, kernel.metadata.shared)
 

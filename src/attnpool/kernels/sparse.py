@@ -34,13 +34,6 @@ from attnpool.sparse.pattern import VerticalSlashPattern, _excl_cumsum, _slot_ow
 VERTICAL_CHUNK = 64  # vertical columns gathered per kernel step on GPUs
 DELTA_ROWS = 64  # query rows per program of the backward's rowsum(dout * out)
 QSPLIT = 64  # query blocks per program of the vertical dK/dV pass
-# How the backward computes dQ. "separate": its own query-major pass, no atomics
-# (7 tile products per tile in all). "fused": the dK/dV passes also form dQ from the
-# dS they already hold and add it with fp32 atomics (5 products, as FlashAttention-2),
-# which makes dQ's summation order nondeterministic. bench/gpu_sparse.py times both;
-# on an H200 "fused" was 2-9% slower in three runs, and 14-17% once the dQ pass read K/V through TMA.
-DQ_MODES = ("separate", "fused")
-DQ_MODE = "separate"
 # Launch configuration on CUDA per kernel: warps, pipeline stages, and the sub-tile
 # (keys per dQ step, query rows per dK/dV step) that a 128 x 128 tile is cut into.
 # bench/gpu_sparse.py sweeps these; the defaults are its best on an H200.
@@ -49,13 +42,10 @@ CONFIG = {
     "dq": dict(num_warps=8, num_stages=2, SUB_N=64),
     "dkdv": dict(num_warps=8, num_stages=2, SUB_M=64),
     "vert": dict(num_warps=4, num_stages=1, SUB_M=64),
-    "dkdv_fused": dict(num_warps=8, num_stages=2, SUB_M=64),
-    "vert_fused": dict(num_warps=4, num_stages=1, SUB_M=64),
 }
 
 
-# CONFIG's shared memory (at head_dim 128, bf16, up to 225 KB: the forward and the fused dK/dV pass,
-# compile_offline) fits Hopper's 227 KB per block, not the 163 KB of an A100; TMA loads need sm_90 as well.
+# CONFIG's shared memory (at head_dim 128, bf16, up to 224 KB: the forward, compile_offline) fits Hopper's 227 KB per block, not the 163 KB of an A100; TMA loads need sm_90 as well.
 MIN_CAPABILITY = (9, 0)
 
 
@@ -297,7 +287,7 @@ def _tma_ready(x):
 
 
 # The largest head row (bytes), pattern block and vertical chunk whose launches fit Hopper's 227 KB of shared
-# memory at CONFIG (compile_offline): head_dim 128 in bf16 (the fused dK/dV pass needs 225 KB) or 64 in
+# memory at CONFIG (compile_offline): head_dim 128 in bf16 (the forward needs 224 KB) or 64 in
 # float32 (the forward, 224.5 KB), at block 128 and chunk 64 or 128 (the dQ pass needs 193 KB at 128). Twice
 # the head row or the block makes the forward need about 448 KB, and a chunk of 256 the forward 289 KB and
 # the dQ pass 321 KB
@@ -416,15 +406,12 @@ def _recorded_launches(head_dim: int, group: int, block: int, chunk: int, dtype:
     token = _kernel_module_override.set(recorder)
     try:
         out, lse = triton_forward(q, k, v, cu, cu, max(lengths), max(lengths), pattern=pattern, index=index)
-        for mode in DQ_MODES:
-            triton_backward(do, q, k, v, out, lse, cu, cu, max(lengths), max(lengths), pattern=pattern,
-                            index=index, dq_mode=mode)
+        triton_backward(do, q, k, v, out, lse, cu, cu, max(lengths), max(lengths), pattern=pattern, index=index)
     finally:
         _kernel_module_override.reset(token)
     names = {"_fwd": "fwd", "_bwd_delta": "delta", "_bwd_dq": "dq", "_bwd_dkdv_slash": "dkdv",
              "_bwd_dkdv_vert": "vert"}
-    return {names[kernel.__name__] + ("_fused" if kw.get("FUSE_DQ") else ""): (kernel, args, kw)
-            for kernel, args, kw in recorder.launches}
+    return {names[kernel.__name__]: (kernel, args, kw) for kernel, args, kw in recorder.launches}
 
 
 def compile_offline(capability: tuple[int, int] = MIN_CAPABILITY, *, head_dim: int = 128, group: int = 4,
@@ -488,11 +475,7 @@ def _on_device(pattern: VerticalSlashPattern, dev) -> VerticalSlashPattern:
 
 
 def triton_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None, *, pattern, seg_doc=None,
-                    index=None, timings: dict | None = None, dq_mode: str | None = None):
-    dq_mode = DQ_MODE if dq_mode is None else dq_mode
-    if dq_mode not in DQ_MODES:
-        raise ConfigError("dq_mode", dq_mode, f"choose one of {', '.join(DQ_MODES)}")
-    fuse_dq = dq_mode == "fused"
+                    index=None, timings: dict | None = None):
     check_inputs(q, k, v, cu_q, cu_k)
     _check_pattern(pattern, q, seg_doc, cu_q)
     _launch_ok(q, pattern.block, VERTICAL_CHUNK if index is None else index.chunk)
@@ -514,12 +497,12 @@ def triton_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=Non
         st._bwd_delta[(-(-q.shape[0] // DELTA_ROWS), H)](
             out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), q.shape[0],
             HEAD_DIM=D, ROWS=DELTA_ROWS)
-    dq = torch.zeros(q.shape, dtype=torch.float32 if fuse_dq else q.dtype, device=dev)
+    dq = torch.zeros_like(q)
     dk32 = torch.zeros(k.shape, dtype=torch.float32, device=dev)
     dv32 = torch.zeros(v.shape, dtype=torch.float32, device=dev)
     cuq, cuk = cu_q.to(dev, torch.int32), cu_k.to(dev, torch.int32)
     common = dict(GROUP=G, HEAD_DIM=D, BLOCK=idx.block, IEEE=q.dtype == torch.float32)
-    opts = lambda name: _launch_options(dev, idx.block, name + ("_fused" if fuse_dq and name != "dq" else ""))
+    opts = lambda name: _launch_options(dev, idx.block, name)
     scale_log2 = scale * 1.4426950408889634
     events = []
 
@@ -531,37 +514,36 @@ def triton_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=Non
 
     if q.shape[0] and k.shape[0]:
         mark("start")
-        if not fuse_dq:
-            npq = idx.prog_seg.numel()
-            st._bwd_dq[(npq, H)](
-                q, k, v, dout, lse, delta, dq, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-                v.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), q.shape[0],
-                cuq, cuk, idx.seg_doc, idx.prog_seg, idx.prog_blk, npq,
-                tab["sl_list"], tab["bits"], tab["bits"].shape[1], tab["blk_off"], tab["vert"], tab["vert"].shape[1],
-                tab["vert_off"], idx.n_sl, idx.v_hi, scale, scale_log2, BV=idx.chunk, **common, **opts("dq"))
-            mark("dq")
+        npq = idx.prog_seg.numel()
+        st._bwd_dq[(npq, H)](
+            q, k, v, dout, lse, delta, dq, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), q.shape[0],
+            cuq, cuk, idx.seg_doc, idx.prog_seg, idx.prog_blk, npq,
+            tab["sl_list"], tab["bits"], tab["bits"].shape[1], tab["blk_off"], tab["vert"], tab["vert"].shape[1],
+            tab["vert_off"], idx.n_sl, idx.v_hi, scale, scale_log2, BV=idx.chunk, **common, **opts("dq"))
+        mark("dq")
         npk = idx.kprog_seg.numel()
         st._bwd_dkdv_slash[(npk, H_kv)](
-            q, k, v, dout, lse, delta, dk32, dv32, dq, q.stride(0), q.stride(1), k.stride(0),
+            q, k, v, dout, lse, delta, dk32, dv32, q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), dk32.stride(0), dk32.stride(1),
-            dq.stride(0), dq.stride(1), q.shape[0], cuq, cuk, idx.seg_doc, idx.kprog_seg, idx.kprog_blk, npk,
+            q.shape[0], cuq, cuk, idx.seg_doc, idx.kprog_seg, idx.kprog_blk, npk,
             tab["sl_list"], tab["bits"].shape[1], tab["blk_off"], idx.kv_lo, idx.kv_hi, scale, scale_log2,
-            FUSE_DQ=fuse_dq, **common, **opts("dkdv"))
+            **common, **opts("dkdv"))
         mark("dkdv_slash")
         npv = idx.vprog_seg.numel()
         st._bwd_dkdv_vert[(npv, H, idx.n_split)](
-            q, k, v, dout, lse, delta, dk32, dv32, dq, q.stride(0), q.stride(1), k.stride(0),
+            q, k, v, dout, lse, delta, dk32, dv32, q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), dk32.stride(0), dk32.stride(1),
-            dq.stride(0), dq.stride(1), q.shape[0], cuq, cuk, idx.seg_doc, idx.vprog_seg, idx.vprog_chunk, npv,
+            q.shape[0], cuq, cuk, idx.seg_doc, idx.vprog_seg, idx.vprog_chunk, npv,
             idx.v_max, tab["bits"], tab["bits"].shape[1], tab["blk_off"], tab["vert"], tab["vert"].shape[1],
-            tab["vert_off"], tab["run"], H, scale, scale_log2, BV=idx.chunk, QSPLIT=QSPLIT, FUSE_DQ=fuse_dq,
+            tab["vert_off"], tab["run"], H, scale, scale_log2, BV=idx.chunk, QSPLIT=QSPLIT,
             **common, **opts("vert"))
         mark("dkdv_vertical")
     if events:
         torch.cuda.synchronize(dev)
         for (_, a), (name, b) in zip(events, events[1:]):
             timings[name] = timings.get(name, 0.0) + a.elapsed_time(b) / 1e3
-    return dq.to(q.dtype), dk32.to(k.dtype), dv32.to(v.dtype)
+    return dq, dk32.to(k.dtype), dv32.to(v.dtype)
 
 
 # --- dispatch ---

@@ -21,12 +21,12 @@ Five kernels, all over the index built in :mod:`attnpool.kernels.sparse`
   chose the same column, and the splits of one chunk).
 - ``_bwd_delta``: the backward's rowsum(dO * O) per (row, head), read once in bf16.
 
-With ``FUSE_DQ`` the two dK/dV passes also form dQ from the dS they hold and add
-it with fp32 atomics, and ``_bwd_dq`` is skipped (``sparse.DQ_MODE = "fused"``):
-5 tile products instead of 7, but on an H200 the atomics cost more than the dQ
-pass they replace (bench/results/2026-11-22-h200-sparse-backward.md). Atomics are
-``relaxed``: only the sum after the kernel matters, and Triton's default
-acquire-release ordering made them twice as slow.
+dQ fused into the dK/dV passes (FlashAttention-2's scheme: 5 tile products instead of
+7, dQ added with fp32 atomics) was 14-19% slower than the separate dQ pass on an H200
+and an H100, and nondeterministic; it was removed after 3c1bded
+(bench/results/2026-11-22-h200-sparse-backward.md, 2026-11-22-h100-sparse.md). The
+vertical pass's atomics are ``relaxed``: only the sum after the kernel matters, and
+Triton's default acquire-release ordering made them twice as slow.
 
 Rows are positions in key coordinates (p = k_len - q_len + row); blocks are
 aligned to key position 0, so a query shard that starts mid-block gets a partial
@@ -276,15 +276,15 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, kpos, kmask, qblock, Q, DO, LSE, DELTA, DQ, h, q0, shift, q_len, T_q,
-               sq_t, sq_h, sdo_t, sdo_h, sdq_t, sdq_h, scale, scale_log2,
+def _dkdv_tile(dk, dv, k, v, kpos, kmask, qblock, Q, DO, LSE, DELTA, h, q0, shift, q_len, T_q,
+               sq_t, sq_h, sdo_t, sdo_h, scale_log2,
                HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SUB_M: tl.constexpr, MASKED: tl.constexpr,
-               FUSE_DQ: tl.constexpr, IEEE: tl.constexpr):
+               IEEE: tl.constexpr):
     """dK/dV of the keys held (slash block or gathered columns at positions kpos) from query
-    block qblock, SUB_M query rows at a time; with FUSE_DQ also dQ, added by atomics.
+    block qblock, SUB_M query rows at a time.
 
     Unmasked (MASKED false) only for a tile whose rows are all valid and whose keys all lie
-    at or before every row: no mask on loads, probabilities or the dQ atomics.
+    at or before every row: no mask on loads or probabilities.
     """
     offs_d = tl.arange(0, HEAD_DIM)
     for sub in tl.static_range(BLOCK // SUB_M):
@@ -316,24 +316,17 @@ def _dkdv_tile(dk, dv, k, v, kpos, kmask, qblock, Q, DO, LSE, DELTA, DQ, h, q0, 
         dpT = _dot(v, tl.trans(do), IEEE)
         dsT = pT * (dpT - di[None, :])
         dk += _dot(dsT.to(q.dtype), q, IEEE)
-        if FUSE_DQ:
-            dq = _dot(tl.trans(dsT.to(k.dtype)), k, IEEE) * scale
-            dq_ptr = DQ + qrow[:, None] * sdq_t + h * sdq_h + offs_d[None, :]
-            if MASKED:
-                tl.atomic_add(dq_ptr, dq, mask=row_ok[:, None], sem="relaxed")
-            else:
-                tl.atomic_add(dq_ptr, dq, sem="relaxed")
     return dk, dv
 
 
 @triton.jit(do_not_specialize=PER_CALL_SIZES)
-def _bwd_dkdv_slash(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
-                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, sdk_t, sdk_h, sdq_t, sdq_h, T_q,
+def _bwd_dkdv_slash(Q, K, V, DO, LSE, DELTA, DK, DV,
+                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, sdk_t, sdk_h, T_q,
                     CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK, N_KPROG,
                     SL_LIST, NBT, BLK_OFF, KV_LO, KV_HI,
                     scale, scale_log2,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SUB_M: tl.constexpr,
-                    FUSE_DQ: tl.constexpr, IEEE: tl.constexpr):
+                    IEEE: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.load(KPROG_SEG + pid)
@@ -362,32 +355,31 @@ def _bwd_dkdv_slash(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
             # first query block) and the last (its last query block) need masks.
             if hi > lo:
                 qblock = J + tl.load(SL_LIST + h * NBT + boff + lo)
-                dk, dv = _dkdv_tile(dk, dv, k, v, kpos, kmask, qblock, Q, DO, LSE, DELTA, DQ, h, q0, shift, q_len,
-                                    T_q, sq_t, sq_h, sdo_t, sdo_h, sdq_t, sdq_h, scale, scale_log2,
-                                    HEAD_DIM, BLOCK, SUB_M, True, FUSE_DQ, IEEE)
+                dk, dv = _dkdv_tile(dk, dv, k, v, kpos, kmask, qblock, Q, DO, LSE, DELTA, h, q0, shift, q_len,
+                                    T_q, sq_t, sq_h, sdo_t, sdo_h, scale_log2,
+                                    HEAD_DIM, BLOCK, SUB_M, True, IEEE)
             for t in range(lo + 1, hi - 1):
                 qblock = J + tl.load(SL_LIST + h * NBT + boff + t)
-                dk, dv = _dkdv_tile(dk, dv, k, v, kpos, kmask, qblock, Q, DO, LSE, DELTA, DQ, h, q0, shift, q_len,
-                                    T_q, sq_t, sq_h, sdo_t, sdo_h, sdq_t, sdq_h, scale, scale_log2,
-                                    HEAD_DIM, BLOCK, SUB_M, False, FUSE_DQ, IEEE)
+                dk, dv = _dkdv_tile(dk, dv, k, v, kpos, kmask, qblock, Q, DO, LSE, DELTA, h, q0, shift, q_len,
+                                    T_q, sq_t, sq_h, sdo_t, sdo_h, scale_log2,
+                                    HEAD_DIM, BLOCK, SUB_M, False, IEEE)
             if hi - 1 > lo:
                 qblock = J + tl.load(SL_LIST + h * NBT + boff + hi - 1)
-                dk, dv = _dkdv_tile(dk, dv, k, v, kpos, kmask, qblock, Q, DO, LSE, DELTA, DQ, h, q0, shift, q_len,
-                                    T_q, sq_t, sq_h, sdo_t, sdo_h, sdq_t, sdq_h, scale, scale_log2,
-                                    HEAD_DIM, BLOCK, SUB_M, True, FUSE_DQ, IEEE)
+                dk, dv = _dkdv_tile(dk, dv, k, v, kpos, kmask, qblock, Q, DO, LSE, DELTA, h, q0, shift, q_len,
+                                    T_q, sq_t, sq_h, sdo_t, sdo_h, scale_log2,
+                                    HEAD_DIM, BLOCK, SUB_M, True, IEEE)
         tl.store(DK + krow[:, None] * sdk_t + kvh * sdk_h + offs_d[None, :], dk * scale, mask=kmask[:, None])
         tl.store(DV + krow[:, None] * sdk_t + kvh * sdk_h + offs_d[None, :], dv, mask=kmask[:, None])
 
 
 @triton.jit(do_not_specialize=PER_CALL_SIZES)
-def _bwd_dkdv_vert(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
-                   sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, sdk_t, sdk_h, sdq_t, sdq_h, T_q,
+def _bwd_dkdv_vert(Q, K, V, DO, LSE, DELTA, DK, DV,
+                   sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, sdk_t, sdk_h, T_q,
                    CU_Q, CU_K, SEG_DOC, VPROG_SEG, VPROG_CHUNK, N_VPROG, V_MAX,
                    SL_BITS, NBT, BLK_OFF, VERT, NVT, VERT_OFF, RUN, N_HEADS,
                    scale, scale_log2,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BV: tl.constexpr,
-                   QSPLIT: tl.constexpr, SUB_M: tl.constexpr, FUSE_DQ: tl.constexpr,
-                   IEEE: tl.constexpr):
+                   QSPLIT: tl.constexpr, SUB_M: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -426,9 +418,9 @@ def _bwd_dkdv_vert(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
                 covered = tl.load(SL_BITS + h * NBT + boff + dlt, mask=vm & (dlt >= 0), other=1)
                 okc = vm & (covered == 0)
                 # Columns before the diagonal block: the causal test inside the tile always passes.
-                dk, dv = _dkdv_tile(dk, dv, k, v, cols, okc, I, Q, DO, LSE, DELTA, DQ, h, q0, shift, q_len,
-                                    T_q, sq_t, sq_h, sdo_t, sdo_h, sdq_t, sdq_h, scale, scale_log2,
-                                    HEAD_DIM, BLOCK, SUB_M, True, FUSE_DQ, IEEE)
+                dk, dv = _dkdv_tile(dk, dv, k, v, cols, okc, I, Q, DO, LSE, DELTA, h, q0, shift, q_len,
+                                    T_q, sq_t, sq_h, sdo_t, sdo_h, scale_log2,
+                                    HEAD_DIM, BLOCK, SUB_M, True, IEEE)
             ptr = krow[:, None] * sdk_t + kvh * sdk_h + offs_d[None, :]
             tl.atomic_add(DK + ptr, dk * scale, mask=vm[:, None], sem="relaxed")
             tl.atomic_add(DV + ptr, dv, mask=vm[:, None], sem="relaxed")

@@ -390,9 +390,9 @@ class _RecordedKernel:
 
 
 def _recorded_launches(head_dim: int, group: int, block: int, chunk: int, dtype: torch.dtype) -> dict:
-    """{launch name: (kernel, args, constexprs)}: every launch that triton_forward and triton_backward (both
-    dQ modes) make, with arguments of their real types, on a small host problem of 8 KV heads (Llama-3-8B's).
-    Launch names are the CONFIG entries (and "delta")."""
+    """{launch name: (kernel, args, constexprs)}: every launch that triton_forward and triton_backward make,
+    with arguments of their real types, on a small host problem of 8 KV heads (Llama-3-8B's). Launch names
+    are the CONFIG entries (and "delta")."""
     g = torch.Generator().manual_seed(0)
     lengths, kv_heads = [3 * block, block + 5], 8
     heads = kv_heads * group

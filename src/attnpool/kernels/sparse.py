@@ -45,7 +45,8 @@ CONFIG = {
 }
 
 
-# CONFIG's shared memory (at head_dim 128, bf16, up to 224 KB: the forward, compile_offline) fits Hopper's 227 KB per block, not the 163 KB of an A100; TMA loads need sm_90 as well.
+# CONFIG's shared memory (at head_dim 128, bf16, up to 224 KB: the forward, compile_offline) fits Hopper's
+# 227 KB per block, not the 163 KB of an A100; TMA loads need sm_90 as well.
 MIN_CAPABILITY = (9, 0)
 
 
@@ -287,11 +288,10 @@ def _tma_ready(x):
 
 
 # The largest head row (bytes), pattern block and vertical chunk whose launches fit Hopper's 227 KB of shared
-# memory at CONFIG (compile_offline): head_dim 128 in bf16 (the forward needs 224 KB) or 64 in
-# float32 (the forward, 224.5 KB), at block 128 and chunk 64 or 128 (the dQ pass needs 193 KB at 128). Twice
-# the head row or the block makes the forward need about 448 KB, and a chunk of 256 the forward 289 KB and
-# the dQ pass 321 KB
-# (bench/kernel_resources.py --head-dim 256 --beyond-limits).
+# memory at CONFIG (compile_offline): head_dim 128 in bf16 (the forward needs 224 KB) or 64 in float32 (the
+# forward, 224.5 KB), at block 128 and chunk 64 or 128 (the dQ pass needs 193 KB at 128). Twice the head row
+# or the block makes the forward need about 448 KB, and a chunk of 256 the forward 289 KB and the dQ pass
+# 321 KB (bench/kernel_resources.py --head-dim 256 --beyond-limits).
 MAX_HEAD_BYTES = 256
 MAX_BLOCK = 128
 MAX_VERTICAL_CHUNK = 128

@@ -3,7 +3,8 @@
 
 1. Exactness: Triton kernels (bf16) against the CPU-twin math run on the GPU in
    float32 on the same values: forward out/lse, backward dq/dk/dv, relative
-   error max|a - b| / max|b| <= 2e-2. Cases: a packed batch with an estimated
+   error max|a - b| / max|b| <= 2e-2; the backward both ways (``SLASH_BACKWARD``:
+   the Gluon pass where it runs, and the Triton passes). Cases: a packed batch with an estimated
    pattern (sparse, dense-short and sparse-long documents), CA-task shards of one
    document (partial first blocks, several tasks of one doc in one call), and a
    vertical-heavy random pattern; GQA 32/8 x 128. Plus the float32 kernels
@@ -17,7 +18,9 @@
    (timed) at coverage 0.9 and 0.95. Reported: forward and backward time of sparse
    and flash, speedup, backward/forward ratio, work sparsity (1 - computed pairs /
    causal pairs, computed = slash tiles x 128^2 + gathered columns x 128). The
-   backward kernels are tuned first (warps, stages, sub-tile per kernel).
+   backward kernels are tuned first (warps, stages, sub-tile per kernel). The
+   backward is timed both ways: ``bwd`` the default (the Gluon pass on Hopper),
+   ``bwd_triton`` the Triton passes.
 3. Cost model: fits t = a * slash_tiles + b * bar_tiles + c per phase over the
    speed runs plus random patterns of different slash/vertical mix and CA-task
    shards; prints each sample's error and writes the coefficients
@@ -132,16 +135,34 @@ def exact_case(name, pattern, segs, seg_doc, Hq=32, Hk=8, D=128, seed=0, views=F
     mq, mk = max(s[0] for s in segs), max(s[1] for s in segs)
     sd = None if seg_doc is None else torch.tensor(seg_doc, device=DEV)
     o, l = sk.forward(q, k, v, cu_q, cu_k, mq, mk, pattern=pattern, seg_doc=sd, impl="triton")
-    grads = sk.triton_backward(do, q, k, v, o, l, cu_q, cu_k, mq, mk, pattern=pattern, seg_doc=sd)
     f = lambda x: x.double() if dtype == torch.float32 else x.float()
     o_ref, l_ref = sk.forward(f(q), f(k), f(v), cu_q, cu_k, mq, mk, pattern=pattern, seg_doc=sd, impl="twin")
     g_ref = sk.backward(f(do), f(q), f(k), f(v), o_ref, l_ref, cu_q, cu_k, mq, mk, pattern=pattern, seg_doc=sd,
                         impl="twin")
     errs = {"out": rel(o, o_ref), "lse": rel(l, l_ref)}
-    errs.update({name: rel(a, b) for name, a, b in zip(("dq", "dk", "dv"), grads, g_ref)})
+    paths = {"": "triton"}
+    if sk.gluon_problem(q, pattern.block) is None:
+        paths = {"": "gluon", "triton ": "triton"}
+    for prefix, path in paths.items():
+        with slash_backward(path):
+            grads = sk.triton_backward(do, q, k, v, o, l, cu_q, cu_k, mq, mk, pattern=pattern, seg_doc=sd)
+        errs.update({prefix + name: rel(a, b) for name, a, b in zip(("dq", "dk", "dv"), grads, g_ref)})
     ok = all(e <= tolerance for e in errs.values())
     print(f"  {name:34s} " + " ".join(f"{k}={v:.1e}" for k, v in errs.items()) + ("  ok" if ok else "  FAIL"), flush=True)
-    return {"case": name, "errors": errs, "ok": ok}
+    return {"case": name, "backward": list(paths.values()), "errors": errs, "ok": ok}
+
+
+class slash_backward:
+    """``with slash_backward("triton"):`` runs the backward's slash tiles that way (sk.SLASH_BACKWARD)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __enter__(self):
+        self.saved, sk.SLASH_BACKWARD = sk.SLASH_BACKWARD, self.path
+
+    def __exit__(self, *exc):
+        sk.SLASH_BACKWARD = self.saved
 
 
 def exactness(quick):
@@ -192,8 +213,14 @@ def tune_backward(q, k, v, do, c, L, pattern):
     idx = sk.SparseIndex.build(pattern, c, c, q.shape[0], k.shape[0], L)
     o, l = sk.forward(q, k, v, c, c, L, L, pattern=pattern, impl="triton", index=idx)
     results = {}
-    for kernel, sub, label in (("dq", "SUB_N", "dq"), ("dkdv", "SUB_M", "dkdv_slash"),
+    launched = {}
+    sk.triton_backward(do, q, k, v, o, l, c, c, L, L, pattern=pattern, index=idx, timings=launched)
+    # The dQ pass is "dq" beside the Triton dK/dV pass, "dq_vertical" (the columns only) after the Gluon pass;
+    # kernels the default path does not launch keep their committed CONFIG.
+    for kernel, sub, label in (("dq", "SUB_N", "dq"), ("dq_vertical", "SUB_N", "dq_vertical"), ("dkdv", "SUB_M", "dkdv_slash"),
                                ("vert", "SUB_M", "dkdv_vertical")):
+        if label not in launched:
+            continue
         best = None
         for warps, stages, tile in itertools.product((4, 8), (1, 2), (32, 64)):  # 128: slower everywhere
             sk.CONFIG[kernel] = dict(num_warps=warps, num_stages=stages, **{sub: tile})
@@ -241,6 +268,8 @@ def speed(quick, report):
             if "tuning" not in report:
                 report["tuning"], report["kernel_config"] = tune_backward(q, k, v, do, c, L, pat)
             t_f, t_b, n_sl, n_bar = run_sparse(q, k, v, do, c, c, L, L, pat, reps=reps)
+            with slash_backward("triton"):
+                t_b_triton = run_sparse(q, k, v, do, c, c, L, L, pat, reps=reps)[1]
             parts = {}
             o, l = sk.forward(q, k, v, c, c, L, L, pattern=pat, impl="triton")
             sk.triton_backward(do, q, k, v, o, l, c, c, L, L, pattern=pat, timings=parts)
@@ -250,10 +279,12 @@ def speed(quick, report):
                        slash_tiles=n_sl, bar_tiles=n_bar, t_est=t_est, fwd=t_f, bwd=t_b,
                        fwd_dense=tf_dense, bwd_dense=tb_dense, speedup_fwd=tf_dense / t_f, speedup_bwd=tb_dense / t_b,
                        speedup_fwd_bwd=(tf_dense + tb_dense) / (t_f + t_b), bwd_over_fwd=t_b / t_f,
+                       bwd_path="gluon" if sk.gluon_problem(q, pat.block) is None else "triton",
+                       bwd_triton=t_b_triton, bwd_triton_over_fwd=t_b_triton / t_f,
                        bwd_kernels_ms={name: t * 1e3 for name, t in parts.items()})
             print(f"  L={L} cov={cov}: sparsity {row['sparsity']:.3f}, est {t_est*1e3:.1f} ms, "
                   f"fwd {t_f*1e3:.1f} ms (dense {tf_dense*1e3:.1f}), bwd {t_b*1e3:.1f} ms (dense {tb_dense*1e3:.1f}), "
-                  f"bwd/fwd {t_b / t_f:.2f}; bwd kernels " + ", ".join(f"{n} {t*1e3:.1f}" for n, t in parts.items()) + " ms",
+                  f"bwd/fwd {t_b / t_f:.2f} (Triton passes {t_b_triton*1e3:.1f} ms, {t_b_triton / t_f:.2f}); bwd kernels " + ", ".join(f"{n} {t*1e3:.1f}" for n, t in parts.items()) + " ms",
                   flush=True)
             rows.append(row)
             samples.append(dict(kind=f"estimated L={L} cov={cov}", slash=n_sl, bars=n_bar, fwd=t_f, bwd=t_b))
@@ -351,12 +382,13 @@ def main():
     print(f"\n{report['device']}, torch {torch.__version__}, {time.time() - t0:.0f} s; exactness "
           f"{'FAILED' if failed else 'ok'} (tolerance {TOLERANCE})")
     head = f"{'L':>7} {'heads':>5} {'cov':>5} {'sparsity':>8} {'est ms':>7} {'fwd ms':>8} {'dense':>8} {'x':>5} " \
-           f"{'bwd ms':>8} {'dense':>8} {'x':>5} {'bwd/fwd':>7} {'fwd+bwd x':>9}"
+           f"{'bwd ms':>8} {'dense':>8} {'x':>5} {'bwd/fwd':>7} {'fwd+bwd x':>9} {'Triton bwd/fwd':>14}"
     print(head)
     for r in rows:
         print(f"{r['L']:>7} {r['heads']:>5} {r['coverage']:>5} {r['sparsity']:>8.3f} {r['t_est']*1e3:>7.1f} "
               f"{r['fwd']*1e3:>8.1f} {r['fwd_dense']*1e3:>8.1f} {r['speedup_fwd']:>5.1f} {r['bwd']*1e3:>8.1f} "
-              f"{r['bwd_dense']*1e3:>8.1f} {r['speedup_bwd']:>5.1f} {r['bwd_over_fwd']:>7.2f} {r['speedup_fwd_bwd']:>9.1f}")
+              f"{r['bwd_dense']*1e3:>8.1f} {r['speedup_bwd']:>5.1f} {r['bwd_over_fwd']:>7.2f} {r['speedup_fwd_bwd']:>9.1f} "
+              f"{r['bwd_triton_over_fwd']:>14.2f}")
     return 1 if failed else 0
 
 

@@ -8,8 +8,9 @@ least ``min_doc_len`` tokens (8K); shorter ones go to the dense kernel and are l
 are random (``--slash`` diagonals and ``--vertical`` columns per head), not estimated, so their table
 widths are not those of a trained model's patterns.
 
-Each kernel module (``--baseline``, a former ``sparse_triton.py``, then the working tree's) runs in a
-process of its own with an empty Triton cache of its own, as on a fresh machine. The process first
+Each kernel module (``--baseline``, a former ``sparse_triton.py`` that takes the launchers' arguments: one
+from before the Gluon pass, whose ``_bwd_dq`` lacks ``SLASH`` and ``ACCUMULATED``, does not; then the working
+tree's) runs in a process of its own with an empty Triton cache of its own, as on a fresh machine. The process first
 builds every call's kernel index and pattern tables (no Triton), then times a first pass over the calls
 (compiling what they need) and a second pass (all compiled). Reported per module: the variants Triton
 compiled per kernel, both passes' wall time, and their difference, the compilation.
@@ -96,6 +97,10 @@ def measure_module(args):
         first = replay()
         dev = torch.cuda.current_device()
         compiled = {name: len(getattr(module, name).device_caches[dev][0]) for name in KERNELS}
+        if sk.gluon_problem(calls[0][0], calls[0][8].block) is None:  # the backward's slash pass on Hopper
+            from attnpool.kernels import sparse_gluon
+
+            compiled["_bwd_slash (Gluon)"] = len(sparse_gluon._bwd_slash.device_caches[dev][0])
         second = replay()
     shapes = sorted({(c[0].shape[0], c[1].shape[0]) for c in calls})
     row = dict(module=args.module or "working tree", calls=len(calls), distinct_shapes=len(shapes),

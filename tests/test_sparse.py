@@ -497,7 +497,12 @@ def _interpreter_check():
     """Run in a fresh process with TRITON_INTERPRET=1 (Triton reads it when its own library is first
     imported, and torch may import Triton earlier in this one)."""
     _patch_interpreter_for_numpy2()
-    _interpreter_case(segment_case(2, torch.float32))
+    first = segment_case(2, torch.float32)
+    _interpreter_case(first)
+    # The Gluon path (Hopper only, no interpreter): its launcher, with the slash pass stood in for by the
+    # twin; the vertical dK/dV pass and the dQ pass that adds the columns' part to the slash part, then
+    # scales and casts, interpreted. This case has query rows that see no key (zero gradients).
+    _interpreter_case_gluon(first)
     # Blocks of 32 cut into sub-tiles of 16 in the backward kernels, as 128 into 32 on GPUs.
     g = torch.Generator().manual_seed(4)
     pat = VerticalSlashPattern.random([150, 70], 4, 32, n_slash=2, n_vertical=10, generator=g)
@@ -528,7 +533,61 @@ def _interpreter_check():
         c[name] = c[name].permute(1, 0, 2).contiguous().permute(1, 0, 2)
         assert c[name].stride(1) != c[name].shape[2]
     _interpreter_case(c)
+    _interpreter_case_gluon(c)  # blocks of 32, q and dO head-major: the launcher must copy them for TMA
     print("INTERPRETER OK")
+
+
+def _interpreter_case_gluon(c):
+    saved, sk.SLASH_BACKWARD = sk.SLASH_BACKWARD, "gluon"
+    stand_in = _SlashPassTwin(c)
+    token = sk._gluon_stand_in.set(stand_in)
+    try:
+        _interpreter_case(c)
+    finally:
+        sk._gluon_stand_in.reset(token)
+        sk.SLASH_BACKWARD = saved
+    assert stand_in.launches == 1
+
+
+class _SlashPassTwin:
+    """Stands in for attnpool.kernels.sparse_gluon: ``_bwd_slash[grid](...)`` writes what the Gluon pass
+    writes, from the twin on the pattern without its vertical columns: the slash tiles' dK (scaled) and dV,
+    and their dQ unscaled, added into DQ32."""
+
+    def __init__(self, c):
+        p = c["pat"]
+        self.case, self.launches = c, 0
+        self.slash_only = VerticalSlashPattern(p.block, p.doc_len, p.blk_off, p.slash, p.vert_off, p.vert,
+                                               torch.zeros_like(p.n_vert), p.dense)
+        self._bwd_slash = self
+
+    def __getitem__(self, grid):
+        self.grid = grid
+        return self._launch
+
+    def _launch(self, q, k, v, dout, lse, delta, dk32, dv32, dq32, *rest, **constexprs):
+        c, scale = self.case, rest[-2]
+        sq_t, sk_t, sv_t, sdo_t, sdk_t, sdq_t, T_q, H, H_kv = rest[:9]
+        D = q.shape[2]
+        # What the Gluon pass assumes of its arguments: (rows, heads * D) views, one program per (key-block
+        # program, KV head).
+        for x, stride in ((q, sq_t), (k, sk_t), (v, sv_t), (dout, sdo_t), (dk32, sdk_t), (dq32, sdq_t)):
+            assert x.stride(2) == 1 and x.stride(1) == D and x.stride(0) == stride
+        assert (H, H_kv, T_q) == (q.shape[1], k.shape[1], q.shape[0]) and constexprs["GROUP"] == H // H_kv
+        assert self.grid == (rest[14], H_kv) and constexprs["HEAD_DIM"] == D
+        mq, mk = int((c["cu_q"][1:] - c["cu_q"][:-1]).max()), int((c["cu_k"][1:] - c["cu_k"][:-1]).max())
+        args = (q, k, v, c["cu_q"], c["cu_k"], mq, mk)
+        # The full pattern's softmax: P of a slash tile is normalised over all keys the row attends.
+        out, lse_full = sk.forward(*args, scale, pattern=c["pat"], seg_doc=c["seg_doc"], impl="twin")
+        fin = torch.isfinite(lse_full)
+        assert torch.allclose(lse[fin], lse_full[fin].float(), atol=1e-5)
+        assert torch.allclose(delta, (dout.float() * out.float()).sum(-1).T, atol=1e-5)
+        dq, dk, dv = sk.backward(dout, *args[:3], out, lse_full, *args[3:], scale, pattern=self.slash_only,
+                                 seg_doc=c["seg_doc"], impl="twin")
+        dq32 += dq.float() / scale
+        dk32.copy_(dk)
+        dv32.copy_(dv)
+        self.launches += 1
 
 
 def _interpreter_case(c):
@@ -570,22 +629,31 @@ def test_kernels_do_not_specialise_on_per_call_sizes():
                 exempt.add(param.name)
     # Triton ignores names that are no parameter: a renamed size would silently be specialised again.
     assert exempt == set(st.PER_CALL_SIZES)
+    from attnpool.kernels import sparse_gluon as sg
+
+    exempt = {param.name for param in sg._bwd_slash.params if param.do_not_specialize}
+    assert exempt == set(sg.PER_CALL_SIZES) and exempt <= set(st.PER_CALL_SIZES)
 
 
-def test_kernels_compile_for_hopper_within_its_shared_memory():
-    """Every launch of the GPU path, compiled here as on an sm_90 GPU (Triton's compiler needs none): it
-    compiles at its CONFIG, and fits Hopper's shared memory, which Triton checks only when it launches.
-    The launches and their argument types are those the launchers make (recorded, not run)."""
+def test_kernels_compile_for_hopper_within_its_shared_memory(monkeypatch):
+    """Every launch of the GPU path, compiled here as on an sm_90 GPU (Triton's compiler needs none), the
+    Gluon pass included: it compiles at its CONFIG, and fits Hopper's shared memory, which Triton checks
+    only when it launches. The launches and their argument types are those the launchers make (recorded,
+    not run)."""
     import importlib.util
 
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the kernels are interpreted")
-    compiled = sk.compile_offline()
-    assert set(compiled) == {"fwd", "delta", "dq", "dkdv", "vert"}
-    for name, kernel in compiled.items():
-        assert 0 < kernel.metadata.shared <= sk.HOPPER_SHARED_MEMORY, (name, kernel.metadata.shared)
+    # bf16 at head_dim 128: the backward's slash tiles in the Gluon pass; head_dim 64: in the Triton passes.
+    monkeypatch.setattr(sk, "SLASH_BACKWARD", "gluon")  # whatever ATTNPOOL_SLASH_BACKWARD says here
+    for head_dim, launches in ((128, {"fwd", "delta", "slash_bwd", "vert", "dq_vertical"}),
+                               (64, {"fwd", "delta", "dq", "dkdv", "vert"})):
+        compiled = sk.compile_offline(head_dim=head_dim)
+        assert set(compiled) == launches
+        for name, kernel in compiled.items():
+            assert 0 < kernel.metadata.shared <= sk.HOPPER_SHARED_MEMORY, (name, kernel.metadata.shared)
 
 
 def test_triton_interpreter_matches_twin():
@@ -704,3 +772,18 @@ def test_estimation_same_pattern_with_host_lengths_selection_and_chunk_groups():
         for p in (sel.pattern, pat, grouped):
             for name in ("slash", "vert", "n_vert", "dense", "vert_off", "blk_off"):
                 assert torch.equal(getattr(p, name), getattr(base, name)), (host, name)
+
+
+def test_slash_backward_switch_is_checked_before_training(monkeypatch):
+    """ATTNPOOL_SLASH_BACKWARD picks the backward's slash pass; a bad value is refused by device_problem,
+    which training and `attnpool bench` call before their first step, naming the variable."""
+    monkeypatch.setattr(sk, "SLASH_BACKWARD", "fast")
+    problem = sk.device_problem(0)
+    assert "ATTNPOOL_SLASH_BACKWARD='fast'" in problem and "gluon, triton" in problem
+    with pytest.raises(ConfigError, match="ATTNPOOL_SLASH_BACKWARD"):
+        sk.gluon_problem(torch.zeros(1, 1, 128, dtype=torch.bfloat16), 128)
+    monkeypatch.setattr(sk, "SLASH_BACKWARD", "triton")
+    assert sk.gluon_problem(torch.zeros(1, 1, 128, dtype=torch.bfloat16), 128) == "SLASH_BACKWARD is 'triton'"
+    monkeypatch.setattr(sk, "SLASH_BACKWARD", "gluon")
+    assert "CUDA" in sk.gluon_problem(torch.zeros(1, 1, 128, dtype=torch.bfloat16), 128)  # no GPU here
+    assert "bf16" in sk.gluon_problem(torch.zeros(1, 1, 64, dtype=torch.bfloat16), 128)

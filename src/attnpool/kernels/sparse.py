@@ -16,7 +16,9 @@ passes keys [0, b) of its document. The attended set is defined in
 
 ``impl``: "triton" (CUDA default; on CPU only under TRITON_INTERPRET=1) or "twin"
 (CPU default): the same attended set applied as an explicit mask with the
-reference math, accumulating in float32 (float64 for float64 inputs).
+reference math, accumulating in float32 (float64 for float64 inputs). On Hopper,
+for bf16 at head_dim 128, the backward's slash tiles run in one warp-specialised
+Gluon pass (:mod:`attnpool.kernels.sparse_gluon`, ``SLASH_BACKWARD``).
 """
 
 from __future__ import annotations
@@ -40,9 +42,19 @@ QSPLIT = 64  # query blocks per program of the vertical dK/dV pass
 CONFIG = {
     "fwd": dict(num_warps=8, num_stages=3),
     "dq": dict(num_warps=8, num_stages=2, SUB_N=64),
+    # The dQ pass after the Gluon pass: the columns only (SUB_N, of slash tiles, unused).
+    "dq_vertical": dict(num_warps=8, num_stages=2, SUB_N=64),
     "dkdv": dict(num_warps=8, num_stages=2, SUB_M=64),
     "vert": dict(num_warps=4, num_stages=1, SUB_M=64),
+    # The Gluon pass (sparse_gluon): 8 warps of products and 2 of loads and dQ reductions; maxnreg 168 gives
+    # the products 240 registers a thread.
+    "slash_bwd": dict(num_warps=8, maxnreg=168, SUB_M=64, NBUF=2),
 }
+# The backward's slash tiles: "gluon" (dK, dV and dQ in one warp-specialised pass, sparse_gluon) where that
+# runs (gluon_problem), else "triton" (a dQ pass and a dK/dV pass). bench/gpu_sparse.py times both; the
+# environment variable ATTNPOOL_SLASH_BACKWARD=triton turns the Gluon pass off without a code change.
+SLASH_BACKWARDS = ("gluon", "triton")
+SLASH_BACKWARD = os.environ.get("ATTNPOOL_SLASH_BACKWARD", "gluon")
 
 
 # CONFIG's shared memory (at head_dim 128, bf16, up to 224 KB: the forward, compile_offline) fits Hopper's
@@ -52,6 +64,8 @@ MIN_CAPABILITY = (9, 0)
 
 def device_problem(device) -> str | None:
     """Why the sparse Triton kernels cannot run on the CUDA ``device``, or None."""
+    if SLASH_BACKWARD not in SLASH_BACKWARDS:  # here, so that training refuses it before its first step
+        return f"ATTNPOOL_SLASH_BACKWARD={SLASH_BACKWARD!r}: choose one of {', '.join(SLASH_BACKWARDS)}"
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < MIN_CAPABILITY:
         return (f"the sparse Triton kernels need an sm_{MIN_CAPABILITY[0]}{MIN_CAPABILITY[1]} (Hopper) or newer GPU; "
@@ -248,9 +262,57 @@ def _triton_module():
     return sparse_triton
 
 
+# A stand-in for the Gluon module, for tests on the host: the launcher's Gluon path runs (its Triton kernels
+# interpreted) with the slash pass computed by the stand-in. compile_offline's recorder stands in for both
+# modules through _kernel_module_override.
+_gluon_stand_in: contextvars.ContextVar = contextvars.ContextVar("attnpool_sparse_gluon", default=None)
+
+
+def _gluon_module():
+    stand_in = _gluon_stand_in.get()
+    if stand_in is not None:
+        return stand_in
+    recorder = _kernel_module_override.get()
+    from attnpool.kernels import sparse_gluon
+
+    if recorder is not None:
+        return _LaunchRecorder(sparse_gluon, recorder.launches)
+    return sparse_gluon
+
+
+def gluon_problem(q, block) -> str | None:
+    """Why the backward's slash tiles cannot run in the Gluon pass for ``q`` (or, under compile_offline, on
+    the GPU it compiles for), or None."""
+    if SLASH_BACKWARD not in SLASH_BACKWARDS:
+        raise ConfigError("ATTNPOOL_SLASH_BACKWARD", SLASH_BACKWARD, f"choose one of {', '.join(SLASH_BACKWARDS)}")
+    if SLASH_BACKWARD != "gluon":
+        return f"SLASH_BACKWARD is {SLASH_BACKWARD!r}"
+    if _gluon_stand_in.get() is not None:
+        return None
+    if q.dtype != torch.bfloat16 or q.shape[2] != 128 or block != 128:
+        return (f"the Gluon pass is built for bf16, head_dim 128 and blocks of 128 (got {q.dtype}, "
+                f"{q.shape[2]}, {block})")
+    recorder = _kernel_module_override.get()
+    if recorder is not None:
+        capability = recorder.capability
+    elif q.device.type != "cuda" or _interpreting():
+        return "the Gluon pass needs a CUDA GPU (Gluon has no interpreter)"
+    else:
+        capability = torch.cuda.get_device_capability(q.device)
+    if capability[0] != 9:
+        return f"the Gluon pass uses Hopper's wgmma and TMA (sm_90), not sm_{capability[0]}{capability[1]}"
+    try:
+        from triton._C.libtriton import gluon_ir
+    except ImportError as error:
+        return f"this Triton has no Gluon ({error})"
+    if not hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce"):
+        return "this Triton's Gluon has no TMA reduce"
+    return None
+
+
 def _tma_scratch(size: int, alignment: int, stream):
-    """Global scratch for the TMA descriptors that the forward and the dQ pass build on the device
-    (128 bytes per program and descriptor), on the current device, where Triton launches."""
+    """Global scratch for the TMA descriptors that the forward, the dQ pass and the Gluon pass build on the
+    device (128 bytes per program and descriptor), on the current device, where Triton launches."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
@@ -277,12 +339,14 @@ def _pattern_args(pattern: VerticalSlashPattern, dev):
     return cache[dev]
 
 
-def _tma_ready(x):
+def _tma_ready(x, heads_contiguous=False):
     """x (K or V), or a fresh contiguous copy where TMA cannot read it. TMA needs a unit stride in
     head_dim, and the start and the token and head strides 16-byte aligned (so that every
-    segment's and head's first row is)."""
+    segment's and head's first row is). ``heads_contiguous``: also heads side by side in a row (head
+    stride head_dim), as the Gluon pass reads a (rows, heads * head_dim) view."""
     size = x.element_size()
     ok = x.stride(2) == 1 and x.data_ptr() % 16 == 0 and x.stride(0) * size % 16 == 0 and x.stride(1) * size % 16 == 0
+    ok = ok and (not heads_contiguous or x.stride(1) == x.shape[2])
     # clone, not contiguous(): a contiguous tensor can still start misaligned.
     return x if ok else x.clone(memory_format=torch.contiguous_format)
 
@@ -349,14 +413,15 @@ def triton_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, *, pattern, se
 
 
 def _launch_options(dev, block, kernel):
-    """Triton launch options and sub-tile sizes of one kernel (no warps/stages under the interpreter)."""
+    """Triton launch options and sub-tile sizes of one kernel (no warps, stages or register limit on the
+    host: the interpreter, and compile_offline's recording, which passes CONFIG's itself)."""
     cfg = dict(CONFIG[kernel])
     for name in ("SUB_N", "SUB_M"):
         if name in cfg:
             cfg[name] = min(cfg[name], block)
     if torch.device(dev).type != "cuda":
-        cfg.pop("num_warps", None)
-        cfg.pop("num_stages", None)
+        for option in ("num_warps", "num_stages", "maxnreg"):
+            cfg.pop(option, None)
     return cfg
 
 
@@ -371,12 +436,12 @@ class _LaunchRecorder:
     """Stands in for the kernel module while the launchers run on the host: ``kernel[grid](*args, **kw)``
     is recorded as (kernel, args, kw), and nothing runs."""
 
-    def __init__(self, module):
-        self.module, self.launches = module, []
+    def __init__(self, module, launches=None, capability=None):
+        self.module, self.launches, self.capability = module, [] if launches is None else launches, capability
 
     def __getattr__(self, name):
         kernel = getattr(self.module, name)
-        if not hasattr(kernel, "arg_names"):  # not a Triton kernel
+        if not hasattr(kernel, "arg_names"):  # not a Triton or Gluon kernel
             return kernel
         return _RecordedKernel(self.launches, kernel)
 
@@ -389,10 +454,11 @@ class _RecordedKernel:
         return lambda *args, **kw: self.launches.append((self.kernel, args, kw))
 
 
-def _recorded_launches(head_dim: int, group: int, block: int, chunk: int, dtype: torch.dtype) -> dict:
-    """{launch name: (kernel, args, constexprs)}: every launch that triton_forward and triton_backward make,
-    with arguments of their real types, on a small host problem of 8 KV heads (Llama-3-8B's). Launch names
-    are the CONFIG entries (and "delta")."""
+def _recorded_launches(head_dim: int, group: int, block: int, chunk: int, dtype: torch.dtype,
+                       capability: tuple[int, int]) -> dict:
+    """{launch name: (kernel, args, constexprs)}: every launch that triton_forward and triton_backward make on
+    a GPU of ``capability``, with arguments of their real types, on a small host problem of 8 KV heads
+    (Llama-3-8B's). Launch names are the CONFIG entries (and "delta")."""
     g = torch.Generator().manual_seed(0)
     lengths, kv_heads = [3 * block, block + 5], 8
     heads = kv_heads * group
@@ -402,7 +468,7 @@ def _recorded_launches(head_dim: int, group: int, block: int, chunk: int, dtype:
     q, do = (torch.randn(T, heads, head_dim, generator=g).to(dtype) for _ in range(2))
     k, v = (torch.randn(T, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
     index = SparseIndex.build(pattern, cu, cu, T, T, max(lengths), chunk=chunk)
-    recorder = _LaunchRecorder(_triton_module())
+    recorder = _LaunchRecorder(_triton_module(), capability=capability)
     token = _kernel_module_override.set(recorder)
     try:
         out, lse = triton_forward(q, k, v, cu, cu, max(lengths), max(lengths), pattern=pattern, index=index)
@@ -410,8 +476,12 @@ def _recorded_launches(head_dim: int, group: int, block: int, chunk: int, dtype:
     finally:
         _kernel_module_override.reset(token)
     names = {"_fwd": "fwd", "_bwd_delta": "delta", "_bwd_dq": "dq", "_bwd_dkdv_slash": "dkdv",
-             "_bwd_dkdv_vert": "vert"}
-    return {names[kernel.__name__]: (kernel, args, kw) for kernel, args, kw in recorder.launches}
+             "_bwd_dkdv_vert": "vert", "_bwd_slash": "slash_bwd"}
+    launches = {}
+    for kernel, args, kw in recorder.launches:
+        name = names[kernel.__name__]
+        launches["dq_vertical" if name == "dq" and not kw["SLASH"] else name] = (kernel, args, kw)
+    return launches
 
 
 def compile_offline(capability: tuple[int, int] = MIN_CAPABILITY, *, head_dim: int = 128, group: int = 4,
@@ -430,13 +500,14 @@ def compile_offline(capability: tuple[int, int] = MIN_CAPABILITY, *, head_dim: i
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    per_call_sizes = _triton_module().PER_CALL_SIZES
     compiled = {}
-    for launch, (kernel, args, kw) in _recorded_launches(head_dim, group, block, chunk, dtype).items():
+    for launch, (kernel, args, kw) in _recorded_launches(head_dim, group, block, chunk, dtype, capability).items():
+        gluon = kernel.is_gluon()
         # On the host the launchers leave out warps and stages; on a GPU they pass CONFIG's (Triton's defaults
         # for a launch without an entry).
-        options = dict(num_warps=4, num_stages=3)
+        options = dict(num_warps=4, maxnreg=None) if gluon else dict(num_warps=4, num_stages=3)
         options.update({name: value for name, value in CONFIG.get(launch, {}).items() if name in options})
+        per_call_sizes = (_gluon_module() if gluon else _triton_module()).PER_CALL_SIZES
         values = dict(zip(kernel.arg_names, args))
         signature = {}
         for name in kernel.arg_names:
@@ -457,7 +528,11 @@ def compile_offline(capability: tuple[int, int] = MIN_CAPABILITY, *, head_dim: i
         aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
                    if (signature[name].startswith("*") and values[name].data_ptr() % 16 == 0)
                    or (signature[name] == "i32" and name not in per_call_sizes and values[name] % 16 == 0)}
-        source = ASTSource(kernel, signature, constexprs=kw, attrs=aligned)
+        if gluon:
+            from triton.experimental.gluon._runtime import GluonASTSource as source_type
+        else:
+            source_type = ASTSource
+        source = source_type(kernel, signature, constexprs=kw, attrs=aligned)
         target = GPUTarget("cuda", 10 * capability[0] + capability[1], 32)
         compiled[launch] = triton.compile(source, target=target, options=options)
     return compiled
@@ -482,8 +557,13 @@ def triton_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=Non
     st = _triton_module()
     _set_tma_scratch()
     scale = default_scale(q.shape[2]) if scale is None else scale
-    q, out, dout = (last_dim_contiguous(x) for x in (q, out, dout.to(q.dtype)))
-    k, v = _tma_ready(k), _tma_ready(v)
+    gluon = gluon_problem(q, pattern.block) is None
+    if gluon:  # TMA reads Q and dO as well, as (rows, heads * head_dim)
+        q, dout = _tma_ready(q, heads_contiguous=True), _tma_ready(dout.to(q.dtype), heads_contiguous=True)
+        out = last_dim_contiguous(out)
+    else:
+        q, out, dout = (last_dim_contiguous(x) for x in (q, out, dout.to(q.dtype)))
+    k, v = _tma_ready(k, heads_contiguous=gluon), _tma_ready(v, heads_contiguous=gluon)
     dev = q.device
     pattern = _on_device(pattern, dev)
     idx = index or SparseIndex.build(pattern, cu_q, cu_k, q.shape[0], k.shape[0], max_q, seg_doc)
@@ -497,7 +577,9 @@ def triton_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=Non
         st._bwd_delta[(-(-q.shape[0] // DELTA_ROWS), H)](
             out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), q.shape[0],
             HEAD_DIM=D, ROWS=DELTA_ROWS)
-    dq = torch.zeros_like(q)
+    dq = torch.zeros_like(q)  # rows no query block visits (no key, or past cu_q[-1]) keep zero gradients
+    # The Gluon pass adds the slash tiles' dQ here (fp32, unscaled); the dQ pass then adds the columns' part.
+    dq32 = torch.zeros(q.shape, dtype=torch.float32, device=dev) if gluon else dq
     dk32 = torch.zeros(k.shape, dtype=torch.float32, device=dev)
     dv32 = torch.zeros(v.shape, dtype=torch.float32, device=dev)
     cuq, cuk = cu_q.to(dev, torch.int32), cu_k.to(dev, torch.int32)
@@ -514,23 +596,34 @@ def triton_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=Non
 
     if q.shape[0] and k.shape[0]:
         mark("start")
-        npq = idx.prog_seg.numel()
-        st._bwd_dq[(npq, H)](
-            q, k, v, dout, lse, delta, dq, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-            v.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), q.shape[0],
-            cuq, cuk, idx.seg_doc, idx.prog_seg, idx.prog_blk, npq,
-            tab["sl_list"], tab["bits"], tab["bits"].shape[1], tab["blk_off"], tab["vert"], tab["vert"].shape[1],
-            tab["vert_off"], idx.n_sl, idx.v_hi, scale, scale_log2, BV=idx.chunk, **common, **opts("dq"))
-        mark("dq")
-        npk = idx.kprog_seg.numel()
-        st._bwd_dkdv_slash[(npk, H_kv)](
-            q, k, v, dout, lse, delta, dk32, dv32, q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), dk32.stride(0), dk32.stride(1),
-            q.shape[0], cuq, cuk, idx.seg_doc, idx.kprog_seg, idx.kprog_blk, npk,
-            tab["sl_list"], tab["bits"].shape[1], tab["blk_off"], idx.kv_lo, idx.kv_hi, scale, scale_log2,
-            **common, **opts("dkdv"))
-        mark("dkdv_slash")
-        npv = idx.vprog_seg.numel()
+        npq, npk, npv = idx.prog_seg.numel(), idx.kprog_seg.numel(), idx.vprog_seg.numel()
+
+        def dq_pass(slash):
+            st._bwd_dq[(npq, H)](
+                q, k, v, dout, lse, delta, dq, dq32, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+                v.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), dq32.stride(0),
+                dq32.stride(1), q.shape[0], cuq, cuk, idx.seg_doc, idx.prog_seg, idx.prog_blk, npq,
+                tab["sl_list"], tab["bits"], tab["bits"].shape[1], tab["blk_off"], tab["vert"],
+                tab["vert"].shape[1], tab["vert_off"], idx.n_sl, idx.v_hi, scale, scale_log2, BV=idx.chunk,
+                SLASH=slash, ACCUMULATED=not slash, **common, **opts("dq" if slash else "dq_vertical"))
+
+        if gluon:
+            _gluon_module()._bwd_slash[(npk, H_kv)](
+                q, k, v, dout, lse, delta, dk32, dv32, dq32, q.stride(0), k.stride(0), v.stride(0), dout.stride(0),
+                dk32.stride(0), dq32.stride(0), q.shape[0], H, H_kv, cuq, cuk, idx.seg_doc, idx.kprog_seg,
+                idx.kprog_blk, npk, tab["sl_list"], tab["bits"].shape[1], tab["blk_off"], idx.kv_lo, idx.kv_hi,
+                scale, scale_log2, GROUP=G, HEAD_DIM=D, BLOCK=idx.block, **opts("slash_bwd"))
+            mark("dkdv_dq_slash")
+        else:
+            dq_pass(slash=True)
+            mark("dq")
+            st._bwd_dkdv_slash[(npk, H_kv)](
+                q, k, v, dout, lse, delta, dk32, dv32, q.stride(0), q.stride(1), k.stride(0),
+                k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), dk32.stride(0),
+                dk32.stride(1), q.shape[0], cuq, cuk, idx.seg_doc, idx.kprog_seg, idx.kprog_blk, npk,
+                tab["sl_list"], tab["bits"].shape[1], tab["blk_off"], idx.kv_lo, idx.kv_hi, scale, scale_log2,
+                **common, **opts("dkdv"))
+            mark("dkdv_slash")
         st._bwd_dkdv_vert[(npv, H, idx.n_split)](
             q, k, v, dout, lse, delta, dk32, dv32, q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), dk32.stride(0), dk32.stride(1),
@@ -539,6 +632,9 @@ def triton_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=Non
             tab["vert_off"], tab["run"], H, scale, scale_log2, BV=idx.chunk, QSPLIT=QSPLIT,
             **common, **opts("vert"))
         mark("dkdv_vertical")
+        if gluon:
+            dq_pass(slash=False)
+            mark("dq_vertical")
     if events:
         torch.cuda.synchronize(dev)
         for (_, a), (name, b) in zip(events, events[1:]):

@@ -8,7 +8,10 @@ Five kernels, all over the index built in :mod:`attnpool.kernels.sparse`
   the diagonal tile), then over the vertical columns c with c // B <= I - run,
   gathered BV (64) at a time, masking those whose tile is a slash tile. Online
   softmax in base 2; returns out and the natural-log LSE.
-- ``_bwd_dq``: the same loops, computing dQ (no atomics).
+- ``_bwd_dq``: the same loops, computing dQ (no atomics). After the Gluon pass
+  (:mod:`attnpool.kernels.sparse_gluon`, which computes the slash tiles' dK, dV and dQ on Hopper)
+  it runs with ``SLASH=False, ACCUMULATED=True``: the columns' part only, added to that pass's fp32 dQ,
+  then scaled and cast.
 - ``_bwd_dkdv_slash``: one program per (key block, kv head); loops over the query
   heads of the group and, per head, over the diagonals that reach a query block of
   the segment (the transposed slash index is a contiguous range of the sorted
@@ -21,10 +24,11 @@ Five kernels, all over the index built in :mod:`attnpool.kernels.sparse`
   chose the same column, and the splits of one chunk).
 - ``_bwd_delta``: the backward's rowsum(dO * O) per (row, head), read once in bf16.
 
-dQ fused into the dK/dV passes (FlashAttention-2's scheme: 5 tile products instead of
+dQ fused into the dK/dV passes here (FlashAttention-2's scheme: 5 tile products instead of
 7, dQ added with fp32 atomics) was 14-19% slower than the separate dQ pass on an H200
 and an H100, and nondeterministic; it was removed after 3c1bded
-(bench/results/2026-11-22-h200-sparse-backward.md, 2026-11-22-h100-sparse.md). The
+(bench/results/2026-11-22-h200-sparse-backward.md, 2026-11-22-h100-sparse.md). The Gluon pass
+does the same with the reductions in warps of their own, and is 5-12% faster than these passes. The
 vertical pass's atomics are ``relaxed``: only the sum after the kernel matters, and
 Triton's default acquire-release ordering made them twice as slow.
 
@@ -210,13 +214,15 @@ def _dq_slash_tile(dq, q, do, lse2, di, k_desc, v_desc, kblock, offs_m, row_ok, 
 
 
 @triton.jit(do_not_specialize=PER_CALL_SIZES)
-def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
-            sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, sdq_t, sdq_h, T_q,
+def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DQ32,
+            sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, sdq_t, sdq_h, s32_t, s32_h, T_q,
             CU_Q, CU_K, SEG_DOC, PROG_SEG, PROG_BLK, N_PROG,
             SL_LIST, SL_BITS, NBT, BLK_OFF, VERT, NVT, VERT_OFF, N_SL, V_HI,
             scale, scale_log2,
             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BV: tl.constexpr,
-            SUB_N: tl.constexpr, IEEE: tl.constexpr):
+            SUB_N: tl.constexpr, SLASH: tl.constexpr, ACCUMULATED: tl.constexpr, IEEE: tl.constexpr):
+    """dQ = scale * (the slash tiles' part, if SLASH + the vertical columns' part [+ DQ32's rows, unscaled,
+    if ACCUMULATED]), cast to DQ's type. Without SLASH a program with no columns only scales and casts."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.load(PROG_SEG + pid)
@@ -237,40 +243,48 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
         offs_d = tl.arange(0, HEAD_DIM)
         offs_v = tl.arange(0, BV)
         qrow = (q0 + rows).to(tl.int64)
-        q = tl.load(Q + qrow[:, None] * sq_t + h * sq_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + qrow[:, None] * sdo_t + h * sdo_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        lse2 = tl.load(LSE + h * T_q + qrow, mask=row_ok, other=0.0) * 1.4426950408889634
-        lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
-        di = tl.load(DELTA + h * T_q + qrow, mask=row_ok, other=0.0)
-        dq = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-        k_desc = _rows_desc(K, k0, k_len, sk_t, kvh, sk_h, HEAD_DIM, SUB_N)
-        v_desc = _rows_desc(V, k0, k_len, sv_t, kvh, sv_h, HEAD_DIM, SUB_N)
-        n_sl = tl.load(N_SL + h * N_PROG + pid)
-        # Only the first diagonal, Delta = 0 (always present), needs masks: the causal one, and the keys
-        # past the segment's end in its last block. Rows outside the segment are never stored.
-        n_masked = tl.minimum(n_sl, 1)
-        for t in range(0, n_masked):
-            kblock = I - tl.load(SL_LIST + h * NBT + boff + t)
-            dq = _dq_slash_tile(dq, q, do, lse2, di, k_desc, v_desc, kblock, offs_m, row_ok, k_len, scale_log2,
-                                BLOCK, SUB_N, True, IEEE)
-        for t in range(n_masked, n_sl):
-            kblock = I - tl.load(SL_LIST + h * NBT + boff + t)
-            dq = _dq_slash_tile(dq, q, do, lse2, di, k_desc, v_desc, kblock, offs_m, row_ok, k_len, scale_log2,
-                                BLOCK, SUB_N, False, IEEE)
+        if ACCUMULATED:
+            dq = tl.load(DQ32 + qrow[:, None] * s32_t + h * s32_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        else:
+            dq = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
         v_hi = tl.load(V_HI + h * N_PROG + pid)
-        for t0 in range(0, v_hi, BV):
-            idx = t0 + offs_v
-            vm = idx < v_hi
-            cols = tl.load(VERT + h * NVT + voff + idx, mask=vm, other=0)
-            covered = tl.load(SL_BITS + h * NBT + boff + I - cols // BLOCK, mask=vm, other=1)
-            okc = vm & (covered == 0)
-            krow = (k0 + cols).to(tl.int64)
-            kt = tl.load(K + krow[None, :] * sk_t + kvh * sk_h + offs_d[:, None], mask=okc[None, :], other=0.0)
-            ok = row_ok[:, None] & okc[None, :]
-            p = tl.where(ok, tl.math.exp2(_dot(q, kt, IEEE) * scale_log2 - lse2[:, None]), 0.0)
-            vt = tl.load(V + krow[None, :] * sv_t + kvh * sv_h + offs_d[:, None], mask=okc[None, :], other=0.0)
-            ds = p * (_dot(do, vt, IEEE) - di[:, None])
-            dq += _dot(ds.to(kt.dtype), tl.trans(kt), IEEE)
+        work = v_hi > 0
+        if SLASH:
+            work = True
+        if work:
+            q = tl.load(Q + qrow[:, None] * sq_t + h * sq_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            do = tl.load(DO + qrow[:, None] * sdo_t + h * sdo_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            lse2 = tl.load(LSE + h * T_q + qrow, mask=row_ok, other=0.0) * 1.4426950408889634
+            lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
+            di = tl.load(DELTA + h * T_q + qrow, mask=row_ok, other=0.0)
+            if SLASH:
+                k_desc = _rows_desc(K, k0, k_len, sk_t, kvh, sk_h, HEAD_DIM, SUB_N)
+                v_desc = _rows_desc(V, k0, k_len, sv_t, kvh, sv_h, HEAD_DIM, SUB_N)
+                n_sl = tl.load(N_SL + h * N_PROG + pid)
+                # Only the first diagonal, Delta = 0 (always present), needs masks: the causal one, and the keys
+                # past the segment's end in its last block. Rows outside the segment are never stored.
+                n_masked = tl.minimum(n_sl, 1)
+                for t in range(0, n_masked):
+                    kblock = I - tl.load(SL_LIST + h * NBT + boff + t)
+                    dq = _dq_slash_tile(dq, q, do, lse2, di, k_desc, v_desc, kblock, offs_m, row_ok, k_len,
+                                        scale_log2, BLOCK, SUB_N, True, IEEE)
+                for t in range(n_masked, n_sl):
+                    kblock = I - tl.load(SL_LIST + h * NBT + boff + t)
+                    dq = _dq_slash_tile(dq, q, do, lse2, di, k_desc, v_desc, kblock, offs_m, row_ok, k_len,
+                                        scale_log2, BLOCK, SUB_N, False, IEEE)
+            for t0 in range(0, v_hi, BV):
+                idx = t0 + offs_v
+                vm = idx < v_hi
+                cols = tl.load(VERT + h * NVT + voff + idx, mask=vm, other=0)
+                covered = tl.load(SL_BITS + h * NBT + boff + I - cols // BLOCK, mask=vm, other=1)
+                okc = vm & (covered == 0)
+                krow = (k0 + cols).to(tl.int64)
+                kt = tl.load(K + krow[None, :] * sk_t + kvh * sk_h + offs_d[:, None], mask=okc[None, :], other=0.0)
+                ok = row_ok[:, None] & okc[None, :]
+                p = tl.where(ok, tl.math.exp2(_dot(q, kt, IEEE) * scale_log2 - lse2[:, None]), 0.0)
+                vt = tl.load(V + krow[None, :] * sv_t + kvh * sv_h + offs_d[:, None], mask=okc[None, :], other=0.0)
+                ds = p * (_dot(do, vt, IEEE) - di[:, None])
+                dq += _dot(ds.to(kt.dtype), tl.trans(kt), IEEE)
         tl.store(DQ + qrow[:, None] * sdq_t + h * sdq_h + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
                  mask=row_ok[:, None])
 

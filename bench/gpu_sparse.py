@@ -41,6 +41,7 @@ import platform
 import sys
 import time
 import traceback
+from unittest import mock
 
 import numpy as np
 import torch
@@ -152,17 +153,9 @@ def exact_case(name, pattern, segs, seg_doc, Hq=32, Hk=8, D=128, seed=0, views=F
     return {"case": name, "backward": list(paths.values()), "errors": errs, "ok": ok}
 
 
-class slash_backward:
+def slash_backward(path):
     """``with slash_backward("triton"):`` runs the backward's slash tiles that way (sk.SLASH_BACKWARD)."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def __enter__(self):
-        self.saved, sk.SLASH_BACKWARD = sk.SLASH_BACKWARD, self.path
-
-    def __exit__(self, *exc):
-        sk.SLASH_BACKWARD = self.saved
+    return mock.patch.object(sk, "SLASH_BACKWARD", path)
 
 
 def exactness(quick):

@@ -62,10 +62,17 @@ SLASH_BACKWARD = os.environ.get("ATTNPOOL_SLASH_BACKWARD", "gluon")
 MIN_CAPABILITY = (9, 0)
 
 
+def _slash_backward_problem() -> str | None:
+    if SLASH_BACKWARD not in SLASH_BACKWARDS:
+        return f"ATTNPOOL_SLASH_BACKWARD={SLASH_BACKWARD!r}: choose one of {', '.join(SLASH_BACKWARDS)}"
+    return None
+
+
 def device_problem(device) -> str | None:
     """Why the sparse Triton kernels cannot run on the CUDA ``device``, or None."""
-    if SLASH_BACKWARD not in SLASH_BACKWARDS:  # here, so that training refuses it before its first step
-        return f"ATTNPOOL_SLASH_BACKWARD={SLASH_BACKWARD!r}: choose one of {', '.join(SLASH_BACKWARDS)}"
+    problem = _slash_backward_problem()  # here too, so that training refuses it before its first step
+    if problem is not None:
+        return problem
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < MIN_CAPABILITY:
         return (f"the sparse Triton kernels need an sm_{MIN_CAPABILITY[0]}{MIN_CAPABILITY[1]} (Hopper) or newer GPU; "
@@ -283,7 +290,7 @@ def _gluon_module():
 def gluon_problem(q, block) -> str | None:
     """Why the backward's slash tiles cannot run in the Gluon pass for ``q`` (or, under compile_offline, on
     the GPU it compiles for), or None."""
-    if SLASH_BACKWARD not in SLASH_BACKWARDS:
+    if _slash_backward_problem() is not None:
         raise ConfigError("ATTNPOOL_SLASH_BACKWARD", SLASH_BACKWARD, f"choose one of {', '.join(SLASH_BACKWARDS)}")
     if SLASH_BACKWARD != "gluon":
         return f"SLASH_BACKWARD is {SLASH_BACKWARD!r}"
@@ -558,12 +565,10 @@ def triton_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=Non
     _set_tma_scratch()
     scale = default_scale(q.shape[2]) if scale is None else scale
     gluon = gluon_problem(q, pattern.block) is None
-    if gluon:  # TMA reads Q and dO as well, as (rows, heads * head_dim)
-        q, dout = _tma_ready(q, heads_contiguous=True), _tma_ready(dout.to(q.dtype), heads_contiguous=True)
-        out = last_dim_contiguous(out)
-    else:
-        q, out, dout = (last_dim_contiguous(x) for x in (q, out, dout.to(q.dtype)))
-    k, v = _tma_ready(k, heads_contiguous=gluon), _tma_ready(v, heads_contiguous=gluon)
+    q, out, dout = (last_dim_contiguous(x) for x in (q, out, dout.to(q.dtype)))
+    if gluon:  # its TMA reads Q and dO as well, as (rows, heads * head_dim)
+        q, dout = (_tma_ready(x, heads_contiguous=True) for x in (q, dout))
+    k, v = (_tma_ready(x, heads_contiguous=gluon) for x in (k, v))
     dev = q.device
     pattern = _on_device(pattern, dev)
     idx = index or SparseIndex.build(pattern, cu_q, cu_k, q.shape[0], k.shape[0], max_q, seg_doc)

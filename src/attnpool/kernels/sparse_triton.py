@@ -28,7 +28,7 @@ dQ fused into the dK/dV passes here (FlashAttention-2's scheme: 5 tile products 
 7, dQ added with fp32 atomics) was 14-19% slower than the separate dQ pass on an H200
 and an H100, and nondeterministic; it was removed after 3c1bded
 (bench/results/2026-11-22-h200-sparse-backward.md, 2026-11-22-h100-sparse.md). The Gluon pass
-does the same with the reductions in warps of their own, and is 5-12% faster than these passes. The
+does the same with the reductions in warps of their own, and is 5-12.5% faster than these passes. The
 vertical pass's atomics are ``relaxed``: only the sum after the kernel matters, and
 Triton's default acquire-release ordering made them twice as slow.
 

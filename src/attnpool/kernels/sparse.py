@@ -576,6 +576,8 @@ def triton_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=Non
     H, H_kv, D = q.shape[1], k.shape[1], q.shape[2]
     G = H // H_kv
     lse = lse.float().contiguous()
+    if gluon and lse.data_ptr() % 16:  # the Gluon pass reads LSE by TMA
+        lse = lse.clone()
     # D_i = rowsum(dout * out), (H, T_q) float32.
     delta = torch.empty(H, q.shape[0], dtype=torch.float32, device=dev)
     if q.shape[0]:

@@ -17,7 +17,8 @@ barriers' phases count them):
   dQ goes first so that its hand-off overlaps the other two products. dK and dV of the block stay in
   registers and are stored once, as in the Triton pass;
 - a load warp: K and V of the block once, then Q and dO of each item into a two-slot ring (TMA,
-  descriptors over the segment's rows, so rows outside it load as zeros);
+  descriptors over the segment's rows, so rows outside it load as zeros), with the item's rows of LSE and
+  delta (the products would otherwise compute 64-bit addresses for them, see below);
 - a dQ warp: adds each dQ tile into DQ32 by one TMA reduce-add (rows past the segment's end are clipped by
   the descriptor). A tile that starts before the segment's first row (a CA-task shard that starts inside a
   block) would need a negative coordinate, which the reduce does not take (an illegal instruction on an
@@ -27,9 +28,17 @@ The vertical columns' dQ and the final scaling and cast are ``_bwd_dq`` with ``S
 ``ACCUMULATED=True``; their dK/dV is ``_bwd_dkdv_vert`` as before. dQ's summation order depends on timing:
 the backward is not bitwise deterministic (nor was it: the vertical pass adds dK/dV with atomics).
 
-Tensors are seen as (rows, heads * HEAD_DIM): heads must be contiguous (the launcher copies otherwise).
-Measured on an H100 and an H200: the backward 5-12% faster than with the Triton passes, 2.77-2.94x its
-forward (bench/results/2026-11-22-h100-sparse-gluon-ws.md).
+The products' warps must not spill: at 240 registers a thread, dK and dV take 128 and S and dP 64. With
+the SUB_M loop unrolled (``static_range``), the compiler kept the wgmma operand descriptors of one copy for
+the other and spilled them, and the per-row LSE and delta addresses spilled too. The spill traffic missed L1
+(most of it is shared memory here), and about half of the products' stall samples waited on memory: the pass
+took 35% longer at 128K on an H100. The CI compile test checks the products' item loop (from its first
+tensor-core product to its last) for local-memory accesses.
+
+Tensors are seen as (rows, heads * HEAD_DIM): heads must be contiguous (the launcher copies otherwise); LSE
+and delta as one row of H * T_q (16-byte aligned, as TMA needs).
+Measured on an H100 and an H200: the backward 23-34% faster than with the Triton passes, 2.20-2.35x its
+forward (bench/results/2026-11-22-h100-sparse-gluon-nospill.md).
 """
 
 from __future__ import annotations
@@ -79,9 +88,9 @@ def _diagonal_range(KV_LO, KV_HI, h, N_KPROG, pid, valid):
 
 
 @gluon.jit
-def _load_partition(Q, K, V, DO, sq_t, sk_t, sv_t, sdo_t, H, H_KV,
+def _load_partition(Q, K, V, DO, LSE, DELTA, T_q, sq_t, sk_t, sv_t, sdo_t, H, H_KV,
                     CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK, N_KPROG, SL_LIST, NBT, BLK_OFF, KV_LO, KV_HI,
-                    k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty,
+                    k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, q_ready, q_empty,
                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, SUB_M: gl.constexpr,
                     NBUF: gl.constexpr):
     pid, kvh, valid, J, q0, q_len, k0, k_len, shift, boff = _program(CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK,
@@ -97,6 +106,11 @@ def _load_partition(Q, K, V, DO, sq_t, sk_t, sv_t, sdo_t, H, H_KV,
                                         [SUB_M, HEAD_DIM], q_layout)
     do_desc = tma.make_tensor_descriptor(DO + q0.to(gl.int64) * sdo_t, [q_len, H * HEAD_DIM], [sdo_t, 1],
                                          [SUB_M, HEAD_DIM], q_layout)
+    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    # LSE and delta (H, T_q) seen flat: rows outside the segment load a neighbour's values (zeros outside the
+    # tensor), which the products mask.
+    lse_desc = tma.make_tensor_descriptor(LSE, [H * T_q], [1], [SUB_M], row_layout)
+    delta_desc = tma.make_tensor_descriptor(DELTA, [H * T_q], [1], [SUB_M], row_layout)
     mbarrier.expect(kv_bar, 2 * BLOCK * HEAD_DIM * 2)
     tma.async_copy_global_to_shared(k_desc, [J * BLOCK, kvh * HEAD_DIM], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [J * BLOCK, kvh * HEAD_DIM], kv_bar, v_smem)
@@ -106,14 +120,18 @@ def _load_partition(Q, K, V, DO, sq_t, sk_t, sv_t, sdo_t, H, H_KV,
         lo, hi = _diagonal_range(KV_LO, KV_HI, h, N_KPROG, pid, valid)
         for t in range(lo, hi):
             I = J + gl.load(SL_LIST + h * NBT + boff + t)
-            for sub in gl.static_range(BLOCK // SUB_M):
+            for sub in range(BLOCK // SUB_M):
                 slot = it % NBUF
                 mbarrier.wait(q_empty.index(slot), ((it // NBUF) & 1) ^ 1)
                 row = I * BLOCK + sub * SUB_M - shift  # negative for a shard starting inside the block
-                mbarrier.expect(q_ready.index(slot), 2 * SUB_M * HEAD_DIM * 2)
+                mbarrier.expect(q_ready.index(slot), 2 * SUB_M * HEAD_DIM * 2 + 2 * SUB_M * 4)
                 tma.async_copy_global_to_shared(q_desc, [row, h * HEAD_DIM], q_ready.index(slot), q_bufs.index(slot))
                 tma.async_copy_global_to_shared(do_desc, [row, h * HEAD_DIM], q_ready.index(slot),
                                                 do_bufs.index(slot))
+                tma.async_copy_global_to_shared(lse_desc, [h * T_q + q0 + row], q_ready.index(slot),
+                                                lse_bufs.index(slot))
+                tma.async_copy_global_to_shared(delta_desc, [h * T_q + q0 + row], q_ready.index(slot),
+                                                delta_bufs.index(slot))
                 it += 1
 
 
@@ -136,7 +154,7 @@ def _dq_partition(DQ32, sdq_t, H, CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK, N_K
         lo, hi = _diagonal_range(KV_LO, KV_HI, h, N_KPROG, pid, valid)
         for t in range(lo, hi):
             I = J + gl.load(SL_LIST + h * NBT + boff + t)
-            for sub in gl.static_range(BLOCK // SUB_M):
+            for sub in range(BLOCK // SUB_M):
                 mbarrier.wait(dq_ready.index(0), it & 1)
                 row = I * BLOCK + sub * SUB_M - shift
                 if row >= 0:
@@ -154,9 +172,9 @@ def _dq_partition(DQ32, sdq_t, H, CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK, N_K
 
 
 @gluon.jit
-def _mma_partition(LSE, DELTA, DK, DV, sdk_t, T_q, scale, scale_log2,
+def _mma_partition(DK, DV, sdk_t, scale, scale_log2,
                    CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK, N_KPROG, SL_LIST, NBT, BLK_OFF, KV_LO, KV_HI,
-                   k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem,
+                   k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, p_smem, ds_smem, dq_smem,
                    kv_bar, q_ready, q_empty, dq_ready, dq_empty,
                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, SUB_M: gl.constexpr,
                    NBUF: gl.constexpr):
@@ -184,16 +202,14 @@ def _mma_partition(LSE, DELTA, DK, DV, sdk_t, T_q, scale, scale_log2,
             # Diagonals are sorted and distinct: only the first (Delta = 0, or the segment's first query
             # block) and the last (its last query block) can hold masked pairs.
             masked = (t == lo) | (t == hi - 1)
-            for sub in gl.static_range(BLOCK // SUB_M):
+            for sub in range(BLOCK // SUB_M):  # not unrolled: unrolled, the products spill (module docstring)
                 slot = it % NBUF
                 offs_m = I * BLOCK + sub * SUB_M + gl.arange(0, SUB_M, rows_l)
                 rows = offs_m - shift
                 row_ok = (rows >= 0) & (rows < q_len)
-                qrow = q0 + rows
-                lse2 = gl.load(LSE + h * T_q + qrow, mask=row_ok, other=0.0) * 1.4426950408889634
-                lse2 = gl.where(row_ok, lse2, 0.0)
-                di = gl.load(DELTA + h * T_q + qrow, mask=row_ok, other=0.0)
                 mbarrier.wait(q_ready.index(slot), (it // NBUF) & 1)
+                lse2 = gl.where(row_ok, lse_bufs.index(slot).load(rows_l) * 1.4426950408889634, 0.0)
+                di = gl.where(row_ok, delta_bufs.index(slot).load(rows_l), 0.0)
                 q_s = q_bufs.index(slot)
                 do_s = do_bufs.index(slot)
                 sc = warpgroup_mma(q_s, k_smem.permute((1, 0)), gl.zeros([SUB_M, BLOCK], gl.float32, mma_s),
@@ -247,7 +263,7 @@ def _bwd_slash(Q, K, V, DO, LSE, DELTA, DK, DV, DQ32,
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SUB_M, HEAD_DIM], gl.bfloat16)
     ps_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SUB_M, BLOCK], gl.bfloat16)
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SUB_M, HEAD_DIM], gl.float32)
-    # 192 KB at BLOCK 128, SUB_M 64, HEAD_DIM 128, NBUF 2. A second dQ tile (224 KB) was slower on an H100.
+    # 193 KB at BLOCK 128, SUB_M 64, HEAD_DIM 128, NBUF 2. A second dQ tile (224 KB) was slower on an H100.
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, HEAD_DIM], kv_layout)
     q_bufs = gl.allocate_shared_memory(gl.bfloat16, [NBUF, SUB_M, HEAD_DIM], q_layout)
@@ -255,6 +271,9 @@ def _bwd_slash(Q, K, V, DO, LSE, DELTA, DK, DV, DQ32,
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [SUB_M, BLOCK], ps_layout)
     ds_smem = gl.allocate_shared_memory(gl.bfloat16, [SUB_M, BLOCK], ps_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [SUB_M, HEAD_DIM], dq_layout)
+    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [NBUF, SUB_M], row_layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [NBUF, SUB_M], row_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
@@ -269,13 +288,13 @@ def _bwd_slash(Q, K, V, DO, LSE, DELTA, DK, DV, DQ32,
     # The load and dQ warps get 24 registers each: with maxnreg 168 (CONFIG) that leaves the two
     # warpgroups of products 240.
     gl.warp_specialize([
-        (_mma_partition, (LSE, DELTA, DK, DV, sdk_t, T_q, scale, scale_log2,
+        (_mma_partition, (DK, DV, sdk_t, scale, scale_log2,
                           CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK, N_KPROG, SL_LIST, NBT, BLK_OFF, KV_LO, KV_HI,
-                          k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem,
+                          k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, p_smem, ds_smem, dq_smem,
                           kv_bar, q_ready, q_empty, dq_ready, dq_empty, GROUP, HEAD_DIM, BLOCK, SUB_M, NBUF)),
-        (_load_partition, (Q, K, V, DO, sq_t, sk_t, sv_t, sdo_t, H, H_KV,
+        (_load_partition, (Q, K, V, DO, LSE, DELTA, T_q, sq_t, sk_t, sv_t, sdo_t, H, H_KV,
                            CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK, N_KPROG, SL_LIST, NBT, BLK_OFF, KV_LO, KV_HI,
-                           k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty,
+                           k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, q_ready, q_empty,
                            GROUP, HEAD_DIM, BLOCK, SUB_M, NBUF)),
         (_dq_partition, (DQ32, sdq_t, H,
                          CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK, N_KPROG, SL_LIST, NBT, BLK_OFF, KV_LO, KV_HI,

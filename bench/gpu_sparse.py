@@ -6,8 +6,9 @@
    error max|a - b| / max|b| <= 2e-2; the backward both ways (``SLASH_BACKWARD``:
    the Gluon pass where it runs, and the Triton passes). Cases: a packed batch with an estimated
    pattern (sparse, dense-short and sparse-long documents), CA-task shards of one
-   document (partial first blocks, several tasks of one doc in one call), and a
-   vertical-heavy random pattern; GQA 32/8 x 128. Plus the float32 kernels
+   document (partial first blocks, several tasks of one doc in one call; once with
+   lengths that are multiples of 4, once with odd ones), and a vertical-heavy random
+   pattern; GQA 32/8 x 128. Plus the float32 kernels
    (``--precision fp32``; 8/2 heads of 32) against the twin in float64, <= 1e-4.
 2. Speed: one document of 128K (32 query / 8 KV heads of 128) and of 512K
    (8 / 2 heads, so dense flash stays within the time budget), bf16. q/k are
@@ -182,6 +183,11 @@ def exactness(quick):
     pat4 = VerticalSlashPattern.random([3000, 1200], 8, 128, n_slash=4, n_vertical=200, generator=g, device=DEV)
     out.append(exact_case("float32, shards, against float64", pat4, [(1000, 3000), (1200, 1200)], [0, 1], Hq=8,
                           Hk=2, D=32, dtype=torch.float32, tolerance=FP32_TOLERANCE))
+    # e) shards of odd lengths: rows and shard starts off multiples of 4, as in training (the Gluon pass reads
+    # LSE and delta by TMA, which takes only 16-byte aligned coordinates: sparse._tma_rows).
+    pat5 = VerticalSlashPattern.random([5003, 3001], 32, 128, n_slash=6, n_vertical=300, generator=g, device=DEV)
+    segs = [(1001, 1001), (1501, 2502), (2501, 5003), (701, 3001), (101, 1701)]
+    out.append(exact_case("CA-task shards, odd lengths", pat5, segs, [0, 0, 0, 1, 1]))
     return out
 
 

@@ -346,6 +346,29 @@ def _pattern_args(pattern: VerticalSlashPattern, dev):
     return cache[dev]
 
 
+def _tma_rows(cu_q, cu_k, *rows):
+    """Copies of (H, T_q) float32 ``rows`` (LSE and delta) for the Gluon pass, which reads each item's 64 rows
+    by TMA: (H, T_rows) with segment s's rows from ``base[s]``, where base[s] minus the segment's shift
+    (k_len - q_len) is a multiple of 4. A query block's first row then starts 16-byte aligned, the only
+    innermost coordinate TMA takes. Returns (copies, base as int32, T_rows); the padding is zeros.
+
+    base[s] = q0[s] + 4 s + ((shift[s] - q0[s]) mod 4) leaves a gap of 1 to 7 rows between segments, on the
+    device, without a host read; rows past the last segment keep their offset from it."""
+    n = cu_q.numel() - 1
+    H, T = rows[0].shape
+    q0 = cu_q[:-1].long()
+    shift = (cu_k[1:] - cu_k[:-1]).long() - (cu_q[1:] - q0)
+    base = q0 + 4 * torch.arange(n, device=q0.device) + torch.remainder(shift - q0, 4)
+    t_rows = -(-(T + 4 * n + 4) // 4) * 4
+    if n == 0:  # no segment: nothing reads the rows
+        return [x.new_zeros(H, t_rows) for x in rows], base.int(), t_rows
+    t = torch.arange(T, device=q0.device)
+    seg = torch.searchsorted(cu_q[1:].long(), t, right=True).clamp(max=n - 1)
+    index = base[seg] + t - q0[seg]
+    copies = [x.new_zeros(H, t_rows).index_copy_(1, index, x) for x in rows]
+    return copies, base.int(), t_rows
+
+
 def _tma_ready(x, heads_contiguous=False):
     """x (K or V), or a fresh contiguous copy where TMA cannot read it. TMA needs a unit stride in
     head_dim, and the start and the token and head strides 16-byte aligned (so that every
@@ -576,8 +599,6 @@ def triton_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=Non
     H, H_kv, D = q.shape[1], k.shape[1], q.shape[2]
     G = H // H_kv
     lse = lse.float().contiguous()
-    if gluon and lse.data_ptr() % 16:  # the Gluon pass reads LSE by TMA
-        lse = lse.clone()
     # D_i = rowsum(dout * out), (H, T_q) float32.
     delta = torch.empty(H, q.shape[0], dtype=torch.float32, device=dev)
     if q.shape[0]:
@@ -615,11 +636,12 @@ def triton_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=Non
                 SLASH=slash, ACCUMULATED=not slash, **common, **opts("dq" if slash else "dq_vertical"))
 
         if gluon:
+            (lse_rows, delta_rows), row_base, t_rows = _tma_rows(cuq, cuk, lse, delta)
             _gluon_module()._bwd_slash[(npk, H_kv)](
-                q, k, v, dout, lse, delta, dk32, dv32, dq32, q.stride(0), k.stride(0), v.stride(0), dout.stride(0),
-                dk32.stride(0), dq32.stride(0), q.shape[0], H, H_kv, cuq, cuk, idx.seg_doc, idx.kprog_seg,
-                idx.kprog_blk, npk, tab["sl_list"], tab["bits"].shape[1], tab["blk_off"], idx.kv_lo, idx.kv_hi,
-                scale, scale_log2, GROUP=G, HEAD_DIM=D, BLOCK=idx.block, **opts("slash_bwd"))
+                q, k, v, dout, lse_rows, delta_rows, dk32, dv32, dq32, q.stride(0), k.stride(0), v.stride(0),
+                dout.stride(0), dk32.stride(0), dq32.stride(0), t_rows, H, H_kv, cuq, cuk, idx.seg_doc,
+                idx.kprog_seg, idx.kprog_blk, npk, tab["sl_list"], tab["bits"].shape[1], tab["blk_off"], idx.kv_lo,
+                idx.kv_hi, row_base, scale, scale_log2, GROUP=G, HEAD_DIM=D, BLOCK=idx.block, **opts("slash_bwd"))
             mark("dkdv_dq_slash")
         else:
             dq_pass(slash=True)

@@ -35,9 +35,11 @@ the other and spilled them, and the per-row LSE and delta addresses spilled too.
 took 35% longer at 128K on an H100. The CI compile test checks the products' item loop (from its first
 tensor-core product to its last) for local-memory accesses.
 
-Tensors are seen as (rows, heads * HEAD_DIM): heads must be contiguous (the launcher copies otherwise); LSE
-and delta as one row of H * T_q (16-byte aligned, as TMA needs).
-Measured on an H100 and an H200: the backward 23-34% faster than with the Triton passes, 2.20-2.35x its
+Tensors are seen as (rows, heads * HEAD_DIM): heads must be contiguous (the launcher copies otherwise). LSE
+and delta come in the launcher's layout (``sparse._tma_rows``): (H, T_ROWS), segment s's rows from
+ROW_BASE[s], placed so that every item's first row is 16-byte aligned. TMA takes no other innermost
+coordinate: an unaligned one is an illegal instruction on an H100 (seen with shards of odd lengths).
+Measured on an H100 and an H200: the backward 23-29% faster than with the Triton passes, 2.22-2.34x its
 forward (bench/results/2026-11-22-h100-sparse-gluon-nospill.md).
 """
 
@@ -51,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 # Sizes of the call (see sparse_triton.PER_CALL_SIZES): not specialised on, so that they compile nothing new.
-PER_CALL_SIZES = ["T_q", "N_KPROG", "NBT"]
+PER_CALL_SIZES = ["T_ROWS", "N_KPROG", "NBT"]
 
 
 @builtin
@@ -88,8 +90,8 @@ def _diagonal_range(KV_LO, KV_HI, h, N_KPROG, pid, valid):
 
 
 @gluon.jit
-def _load_partition(Q, K, V, DO, LSE, DELTA, T_q, sq_t, sk_t, sv_t, sdo_t, H, H_KV,
-                    CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK, N_KPROG, SL_LIST, NBT, BLK_OFF, KV_LO, KV_HI,
+def _load_partition(Q, K, V, DO, LSE, DELTA, T_ROWS, sq_t, sk_t, sv_t, sdo_t, H, H_KV,
+                    CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK, N_KPROG, SL_LIST, NBT, BLK_OFF, KV_LO, KV_HI, ROW_BASE,
                     k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, q_ready, q_empty,
                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, SUB_M: gl.constexpr,
                     NBUF: gl.constexpr):
@@ -107,10 +109,11 @@ def _load_partition(Q, K, V, DO, LSE, DELTA, T_q, sq_t, sk_t, sv_t, sdo_t, H, H_
     do_desc = tma.make_tensor_descriptor(DO + q0.to(gl.int64) * sdo_t, [q_len, H * HEAD_DIM], [sdo_t, 1],
                                          [SUB_M, HEAD_DIM], q_layout)
     row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    # LSE and delta (H, T_q) seen flat: rows outside the segment load a neighbour's values (zeros outside the
-    # tensor), which the products mask.
-    lse_desc = tma.make_tensor_descriptor(LSE, [H * T_q], [1], [SUB_M], row_layout)
-    delta_desc = tma.make_tensor_descriptor(DELTA, [H * T_q], [1], [SUB_M], row_layout)
+    # LSE and delta (H, T_ROWS) seen flat: rows outside the segment load padding or a neighbour's values
+    # (zeros outside the tensor), which the products mask.
+    lse_desc = tma.make_tensor_descriptor(LSE, [H * T_ROWS], [1], [SUB_M], row_layout)
+    delta_desc = tma.make_tensor_descriptor(DELTA, [H * T_ROWS], [1], [SUB_M], row_layout)
+    row_base = gl.load(ROW_BASE + gl.maximum(gl.load(KPROG_SEG + pid), 0))
     mbarrier.expect(kv_bar, 2 * BLOCK * HEAD_DIM * 2)
     tma.async_copy_global_to_shared(k_desc, [J * BLOCK, kvh * HEAD_DIM], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [J * BLOCK, kvh * HEAD_DIM], kv_bar, v_smem)
@@ -128,10 +131,9 @@ def _load_partition(Q, K, V, DO, LSE, DELTA, T_q, sq_t, sk_t, sv_t, sdo_t, H, H_
                 tma.async_copy_global_to_shared(q_desc, [row, h * HEAD_DIM], q_ready.index(slot), q_bufs.index(slot))
                 tma.async_copy_global_to_shared(do_desc, [row, h * HEAD_DIM], q_ready.index(slot),
                                                 do_bufs.index(slot))
-                tma.async_copy_global_to_shared(lse_desc, [h * T_q + q0 + row], q_ready.index(slot),
-                                                lse_bufs.index(slot))
-                tma.async_copy_global_to_shared(delta_desc, [h * T_q + q0 + row], q_ready.index(slot),
-                                                delta_bufs.index(slot))
+                c = h * T_ROWS + row_base + row  # a multiple of 4
+                tma.async_copy_global_to_shared(lse_desc, [c], q_ready.index(slot), lse_bufs.index(slot))
+                tma.async_copy_global_to_shared(delta_desc, [c], q_ready.index(slot), delta_bufs.index(slot))
                 it += 1
 
 
@@ -252,13 +254,14 @@ def _mma_partition(DK, DV, sdk_t, scale, scale_log2,
 
 @gluon.jit(do_not_specialize=PER_CALL_SIZES)
 def _bwd_slash(Q, K, V, DO, LSE, DELTA, DK, DV, DQ32,
-               sq_t, sk_t, sv_t, sdo_t, sdk_t, sdq_t, T_q, H, H_KV,
-               CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK, N_KPROG, SL_LIST, NBT, BLK_OFF, KV_LO, KV_HI,
+               sq_t, sk_t, sv_t, sdo_t, sdk_t, sdq_t, T_ROWS, H, H_KV,
+               CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK, N_KPROG, SL_LIST, NBT, BLK_OFF, KV_LO, KV_HI, ROW_BASE,
                scale, scale_log2,
                GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, SUB_M: gl.constexpr,
                NBUF: gl.constexpr):
     """dK and dV of the slash tiles into DK/DV (fp32, scaled, written once), their dQ added unscaled into DQ32
-    (fp32, zeroed by the caller)."""
+    (fp32, zeroed by the caller). LSE and DELTA: (H, T_ROWS) float32, segment s's rows from ROW_BASE[s]
+    (``sparse._tma_rows``)."""
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_DIM], gl.bfloat16)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SUB_M, HEAD_DIM], gl.bfloat16)
     ps_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SUB_M, BLOCK], gl.bfloat16)
@@ -292,8 +295,9 @@ def _bwd_slash(Q, K, V, DO, LSE, DELTA, DK, DV, DQ32,
                           CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK, N_KPROG, SL_LIST, NBT, BLK_OFF, KV_LO, KV_HI,
                           k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, p_smem, ds_smem, dq_smem,
                           kv_bar, q_ready, q_empty, dq_ready, dq_empty, GROUP, HEAD_DIM, BLOCK, SUB_M, NBUF)),
-        (_load_partition, (Q, K, V, DO, LSE, DELTA, T_q, sq_t, sk_t, sv_t, sdo_t, H, H_KV,
+        (_load_partition, (Q, K, V, DO, LSE, DELTA, T_ROWS, sq_t, sk_t, sv_t, sdo_t, H, H_KV,
                            CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK, N_KPROG, SL_LIST, NBT, BLK_OFF, KV_LO, KV_HI,
+                           ROW_BASE,
                            k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, q_ready, q_empty,
                            GROUP, HEAD_DIM, BLOCK, SUB_M, NBUF)),
         (_dq_partition, (DQ32, sdq_t, H,

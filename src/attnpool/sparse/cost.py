@@ -98,12 +98,12 @@ class SparseCoefficients:
 
 # Our kernels on one H200 (bench/gpu_sparse.py, torch 2.11, triton 3.6, bf16, head_dim 128), with the
 # backward's slash tiles in the Gluon pass: per (tile, head). The fitted per-call constant (1.5 ms
-# forward, 3.2 ms backward: index building, fp32 dQ/dK/dV buffers and their casts) is the same for every
+# forward, 3.0 ms backward: index building, fp32 dQ/dK/dV buffers and their casts) is the same for every
 # server, so it is left out of task costs (bench/results/2026-11-22-h100-sparse-gluon-nospill.md).
-H200_MEASURED = SparseCoefficients(17.7e-9, 17.6e-9, 0.0, 40.3e-9, 48.7e-9, 0.0,
+H200_MEASURED = SparseCoefficients(17.9e-9, 18.0e-9, 0.0, 40.5e-9, 51.2e-9, 0.0,
                                    source="bench/gpu_sparse.py, NVIDIA H200, 2026-11-22, TMA kernels, the "
                                           "backward's slash tiles in the Gluon pass without spills (mean fit "
-                                          "error 2.1% / 3.6%)")
+                                          "error 2.8% / 3.8%)")
 
 
 def fit_coefficients(slash, bars, seconds, tasks=None) -> tuple[float, float, float]:

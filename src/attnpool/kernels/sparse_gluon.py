@@ -67,8 +67,8 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 @gluon.jit
 def _program(CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK, BLK_OFF):
-    """(pid, kv head, valid, key block J, q0, q_len, k0, k_len, shift, the document's first diagonal slot) of
-    this program; an unused program (segment -1) reads segment 0 and has no items."""
+    """(pid, kv head, valid, key block J, q0, q_len, k0, k_len, shift, the document's first diagonal slot,
+    segment) of this program; an unused program (segment -1) reads segment 0 and has no items."""
     pid = gl.program_id(0)
     s = gl.load(KPROG_SEG + pid)
     valid = s >= 0
@@ -78,7 +78,7 @@ def _program(CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK, BLK_OFF):
     k0 = gl.load(CU_K + s)
     k_len = gl.load(CU_K + s + 1) - k0
     boff = gl.load(BLK_OFF + gl.load(SEG_DOC + s))
-    return pid, gl.program_id(1), valid, gl.load(KPROG_BLK + pid), q0, q_len, k0, k_len, k_len - q_len, boff
+    return pid, gl.program_id(1), valid, gl.load(KPROG_BLK + pid), q0, q_len, k0, k_len, k_len - q_len, boff, s
 
 
 @gluon.jit
@@ -95,8 +95,8 @@ def _load_partition(Q, K, V, DO, LSE, DELTA, T_ROWS, sq_t, sk_t, sv_t, sdo_t, H,
                     k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, q_ready, q_empty,
                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, SUB_M: gl.constexpr,
                     NBUF: gl.constexpr):
-    pid, kvh, valid, J, q0, q_len, k0, k_len, shift, boff = _program(CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK,
-                                                                      BLK_OFF)
+    pid, kvh, valid, J, q0, q_len, k0, k_len, shift, boff, s = _program(CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK,
+                                                                         BLK_OFF)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_DIM], gl.bfloat16)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SUB_M, HEAD_DIM], gl.bfloat16)
     # Over the segment's rows, all heads side by side: rows outside the segment load as zeros.
@@ -113,7 +113,7 @@ def _load_partition(Q, K, V, DO, LSE, DELTA, T_ROWS, sq_t, sk_t, sv_t, sdo_t, H,
     # (zeros outside the tensor), which the products mask.
     lse_desc = tma.make_tensor_descriptor(LSE, [H * T_ROWS], [1], [SUB_M], row_layout)
     delta_desc = tma.make_tensor_descriptor(DELTA, [H * T_ROWS], [1], [SUB_M], row_layout)
-    row_base = gl.load(ROW_BASE + gl.maximum(gl.load(KPROG_SEG + pid), 0))
+    row_base = gl.load(ROW_BASE + s)
     mbarrier.expect(kv_bar, 2 * BLOCK * HEAD_DIM * 2)
     tma.async_copy_global_to_shared(k_desc, [J * BLOCK, kvh * HEAD_DIM], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [J * BLOCK, kvh * HEAD_DIM], kv_bar, v_smem)
@@ -141,8 +141,8 @@ def _load_partition(Q, K, V, DO, LSE, DELTA, T_ROWS, sq_t, sk_t, sv_t, sdo_t, H,
 def _dq_partition(DQ32, sdq_t, H, CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK, N_KPROG, SL_LIST, NBT, BLK_OFF,
                   KV_LO, KV_HI, dq_smem, dq_ready, dq_empty,
                   GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, SUB_M: gl.constexpr):
-    pid, kvh, valid, J, q0, q_len, k0, k_len, shift, boff = _program(CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK,
-                                                                      BLK_OFF)
+    pid, kvh, valid, J, q0, q_len, k0, k_len, shift, boff, s = _program(CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK,
+                                                                         BLK_OFF)
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SUB_M, HEAD_DIM], gl.float32)
     dq_desc = tma.make_tensor_descriptor(DQ32 + q0.to(gl.int64) * sdq_t, [q_len, H * HEAD_DIM], [sdq_t, 1],
                                          [SUB_M, HEAD_DIM], dq_layout)
@@ -180,8 +180,8 @@ def _mma_partition(DK, DV, sdk_t, scale, scale_log2,
                    kv_bar, q_ready, q_empty, dq_ready, dq_empty,
                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, SUB_M: gl.constexpr,
                    NBUF: gl.constexpr):
-    pid, kvh, valid, J, q0, q_len, k0, k_len, shift, boff = _program(CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK,
-                                                                      BLK_OFF)
+    pid, kvh, valid, J, q0, q_len, k0, k_len, shift, boff, s = _program(CU_Q, CU_K, SEG_DOC, KPROG_SEG, KPROG_BLK,
+                                                                         BLK_OFF)
     # S and dP as [SUB_M queries, BLOCK keys], each warpgroup half the keys; dK and dV as [BLOCK, HEAD_DIM],
     # each warpgroup 64 keys; dQ as [SUB_M, HEAD_DIM], each warpgroup half of HEAD_DIM.
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],

@@ -15,11 +15,17 @@ from attnpool.errors import ConfigError
 
 
 def add_parser(sub) -> None:
-    from attnpool.train.config import FIELDS, field_kind
-
     p = sub.add_parser("train", help="train a model with FSDP2 and planned core attention",
                        description="Train a Llama-family model on packed documents. Settings come from --config "
                                    "(YAML), then from the flags below, which override the file's keys.")
+    add_config_arguments(p)
+    p.set_defaults(func=run)
+
+
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    """--config and one flag per TrainConfig key (what ``attnpool train`` takes; ``attnpool memory`` too)."""
+    from attnpool.train.config import FIELDS, field_kind
+
     p.add_argument("--config", metavar="FILE.yaml", help="run config (a YAML mapping of the keys below)")
     for name, f in FIELDS.items():
         flag = "--" + name.replace("_", "-")
@@ -35,7 +41,6 @@ def add_parser(sub) -> None:
         else:
             # Kept as text: the config reads numbers (3e-4, 4K) and 'none' itself.
             p.add_argument(flag, dest=name, metavar=kind.upper(), default=None, help=help_text)
-    p.set_defaults(func=run)
 
 
 def _key_values(field: str, items: list[str]) -> dict:
@@ -51,9 +56,9 @@ def _key_values(field: str, items: list[str]) -> dict:
     return out
 
 
-def run(args: argparse.Namespace) -> int:
+def config_from_args(args: argparse.Namespace):
+    """The TrainConfig of --config with the flags applied on top."""
     from attnpool.train.config import FIELDS, field_kind, load_config
-    from attnpool.train.train import run as run_training
 
     overrides = {}
     for name, f in FIELDS.items():
@@ -61,7 +66,12 @@ def run(args: argparse.Namespace) -> int:
         if value is None:
             continue
         overrides[name] = _key_values(name, value) if field_kind(f) == "dict" else value
+    return load_config(args.config, overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    from attnpool.train.train import run as run_training
+
     # Under torchrun every rank holds the same (agreed) error and says it: torchrun stops the other
     # ranks as soon as one exits, so a rank that stayed silent could cut rank 0 off before it spoke.
-    config = load_config(args.config, overrides)
-    return run_training(config)
+    return run_training(config_from_args(args))

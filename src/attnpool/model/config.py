@@ -89,14 +89,16 @@ class ModelConfig:
         if self.max_position is not None:
             _check_positive_int("max_position", self.max_position)
 
-    def num_params(self, include_embeddings: bool = True) -> int:
-        """Number of weights (embedding and output counted once each; once if tied)."""
+    def layer_params(self) -> int:
+        """Weights of one decoder layer: attention projections (and biases), SwiGLU, two norms."""
         attention = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         if self.qkv_bias:
             attention += self.head_dim * (self.n_heads + 2 * self.n_kv_heads)
-        mlp = 3 * self.dim * self.ffn_dim
-        norms = 2 * self.dim
-        total = self.n_layers * (attention + mlp + norms) + self.dim
+        return attention + 3 * self.dim * self.ffn_dim + 2 * self.dim
+
+    def num_params(self, include_embeddings: bool = True) -> int:
+        """Number of weights (embedding and output counted once each; once if tied)."""
+        total = self.n_layers * self.layer_params() + self.dim
         if include_embeddings:
             total += self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return total

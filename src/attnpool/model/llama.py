@@ -159,12 +159,13 @@ class TransformerBlock(nn.Module):
             return checkpoint(forward, x, cos, sin, core_attention, use_reentrant=False)
         return forward(x, cos, sin, core_attention)
 
-    def _linear(self, fn, *args):
+    def _linear(self, fn, *rows):
         """Run a linear part; with recompute == "linear" keep only its inputs and redo it in
-        backward. Core attention between the linear parts runs once either way."""
+        backward, ``LINEAR_CHUNK_TOKENS`` tokens at a time. Core attention between the linear
+        parts runs once either way."""
         if self.recompute == "linear":
-            return checkpoint(fn, *args, use_reentrant=False)
-        return fn(*args)
+            return recompute_in_chunks(fn, LINEAR_CHUNK_TOKENS, *rows)
+        return fn(*rows)
 
     def _forward(self, x, cos, sin, core_attention):
         q, k, v = self._linear(self._qkv, x, cos, sin)  # linear in tokens: stays on this rank
@@ -296,10 +297,37 @@ class Transformer(nn.Module):
         return hs if return_hidden else [F.linear(h, self.output_weight) for h in hs]
 
 
-LOSS_CHUNK_TOKENS = 8192
-
+# The linear parts of a layer act on each token alone, so their recompute (activation checkpointing's
+# keep_attention) can run a chunk of tokens at a time: what the recompute and its backward hold at once
+# (the MLP's four ffn_dim-wide intermediates and their gradients, RoPE's float32 copies) is then one
+# chunk's, not the whole sequence's: at 256K tokens of Llama-3-8B about 1.5 GiB instead of 45. The
+# chunk's matrix products stay large enough to run at full speed.
+LINEAR_CHUNK_TOKENS = 8192
+# The loss computes one chunk of logits at a time; a chunk's float32 logits take at most this many
+# bytes (its backward holds a few such buffers at once).
+LOSS_CHUNK_LOGIT_BYTES = 1 << 30
 
 IGNORE_INDEX = -100  # labels of tokens without a next token (PyTorch's default; attnpool.data uses it too)
+
+
+def loss_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per loss chunk: the largest power of two whose float32 logits fit LOSS_CHUNK_LOGIT_BYTES
+    (2048 for Llama 3's vocabulary of 128256; at least 256)."""
+    return max(256, 1 << ((LOSS_CHUNK_LOGIT_BYTES // (4 * vocab_size)).bit_length() - 1))
+
+
+def recompute_in_chunks(fn, chunk_tokens: int, *rows: Tensor):
+    """``fn(*rows)`` for a function that treats each token (row) alone, run ``chunk_tokens`` rows at a
+    time under activation checkpointing: forward keeps only the inputs, backward recomputes and
+    differentiates one chunk at a time. ``fn`` returns a tensor or a tuple of tensors, concatenated
+    over the chunks. (``split``, not slicing: its backward assembles the input's gradient in one
+    copy, where each slice's would fill a zero tensor of the whole input.)"""
+    if rows[0].shape[0] <= chunk_tokens:
+        return checkpoint(fn, *rows, use_reentrant=False)
+    parts = [checkpoint(fn, *chunk, use_reentrant=False) for chunk in zip(*(r.split(chunk_tokens) for r in rows))]
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(outputs) for outputs in zip(*parts))
+    return torch.cat(parts)
 
 
 def _cross_entropy_sum(h: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
@@ -309,12 +337,14 @@ def _cross_entropy_sum(h: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def chunked_cross_entropy(h: Tensor, weight: Tensor, labels: Tensor, chunk: int = LOSS_CHUNK_TOKENS) -> Tensor:
+def chunked_cross_entropy(h: Tensor, weight: Tensor, labels: Tensor, chunk: int | None = None) -> Tensor:
     """Summed cross-entropy of ``h @ weight.T`` against ``labels`` (-100 ignored), ``chunk`` tokens
-    at a time, each chunk's logits recomputed in backward: never more than one chunk's
-    (chunk x vocab) logits in memory, where full logits of a long sequence would not fit."""
-    return sum(checkpoint(_cross_entropy_sum, h[start:start + chunk], weight, labels[start:start + chunk],
-                          use_reentrant=False) for start in range(0, h.shape[0], chunk))
+    at a time (default :func:`loss_chunk_tokens`), each chunk's logits recomputed in backward: never
+    more than one chunk's (chunk x vocab) logits in memory, where full logits of a long sequence
+    would not fit."""
+    chunk = chunk or loss_chunk_tokens(weight.shape[0])
+    return sum(checkpoint(_cross_entropy_sum, h_chunk, weight, labels_chunk, use_reentrant=False)
+               for h_chunk, labels_chunk in zip(h.split(chunk), labels.split(chunk)))
 
 
 def apply_activation_checkpointing(model: Transformer, recompute_attention: bool = True) -> None:
@@ -323,8 +353,10 @@ def apply_activation_checkpointing(model: Transformer, recompute_attention: bool
     ``recompute_attention=True`` keeps only each block's input, and runs the
     whole block again in backward, core attention and its communication
     included. ``False`` keeps what core attention saves for its backward and
-    its output as well, and recomputes only the linear parts: more memory, but
-    core attention, the expensive and possibly remote part, runs once. Apply
+    its output as well, and recomputes only the linear parts, a chunk of
+    ``LINEAR_CHUNK_TOKENS`` tokens at a time: more memory kept, but core
+    attention, the expensive and possibly remote part, runs once, and the
+    recompute never holds a whole sequence's MLP intermediates. Apply
     before ``fully_shard`` or after; either way the checkpoint sits inside the
     FSDP unit.
     """

@@ -105,3 +105,31 @@ class PlanMetrics:
                 f"(max {s['max_bytes_per_rank'] / 2**20:.1f} MiB/rank), max KV {self.max_kv_tokens} tokens "
                 f"({s['max_kv_tokens_expanded']} with a copy per shard), {self.num_shards} shards "
                 f"(smallest {self.min_shard_tokens}), planned in {self.plan_ms:.1f} ms")
+
+
+@dataclass(frozen=True)
+class AttentionRows:
+    """Per rank, the rows core attention holds under a plan (what its memory depends on):
+    ``home`` tokens (the rank's layer activations), ``query`` rows it serves (its Q buffer, its
+    LSE), ``returned`` of them served for other ranks (their outputs, kept for backward),
+    ``unique_kv`` rows it holds (each once) and ``expanded_kv`` rows its kernel call reads
+    (one prefix per kernel segment, Plan.kernel_segments)."""
+
+    home: np.ndarray
+    query: np.ndarray
+    returned: np.ndarray
+    unique_kv: np.ndarray
+    expanded_kv: np.ndarray
+
+    @classmethod
+    def of(cls, plan: Plan) -> "AttentionRows":
+        W = plan.num_ranks
+        remote = plan.task_server != plan.task_home
+        x = plan.kv_transfers()
+        return cls(
+            home=np.asarray(plan.pieces.tokens_per_rank, dtype=np.int64),
+            query=np.bincount(plan.task_server, weights=plan.task_len, minlength=W).astype(np.int64),
+            returned=np.bincount(plan.task_server, weights=np.where(remote, plan.task_len, 0), minlength=W).astype(np.int64),
+            unique_kv=np.bincount(x.server, weights=x.length, minlength=W).astype(np.int64),
+            expanded_kv=np.array([int(plan.kernel_segments(r)[2].sum()) for r in range(W)], dtype=np.int64),
+        )

@@ -77,6 +77,13 @@ class TrainConfig:
                            "and overlap one's attention traffic with the other's compute", default=False)
     activation_checkpointing: str = _help("none, full (recompute each layer) or keep_attention (recompute all but core attention)",
                                           default="none")
+    activation_offload: bool = _help("keep the activations saved for backward in pinned host memory, copied on a side "
+                                     "stream while compute goes on (on CPU runs the same function, nothing saved)",
+                                     default=False)
+    optimizer_offload: bool = _help("keep parameters, gradients and optimizer states in host memory and step the "
+                                    "optimizer there (FSDP2's CPUOffloadPolicy)", default=False)
+    memory_check: bool = _help("refuse, before anything is allocated, a configuration whose predicted peak memory "
+                               "exceeds the device's (attnpool memory shows the prediction)", default=True)
     # Run
     nproc: int = _help("processes to start on this machine (gloo on CPU, NCCL on GPUs, one per GPU; under torchrun leave at 1)", default=1)
     device: str = _help("auto, cpu or cuda", default="auto")

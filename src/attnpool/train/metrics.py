@@ -15,6 +15,10 @@ Times (all in seconds, per step):
   the bytes all ranks sent to other ranks.
 - ``peak_memory_bytes``: the largest rank's peak: CUDA allocator peak during the
   step on GPU, the process's peak resident set size (since start) on CPU.
+  ``peak_reserved_bytes`` (GPU only): the allocator's reserved memory at its
+  peak, allocated bytes plus what it caches, which is what the GPU must hold.
+- ``activation_offload_bytes`` (with ``activation_offload``): the bytes of saved
+  activations the largest rank copied to host memory in the step.
 
 With ``--sparse vertical-slash``, ``attention_density`` is the share of causal
 (query, key) pairs the step's patterns computed, over all documents (dense
@@ -115,6 +119,12 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def peak_reserved_bytes(device: torch.device) -> int:
+    """The CUDA caching allocator's peak of reserved memory (allocated plus cached, what the device must hold);
+    0 on CPU."""
+    return int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else 0
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -239,6 +249,7 @@ def summarize(rows: list[dict], last_loads: dict | None, info: dict) -> dict:
         "comm_bytes_mean": mean("comm_bytes"),
         "step_time_s_mean": float(np.mean(times)),
         "peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows),
+        "peak_reserved_bytes": max((r.get("peak_reserved_bytes") or 0 for r in rows), default=0) or None,
         "attention_density_mean": mean("attention_density") if "attention_density" in rows[0] else None,
     })
     if last_loads is not None:
@@ -270,7 +281,13 @@ def print_summary(summary: dict, files: list[str]) -> None:
     table.add_row("per step", f"{attention} {s['comm_time_s_mean']:.3f} s; {s['comm_bytes_mean'] / 2**20:.2f} MiB sent")
     if s.get("attention_density_mean") is not None:
         table.add_row("sparse attention", f"{s['attention_density_mean']:.3f} of the causal (query, key) pairs computed")
-    table.add_row("peak memory", f"{s['peak_memory_bytes'] / 2**20:.0f} MiB (largest rank)")
+    memory = f"{s['peak_memory_bytes'] / 2**20:.0f} MiB (largest rank)"
+    if s.get("peak_reserved_bytes"):
+        memory = (f"{s['peak_memory_bytes'] / 2**30:.1f} GiB allocated, {s['peak_reserved_bytes'] / 2**30:.1f} GiB "
+                  f"reserved (largest rank)")
+    if s.get("predicted_peak_memory_bytes"):
+        memory += f"; predicted {s['predicted_peak_memory_bytes'] / 2**30:.1f} GiB"
+    table.add_row("peak memory", memory)
     table.add_row("files", "\n".join(files))
     console.print(table, highlight=False)
 

@@ -32,14 +32,15 @@ import pickle
 import socket
 import tempfile
 import time
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from attnpool.comm import all_gather_flat, comm_stats, end_process, process_group
 from attnpool.data import DocumentStream, GlobalBatch, RankTensors, make_source
@@ -48,7 +49,7 @@ from attnpool.kernels.sparse import device_problem as sparse_device_problem
 from attnpool.kernels.sparse import launch_problem as sparse_launch_problem
 from attnpool.model import ModelConfig, Transformer, apply_activation_checkpointing, model_config
 from attnpool.plan import AttentionShape, linear_table, load_cost_model, plan_attention, wlb_table
-from attnpool.plan.metrics import home_loads, imbalance, server_loads
+from attnpool.plan.metrics import AttentionRows, home_loads, imbalance, server_loads
 from attnpool.plan.plan import Plan
 from attnpool.runtime import CoreAttention
 from attnpool.runtime.sparse import SparseStats
@@ -57,13 +58,19 @@ from attnpool.sparse.cost import SparsePrior
 from attnpool.train.checkpoint import (check_compatible, checkpoint_path, checkpoint_root, latest_checkpoint,
                                        load_checkpoint, save_checkpoint)
 from attnpool.train.config import DATA_PATH_OPTION, TrainConfig, save_config
+from attnpool.train.memory import (Calibration, MemoryEstimate, MemoryInputs, RowRatios, estimate, format_bytes,
+                                   report, saved_bytes_per_layer, settings)
+from attnpool.train.offload import ActivationOffload
 from attnpool.train.metrics import (PLOT_FILE, SUMMARY_FILE, AttentionTimer, MetricsLog, Progress, peak_memory_bytes,
+                                    peak_reserved_bytes,
                                     plot_run, print_summary, reset_peak_memory, summarize)
 
 # Models above this many weights are built on the meta device and initialised
 # shard by shard; smaller ones are built whole first, so their initial weights do
 # not depend on the number of ranks.
 META_INIT_PARAMS = 1_000_000_000
+# Batches whose plans bound core attention's buffers in the memory check (the run's first ones).
+MEMORY_SAMPLE_BATCHES = 8
 
 
 # --- What a run is built from (checked before any process group exists) ---------------------
@@ -76,6 +83,7 @@ class Setup:
     cost_model: object
     resume_from: str | None  # checkpoint directory, when resuming
     sparse: SparseConfig | None  # with its cost coefficients read here, on every rank alike
+    memory: MemoryEstimate | None = None  # the predicted peak, where a rank's device was checked
 
 
 def build_source(config: TrainConfig, vocab_size: int):
@@ -95,12 +103,13 @@ def build_source(config: TrainConfig, vocab_size: int):
     return source
 
 
-def prepare(config: TrainConfig, device: torch.device | None = None) -> Setup:
-    """Build and check everything that needs no process group: model config, data source, cost model, checkpoint.
+def prepare(config: TrainConfig, device: torch.device | None = None, world: int = 1) -> Setup:
+    """Build and check everything that needs no process group: model config, data source, cost model, checkpoint,
+    and (with ``config.memory_check``) that the predicted peak memory fits the device.
 
-    ``device``: the rank's device, whose kind the sparse kernels must support; None in a launcher,
-    which must not touch its GPUs (asking one initialises CUDA and would hold a context on it for
-    the whole run)."""
+    ``device``: the rank's device, whose kind the sparse kernels must support and whose memory must hold
+    the run; None in a launcher, which must not touch its GPUs (asking one initialises CUDA and would hold
+    a context on it for the whole run). ``world``: the number of ranks."""
     model_cfg = model_config(config.model, **config.model_args)
     source = build_source(config, model_cfg.vocab_size)
     cost_model = load_cost_model(config.cost_model)
@@ -113,7 +122,93 @@ def prepare(config: TrainConfig, device: torch.device | None = None) -> Setup:
     elif found is not None:
         raise ConfigError("out", config.out, "holds checkpoints of an earlier run: pass --resume to continue it, "
                                              "or choose another --out")
-    return Setup(model_cfg, source, cost_model, found if config.resume else None, sparse)
+    memory = None
+    if device is not None and config.memory_check:
+        memory = check_memory(config, model_cfg, source, cost_model, sparse, world, device)
+    return Setup(model_cfg, source, cost_model, found if config.resume else None, sparse, memory)
+
+
+# --- Memory ------------------------------------------------------------------------------------
+
+
+def uses_bf16(config: TrainConfig, device_type: str) -> bool:
+    """bf16 compute (FSDP2 mixed precision, autocast): asked for, or by default on CUDA."""
+    return config.precision == "bf16" or (config.precision == "auto" and device_type == "cuda")
+
+
+def sample_row_ratios(config: TrainConfig, source, cost_model, world: int, model_cfg: ModelConfig,
+                      sparse: SparseConfig | None, bf16: bool, batches: int = MEMORY_SAMPLE_BATCHES) -> RowRatios:
+    """Core attention's rows on the busiest rank, per token of tokens_per_rank: the largest of each over the
+    ranks and the plans of the run's first ``batches`` batches (with ping-pong, both nano-batches' rows)."""
+    if world == 1:
+        return RowRatios()
+    stream = DocumentStream(source, world, config.tokens_per_rank, config.seed, config.max_doc_len)
+    shape = AttentionShape(model_cfg.n_heads, model_cfg.n_kv_heads, model_cfg.head_dim, 2 if bf16 else 4)
+    prior = SparsePrior(sparse, model_cfg.n_heads, model_cfg.head_dim, model_cfg.n_layers) if sparse else None
+    names = ("home", "query", "returned", "unique_kv", "expanded_kv")
+    worst = np.zeros(len(names))
+    for _ in range(batches):
+        batch = stream.next_batch()
+        nanos = batch.split_documents(2) if config.pingpong else [batch]
+        rows = [AttentionRows.of(plan_batch(nano, config, world, cost_model, shape, prior).plan) for nano in nanos]
+        per_rank = np.array([np.sum([getattr(r, name) for r in rows], axis=0) for name in names])
+        worst = np.maximum(worst, per_rank.max(axis=1))
+    return RowRatios(*(worst / config.tokens_per_rank).tolist(), batches=batches)
+
+
+def memory_inputs(config: TrainConfig, model_cfg: ModelConfig, world: int, bf16: bool, rows: RowRatios = RowRatios(),
+                  gpu: bool = True) -> MemoryInputs:
+    """The memory model's view of a run (on CPU runs offload moves nothing, so it counts as off)."""
+    return MemoryInputs(model_cfg, config.tokens_per_rank, config.activation_checkpointing,
+                        config.activation_offload and gpu, config.optimizer_offload and gpu, bf16, dp=world, rows=rows)
+
+
+def run_memory_inputs(config: TrainConfig, model_cfg: ModelConfig, source, cost_model, sparse: SparseConfig | None,
+                      world: int, gpu: bool, capacity: int, calibration: Calibration) -> MemoryInputs:
+    """The memory model's inputs for a run, core attention's rows from plans of its first batches. Those
+    are drawn only if, with the fewest rows core attention can hold (RowRatios(), a lower bound of the
+    busiest rank's), some memory setting fits ``capacity``: a batch far too large is refused before one
+    is drawn."""
+    bf16 = uses_bf16(config, "cuda" if gpu else "cpu")
+    x = memory_inputs(config, model_cfg, world, bf16, gpu=gpu)
+    if any(estimate(s, calibration).peak_bytes <= capacity for s in settings(x, offloads=gpu)):
+        x = replace(x, rows=sample_row_ratios(config, source, cost_model, world, model_cfg, sparse, bf16))
+    return x
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def ranks_on_this_machine(config: TrainConfig, world: int) -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world if _under_torchrun() else config.nproc))
+
+
+def check_memory(config: TrainConfig, model_cfg: ModelConfig, source, cost_model, sparse: SparseConfig | None,
+                 world: int, device: torch.device) -> MemoryEstimate:
+    """The predicted peak of a rank (attnpool.train.memory), refused with the field to change where it
+    exceeds the device: on GPU its memory (with the packaged calibration), on CPU this machine's memory
+    shared by its ranks (the hand count alone). Offloaded state must fit this machine's memory too."""
+    gpu = device.type == "cuda"
+    local_ranks = ranks_on_this_machine(config, world)
+    host = host_memory_bytes() // local_ranks
+    if gpu:
+        calibration = Calibration.load()
+        capacity = torch.cuda.get_device_properties(device).total_memory
+        name = torch.cuda.get_device_name(device)
+    else:
+        calibration, capacity = Calibration.none(), host
+        name = "this machine's memory" + (f" for each of its {local_ranks} ranks" if local_ranks > 1 else "")
+    x = run_memory_inputs(config, model_cfg, source, cost_model, sparse, world, gpu, capacity, calibration)
+    predicted = estimate(x, calibration)
+    if predicted.peak_bytes > capacity:
+        raise report(x, capacity, name, calibration, offloads=gpu).refusal()
+    if device.type == "cuda" and predicted.host_bytes > host:
+        field = "optimizer_offload" if config.optimizer_offload else "activation_offload"
+        raise ConfigError(field, True, f"the offloaded state needs {predicted.host_bytes / 2**30:.1f} GiB of host memory "
+                                       f"per rank and this machine has {host / 2**30:.1f} GiB for each of its "
+                                       f"{local_ranks} ranks; --no-memory-check skips this check")
+    return predicted
 
 
 def check_sparse(config: TrainConfig, model_cfg: ModelConfig,
@@ -190,11 +285,16 @@ def build_model(model_cfg: ModelConfig, config: TrainConfig, device: torch.devic
         model = Transformer(model_cfg)
     if config.activation_checkpointing != "none":
         apply_activation_checkpointing(model, recompute_attention=config.activation_checkpointing == "full")
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
-        else MixedPrecisionPolicy()
+    # cast_forward_inputs=False: a layer's input is already bf16, and FSDP2 would otherwise round RoPE's
+    # float32 cos and sin to bf16 at every layer (and keep that copy for backward).
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                     cast_forward_inputs=False) if bf16 else MixedPrecisionPolicy()
+    shard_options = dict(mp_policy=mp_policy)
+    if config.optimizer_offload:  # sharded parameters, gradients and the optimizer's state live in host memory
+        shard_options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     for layer in model.layers:
-        fully_shard(layer, mp_policy=mp_policy)
-    fully_shard(model, mp_policy=mp_policy)
+        fully_shard(layer, **shard_options)
+    fully_shard(model, **shard_options)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # Each rank's loss is already a share of the global mean (see forward_backward):
@@ -203,17 +303,19 @@ def build_model(model_cfg: ModelConfig, config: TrainConfig, device: torch.devic
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 module.set_force_sum_reduction_for_comms(True)
     if on_meta:
-        model.to_empty(device=device)
+        model.to_empty(device="cpu" if config.optimizer_offload else device)
         model.init_weights()
     return model
 
 
-def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not on norms or biases)."""
+def build_optimizer(model: torch.nn.Module, config: TrainConfig, fused: bool = False) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not on norms or biases). ``fused`` (GPU runs, offloaded state
+    included): one kernel per step, and no temporaries the size of the parameters, which the
+    multi-tensor implementation allocates (attnpool.train.memory counts none)."""
     params = list(model.parameters())
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2))
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), fused=fused or None)
 
 
 def lr_factor(done: int, warmup_steps: int, steps: int, min_ratio: float) -> float:
@@ -269,16 +371,17 @@ def combine_plans(plans: list[StepPlan]) -> StepPlan:
 
 
 def forward_backward(model: Transformer, batches: list[RankTensors], attentions: list, global_label_tokens: int,
-                     bf16: bool = False) -> torch.Tensor:
+                     bf16: bool = False, offload: ActivationOffload | None = None) -> torch.Tensor:
     """Forward and backward of this rank's tokens; returns the rank's summed token loss (detached).
 
     One batch with its core attention, or (ping-pong) several nano-batches whose
     layers the model interleaves. The rank back-propagates its summed loss / the
     global batch's label tokens, and FSDP sums gradients over ranks
     (:func:`build_model`), so the gradient is that of the mean loss over every real
-    token of the global batch.
+    token of the global batch. With ``offload``, what the forward saves for
+    backward waits in host memory.
     """
-    with torch.autocast(batches[0].tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
+    with offload or nullcontext(), torch.autocast(batches[0].tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
         if len(batches) == 1:
             losses = [model(batches[0].tokens, batches[0].positions, attentions[0], labels=batches[0].labels)]
         else:
@@ -321,12 +424,16 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
     ``on_step()``, if given, is called after every step (e.g. a torch.profiler's ``step``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device(config)
-    setup = agree(lambda: prepare(config, device))
+    setup = agree(lambda: prepare(config, device, world))
     model_cfg, cost_model = setup.model_config, setup.cost_model
-    bf16 = config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda")
+    bf16 = uses_bf16(config, device.type)
 
     model = build_model(model_cfg, config, device, bf16)
-    optimizer = build_optimizer(model, config)
+    optimizer = build_optimizer(model, config, fused=device.type == "cuda")
+    offload = None
+    if config.activation_offload:  # prefetch in backward: one layer's saved activations ahead
+        layer_bytes = saved_bytes_per_layer(memory_inputs(config, model_cfg, world, bf16))
+        offload = ActivationOffload(device, prefetch_bytes=layer_bytes)
     scheduler = build_scheduler(optimizer, config)
     stream = DocumentStream(setup.source, world, config.tokens_per_rank, config.seed, config.max_doc_len)
     sparse = setup.sparse
@@ -352,6 +459,10 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
         print(f"attnpool train: {config.model} ({model_cfg.num_params() / 1e6:.2f}M params) on {world} x {device.type}, "
               f"{config.attention} attention, {world} x {config.tokens_per_rank} tokens per step, "
               f"steps {step + 1}..{last_step} of {config.steps}{resumed} -> {config.out}", flush=True)
+        if setup.memory is not None and device.type == "cuda":
+            capacity = torch.cuda.get_device_properties(device).total_memory
+            print(f"memory: predicted peak {format_bytes(setup.memory.peak_bytes)} per GPU of its "
+                  f"{format_bytes(capacity)} ({setup.memory.inputs.setting})", flush=True)
         if sparse is not None and device.type == "cuda" and config.precision == "fp32":
             print("the float32 sparse kernels (IEEE products) compile for minutes the first time they run", flush=True)
 
@@ -377,7 +488,7 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
             # Interleaved phases (ping-pong) leave core attention no wall time of its own to measure.
             timer = AttentionTimer(attentions[0], device) if len(nanos) == 1 else None
             attentions = [timer] if timer else attentions
-            loss_sum = forward_backward(model, tensors, attentions, batch.num_label_tokens, bf16)
+            loss_sum = forward_backward(model, tensors, attentions, batch.num_label_tokens, bf16, offload)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf"))
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
@@ -385,8 +496,9 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
             scheduler.step()
             per_rank = _all_gather_floats([float(loss_sum), timer.seconds() if timer else float("nan"), comm_stats.seconds(),
                                            float(comm_stats.bytes_sent), float(peak_memory_bytes(device)),
-                                           *stats.values()], device)
-            sparse_sums = per_rank[:, 5:].sum(0)  # each document was estimated on one rank
+                                           float(peak_reserved_bytes(device)),
+                                           float(offload.offloaded_bytes if offload else 0), *stats.values()], device)
+            sparse_sums = per_rank[:, 7:].sum(0)  # each document was estimated on one rank
             if prior is not None:
                 prior.update(*sparse_sums[:3])
             step_time = time.perf_counter() - t0
@@ -405,6 +517,8 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
                 "comm_time_s": float(per_rank[:, 2].max()),
                 "comm_bytes": int(per_rank[:, 3].sum()),
                 "peak_memory_bytes": int(per_rank[:, 4].max()),
+                "peak_reserved_bytes": int(per_rank[:, 5].max()) if device.type == "cuda" else None,
+                "activation_offload_bytes": int(per_rank[:, 6].max()) if offload else None,
                 "attention_work_total": float(np.sum(last_plan.load_local)),  # cost-model units
                 "attention_density": float(sparse_sums[3] / sparse_sums[4]) if sparse else None,
                 "imbalance_before": last_plan.imbalance_local,
@@ -424,6 +538,7 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
     summary = None
     if rank == 0:
         info = {"model": config.model, "params": model_cfg.num_params(), "world": world,
+                "predicted_peak_memory_bytes": setup.memory.peak_bytes if setup.memory and device.type == "cuda" else None,
                 "tokens_per_rank": config.tokens_per_rank, "strategy": config.attention, "steps": config.steps,
                 "start_step": start_step, "end_step": step, "wall_s": time.perf_counter() - wall0}
         summary = _report(config, log, last_plan, getattr(cost_model, "unit", "work"), info)
@@ -494,6 +609,9 @@ def run(config: TrainConfig) -> int:
 
     Returns 0; bad input raises ConfigError (in this process, whichever rank found it).
     """
+    # Every step's shapes differ (documents are packed anew): growable segments keep the caching
+    # allocator from fragmenting (attnpool.train.memory's calibration is measured with them).
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if _under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if config.nproc not in (1, world):

@@ -1,0 +1,147 @@
+"""``attnpool memory``: will a training configuration fit the GPU, and with which memory setting?
+
+    attnpool memory --config run.yaml
+    attnpool memory --model llama3-8b --nproc 4 --tokens-per-rank 256K --data synthetic --gpu-memory 141GB --json
+
+Takes the same --config and flags as ``attnpool train`` (``nproc`` is the number of ranks that shard the
+model) and predicts the peak memory per GPU with attnpool.train.memory: a breakdown at the configured
+setting, then for every setting (checkpointing mode, activation and optimizer offload) the peak and the
+largest tokens_per_rank that fits. Core attention's buffers come from plans of the run's first batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from attnpool.errors import ConfigError
+
+
+def add_parser(sub) -> None:
+    from attnpool.cli.train_cmd import add_config_arguments
+
+    p = sub.add_parser("memory", help="predict a training configuration's peak GPU memory, and what fits",
+                       description="Predict the peak GPU memory per rank of `attnpool train` with the same config and "
+                                   "flags, and the largest tokens_per_rank each memory setting fits.")
+    p.add_argument("--gpu-memory", metavar="SIZE", default=None,
+                   help="memory of one GPU, e.g. 141GB, 139.8GiB, 80GB (default: the visible GPU's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    add_config_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _capacity(text: str | None) -> tuple[int, str]:
+    from attnpool.train.memory import parse_memory_size
+
+    if text is not None:
+        return parse_memory_size("gpu_memory", text), f"--gpu-memory {text}"
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("gpu_memory", None, "no GPU is visible here: give one GPU's memory, e.g. --gpu-memory 141GB "
+                                              "(an H200) or --gpu-memory 80GB (an H100)")
+    return torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from attnpool.cli.train_cmd import config_from_args
+    from attnpool.train.memory import Calibration, report
+    from attnpool.train.train import build_source, check_sparse, load_cost_model, model_config, run_memory_inputs
+
+    config = config_from_args(args)
+    capacity, device_name = _capacity(args.gpu_memory)
+    model_cfg = model_config(config.model, **config.model_args)
+    source = build_source(config, model_cfg.vocab_size)
+    sparse = check_sparse(config, model_cfg)
+    calibration = Calibration.load()
+    x = run_memory_inputs(config, model_cfg, source, load_cost_model(config.cost_model), sparse, config.nproc, True,
+                          capacity, calibration)
+    result = report(x, capacity, device_name, calibration)
+    if args.json:
+        print(json.dumps(_as_json(config, result, calibration), indent=1))
+    else:
+        _print_tables(config, result, calibration)
+    if result.first_fitting() is None:
+        best = max(result.settings, key=lambda s: s.largest_tokens)
+        raise ConfigError("tokens_per_rank", config.tokens_per_rank,
+                          f"no memory setting fits it in {capacity / 2**30:.1f} GiB per GPU; the most tokens per rank "
+                          f"any holds is {best.largest_tokens} ({best.inputs.setting})" if best.largest_tokens else
+                          f"no memory setting fits even one token per rank in {capacity / 2**30:.1f} GiB per GPU: "
+                          f"shard the model over more ranks (nproc)")
+    return 0
+
+
+def _setting_keys(x) -> dict:
+    return {"activation_checkpointing": x.activation_checkpointing, "activation_offload": x.activation_offload,
+            "optimizer_offload": x.optimizer_offload}
+
+
+def _as_json(config, result, calibration) -> dict:
+    configured = result.configured
+    fitting = result.first_fitting()
+    return {
+        "model": config.model, "ranks": config.nproc, "tokens_per_rank": config.tokens_per_rank,
+        "device": result.device_name,
+        "capacity_bytes": result.capacity_bytes,
+        "peak_bytes": configured.estimate.peak_bytes,
+        "fits": result.fits,
+        "breakdown": configured.estimate.breakdown,
+        "phase": configured.estimate.phase,
+        "allocated_bytes": configured.estimate.allocated_bytes,
+        "host_bytes": configured.estimate.host_bytes,
+        "setting": _setting_keys(configured.inputs),
+        "largest_tokens_per_rank": configured.largest_tokens,
+        "fitting_setting": None if fitting is None else {**_setting_keys(fitting.inputs),
+                                                         "peak_bytes": fitting.estimate.peak_bytes},
+        "settings": [{**_setting_keys(s.inputs), "peak_bytes": s.estimate.peak_bytes,
+                      "fits": s.estimate.peak_bytes <= result.capacity_bytes, "host_bytes": s.estimate.host_bytes,
+                      "largest_tokens_per_rank": s.largest_tokens} for s in result.settings],
+        "attention_rows": vars(configured.inputs.rows),
+        "calibration": calibration.source,
+    }
+
+
+def _print_tables(config, result, calibration) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from attnpool.train.memory import format_bytes, format_tokens
+
+    console = Console()
+    x, est = result.configured.inputs, result.configured.estimate
+    console.print(f"[bold]attnpool memory[/]: {config.model} ({x.model.num_params() / 1e9:.2f}B params), {x.dp} ranks x "
+                  f"{format_tokens(x.tokens_per_rank)} tokens, {'bf16' if x.bf16 else 'fp32'}, {config.attention} "
+                  f"attention; {format_bytes(result.capacity_bytes)} per GPU ({result.device_name})", highlight=False)
+    rows = x.rows
+    where = (f"the worst of the first {rows.batches} batches' plans" if rows.batches else
+             "the fewest any plan holds: no setting fits even those, so no batch was drawn")
+    console.print(f"core attention's rows on the busiest rank, per token of tokens_per_rank: {rows.query:.2f} queries "
+                  f"served, {rows.unique_kv:.2f} KV rows, {rows.returned:.2f} outputs returned, {rows.home:.2f} tokens "
+                  f"held ({where})", highlight=False)
+    table = Table(title=f"{x.setting}: peak at the {est.phase}", title_justify="left")
+    table.add_column("term")
+    table.add_column("per GPU", justify="right")
+    for term, value in est.breakdown.items():
+        if value:
+            table.add_row(term, format_bytes(value))
+    table.add_row("[bold]peak[/]", f"[bold]{format_bytes(est.peak_bytes)}[/]")
+    console.print(table)
+    if est.host_bytes:
+        console.print(f"host memory per rank for offloaded state: {format_bytes(est.host_bytes)}")
+    verdict = "fits" if result.fits else "does NOT fit"
+    console.print(f"[bold]{verdict}[/] in {format_bytes(result.capacity_bytes)} "
+                  f"(largest tokens_per_rank with this setting: {format_tokens(result.configured.largest_tokens)})")
+    settings = Table(title=f"every setting at {format_tokens(x.tokens_per_rank)} tokens per rank, fastest first",
+                     title_justify="left")
+    for name in ("checkpointing", "act. offload", "opt. offload", "peak", "fits", "max tokens/rank"):
+        settings.add_column(name, justify="right" if name in ("peak", "max tokens/rank") else "left")
+    for s in result.settings:
+        fits = s.estimate.peak_bytes <= result.capacity_bytes
+        settings.add_row(s.inputs.activation_checkpointing, str(s.inputs.activation_offload).lower(),
+                         str(s.inputs.optimizer_offload).lower(), format_bytes(s.estimate.peak_bytes),
+                         "yes" if fits else "no", format_tokens(s.largest_tokens))
+    console.print(settings)
+    fitting = result.first_fitting()
+    if fitting is not None and not result.fits:
+        console.print(f"[bold]fits with[/]: {fitting.inputs.setting} ({format_bytes(fitting.estimate.peak_bytes)})")
+    console.print(f"calibration: {calibration.source}", highlight=False)

@@ -1,0 +1,430 @@
+"""Peak GPU memory per rank of a training configuration, predicted before anything is allocated.
+
+The prediction adds up what the training step holds, term by term, from the model's dimensions and the
+code's own choices (what autograd saves under each ``activation_checkpointing`` mode, the loss's chunk,
+FSDP2's copies), then takes the largest of the moments a step's memory can peak:
+
+- the loss's backward (every layer's saved activations still held, plus one chunk of logits and their
+  gradient);
+- the backward of the last layer (the same activations, plus that layer's recompute, its gradients
+  and core attention's backward buffers);
+- the backward of the first layer (one layer's activations left, every other layer's sharded gradient
+  accumulated);
+- the optimizer step (parameters, gradients and AdamW's two moments).
+
+Persistent state: FSDP2 keeps each parameter sharded over the ``dp`` ranks in float32, its gradient
+likewise, and AdamW two float32 moments: 16 bytes per parameter / dp; ``optimizer_offload`` moves all
+three to host memory (FSDP2's ``CPUOffloadPolicy``). For compute, FSDP2 gathers a layer's parameters in
+the compute dtype (bf16 under mixed precision) while it runs, the next one prefetched, and the root's
+(embedding, output projection, final norm) for the whole forward and backward. Tensor and pipeline
+parallelism enter as mesh sizes: ``tp`` divides every layer's parameters and, with sequence
+parallelism, every per-token activation; ``pp`` splits the layers into stages, the first of which holds
+``min(pp, microbatches)`` micro-batches' activations (1F1B). These two follow the standard arithmetic and
+are not calibrated (attnpool has neither yet).
+
+Core attention's buffers depend on the plan: a server holds the Q rows it serves, the unique KV rows
+they need and, for backward, the outputs it returned to other ranks. :class:`RowRatios` gives these per
+home token for the busiest rank, from plans of sampled batches (``train.sample_row_ratios``).
+
+What the hand count misses (autograd's and the kernels' workspaces, allocator rounding) is a fitted
+residual per checkpointing mode, ``per_token * tokens + constant``, and the caching allocator's
+fragmentation a fitted ratio of reserved to allocated bytes; both come from a calibration measured on
+one GPU by varying layers and tokens (``bench/gpu_memory.py``; the packaged one is an H200's,
+``resources/memory_calibration.json``). ``peak_bytes`` is what the device must hold: the allocator's
+reserved peak plus the CUDA context, which lives outside the allocator.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from importlib import resources
+
+from attnpool.errors import ConfigError
+from attnpool.model.config import ModelConfig
+from attnpool.model.llama import LINEAR_CHUNK_TOKENS, loss_chunk_tokens
+from attnpool.runtime.dispatch import BACKWARD_GROUP_KEYS
+
+GiB = 1 << 30
+CHECKPOINTING_MODES = ("none", "keep_attention", "full")
+CALIBRATION_RESOURCE = "memory_calibration.json"
+# Bytes a parameter costs on its owner: float32 master weight, float32 gradient, AdamW's two moments.
+PARAM_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
+
+
+@dataclass(frozen=True)
+class RowRatios:
+    """Core attention's rows on the busiest rank, per token of ``tokens_per_rank`` (each the largest over
+    ranks and sampled batches, so together a bound): tokens held (wlb holds up to memory_cap), query rows
+    served, of them served for other ranks, unique and expanded KV rows (plan.metrics.AttentionRows)."""
+
+    home: float = 1.0
+    query: float = 1.0
+    returned: float = 0.0
+    unique_kv: float = 1.0
+    expanded_kv: float = 1.0
+    batches: int = 0  # plans they were taken from; 0: not sampled, the fewest rows any plan holds
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """What a prediction depends on."""
+
+    model: ModelConfig
+    tokens_per_rank: int
+    activation_checkpointing: str = "none"
+    activation_offload: bool = False
+    optimizer_offload: bool = False
+    bf16: bool = True  # bf16 compute (FSDP2 mixed precision, autocast); False: float32 throughout
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    microbatches: int = 1
+    rows: RowRatios = field(default_factory=RowRatios)
+
+    def __post_init__(self):
+        if self.activation_checkpointing not in CHECKPOINTING_MODES:
+            raise ConfigError("activation_checkpointing", self.activation_checkpointing,
+                              f"choose one of {', '.join(CHECKPOINTING_MODES)}")
+        for name in ("tokens_per_rank", "dp", "tp", "pp", "microbatches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "must be at least 1")
+
+    @property
+    def setting(self) -> str:
+        """The memory-relevant choices, as config keys."""
+        parts = [f"activation_checkpointing={self.activation_checkpointing}"]
+        parts += [f"{name}=true" for name in ("activation_offload", "optimizer_offload") if getattr(self, name)]
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The measured corrections (see the module docstring)."""
+
+    residual_per_token: dict  # mode -> bytes per home token
+    residual_constant: dict  # mode -> bytes
+    fragmentation: float  # reserved / allocated at the peak
+    cuda_context_bytes: int
+    source: str = "hand count only"
+
+    @classmethod
+    def none(cls) -> "Calibration":
+        zero = {mode: 0.0 for mode in CHECKPOINTING_MODES}
+        return cls(dict(zero), dict(zero), 1.0, 0)
+
+    @classmethod
+    def load(cls, path: str | None = None) -> "Calibration":
+        """The packaged calibration, or one written by bench/gpu_memory.py."""
+        if path is None:
+            text = resources.files("attnpool.resources").joinpath(CALIBRATION_RESOURCE).read_text()
+            where = CALIBRATION_RESOURCE
+        else:
+            try:
+                with open(path) as fh:
+                    text = fh.read()
+            except OSError as exc:
+                raise ConfigError("memory_calibration", path, f"cannot be read ({exc.strerror})") from None
+            where = path
+        try:
+            data = json.loads(text)
+            return cls(residual_per_token={m: float(data["residual_per_token"][m]) for m in CHECKPOINTING_MODES},
+                       residual_constant={m: float(data["residual_constant"][m]) for m in CHECKPOINTING_MODES},
+                       fragmentation=float(data["fragmentation"]),
+                       cuda_context_bytes=int(data["cuda_context_bytes"]),
+                       source=str(data.get("source", where)))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError("memory_calibration", where, f"is not a memory calibration ({exc!r})") from None
+
+
+@dataclass
+class MemoryEstimate:
+    inputs: MemoryInputs
+    phase: str  # the moment of the peak
+    breakdown: dict  # bytes per term at that moment; sums to peak_bytes
+    allocated_bytes: int  # the allocator's peak (torch.cuda.max_memory_allocated)
+    peak_bytes: int  # what the GPU must hold: reserved memory at the peak plus the CUDA context
+    host_bytes: int  # host memory the offloads hold per rank
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["inputs"]["model"] = asdict(self.inputs.model)
+        return out
+
+
+# --- The hand count ------------------------------------------------------------------------------------
+
+
+def root_params(m: ModelConfig) -> tuple[int, int]:
+    """(first stage's, last stage's) parameters outside the layers: the embedding; the output
+    projection (unless tied) and final norm. With one stage, both on it."""
+    head = 0 if m.tie_embeddings else m.vocab_size * m.dim
+    return m.vocab_size * m.dim, head + m.dim
+
+
+def saved_per_layer(x: MemoryInputs) -> dict[str, float]:
+    """Bytes one layer keeps from its forward to its backward, per home token, by what holds them.
+
+    keep_attention: the layer's input (the linear parts' checkpoints keep it, as views) and what core
+    attention saves: the server's Q rows and float32 LSE, its unique K and V rows, the rank's output,
+    and the outputs it returned to other ranks. full: the layer's input alone. none: additionally
+    each norm's input and float32 reciprocal RMS, each norm's output (the next projections' input),
+    the attention block's sum, and the MLP's four ffn_dim-wide intermediates."""
+    m, r = x.model, x.rows
+    a = 2 if x.bf16 else 4
+    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    attention = {
+        "attention query": a * q * r.query / r.home,
+        "attention lse": 4 * m.n_heads * r.query / r.home,
+        "attention key/value": 2 * a * kv * r.unique_kv / r.home,
+        "attention output": a * q,
+        "attention returned output": a * q * r.returned / r.home,
+    }
+    mode = x.activation_checkpointing
+    if mode == "full":
+        return {"layer input": a * m.dim}
+    if mode == "keep_attention":
+        return {"layer input": a * m.dim, **attention}
+    return {"layer input": a * m.dim, "norm statistics": 2 * 4.0, "norm outputs": 2 * a * m.dim,
+            "attention sum": a * m.dim, **attention, "mlp intermediates": 4 * a * m.ffn_dim}
+
+
+def step_inputs_per_token(x: MemoryInputs) -> float:
+    """Bytes per home token the step holds outside the layers: RoPE's float32 cos and sin, token ids,
+    positions and labels (int64), the final norm's input, statistics and output (the loss's input)."""
+    a = 2 if x.bf16 else 4
+    return 4 * x.model.head_dim + 3 * 8 + 2 * a * x.model.dim + 4
+
+
+def loss_transient(x: MemoryInputs, tokens: int) -> float:
+    """One loss chunk in backward: its recomputed logits (the product, its float32 copy under bf16,
+    log-softmax) and their gradient (float32, and in bf16 for the product's backward)."""
+    chunk = min(loss_chunk_tokens(x.model.vocab_size), tokens)
+    per_logit = (2 + 4 + 4 + 4 + 2) if x.bf16 else (4 + 4 + 4)
+    return per_logit * chunk * x.model.vocab_size / x.tp
+
+
+def layer_backward_transient(x: MemoryInputs, tokens: int) -> float:
+    """What one layer's backward adds while it runs: the gradient coming in and the one going out,
+    core attention's backward (the output and its gradient in server order, dQ/dK/dV over the expanded
+    keys, FlashAttention's float32 dQ accumulator and, with GQA, per-query-head dK/dV over a group of at
+    most BACKWARD_GROUP_KEYS keys, the gradients scattered back home), and the recompute of the linear
+    parts: a chunk of LINEAR_CHUNK_TOKENS tokens at a time under keep_attention, the whole layer's
+    intermediates under full, nothing under none (they were kept)."""
+    m, r = x.model, x.rows
+    a = 2 if x.bf16 else 4
+    q, kv, home = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, tokens * r.home
+    query, expanded = tokens * r.query, tokens * r.expanded_kv
+    group_keys = min(expanded, BACKWARD_GROUP_KEYS)
+    attention = (3 * a * q * query + 2 * a * kv * expanded + 4 * q * min(query, group_keys)
+                 + 2 * a * q * group_keys + a * (q + 2 * kv) * home)
+    gradients = 3 * a * m.dim * home  # dy in, dx out, the attention output's gradient
+    per_chunk_token = 6 * a * m.ffn_dim + 4 * a * m.dim + 2 * 4 * (q + kv)  # MLP, norms, RoPE's float32
+    if x.activation_checkpointing == "keep_attention":
+        recompute = per_chunk_token * min(LINEAR_CHUNK_TOKENS, home)
+    elif x.activation_checkpointing == "full":
+        saved_none = sum(saved_per_layer(replace(x, activation_checkpointing="none")).values())
+        recompute = saved_none * home + (per_chunk_token - 4 * a * m.ffn_dim) * home
+    else:
+        recompute = 2 * a * m.ffn_dim * home  # the MLP intermediates' gradients
+    return (attention + gradients + recompute) / x.tp
+
+
+# --- The estimate --------------------------------------------------------------------------------------
+
+
+def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryEstimate:
+    """The predicted peak of one rank (the busiest: the first pipeline stage, the rank with the largest
+    attention rows)."""
+    cal = calibration or Calibration.none()
+    m = x.model
+    c = 2 if x.bf16 else 4  # compute copies of parameters and their gradients
+    tokens = x.tokens_per_rank
+    home = tokens * x.rows.home
+    layers = math.ceil(m.n_layers / x.pp)
+    first_root, last_root = root_params(m)
+    root = first_root + last_root if x.pp == 1 else max(first_root, last_root)
+    layer = m.layer_params() / x.tp
+    root /= x.tp
+    owned = (layers * layer + root) / x.dp  # this rank's shard
+    in_flight = min(x.pp, x.microbatches) if x.pp > 1 else 1
+
+    per_layer = sum(saved_per_layer(x).values()) * home / x.tp
+    saved_layers = layers * in_flight
+    # Offloaded, a layer's saved tensors are on the GPU while its backward runs, and the next one's
+    # arrive ahead of it (ActivationOffload's prefetch is one layer's worth).
+    activations_at = (lambda n: min(n, 2) * per_layer) if x.activation_offload else (lambda n: n * per_layer)
+    step_inputs = step_inputs_per_token(x) * home / x.tp * in_flight
+    head_gradient = c * (last_root if x.pp == 1 else 0) / x.tp
+
+    states = {} if x.optimizer_offload else {"parameters": PARAM_BYTES * owned, "optimizer states": ADAM_BYTES * owned}
+    unsharded = {"root parameters (compute copy)": c * root, "layer parameters (compute copies)": 2 * c * layer}
+    # The layer whose gradient FSDP2 reduces: its compute-dtype gradient and, under bf16, the float32
+    # copy that the reduce-scatter sums.
+    layer_gradients = (c + (4 if x.bf16 else 0)) * layer
+    phases = {
+        "loss backward": {
+            **states, **unsharded, "activations": activations_at(saved_layers), "step inputs": step_inputs,
+            "output projection gradient": head_gradient, "loss chunk": loss_transient(x, tokens),
+            "hidden state gradient": (2 if x.bf16 else 4) * m.dim * home / x.tp,
+        },
+        "last layer backward": {
+            **states, **unsharded, "activations": activations_at(saved_layers), "step inputs": step_inputs,
+            "output projection gradient": head_gradient, "layer gradients": layer_gradients,
+            "layer backward": layer_backward_transient(x, tokens),
+        },
+        "first layer backward": {
+            **states, **unsharded, "activations": activations_at(1), "step inputs": step_inputs,
+            "output projection gradient": head_gradient, "layer gradients": layer_gradients,
+            "layer backward": layer_backward_transient(x, tokens),
+            "gradients": 0 if x.optimizer_offload else GRAD_BYTES * (layers - 1) * layer / x.dp,
+        },
+        "optimizer step": {**states, "gradients": 0 if x.optimizer_offload else GRAD_BYTES * owned},
+    }
+    totals = {name: sum(terms.values()) for name, terms in phases.items()}
+    phase = max(totals, key=totals.get)
+    breakdown = dict(phases[phase])
+    mode = x.activation_checkpointing
+    if phase != "optimizer step":
+        breakdown["calibrated residual"] = cal.residual_per_token[mode] * home + cal.residual_constant[mode]
+    allocated = sum(breakdown.values())
+    breakdown["allocator fragmentation"] = (cal.fragmentation - 1.0) * allocated
+    breakdown["CUDA context"] = cal.cuda_context_bytes
+    breakdown = {name: int(round(value)) for name, value in breakdown.items()}
+    host = (PARAM_BYTES + GRAD_BYTES + ADAM_BYTES) * owned if x.optimizer_offload else 0
+    if x.activation_offload:
+        host += saved_layers * per_layer
+    return MemoryEstimate(x, phase, breakdown, int(round(allocated)), sum(breakdown.values()), int(host))
+
+
+def largest_tokens(x: MemoryInputs, capacity_bytes: int, calibration: Calibration | None = None,
+                   granularity: int = 1024) -> int:
+    """The largest tokens_per_rank, a multiple of ``granularity``, whose predicted peak fits
+    ``capacity_bytes`` (0 if none does). The row ratios are taken as they are at x.tokens_per_rank."""
+    def fits(tokens):
+        return estimate(replace(x, tokens_per_rank=tokens), calibration).peak_bytes <= capacity_bytes
+
+    if not fits(granularity):
+        return 0
+    low, high = 1, 2
+    while fits(high * granularity):
+        low, high = high, high * 2
+        if high > 1 << 30:
+            return high * granularity  # no limit in sight: memory does not grow with tokens here
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid * granularity) else (low, mid)
+    return low * granularity
+
+
+def settings(x: MemoryInputs, offloads: bool = True) -> list[MemoryInputs]:
+    """x under every memory setting, fastest first: less recompute, then no offload, then offload of
+    activations, of optimizer state, of both (``offloads=False``: checkpointing modes only)."""
+    out = []
+    choices = ((False, False), (True, False), (False, True), (True, True)) if offloads else ((False, False),)
+    for activation_offload, optimizer_offload in choices:
+        for mode in CHECKPOINTING_MODES:
+            out.append(replace(x, activation_checkpointing=mode, activation_offload=activation_offload,
+                               optimizer_offload=optimizer_offload))
+    return out
+
+
+def parse_memory_size(field_name: str, text) -> int:
+    """'141GB' (decimal), '139.8GiB' or '139.8G' (binary), '80000MiB', or plain bytes."""
+    units = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20,
+             "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+    s = str(text).strip().lower()
+    number = s.rstrip("abcdefghijklmnopqrstuvwxyz ")
+    unit = s[len(number):].strip()
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise ConfigError(field_name, text, "is not a memory size (e.g. 141GB, 139.8GiB, 80G, 81559MiB)") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(field_name, text, "must be a positive size")
+    return int(value)
+
+
+def format_tokens(tokens: int) -> str:
+    """131072 -> '128K', 1572864 -> '1.5M', 1000 -> '1000'."""
+    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
+        if tokens >= size and tokens % (size // 4) == 0:
+            value = tokens / size
+            return f"{value:g}{unit}"
+    return str(tokens)
+
+
+
+
+# --- Verdicts --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SettingFit:
+    """One memory setting at the configured tokens: its estimate and the largest tokens_per_rank that fits."""
+
+    inputs: MemoryInputs
+    estimate: MemoryEstimate
+    largest_tokens: int
+
+
+@dataclass
+class MemoryReport:
+    configured: SettingFit
+    capacity_bytes: int
+    device_name: str
+    settings: list[SettingFit]  # every setting, fastest first (see settings())
+
+    @property
+    def fits(self) -> bool:
+        return self.configured.estimate.peak_bytes <= self.capacity_bytes
+
+    def first_fitting(self) -> SettingFit | None:
+        """The fastest setting that fits the configured tokens."""
+        return next((s for s in self.settings if s.estimate.peak_bytes <= self.capacity_bytes), None)
+
+    def refusal(self) -> ConfigError:
+        """Why the configuration cannot run, naming the field to change and the largest value that fits."""
+        x = self.configured.inputs
+        cap = f"the {format_bytes(self.capacity_bytes)} of {self.device_name}"
+        said = (f"predicted peak {format_bytes(self.configured.estimate.peak_bytes)} per rank with {x.setting} "
+                f"is more than {cap}")
+        hint = "; `attnpool memory` with the same flags shows the breakdown, --no-memory-check skips this check"
+        alternative = self.first_fitting()
+        other = f"; {alternative.inputs.setting} fits it ({format_bytes(alternative.estimate.peak_bytes)})" \
+            if alternative is not None else ""
+        if self.configured.largest_tokens > 0:
+            return ConfigError("tokens_per_rank", x.tokens_per_rank,
+                               f"{said}: the largest tokens_per_rank that fits is "
+                               f"{format_tokens(self.configured.largest_tokens)}{other}{hint}")
+        if alternative is not None:
+            field_name = next(name for name in ("optimizer_offload", "activation_offload", "activation_checkpointing")
+                              if getattr(alternative.inputs, name) != getattr(x, name))
+            return ConfigError(field_name, getattr(x, field_name),
+                               f"{said}, and no tokens_per_rank fits with these settings{other}{hint}")
+        best = max(self.settings, key=lambda s: s.largest_tokens)
+        if best.largest_tokens > 0:
+            return ConfigError("tokens_per_rank", x.tokens_per_rank,
+                               f"{said}, and no memory setting holds that many tokens per rank: the most any holds "
+                               f"is {format_tokens(best.largest_tokens)}, with {best.inputs.setting}{hint}")
+        return ConfigError("nproc", x.dp, f"{said}, and no memory setting fits even one token per rank: shard the "
+                                          f"model over more ranks{hint}")
+
+
+def report(x: MemoryInputs, capacity_bytes: int, device_name: str, calibration: Calibration | None = None,
+           offloads: bool = True) -> MemoryReport:
+    """x and every other memory setting (``offloads``: the offload ones too) against the capacity."""
+    def fit(inputs):
+        return SettingFit(inputs, estimate(inputs, calibration), largest_tokens(inputs, capacity_bytes, calibration))
+
+    return MemoryReport(fit(x), capacity_bytes, device_name, [fit(s) for s in settings(x, offloads)])
+
+
+def format_bytes(n: float) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / (1 << 20):.0f} MiB"
+
+
+def saved_bytes_per_layer(x: MemoryInputs) -> int:
+    """Bytes one layer keeps for its backward on this rank (its share of the busiest rank's rows)."""
+    return int(sum(saved_per_layer(x).values()) * x.tokens_per_rank * x.rows.home / x.tp)

@@ -1,0 +1,177 @@
+"""Activation offload: the tensors autograd saves for backward live in host memory between the passes.
+
+    offload = ActivationOffload(device)
+    with offload:
+        loss = model(...)        # saved activations are copied to pinned host memory as forward goes
+    loss.backward()              # and copied back, a little ahead of the layer that needs them
+
+Built on autograd's saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``). Under activation
+checkpointing the tensors a checkpoint keeps (its inputs) pass through these hooks too, while what a
+checkpointed region saves internally goes to the checkpoint's own hooks and is recomputed, so offload
+composes with every ``activation_checkpointing`` mode: under ``full`` it moves each layer's input, under
+``keep_attention`` also core attention's saved state, under ``none`` everything.
+
+On CUDA, device-to-host copies run on a side stream as soon as a tensor is saved, overlapped with the
+forward's compute; the GPU buffer is handed back to the allocator at once and reused once its copy is
+done (``record_stream``). Forward stops running ahead of the copies by more than ``max_pending_bytes``
+(the GPU would otherwise keep every not-yet-copied buffer). In backward, unpacking a tensor starts the
+host-to-device copies of the tensors saved before it, up to ``prefetch_bytes`` ahead, in the reverse order
+backward needs them.
+
+Left on the GPU: parameters (FSDP gathers them again for backward), tensors under ``min_bytes``, tensors
+on other devices, and non-contiguous ones (their strides would not survive the round trip). A region
+saved twice (the same layer input kept by two checkpoints as views of one tensor) is copied once.
+
+On a CPU run the "host copy" is a copy in the same memory: the same function, nothing saved; training
+turns offload on there only so that its path runs in tests.
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+
+import torch
+from torch import nn
+
+DEFAULT_MIN_BYTES = 1 << 20
+
+
+class _Saved:
+    """One offloaded region: its host copy, and its device copy while backward needs it."""
+
+    __slots__ = ("host", "nbytes", "device_copy", "ready", "users")
+
+    def __init__(self, host: torch.Tensor):
+        self.host = host
+        self.nbytes = host.numel() * host.element_size()
+        self.device_copy: torch.Tensor | None = None
+        self.ready = None  # CUDA event: the device copy is complete
+        self.users = 0  # packs of this region not unpacked yet
+
+
+class _Packed:
+    """What autograd keeps for one saved tensor: its region, and the place of this save in the pass."""
+
+    __slots__ = ("saved", "position")
+
+    def __init__(self, saved: _Saved, position: int):
+        self.saved, self.position = saved, position
+
+
+class ActivationOffload:
+    """Saved-tensor hooks that keep saved activations in host memory (see the module docstring).
+
+    ``with offload:`` around a forward pass; the backward may run after the block. Entering again
+    starts a new pass. ``offloaded_bytes``: what the last pass copied to the host.
+    """
+
+    def __init__(self, device: torch.device, *, min_bytes: int = DEFAULT_MIN_BYTES,
+                 prefetch_bytes: int = 1 << 30, max_pending_bytes: int = 4 << 30):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.min_bytes = min_bytes
+        self.prefetch_bytes = prefetch_bytes
+        self.max_pending_bytes = max_pending_bytes
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._reset()
+
+    def _reset(self):
+        self.offloaded_bytes = 0
+        self._order: list[_Saved] = []  # the region of every save, in order of saving
+        self._regions: dict = {}  # region key -> (weak reference to its base tensor, _Saved)
+        self._pending: collections.deque = collections.deque()  # (event, bytes) of device-to-host copies
+        self._pending_bytes = 0
+        self._cursor = None  # backward: the lowest save position fetched so far
+        self._fetched_bytes = 0  # backward: device copies made and not yet consumed by every user
+
+    def __enter__(self):
+        self._reset()
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._regions.clear()  # only forward dedupes; the regions' bases may be freed from now on
+        return self._hooks.__exit__(*exc)
+
+    # --- forward ---------------------------------------------------------------------------------
+
+    def _keeps_on_device(self, t: torch.Tensor) -> bool:
+        return (t.device != self.device or isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+                or t.numel() * t.element_size() < self.min_bytes or not t.is_contiguous())
+
+    def _pack(self, t: torch.Tensor):
+        if self._keeps_on_device(t):
+            return t
+        base = t if t._base is None else t._base
+        # A live base pins its storage, so a region of it cannot be another tensor's by the time of a
+        # second lookup; the weak reference tells a live base from a freed one whose id was reused.
+        key = (id(base), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        found = self._regions.get(key)
+        if found is not None and found[0]() is base:
+            saved = found[1]
+        else:
+            saved = _Saved(self._copy_to_host(t))
+            self._regions[key] = (weakref.ref(base), saved)
+        saved.users += 1
+        self._order.append(saved)
+        return _Packed(saved, len(self._order) - 1)
+
+    def _copy_to_host(self, t: torch.Tensor) -> torch.Tensor:
+        nbytes = t.numel() * t.element_size()
+        self.offloaded_bytes += nbytes
+        if not self.cuda:
+            return t.detach().clone()
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            host.copy_(t, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        t.record_stream(self.stream)  # the allocator reuses t's memory only after the copy
+        self._pending.append((done, nbytes))
+        self._pending_bytes += nbytes
+        while self._pending and (self._pending_bytes > self.max_pending_bytes or self._pending[0][0].query()):
+            done, nbytes = self._pending.popleft()
+            done.synchronize()  # forward waits here only when it runs too far ahead of the copies
+            self._pending_bytes -= nbytes
+        return host
+
+    # --- backward --------------------------------------------------------------------------------
+
+    def _fetch(self, saved: _Saved) -> None:
+        if saved.device_copy is not None or saved.users <= 0:
+            return
+        self._fetched_bytes += saved.nbytes
+        if not self.cuda:
+            saved.device_copy = saved.host.clone()
+            return
+        with torch.cuda.stream(self.stream):
+            saved.device_copy = saved.host.to(self.device, non_blocking=True)
+            saved.ready = torch.cuda.Event()
+            saved.ready.record()
+
+    def _unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        saved = packed.saved
+        if saved.users <= 0:  # unpacked again after its last user (a retained graph): from the host anew
+            saved.users = 1
+        self._fetch(saved)
+        # Backward consumes saves in about the reverse order of forward: fetch the ones saved just
+        # before this one, up to prefetch_bytes of device copies waiting to be used.
+        self._cursor = packed.position if self._cursor is None else min(self._cursor, packed.position)
+        while self._cursor > 0 and self._fetched_bytes < self.prefetch_bytes:
+            self._cursor -= 1
+            self._fetch(self._order[self._cursor])
+        t = saved.device_copy
+        if self.cuda:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(saved.ready)
+            t.record_stream(current)  # allocated on the side stream, used and freed on this one
+        saved.users -= 1
+        if saved.users == 0:
+            saved.device_copy = None  # autograd keeps it for as long as its node needs it
+            self._fetched_bytes -= saved.nbytes
+        return t

@@ -77,6 +77,12 @@ RUNS = [
 ]
 
 
+# (layers, tokens, mode, activation_offload, optimizer_offload) whose least allocator memory is measured.
+THRESHOLD_RUNS = [
+    (2, 128 * K, "keep_attention", False, False),
+    (2, 64 * K, "full", False, False),
+    (4, 128 * K, "keep_attention", True, False),
+]
 # Runs whose peak is broken down by allocation site (the allocator's history is recorded: slower).
 BREAKDOWN_RUNS = [
     (2, 128 * K, "keep_attention", False, False, "breakdown"),
@@ -90,11 +96,16 @@ def log(*args):
     print(*args, flush=True)
 
 
-def fresh():
+def fresh(host: bool = True):
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    # Pinned host memory that offload runs cached: sizes differ from run to run, so it would pile up.
+    for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):
+        if host and hasattr(torch._C, name):
+            getattr(torch._C, name)()
+            break
 
 
 def run_config(layers, tokens, mode, act_offload, opt_offload, out_dir, *, steps=2, data="synthetic", **extra):
@@ -196,26 +207,65 @@ def phase_measure(tmp, calibration: Calibration, runs, breakdown: bool = False) 
 # --- fit -------------------------------------------------------------------------------------------------
 
 
-def phase_fit(measured: list[dict]) -> dict:
-    """Residuals per mode from the fit runs: measured allocated minus the hand count (no calibration)."""
-    ok = [r for r in measured if "error" not in r]
-    fit_runs = [r for r in ok if r["role"] == "fit"]
+def hand_count(r: dict) -> int:
+    """The hand count alone (no calibration) of a measured run's allocated peak."""
+    config = run_config(r["layers"], r["tokens"], r["mode"], r["activation_offload"], r["optimizer_offload"], "x")
+    return predicted(config, Calibration.none())["allocated_bytes"]
+
+
+def phase_fit(record: dict) -> dict:
+    """The calibration: per checkpointing mode, a residual ``per_token * tokens + constant`` fitted by least
+    squares to the ``fit`` runs' allocated peaks minus the hand count; the fragmentation, the largest ratio
+    of the allocator memory a run needed (``threshold``) to its allocated peak; the CUDA context."""
+    ok = [r for r in record["measure"] if "error" not in r]
     per_token, constant = {}, {}
     for mode in CHECKPOINTING_MODES:
-        runs = [r for r in fit_runs if r["mode"] == mode]
+        runs = [r for r in ok if r["role"] == "fit" and r["mode"] == mode]
         if len(runs) < 2:
             per_token[mode], constant[mode] = 0.0, 0.0
             continue
         tokens = np.array([r["tokens"] for r in runs], dtype=np.float64)
-        residual = np.array([r["allocated_bytes"] - r["hand_allocated_bytes"] for r in runs], dtype=np.float64)
+        residual = np.array([r["allocated_bytes"] - hand_count(r) for r in runs], dtype=np.float64)
         slope, intercept = np.polyfit(tokens, residual, 1)
         per_token[mode], constant[mode] = float(slope), float(intercept)
-    fragmentation = float(max(r["reserved_bytes"] / r["allocated_bytes"] for r in fit_runs))
-    context = int(max(r["context_bytes"] for r in ok))
-    return {"source": f"bench/gpu_memory.py on one {torch.cuda.get_device_name()} (torch {torch.__version__}), "
-                      f"{time.strftime('%Y-%m-%d')}",
-            "residual_per_token": per_token, "residual_constant": constant, "fragmentation": fragmentation,
-            "cuda_context_bytes": context}
+    needed = [r["needed_bytes"] / r["allocated_bytes"] for r in record.get("threshold", []) if r.get("needed_bytes")]
+    return {"source": f"bench/gpu_memory.py on one {record['device']} (torch {record['torch']}), {record['date']}",
+            "residual_per_token": per_token, "residual_constant": constant,
+            "fragmentation": float(max(needed)) if needed else 1.0,
+            "cuda_context_bytes": int(max(r["context_bytes"] for r in ok))}
+
+
+def phase_threshold(tmp, configs, measured: list[dict], iterations: int = 5) -> list[dict]:
+    """The least allocator memory each configuration runs in: its allocated peak plus what the allocator
+    cannot give back when an allocation fails (reserved memory beyond that is cache it releases). Found
+    by capping the allocator (``torch.cuda.set_per_process_memory_fraction``) between the run's allocated
+    peak and the whole device, by bisection."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    rows = []
+    for layers, tokens, mode, act_offload, opt_offload in configs:
+        ref = next(r for r in measured if (r["layers"], r["tokens"], r["mode"], r["activation_offload"],
+                                           r["optimizer_offload"]) == (layers, tokens, mode, act_offload, opt_offload))
+        low, high = ref["allocated_bytes"] / total, 1.0  # fails below its allocated peak; runs with everything
+        attempts = []
+        for i in range(iterations):
+            fraction = (low + high) / 2
+            torch.cuda.set_per_process_memory_fraction(fraction)
+            fresh(host=False)  # the same sizes again: keep the pinned memory
+            try:
+                train(run_config(layers, tokens, mode, act_offload, opt_offload, f"{tmp}/t{len(rows)}-{i}"))
+                high, ran = fraction, True
+            except torch.OutOfMemoryError:
+                low, ran = fraction, False
+            attempts.append({"fraction": fraction, "ran": ran})
+            torch.cuda.set_per_process_memory_fraction(1.0)
+            fresh(host=False)
+        fresh()
+        rows.append({"layers": layers, "tokens": tokens, "mode": mode, "activation_offload": act_offload,
+                     "optimizer_offload": opt_offload, "allocated_bytes": ref["allocated_bytes"],
+                     "reserved_bytes": ref["reserved_bytes"], "needed_bytes": int(high * total),
+                     "attempts": attempts})
+        log("threshold", rows[-1])
+    return rows
 
 
 # --- full depth and offload ----------------------------------------------------------------------------
@@ -265,30 +315,82 @@ def phase_offload(tmp, configs) -> list[dict]:
 
 
 def markdown(record: dict) -> str:
-    lines = [f"# Peak memory on one {record['device']}", "", f"Command: `{record['command']}`", ""]
+    lines = [f"# Peak memory on one {record['device']}", "", f"Command: `{record['command']}`",
+             f"(torch {record['torch']}, {record['date']})", ""]
+    if record.get("measure"):
+        lines += ["## Allocated peak per configuration (GiB)", "",
+                  "The allocator's peak of allocated memory (`torch.cuda.max_memory_allocated`, steps 1-2) against the "
+                  "prediction: calibrated, and the hand count alone. `fit` runs calibrate, `check` runs test.", "",
+                  "| role | layers | tokens | checkpointing | act. offload | opt. offload | measured | predicted | error | "
+                  "hand count | error | peak phase | reserved |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in record["measure"]:
+            head = (f"| {r['role']} | {r['layers']} | {r['tokens'] // K}K | {r['mode']} | {r['activation_offload']} | "
+                    f"{r['optimizer_offload']} |")
+            if "error" in r:
+                lines.append(f"{head} {r['error']} | | | | | | |")
+                continue
+            measured, hand, cal = r["allocated_bytes"], r["hand_allocated_bytes"], r["calibrated"]
+            lines.append(f"{head} {measured / GiB:.2f} | {cal['allocated_bytes'] / GiB:.2f} | "
+                         f"{cal['allocated_bytes'] / measured - 1:+.1%} | {hand / GiB:.2f} | {hand / measured - 1:+.1%} | "
+                         f"{cal['phase']} | {r['reserved_bytes'] / GiB:.2f} |")
+        errors = [abs(r["calibrated"]["allocated_bytes"] / r["allocated_bytes"] - 1) for r in record["measure"]
+                  if "error" not in r and r["role"] == "check"]
+        if errors:
+            lines += ["", f"Held-out (`check`) runs: largest error {max(errors):.1%}, mean {np.mean(errors):.1%}.", ""]
+    if record.get("threshold"):
+        lines += ["## What the allocator needs (GiB)", "",
+                  "Reserved memory beyond the allocated peak is mostly cache that the allocator releases when an "
+                  "allocation fails. The least memory each run needs was found by capping the allocator "
+                  "(`set_per_process_memory_fraction`) and bisecting; the calibration's fragmentation is the largest "
+                  "needed/allocated ratio, and the predicted peak (what the GPU must hold) adds the CUDA context.", "",
+                  "| layers | tokens | checkpointing | act. offload | allocated | reserved | needed | needed/allocated | "
+                  "predicted peak | needed + context |", "|---|---|---|---|---|---|---|---|---|---|"]
+        context = record.get("calibration", {}).get("cuda_context_bytes", 0)
+        for r in record["threshold"]:
+            config = run_config(r["layers"], r["tokens"], r["mode"], r["activation_offload"], r["optimizer_offload"], "x")
+            peak = r.get("predicted_peak_bytes") or predicted(config, Calibration.none())["peak_bytes"]
+            lines.append(f"| {r['layers']} | {r['tokens'] // K}K | {r['mode']} | {r['activation_offload']} | "
+                         f"{r['allocated_bytes'] / GiB:.2f} | {r['reserved_bytes'] / GiB:.2f} | {r['needed_bytes'] / GiB:.2f} | "
+                         f"{r['needed_bytes'] / r['allocated_bytes']:.3f} | {peak / GiB:.2f} | "
+                         f"{(r['needed_bytes'] + context) / GiB:.2f} |")
+        lines.append("")
+    if record.get("calibration"):
+        lines += ["## Calibration", "", "```", json.dumps(record["calibration"], indent=1), "```", ""]
+    if record.get("full"):
+        r = record["full"]
+        lines += ["## Full depth: Llama-3-8B, 32 layers, one GPU", ""]
+        if "error" in r:
+            lines += [f"{r['tokens'] // K if 'tokens' in r else '?'}K tokens: {r['error']}", ""]
+        else:
+            lines += [f"{r['tokens'] // K}K tokens per step, {r['mode']}"
+                      f"{', activation offload' if r['activation_offload'] else ''}"
+                      f"{', optimizer offload' if r['optimizer_offload'] else ''}; Python standard library text "
+                      "(byte-level), 5 steps.", "",
+                      "| step | loss | step time (s) | tokens/s |", "|---|---|---|---|"]
+            lines += [f"| {i + 1} | {loss:.3f} | {t:.2f} | {rate:,.0f} |"
+                      for i, (loss, t, rate) in enumerate(zip(r["loss"], r["step_time_s"], r["tokens_per_s"]))]
+            lines += ["", f"Peak allocated {r['allocated_bytes'] / GiB:.2f} GiB (predicted "
+                          f"{r['predicted']['allocated_bytes'] / GiB:.2f}, {r['predicted']['allocated_bytes'] / r['allocated_bytes'] - 1:+.1%}), "
+                          f"reserved {r['reserved_bytes'] / GiB:.2f} GiB; predicted peak with fragmentation and context "
+                          f"{r['predicted']['peak_bytes'] / GiB:.2f} GiB of {record['total_memory'] / GiB:.2f}.", ""]
+    if record.get("offload"):
+        lines += ["## Activation offload: step time (median of steps 2-6)", "",
+                  "| layers | tokens | checkpointing | without (s) | with (s) | slowdown | allocated without | with | "
+                  "offloaded per step |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in record["offload"]:
+            lines.append(f"| {r['layers']} | {r['tokens'] // K}K | {r['mode']} | {r['without']['median_step_s']:.3f} | "
+                         f"{r['with']['median_step_s']:.3f} | {r['slowdown']:+.1%} | "
+                         f"{r['without']['allocated_bytes'] / GiB:.2f} | {r['with']['allocated_bytes'] / GiB:.2f} | "
+                         f"{(r['with']['offloaded_bytes'] or 0) / GiB:.2f} |")
+        lines.append("")
     if record.get("saved"):
-        lines += ["## Saved for backward per layer and token (bytes)", "",
+        lines += ["## Saved for backward, per layer and token (bytes)", "",
+                  "Counted by a saved-tensor hook over a 1- and a 2-layer forward (bf16, FSDP2), against "
+                  "`attnpool.train.memory.saved_per_layer`.", "",
                   "| mode | measured | hand count | outside layers: measured | hand count |", "|---|---|---|---|---|"]
         lines += [f"| {r['mode']} | {r['measured_per_layer']:.1f} | {r['hand_count_per_layer']:.1f} | "
                   f"{r['measured_outside_layers']:.1f} | {r['hand_count_outside_layers']:.1f} |" for r in record["saved"]]
         lines.append("")
-    if record.get("measure"):
-        lines += ["## Peak per configuration (GiB)", "",
-                  "| role | layers | tokens | checkpointing | act. offload | opt. offload | allocated | reserved | "
-                  "predicted (calibrated) | error | hand count alone |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in record["measure"]:
-            if "error" in r:
-                lines.append(f"| {r['role']} | {r['layers']} | {r['tokens'] // K}K | {r['mode']} | "
-                             f"{r['activation_offload']} | {r['optimizer_offload']} | {r['error']} | | | | |")
-                continue
-            measured = r["reserved_bytes"] + r["context_bytes"]
-            calibrated = r.get("calibrated_peak_bytes")
-            calibrated = "| |" if calibrated is None else f"{calibrated / GiB:.2f} | {calibrated / measured - 1:+.1%} |"
-            lines.append(f"| {r['role']} | {r['layers']} | {r['tokens'] // K}K | {r['mode']} | {r['activation_offload']} | "
-                         f"{r['optimizer_offload']} | {r['allocated_bytes'] / GiB:.2f} | {r['reserved_bytes'] / GiB:.2f} | "
-                         f"{calibrated} {r['hand_allocated_bytes'] / GiB:.2f} |")
-        lines += ["", "Measured peak = reserved + CUDA context (what the GPU holds); the error compares the calibrated "
-                      "prediction with it.", ""]
     for r in record.get("breakdown", []):
         b = r.get("peak_breakdown")
         if not b:
@@ -299,69 +401,84 @@ def markdown(record: dict) -> str:
                   f"of {b['entries']}).", "", "| allocated at | GiB | blocks |", "|---|---|---|"]
         lines += [f"| `{g['site']}` | {g['bytes'] / GiB:.3f} | {g['blocks']} |" for g in b["groups"]]
         lines.append("")
-    if record.get("calibration"):
-        lines += ["## Calibration", "", "```", json.dumps(record["calibration"], indent=1), "```", ""]
-    if record.get("full"):
-        r = record["full"]
-        lines += ["## Full depth", "", "```", json.dumps(r, indent=1, default=str), "```", ""]
-    if record.get("offload"):
-        lines += ["## Activation offload: step time", "", "| layers | tokens | checkpointing | without (s) | with (s) | "
-                  "slowdown | peak without | peak with | offloaded |", "|---|---|---|---|---|---|---|---|---|"]
-        for r in record["offload"]:
-            lines.append(f"| {r['layers']} | {r['tokens'] // K}K | {r['mode']} | {r['without']['median_step_s']:.3f} | "
-                         f"{r['with']['median_step_s']:.3f} | {r['slowdown']:+.1%} | "
-                         f"{r['without']['allocated_bytes'] / GiB:.2f} | {r['with']['allocated_bytes'] / GiB:.2f} | "
-                         f"{(r['with']['offloaded_bytes'] or 0) / GiB:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def calibration_of(data: dict) -> Calibration:
+    return Calibration(**{k: data[k] for k in ("residual_per_token", "residual_constant", "fragmentation",
+                                               "cuda_context_bytes", "source")})
+
+
+def finish(record: dict, out: str) -> None:
+    """Fit (where measurements exist), predict every measured run with the result, write the files."""
+    calibration = Calibration.load()
+    if record.get("measure"):
+        record["calibration"] = phase_fit(record)
+        with open(os.path.join(out, "memory_calibration.json"), "w") as fh:
+            json.dump(record["calibration"], fh, indent=1)
+        calibration = calibration_of(record["calibration"])
+    for r in record.get("measure", []):
+        config = run_config(r["layers"], r["tokens"], r["mode"], r["activation_offload"], r["optimizer_offload"], "x")
+        r["hand_allocated_bytes"] = hand_count(r)
+        r["calibrated"] = predicted(config, calibration)
+    for r in record.get("threshold", []):
+        config = run_config(r["layers"], r["tokens"], r["mode"], r["activation_offload"], r["optimizer_offload"], "x")
+        r["predicted_peak_bytes"] = predicted(config, calibration)["peak_bytes"]
+    save(record, out)
+
+
+def save(record: dict, out: str) -> None:
+    with open(os.path.join(out, "gpu_memory.json"), "w") as fh:
+        json.dump(record, fh, indent=1, default=str)
+    with open(os.path.join(out, "gpu_memory.md"), "w") as fh:
+        fh.write(markdown(record))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--phases", default="measure,fit,full,offload,saved")
+    parser.add_argument("--phases", default="measure,threshold,full,offload,saved")
+    parser.add_argument("--refit", metavar="GPU_MEMORY_JSON",
+                        help="no GPU: fit the calibration again from recorded measurements, with this model's hand count")
+    parser.add_argument("--measurements", metavar="GPU_MEMORY_JSON",
+                        help="take the measure phase's runs from an earlier record instead of running them")
     parser.add_argument("--full-tokens", type=int, default=64 * K)
     parser.add_argument("--full-setting", default="keep_attention,act",
                         help="MODE[,act][,opt]: the full-depth run's checkpointing mode and offloads")
     args = parser.parse_args()
-    phases = args.phases.split(",")
     os.makedirs(args.out, exist_ok=True)
+    if args.refit:
+        with open(args.refit) as fh:
+            record = json.load(fh)
+        record["refit"] = "PYTHONPATH=src python3 bench/gpu_memory.py " + " ".join(sys.argv[1:])
+        finish(record, args.out)
+        print(markdown(record))
+        return
+    phases = args.phases.split(",")
     torch.cuda.set_device(0)
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
               "command": "PYTHONPATH=src python3 bench/gpu_memory.py " + " ".join(sys.argv[1:]),
               "date": time.strftime("%Y-%m-%d"), "total_memory": torch.cuda.get_device_properties(0).total_memory}
-
-    def save():
-        with open(os.path.join(args.out, "gpu_memory.json"), "w") as fh:
-            json.dump(record, fh, indent=1, default=str)
-        with open(os.path.join(args.out, "gpu_memory.md"), "w") as fh:
-            fh.write(markdown(record))
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp, \
             process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                           timeout=timedelta(minutes=10), device_id=torch.device("cuda", 0)):
-        calibration = Calibration.load()
+        if args.measurements:
+            with open(args.measurements) as fh:
+                record["measure"] = json.load(fh)["measure"]
         if "breakdown" in phases:
             record["breakdown"] = phase_measure(tmp, Calibration.none(), BREAKDOWN_RUNS, breakdown=True)
-            save()
+            save(record, args.out)
         if "measure" in phases:
             record["measure"] = phase_measure(tmp, Calibration.none(), RUNS)
-            for r in record["measure"]:
-                r["hand_allocated_bytes"] = r["predicted"]["allocated_bytes"]
-            save()
-        if "fit" in phases and record.get("measure"):
-            record["calibration"] = calibration_data = phase_fit(record["measure"])
-            with open(os.path.join(args.out, "memory_calibration.json"), "w") as fh:
-                json.dump(calibration_data, fh, indent=1)
-            calibration = Calibration(**{k: calibration_data[k] for k in ("residual_per_token", "residual_constant",
-                                                                          "fragmentation", "cuda_context_bytes",
-                                                                          "source")})
-        for r in record.get("measure", []):
-            config = run_config(r["layers"], r["tokens"], r["mode"], r["activation_offload"], r["optimizer_offload"], "x")
-            r["calibrated_peak_bytes"] = predicted(config, calibration)["peak_bytes"]
-        save()
+            save(record, args.out)
+        if "threshold" in phases:
+            record["threshold"] = phase_threshold(tmp, THRESHOLD_RUNS, record["measure"])
+            save(record, args.out)
+        finish(record, args.out)
+        calibration = calibration_of(record["calibration"]) if record.get("calibration") else Calibration.load()
         if "full" in phases:
             mode, *flags = args.full_setting.split(",")
             try:
@@ -369,13 +486,13 @@ def main():
             except Exception as exc:  # noqa: BLE001 - the offload phase still runs
                 traceback.print_exc()
                 record["full"] = {"error": f"{type(exc).__name__}: {exc}"}
-            save()
+            save(record, args.out)
         if "offload" in phases:
             record["offload"] = phase_offload(tmp, [(8, 64 * K, "keep_attention"), (4, 128 * K, "keep_attention")])
-            save()
+            save(record, args.out)
         if "saved" in phases:
             record["saved"] = phase_saved(tmp)
-            save()
+            save(record, args.out)
     print(markdown(record))
 
 

@@ -190,11 +190,12 @@ def saved_per_layer(x: MemoryInputs) -> dict[str, float]:
             "attention sum": a * m.dim, **attention, "mlp intermediates": 4 * a * m.ffn_dim}
 
 
-def step_inputs_per_token(x: MemoryInputs) -> float:
+def step_inputs_per_token(x: MemoryInputs, loss: bool = False) -> float:
     """Bytes per home token the step holds outside the layers: RoPE's float32 cos and sin, token ids,
-    positions and labels (int64), the final norm's input, statistics and output (the loss's input)."""
+    positions and labels (int64); until the loss's backward (``loss``) also the final norm's input,
+    statistics and output (the loss's input)."""
     a = 2 if x.bf16 else 4
-    return 4 * x.model.head_dim + 3 * 8 + 2 * a * x.model.dim + 4
+    return 4 * x.model.head_dim + 3 * 8 + ((2 * a * x.model.dim + 4) if loss else 0)
 
 
 def loss_transient(x: MemoryInputs, tokens: int) -> float:
@@ -205,30 +206,43 @@ def loss_transient(x: MemoryInputs, tokens: int) -> float:
     return per_logit * chunk * x.model.vocab_size / x.tp
 
 
-def layer_backward_transient(x: MemoryInputs, tokens: int) -> float:
-    """What one layer's backward adds while it runs: the gradient coming in and the one going out,
-    core attention's backward (the output and its gradient in server order, dQ/dK/dV over the expanded
-    keys, FlashAttention's float32 dQ accumulator and, with GQA, per-query-head dK/dV over a group of at
-    most BACKWARD_GROUP_KEYS keys, the gradients scattered back home), and the recompute of the linear
-    parts: a chunk of LINEAR_CHUNK_TOKENS tokens at a time under keep_attention, the whole layer's
-    intermediates under full, nothing under none (they were kept)."""
+def attention_backward_transient(x: MemoryInputs, tokens: int) -> float:
+    """Core attention's backward at its peak, inside the kernel's backward: the output and its gradient
+    in server order (runtime.core_attention._ServerRows), the kernel's dQ, dK and dV over the expanded
+    keys, and FlashAttention's workspace over one call of at most BACKWARD_GROUP_KEYS keys: a float32 dQ
+    accumulator and, with GQA, dK and dV for every query head."""
     m, r = x.model, x.rows
     a = 2 if x.bf16 else 4
-    q, kv, home = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, tokens * r.home
+    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
     query, expanded = tokens * r.query, tokens * r.expanded_kv
-    group_keys = min(expanded, BACKWARD_GROUP_KEYS)
-    attention = (3 * a * q * query + 2 * a * kv * expanded + 4 * q * min(query, group_keys)
-                 + 2 * a * q * group_keys + a * (q + 2 * kv) * home)
-    gradients = 3 * a * m.dim * home  # dy in, dx out, the attention output's gradient
-    per_chunk_token = 6 * a * m.ffn_dim + 4 * a * m.dim + 2 * 4 * (q + kv)  # MLP, norms, RoPE's float32
+    keys = min(expanded, BACKWARD_GROUP_KEYS)
+    return 3 * a * q * query + 2 * a * kv * expanded + 4 * q * min(query, keys) + 2 * a * q * keys
+
+
+def layer_backward_transient(x: MemoryInputs, tokens: int) -> float:
+    """What the backward of one layer adds at its peak, besides the activations kept for it: the gradient
+    arriving at the layer, the MLP's weight gradients (computed before core attention's backward), and
+    the larger of core attention's backward and the MLP's: under keep_attention a chunk of
+    LINEAR_CHUNK_TOKENS tokens recomputed and differentiated (four ffn_dim-wide intermediates, three
+    gradients) plus the attention output's gradient; under none three ffn_dim-wide gradients of the kept
+    intermediates; under full the same, on top of the whole layer recomputed (what none keeps, but its
+    input)."""
+    m = x.model
+    a, c = (2, 2) if x.bf16 else (4, 4)
+    home = tokens * x.rows.home
+    q = m.n_heads * m.head_dim
+    incoming = a * m.dim * home
+    weight_gradients = c * 3 * m.dim * m.ffn_dim
+    attention = attention_backward_transient(x, tokens)
     if x.activation_checkpointing == "keep_attention":
-        recompute = per_chunk_token * min(LINEAR_CHUNK_TOKENS, home)
-    elif x.activation_checkpointing == "full":
-        saved_none = sum(saved_per_layer(replace(x, activation_checkpointing="none")).values())
-        recompute = saved_none * home + (per_chunk_token - 4 * a * m.ffn_dim) * home
+        mlp = 7 * a * m.ffn_dim * min(LINEAR_CHUNK_TOKENS, home) + a * q * home
+        recomputed = 0.0
     else:
-        recompute = 2 * a * m.ffn_dim * home  # the MLP intermediates' gradients
-    return (attention + gradients + recompute) / x.tp
+        mlp = 3 * a * m.ffn_dim * home
+        recomputed = 0.0
+        if x.activation_checkpointing == "full":
+            recomputed = (sum(saved_per_layer(replace(x, activation_checkpointing="none")).values()) - a * m.dim) * home
+    return (incoming + weight_gradients + recomputed + max(attention, mlp)) / x.tp
 
 
 # --- The estimate --------------------------------------------------------------------------------------
@@ -259,27 +273,22 @@ def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryE
     head_gradient = c * (last_root if x.pp == 1 else 0) / x.tp
 
     states = {} if x.optimizer_offload else {"parameters": PARAM_BYTES * owned, "optimizer states": ADAM_BYTES * owned}
-    unsharded = {"root parameters (compute copy)": c * root, "layer parameters (compute copies)": 2 * c * layer}
-    # The layer whose gradient FSDP2 reduces: its compute-dtype gradient and, under bf16, the float32
-    # copy that the reduce-scatter sums.
-    layer_gradients = (c + (4 if x.bf16 else 0)) * layer
+    compute = {"root parameters (compute copy)": c * root, "layer parameters (compute copy)": c * layer}
+    backward = {"output projection gradient": head_gradient, "layer backward": layer_backward_transient(x, tokens)}
+    # Sharded float32 gradients of the layers already differentiated, and the float32 copy of the last
+    # one's that the reduce-scatter read, which FSDP2 frees at the next reduce-scatter.
+    later_gradients = 0 if x.optimizer_offload else GRAD_BYTES * (layers - 1) * layer / x.dp
     phases = {
         "loss backward": {
-            **states, **unsharded, "activations": activations_at(saved_layers), "step inputs": step_inputs,
+            **states, **compute, "activations": activations_at(saved_layers),
+            "step inputs": step_inputs_per_token(x, loss=True) * home / x.tp * in_flight,
             "output projection gradient": head_gradient, "loss chunk": loss_transient(x, tokens),
             "hidden state gradient": (2 if x.bf16 else 4) * m.dim * home / x.tp,
         },
-        "last layer backward": {
-            **states, **unsharded, "activations": activations_at(saved_layers), "step inputs": step_inputs,
-            "output projection gradient": head_gradient, "layer gradients": layer_gradients,
-            "layer backward": layer_backward_transient(x, tokens),
-        },
-        "first layer backward": {
-            **states, **unsharded, "activations": activations_at(1), "step inputs": step_inputs,
-            "output projection gradient": head_gradient, "layer gradients": layer_gradients,
-            "layer backward": layer_backward_transient(x, tokens),
-            "gradients": 0 if x.optimizer_offload else GRAD_BYTES * (layers - 1) * layer / x.dp,
-        },
+        "last layer backward": {**states, **compute, "activations": activations_at(saved_layers),
+                                "step inputs": step_inputs, **backward},
+        "first layer backward": {**states, **compute, "activations": activations_at(1), "step inputs": step_inputs,
+                                 **backward, "gradients": later_gradients + (GRAD_BYTES * layer if layers > 1 else 0)},
         "optimizer step": {**states, "gradients": 0 if x.optimizer_offload else GRAD_BYTES * owned},
     }
     totals = {name: sum(terms.values()) for name, terms in phases.items()}

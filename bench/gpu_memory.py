@@ -245,7 +245,8 @@ def phase_threshold(tmp, configs, measured: list[dict], iterations: int = 5) -> 
     for layers, tokens, mode, act_offload, opt_offload in configs:
         ref = next(r for r in measured if (r["layers"], r["tokens"], r["mode"], r["activation_offload"],
                                            r["optimizer_offload"]) == (layers, tokens, mode, act_offload, opt_offload))
-        low, high = ref["allocated_bytes"] / total, 1.0  # fails below its allocated peak; runs with everything
+        # Below its allocated peak it fails; the answer lies a little above (with everything it runs).
+        low, high = ref["allocated_bytes"] / total, min(1.0, 1.25 * ref["allocated_bytes"] / total)
         attempts = []
         for i in range(iterations):
             fraction = (low + high) / 2
@@ -329,12 +330,14 @@ def markdown(record: dict) -> str:
             if "error" in r:
                 lines.append(f"{head} {r['error']} | | | | | | |")
                 continue
+            if "calibrated" not in r:  # not predicted yet (finish() adds it)
+                continue
             measured, hand, cal = r["allocated_bytes"], r["hand_allocated_bytes"], r["calibrated"]
             lines.append(f"{head} {measured / GiB:.2f} | {cal['allocated_bytes'] / GiB:.2f} | "
                          f"{cal['allocated_bytes'] / measured - 1:+.1%} | {hand / GiB:.2f} | {hand / measured - 1:+.1%} | "
                          f"{cal['phase']} | {r['reserved_bytes'] / GiB:.2f} |")
         errors = [abs(r["calibrated"]["allocated_bytes"] / r["allocated_bytes"] - 1) for r in record["measure"]
-                  if "error" not in r and r["role"] == "check"]
+                  if "calibrated" in r and "error" not in r and r["role"] == "check"]
         if errors:
             lines += ["", f"Held-out (`check`) runs: largest error {max(errors):.1%}, mean {np.mean(errors):.1%}.", ""]
     if record.get("threshold"):
@@ -430,8 +433,14 @@ def finish(record: dict, out: str) -> None:
 def save(record: dict, out: str) -> None:
     with open(os.path.join(out, "gpu_memory.json"), "w") as fh:
         json.dump(record, fh, indent=1, default=str)
+    try:
+        text = markdown(record)
+    except Exception:  # noqa: BLE001 - the JSON is written; a report bug must not end the measurements
+        traceback.print_exc()
+        sys.stderr.flush()
+        return
     with open(os.path.join(out, "gpu_memory.md"), "w") as fh:
-        fh.write(markdown(record))
+        fh.write(text)
 
 
 def main():

@@ -133,14 +133,18 @@ def _print_tables(config, result, calibration) -> None:
                   f"(largest tokens_per_rank with this setting: {format_tokens(result.configured.largest_tokens)})")
     settings = Table(title=f"every setting at {format_tokens(x.tokens_per_rank)} tokens per rank, fastest first",
                      title_justify="left")
-    for name in ("checkpointing", "act. offload", "opt. offload", "peak", "fits", "max tokens/rank"):
-        settings.add_column(name, justify="right" if name in ("peak", "max tokens/rank") else "left")
+    for name in ("checkpointing", "act. offload", "opt. offload", "peak", "fits", "max tokens/rank", "host/rank"):
+        settings.add_column(name, justify="left" if name in ("checkpointing", "act. offload", "opt. offload", "fits")
+                            else "right")
     for s in result.settings:
         fits = s.estimate.peak_bytes <= result.capacity_bytes
         settings.add_row(s.inputs.activation_checkpointing, str(s.inputs.activation_offload).lower(),
                          str(s.inputs.optimizer_offload).lower(), format_bytes(s.estimate.peak_bytes),
-                         "yes" if fits else "no", format_tokens(s.largest_tokens))
+                         "yes" if fits else "no", format_tokens(s.largest_tokens),
+                         format_bytes(s.estimate.host_bytes) if s.estimate.host_bytes else "-")
     console.print(settings)
+    console.print("max tokens/rank counts GPU memory only; offload also needs the host memory shown, per rank",
+                  highlight=False)
     fitting = result.first_fitting()
     if fitting is not None and not result.fits:
         console.print(f"[bold]fits with[/]: {fitting.inputs.setting} ({format_bytes(fitting.estimate.peak_bytes)})")

@@ -164,7 +164,7 @@ def phase_saved(tmp) -> list[dict]:
         rows.append({"mode": mode, "measured_per_layer": (totals[1] - totals[0]) / tokens,
                      "hand_count_per_layer": sum(saved_per_layer(inputs).values()),
                      "measured_outside_layers": (2 * totals[0] - totals[1]) / tokens,
-                     "hand_count_outside_layers": step_inputs_per_token(inputs)})
+                     "hand_count_outside_layers": step_inputs_per_token(inputs, loss=True)})
         log("saved", rows[-1])
     return rows
 

@@ -5,8 +5,9 @@
 
 Takes the same --config and flags as ``attnpool train`` (``nproc`` is the number of ranks that shard the
 model) and predicts the peak memory per GPU with attnpool.train.memory: a breakdown at the configured
-setting, then for every setting (checkpointing mode, activation and optimizer offload) the peak and the
-largest tokens_per_rank that fits. Core attention's buffers come from plans of the run's first batches.
+setting, then for every setting (checkpointing mode, activation and optimizer offload) the peak, the host
+memory the offloads need, and the largest tokens_per_rank that fits both. Core attention's buffers come
+from plans of the run's first batches. Exits 2 where no setting fits the configured tokens_per_rank.
 """
 
 from __future__ import annotations
@@ -24,23 +25,31 @@ def add_parser(sub) -> None:
                        description="Predict the peak GPU memory per rank of `attnpool train` with the same config and "
                                    "flags, and the largest tokens_per_rank each memory setting fits.")
     p.add_argument("--gpu-memory", metavar="SIZE", default=None,
-                   help="memory of one GPU, e.g. 141GB, 139.8GiB, 80GB (default: the visible GPU's)")
+                   help="memory of one GPU, e.g. 143771MiB (an H200 as nvidia-smi shows it), 80GB (default: the "
+                        "visible GPU's)")
+    p.add_argument("--host-memory", metavar="SIZE", default=None,
+                   help="host memory for each rank, which offloaded state must fit (default: this machine's memory "
+                        "divided by nproc; say it when planning for another machine, e.g. 128GiB for 4 GPUs sharing "
+                        "512 GiB)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     add_config_arguments(p)
     p.set_defaults(func=run)
 
 
-def _capacity(text: str | None) -> tuple[int, str]:
-    from attnpool.train.memory import parse_memory_size
+def _capacity(args, ranks: int):
+    from attnpool.train.memory import Capacity, parse_memory_size
+    from attnpool.train.train import host_memory_bytes
 
-    if text is not None:
-        return parse_memory_size("gpu_memory", text), f"--gpu-memory {text}"
+    host = parse_memory_size("host_memory", args.host_memory) if args.host_memory is not None \
+        else host_memory_bytes() // ranks
+    if args.gpu_memory is not None:
+        return Capacity(parse_memory_size("gpu_memory", args.gpu_memory), f"--gpu-memory {args.gpu_memory}", host)
     import torch
 
     if not torch.cuda.is_available():
-        raise ConfigError("gpu_memory", None, "no GPU is visible here: give one GPU's memory, e.g. --gpu-memory 141GB "
-                                              "(an H200) or --gpu-memory 80GB (an H100)")
-    return torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
+        raise ConfigError("gpu_memory", None, "no GPU is visible here: give one GPU's memory, e.g. --gpu-memory "
+                                              "143771MiB (an H200) or --gpu-memory 81559MiB (an H100)")
+    return Capacity(torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0), host)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,25 +58,20 @@ def run(args: argparse.Namespace) -> int:
     from attnpool.train.train import build_source, check_sparse, load_cost_model, model_config, run_memory_inputs
 
     config = config_from_args(args)
-    capacity, device_name = _capacity(args.gpu_memory)
+    capacity = _capacity(args, config.nproc)
     model_cfg = model_config(config.model, **config.model_args)
     source = build_source(config, model_cfg.vocab_size)
     sparse = check_sparse(config, model_cfg)
     calibration = Calibration.load()
     x = run_memory_inputs(config, model_cfg, source, load_cost_model(config.cost_model), sparse, config.nproc, True,
                           capacity, calibration)
-    result = report(x, capacity, device_name, calibration)
+    result = report(x, capacity, calibration)
     if args.json:
         print(json.dumps(_as_json(config, result, calibration), indent=1))
     else:
         _print_tables(config, result, calibration)
     if result.first_fitting() is None:
-        best = max(result.settings, key=lambda s: s.largest_tokens)
-        raise ConfigError("tokens_per_rank", config.tokens_per_rank,
-                          f"no memory setting fits it in {capacity / 2**30:.1f} GiB per GPU; the most tokens per rank "
-                          f"any holds is {best.largest_tokens} ({best.inputs.setting})" if best.largest_tokens else
-                          f"no memory setting fits even one token per rank in {capacity / 2**30:.1f} GiB per GPU: "
-                          f"shard the model over more ranks (nproc)")
+        raise result.refusal()
     return 0
 
 
@@ -81,8 +85,9 @@ def _as_json(config, result, calibration) -> dict:
     fitting = result.first_fitting()
     return {
         "model": config.model, "ranks": config.nproc, "tokens_per_rank": config.tokens_per_rank,
-        "device": result.device_name,
-        "capacity_bytes": result.capacity_bytes,
+        "device": result.capacity.device_name,
+        "capacity_bytes": result.capacity.device_bytes,
+        "host_capacity_bytes": result.capacity.host_bytes,
         "peak_bytes": configured.estimate.peak_bytes,
         "fits": result.fits,
         "breakdown": configured.estimate.breakdown,
@@ -94,7 +99,7 @@ def _as_json(config, result, calibration) -> dict:
         "fitting_setting": None if fitting is None else {**_setting_keys(fitting.inputs),
                                                          "peak_bytes": fitting.estimate.peak_bytes},
         "settings": [{**_setting_keys(s.inputs), "peak_bytes": s.estimate.peak_bytes,
-                      "fits": s.estimate.peak_bytes <= result.capacity_bytes, "host_bytes": s.estimate.host_bytes,
+                      "fits": s.fits, "host_bytes": s.estimate.host_bytes,
                       "largest_tokens_per_rank": s.largest_tokens} for s in result.settings],
         "attention_rows": vars(configured.inputs.rows),
         "calibration": calibration.source,
@@ -111,7 +116,8 @@ def _print_tables(config, result, calibration) -> None:
     x, est = result.configured.inputs, result.configured.estimate
     console.print(f"[bold]attnpool memory[/]: {config.model} ({x.model.num_params() / 1e9:.2f}B params), {x.dp} ranks x "
                   f"{format_tokens(x.tokens_per_rank)} tokens, {'bf16' if x.bf16 else 'fp32'}, {config.attention} "
-                  f"attention; {format_bytes(result.capacity_bytes)} per GPU ({result.device_name})", highlight=False)
+                  f"attention; {format_bytes(result.capacity.device_bytes)} per GPU ({result.capacity.device_name}), "
+                  f"{format_bytes(result.capacity.host_bytes)} of host memory per rank", highlight=False)
     rows = x.rows
     where = (f"the worst of the first {rows.batches} batches' plans" if rows.batches else
              "the fewest any plan holds: no setting fits even those, so no batch was drawn")
@@ -129,7 +135,7 @@ def _print_tables(config, result, calibration) -> None:
     if est.host_bytes:
         console.print(f"host memory per rank for offloaded state: {format_bytes(est.host_bytes)}")
     verdict = "fits" if result.fits else "does NOT fit"
-    console.print(f"[bold]{verdict}[/] in {format_bytes(result.capacity_bytes)} "
+    console.print(f"[bold]{verdict}[/] in {format_bytes(result.capacity.device_bytes)} "
                   f"(largest tokens_per_rank with this setting: {format_tokens(result.configured.largest_tokens)})")
     settings = Table(title=f"every setting at {format_tokens(x.tokens_per_rank)} tokens per rank, fastest first",
                      title_justify="left")
@@ -137,14 +143,13 @@ def _print_tables(config, result, calibration) -> None:
         settings.add_column(name, justify="left" if name in ("checkpointing", "act. offload", "opt. offload", "fits")
                             else "right")
     for s in result.settings:
-        fits = s.estimate.peak_bytes <= result.capacity_bytes
+        fits = s.fits
         settings.add_row(s.inputs.activation_checkpointing, str(s.inputs.activation_offload).lower(),
                          str(s.inputs.optimizer_offload).lower(), format_bytes(s.estimate.peak_bytes),
                          "yes" if fits else "no", format_tokens(s.largest_tokens),
                          format_bytes(s.estimate.host_bytes) if s.estimate.host_bytes else "-")
     console.print(settings)
-    console.print("max tokens/rank counts GPU memory only; offload also needs the host memory shown, per rank",
-                  highlight=False)
+    console.print("a setting fits where the GPU holds its peak and the host its offloaded state", highlight=False)
     fitting = result.first_fitting()
     if fitting is not None and not result.fits:
         console.print(f"[bold]fits with[/]: {fitting.inputs.setting} ({format_bytes(fitting.estimate.peak_bytes)})")

@@ -313,7 +313,8 @@ IGNORE_INDEX = -100  # labels of tokens without a next token (PyTorch's default;
 def loss_chunk_tokens(vocab_size: int) -> int:
     """Tokens per loss chunk: the largest power of two whose float32 logits fit LOSS_CHUNK_LOGIT_BYTES
     (2048 for Llama 3's vocabulary of 128256; at least 256)."""
-    return max(256, 1 << ((LOSS_CHUNK_LOGIT_BYTES // (4 * vocab_size)).bit_length() - 1))
+    fits = LOSS_CHUNK_LOGIT_BYTES // (4 * vocab_size)
+    return max(256, 1 << (fits.bit_length() - 1)) if fits else 256
 
 
 def recompute_in_chunks(fn, chunk_tokens: int, *rows: Tensor):

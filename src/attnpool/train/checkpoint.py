@@ -87,27 +87,31 @@ def check_compatible(path: str, model_config: ModelConfig) -> None:
     raise ConfigError("resume", path, f"the checkpoint is of another model shape: {detail}")
 
 
-def save_checkpoint(path: str, model, optimizer, scheduler, stream, step: int, extra: dict | None = None) -> None:
+def save_checkpoint(path: str, model, optimizer, scheduler, stream, step: int, extra: dict | None = None,
+                    device: torch.device | None = None) -> None:
     """Write a checkpoint from every rank (a collective: call it on all ranks).
 
-    ``extra``: more state by name, each an object with ``state_dict()`` (e.g. the sparse planning prior)."""
+    ``extra``: more state by name, each an object with ``state_dict()`` (e.g. the sparse planning prior).
+    ``device``: the rank's compute device, whose RNG is saved (default: the parameters', which
+    optimizer offload keeps on the CPU)."""
     rank = dist.get_rank()
     model_state, optim_state = get_state_dict(model, optimizer)
-    device = next(model.parameters()).device
+    device = device or next(model.parameters()).device
     state = {"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict(),
              "data": stream.state_dict(), "step": step, _rng_key(rank): _rng_state(device)}
     state.update({name: obj.state_dict() for name, obj in (extra or {}).items()})
     dcp.save(state, checkpoint_id=path)
 
 
-def load_checkpoint(path: str, model, optimizer, scheduler, stream, extra: dict | None = None) -> int:
+def load_checkpoint(path: str, model, optimizer, scheduler, stream, extra: dict | None = None,
+                    device: torch.device | None = None) -> int:
     """Restore everything :func:`save_checkpoint` wrote; returns the step it was taken after.
 
     Each ``extra`` object the checkpoint holds state for gets ``load_state_dict``; one it
     holds none for (a checkpoint of a run without it) keeps its fresh state."""
     rank = dist.get_rank()
     model_state, optim_state = get_state_dict(model, optimizer)
-    device = next(model.parameters()).device
+    device = device or next(model.parameters()).device
     state = {"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict(),
              "data": stream.state_dict(), "step": 0}
     keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata

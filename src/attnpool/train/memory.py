@@ -307,12 +307,25 @@ def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryE
     return MemoryEstimate(x, phase, breakdown, int(round(allocated)), sum(breakdown.values()), int(host))
 
 
-def largest_tokens(x: MemoryInputs, capacity_bytes: int, calibration: Calibration | None = None,
+@dataclass(frozen=True)
+class Capacity:
+    """What one rank may use: its device's memory and, for what the offloads keep there, host memory
+    (None: not checked)."""
+
+    device_bytes: int
+    device_name: str
+    host_bytes: int | None = None
+
+    def holds(self, e: MemoryEstimate) -> bool:
+        return e.peak_bytes <= self.device_bytes and (self.host_bytes is None or e.host_bytes <= self.host_bytes)
+
+
+def largest_tokens(x: MemoryInputs, capacity: Capacity, calibration: Calibration | None = None,
                    granularity: int = 1024) -> int:
-    """The largest tokens_per_rank, a multiple of ``granularity``, whose predicted peak fits
-    ``capacity_bytes`` (0 if none does). The row ratios are taken as they are at x.tokens_per_rank."""
+    """The largest tokens_per_rank, a multiple of ``granularity``, whose predicted peak the capacity holds
+    (0 if none). The row ratios are taken as they are at x.tokens_per_rank."""
     def fits(tokens):
-        return estimate(replace(x, tokens_per_rank=tokens), calibration).peak_bytes <= capacity_bytes
+        return capacity.holds(estimate(replace(x, tokens_per_rank=tokens), calibration))
 
     if not fits(granularity):
         return 0
@@ -327,16 +340,23 @@ def largest_tokens(x: MemoryInputs, capacity_bytes: int, calibration: Calibratio
     return low * granularity
 
 
+# Memory settings, fastest first, as measured on one H200 (bench/results/2026-11-25-h200-memory.md):
+# keep_attention recomputes the linear parts, full also core attention; offloading keep_attention's
+# or full's activations cost 0.6-1.8% of the step, offloading everything none keeps 61% (the PCIe link
+# is the bound); an offloaded optimizer steps on the CPU.
+SETTINGS_FASTEST_FIRST = (
+    ("none", False, False), ("keep_attention", False, False), ("keep_attention", True, False),
+    ("full", False, False), ("full", True, False), ("none", True, False),
+    ("keep_attention", False, True), ("keep_attention", True, True), ("full", False, True), ("full", True, True),
+    ("none", False, True), ("none", True, True),
+)
+
+
 def settings(x: MemoryInputs, offloads: bool = True) -> list[MemoryInputs]:
-    """x under every memory setting, fastest first: less recompute, then no offload, then offload of
-    activations, of optimizer state, of both (``offloads=False``: checkpointing modes only)."""
-    out = []
-    choices = ((False, False), (True, False), (False, True), (True, True)) if offloads else ((False, False),)
-    for activation_offload, optimizer_offload in choices:
-        for mode in CHECKPOINTING_MODES:
-            out.append(replace(x, activation_checkpointing=mode, activation_offload=activation_offload,
-                               optimizer_offload=optimizer_offload))
-    return out
+    """x under every memory setting, fastest first (``offloads=False``: checkpointing modes only)."""
+    return [replace(x, activation_checkpointing=mode, activation_offload=activation, optimizer_offload=optimizer)
+            for mode, activation, optimizer in SETTINGS_FASTEST_FIRST
+            if offloads or not (activation or optimizer)]
 
 
 def parse_memory_size(field_name: str, text) -> int:
@@ -371,34 +391,38 @@ def format_tokens(tokens: int) -> str:
 
 @dataclass
 class SettingFit:
-    """One memory setting at the configured tokens: its estimate and the largest tokens_per_rank that fits."""
+    """One memory setting at the configured tokens: its estimate, whether the capacity holds it, and the
+    largest tokens_per_rank it holds."""
 
     inputs: MemoryInputs
     estimate: MemoryEstimate
+    fits: bool
     largest_tokens: int
 
 
 @dataclass
 class MemoryReport:
     configured: SettingFit
-    capacity_bytes: int
-    device_name: str
+    capacity: Capacity
     settings: list[SettingFit]  # every setting, fastest first (see settings())
 
     @property
     def fits(self) -> bool:
-        return self.configured.estimate.peak_bytes <= self.capacity_bytes
+        return self.configured.fits
 
     def first_fitting(self) -> SettingFit | None:
         """The fastest setting that fits the configured tokens."""
-        return next((s for s in self.settings if s.estimate.peak_bytes <= self.capacity_bytes), None)
+        return next((s for s in self.settings if s.fits), None)
 
     def refusal(self) -> ConfigError:
         """Why the configuration cannot run, naming the field to change and the largest value that fits."""
-        x = self.configured.inputs
-        cap = f"the {format_bytes(self.capacity_bytes)} of {self.device_name}"
-        said = (f"predicted peak {format_bytes(self.configured.estimate.peak_bytes)} per rank with {x.setting} "
-                f"is more than {cap}")
+        x, e, cap = self.configured.inputs, self.configured.estimate, self.capacity
+        if e.peak_bytes > cap.device_bytes:
+            said = (f"predicted peak {format_bytes(e.peak_bytes)} per rank with {x.setting} is more than the "
+                    f"{format_bytes(cap.device_bytes)} of {cap.device_name}")
+        else:
+            said = (f"with {x.setting} the offloaded state needs {format_bytes(e.host_bytes)} of host memory per "
+                    f"rank, more than the {format_bytes(cap.host_bytes)} this machine has for each")
         hint = "; `attnpool memory` with the same flags shows the breakdown, --no-memory-check skips this check"
         alternative = self.first_fitting()
         other = f"; {alternative.inputs.setting} fits it ({format_bytes(alternative.estimate.peak_bytes)})" \
@@ -421,13 +445,14 @@ class MemoryReport:
                                           f"model over more ranks{hint}")
 
 
-def report(x: MemoryInputs, capacity_bytes: int, device_name: str, calibration: Calibration | None = None,
+def report(x: MemoryInputs, capacity: Capacity, calibration: Calibration | None = None,
            offloads: bool = True) -> MemoryReport:
     """x and every other memory setting (``offloads``: the offload ones too) against the capacity."""
     def fit(inputs):
-        return SettingFit(inputs, estimate(inputs, calibration), largest_tokens(inputs, capacity_bytes, calibration))
+        e = estimate(inputs, calibration)
+        return SettingFit(inputs, e, capacity.holds(e), largest_tokens(inputs, capacity, calibration))
 
-    return MemoryReport(fit(x), capacity_bytes, device_name, [fit(s) for s in settings(x, offloads)])
+    return MemoryReport(fit(x), capacity, [fit(s) for s in settings(x, offloads)])
 
 
 def format_bytes(n: float) -> str:

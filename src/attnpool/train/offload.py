@@ -51,12 +51,13 @@ class _Saved:
 
 
 class _Packed:
-    """What autograd keeps for one saved tensor: its region, and the place of this save in the pass."""
+    """What autograd keeps for one saved tensor: the region holding it, where in the region it starts
+    (elements) and its shape, and the place of this save in the pass."""
 
-    __slots__ = ("saved", "position")
+    __slots__ = ("saved", "offset", "shape", "position")
 
-    def __init__(self, saved: _Saved, position: int):
-        self.saved, self.position = saved, position
+    def __init__(self, saved: _Saved, offset: int, shape: torch.Size, position: int):
+        self.saved, self.offset, self.shape, self.position = saved, offset, shape, position
 
 
 class ActivationOffload:
@@ -80,7 +81,7 @@ class ActivationOffload:
     def _reset(self):
         self.offloaded_bytes = 0
         self._order: list[_Saved] = []  # the region of every save, in order of saving
-        self._regions: dict = {}  # region key -> (weak reference to its base tensor, _Saved)
+        self._regions: dict = {}  # id of a base tensor -> (weak reference to it, [(start, end, _Saved)])
         self._pending: collections.deque = collections.deque()  # (event, bytes) of device-to-host copies
         self._pending_bytes = 0
         self._cursor = None  # backward: the lowest save position fetched so far
@@ -104,19 +105,25 @@ class ActivationOffload:
     def _pack(self, t: torch.Tensor):
         if self._keeps_on_device(t):
             return t
+        # A tensor saved whole and again as views (core attention's output, then its chunks in the
+        # MLP's checkpoints; a layer's input chunks in two checkpoints) is copied once: a save inside a
+        # region already copied from the same base is a slice of that copy. A live base pins its
+        # storage, so its regions cannot belong to another tensor; the weak reference tells a live base
+        # from a freed one whose id was reused.
         base = t if t._base is None else t._base
-        # A live base pins its storage, so a region of it cannot be another tensor's by the time of a
-        # second lookup; the weak reference tells a live base from a freed one whose id was reused.
-        key = (id(base), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-        found = self._regions.get(key)
-        if found is not None and found[0]() is base:
-            saved = found[1]
+        start, end = t.storage_offset(), t.storage_offset() + t.numel()
+        found = self._regions.get(id(base))
+        if found is None or found[0]() is not base:
+            found = self._regions[id(base)] = (weakref.ref(base), [])
+        for region_start, region_end, saved in found[1]:
+            if region_start <= start and end <= region_end and saved.host.dtype == t.dtype:
+                break
         else:
-            saved = _Saved(self._copy_to_host(t))
-            self._regions[key] = (weakref.ref(base), saved)
+            region_start, saved = start, _Saved(self._copy_to_host(t))
+            found[1].append((start, end, saved))
         saved.users += 1
         self._order.append(saved)
-        return _Packed(saved, len(self._order) - 1)
+        return _Packed(saved, start - region_start, t.shape, len(self._order) - 1)
 
     def _copy_to_host(self, t: torch.Tensor) -> torch.Tensor:
         nbytes = t.numel() * t.element_size()
@@ -165,7 +172,7 @@ class ActivationOffload:
         while self._cursor > 0 and self._fetched_bytes < self.prefetch_bytes:
             self._cursor -= 1
             self._fetch(self._order[self._cursor])
-        t = saved.device_copy
+        t = saved.device_copy.view(-1)[packed.offset:packed.offset + packed.shape.numel()].view(packed.shape)
         if self.cuda:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(saved.ready)

@@ -58,8 +58,8 @@ from attnpool.sparse.cost import SparsePrior
 from attnpool.train.checkpoint import (check_compatible, checkpoint_path, checkpoint_root, latest_checkpoint,
                                        load_checkpoint, save_checkpoint)
 from attnpool.train.config import DATA_PATH_OPTION, TrainConfig, save_config
-from attnpool.train.memory import (Calibration, MemoryEstimate, MemoryInputs, RowRatios, estimate, format_bytes,
-                                   report, saved_bytes_per_layer, settings)
+from attnpool.train.memory import (Calibration, Capacity, MemoryEstimate, MemoryInputs, RowRatios, estimate,
+                                   format_bytes, report, saved_bytes_per_layer, settings)
 from attnpool.train.offload import ActivationOffload
 from attnpool.train.metrics import (PLOT_FILE, SUMMARY_FILE, AttentionTimer, MetricsLog, Progress, peak_memory_bytes,
                                     peak_reserved_bytes,
@@ -128,89 +128,6 @@ def prepare(config: TrainConfig, device: torch.device | None = None, world: int 
     return Setup(model_cfg, source, cost_model, found if config.resume else None, sparse, memory)
 
 
-# --- Memory ------------------------------------------------------------------------------------
-
-
-def uses_bf16(config: TrainConfig, device_type: str) -> bool:
-    """bf16 compute (FSDP2 mixed precision, autocast): asked for, or by default on CUDA."""
-    return config.precision == "bf16" or (config.precision == "auto" and device_type == "cuda")
-
-
-def sample_row_ratios(config: TrainConfig, source, cost_model, world: int, model_cfg: ModelConfig,
-                      sparse: SparseConfig | None, bf16: bool, batches: int = MEMORY_SAMPLE_BATCHES) -> RowRatios:
-    """Core attention's rows on the busiest rank, per token of tokens_per_rank: the largest of each over the
-    ranks and the plans of the run's first ``batches`` batches (with ping-pong, both nano-batches' rows)."""
-    if world == 1:
-        return RowRatios()
-    stream = DocumentStream(source, world, config.tokens_per_rank, config.seed, config.max_doc_len)
-    shape = AttentionShape(model_cfg.n_heads, model_cfg.n_kv_heads, model_cfg.head_dim, 2 if bf16 else 4)
-    prior = SparsePrior(sparse, model_cfg.n_heads, model_cfg.head_dim, model_cfg.n_layers) if sparse else None
-    names = ("home", "query", "returned", "unique_kv", "expanded_kv")
-    worst = np.zeros(len(names))
-    for _ in range(batches):
-        batch = stream.next_batch()
-        nanos = batch.split_documents(2) if config.pingpong else [batch]
-        rows = [AttentionRows.of(plan_batch(nano, config, world, cost_model, shape, prior).plan) for nano in nanos]
-        per_rank = np.array([np.sum([getattr(r, name) for r in rows], axis=0) for name in names])
-        worst = np.maximum(worst, per_rank.max(axis=1))
-    return RowRatios(*(worst / config.tokens_per_rank).tolist(), batches=batches)
-
-
-def memory_inputs(config: TrainConfig, model_cfg: ModelConfig, world: int, bf16: bool, rows: RowRatios = RowRatios(),
-                  gpu: bool = True) -> MemoryInputs:
-    """The memory model's view of a run (on CPU runs offload moves nothing, so it counts as off)."""
-    return MemoryInputs(model_cfg, config.tokens_per_rank, config.activation_checkpointing,
-                        config.activation_offload and gpu, config.optimizer_offload and gpu, bf16, dp=world, rows=rows)
-
-
-def run_memory_inputs(config: TrainConfig, model_cfg: ModelConfig, source, cost_model, sparse: SparseConfig | None,
-                      world: int, gpu: bool, capacity: int, calibration: Calibration) -> MemoryInputs:
-    """The memory model's inputs for a run, core attention's rows from plans of its first batches. Those
-    are drawn only if, with the fewest rows core attention can hold (RowRatios(), a lower bound of the
-    busiest rank's), some memory setting fits ``capacity``: a batch far too large is refused before one
-    is drawn."""
-    bf16 = uses_bf16(config, "cuda" if gpu else "cpu")
-    x = memory_inputs(config, model_cfg, world, bf16, gpu=gpu)
-    if any(estimate(s, calibration).peak_bytes <= capacity for s in settings(x, offloads=gpu)):
-        x = replace(x, rows=sample_row_ratios(config, source, cost_model, world, model_cfg, sparse, bf16))
-    return x
-
-
-def host_memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def ranks_on_this_machine(config: TrainConfig, world: int) -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world if _under_torchrun() else config.nproc))
-
-
-def check_memory(config: TrainConfig, model_cfg: ModelConfig, source, cost_model, sparse: SparseConfig | None,
-                 world: int, device: torch.device) -> MemoryEstimate:
-    """The predicted peak of a rank (attnpool.train.memory), refused with the field to change where it
-    exceeds the device: on GPU its memory (with the packaged calibration), on CPU this machine's memory
-    shared by its ranks (the hand count alone). Offloaded state must fit this machine's memory too."""
-    gpu = device.type == "cuda"
-    local_ranks = ranks_on_this_machine(config, world)
-    host = host_memory_bytes() // local_ranks
-    if gpu:
-        calibration = Calibration.load()
-        capacity = torch.cuda.get_device_properties(device).total_memory
-        name = torch.cuda.get_device_name(device)
-    else:
-        calibration, capacity = Calibration.none(), host
-        name = "this machine's memory" + (f" for each of its {local_ranks} ranks" if local_ranks > 1 else "")
-    x = run_memory_inputs(config, model_cfg, source, cost_model, sparse, world, gpu, capacity, calibration)
-    predicted = estimate(x, calibration)
-    if predicted.peak_bytes > capacity:
-        raise report(x, capacity, name, calibration, offloads=gpu).refusal()
-    if device.type == "cuda" and predicted.host_bytes > host:
-        field = "optimizer_offload" if config.optimizer_offload else "activation_offload"
-        raise ConfigError(field, True, f"the offloaded state needs {predicted.host_bytes / 2**30:.1f} GiB of host memory "
-                                       f"per rank and this machine has {host / 2**30:.1f} GiB for each of its "
-                                       f"{local_ranks} ranks; --no-memory-check skips this check")
-    return predicted
-
-
 def check_sparse(config: TrainConfig, model_cfg: ModelConfig,
                  device: torch.device | None = None) -> SparseConfig | None:
     """The sparse options (None for dense attention), refused where this model or device cannot run them
@@ -268,6 +185,83 @@ def _portable(exc: ConfigError) -> tuple:
     except Exception:
         value = repr(value)
     return exc.field, value, exc.problem
+
+
+# --- Memory ------------------------------------------------------------------------------------
+
+
+def uses_bf16(config: TrainConfig, device_type: str) -> bool:
+    """bf16 compute (FSDP2 mixed precision, autocast): asked for, or by default on CUDA."""
+    return config.precision == "bf16" or (config.precision == "auto" and device_type == "cuda")
+
+
+def sample_row_ratios(config: TrainConfig, source, cost_model, world: int, model_cfg: ModelConfig,
+                      sparse: SparseConfig | None, bf16: bool, batches: int = MEMORY_SAMPLE_BATCHES) -> RowRatios:
+    """Core attention's rows on the busiest rank, per token of tokens_per_rank: the largest of each over the
+    ranks and the plans of the run's first ``batches`` batches (with ping-pong, both nano-batches' rows)."""
+    if world == 1:
+        return RowRatios()
+    stream = DocumentStream(source, world, config.tokens_per_rank, config.seed, config.max_doc_len)
+    shape = AttentionShape(model_cfg.n_heads, model_cfg.n_kv_heads, model_cfg.head_dim, 2 if bf16 else 4)
+    prior = SparsePrior(sparse, model_cfg.n_heads, model_cfg.head_dim, model_cfg.n_layers) if sparse else None
+    names = ("home", "query", "returned", "unique_kv", "expanded_kv")
+    worst = np.zeros(len(names))
+    for _ in range(batches):
+        batch = stream.next_batch()
+        nanos = batch.split_documents(2) if config.pingpong else [batch]
+        rows = [AttentionRows.of(plan_batch(nano, config, world, cost_model, shape, prior).plan) for nano in nanos]
+        per_rank = np.array([np.sum([getattr(r, name) for r in rows], axis=0) for name in names])
+        worst = np.maximum(worst, per_rank.max(axis=1))
+    return RowRatios(*(worst / config.tokens_per_rank).tolist(), batches=batches)
+
+
+def memory_inputs(config: TrainConfig, model_cfg: ModelConfig, world: int, bf16: bool, rows: RowRatios = RowRatios(),
+                  gpu: bool = True) -> MemoryInputs:
+    """The memory model's view of a run (on CPU runs offload moves nothing, so it counts as off)."""
+    return MemoryInputs(model_cfg, config.tokens_per_rank, config.activation_checkpointing,
+                        config.activation_offload and gpu, config.optimizer_offload and gpu, bf16, dp=world, rows=rows)
+
+
+def run_memory_inputs(config: TrainConfig, model_cfg: ModelConfig, source, cost_model, sparse: SparseConfig | None,
+                      world: int, gpu: bool, capacity: Capacity, calibration: Calibration) -> MemoryInputs:
+    """The memory model's inputs for a run, core attention's rows from plans of its first batches. Those
+    are drawn only if, with the fewest rows core attention can hold (RowRatios(), a lower bound of the
+    busiest rank's), some memory setting fits: a batch far too large is refused before one is drawn."""
+    bf16 = uses_bf16(config, "cuda" if gpu else "cpu")
+    x = memory_inputs(config, model_cfg, world, bf16, gpu=gpu)
+    if any(capacity.holds(estimate(s, calibration)) for s in settings(x, offloads=gpu)):
+        x = replace(x, rows=sample_row_ratios(config, source, cost_model, world, model_cfg, sparse, bf16))
+    return x
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def ranks_on_this_machine(config: TrainConfig, world: int) -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world if _under_torchrun() else config.nproc))
+
+
+def check_memory(config: TrainConfig, model_cfg: ModelConfig, source, cost_model, sparse: SparseConfig | None,
+                 world: int, device: torch.device) -> MemoryEstimate:
+    """The predicted peak of a rank (attnpool.train.memory), refused with the field to change where it does
+    not fit: on GPU the device's memory (with the packaged calibration) and, for offloaded state, this
+    machine's memory shared by its ranks; on CPU that shared memory alone (the hand count alone)."""
+    gpu = device.type == "cuda"
+    local_ranks = ranks_on_this_machine(config, world)
+    host = host_memory_bytes() // local_ranks
+    for_each = f" for each of its {local_ranks} ranks" if local_ranks > 1 else ""
+    if gpu:
+        calibration = Calibration.load()
+        capacity = Capacity(torch.cuda.get_device_properties(device).total_memory, torch.cuda.get_device_name(device),
+                            host)
+    else:
+        calibration, capacity = Calibration.none(), Capacity(host, "this machine's memory" + for_each)
+    x = run_memory_inputs(config, model_cfg, source, cost_model, sparse, world, gpu, capacity, calibration)
+    predicted = estimate(x, calibration)
+    if not capacity.holds(predicted):
+        raise report(x, capacity, calibration, offloads=gpu).refusal()
+    return predicted
 
 
 # --- Model, optimizer, schedule ----------------------------------------------------------------
@@ -443,7 +437,7 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
     pattern_group = dist.new_group(list(range(world))) if sparse and config.pingpong else None
     step = 0
     if setup.resume_from is not None:
-        step = load_checkpoint(setup.resume_from, model, optimizer, scheduler, stream, extra_state)
+        step = load_checkpoint(setup.resume_from, model, optimizer, scheduler, stream, extra_state, device)
     start_step, last_step = step, config.stop_at or config.steps
     shape = AttentionShape(model_cfg.n_heads, model_cfg.n_kv_heads, model_cfg.head_dim, 2 if bf16 else 4)
     attention_kwargs = {"backend": config.kernel} if config.kernel else {}
@@ -532,7 +526,8 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
                 on_step()
             every = config.checkpoint_every
             if every >= 0 and (step == last_step or (every and step % every == 0)):
-                save_checkpoint(checkpoint_path(config.out, step), model, optimizer, scheduler, stream, step, extra_state)
+                save_checkpoint(checkpoint_path(config.out, step), model, optimizer, scheduler, stream, step, extra_state,
+                                device)
     comm_stats.timing = False
 
     summary = None

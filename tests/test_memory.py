@@ -1,0 +1,345 @@
+"""The memory model against hand counts and the real model; the refusal paths; offload's exactness.
+
+The GPU side of the model (calibration, the check against measured peaks) is bench/gpu_memory.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+import attnpool.model.llama as llama
+from attnpool.errors import ConfigError
+from attnpool.model import Transformer, apply_activation_checkpointing, model_config
+from attnpool.plan import linear_table, plan_attention
+from attnpool.plan.metrics import AttentionRows
+from attnpool.runtime import CoreAttention
+from attnpool.runtime.dispatch import DispatchLayout
+from attnpool.train.memory import (CHECKPOINTING_MODES, Calibration, Capacity, MemoryInputs, RowRatios, estimate,
+                                   format_tokens, largest_tokens, parse_memory_size, report, saved_per_layer,
+                                   settings)
+from attnpool.train.offload import ActivationOffload
+from dist_harness import run_distributed
+from test_train import tiny_config
+
+SMALL = dict(n_layers=1, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96)
+DOCS = np.array([200, 300, 100])
+
+
+def small_model(layers: int, mode: str) -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(model_config("tiny", **{**SMALL, "n_layers": layers}))
+    if mode != "none":
+        apply_activation_checkpointing(model, recompute_attention=mode == "full")
+    return model
+
+
+def batch():
+    plan = plan_attention(linear_table(DOCS, 1, int(DOCS.sum())), "local")
+    tokens = torch.randint(0, 256, (int(DOCS.sum()),), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(n) for n in DOCS])
+    return tokens, positions, plan
+
+
+def saved_storage_bytes(model, tokens, positions, plan) -> int:
+    """Bytes of every storage autograd keeps for backward (parameters aside), each storage once."""
+    storages = {}
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter) and not isinstance(t._base, torch.nn.Parameter):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, positions, CoreAttention(plan), labels=tokens)
+    return sum(storages.values())
+
+
+# --- The hand count ------------------------------------------------------------------------------------
+
+
+def test_parameter_terms_by_hand():
+    m = model_config("tiny", **SMALL)  # vocab 256, dim 64, 4 x 16 query heads, 2 KV heads, ffn 96
+    layer = 64 * 16 * (2 * 4 + 2 * 2) + 3 * 64 * 96 + 2 * 64
+    assert m.layer_params() == layer == 30848
+    assert m.num_params() == layer + 64 + 2 * 256 * 64
+    e = estimate(MemoryInputs(m, 1024, "keep_attention", dp=2))
+    owned = (layer + 2 * 256 * 64 + 64) / 2
+    assert e.breakdown["parameters"] == 4 * owned and e.breakdown["optimizer states"] == 8 * owned
+    assert e.breakdown["root parameters (compute copy)"] == 2 * (2 * 256 * 64 + 64)  # bf16 copy, unsharded
+    assert e.breakdown["layer parameters (compute copy)"] == 2 * layer
+    offloaded = estimate(MemoryInputs(m, 1024, "keep_attention", optimizer_offload=True, dp=2))
+    assert "parameters" not in offloaded.breakdown and offloaded.host_bytes == 16 * owned
+
+
+def test_saved_per_layer_by_hand():
+    m = model_config("tiny", **SMALL)
+    bf16 = {mode: sum(saved_per_layer(MemoryInputs(m, 600, mode)).values()) for mode in CHECKPOINTING_MODES}
+    # full: the layer's input; keep_attention: plus Q, K/V (2 of 2 heads x 16), float32 LSE (4 heads) and
+    # the output; none: plus the norms' inputs, statistics and outputs, the block's sum and the MLP's four
+    assert bf16["full"] == 2 * 64
+    assert bf16["keep_attention"] == 2 * 64 + 2 * 64 + 2 * 2 * 32 + 4 * 4 + 2 * 64
+    assert bf16["none"] == bf16["keep_attention"] + 2 * 4 + 2 * 2 * 64 + 2 * 64 + 4 * 2 * 96
+    # cad's rows scale the attention terms: twice the queries served, returned outputs, three KV rows per token
+    rows = RowRatios(query=2.0, returned=1.0, unique_kv=3.0, expanded_kv=3.0)
+    cad = sum(saved_per_layer(MemoryInputs(m, 600, "keep_attention", rows=rows)).values())
+    assert cad == 2 * 64 + 2 * 64 * 2 + 2 * 2 * 32 * 3 + 4 * 4 * 2 + 2 * 64 + 2 * 64 * 1
+
+
+@pytest.mark.parametrize("mode", CHECKPOINTING_MODES)
+def test_saved_per_layer_matches_what_autograd_keeps(mode):
+    """The real model's saved tensors, counted by a hook over one and two layers (float32 on CPU)."""
+    tokens, positions, plan = batch()
+    one, two = (saved_storage_bytes(small_model(n, mode), tokens, positions, plan) for n in (1, 2))
+    predicted = sum(saved_per_layer(MemoryInputs(model_config("tiny", **SMALL), len(tokens), mode, bf16=False)).values())
+    # CPU's rms_norm is composite and keeps its normalized input too (CUDA's fused kernel does not:
+    # bench/results/2026-11-25-h200-memory.md counts the same hook on an H200 and matches exactly).
+    cpu_norm_outputs = 2 * 4 * 64 if mode == "none" else 0
+    assert (two - one) / len(tokens) == predicted + cpu_norm_outputs
+
+
+def test_attention_rows_match_the_dispatch_layout():
+    lens = np.array([5000, 300, 2200, 900, 4000, 64, 3000])
+    table = linear_table(lens, 4, int(lens.sum()) // 4 + 1)
+    for strategy in ("local", "percp", "cad"):
+        plan = plan_attention(table, strategy, cost_model="pairs", min_shard_tokens=64)
+        rows = AttentionRows.of(plan)
+        for r in range(4):
+            layout = DispatchLayout.build(plan, r, "cpu")
+            assert rows.home[r] == layout.num_tokens
+            assert rows.query[r] == layout.num_server_q
+            assert rows.unique_kv[r] == layout.num_unique_kv
+            assert rows.expanded_kv[r] == len(layout.kv_expand)
+            assert rows.returned[r] == len(layout.recv_q_pos)
+
+
+def test_more_tokens_layers_and_fewer_ranks_need_more_memory():
+    m = model_config("llama3-8b", n_layers=8)
+    for mode in CHECKPOINTING_MODES:
+        base = MemoryInputs(m, 64 * 1024, mode)
+        peak = estimate(base).peak_bytes
+        assert estimate(replace(base, tokens_per_rank=128 * 1024)).peak_bytes > peak
+        assert estimate(replace(base, model=model_config("llama3-8b", n_layers=16))).peak_bytes > peak
+        assert estimate(replace(base, dp=4)).peak_bytes < peak
+        assert estimate(replace(base, activation_offload=True)).peak_bytes <= peak
+        assert estimate(replace(base, optimizer_offload=True)).peak_bytes < peak
+    keep, full = (estimate(MemoryInputs(m, 128 * 1024, mode)) for mode in ("keep_attention", "full"))
+    assert keep.breakdown["activations"] > full.breakdown["activations"]
+
+
+def test_largest_tokens_is_the_boundary():
+    x = MemoryInputs(model_config("llama3-8b", n_layers=4), 64 * 1024, "keep_attention")
+    capacity = Capacity(80 << 30, "a test GPU")
+    largest = largest_tokens(x, capacity)
+    assert largest % 1024 == 0 and largest > 0
+    assert estimate(replace(x, tokens_per_rank=largest)).peak_bytes <= capacity.device_bytes
+    assert estimate(replace(x, tokens_per_rank=largest + 1024)).peak_bytes > capacity.device_bytes
+    assert largest_tokens(x, Capacity(1 << 30, "too small")) == 0
+
+
+def test_settings_fastest_first_and_offloads_only_on_request():
+    x = MemoryInputs(model_config("tiny"), 1024)
+    all_settings = settings(x)
+    assert len(all_settings) == 12 and len({s.setting for s in all_settings}) == 12
+    assert all_settings[0].setting == "activation_checkpointing=none"
+    assert [s.setting for s in settings(x, offloads=False)] == [
+        f"activation_checkpointing={mode}" for mode in ("none", "keep_attention", "full")]
+
+
+def test_host_memory_is_a_limit_of_offload():
+    x = MemoryInputs(model_config("llama3-8b", n_layers=4), 128 * 1024, "keep_attention", activation_offload=True)
+    e = estimate(x)
+    assert e.host_bytes == 4 * sum(saved_per_layer(x).values()) * 128 * 1024
+    assert Capacity(e.peak_bytes, "gpu", e.host_bytes).holds(e)
+    assert not Capacity(e.peak_bytes, "gpu", e.host_bytes - 1).holds(e)
+
+
+# --- Refusals ------------------------------------------------------------------------------------------
+
+
+def test_refusal_names_the_field_and_the_largest_value_that_fits():
+    x = MemoryInputs(model_config("llama3-8b", n_layers=4), 256 * 1024, "none")
+    r = report(x, Capacity(60 << 30, "a 60 GiB test GPU"))
+    assert not r.fits
+    error = r.refusal()
+    assert error.field == "tokens_per_rank" and error.value == 256 * 1024
+    largest = r.configured.largest_tokens
+    assert f"the largest tokens_per_rank that fits is {format_tokens(largest)}" in str(error)
+    assert "fits it" in str(error) and r.first_fitting().inputs.activation_checkpointing != "none"
+    # Model states alone too large for the GPU: no token count helps; a setting with offload does.
+    states = report(MemoryInputs(model_config("llama3-8b"), 1024, "full"), Capacity(80 << 30, "an 80 GiB GPU"))
+    error = states.refusal()
+    assert error.field == "optimizer_offload" and "optimizer_offload=true" in str(error)
+    nothing = report(MemoryInputs(model_config("llama3-8b"), 1024, "full"), Capacity(1 << 30, "1 GiB"))
+    assert nothing.refusal().field == "nproc"
+
+
+def test_memory_sizes_parse_and_bad_ones_are_refused():
+    assert parse_memory_size("gpu_memory", "141GB") == 141 * 10**9
+    assert parse_memory_size("gpu_memory", "139.8GiB") == int(139.8 * 2**30)
+    assert parse_memory_size("gpu_memory", "80G") == 80 * 2**30
+    assert parse_memory_size("gpu_memory", "81559MiB") == 81559 * 2**20
+    assert parse_memory_size("gpu_memory", "1000") == 1000
+    for bad in ("lots", "12XB", "-3GB", "0", "nanGB"):
+        with pytest.raises(ConfigError, match="gpu_memory"):
+            parse_memory_size("gpu_memory", bad)
+
+
+def test_calibration_loads_and_a_foreign_file_is_refused(tmp_path):
+    packaged = Calibration.load()
+    assert packaged.fragmentation >= 1.0 and packaged.cuda_context_bytes > 0
+    assert set(packaged.residual_per_token) == set(CHECKPOINTING_MODES)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"fragmentation": 1.0}))
+    with pytest.raises(ConfigError, match="memory_calibration"):
+        Calibration.load(str(bad))
+
+
+def _cli(*args, check_rc=None):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", COLUMNS="200")
+    out = subprocess.run([sys.executable, "-m", "attnpool.cli.main", *args], capture_output=True, text=True, env=env,
+                         timeout=300)
+    if check_rc is not None:
+        assert out.returncode == check_rc, out.stderr
+    return out
+
+
+MEMORY_8B = ("memory", "--model", "llama3-8b", "--data", "synthetic", "--data-args", "dist=prolong", "--nproc", "4",
+             "--tokens-per-rank", "256K", "--attention", "cad", "--gpu-memory", "139.8GiB", "--host-memory", "128GiB")
+
+
+def test_memory_command_names_a_setting_that_fits():
+    out = _cli(*MEMORY_8B, "--json", check_rc=0)
+    data = json.loads(out.stdout)
+    for key in ("peak_bytes", "capacity_bytes", "fits", "breakdown"):
+        assert key in data
+    assert data["fits"] is False and isinstance(data["fits"], bool)
+    assert data["peak_bytes"] == sum(data["breakdown"].values())
+    assert data["capacity_bytes"] == int(139.8 * 2**30)
+    fitting = data["fitting_setting"]
+    assert fitting is not None and fitting["peak_bytes"] <= data["capacity_bytes"]
+    assert data["attention_rows"]["batches"] > 0  # cad's rows came from plans
+    text = _cli(*MEMORY_8B, check_rc=0).stdout
+    assert "does NOT fit" in text and f"activation_checkpointing={fitting['activation_checkpointing']}" in text
+
+
+@pytest.mark.parametrize("args, field", [
+    (("--gpu-memory", "plenty"), "gpu_memory"),
+    (("--gpu-memory", "2GB"), "nproc"),  # not even one token fits: the states alone are larger
+    (("--tokens-per-rank", "1G"), "tokens_per_rank"),
+    (("--host-memory", "-1"), "host_memory"),
+])
+def test_memory_command_bad_input_exits_2(args, field):
+    out = _cli(*MEMORY_8B, *args)
+    assert out.returncode == 2 and field in out.stderr and "Traceback" not in out.stderr
+
+
+def test_memory_command_needs_a_gpu_or_its_size():
+    out = _cli("memory", "--model", "tiny")
+    assert out.returncode == 2 and "gpu_memory" in out.stderr
+
+
+def test_train_refuses_a_batch_no_memory_holds(tmp_path):
+    out = _cli("train", "--config", "configs/demo-cpu.yaml", "--tokens-per-rank", "1G", "--nproc", "2",
+               "--out", str(tmp_path / "run"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "tokens_per_rank=1073741824" in out.stderr and "the largest tokens_per_rank that fits is" in out.stderr
+
+
+# --- Chunked recompute and offload compute the same function ----------------------------------------------
+
+
+@pytest.mark.parametrize("mode", CHECKPOINTING_MODES)
+def test_offload_and_chunked_recompute_keep_gradients_exact(mode, monkeypatch):
+    """Every saved tensor through ActivationOffload (min_bytes=0), and keep_attention's linear parts
+    recomputed 128 tokens at a time: the same loss and gradients, bit for bit, and the bytes offloaded
+    per layer are the hand count's."""
+    monkeypatch.setattr(llama, "LINEAR_CHUNK_TOKENS", 128)
+    tokens, positions, plan = batch()
+    results = {}
+    for offload in (False, True):
+        for layers in (1, 2):
+            model = small_model(layers, mode)
+            hooks = ActivationOffload("cpu", min_bytes=0) if offload else None
+            with hooks if hooks else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                loss = model(tokens, positions, CoreAttention(plan), labels=tokens)
+            loss.backward()
+            results[offload, layers] = (loss.detach(), [p.grad for p in model.parameters()],
+                                        hooks.offloaded_bytes if hooks else 0)
+    for layers in (1, 2):
+        (loss, grads, _), (loss_off, grads_off, _) = results[False, layers], results[True, layers]
+        assert torch.equal(loss, loss_off)
+        assert all(torch.equal(a, b) for a, b in zip(grads, grads_off))
+    per_layer = (results[True, 2][2] - results[True, 1][2]) / len(tokens)
+    x = MemoryInputs(model_config("tiny", **SMALL), len(tokens), mode, bf16=False)
+    cpu_norm_outputs = 2 * 4 * 64 if mode == "none" else 0  # see test_saved_per_layer_matches_what_autograd_keeps
+    assert per_layer == sum(saved_per_layer(x).values()) + cpu_norm_outputs
+
+
+def test_chunked_recompute_matches_plain_backward(monkeypatch):
+    tokens, positions, plan = batch()
+    grads = {}
+    for chunk in (10**9, 97):  # one chunk (a plain checkpoint), then uneven chunks
+        monkeypatch.setattr(llama, "LINEAR_CHUNK_TOKENS", chunk)
+        model = small_model(2, "keep_attention").double()
+        model(tokens, positions, CoreAttention(plan), labels=tokens).backward()
+        grads[chunk] = [p.grad for p in model.parameters()]
+    for a, b in zip(grads[10**9], grads[97]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_offload_leaves_parameters_and_small_tensors_alone():
+    weight = torch.nn.Parameter(torch.randn(512, 512))
+    small = torch.randn(16, requires_grad=True)
+    big = torch.randn(1024, 512, requires_grad=True)
+    ((small * 2).sum() + (big @ weight).sum()).backward()
+    expected = weight.grad.clone()
+    weight.grad = None
+    offload = ActivationOffload("cpu")  # default min_bytes: 1 MiB
+    with offload:
+        loss = (small * 2).sum() + (big @ weight).sum()
+    assert offload.offloaded_bytes == big.numel() * 4  # the matmul keeps big and the weight; only big moves
+    loss.backward()
+    assert torch.equal(weight.grad, expected)
+
+
+def test_loss_chunk_is_sized_by_bytes_of_logits():
+    assert llama.loss_chunk_tokens(128256) == 2048
+    assert llama.loss_chunk_tokens(32000) == 8192
+    assert llama.loss_chunk_tokens(256) == 1 << 20
+    assert llama.loss_chunk_tokens(10**9) == 256
+
+
+# --- Training with offload --------------------------------------------------------------------------------
+
+
+def _train_with_offloads(rank, world, out):
+    from attnpool.train import train
+
+    results = {}
+    for name, overrides in (("plain", {}), ("activations", dict(activation_offload=True)),
+                            ("optimizer", dict(optimizer_offload=True)),
+                            ("both", dict(activation_offload=True, optimizer_offload=True,
+                                          activation_checkpointing="keep_attention"))):
+        # 1024 tokens of dim 256: a layer's input is 1 MiB, enough for offload to move it
+        config = tiny_config(f"{out}/{name}", steps=3, tokens_per_rank=1024, model_args=dict(
+            dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256), **overrides)
+        result = train(config)
+        results[name] = [(r["loss"], r["activation_offload_bytes"]) for r in result.rows]
+    return results
+
+
+def test_training_with_offload_gives_the_same_losses(tmp_path):
+    results = run_distributed(_train_with_offloads, 2, str(tmp_path))[0]
+    plain = [loss for loss, _ in results["plain"]]
+    for name in ("activations", "optimizer", "both"):
+        assert [loss for loss, _ in results[name]] == plain, name
+    assert all(offloaded is None for _, offloaded in results["plain"])
+    assert all(offloaded > 0 for _, offloaded in results["activations"] + results["both"])

@@ -10,6 +10,12 @@ strategy were measured twice, the later record is used.
 
     python bench/sim_validation.py --out bench/results
     python bench/sim_validation.py --measured bench/results/2026-11-21-h200x4-e2e-short.json
+
+With ``--predict`` nothing is compared: it predicts the step times of benchmark runs still to be made
+(``attnpool bench --tp T`` on ``--gpus`` GPUs of one node: each GPU holds the configuration's tokens,
+a dp rank, a TP group, tp times them), for each tensor-parallel size in ``--tp``:
+
+    python bench/sim_validation.py --predict --gpus 4 --tp 1,2 --layers 32 --configs prolong:256K,pretrain:128K
 """
 
 from __future__ import annotations
@@ -18,11 +24,13 @@ import argparse
 import datetime
 import json
 import os
+import sys
 
 import numpy as np
 
 from attnpool.data import DocumentStream, make_source
 from attnpool.sim.simulate import SimConfig, simulate_config
+from attnpool.sizes import parse_size
 
 MEASURED = "bench/results/2026-11-22-h200x4-e2e.json"  # 3 + 10 steps
 # simulator strategy -> benchmark strategy
@@ -30,20 +38,71 @@ PAIRS = {"local": "local", "wlb": "wlb", "cad-serial": "cad", "cad": "cad+pingpo
 TARGET = 0.15
 
 
-def bench_batches(dist: str, tokens: int, world: int, warmup: int, steps: int) -> list[list[int]]:
-    """The document lengths of the benchmark's measured steps (same recipe as attnpool.bench.e2e)."""
+def bench_batches(dist: str, tokens: int, world: int, warmup: int, steps: int, tp: int = 1) -> list[list[int]]:
+    """The document lengths of the benchmark's measured steps (same recipe as attnpool.bench.e2e): ``tokens``
+    per GPU, ``world`` GPUs, dp = world / tp ranks of tp x tokens."""
     options = {"elongate": max(1.0, tokens * world / 65536)} if dist == "pretrain" else {}
     source = make_source("synthetic", dist=dist, vocab_size=128256, seed=0, options=options)
-    stream = DocumentStream(source, world, tokens, 0)
+    stream = DocumentStream(source, world // tp, tokens * tp, 0)
     lens = [stream.next_batch().doc_lens.tolist() for _ in range(warmup + steps)]
     return lens[warmup:]
+
+
+def predict(args) -> int:
+    """Predicted step times of benchmark runs to come, per configuration, tensor-parallel size and strategy."""
+    rows = []
+    for item in args.configs.split(","):
+        dist, _, size = item.partition(":")
+        tokens = parse_size(size)
+        for tp in (int(t) for t in args.tp.split(",")):
+            batches = bench_batches(dist, tokens, args.gpus, args.warmup, args.steps, tp)
+            config = SimConfig(model=args.model, layers=args.layers, gpus=args.gpus, tp=tp, gpus_per_node=args.gpus,
+                               tokens_per_gpu=tokens, dist=dist, strategies=("local", "wlb", "percp", "cad"),
+                               batches=len(batches), recompute="linear")
+            sim = simulate_config(config, doc_batches=batches)["strategies"]
+            for name in ("local", "wlb", "cad-serial", "cad"):
+                if name in sim:
+                    steps = np.asarray(sim[name]["per_batch_step_s"])
+                    rows.append({"dist": dist, "tokens_per_gpu": tokens, "tp": tp, "dp": args.gpus // tp,
+                                 "strategy": PAIRS[name], "predicted_median_s": float(np.median(steps)),
+                                 "predicted_total_s": float(steps.sum()), "predicted_s": steps.tolist()})
+    command = "python bench/sim_validation.py " + " ".join(sys.argv[1:])
+    lines = [f"# Predicted step times of benchmark runs to come: {args.model}, {args.layers} layers, {args.gpus} GPUs",
+             "", f"Date {datetime.date.today()}. `attnpool.sim` with the shipped H200 profile on the batches `attnpool "
+             f"bench --tp T` will draw ({args.warmup} warm-up steps skipped, {args.steps} predicted), one node, "
+             "recompute of the linear parts (keep_attention). Tokens are per GPU: a dp rank (a TP group) holds tp "
+             f"times them. Predictions, not measurements. Command: `{command}`.", "",
+             "| dist | tokens/GPU | dp x tp | strategy | median step (s) | total (s) | vs `local` (total) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        local = next(x for x in rows if (x["dist"], x["tokens_per_gpu"], x["tp"], x["strategy"])
+                     == (r["dist"], r["tokens_per_gpu"], r["tp"], "local"))
+        lines.append(f"| {r['dist']} | {r['tokens_per_gpu'] // 1024}K | {r['dp']} x {r['tp']} | {r['strategy']} | "
+                     f"{r['predicted_median_s']:.2f} | {r['predicted_total_s']:.2f} | "
+                     f"{local['predicted_total_s'] / r['predicted_total_s']:.2f}x |")
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"{datetime.date.today()}-sim-predictions-{args.gpus}gpu-tp")
+    json.dump({"command": command, "rows": rows}, open(stem + ".json", "w"), indent=1)
+    open(stem + ".md", "w").write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--measured", default=MEASURED)
+    parser.add_argument("--predict", action="store_true", help="predict runs to come instead of comparing")
+    parser.add_argument("--gpus", type=int, default=4)
+    parser.add_argument("--tp", default="1", help="tensor-parallel sizes, comma-separated (--predict)")
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--configs", default="prolong:256K", help="dist:tokens_per_gpu pairs (--predict)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
+    if args.predict:
+        return predict(args)
     data = json.load(open(args.measured))
     meta, records = data["meta"], data["records"]
     runs = {run["name"]: run for run in data.get("runs", [])}

@@ -73,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: gloo, a smoke test of the benchmark itself")
     p.add_argument("--model", default="llama3-8b")
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallelism (torchrun's world = dp x tp); --configs tokens stay per GPU, so a dp rank "
+                        "(a TP group) holds tp x them")
     p.add_argument("--configs", default="prolong:64K,pretrain:64K,prolong:128K",
                    help="dist:tokens_per_gpu pairs, comma-separated (pretrain is elongated to the global batch)")
     p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
@@ -131,7 +134,7 @@ def run_one(name, dist_name, tokens, args, out_dir, trace=False):
         model=args.model, model_args={"n_layers": args.layers}, data="synthetic", data_args=elongate,
         # Every run's schedule is as long as a traced run's, so that tracing changes no learning rate;
         # the others stop before the traced steps.
-        tokens_per_rank=tokens, steps=args.warmup + args.steps + TRACE_STEPS,
+        tokens_per_rank=tokens * args.tp, tp=args.tp, steps=args.warmup + args.steps + TRACE_STEPS,
         stop_at=None if trace else args.warmup + args.steps, warmup_steps=2, lr=1e-4, seed=0,
         attention=attention, pingpong=pingpong, **sparse,
         activation_checkpointing=args.activation_checkpointing, precision="bf16",
@@ -183,7 +186,7 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg):
     global_tokens = rows[0]["tokens"]
     flops = model_flops_per_token(cfg) * global_tokens
     rec = {
-        "strategy": name, "dist": dist_name, "tokens_per_gpu": tokens, "gpus": world,
+        "strategy": name, "dist": dist_name, "tokens_per_gpu": tokens, "gpus": world, "tp": args.tp,
         "step_time_s": step, "step_times_s": [r["step_time_s"] for r in measured],
         "total_time_s": sum(r["step_time_s"] for r in measured),
         "tokens_per_s": global_tokens / step,
@@ -195,7 +198,8 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg):
         # Ideal: the step's linear work and whole-document attention (the plan's total load,
         # seconds per layer under the measured table) at single-GPU rates, shared evenly.
         "ideal_step_s": tokens * linear_s_per_token(cfg)
-        + statistics.median(r["attention_work_total"] for r in measured) * cfg.n_layers / world,
+        # (the plan's loads are one tp rank's: its share of the heads)
+        + statistics.median(r["attention_work_total"] for r in measured) * cfg.n_layers * args.tp / world,
         "losses": [r["loss"] for r in rows],
         # Host-side planning of each step (every rank plans the batch), and core attention's own time
         # on the slowest rank (not measured under ping-pong, where it interleaves with the rest).
@@ -239,6 +243,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
         raise ConfigError("--trace", args.trace, f"must be one of the strategies run: {', '.join(strategies)}")
     if args.memory_breakdown and args.device != "cuda":
         raise ConfigError("--memory-breakdown", True, "records the CUDA allocator: needs --device cuda")
+    if args.tp < 1 or int(os.environ["WORLD_SIZE"]) % args.tp:
+        raise ConfigError("--tp", args.tp, f"must divide the number of processes ({os.environ['WORLD_SIZE']})")
     if args.steps < 1 or args.warmup < 0 or args.layers < 1:
         raise ConfigError("--steps/--warmup/--layers", (args.steps, args.warmup, args.layers),
                           "need at least 1 measured step, 0 or more warm-up steps and 1 or more layers")

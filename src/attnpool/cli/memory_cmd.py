@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+from dataclasses import replace
 
 from attnpool.errors import ConfigError
 
@@ -55,16 +57,15 @@ def _capacity(args, ranks: int):
 def run(args: argparse.Namespace) -> int:
     from attnpool.cli.train_cmd import config_from_args
     from attnpool.train.memory import Calibration, report
-    from attnpool.train.train import build_source, check_sparse, load_cost_model, model_config, run_memory_inputs
+    from attnpool.parallel import ParallelDims
+    from attnpool.train.train import prepare, run_memory_inputs
 
     config = config_from_args(args)
     capacity = _capacity(args, config.nproc)
-    model_cfg = model_config(config.model, **config.model_args)
-    source = build_source(config, model_cfg.vocab_size)
-    sparse = check_sparse(config, model_cfg)
+    setup = prepare(replace(config, resume=False, memory_check=False, out=os.devnull), world=config.nproc)
     calibration = Calibration.load()
-    x = run_memory_inputs(config, model_cfg, source, load_cost_model(config.cost_model), sparse, config.nproc, True,
-                          capacity, calibration)
+    x = run_memory_inputs(config, setup.model_config, setup.source, setup.cost_model, setup.sparse,
+                          ParallelDims.of(config.nproc, config.tp), True, capacity, calibration)
     result = report(x, capacity, calibration)
     if args.json:
         print(json.dumps(_as_json(config, result, calibration), indent=1))
@@ -84,7 +85,8 @@ def _as_json(config, result, calibration) -> dict:
     configured = result.configured
     fitting = result.first_fitting()
     return {
-        "model": config.model, "ranks": config.nproc, "tokens_per_rank": config.tokens_per_rank,
+        "model": config.model, "ranks": config.nproc, "dp": configured.inputs.dp, "tp": configured.inputs.tp,
+        "tokens_per_rank": config.tokens_per_rank,
         "device": result.capacity.device_name,
         "capacity_bytes": result.capacity.device_bytes,
         "host_capacity_bytes": result.capacity.host_bytes,
@@ -114,8 +116,9 @@ def _print_tables(config, result, calibration) -> None:
 
     console = Console()
     x, est = result.configured.inputs, result.configured.estimate
-    console.print(f"[bold]attnpool memory[/]: {config.model} ({x.model.num_params() / 1e9:.2f}B params), {x.dp} ranks x "
-                  f"{format_tokens(x.tokens_per_rank)} tokens, {'bf16' if x.bf16 else 'fp32'}, {config.attention} "
+    layout = f"dp {x.dp} x tp {x.tp} ranks" if x.tp > 1 else f"{x.dp} ranks"
+    console.print(f"[bold]attnpool memory[/]: {config.model} ({x.model.num_params() / 1e9:.2f}B params), {layout}, "
+                  f"{format_tokens(x.tokens_per_rank)} tokens per dp rank, {'bf16' if x.bf16 else 'fp32'}, {config.attention} "
                   f"attention; {format_bytes(result.capacity.device_bytes)} per GPU ({result.capacity.device_name}), "
                   f"{format_bytes(result.capacity.host_bytes)} of host memory per rank", highlight=False)
     rows = x.rows

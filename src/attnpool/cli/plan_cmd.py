@@ -19,7 +19,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="plan core attention for one sampled batch and report balance, bytes and time",
                        description="Sample a packed global batch, lay it out on servers and plan core attention.")
     p.add_argument("--dist", default="prolong", help=f"length distribution: {', '.join(DISTRIBUTIONS)} or a JSON file (default prolong)")
-    p.add_argument("--servers", type=int, default=64, help="number of GPUs / attention servers (default 64)")
+    p.add_argument("--servers", type=int, default=64, help="attention servers: GPUs, or TP groups with --tp (default 64)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallelism: a server is a TP group, each GPU of which "
+                                                      "computes and sends its share of the heads (Llama-3-8B's 32 query "
+                                                      "/ 8 KV heads; bytes are per GPU) (default 1)")
     p.add_argument("--tokens-per-server", type=parse_size, default=parse_size("512K"), help="tokens per server, e.g. 128K (default 512K)")
     p.add_argument("--strategy", default="cad", choices=STRATEGIES + ("all",), help="scheduler, or 'all' side by side (default cad)")
     p.add_argument("--seed", type=int, default=0, help="batch sampling seed (default 0)")
@@ -38,6 +41,9 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.servers < 1:
         raise ConfigError("--servers", args.servers, "need at least one server")
+    shape = AttentionShape()
+    if args.tp < 1 or shape.n_kv_heads % args.tp:
+        raise ConfigError("--tp", args.tp, f"must divide the {shape.n_kv_heads} KV heads of the planned shape")
     if args.tokens_per_server < 1:
         raise ConfigError("--tokens-per-server", args.tokens_per_server, "must be positive")
     if args.seed < 0:
@@ -48,9 +54,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--plot", args.plot, "its directory does not exist")
     options = SamplingOptions(upsample=not args.no_upsample, elongate=args.elongate, max_doc_len=args.max_doc_len)
     cost_model = load_cost_model(args.cost_model)
+    # A server's cost and bytes are one GPU's: its share of the heads (the plan does not change with tp).
+    shape = AttentionShape(shape.n_q_heads // args.tp, shape.n_kv_heads // args.tp, shape.head_dim, shape.dtype_bytes)
+    if args.tp > 1 and hasattr(cost_model, "scaled_to"):
+        cost_model = cost_model.scaled_to(shape.n_q_heads, shape.head_dim)
     doc_lens = sample_batches(args.dist, args.servers * args.tokens_per_server, 1, args.seed, options)[0]
     strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
-    shape = AttentionShape()
     linear = linear_table(doc_lens, args.servers, args.tokens_per_server)
     results = {}
     for strategy in strategies:
@@ -61,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
             before = home_loads(linear, cost_model)
             metrics.load_before, metrics.imbalance_before = before.tolist(), imbalance(before)
         results[strategy] = metrics
-    batch = {"dist": args.dist, "servers": args.servers, "tokens_per_server": args.tokens_per_server, "seed": args.seed,
+    batch = {"dist": args.dist, "servers": args.servers, "tp": args.tp, "tokens_per_server": args.tokens_per_server,
+             "seed": args.seed,
              "num_docs": len(doc_lens), "max_doc_len": max(doc_lens), "cost_model": getattr(cost_model, "name", ""),
              "eps": args.eps}
     if args.json:
@@ -78,7 +88,9 @@ def print_table(batch: dict, results: dict[str, PlanMetrics]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    title = (f"{batch['dist']}: {batch['servers']} servers x {batch['tokens_per_server']} tokens, "
+    servers = f"{batch['servers']} servers (TP groups of {batch['tp']}; bytes per GPU)" if batch["tp"] > 1 \
+        else f"{batch['servers']} servers"
+    title = (f"{batch['dist']}: {servers} x {batch['tokens_per_server']} tokens, "
              f"{batch['num_docs']} documents (longest {batch['max_doc_len']}), seed {batch['seed']}")
     table = Table(title=title)
     table.add_column("")

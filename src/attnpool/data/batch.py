@@ -137,6 +137,20 @@ class GlobalBatch:
     def num_label_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    def padded(self, pad_lens: Sequence[int]) -> "GlobalBatch":
+        """This batch with padding documents of ``pad_lens`` tokens appended (token 0, no labels), as
+        plan.layout.pad_ranks lays them out. The loss and the real tokens' attention do not see them."""
+        lens = np.asarray(pad_lens, dtype=np.int64)
+        if not len(lens):
+            return self
+        n = int(lens.sum())
+        return GlobalBatch(self.step, self.num_ranks, self.tokens_per_rank, np.r_[self.doc_lens, lens],
+                           np.r_[self.tokens, np.zeros(n, dtype=np.int64)],
+                           np.r_[self.labels, np.full(n, IGNORE_INDEX, dtype=np.int64)],
+                           np.r_[self.loss_mask, np.zeros(n, dtype=bool)],
+                           np.r_[self.doc_source, np.full(len(lens), -1, dtype=np.int64)],
+                           np.r_[self.doc_source_start, np.zeros(len(lens), dtype=np.int64)])
+
     def split_documents(self, parts: int) -> list["GlobalBatch"]:
         """Up to ``parts`` batches of whole documents, cut at the document boundaries nearest to
         equal token counts (ping-pong nano-batches). Cutting a document would change what its

@@ -105,24 +105,26 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """The projections around core attention; n_heads query heads share n_kv_heads KV heads."""
+    """The projections around core attention; n_heads query heads share n_kv_heads KV heads.
+
+    ``forward`` is the way in (q, k, v), ``o_proj`` the way out. Heads are counted from the
+    projections' outputs, so a tensor-parallel split of them (attnpool.parallel.tensor) gives
+    each rank its own share without this class knowing."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.n_heads = config.n_heads
-        self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_dim
         self.q_proj = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=config.qkv_bias)
         self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
 
-    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q (T, H_q, D), k and v (T, H_kv, D), with q and k rotated to each token's position."""
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
+        q = self.q_proj(x).view(T, -1, self.head_dim)
+        k = self.k_proj(x).view(T, -1, self.head_dim)
+        v = self.v_proj(x).view(T, -1, self.head_dim)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
@@ -190,7 +192,7 @@ class TransformerBlock(nn.Module):
                 for x, attention, p in zip(xs, attentions, pending)]
 
     def _qkv(self, x, cos, sin):
-        return self.attention.qkv(self.attention_norm(x), cos, sin)
+        return self.attention(self.attention_norm(x), cos, sin)
 
     def _output_and_mlp(self, x, attention_out):
         h = x + self.attention.o_proj(attention_out.flatten(1))
@@ -322,8 +324,10 @@ def recompute_in_chunks(fn, chunk_tokens: int, *rows: Tensor):
     time under activation checkpointing: forward keeps only the inputs, backward recomputes and
     differentiates one chunk at a time. ``fn`` returns a tensor or a tuple of tensors, concatenated
     over the chunks. (``split``, not slicing: its backward assembles the input's gradient in one
-    copy, where each slice's would fill a zero tensor of the whole input.)"""
-    if rows[0].shape[0] <= chunk_tokens:
+    copy, where each slice's would fill a zero tensor of the whole input.) Inputs of different lengths
+    (a sequence shard beside the whole sequence's RoPE angles, under sequence parallelism) cannot be
+    chunked alike: they run whole."""
+    if rows[0].shape[0] <= chunk_tokens or any(r.shape[0] != rows[0].shape[0] for r in rows):
         return checkpoint(fn, *rows, use_reentrant=False)
     parts = [checkpoint(fn, *chunk, use_reentrant=False) for chunk in zip(*(r.split(chunk_tokens) for r in rows))]
     if isinstance(parts[0], tuple):

@@ -143,3 +143,23 @@ def wlb_layout(doc_lens: Sequence[int], num_ranks: int, tokens_per_rank: int | N
 
 
 LAYOUTS = {"linear": linear_table, "wlb": wlb_table}
+
+
+def pad_ranks(table: PieceTable, multiple: int) -> PieceTable:
+    """``table`` with each rank's token count rounded up to a multiple of ``multiple`` by a padding
+    document of its own, last on its rank (numbered after the table's documents, in rank order).
+
+    Tensor parallelism splits a rank's tokens evenly over its tp ranks; a padding document attends only
+    to itself and carries no labels (data.GlobalBatch.padded), so the real tokens compute the same."""
+    pad = (-table.tokens_per_rank) % multiple
+    ranks = np.flatnonzero(pad)
+    if not len(ranks):
+        return table
+    n = len(ranks)
+    rank = np.r_[table.rank, ranks]
+    doc = np.r_[table.doc, table.num_docs + np.arange(n)]
+    start = np.r_[table.start, np.zeros(n, dtype=np.int64)]
+    length = np.r_[table.length, pad[ranks]]
+    order = np.argsort(rank, kind="stable")  # each rank's padding after its own pieces
+    return PieceTable.from_arrays(table.num_ranks, np.r_[table.doc_len, pad[ranks]], rank[order], doc[order],
+                                  start[order], length[order])

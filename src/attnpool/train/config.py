@@ -44,7 +44,8 @@ class TrainConfig:
     data: str = _help(f"document source: {', '.join(DATA_KINDS)}", default="stdlib")
     data_path: str | None = _help("text: file, directory or glob; npy: tokens .npy; jsonl: .jsonl file", default=None)
     data_args: dict = _help("more source options, e.g. offsets_path=... tokenizer_path=... dist=prolong", default_factory=dict)
-    tokens_per_rank: int = _help("tokens per rank per step (the global batch is nproc x this)", default=1024)
+    tokens_per_rank: int = _help("tokens per data-parallel rank per step (the global batch is dp x this; dp = nproc / tp)",
+                                 default=1024)
     max_doc_len: int | None = _help("cut longer documents into pieces of this many tokens", default=None)
     seed: int = _help("seed of the initial weights and of the document order", default=0)
     # Core attention
@@ -84,6 +85,9 @@ class TrainConfig:
                                     "optimizer there (FSDP2's CPUOffloadPolicy)", default=False)
     memory_check: bool = _help("refuse, before anything is allocated, a configuration whose predicted peak memory "
                                "exceeds the device's (attnpool memory shows the prediction)", default=True)
+    # Parallelism
+    tp: int = _help("tensor parallel degree: this many neighbouring ranks split every layer by heads and the "
+                    "sequence between layers; ranks = dp x tp, and tokens_per_rank is per dp rank", default=1)
     # Run
     nproc: int = _help("processes to start on this machine (gloo on CPU, NCCL on GPUs, one per GPU; under torchrun leave at 1)", default=1)
     device: str = _help("auto, cpu or cuda", default="auto")
@@ -133,6 +137,7 @@ class TrainConfig:
         for name, allowed in (("precision", PRECISIONS), ("activation_checkpointing", CHECKPOINTING), ("device", DEVICES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(name, getattr(self, name), f"choose one of {', '.join(allowed)}")
+        _at_least("tp", self.tp, 1)
         _at_least("nproc", self.nproc, 1)
         if not self.out:
             raise ConfigError("out", self.out, "needs a run directory")

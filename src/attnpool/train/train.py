@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from attnpool.comm import all_gather_flat, comm_stats, end_process, process_group
 from attnpool.data import DocumentStream, GlobalBatch, RankTensors, make_source
@@ -48,7 +50,8 @@ from attnpool.errors import ConfigError
 from attnpool.kernels.sparse import device_problem as sparse_device_problem
 from attnpool.kernels.sparse import launch_problem as sparse_launch_problem
 from attnpool.model import ModelConfig, Transformer, apply_activation_checkpointing, model_config
-from attnpool.plan import AttentionShape, linear_table, load_cost_model, plan_attention, wlb_table
+from attnpool.parallel import ParallelDims, RankMesh, apply_tensor_parallel, build_rank_mesh, tensor_parallel_problem
+from attnpool.plan import AttentionShape, linear_table, load_cost_model, pad_ranks, plan_attention, wlb_table
 from attnpool.plan.metrics import AttentionRows, home_loads, imbalance, server_loads
 from attnpool.plan.plan import Plan
 from attnpool.runtime import CoreAttention
@@ -103,16 +106,22 @@ def build_source(config: TrainConfig, vocab_size: int):
     return source
 
 
-def prepare(config: TrainConfig, device: torch.device | None = None, world: int = 1) -> Setup:
+def prepare(config: TrainConfig, device: torch.device | None = None, world: int | None = None) -> Setup:
     """Build and check everything that needs no process group: model config, data source, cost model, checkpoint,
     and (with ``config.memory_check``) that the predicted peak memory fits the device.
 
     ``device``: the rank's device, whose kind the sparse kernels must support and whose memory must hold
     the run; None in a launcher, which must not touch its GPUs (asking one initialises CUDA and would hold
-    a context on it for the whole run). ``world``: the number of ranks."""
+    a context on it for the whole run). ``world``: the number of ranks (checked against ``tp``), where known."""
     model_cfg = model_config(config.model, **config.model_args)
+    problem = tensor_parallel_problem(model_cfg, config.tp)
+    if problem is not None:
+        raise ConfigError("tp", config.tp, problem)
+    dims = ParallelDims.of(world, config.tp) if world is not None else None
     source = build_source(config, model_cfg.vocab_size)
     cost_model = load_cost_model(config.cost_model)
+    if config.tp > 1 and hasattr(cost_model, "scaled_to"):  # a server's cost is its heads' share of a task's
+        cost_model = cost_model.scaled_to(model_cfg.n_heads // config.tp, model_cfg.head_dim)
     sparse = check_sparse(config, model_cfg, device)
     found = latest_checkpoint(config.out)
     if config.resume:
@@ -123,8 +132,8 @@ def prepare(config: TrainConfig, device: torch.device | None = None, world: int 
         raise ConfigError("out", config.out, "holds checkpoints of an earlier run: pass --resume to continue it, "
                                              "or choose another --out")
     memory = None
-    if device is not None and config.memory_check:
-        memory = check_memory(config, model_cfg, source, cost_model, sparse, world, device)
+    if device is not None and dims is not None and config.memory_check:
+        memory = check_memory(config, model_cfg, source, cost_model, sparse, dims, device)
     return Setup(model_cfg, source, cost_model, found if config.resume else None, sparse, memory)
 
 
@@ -190,47 +199,55 @@ def _portable(exc: ConfigError) -> tuple:
 # --- Memory ------------------------------------------------------------------------------------
 
 
+def attention_shape(model_cfg: ModelConfig, tp: int, bf16: bool) -> AttentionShape:
+    """What a token's Q, K+V and O weigh in one tp rank's core attention (its share of the heads)."""
+    return AttentionShape(model_cfg.n_heads // tp, model_cfg.n_kv_heads // tp, model_cfg.head_dim, 2 if bf16 else 4)
+
+
 def uses_bf16(config: TrainConfig, device_type: str) -> bool:
     """bf16 compute (FSDP2 mixed precision, autocast): asked for, or by default on CUDA."""
     return config.precision == "bf16" or (config.precision == "auto" and device_type == "cuda")
 
 
-def sample_row_ratios(config: TrainConfig, source, cost_model, world: int, model_cfg: ModelConfig,
+def sample_row_ratios(config: TrainConfig, source, cost_model, dims: ParallelDims, model_cfg: ModelConfig,
                       sparse: SparseConfig | None, bf16: bool, batches: int = MEMORY_SAMPLE_BATCHES) -> RowRatios:
     """Core attention's rows on the busiest rank, per token of tokens_per_rank: the largest of each over the
-    ranks and the plans of the run's first ``batches`` batches (with ping-pong, both nano-batches' rows)."""
-    if world == 1:
+    dp ranks and the plans of the run's first ``batches`` batches (with ping-pong, both nano-batches' rows)."""
+    if dims.dp == 1:
         return RowRatios()
+    world = dims.dp
     stream = DocumentStream(source, world, config.tokens_per_rank, config.seed, config.max_doc_len)
-    shape = AttentionShape(model_cfg.n_heads, model_cfg.n_kv_heads, model_cfg.head_dim, 2 if bf16 else 4)
-    prior = SparsePrior(sparse, model_cfg.n_heads, model_cfg.head_dim, model_cfg.n_layers) if sparse else None
+    shape = attention_shape(model_cfg, dims.tp, bf16)
+    prior = SparsePrior(sparse, model_cfg.n_heads // dims.tp, model_cfg.head_dim, model_cfg.n_layers) if sparse else None
     names = ("home", "query", "returned", "unique_kv", "expanded_kv")
     worst = np.zeros(len(names))
     for _ in range(batches):
         batch = stream.next_batch()
         nanos = batch.split_documents(2) if config.pingpong else [batch]
-        rows = [AttentionRows.of(plan_batch(nano, config, world, cost_model, shape, prior).plan) for nano in nanos]
+        rows = [AttentionRows.of(plan_batch(nano, config, world, cost_model, shape, prior, dims.tp).plan)
+                for nano in nanos]
         per_rank = np.array([np.sum([getattr(r, name) for r in rows], axis=0) for name in names])
         worst = np.maximum(worst, per_rank.max(axis=1))
     return RowRatios(*(worst / config.tokens_per_rank).tolist(), batches=batches)
 
 
-def memory_inputs(config: TrainConfig, model_cfg: ModelConfig, world: int, bf16: bool, rows: RowRatios = RowRatios(),
-                  gpu: bool = True) -> MemoryInputs:
+def memory_inputs(config: TrainConfig, model_cfg: ModelConfig, dims: ParallelDims, bf16: bool,
+                  rows: RowRatios = RowRatios(), gpu: bool = True) -> MemoryInputs:
     """The memory model's view of a run (on CPU runs offload moves nothing, so it counts as off)."""
     return MemoryInputs(model_cfg, config.tokens_per_rank, config.activation_checkpointing,
-                        config.activation_offload and gpu, config.optimizer_offload and gpu, bf16, dp=world, rows=rows)
+                        config.activation_offload and gpu, config.optimizer_offload and gpu, bf16, dp=dims.dp,
+                        tp=dims.tp, rows=rows)
 
 
 def run_memory_inputs(config: TrainConfig, model_cfg: ModelConfig, source, cost_model, sparse: SparseConfig | None,
-                      world: int, gpu: bool, capacity: Capacity, calibration: Calibration) -> MemoryInputs:
+                      dims: ParallelDims, gpu: bool, capacity: Capacity, calibration: Calibration) -> MemoryInputs:
     """The memory model's inputs for a run, core attention's rows from plans of its first batches. Those
     are drawn only if, with the fewest rows core attention can hold (RowRatios(), a lower bound of the
     busiest rank's), some memory setting fits: a batch far too large is refused before one is drawn."""
     bf16 = uses_bf16(config, "cuda" if gpu else "cpu")
-    x = memory_inputs(config, model_cfg, world, bf16, gpu=gpu)
+    x = memory_inputs(config, model_cfg, dims, bf16, gpu=gpu)
     if any(capacity.holds(estimate(s, calibration)) for s in settings(x, offloads=gpu)):
-        x = replace(x, rows=sample_row_ratios(config, source, cost_model, world, model_cfg, sparse, bf16))
+        x = replace(x, rows=sample_row_ratios(config, source, cost_model, dims, model_cfg, sparse, bf16))
     return x
 
 
@@ -243,12 +260,12 @@ def ranks_on_this_machine(config: TrainConfig, world: int) -> int:
 
 
 def check_memory(config: TrainConfig, model_cfg: ModelConfig, source, cost_model, sparse: SparseConfig | None,
-                 world: int, device: torch.device) -> MemoryEstimate:
+                 dims: ParallelDims, device: torch.device) -> MemoryEstimate:
     """The predicted peak of a rank (attnpool.train.memory), refused with the field to change where it does
     not fit: on GPU the device's memory (with the packaged calibration) and, for offloaded state, this
     machine's memory shared by its ranks; on CPU that shared memory alone (the hand count alone)."""
     gpu = device.type == "cuda"
-    local_ranks = ranks_on_this_machine(config, world)
+    local_ranks = ranks_on_this_machine(config, dims.world)
     host = host_memory_bytes() // local_ranks
     for_each = f" for each of its {local_ranks} ranks" if local_ranks > 1 else ""
     if gpu:
@@ -257,7 +274,7 @@ def check_memory(config: TrainConfig, model_cfg: ModelConfig, source, cost_model
                             host)
     else:
         calibration, capacity = Calibration.none(), Capacity(host, "this machine's memory" + for_each)
-    x = run_memory_inputs(config, model_cfg, source, cost_model, sparse, world, gpu, capacity, calibration)
+    x = run_memory_inputs(config, model_cfg, source, cost_model, sparse, dims, gpu, capacity, calibration)
     predicted = estimate(x, calibration)
     if not capacity.holds(predicted):
         raise report(x, capacity, calibration, offloads=gpu).refusal()
@@ -267,8 +284,11 @@ def check_memory(config: TrainConfig, model_cfg: ModelConfig, source, cost_model
 # --- Model, optimizer, schedule ----------------------------------------------------------------
 
 
-def build_model(model_cfg: ModelConfig, config: TrainConfig, device: torch.device, bf16: bool = False) -> Transformer:
-    """The model, FSDP2-sharded per layer and then at the root, with gradients summed over ranks.
+def build_model(model_cfg: ModelConfig, config: TrainConfig, device: torch.device, bf16: bool = False,
+                mesh: RankMesh | None = None) -> Transformer:
+    """The model, tensor-parallel over ``mesh``'s "tp" ranks where tp > 1 (attnpool.parallel.tensor), then
+    FSDP2-sharded over its "dp" ranks (all ranks without a mesh) per layer and at the root, with
+    gradients summed over ranks.
 
     With ``bf16`` FSDP gathers parameters in bf16 for compute (half the all-gather bytes,
     no per-use casts) and reduces gradients in float32; the sharded master weights and the
@@ -279,11 +299,13 @@ def build_model(model_cfg: ModelConfig, config: TrainConfig, device: torch.devic
         model = Transformer(model_cfg)
     if config.activation_checkpointing != "none":
         apply_activation_checkpointing(model, recompute_attention=config.activation_checkpointing == "full")
+    if mesh is not None and mesh.dims.tp > 1:
+        apply_tensor_parallel(model, mesh.tp_mesh)
     # cast_forward_inputs=False: a layer's input is already bf16, and FSDP2 would otherwise round RoPE's
     # float32 cos and sin to bf16 at every layer (and keep that copy for backward).
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                      cast_forward_inputs=False) if bf16 else MixedPrecisionPolicy()
-    shard_options = dict(mp_policy=mp_policy)
+    shard_options = dict(mp_policy=mp_policy, mesh=mesh.dp_mesh if mesh is not None else None)
     if config.optimizer_offload:  # sharded parameters, gradients and the optimizer's state live in host memory
         shard_options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     for layer in model.layers:
@@ -332,6 +354,7 @@ def build_scheduler(optimizer, config: TrainConfig) -> torch.optim.lr_scheduler.
 @dataclass
 class StepPlan:
     plan: Plan | None  # its ``pieces`` are the layout (None for a step's combined nano-batches)
+    batch: GlobalBatch | None  # the batch the plan's pieces refer to (with any padding documents)
     load_local: list[float]  # per rank: attention load if every rank served its own tokens of the linear layout
     load_planned: list[float]  # per rank: attention load under the plan
     imbalance_local: float  # max / mean of load_local
@@ -339,20 +362,26 @@ class StepPlan:
 
 
 def plan_batch(batch: GlobalBatch, config: TrainConfig, num_ranks: int, cost_model,
-               shape: AttentionShape = AttentionShape(), sparse_prior: SparsePrior | None = None) -> StepPlan:
+               shape: AttentionShape = AttentionShape(), sparse_prior: SparsePrior | None = None,
+               tokens_multiple: int = 1) -> StepPlan:
     """Lay out the batch (linear, or wlb's re-packing) and plan its core attention for ``config.attention``.
 
-    With sparse attention the cost of a task is its expected sparse work (``sparse_prior``)."""
+    With sparse attention the cost of a task is its expected sparse work (``sparse_prior``).
+    ``tokens_multiple`` (tensor parallelism's tp): every rank's tokens are padded to a multiple of it
+    by a padding document (plan.layout.pad_ranks), which the returned ``batch`` holds."""
     linear = linear_table(batch.doc_lens, num_ranks, batch.tokens_per_rank)
-    if sparse_prior is not None:  # both tables number documents in batch order
-        cost_model = sparse_prior.cost_model(linear.doc_len, cost_model)
     table = wlb_table(batch.doc_lens, num_ranks, batch.tokens_per_rank, config.memory_cap) \
         if config.attention == "wlb" else linear
+    if tokens_multiple > 1:
+        table = pad_ranks(table, tokens_multiple)
+        batch = batch.padded(table.doc_len[batch.num_docs:])
+    if sparse_prior is not None:  # the tables number documents in batch order, padding last
+        cost_model = sparse_prior.cost_model(table.doc_len, cost_model)
     plan = plan_attention(table, config.attention, cost_model=cost_model, min_shard_tokens=config.min_shard,
                           eps=config.eps, shape=shape)
     local = home_loads(linear, cost_model)  # "before" is always plain packing served at home
     planned = server_loads(plan, cost_model)
-    return StepPlan(plan, local.tolist(), planned.tolist(), imbalance(local), imbalance(planned))
+    return StepPlan(plan, batch, local.tolist(), planned.tolist(), imbalance(local), imbalance(planned))
 
 
 def combine_plans(plans: list[StepPlan]) -> StepPlan:
@@ -361,11 +390,12 @@ def combine_plans(plans: list[StepPlan]) -> StepPlan:
         return plans[0]
     local = np.sum([p.load_local for p in plans], axis=0).tolist()
     planned = np.sum([p.load_planned for p in plans], axis=0).tolist()
-    return StepPlan(None, local, planned, imbalance(local), imbalance(planned))
+    return StepPlan(None, None, local, planned, imbalance(local), imbalance(planned))
 
 
 def forward_backward(model: Transformer, batches: list[RankTensors], attentions: list, global_label_tokens: int,
-                     bf16: bool = False, offload: ActivationOffload | None = None) -> torch.Tensor:
+                     bf16: bool = False, offload: ActivationOffload | None = None,
+                     vocab_parallel: bool = False) -> torch.Tensor:
     """Forward and backward of this rank's tokens; returns the rank's summed token loss (detached).
 
     One batch with its core attention, or (ping-pong) several nano-batches whose
@@ -373,17 +403,22 @@ def forward_backward(model: Transformer, batches: list[RankTensors], attentions:
     global batch's label tokens, and FSDP sums gradients over ranks
     (:func:`build_model`), so the gradient is that of the mean loss over every real
     token of the global batch. With ``offload``, what the forward saves for
-    backward waits in host memory.
+    backward waits in host memory. ``vocab_parallel`` (tensor parallelism): the
+    logits are split by vocabulary over the tp ranks, and the cross-entropy, forward
+    and backward, is PyTorch's ``loss_parallel``; every tp rank gets the whole loss.
     """
-    with offload or nullcontext(), torch.autocast(batches[0].tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
-        if len(batches) == 1:
-            losses = [model(batches[0].tokens, batches[0].positions, attentions[0], labels=batches[0].labels)]
-        else:
-            losses = model([b.tokens for b in batches], [b.positions for b in batches], attentions,
-                           labels=[b.labels for b in batches])
-    loss_sum = sum(losses)  # summed token cross-entropy, computed in chunks inside the model
-    (loss_sum / global_label_tokens).backward()
-    return loss_sum.detach()
+    with loss_parallel() if vocab_parallel else nullcontext():
+        with offload or nullcontext(), torch.autocast(batches[0].tokens.device.type, dtype=torch.bfloat16,
+                                                      enabled=bf16):
+            if len(batches) == 1:
+                losses = [model(batches[0].tokens, batches[0].positions, attentions[0], labels=batches[0].labels)]
+            else:
+                losses = model([b.tokens for b in batches], [b.positions for b in batches], attentions,
+                               labels=[b.labels for b in batches])
+        loss_sum = sum(losses)  # summed token cross-entropy, computed in chunks inside the model
+        (loss_sum / global_label_tokens).backward()
+    loss_sum = loss_sum.detach()
+    return loss_sum.full_tensor() if isinstance(loss_sum, DTensor) else loss_sum
 
 
 def _all_gather_floats(values: list[float], device: torch.device) -> np.ndarray:
@@ -421,25 +456,29 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
     setup = agree(lambda: prepare(config, device, world))
     model_cfg, cost_model = setup.model_config, setup.cost_model
     bf16 = uses_bf16(config, device.type)
+    # The plan is made over the dp ranks; this rank holds its dp rank's tokens and runs core attention
+    # on its share of the heads with the dp ranks of its tp index (attnpool.parallel.mesh).
+    mesh = build_rank_mesh(ParallelDims.of(world, config.tp), device.type)
+    dp, tp, dp_rank = mesh.dims.dp, mesh.dims.tp, mesh.dp_rank
 
-    model = build_model(model_cfg, config, device, bf16)
+    model = build_model(model_cfg, config, device, bf16, mesh)
     optimizer = build_optimizer(model, config, fused=device.type == "cuda")
     offload = None
     if config.activation_offload:  # prefetch in backward: one layer's saved activations ahead
-        layer_bytes = saved_bytes_per_layer(memory_inputs(config, model_cfg, world, bf16))
+        layer_bytes = saved_bytes_per_layer(memory_inputs(config, model_cfg, mesh.dims, bf16))
         offload = ActivationOffload(device, prefetch_bytes=layer_bytes)
     scheduler = build_scheduler(optimizer, config)
-    stream = DocumentStream(setup.source, world, config.tokens_per_rank, config.seed, config.max_doc_len)
+    stream = DocumentStream(setup.source, dp, config.tokens_per_rank, config.seed, config.max_doc_len)
     sparse = setup.sparse
-    prior = SparsePrior(sparse, model_cfg.n_heads, model_cfg.head_dim, model_cfg.n_layers) if sparse else None
+    prior = SparsePrior(sparse, model_cfg.n_heads // tp, model_cfg.head_dim, model_cfg.n_layers) if sparse else None
     extra_state = {"sparse_prior": prior} if prior else {}
     # With ping-pong, the sparse exchanges get a communicator of their own (CoreAttention.pattern_group).
-    pattern_group = dist.new_group(list(range(world))) if sparse and config.pingpong else None
+    pattern_group = mesh.new_attention_group() if sparse and config.pingpong else None
     step = 0
     if setup.resume_from is not None:
         step = load_checkpoint(setup.resume_from, model, optimizer, scheduler, stream, extra_state, device)
     start_step, last_step = step, config.stop_at or config.steps
-    shape = AttentionShape(model_cfg.n_heads, model_cfg.n_kv_heads, model_cfg.head_dim, 2 if bf16 else 4)
+    shape = attention_shape(model_cfg, tp, bf16)
     attention_kwargs = {"backend": config.kernel} if config.kernel else {}
 
     if rank == 0:
@@ -450,8 +489,9 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
     log.start()
     if rank == 0:
         resumed = f", resumed from {setup.resume_from}" if setup.resume_from else ""
-        print(f"attnpool train: {config.model} ({model_cfg.num_params() / 1e6:.2f}M params) on {world} x {device.type}, "
-              f"{config.attention} attention, {world} x {config.tokens_per_rank} tokens per step, "
+        layout = f" (dp {dp} x tp {tp})" if tp > 1 else ""
+        print(f"attnpool train: {config.model} ({model_cfg.num_params() / 1e6:.2f}M params) on {world} x {device.type}"
+              f"{layout}, {config.attention} attention, {dp} x {config.tokens_per_rank} tokens per step, "
               f"steps {step + 1}..{last_step} of {config.steps}{resumed} -> {config.out}", flush=True)
         if setup.memory is not None and device.type == "cuda":
             capacity = torch.cuda.get_device_properties(device).total_memory
@@ -471,18 +511,18 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
             batch = stream.next_batch()
             t_plan = time.perf_counter()
             nanos = batch.split_documents(2) if config.pingpong else [batch]
-            plans = [plan_batch(nano, config, world, cost_model, shape, prior) for nano in nanos]
+            plans = [plan_batch(nano, config, dp, cost_model, shape, prior, tp) for nano in nanos]
             last_plan = combine_plans(plans)
             plan_time = time.perf_counter() - t_plan
-            tensors = [nano.rank_batch(p.plan.pieces, rank).to_torch(device) for nano, p in zip(nanos, plans)]
+            tensors = [p.batch.rank_batch(p.plan.pieces, dp_rank).to_torch(device) for p in plans]
             comm_stats.reset()
             stats = SparseStats()
-            attentions = [CoreAttention(p.plan, sparse=sparse, sparse_stats=stats, pattern_group=pattern_group,
-                                        **attention_kwargs) for p in plans]
+            attentions = [CoreAttention(p.plan, mesh.attention_group, sparse=sparse, sparse_stats=stats,
+                                        pattern_group=pattern_group, **attention_kwargs) for p in plans]
             # Interleaved phases (ping-pong) leave core attention no wall time of its own to measure.
             timer = AttentionTimer(attentions[0], device) if len(nanos) == 1 else None
             attentions = [timer] if timer else attentions
-            loss_sum = forward_backward(model, tensors, attentions, batch.num_label_tokens, bf16, offload)
+            loss_sum = forward_backward(model, tensors, attentions, batch.num_label_tokens, bf16, offload, tp > 1)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf"))
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
@@ -500,7 +540,7 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
                 grad_norm = grad_norm.full_tensor()
             row = {
                 "step": step,
-                "loss": float(per_rank[:, 0].sum() / batch.num_label_tokens),
+                "loss": float(per_rank[:, 0].sum() / tp / batch.num_label_tokens),  # a dp rank's tp ranks agree
                 "lr": lr,
                 "grad_norm": float(grad_norm),
                 "tokens": batch.num_tokens,
@@ -532,7 +572,7 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
 
     summary = None
     if rank == 0:
-        info = {"model": config.model, "params": model_cfg.num_params(), "world": world,
+        info = {"model": config.model, "params": model_cfg.num_params(), "world": world, "dp": dp, "tp": tp,
                 "predicted_peak_memory_bytes": setup.memory.peak_bytes if setup.memory and device.type == "cuda" else None,
                 "tokens_per_rank": config.tokens_per_rank, "strategy": config.attention, "steps": config.steps,
                 "start_step": start_step, "end_step": step, "wall_s": time.perf_counter() - wall0}
@@ -617,7 +657,7 @@ def run(config: TrainConfig) -> int:
     device = resolve_device(config)
     if device == "cuda" and config.nproc > torch.cuda.device_count():
         raise ConfigError("nproc", config.nproc, f"one process per GPU, and this machine has {torch.cuda.device_count()}")
-    prepare(config)  # refuse bad input before any process starts
+    prepare(config, world=config.nproc)  # refuse bad input before any process starts
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     if config.nproc == 1:
         _run_rank(config, 0, 1, init_method)

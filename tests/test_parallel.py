@@ -1,0 +1,186 @@
+"""Tensor parallelism: every layout computes the same training as one process (float32, gloo).
+
+dp x tp ranks against dp ranks without TP and against one process: losses over several steps,
+gradients after one step, checkpoints resumed across layouts, bad layouts refused on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from attnpool.data import DocumentStream, stdlib_corpus
+from attnpool.data.batch import GlobalBatch
+from attnpool.errors import ConfigError
+from attnpool.model import model_config
+from attnpool.parallel import ParallelDims, build_rank_mesh, tensor_parallel_problem
+from attnpool.plan import linear_table, load_cost_model, pad_ranks, plan_attention, wlb_table
+from attnpool.runtime import CoreAttention
+from attnpool.train import train
+from attnpool.train.memory import MemoryInputs, estimate
+from attnpool.train.train import build_model, forward_backward, plan_batch
+from dist_harness import run_distributed
+from test_train import TINY, rel_diff, tiny_config
+
+SPARSE = dict(sparse="vertical-slash", sparse_min_doc_len=64,
+              sparse_args=dict(block=16, vertical_chunk=16, last_queries=16, sink_tokens=4, local_window=16,
+                               slash_cap=32, vertical_cap=64))
+
+
+def _losses(rank, world, out, tp, runs):
+    return {name: [r["loss"] for r in train(tiny_config(f"{out}/{name}-{world}-{tp}", tp=tp, **kw)).rows]
+            for name, kw in runs}
+
+
+def test_dp_by_tp_trains_as_dp_alone(tmp_path):
+    """dp=2 x tp=2 (4 processes) against dp=2 (2 processes): local, cad, cad with ping-pong."""
+    runs = [("local", dict(attention="local", steps=5)), ("cad", dict(attention="cad", steps=5)),
+            ("pingpong", dict(attention="cad", pingpong=True, steps=5))]
+    dp = run_distributed(_losses, 2, str(tmp_path), 1, runs)[0]
+    dp_tp = run_distributed(_losses, 4, str(tmp_path), 2, runs)[0]
+    for name, _ in runs:
+        assert len(dp_tp[name]) == 5
+        assert rel_diff(dp_tp[name], dp[name]) <= 1e-5, name
+
+
+def test_tp_alone_trains_as_one_process(tmp_path):
+    """dp=1 x tp=2 against one process, with what else TP must carry: both checkpointing modes, a token
+    count tp does not divide (padded), wlb's uneven layout, sparse attention with ping-pong, offload."""
+    runs = [("keep", dict(activation_checkpointing="keep_attention", steps=3)),
+            ("full-odd", dict(activation_checkpointing="full", tokens_per_rank=255, steps=3)),
+            ("sparse-pingpong", dict(pingpong=True, steps=3, **SPARSE)),
+            ("offload", dict(activation_offload=True, optimizer_offload=True, steps=3))]
+    one = run_distributed(_losses, 1, str(tmp_path), 1, runs)[0]
+    tp = run_distributed(_losses, 2, str(tmp_path), 2, runs)[0]
+    for name, _ in runs:
+        assert rel_diff(tp[name], one[name]) <= 1e-5, name
+
+
+def _first_step_gradients(rank, world, tp):
+    mcfg = model_config("tiny", **TINY)
+    cfg = tiny_config("unused", attention="cad", tokens_per_rank=255, tp=tp)
+    mesh = build_rank_mesh(ParallelDims.of(world, tp), "cpu")
+    model = build_model(mcfg, cfg, torch.device("cpu"), mesh=mesh)
+    batch = DocumentStream(stdlib_corpus(), mesh.dims.dp, cfg.tokens_per_rank, cfg.seed).next_batch()
+    step = plan_batch(batch, cfg, mesh.dims.dp, load_cost_model("pairs"), tokens_multiple=tp)
+    tensors = step.batch.rank_batch(step.plan.pieces, mesh.dp_rank).to_torch()
+    forward_backward(model, [tensors], [CoreAttention(step.plan, mesh.attention_group)], batch.num_label_tokens,
+                     vocab_parallel=tp > 1)
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+def test_gradients_after_one_step_do_not_depend_on_tp():
+    dp = run_distributed(_first_step_gradients, 2, 1)[0]
+    dp_tp = run_distributed(_first_step_gradients, 4, 2)[0]
+    for name, g in dp.items():
+        torch.testing.assert_close(dp_tp[name], g, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def _train_cut(rank, world, out, tp, resume, stop_at):
+    result = train(tiny_config(out, attention="cad", steps=6, stop_at=stop_at, tp=tp, resume=resume))
+    return [r["loss"] for r in result.rows]
+
+
+@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
+def test_checkpoint_resumes_with_another_tp(tmp_path, first, then):
+    """Steps 1-3 with tp=first on `first` processes, steps 4-6 resumed with tp=then on `then`: the same
+    losses as six uninterrupted steps with tp=then (weights, optimizer state, schedule and data position
+    resharded by DCP)."""
+    full = run_distributed(_train_cut, then, str(tmp_path / "full"), then, False, None)[0]
+    first_part = run_distributed(_train_cut, first, str(tmp_path / "cut"), first, False, 3)[0]
+    resumed = run_distributed(_train_cut, then, str(tmp_path / "cut"), then, True, None)[0]
+    assert len(first_part) == 3 and len(resumed) == 6
+    assert rel_diff(resumed[3:], full[3:]) <= 1e-5
+
+
+def _refused(rank, world, overrides):
+    try:
+        train(tiny_config("unused", **overrides))
+    except ConfigError as exc:
+        return exc.field, str(exc)
+    return None
+
+
+def test_bad_tp_is_refused_on_every_rank():
+    for overrides, field, text in ((dict(tp=2), "tp", "must divide the number of ranks (3)"),
+                                   (dict(tp=3, model_args=dict(TINY, n_kv_heads=2)), "tp", "n_kv_heads")):
+        answers = run_distributed(_refused, 3, overrides)
+        assert all(a is not None and a[0] == field and text in a[1] for a in answers), answers
+
+
+def test_cli_refuses_bad_tp_before_starting_processes(tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    for args, text in ((["--nproc", "3", "--tp", "2"], "must divide the number of ranks (3)"),
+                       (["--nproc", "4", "--tp", "4"], "n_kv_heads")):
+        out = subprocess.run([sys.executable, "-m", "attnpool.cli.main", "train", "--config", "configs/demo-cpu.yaml",
+                              "--out", str(tmp_path / "run"), *args], capture_output=True, text=True, env=env,
+                             timeout=120)
+        assert out.returncode == 2 and "tp=" in out.stderr and text in out.stderr and "Traceback" not in out.stderr
+
+
+def test_tensor_parallel_problems():
+    llama = model_config("llama3-8b")
+    assert tensor_parallel_problem(llama, 1) is None and tensor_parallel_problem(llama, 8) is None
+    assert "n_kv_heads" in tensor_parallel_problem(llama, 16)
+    assert "ffn_dim" in tensor_parallel_problem(model_config("tiny", n_heads=4, n_kv_heads=4, ffn_dim=6), 4)
+    with pytest.raises(ConfigError, match="tp"):
+        ParallelDims.of(6, 4)
+    assert ParallelDims.of(8, 2) == ParallelDims(dp=4, tp=2)
+
+
+# --- Padding a rank's tokens to a multiple of tp ---------------------------------------------------------
+
+
+def test_pad_ranks_rounds_every_rank_up_with_documents_of_their_own():
+    lens = np.array([300, 41, 700, 9])
+    for table in (linear_table(lens, 3, 351), wlb_table(lens, 3, 351)):
+        padded = pad_ranks(table, 4)
+        assert np.all(padded.tokens_per_rank % 4 == 0)
+        assert np.all(padded.tokens_per_rank - table.tokens_per_rank < 4)
+        pads = padded.doc_len[table.num_docs:]
+        assert np.array_equal(padded.doc_len[:table.num_docs], table.doc_len) and np.all(pads > 0)
+        for r in range(3):  # a rank's own pieces first, in their order, then its padding
+            mine = padded.doc[padded.rank == r]
+            own = table.doc[table.rank == r]
+            assert np.array_equal(mine[:len(own)], own) and np.all(mine[len(own):] >= table.num_docs)
+        plan = plan_attention(padded, "cad", cost_model="pairs", min_shard_tokens=16)
+        assert plan.num_ranks == 3
+    table = linear_table(np.array([8, 8]), 2)
+    assert pad_ranks(table, 4) is table  # nothing to pad
+
+
+def test_padded_batch_adds_documents_without_labels():
+    batch = GlobalBatch.from_documents([np.arange(5), np.arange(3)])
+    padded = batch.padded([2, 1])
+    assert padded.num_docs == 4 and padded.num_tokens == 11
+    assert padded.num_label_tokens == batch.num_label_tokens
+    assert np.all(padded.labels[8:] == -100) and not padded.loss_mask[8:].any()
+    assert batch.padded([]) is batch
+
+
+# --- The planner and the memory model count one GPU's share ----------------------------------------------
+
+
+def test_plan_command_reports_bytes_per_gpu():
+    def plan(tp):
+        out = subprocess.run([sys.executable, "-m", "attnpool.cli.main", "plan", "--servers", "8", "--tp", str(tp),
+                              "--tokens-per-server", "64K", "--strategy", "cad", "--json"],
+                             capture_output=True, text=True, check=True, timeout=120)
+        return json.loads(out.stdout)["strategies"]["cad"]
+    one, two = plan(1), plan(2)
+    assert two["imbalance_after"] == one["imbalance_after"] and two["num_shards"] == one["num_shards"]
+    assert two["bytes_moved"] * 2 == one["bytes_moved"]
+
+
+def test_memory_model_divides_layers_by_tp():
+    m = model_config("llama3-8b")
+    one, two = (estimate(MemoryInputs(m, 128 * 1024, "keep_attention", dp=2, tp=tp)) for tp in (1, 2))
+    assert two.breakdown["layer parameters (compute copy)"] * 2 == one.breakdown["layer parameters (compute copy)"]
+    assert two.breakdown["activations"] * 2 == pytest.approx(one.breakdown["activations"])
+    assert two.peak_bytes < one.peak_bytes

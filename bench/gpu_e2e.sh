@@ -49,8 +49,17 @@ case "$PHASE" in
   prolong256-sparse-pingpong)  # sparse exchanges on their own communicator under ping-pong, and kv_transfer=read
     bench prolong256-sparse-pingpong --configs prolong:256K --strategies cad+sparse,cad+pingpong+sparse,cad+sparse+readkv \
       --sparse-args slash_cap=192,vertical_cap=1024 --warmup 2 --steps 5 --budget-s 420 ;;
+  # Issue 27: the full 32-layer model, with the memory setting `attnpool memory` picks for every strategy
+  # (at 128K, keep_attention fits local only with activation offload of ~115 GiB host memory per rank; full
+  # recompute fits all of them on the GPUs alone).
+  full-depth128)
+    bench full-depth128 --layers 32 --configs prolong:128K --strategies local,cad+pingpong --warmup 1 --steps 3 \
+      --activation-checkpointing full --budget-s 300 ;;
+  full-depth256)
+    bench full-depth256 --layers 32 --configs prolong:256K --strategies cad+pingpong,local --warmup 1 --steps 2 \
+      --activation-checkpointing full --activation-offload --budget-s 200 ;;
   *) phases="smoke|prolong128|prolong256|pretrain64|pretrain64-memory|prolong64|pretrain128|pretrain128-baselines|pretrain256"
      phases="$phases|pretrain256-baselines"
-     echo "usage: bash bench/gpu_e2e.sh $phases|prolong256-baselines|prolong256-sparse-pingpong [BENCH ARGS...]" >&2
+     echo "usage: bash bench/gpu_e2e.sh $phases|prolong256-baselines|prolong256-sparse-pingpong|full-depth128|full-depth256 [BENCH ARGS...]" >&2
      exit 2 ;;
 esac

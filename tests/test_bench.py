@@ -51,7 +51,7 @@ def test_summary_of_ping_pong_steps_with_one_document():
                     peak_memory_bytes=1, attention_work_total=1.0, loss=1.0, plan_time_s=1e-3,
                     attention_time_s=attention_time_s, longest_doc=4096)
 
-    args = argparse.Namespace(warmup=1, tp=1)
+    args = argparse.Namespace(warmup=1, tp=1, pp=1, microbatches=1)
     cfg = model_config("tiny", n_layers=1)
     mixed = summarize("cad+pingpong", "pretrain", 2048, [row(None), row(0.3), row(None), row(0.2)], args, 2, cfg)
     assert mixed["attention_time_s"] is None

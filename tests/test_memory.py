@@ -283,6 +283,31 @@ def test_offload_and_chunked_recompute_keep_gradients_exact(mode, monkeypatch):
     assert per_layer == sum(saved_per_layer(x).values()) + cpu_norm_outputs
 
 
+@pytest.mark.parametrize("mode", CHECKPOINTING_MODES)
+def test_offload_moves_the_same_per_layer_under_pingpong(mode, monkeypatch):
+    """Two nano-batches interleaved (ping-pong) save what one batch of their tokens saves per layer, and
+    offload moves all of it: a checkpoint keeps non-tensor arguments (a list of nano-batches) on the GPU,
+    out of the offload's reach, so the layer must hand its tensors over one by one."""
+    monkeypatch.setattr(llama, "LINEAR_CHUNK_TOKENS", 128)
+    tokens, positions, _ = batch()
+    cut = int(DOCS[:2].sum())  # nano-batches of whole documents
+    halves = [(tokens[:cut], positions[:cut], DOCS[:2]), (tokens[cut:], positions[cut:], DOCS[2:])]
+    offloaded = {}
+    for layers in (1, 2):
+        model = small_model(layers, mode)
+        hooks = ActivationOffload("cpu", min_bytes=0)
+        attentions = [CoreAttention(plan_attention(linear_table(d, 1, int(d.sum())), "local")) for _, _, d in halves]
+        with hooks:
+            losses = model([t for t, _, _ in halves], [p for _, p, _ in halves], attentions,
+                           labels=[t for t, _, _ in halves])
+        sum(losses).backward()
+        offloaded[layers] = hooks.offloaded_bytes
+    per_layer = (offloaded[2] - offloaded[1]) / len(tokens)
+    x = MemoryInputs(model_config("tiny", **SMALL), len(tokens), mode, bf16=False)
+    cpu_norm_outputs = 2 * 4 * 64 if mode == "none" else 0  # see test_saved_per_layer_matches_what_autograd_keeps
+    assert per_layer == sum(saved_per_layer(x).values()) + cpu_norm_outputs
+
+
 def test_chunked_recompute_matches_plain_backward(monkeypatch):
     tokens, positions, plan = batch()
     grads = {}

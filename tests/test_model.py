@@ -279,9 +279,9 @@ def test_meta_device_init_is_seeded():
     a, b = build(), build()
     for name, tensor in a.state_dict().items():
         assert torch.equal(tensor, b.state_dict()[name]), name
-    w = a.layers[0].attention.q_proj.weight
+    w = a.layers["0"].attention.q_proj.weight
     assert abs(w.std().item() - 0.02) < 0.005
-    assert a.layers[0].attention.o_proj.weight.std().item() < 0.015  # scaled by 1/sqrt(2 * n_layers)
+    assert a.layers["0"].attention.o_proj.weight.std().item() < 0.015  # scaled by 1/sqrt(2 * n_layers)
 
 
 def test_forward_refuses_mismatched_positions():

@@ -46,7 +46,7 @@ from attnpool.model import model_config
 from attnpool.sizes import parse_size
 from attnpool.train.config import CHECKPOINTING, TrainConfig
 from attnpool.train.metrics import attention_time
-from attnpool.train.train import train
+from attnpool.train.train import train, use_growable_segments
 
 STRATEGIES = {  # name -> (attention, pingpong, vertical-slash sparse attention: None or its kv_transfer)
     "local": ("local", False, None),
@@ -73,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: gloo, a smoke test of the benchmark itself")
     p.add_argument("--model", default="llama3-8b")
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (torchrun's world = pp x dp x tp)")
+    p.add_argument("--pp-schedule", default="1f1b", help="pipeline schedule (attnpool train's pp_schedule)")
+    p.add_argument("--microbatches", type=int, default=1, help="micro-batches per step, of the configuration's tokens")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor parallelism (torchrun's world = dp x tp); --configs tokens stay per GPU, so a dp rank "
                         "(a TP group) holds tp x them")
@@ -91,6 +94,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sparse-args", default="", metavar="K=V,...",
                    help="options of the +sparse strategies, e.g. coverage=0.9,slash_cap=64,vertical_cap=1024 "
                         "(coverage, min_doc_len, and any --sparse-args key of attnpool train)")
+    p.add_argument("--activation-offload", action="store_true",
+                   help="keep the activations saved for backward in host memory (attnpool train's activation_offload)")
     p.add_argument("--memory-breakdown", action="store_true",
                    help="record the CUDA allocator's history during each run and write what was live at the peak "
                         "of the rank with the highest one, by allocating code (memory-*.md; slows the steps)")
@@ -129,26 +134,36 @@ def run_one(name, dist_name, tokens, args, out_dir, trace=False):
         sparse["sparse_args"]["kv_transfer"] = kv_transfer
     elongate = {"dist": dist_name}
     if dist_name == "pretrain":  # the paper elongates pretrain lengths to reach the context
-        elongate["options"] = {"elongate": max(1.0, tokens * dist.get_world_size() / 65536)}
+        # (a micro-batch's global batch: every GPU's tokens, a pipeline's stages sharing theirs)
+        elongate["options"] = {"elongate": max(1.0, tokens * dist.get_world_size() / args.pp / 65536)}
     config = TrainConfig(
         model=args.model, model_args={"n_layers": args.layers}, data="synthetic", data_args=elongate,
         # Every run's schedule is as long as a traced run's, so that tracing changes no learning rate;
         # the others stop before the traced steps.
-        tokens_per_rank=tokens * args.tp, tp=args.tp, steps=args.warmup + args.steps + TRACE_STEPS,
+        tokens_per_rank=tokens * args.tp, tp=args.tp, pp=args.pp, pp_schedule=args.pp_schedule,
+        microbatches=args.microbatches, steps=args.warmup + args.steps + TRACE_STEPS,
         stop_at=None if trace else args.warmup + args.steps, warmup_steps=2, lr=1e-4, seed=0,
         attention=attention, pingpong=pingpong, **sparse,
-        activation_checkpointing=args.activation_checkpointing, precision="bf16",
+        activation_checkpointing=args.activation_checkpointing, activation_offload=args.activation_offload,
+        precision="bf16",
         device=args.device, progress=False, checkpoint_every=-1, out=os.path.join(out_dir, f"{dist_name}-{tokens}-{name}"),
     )
     if not trace:
-        return train(config).rows
+        return _with_prediction(train(config))
     tag = f"{dist_name}-{tokens // 1024}K-{name}".replace("+", "_")
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda" else [])
     schedule = torch.profiler.schedule(skip_first=args.warmup + args.steps, wait=0, warmup=1, active=1, repeat=1)
     with torch.profiler.profile(activities=activities, schedule=schedule,
                                 on_trace_ready=functools.partial(_write_trace, args.out, tag, args.device)) as prof:
-        rows = train(config, on_step=prof.step).rows
-    return rows[:args.warmup + args.steps]
+        rows, predicted = _with_prediction(train(config, on_step=prof.step))
+    return rows[:args.warmup + args.steps], predicted
+
+
+def _with_prediction(result) -> tuple[list, int | None]:
+    """The run's rows and the memory model's allocated peak of its busiest rank (None where unchecked)."""
+    predicted = [None] * dist.get_world_size()
+    dist.all_gather_object(predicted, result.memory.allocated_bytes if result.memory else None)
+    return result.rows, max((p for p in predicted if p is not None), default=None)
 
 
 def sparse_options(text: str) -> dict:
@@ -186,7 +201,8 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg):
     global_tokens = rows[0]["tokens"]
     flops = model_flops_per_token(cfg) * global_tokens
     rec = {
-        "strategy": name, "dist": dist_name, "tokens_per_gpu": tokens, "gpus": world, "tp": args.tp,
+        "strategy": name, "dist": dist_name, "tokens_per_gpu": tokens, "gpus": world, "tp": args.tp, "pp": args.pp,
+        "microbatches": args.microbatches,
         "step_time_s": step, "step_times_s": [r["step_time_s"] for r in measured],
         "total_time_s": sum(r["step_time_s"] for r in measured),
         "tokens_per_s": global_tokens / step,
@@ -197,7 +213,7 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg):
         "peak_memory_bytes": max(r["peak_memory_bytes"] for r in measured),
         # Ideal: the step's linear work and whole-document attention (the plan's total load,
         # seconds per layer under the measured table) at single-GPU rates, shared evenly.
-        "ideal_step_s": tokens * linear_s_per_token(cfg)
+        "ideal_step_s": global_tokens * linear_s_per_token(cfg) / world
         # (the plan's loads are one tp rank's: its share of the heads)
         + statistics.median(r["attention_work_total"] for r in measured) * cfg.n_layers * args.tp / world,
         "losses": [r["loss"] for r in rows],
@@ -243,8 +259,9 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
         raise ConfigError("--trace", args.trace, f"must be one of the strategies run: {', '.join(strategies)}")
     if args.memory_breakdown and args.device != "cuda":
         raise ConfigError("--memory-breakdown", True, "records the CUDA allocator: needs --device cuda")
-    if args.tp < 1 or int(os.environ["WORLD_SIZE"]) % args.tp:
-        raise ConfigError("--tp", args.tp, f"must divide the number of processes ({os.environ['WORLD_SIZE']})")
+    if args.tp < 1 or args.pp < 1 or int(os.environ["WORLD_SIZE"]) % (args.tp * args.pp):
+        raise ConfigError("--tp/--pp", (args.tp, args.pp),
+                          f"tp x pp must divide the number of processes ({os.environ['WORLD_SIZE']})")
     if args.steps < 1 or args.warmup < 0 or args.layers < 1:
         raise ConfigError("--steps/--warmup/--layers", (args.steps, args.warmup, args.layers),
                           "need at least 1 measured step, 0 or more warm-up steps and 1 or more layers")
@@ -254,6 +271,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
 def run(args: argparse.Namespace) -> int:
     configs, strategies = check_arguments(args)
     cuda = args.device == "cuda"
+    use_growable_segments()  # as attnpool train runs (and the memory model's calibration was measured)
     with process_group("nccl" if cuda else "gloo"):
         _run_all(args, configs, strategies, cuda)
     return 0
@@ -278,12 +296,13 @@ def _run_all(args: argparse.Namespace, configs: list, strategies: list, cuda: bo
             with MemoryRecorder(args.memory_breakdown) as recorder:
                 if name == "ablation":
                     with tiny_messages():
-                        rows = run_one("cad+pingpong", dist_name, tokens, args, work_dir)
+                        rows, predicted = run_one("cad+pingpong", dist_name, tokens, args, work_dir)
                 else:
                     trace = name == args.trace and (dist_name, tokens) == configs[0]
-                    rows = run_one(name, dist_name, tokens, args, work_dir, trace)
+                    rows, predicted = run_one(name, dist_name, tokens, args, work_dir, trace)
             label = "cad+pingpong (1-element messages)" if name == "ablation" else name
             rec = summarize(label, dist_name, tokens, rows, args, world, cfg)
+            rec["predicted_peak_memory_bytes"] = predicted  # the memory model's, of the allocator's peak
             if args.memory_breakdown:
                 _add_memory_breakdown(rec, recorder.breakdown(), args.out, f"{dist_name}-{tokens // 1024}K-{name}")
             records.append(rec)
@@ -318,6 +337,10 @@ def _add_memory_breakdown(rec: dict, report: dict | None, out: str, tag: str) ->
         f.write(breakdown_markdown(title, reports[worst]))
 
 
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.1f}"
+
+
 def finish(records, skipped, args, world, cfg):
     by_config = {}
     for r in records:
@@ -347,7 +370,10 @@ def finish(records, skipped, args, world, cfg):
                        + (" --ablation" if args.ablation else "") + (f" --trace {args.trace}" if args.trace else "")
                        + (f" --sparse-args {args.sparse_args}" if args.sparse_args else "")
                        + (f" --activation-checkpointing {args.activation_checkpointing}"
-                          if args.activation_checkpointing != "keep_attention" else "")}
+                          if args.activation_checkpointing != "keep_attention" else "")
+                       + (" --activation-offload" if args.activation_offload else "")
+                       + "".join(f" --{k} {getattr(args, k)}" for k in ("tp", "pp", "microbatches")
+                                 if getattr(args, k) != 1)}
     with open(os.path.join(args.out, "e2e.json"), "w") as f:
         json.dump({"meta": meta, "records": records}, f, indent=1)
     lines = [f"# End-to-end training steps on {meta['machine']}", "",
@@ -356,15 +382,16 @@ def finish(records, skipped, args, world, cfg):
              f"{args.warmup} warm-up + {args.steps} measured steps (median), same seeds and batches for all strategies.",
              "", f"Command: `{meta['command']}`", "",
              "| dist | tokens/GPU | strategy | step (s) | tokens/s | vs local | vs local (total) | MFU | efficiency | "
-             "attn max/mean | MiB sent/GPU | peak GiB | loss vs local | attn density |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "attn max/mean | MiB sent/GPU | peak GiB | predicted GiB | loss vs local | attn density |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         lv, density = r.get("loss_vs_local_max_rel"), r["attention_density"]
         vs, vs_total = (("-" if x is None else f"{x:.3f}") for x in (r["speedup_vs_local"], r["speedup_vs_local_total"]))
         lines.append(f"| {r['dist']} | {r['tokens_per_gpu'] // 1024}K | {r['strategy']} | {r['step_time_s']:.3f} | "
                      f"{r['tokens_per_s'] / 1e3:.1f}K | {vs} | {vs_total} | {r['mfu']:.3f} | {r['efficiency']:.3f} | "
                      f"{r['imbalance_after']:.3f} | {r['bytes_sent_per_gpu'] / 2**20:.0f} | "
-                     f"{r['peak_memory_bytes'] / 2**30:.1f} | {'-' if lv is None else f'{lv:.4f}'} | "
+                     f"{r['peak_memory_bytes'] / 2**30:.1f} | {_gib(r['predicted_peak_memory_bytes'])} | "
+                     f"{'-' if lv is None else f'{lv:.4f}'} | "
                      f"{'-' if density is None else f'{density:.3f}'} |")
     if skipped:
         lines += ["", f"Not run (time budget): {', '.join(skipped)}."]

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     setup = prepare(replace(config, resume=False, memory_check=False, out=os.devnull), world=config.nproc)
     calibration = Calibration.load()
     x = run_memory_inputs(config, setup.model_config, setup.source, setup.cost_model, setup.sparse,
-                          ParallelDims.of(config.nproc, config.tp), True, capacity, calibration)
+                          ParallelDims.of(config.nproc, config.tp, config.pp), True, capacity, calibration)
     result = report(x, capacity, calibration)
     if args.json:
         print(json.dumps(_as_json(config, result, calibration), indent=1))
@@ -86,6 +86,7 @@ def _as_json(config, result, calibration) -> dict:
     fitting = result.first_fitting()
     return {
         "model": config.model, "ranks": config.nproc, "dp": configured.inputs.dp, "tp": configured.inputs.tp,
+        "pp": configured.inputs.pp, "microbatches": configured.inputs.microbatches,
         "tokens_per_rank": config.tokens_per_rank,
         "device": result.capacity.device_name,
         "capacity_bytes": result.capacity.device_bytes,
@@ -116,7 +117,8 @@ def _print_tables(config, result, calibration) -> None:
 
     console = Console()
     x, est = result.configured.inputs, result.configured.estimate
-    layout = f"dp {x.dp} x tp {x.tp} ranks" if x.tp > 1 else f"{x.dp} ranks"
+    layout = f"pp {x.pp} x dp {x.dp} x tp {x.tp} ranks" if x.pp > 1 else f"dp {x.dp} x tp {x.tp} ranks" \
+        if x.tp > 1 else f"{x.dp} ranks"
     console.print(f"[bold]attnpool memory[/]: {config.model} ({x.model.num_params() / 1e9:.2f}B params), {layout}, "
                   f"{format_tokens(x.tokens_per_rank)} tokens per dp rank, {'bf16' if x.bf16 else 'fp32'}, {config.attention} "
                   f"attention; {format_bytes(result.capacity.device_bytes)} per GPU ({result.capacity.device_name}), "

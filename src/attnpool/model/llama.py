@@ -15,9 +15,13 @@ differently, e.g. keep the first ones dense under sparse attention), returning
 (T, H_q, D), causal within each document with scale ``D ** -0.5``. The model
 does not know who computes it, or where.
 
-Parallelism is applied from outside (TorchTitan style): ``model.layers`` is a
-ModuleList, so FSDP2's ``fully_shard`` can wrap each block, and
-``apply_activation_checkpointing`` turns on recomputation per block.
+Parallelism is applied from outside (TorchTitan style): ``model.layers`` maps each
+block's index (as a string) to the block, so FSDP2's ``fully_shard`` can wrap each
+block, ``apply_activation_checkpointing`` turns on recomputation per block, and a
+pipeline stage is this model with the blocks, embedding or head it does not run
+deleted (attnpool.parallel.pipeline): a model without an embedding takes hidden
+states as its input, one without a final norm returns them, and every weight keeps
+its name.
 """
 
 from __future__ import annotations
@@ -156,10 +160,21 @@ class TransformerBlock(nn.Module):
         self.recompute: str | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, core_attention: CoreAttention) -> Tensor:
-        forward = self._forward_interleaved if isinstance(x, (list, tuple)) else self._forward  # list: ping-pong
+        if isinstance(x, (list, tuple)):  # ping-pong: one list entry per nano-batch
+            if self.recompute == "layer":
+                # A checkpoint saves its tensor arguments through autograd, where activation offload sees
+                # them, but keeps any other argument (a list of tensors too) as it is, on the GPU: so the
+                # nano-batches' tensors go in one by one.
+                n = len(x)
+                return list(checkpoint(self._forward_interleaved_flat, n, core_attention, *x, *cos, *sin,
+                                       use_reentrant=False))
+            return self._forward_interleaved(x, cos, sin, core_attention)
         if self.recompute == "layer":
-            return checkpoint(forward, x, cos, sin, core_attention, use_reentrant=False)
-        return forward(x, cos, sin, core_attention)
+            return checkpoint(self._forward, x, cos, sin, core_attention, use_reentrant=False)
+        return self._forward(x, cos, sin, core_attention)
+
+    def _forward_interleaved_flat(self, n: int, attentions, *tensors):
+        return self._forward_interleaved(tensors[:n], tensors[n:2 * n], tensors[2 * n:], attentions)
 
     def _linear(self, fn, *rows):
         """Run a linear part; with recompute == "linear" keep only its inputs and redo it in
@@ -206,7 +221,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(config, i) for i in range(config.n_layers)})
         self.norm = RMSNorm(config.dim, config.norm_eps)
         # Tied: the output projection is embed.weight itself, so there is one
         # parameter and no lm_head entry in the state dict (keep embed in the
@@ -230,10 +245,11 @@ class Transformer(nn.Module):
         """
         std = 0.02
         out_std = std / math.sqrt(2 * self.config.n_layers)
-        nn.init.normal_(self.embed.weight, std=std)
+        if self.embed is not None:
+            nn.init.normal_(self.embed.weight, std=std)
         if self.lm_head is not None:
             nn.init.normal_(self.lm_head.weight, std=std)
-        for layer in self.layers:
+        for layer in self.layers.values():
             attention, mlp = layer.attention, layer.mlp
             for proj in (attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj):
                 nn.init.normal_(proj.weight, std=std)
@@ -244,7 +260,8 @@ class Transformer(nn.Module):
                     nn.init.zeros_(proj.bias)
             nn.init.ones_(layer.attention_norm.weight)
             nn.init.ones_(layer.mlp_norm.weight)
-        nn.init.ones_(self.norm.weight)
+        if self.norm is not None:
+            nn.init.ones_(self.norm.weight)
 
     def forward(
         self,
@@ -261,19 +278,23 @@ class Transformer(nn.Module):
         module docstring). With ``return_hidden=True`` the final normed hidden
         states (T, dim) come back instead, so a loss can be computed in chunks
         against ``output_weight`` without holding all T x vocab logits.
+        Without an embedding (a later pipeline stage) ``tokens`` are hidden
+        states; without a final norm (an earlier one) the hidden states come back.
         """
         if isinstance(tokens, (list, tuple)):
             return self._forward_nanobatches(tokens, positions, attention, return_hidden, labels)
-        if tokens.dim() != 1:
+        if self.embed is not None and tokens.dim() != 1:
             raise ConfigError("tokens", tuple(tokens.shape), "must be one flat sequence (T,)")
-        if positions.shape != tokens.shape:
+        if positions.dim() != 1 or (self.embed is not None and positions.shape != tokens.shape):
             raise ConfigError("positions", tuple(positions.shape), f"must match tokens' shape {tuple(tokens.shape)}")
         if positions.dtype.is_floating_point or positions.dtype == torch.bool:
             raise ConfigError("positions", positions.dtype, "must be integer positions within each document")
         cos, sin = rope_cos_sin(positions, self.config)  # once per step, shared by every layer
-        h = self.embed(tokens)
-        for layer in self.layers:
+        h = self.embed(tokens) if self.embed is not None else tokens
+        for layer in self.layers.values():
             h = layer(h, cos, sin, attention)
+        if self.norm is None:
+            return h
         h = self.norm(h)
         if labels is not None:
             return chunked_cross_entropy(h, self.output_weight, labels)
@@ -291,7 +312,7 @@ class Transformer(nn.Module):
                               "need one positions tensor and one core attention per nano-batch")
         coss, sins = zip(*(rope_cos_sin(p, self.config) for p in positions))
         hs = [self.embed(t) for t in tokens]
-        for layer in self.layers:
+        for layer in self.layers.values():
             hs = layer(hs, coss, sins, attentions)
         hs = [self.norm(h) for h in hs]
         if labels is not None:
@@ -365,5 +386,5 @@ def apply_activation_checkpointing(model: Transformer, recompute_attention: bool
     before ``fully_shard`` or after; either way the checkpoint sits inside the
     FSDP unit.
     """
-    for layer in model.layers:
+    for layer in model.layers.values():
         layer.recompute = "layer" if recompute_attention else "linear"

@@ -1,11 +1,12 @@
-"""The ranks' layout: data parallel ("dp") by tensor parallel ("tp"), tp ranks neighbours.
+"""The ranks' layout: pipeline stages ("pp") by data parallel ("dp") by tensor parallel ("tp"), tp innermost.
 
-Rank r is dp rank ``r // tp`` and tp rank ``r % tp``, so a tensor-parallel group is ``tp`` consecutive
-ranks: one node when tp divides the GPUs per node, as torchrun numbers them. A dp rank (a whole tp group)
-holds ``tokens_per_rank`` tokens of the global batch; its tp ranks hold the same tokens, split by
-sequence between layers and by heads inside them (attnpool.parallel.tensor). Core attention's plan is
-made over the dp ranks; tp rank i runs it on its own heads, exchanging with the dp ranks of tp index i
-only, over ``RankMesh.attention_group``.
+Rank r is tp rank ``r % tp``, dp rank ``(r // tp) % dp`` and pipeline rank ``r // (dp * tp)``: a
+tensor-parallel group is ``tp`` consecutive ranks (one node when tp divides the GPUs per node, as
+torchrun numbers them). A dp rank holds ``tokens_per_rank`` tokens of each micro-batch; its tp ranks hold
+the same tokens, split by sequence between layers and by heads inside them (attnpool.parallel.tensor);
+its pipeline ranks run its layers in stages (attnpool.parallel.pipeline). Core attention's plan is made
+over the dp ranks; each (pipeline rank, tp rank) runs it with the dp ranks of the same indices only,
+over ``RankMesh.attention_group``.
 """
 
 from __future__ import annotations
@@ -22,19 +23,24 @@ from attnpool.errors import ConfigError
 class ParallelDims:
     dp: int
     tp: int = 1
+    pp: int = 1
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp
+        return self.pp * self.dp * self.tp
 
     @classmethod
-    def of(cls, world: int, tp: int) -> "ParallelDims":
-        """The layout of ``world`` ranks with tensor parallelism ``tp``; refused unless tp divides world."""
-        if tp < 1:
-            raise ConfigError("tp", tp, "must be at least 1")
-        if world % tp:
-            raise ConfigError("tp", tp, f"must divide the number of ranks ({world}): world = dp x tp")
-        return cls(world // tp, tp)
+    def of(cls, world: int, tp: int = 1, pp: int = 1) -> "ParallelDims":
+        """The layout of ``world`` ranks with tensor parallelism ``tp`` and ``pp`` pipeline stages; refused
+        unless tp x pp divides world."""
+        for name, value in (("tp", tp), ("pp", pp)):
+            if value < 1:
+                raise ConfigError(name, value, "must be at least 1")
+        if world % (tp * pp):
+            field, value = ("tp", tp) if pp == 1 else ("pp", pp)
+            raise ConfigError(field, value, f"tp x pp = {tp * pp} must divide the number of ranks ({world}): "
+                                            "ranks = pp x dp x tp")
+        return cls(world // (tp * pp), tp, pp)
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,10 +48,11 @@ class RankMesh:
     """One rank's view of the mesh."""
 
     dims: ParallelDims
-    mesh: DeviceMesh  # ("dp", "tp")
+    mesh: DeviceMesh  # ("pp", "dp", "tp")
+    pp_rank: int
     dp_rank: int
     tp_rank: int
-    attention_group: object  # the dp ranks of this tp index: core attention's plan runs over them
+    attention_group: object  # the dp ranks of this pipeline and tp index: core attention's plan runs over them
 
     @property
     def dp_mesh(self) -> DeviceMesh:
@@ -55,18 +62,29 @@ class RankMesh:
     def tp_mesh(self) -> DeviceMesh:
         return self.mesh["tp"]
 
+    @property
+    def pp_group(self):
+        return self.mesh["pp"].get_group()
+
     def new_attention_group(self):
         """Another communicator over this rank's dp ranks (a collective: every rank calls it together)."""
-        groups = [dist.new_group([d * self.dims.tp + t for d in range(self.dims.dp)]) for t in range(self.dims.tp)]
-        return groups[self.tp_rank]
+        d = self.dims
+        mine = None
+        for p in range(d.pp):
+            for t in range(d.tp):
+                group = dist.new_group([(p * d.dp + i) * d.tp + t for i in range(d.dp)])
+                if (p, t) == (self.pp_rank, self.tp_rank):
+                    mine = group
+        return mine
 
 
 def build_rank_mesh(dims: ParallelDims, device_type: str) -> RankMesh:
-    """The ("dp", "tp") DeviceMesh over the initialised default group (a collective)."""
-    mesh = init_device_mesh(device_type, (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
+    """The ("pp", "dp", "tp") DeviceMesh over the initialised default group (a collective)."""
+    mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
     if dims.dp > 1 and dims.tp > 1:
         # A reduction over parameters sharded on both dims (the gradient norm) then takes one collective
-        # over all ranks instead of one per dim (PyTorch's DeviceMesh has no public name for this yet).
+        # over all of a stage's ranks instead of one per dim (DeviceMesh has no public name for this yet).
         mesh[("dp", "tp")]._flatten(mesh_dim_name="dp_tp")
     rank = dist.get_rank()
-    return RankMesh(dims, mesh, rank // dims.tp, rank % dims.tp, mesh["dp"].get_group())
+    return RankMesh(dims, mesh, rank // (dims.dp * dims.tp), (rank // dims.tp) % dims.dp, rank % dims.tp,
+                    mesh["dp"].get_group())

@@ -43,19 +43,22 @@ def tensor_parallel_problem(model_cfg: ModelConfig, tp: int) -> str | None:
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
     """Shard ``model`` over ``tp_mesh`` in place (before FSDP2 wraps it)."""
-    root_plan = {
-        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(SEQUENCE)),
-        "norm": SequenceParallel(sequence_dim=SEQUENCE),
-    }
+    root_plan = {}  # a pipeline stage may hold none of these (see attnpool.parallel.pipeline)
+    if model.embed is not None:
+        root_plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(SEQUENCE))
+    if model.norm is not None:
+        root_plan["norm"] = SequenceParallel(sequence_dim=SEQUENCE)
     if model.lm_head is not None:  # tied, the embedding's weight is already split by vocabulary
         # Only its weight is used (by the chunked loss), split by vocabulary like this style's output.
         root_plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
-    parallelize_module(model, tp_mesh, root_plan)
-    # The chunked loss takes the final norm's output: the whole sequence, not this rank's shard.
-    parallelize_module(model.norm, tp_mesh, PrepareModuleOutput(output_layouts=Shard(SEQUENCE),
-                                                                desired_output_layouts=Replicate(),
-                                                                use_local_output=False))
-    for layer in model.layers:
+    if root_plan:
+        parallelize_module(model, tp_mesh, root_plan)
+    if model.norm is not None:
+        # The chunked loss takes the final norm's output: the whole sequence, not this rank's shard.
+        parallelize_module(model.norm, tp_mesh, PrepareModuleOutput(output_layouts=Shard(SEQUENCE),
+                                                                    desired_output_layouts=Replicate(),
+                                                                    use_local_output=False))
+    for layer in model.layers.values():
         parallelize_module(layer, tp_mesh, {
             "attention_norm": SequenceParallel(sequence_dim=SEQUENCE),
             "attention": PrepareModuleInput(input_layouts=(Shard(SEQUENCE), None, None),

@@ -130,6 +130,8 @@ class _Acc:
             "max_bytes_per_server": int(max(x.max_bytes_per_server for x in s)),
             "max_tokens_per_server": int(max(x.max_tokens_per_server for x in s)),
             "per_batch_step_s": [x.step for x in s],
+            # what the batch's core attention costs on its critical path (the mean and the slowest server's excess)
+            "per_batch_attention_s": [x.attention + x.imbalance for x in s],
         }
 
 

@@ -44,8 +44,8 @@ class TrainConfig:
     data: str = _help(f"document source: {', '.join(DATA_KINDS)}", default="stdlib")
     data_path: str | None = _help("text: file, directory or glob; npy: tokens .npy; jsonl: .jsonl file", default=None)
     data_args: dict = _help("more source options, e.g. offsets_path=... tokenizer_path=... dist=prolong", default_factory=dict)
-    tokens_per_rank: int = _help("tokens per data-parallel rank per step (the global batch is dp x this; dp = nproc / tp)",
-                                 default=1024)
+    tokens_per_rank: int = _help("tokens per data-parallel rank per micro-batch (the global batch is dp x this; "
+                                 "dp = nproc / (pp x tp))", default=1024)
     max_doc_len: int | None = _help("cut longer documents into pieces of this many tokens", default=None)
     seed: int = _help("seed of the initial weights and of the document order", default=0)
     # Core attention
@@ -86,6 +86,11 @@ class TrainConfig:
     memory_check: bool = _help("refuse, before anything is allocated, a configuration whose predicted peak memory "
                                "exceeds the device's (attnpool memory shows the prediction)", default=True)
     # Parallelism
+    microbatches: int = _help("micro-batches of tokens_per_rank per dp rank in each step, gradients accumulated "
+                              "over them (each planned on its own; one optimizer step)", default=1)
+    pp: int = _help("pipeline stages: the layers split over this many ranks (ranks = pp x dp x tp)", default=1)
+    pp_schedule: str = _help("pipeline schedule: 1f1b, gpipe or interleaved-1f1b (two stages per rank)",
+                             default="1f1b")
     tp: int = _help("tensor parallel degree: this many neighbouring ranks split every layer by heads and the "
                     "sequence between layers; ranks = dp x tp, and tokens_per_rank is per dp rank", default=1)
     # Run
@@ -138,6 +143,8 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise ConfigError(name, getattr(self, name), f"choose one of {', '.join(allowed)}")
         _at_least("tp", self.tp, 1)
+        _at_least("pp", self.pp, 1)
+        _at_least("microbatches", self.microbatches, 1)
         _at_least("nproc", self.nproc, 1)
         if not self.out:
             raise ConfigError("out", self.out, "needs a run directory")

@@ -19,8 +19,9 @@ the compute dtype (bf16 under mixed precision) while it runs, the next one prefe
 (embedding, output projection, final norm) for the whole forward and backward. Tensor and pipeline
 parallelism enter as mesh sizes: ``tp`` divides every layer's parameters and, with sequence
 parallelism, every per-token activation; ``pp`` splits the layers into stages, the first of which holds
-``min(pp, microbatches)`` micro-batches' activations (1F1B). These two follow the standard arithmetic and
-are not calibrated (attnpool has neither yet).
+``in_flight`` micro-batches' activations (1F1B: up to pp). With several micro-batches per step FSDP2
+reduces gradients once, after the last: until then each rank keeps its layers' whole float32 gradients.
+These follow the standard arithmetic and are not calibrated on GPUs yet.
 
 Core attention's buffers depend on the plan: a server holds the Q rows it serves, the unique KV rows
 they need and, for backward, the outputs it returned to other ranks. :class:`RowRatios` gives these per
@@ -80,14 +81,15 @@ class MemoryInputs:
     dp: int = 1
     tp: int = 1
     pp: int = 1
-    microbatches: int = 1
+    microbatches: int = 1  # per step, gradients accumulated over them
+    in_flight: int = 1  # micro-batches whose activations a pipeline rank holds at once (parallel.pipeline)
     rows: RowRatios = field(default_factory=RowRatios)
 
     def __post_init__(self):
         if self.activation_checkpointing not in CHECKPOINTING_MODES:
             raise ConfigError("activation_checkpointing", self.activation_checkpointing,
                               f"choose one of {', '.join(CHECKPOINTING_MODES)}")
-        for name in ("tokens_per_rank", "dp", "tp", "pp", "microbatches"):
+        for name in ("tokens_per_rank", "dp", "tp", "pp", "microbatches", "in_flight"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be at least 1")
 
@@ -262,7 +264,7 @@ def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryE
     layer = m.layer_params() / x.tp
     root /= x.tp
     owned = (layers * layer + root) / x.dp  # this rank's shard
-    in_flight = min(x.pp, x.microbatches) if x.pp > 1 else 1
+    in_flight = x.in_flight
 
     per_layer = sum(saved_per_layer(x).values()) * home / x.tp
     saved_layers = layers * in_flight
@@ -278,6 +280,8 @@ def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryE
     # Sharded float32 gradients of the layers already differentiated, and the float32 copy of the last
     # one's that the reduce-scatter read, which FSDP2 frees at the next reduce-scatter.
     later_gradients = 0 if x.optimizer_offload else GRAD_BYTES * (layers - 1) * layer / x.dp
+    if x.microbatches > 1:  # accumulated unsharded until the step's last micro-batch
+        backward["accumulated gradients"] = GRAD_BYTES * (layers * layer + root)
     phases = {
         "loss backward": {
             **states, **compute, "activations": activations_at(saved_layers),

@@ -23,6 +23,7 @@ and agreed on (:func:`agree`) before the first collective that depends on it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
@@ -51,6 +52,8 @@ from attnpool.kernels.sparse import device_problem as sparse_device_problem
 from attnpool.kernels.sparse import launch_problem as sparse_launch_problem
 from attnpool.model import ModelConfig, Transformer, apply_activation_checkpointing, model_config
 from attnpool.parallel import ParallelDims, RankMesh, apply_tensor_parallel, build_rank_mesh, tensor_parallel_problem
+from attnpool.parallel.pipeline import (PipelineRunner, PipelineStageModel, activations_in_flight, build_stage_models,
+                                        merged_stages, pipeline_problem)
 from attnpool.plan import AttentionShape, linear_table, load_cost_model, pad_ranks, plan_attention, wlb_table
 from attnpool.plan.metrics import AttentionRows, home_loads, imbalance, server_loads
 from attnpool.plan.plan import Plan
@@ -117,7 +120,16 @@ def prepare(config: TrainConfig, device: torch.device | None = None, world: int 
     problem = tensor_parallel_problem(model_cfg, config.tp)
     if problem is not None:
         raise ConfigError("tp", config.tp, problem)
-    dims = ParallelDims.of(world, config.tp) if world is not None else None
+    problem = pipeline_problem(model_cfg, config.pp, config.pp_schedule, config.microbatches)
+    if problem is not None:
+        raise ConfigError(*problem)
+    if config.pp > 1 and config.attention == "wlb":
+        raise ConfigError("attention", "wlb", "pipeline stages exchange hidden states of one shape, and wlb gives ranks "
+                                              "different numbers of tokens; use local, percp or cad with pp > 1")
+    if config.pp > 1 and config.pingpong:
+        raise ConfigError("pingpong", True, "ping-pong's nano-batches differ in size, and pipeline stages exchange "
+                                            "hidden states of one shape; the pipeline's micro-batches overlap instead")
+    dims = ParallelDims.of(world, config.tp, config.pp) if world is not None else None
     source = build_source(config, model_cfg.vocab_size)
     cost_model = load_cost_model(config.cost_model)
     if config.tp > 1 and hasattr(cost_model, "scaled_to"):  # a server's cost is its heads' share of a task's
@@ -236,7 +248,8 @@ def memory_inputs(config: TrainConfig, model_cfg: ModelConfig, dims: ParallelDim
     """The memory model's view of a run (on CPU runs offload moves nothing, so it counts as off)."""
     return MemoryInputs(model_cfg, config.tokens_per_rank, config.activation_checkpointing,
                         config.activation_offload and gpu, config.optimizer_offload and gpu, bf16, dp=dims.dp,
-                        tp=dims.tp, rows=rows)
+                        tp=dims.tp, pp=dims.pp, microbatches=config.microbatches,
+                        in_flight=activations_in_flight(config.pp_schedule, dims.pp, config.microbatches), rows=rows)
 
 
 def run_memory_inputs(config: TrainConfig, model_cfg: ModelConfig, source, cost_model, sparse: SparseConfig | None,
@@ -297,6 +310,25 @@ def build_model(model_cfg: ModelConfig, config: TrainConfig, device: torch.devic
     on_meta = model_cfg.num_params() > META_INIT_PARAMS
     with torch.device("meta" if on_meta else device):
         model = Transformer(model_cfg)
+    return shard_model(model, config, device, bf16, mesh, on_meta)
+
+
+def build_stages(model_cfg: ModelConfig, config: TrainConfig, device: torch.device, bf16: bool,
+                 mesh: RankMesh) -> tuple[list[int], list[PipelineStageModel]]:
+    """This pipeline rank's stages (attnpool.parallel.pipeline) of the model :func:`build_model` builds,
+    each sharded as it shards the whole model. A model small enough to be built whole starts from the
+    same weights as without pipelining."""
+    torch.manual_seed(config.seed)
+    on_meta = model_cfg.num_params() > META_INIT_PARAMS
+    with torch.device("meta" if on_meta else device):
+        model = PipelineStageModel(model_cfg)
+    stage_ids, models = build_stage_models(model, config.pp_schedule, mesh.dims.pp, mesh.pp_rank)
+    return stage_ids, [shard_model(m, config, device, bf16, mesh, on_meta) for m in models]
+
+
+def shard_model(model: Transformer, config: TrainConfig, device: torch.device, bf16: bool, mesh: RankMesh | None,
+                on_meta: bool) -> Transformer:
+    """Activation checkpointing, tensor parallelism and FSDP2 applied to ``model`` (see build_model)."""
     if config.activation_checkpointing != "none":
         apply_activation_checkpointing(model, recompute_attention=config.activation_checkpointing == "full")
     if mesh is not None and mesh.dims.tp > 1:
@@ -308,7 +340,7 @@ def build_model(model_cfg: ModelConfig, config: TrainConfig, device: torch.devic
     shard_options = dict(mp_policy=mp_policy, mesh=mesh.dp_mesh if mesh is not None else None)
     if config.optimizer_offload:  # sharded parameters, gradients and the optimizer's state live in host memory
         shard_options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    for layer in model.layers:
+    for layer in model.layers.values():
         fully_shard(layer, **shard_options)
     fully_shard(model, **shard_options)
     for module in model.modules():
@@ -346,6 +378,21 @@ def build_scheduler(optimizer, config: TrainConfig) -> torch.optim.lr_scheduler.
     factor = functools.partial(lr_factor, warmup_steps=config.warmup_steps, steps=config.steps,
                                min_ratio=config.min_lr_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def clip_gradients(params: list, max_norm: float, pp_group=None) -> torch.Tensor:
+    """The gradients' total 2-norm over every rank's parameters (``pp_group``: also over the other
+    pipeline stages'), clipped to ``max_norm`` (inf: not clipped); returns the norm before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if pp_group is not None:
+        squared = norm ** 2
+        dist.all_reduce(squared, group=pp_group)
+        norm = squared.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
 
 
 # --- One step ----------------------------------------------------------------------------------
@@ -393,6 +440,15 @@ def combine_plans(plans: list[StepPlan]) -> StepPlan:
     return StepPlan(None, None, local, planned, imbalance(local), imbalance(planned))
 
 
+@contextlib.contextmanager
+def step_context(device_type: str, bf16: bool, vocab_parallel: bool):
+    """What a training step's forward and backward run under: bf16 autocast, and with tensor parallelism
+    PyTorch's ``loss_parallel`` (the logits are split by vocabulary)."""
+    with loss_parallel() if vocab_parallel else nullcontext(), \
+            torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
+        yield
+
+
 def forward_backward(model: Transformer, batches: list[RankTensors], attentions: list, global_label_tokens: int,
                      bf16: bool = False, offload: ActivationOffload | None = None,
                      vocab_parallel: bool = False) -> torch.Tensor:
@@ -407,9 +463,8 @@ def forward_backward(model: Transformer, batches: list[RankTensors], attentions:
     logits are split by vocabulary over the tp ranks, and the cross-entropy, forward
     and backward, is PyTorch's ``loss_parallel``; every tp rank gets the whole loss.
     """
-    with loss_parallel() if vocab_parallel else nullcontext():
-        with offload or nullcontext(), torch.autocast(batches[0].tokens.device.type, dtype=torch.bfloat16,
-                                                      enabled=bf16):
+    with step_context(batches[0].tokens.device.type, bf16, vocab_parallel):
+        with offload or nullcontext():
             if len(batches) == 1:
                 losses = [model(batches[0].tokens, batches[0].positions, attentions[0], labels=batches[0].labels)]
             else:
@@ -435,6 +490,7 @@ class TrainResult:
     rows: list[dict]  # metrics of every step of the run so far (earlier runs' rows included on resume)
     model: Transformer
     summary: dict | None  # rank 0 only
+    memory: MemoryEstimate | None = None  # this rank's predicted peak, where its device was checked
 
     @property
     def losses(self) -> list[float]:
@@ -457,11 +513,22 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
     model_cfg, cost_model = setup.model_config, setup.cost_model
     bf16 = uses_bf16(config, device.type)
     # The plan is made over the dp ranks; this rank holds its dp rank's tokens and runs core attention
-    # on its share of the heads with the dp ranks of its tp index (attnpool.parallel.mesh).
-    mesh = build_rank_mesh(ParallelDims.of(world, config.tp), device.type)
-    dp, tp, dp_rank = mesh.dims.dp, mesh.dims.tp, mesh.dp_rank
+    # on its share of the heads (and, pipelined, its stage's layers) with the dp ranks of its tp and
+    # pipeline index (attnpool.parallel.mesh).
+    mesh = build_rank_mesh(ParallelDims.of(world, config.tp, config.pp), device.type)
+    dp, tp, pp, dp_rank = mesh.dims.dp, mesh.dims.tp, mesh.dims.pp, mesh.dp_rank
 
-    model = build_model(model_cfg, config, device, bf16, mesh)
+    pipeline = None
+    if pp > 1:
+        stage_ids, stages = build_stages(model_cfg, config, device, bf16, mesh)
+        model = merged_stages(stages)
+        tokens = config.tokens_per_rank + (-config.tokens_per_rank) % tp  # padded for tp (plan_batch)
+        pipeline = PipelineRunner.build(stage_ids, stages, config.pp_schedule, config.microbatches, tokens,
+                                        (tokens // tp, model_cfg.dim), torch.bfloat16 if bf16 else torch.float32,
+                                        device, mesh.pp_group)
+    else:
+        model = build_model(model_cfg, config, device, bf16, mesh)
+    params = list(model.parameters())
     optimizer = build_optimizer(model, config, fused=device.type == "cuda")
     offload = None
     if config.activation_offload:  # prefetch in backward: one layer's saved activations ahead
@@ -489,10 +556,11 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
     log.start()
     if rank == 0:
         resumed = f", resumed from {setup.resume_from}" if setup.resume_from else ""
-        layout = f" (dp {dp} x tp {tp})" if tp > 1 else ""
+        layout = f" (pp {pp} x dp {dp} x tp {tp})" if pp > 1 else f" (dp {dp} x tp {tp})" if tp > 1 else ""
+        micro = f" in {config.microbatches} micro-batches" if config.microbatches > 1 else ""
         print(f"attnpool train: {config.model} ({model_cfg.num_params() / 1e6:.2f}M params) on {world} x {device.type}"
-              f"{layout}, {config.attention} attention, {dp} x {config.tokens_per_rank} tokens per step, "
-              f"steps {step + 1}..{last_step} of {config.steps}{resumed} -> {config.out}", flush=True)
+              f"{layout}, {config.attention} attention, {dp} x {config.microbatches * config.tokens_per_rank} tokens "
+              f"per step{micro}, steps {step + 1}..{last_step} of {config.steps}{resumed} -> {config.out}", flush=True)
         if setup.memory is not None and device.type == "cuda":
             capacity = torch.cuda.get_device_properties(device).total_memory
             print(f"memory: predicted peak {format_bytes(setup.memory.peak_bytes)} per GPU of its "
@@ -508,27 +576,45 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
             step += 1
             t0 = time.perf_counter()
             reset_peak_memory(device)
-            batch = stream.next_batch()
+            micro_batches = [stream.next_batch() for _ in range(config.microbatches)]
+            label_tokens = sum(b.num_label_tokens for b in micro_batches)
             t_plan = time.perf_counter()
-            nanos = batch.split_documents(2) if config.pingpong else [batch]
-            plans = [plan_batch(nano, config, dp, cost_model, shape, prior, tp) for nano in nanos]
-            last_plan = combine_plans(plans)
+            # Every micro-batch's plans (a plan per nano-batch with ping-pong) are made at the start of the step.
+            plans = [[plan_batch(nano, config, dp, cost_model, shape, prior, tp)
+                      for nano in (batch.split_documents(2) if config.pingpong else [batch])]
+                     for batch in micro_batches]
+            last_plan = combine_plans([p for mb in plans for p in mb])
             plan_time = time.perf_counter() - t_plan
-            tensors = [p.batch.rank_batch(p.plan.pieces, dp_rank).to_torch(device) for p in plans]
             comm_stats.reset()
             stats = SparseStats()
-            attentions = [CoreAttention(p.plan, mesh.attention_group, sparse=sparse, sparse_stats=stats,
-                                        pattern_group=pattern_group, **attention_kwargs) for p in plans]
+            tensors = [[p.batch.rank_batch(p.plan.pieces, dp_rank).to_torch(device) for p in mb] for mb in plans]
+            attentions = [[CoreAttention(p.plan, mesh.attention_group, sparse=sparse, sparse_stats=stats,
+                                         pattern_group=pattern_group, **attention_kwargs) for p in mb] for mb in plans]
             # Interleaved phases (ping-pong) leave core attention no wall time of its own to measure.
-            timer = AttentionTimer(attentions[0], device) if len(nanos) == 1 else None
-            attentions = [timer] if timer else attentions
-            loss_sum = forward_backward(model, tensors, attentions, batch.num_label_tokens, bf16, offload, tp > 1)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf"))
+            timers = [AttentionTimer(mb[0], device) for mb in attentions] \
+                if all(len(mb) == 1 for mb in attentions) else None
+            if timers is not None:
+                attentions = [[timer] for timer in timers]
+            if pipeline is not None:
+                with step_context(device.type, bf16, tp > 1), offload or nullcontext():
+                    # The loss shares of the step's mean, summed back into token losses for the log.
+                    loss_sum = pipeline.step([mb[0].tokens for mb in tensors], [mb[0].positions for mb in tensors],
+                                             [mb[0].labels for mb in tensors], [mb[0] for mb in attentions],
+                                             1.0 / label_tokens) * label_tokens
+            else:
+                loss_sum = 0.0
+                for i, (mb_tensors, mb_attentions) in enumerate(zip(tensors, attentions)):
+                    if config.microbatches > 1:  # FSDP2 reduces gradients once, after the last micro-batch
+                        model.set_requires_gradient_sync(i == config.microbatches - 1)
+                    loss_sum = loss_sum + forward_backward(model, mb_tensors, mb_attentions, label_tokens, bf16,
+                                                           offload, tp > 1)
+            grad_norm = clip_gradients(params, config.grad_clip or float("inf"), mesh.pp_group if pp > 1 else None)
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-            per_rank = _all_gather_floats([float(loss_sum), timer.seconds() if timer else float("nan"), comm_stats.seconds(),
+            attention_seconds = sum(t.seconds() for t in timers) if timers is not None else float("nan")
+            per_rank = _all_gather_floats([float(loss_sum), attention_seconds, comm_stats.seconds(),
                                            float(comm_stats.bytes_sent), float(peak_memory_bytes(device)),
                                            float(peak_reserved_bytes(device)),
                                            float(offload.offloaded_bytes if offload else 0), *stats.values()], device)
@@ -536,18 +622,18 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
             if prior is not None:
                 prior.update(*sparse_sums[:3])
             step_time = time.perf_counter() - t0
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
+            step_tokens = sum(b.num_tokens for b in micro_batches)
             row = {
                 "step": step,
-                "loss": float(per_rank[:, 0].sum() / tp / batch.num_label_tokens),  # a dp rank's tp ranks agree
+                # a dp rank's tp ranks agree on its loss; off the last pipeline stage ranks report none
+                "loss": float(per_rank[:, 0].sum() / tp / label_tokens),
                 "lr": lr,
                 "grad_norm": float(grad_norm),
-                "tokens": batch.num_tokens,
-                "tokens_per_s": batch.num_tokens / step_time,
+                "tokens": step_tokens,
+                "tokens_per_s": step_tokens / step_time,
                 "step_time_s": step_time,
                 "plan_time_s": plan_time,
-                "attention_time_s": None if timer is None else float(per_rank[:, 1].max()),
+                "attention_time_s": None if timers is None else float(per_rank[:, 1].max()),
                 "comm_time_s": float(per_rank[:, 2].max()),
                 "comm_bytes": int(per_rank[:, 3].sum()),
                 "peak_memory_bytes": int(per_rank[:, 4].max()),
@@ -557,8 +643,8 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
                 "attention_density": float(sparse_sums[3] / sparse_sums[4]) if sparse else None,
                 "imbalance_before": last_plan.imbalance_local,
                 "imbalance_after": last_plan.imbalance_planned,
-                "num_docs": batch.num_docs,
-                "longest_doc": int(batch.doc_lens.max()),
+                "num_docs": sum(b.num_docs for b in micro_batches),
+                "longest_doc": int(max(b.doc_lens.max() for b in micro_batches)),
             }
             log.append(row)
             progress.update(row)
@@ -572,12 +658,13 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
 
     summary = None
     if rank == 0:
-        info = {"model": config.model, "params": model_cfg.num_params(), "world": world, "dp": dp, "tp": tp,
+        info = {"model": config.model, "params": model_cfg.num_params(), "world": world, "dp": dp, "tp": tp, "pp": pp,
                 "predicted_peak_memory_bytes": setup.memory.peak_bytes if setup.memory and device.type == "cuda" else None,
-                "tokens_per_rank": config.tokens_per_rank, "strategy": config.attention, "steps": config.steps,
+                "tokens_per_rank": config.tokens_per_rank, "microbatches": config.microbatches,
+                "strategy": config.attention, "steps": config.steps,
                 "start_step": start_step, "end_step": step, "wall_s": time.perf_counter() - wall0}
         summary = _report(config, log, last_plan, getattr(cost_model, "unit", "work"), info)
-    return TrainResult(log.rows, model, summary)
+    return TrainResult(log.rows, model, summary, setup.memory)
 
 
 def _report(config: TrainConfig, log: MetricsLog, last_plan: StepPlan | None, unit: str, info: dict) -> dict | None:
@@ -639,14 +726,19 @@ def _first_error(errors_dir: str) -> ConfigError | None:
     return None
 
 
+def use_growable_segments() -> None:
+    """Every step's shapes differ (documents are packed anew): growable segments keep the caching allocator
+    from fragmenting (attnpool.train.memory's calibration is measured with them). Takes effect where it
+    runs before the process's first CUDA allocation; a user's own PYTORCH_CUDA_ALLOC_CONF wins."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
 def run(config: TrainConfig) -> int:
     """Train ``config``: under torchrun in this process (one of torchrun's); otherwise in ``nproc`` processes.
 
     Returns 0; bad input raises ConfigError (in this process, whichever rank found it).
     """
-    # Every step's shapes differ (documents are packed anew): growable segments keep the caching
-    # allocator from fragmenting (attnpool.train.memory's calibration is measured with them).
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    use_growable_segments()
     if _under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if config.nproc not in (1, world):

@@ -1,0 +1,207 @@
+"""Pipeline parallelism: the model cut into stages by layers, run by ``torch.distributed.pipelining``.
+
+A stage is the model with the other stages' layers deleted (``PipelineStageModel``, a Transformer: its
+weights keep their names, so checkpoints reshard across pipeline sizes); the first stage also holds the
+embedding, the last the final norm, the output projection and the loss. Stages are balanced by compute:
+every layer counts one, the output projection and loss as many layers as their matrix products weigh
+against a layer's (``head_layers``), so the last stage gets fewer layers. Each pipeline rank holds one
+stage (``1f1b``, ``gpipe``) or two (``interleaved-1f1b``: stages r and r + pp). torch's zero-bubble
+schedules are refused (REFUSED_SCHEDULES says why).
+
+Every micro-batch has its own plan and its own core attention (a CoreAttention per micro-batch, over the
+stage's dp ranks); the schedule passes the micro-batch's index with its inputs, and the stage picks that
+micro-batch's core attention. The last stage returns its micro-batch's summed token loss times the step's
+``loss_scale`` (one over the step's label tokens), so the summed gradients are those of the mean loss
+over every token of the step. Pipeline stages exchange fixed shapes: every dp rank must hold the same
+number of tokens in every micro-batch (the linear layout; not wlb, not ping-pong's halves).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attnpool.model import ModelConfig, Transformer
+
+# name -> (torch's name for the schedule, stages per pipeline rank)
+SCHEDULES = {
+    "1f1b": ("1F1B", 1),
+    "gpipe": ("GPipe", 1),
+    "interleaved-1f1b": ("Interleaved1F1B", 2),
+}
+# torch's zero-bubble schedules split each stage's backward into input and weight gradients; with this
+# model (its core attention's autograd functions, FSDP2) they gave losses 2.8e-3 off after three steps
+# on CPU where every other schedule agrees with one process to 1e-7.
+REFUSED_SCHEDULES = ("interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")
+
+
+def head_layers(cfg: ModelConfig) -> float:
+    """The output projection and loss's compute in layers: their weights over a layer's matrix weights."""
+    layer = cfg.dim * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * cfg.dim * cfg.ffn_dim
+    return cfg.dim * cfg.vocab_size / layer
+
+
+def stage_layers(n_layers: int, stages: int, head: float) -> list[range]:
+    """Contiguous layer ranges of ``stages`` stages, at least one layer each, the last stage counting
+    ``head`` layers more: the last gets about (n_layers + head) / stages - head, the others share the rest
+    evenly (earlier stages one more where it does not divide)."""
+    per_stage = (n_layers + head) / stages
+    last = min(max(1, round(per_stage - head)), n_layers - (stages - 1))
+    base, extra = divmod(n_layers - last, stages - 1) if stages > 1 else (0, 0)
+    sizes = [base + (1 if i < extra else 0) for i in range(stages - 1)] + [last]
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def rank_stages(schedule: str, pp: int, pp_rank: int) -> list[int]:
+    """The stage indices pipeline rank ``pp_rank`` holds under ``schedule`` (looped: r, r + pp, ...)."""
+    return [pp_rank + i * pp for i in range(SCHEDULES[schedule][1])]
+
+
+def activations_in_flight(schedule: str, pp: int, microbatches: int) -> int:
+    """Micro-batches whose activations the busiest (first) pipeline rank holds at once, counted in
+    stage-sized units: GPipe keeps all of them; 1F1B-style schedules at most one per stage behind it."""
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return microbatches
+    return min(microbatches, pp) * SCHEDULES[schedule][1]
+
+
+def pipeline_problem(cfg: ModelConfig, pp: int, schedule: str, microbatches: int) -> tuple[str, object, str] | None:
+    """(field, value, why) where a pipeline of ``pp`` ranks cannot run this model, or None."""
+    if schedule in REFUSED_SCHEDULES:
+        return "pp_schedule", schedule, ("zero-bubble schedules split the backward into input and weight gradients, "
+                                         f"which this model's gradients do not survive; use {', '.join(SCHEDULES)}")
+    if schedule not in SCHEDULES:
+        return "pp_schedule", schedule, f"unknown schedule; choose one of {', '.join(SCHEDULES)}"
+    if pp == 1:
+        return None
+    stages = pp * SCHEDULES[schedule][1]
+    if stages > cfg.n_layers:
+        return "pp", pp, (f"{stages} pipeline stages ({schedule}: {SCHEDULES[schedule][1]} per rank) need at least "
+                          f"one layer each, and the model has {cfg.n_layers}")
+    if cfg.tie_embeddings:
+        return "pp", pp, "the model ties its output projection to its embedding, which pipeline stages cannot share"
+    if schedule != "gpipe" and microbatches < pp:
+        return "microbatches", microbatches, f"{schedule} needs at least pp={pp} micro-batches"
+    if schedule == "interleaved-1f1b":
+        rounds = microbatches // pp  # torch runs the micro-batches in rounds of equal size
+        if microbatches % rounds:
+            return "microbatches", microbatches, (f"{schedule} runs micro-batches in {rounds} rounds of equal size: "
+                                                  f"give a multiple of pp={pp}, or fewer than {2 * pp}")
+    return None
+
+
+class PipelineStageModel(Transformer):
+    """One pipeline stage: a Transformer whose other stages' parts are deleted (``keep_stage``), called
+    the way the pipeline schedule calls it: hidden states (tokens on the first stage) as the argument,
+    the rest by keyword, one micro-batch at a time."""
+
+    def keep_stage(self, layers: range, first: bool, last: bool) -> "PipelineStageModel":
+        for key in [k for k in self.layers if int(k) not in layers]:
+            del self.layers[key]
+        if not first:
+            self.embed = None
+        if not last:
+            self.norm = None
+            self.lm_head = None
+        return self
+
+    def forward(self, x: Tensor, *, positions: Tensor, microbatch: Tensor, attentions: tuple, labels: Tensor,
+                loss_scale: float) -> Tensor:
+        attention = attentions[int(microbatch)]
+        if self.norm is None:
+            return super().forward(x, positions, attention)
+        return super().forward(x, positions, attention, labels=labels) * loss_scale
+
+
+def build_stage_models(model: PipelineStageModel, schedule: str, pp: int, pp_rank: int) -> tuple[list[int],
+                                                                                                 list[PipelineStageModel]]:
+    """This pipeline rank's stages of ``model`` (a whole model, not yet sharded): their indices and modules
+    (copies where the rank holds two)."""
+    stage_ids = rank_stages(schedule, pp, pp_rank)
+    num_stages = pp * SCHEDULES[schedule][1]
+    ranges = stage_layers(model.config.n_layers, num_stages, head_layers(model.config))
+    models = []
+    for i, s in enumerate(stage_ids):
+        stage = model if i == len(stage_ids) - 1 else copy.deepcopy(model)
+        models.append(stage.keep_stage(ranges[s], s == 0, s == num_stages - 1))
+    return stage_ids, models
+
+
+@dataclass
+class PipelineRunner:
+    """The schedule over this rank's stages, and how to feed it one step's micro-batches."""
+
+    schedule: object
+    stage_ids: list[int]
+    num_stages: int
+
+    @classmethod
+    def build(cls, stage_ids: list[int], models: list[PipelineStageModel], schedule: str, microbatches: int,
+              tokens: int, hidden: tuple[int, ...], hidden_dtype: torch.dtype, device: torch.device, group):
+        """``tokens``: a dp rank's tokens per micro-batch (the first stage's input); ``hidden``: the shape of
+        the hidden states a stage passes on (per tp rank)."""
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
+        num_stages = len(stage_ids) * (group.size() if group is not None else 1)
+        stages = []
+        for s, model in zip(stage_ids, models):
+            # Examples of what a stage receives and sends (hidden states carry gradients back).
+            inputs = torch.empty(tokens, dtype=torch.long, device=device) if s == 0 \
+                else torch.empty(hidden, dtype=hidden_dtype, device=device, requires_grad=True)
+            outputs = torch.empty((), dtype=torch.float32, device=device, requires_grad=True) if s == num_stages - 1 \
+                else torch.empty(hidden, dtype=hidden_dtype, device=device, requires_grad=True)
+            stages.append(PipelineStage(model, s, num_stages, device, input_args=inputs, output_args=outputs,
+                                        group=group))
+        schedule_class = get_schedule_class(SCHEDULES[schedule][0])
+        # The last stage already returns its share of the step's mean loss: the "loss" is its output, and
+        # the micro-batches' gradients add up unscaled.
+        runner = schedule_class(stages[0] if SCHEDULES[schedule][1] == 1 else stages, n_microbatches=microbatches,
+                                loss_fn=lambda output, target: output, scale_grads=False)
+        return cls(runner, stage_ids, num_stages)
+
+    @property
+    def first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def last(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    def step(self, tokens: list[Tensor], positions: list[Tensor], labels: list[Tensor], attentions: list,
+             loss_scale: float) -> Tensor:
+        """Forward and backward of one step's micro-batches (each dp rank's tensors, one per micro-batch);
+        returns this rank's sum of the micro-batches' loss shares (0 off the last stage)."""
+        losses: list = []
+        count = len(tokens)
+        kwargs = dict(positions=torch.cat(positions), labels=torch.cat(labels), microbatch=torch.arange(count),
+                      attentions=tuple(attentions), loss_scale=loss_scale)
+        args = (torch.cat(tokens),) if self.first else ()
+        target = torch.zeros(count) if self.last else None
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        if not losses:
+            return torch.zeros((), device=positions[0].device)
+        total = sum(loss.detach() for loss in losses)
+        return total.full_tensor() if hasattr(total, "full_tensor") else total
+
+
+def merged_stages(models: list[Transformer]) -> torch.nn.Module:
+    """A rank's stages as one module holding their parts under the whole model's names (for
+    checkpoints and optimizers); the stage itself where the rank holds one."""
+    if len(models) == 1:
+        return models[0]
+    merged = torch.nn.Module()
+    merged.layers = torch.nn.ModuleDict({key: layer for m in models for key, layer in m.layers.items()})
+    for name in ("embed", "norm", "lm_head"):
+        part = next((getattr(m, name) for m in models if getattr(m, name) is not None), None)
+        if part is not None:
+            setattr(merged, name, part)
+    return merged

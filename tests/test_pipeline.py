@@ -1,0 +1,162 @@
+"""Micro-batches and pipeline parallelism: the same training as without them (float32, gloo).
+
+pp x dp (x tp) ranks against dp ranks accumulating the same micro-batches and against one process;
+gradient accumulation against one batch of the same documents; checkpoints resumed across pipeline
+sizes; bad layouts refused on every rank; the stage split and the simulator's pipeline model.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from attnpool.errors import ConfigError
+from attnpool.model import model_config
+from attnpool.parallel.pipeline import head_layers, pipeline_problem, rank_stages, stage_layers
+from attnpool.sim.pipeline import makespan, pipeline_step, stage_order
+from attnpool.train import train
+from attnpool.train.memory import MemoryInputs, estimate
+from dist_harness import run_distributed
+from test_train import TINY, rel_diff, tiny_config
+
+FOUR_LAYERS = dict(TINY, n_layers=4)
+
+
+def _losses(rank, world, out, runs):
+    return {name: [r["loss"] for r in train(tiny_config(f"{out}/{name}-{world}", **kw)).rows] for name, kw in runs}
+
+
+def test_pp_by_dp_trains_as_dp_accumulating_the_same_micro_batches(tmp_path):
+    runs = [(s, dict(attention=s, microbatches=2, steps=5)) for s in ("local", "cad")]
+    dp = run_distributed(_losses, 2, str(tmp_path), runs)[0]
+    pp_dp = run_distributed(_losses, 4, str(tmp_path), [(n, dict(kw, pp=2)) for n, kw in runs])[0]
+    for name, _ in runs:
+        assert len(pp_dp[name]) == 5 and rel_diff(pp_dp[name], dp[name]) <= 1e-5, name
+
+
+def test_pipeline_schedules_and_tp_train_as_one_process(tmp_path):
+    """gpipe and interleaved-1f1b (two stages per rank) on pp=2, and 1f1b with tp=2 on pp=2 x tp=2,
+    against one process accumulating the same micro-batches."""
+    base = dict(model_args=FOUR_LAYERS, steps=3)
+    one = run_distributed(_losses, 1, str(tmp_path), [("m2", dict(base, microbatches=2)),
+                                                      ("m4", dict(base, microbatches=4))])[0]
+    pp = run_distributed(_losses, 2, str(tmp_path), [
+        ("gpipe", dict(base, microbatches=2, pp=2, pp_schedule="gpipe")),
+        ("interleaved", dict(base, microbatches=4, pp=2, pp_schedule="interleaved-1f1b",
+                             activation_checkpointing="keep_attention"))])[0]
+    pp_tp = run_distributed(_losses, 4, str(tmp_path), [("1f1b", dict(base, microbatches=2, pp=2, tp=2))])[0]
+    assert rel_diff(pp["gpipe"], one["m2"]) <= 1e-5
+    assert rel_diff(pp["interleaved"], one["m4"]) <= 1e-5
+    assert rel_diff(pp_tp["1f1b"], one["m2"]) <= 1e-5
+
+
+def test_accumulated_micro_batches_train_as_one_batch_of_their_documents(tmp_path):
+    """Documents of 64 tokens: two micro-batches of 256 tokens per rank hold exactly the documents of one
+    batch of 512, so the step's loss (the mean over its tokens) and its gradients are the same."""
+    data = dict(data="synthetic", data_args=dict(dist=[64] * 64), attention="cad", steps=5)
+    runs = [("two", dict(data, microbatches=2, tokens_per_rank=256)), ("one", dict(data, tokens_per_rank=512))]
+    losses = run_distributed(_losses, 2, str(tmp_path), runs)[0]
+    assert rel_diff(losses["two"], losses["one"]) <= 1e-5
+
+
+def _resume(rank, world, out, pp, resume, stop_at):
+    return [r["loss"] for r in train(tiny_config(out, microbatches=2, steps=6, stop_at=stop_at, pp=pp,
+                                                 resume=resume)).rows]
+
+
+@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
+def test_checkpoint_resumes_with_another_pipeline(tmp_path, first, then):
+    full = run_distributed(_resume, then, str(tmp_path / "full"), then, False, None)[0]
+    run_distributed(_resume, first, str(tmp_path / "cut"), first, False, 3)
+    resumed = run_distributed(_resume, then, str(tmp_path / "cut"), then, True, None)[0]
+    assert rel_diff(resumed[3:], full[3:]) <= 1e-5
+
+
+def _refused(rank, world, overrides):
+    try:
+        train(tiny_config("unused", **overrides))
+    except ConfigError as exc:
+        return exc.field, str(exc)
+    return None
+
+
+@pytest.mark.parametrize("overrides, field, text", [
+    (dict(pp=3), "pp", "need at least one layer each, and the model has 2"),
+    (dict(pp=2, microbatches=1), "microbatches", "1f1b needs at least pp=2 micro-batches"),
+    (dict(pp=2, microbatches=2, pp_schedule="zbv-zero-bubble"), "pp_schedule", "zero-bubble"),
+    (dict(pp=2, microbatches=2, attention="wlb"), "attention", "wlb"),
+    (dict(pp=2, microbatches=2, pingpong=True), "pingpong", "ping-pong"),
+    (dict(pp=2, microbatches=2, model_args=dict(TINY, tie_embeddings=True)), "pp", "ties"),
+])
+def test_bad_pipelines_are_refused_on_every_rank(overrides, field, text):
+    answers = run_distributed(_refused, 2, overrides)
+    assert all(a is not None and a[0] == field and text in a[1] for a in answers), answers
+
+
+def test_cli_refuses_a_world_pp_does_not_divide(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "attnpool.cli.main", "train", "--config", "configs/demo-cpu.yaml",
+                          "--nproc", "3", "--pp", "2", "--microbatches", "2", "--out", str(tmp_path / "run")],
+                         capture_output=True, text=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), timeout=120)
+    assert out.returncode == 2 and "pp=2" in out.stderr and "must divide the number of ranks (3)" in out.stderr
+
+
+# --- The stage split ---------------------------------------------------------------------------------------
+
+
+def test_stages_are_balanced_with_the_head_counted():
+    llama = model_config("llama3-8b")
+    assert 2.3 < head_layers(llama) < 2.5  # 128256 x 4096 against a layer's 218M matrix weights
+    for layers, stages, head in ((32, 4, 2.4), (32, 8, 2.4), (4, 4, 9.0), (7, 3, 0.0), (48, 6, 0.3)):
+        ranges = stage_layers(layers, stages, head)
+        assert [r.start for r in ranges[1:]] == [r.stop for r in ranges[:-1]]
+        assert ranges[0].start == 0 and ranges[-1].stop == layers and all(len(r) >= 1 for r in ranges)
+        costs = [len(r) for r in ranges[:-1]] + [len(ranges[-1]) + head]
+        assert max(costs) - min(costs) <= max(1.0, head) + 1e-9
+    assert [len(r) for r in stage_layers(32, 4, 2.4)] == [9, 9, 8, 6]
+    assert rank_stages("1f1b", 4, 1) == [1] and rank_stages("interleaved-1f1b", 4, 1) == [1, 5]
+
+
+def test_pipeline_problems():
+    llama = model_config("llama3-8b")
+    assert pipeline_problem(llama, 1, "1f1b", 1) is None
+    assert pipeline_problem(llama, 4, "1f1b", 4) is None
+    assert pipeline_problem(llama, 4, "interleaved-1f1b", 8) is None
+    assert pipeline_problem(llama, 4, "interleaved-1f1b", 9)[0] == "microbatches"  # 2 rounds of 4 and 1 left
+    assert pipeline_problem(llama, 4, "interleaved-1f1b", 2)[0] == "microbatches"  # fewer than pp
+    assert pipeline_problem(llama, 4, "1f1b", 3)[0] == "microbatches"
+    assert pipeline_problem(llama, 33, "1f1b", 64)[0] == "pp"
+    assert pipeline_problem(llama, 2, "fast", 2)[0] == "pp_schedule"
+
+
+def test_memory_model_counts_stages_and_accumulated_gradients():
+    m = model_config("llama3-8b")
+    one = estimate(MemoryInputs(m, 64 * 1024, "keep_attention", dp=4))
+    staged = estimate(MemoryInputs(m, 64 * 1024, "keep_attention", dp=4, pp=4, in_flight=4))
+    accumulated = estimate(MemoryInputs(m, 64 * 1024, "keep_attention", dp=4, microbatches=2))
+    assert staged.breakdown["optimizer states"] < one.breakdown["optimizer states"] / 3
+    assert "accumulated gradients" not in one.breakdown and accumulated.peak_bytes > one.peak_bytes
+
+
+# --- The simulator's pipeline ------------------------------------------------------------------------------
+
+
+def test_one_f_one_b_runs_every_operation_once_and_takes_m_plus_pp_minus_one_stage_times():
+    for pp, m in ((4, 8), (3, 2), (1, 5), (4, 4)):
+        for schedule in ("1f1b", "gpipe"):
+            orders = [stage_order(s, pp, m, schedule) for s in range(pp)]
+            assert all(sorted(o) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)]) for o in orders)
+            assert makespan([1.5] * m, pp, schedule) == pytest.approx((m + pp - 1) * 1.5)
+
+
+def test_bubble_reuse_prediction_and_bound():
+    step = pipeline_step([4.0] * 8, [2.0] * 8, pp=4)
+    assert step["step_s"] == pytest.approx(11.0)
+    assert step["bubble_fraction"] == pytest.approx(3 / 11)
+    assert step["reuse_gain"] == pytest.approx(3 * 0.5 / 2 / 11)  # half the ramp's attention, 0.5 per stage-time
+    assert step["reuse_gain"] <= step["reuse_gain_bound"] <= step["bubble_fraction"] + 1e-12
+    uneven = pipeline_step(np.r_[[1.0] * 7, 20.0], np.r_[[0.5] * 7, 10.0], pp=4)
+    assert uneven["bubble_fraction"] > 3 / 11  # one long micro-batch stalls the pipeline

@@ -58,8 +58,24 @@ case "$PHASE" in
   full-depth256)
     bench full-depth256 --layers 32 --configs prolong:256K --strategies cad+pingpong,local --warmup 1 --steps 2 \
       --activation-checkpointing full --activation-offload --budget-s 200 ;;
+  # Issue 28's speed runs (not run yet): llama-34b with 8 of its 48 layers, tokens per dp rank, tp=4 against
+  # pp=2 x tp=2 (both dp=1, so local only) and dp=4 (cad against local); then the full 8B, tp=2 x dp=2
+  # against dp=4 at 256K tokens per GPU. --configs tokens are per GPU: a dp rank holds tp x them (64K and
+  # 128K per dp rank throughout).
+  parallel34b-tp4)
+    bench parallel34b-tp4 --model llama-34b --layers 8 --tp 4 --configs prolong:16K,prolong:32K --strategies local \
+      --warmup 2 --steps 5 --budget-s 300 ;;
+  parallel34b-pp2tp2)
+    bench parallel34b-pp2tp2 --model llama-34b --layers 8 --pp 2 --tp 2 --microbatches 2 \
+      --configs prolong:32K,prolong:64K --strategies local --warmup 2 --steps 5 --budget-s 300 ;;
+  parallel34b-dp4)
+    bench parallel34b-dp4 --model llama-34b --layers 8 --configs prolong:64K,prolong:128K \
+      --strategies local,cad+pingpong --warmup 2 --steps 5 --budget-s 300 ;;
+  parallel8b-tp2)
+    bench parallel8b-tp2 --layers 32 --tp 2 --configs prolong:256K --strategies local,cad+pingpong --warmup 1 \
+      --steps 3 --activation-checkpointing full --activation-offload --budget-s 300 ;;
   *) phases="smoke|prolong128|prolong256|pretrain64|pretrain64-memory|prolong64|pretrain128|pretrain128-baselines|pretrain256"
      phases="$phases|pretrain256-baselines"
-     echo "usage: bash bench/gpu_e2e.sh $phases|prolong256-baselines|prolong256-sparse-pingpong|full-depth128|full-depth256 [BENCH ARGS...]" >&2
+     echo "usage: bash bench/gpu_e2e.sh $phases|prolong256-baselines|prolong256-sparse-pingpong|full-depth128|full-depth256|parallel34b-tp4|parallel34b-pp2tp2|parallel34b-dp4|parallel8b-tp2 [BENCH ARGS...]" >&2
      exit 2 ;;
 esac

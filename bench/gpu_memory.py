@@ -48,7 +48,7 @@ from attnpool.model import model_config  # noqa: E402
 from attnpool.train import TrainConfig, train  # noqa: E402
 from attnpool.train.memory import (CHECKPOINTING_MODES, Calibration, GiB, MemoryInputs, estimate,  # noqa: E402
                                    saved_per_layer, step_inputs_per_token)
-from attnpool.train.train import build_model, memory_inputs  # noqa: E402
+from attnpool.train.loop import build_model, memory_inputs  # noqa: E402
 
 K = 1024
 SHORT_DOCS = [8192] * 64

@@ -32,7 +32,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from attnpool.train import TrainConfig  # noqa: E402
-from attnpool.train.train import run  # noqa: E402
+from attnpool.train.loop import run  # noqa: E402
 
 TOLERANCE = 0.02
 SPARSE = dict(sparse="vertical-slash", sparse_coverage=0.9, sparse_min_doc_len=256,

@@ -111,7 +111,8 @@ def test_peak_breakdown_groups_what_was_live_at_the_peak():
 def test_memory_breakdown_needs_cuda(monkeypatch):
     import pytest
 
-    from attnpool.bench.e2e import add_arguments, check_arguments
+    from attnpool.bench.e2e import check_arguments
+    from attnpool.bench.e2e_options import add_arguments
     from attnpool.errors import ConfigError
 
     monkeypatch.setenv("RANK", "0")
@@ -130,7 +131,8 @@ def test_sparse_strategies_refused_before_any_run_on_a_gpu_older_than_hopper(mon
     import pytest
     import torch
 
-    from attnpool.bench.e2e import add_arguments, check_arguments
+    from attnpool.bench.e2e import check_arguments
+    from attnpool.bench.e2e_options import add_arguments
     from attnpool.errors import ConfigError
 
     monkeypatch.setenv("RANK", "0")

@@ -24,9 +24,9 @@ from attnpool.plan import linear_table, load_cost_model, pad_ranks, plan_attenti
 from attnpool.runtime import CoreAttention
 from attnpool.train import train
 from attnpool.train.memory import MemoryInputs, estimate
-from attnpool.train.train import build_model, forward_backward, plan_batch
+from attnpool.train.loop import build_model, forward_backward, plan_batch
 from dist_harness import run_distributed
-from test_train import TINY, rel_diff, tiny_config
+from test_train import TINY, refused_config, rel_diff, tiny_config
 
 SPARSE = dict(sparse="vertical-slash", sparse_min_doc_len=64,
               sparse_args=dict(block=16, vertical_chunk=16, last_queries=16, sink_tokens=4, local_window=16,
@@ -99,18 +99,10 @@ def test_checkpoint_resumes_with_another_tp(tmp_path, first, then):
     assert rel_diff(resumed[3:], full[3:]) <= 1e-5
 
 
-def _refused(rank, world, overrides):
-    try:
-        train(tiny_config("unused", **overrides))
-    except ConfigError as exc:
-        return exc.field, str(exc)
-    return None
-
-
 def test_bad_tp_is_refused_on_every_rank():
     for overrides, field, text in ((dict(tp=2), "tp", "must divide the number of ranks (3)"),
                                    (dict(tp=3, model_args=dict(TINY, n_kv_heads=2)), "tp", "n_kv_heads")):
-        answers = run_distributed(_refused, 3, overrides)
+        answers = run_distributed(refused_config, 3, overrides)
         assert all(a is not None and a[0] == field and text in a[1] for a in answers), answers
 
 

@@ -14,14 +14,13 @@ import sys
 import numpy as np
 import pytest
 
-from attnpool.errors import ConfigError
 from attnpool.model import model_config
 from attnpool.parallel.pipeline import head_layers, pipeline_problem, rank_stages, stage_layers
 from attnpool.sim.pipeline import makespan, pipeline_step, stage_order
 from attnpool.train import train
 from attnpool.train.memory import MemoryInputs, estimate
 from dist_harness import run_distributed
-from test_train import TINY, rel_diff, tiny_config
+from test_train import TINY, refused_config, rel_diff, tiny_config
 
 FOUR_LAYERS = dict(TINY, n_layers=4)
 
@@ -76,14 +75,6 @@ def test_checkpoint_resumes_with_another_pipeline(tmp_path, first, then):
     assert rel_diff(resumed[3:], full[3:]) <= 1e-5
 
 
-def _refused(rank, world, overrides):
-    try:
-        train(tiny_config("unused", **overrides))
-    except ConfigError as exc:
-        return exc.field, str(exc)
-    return None
-
-
 @pytest.mark.parametrize("overrides, field, text", [
     (dict(pp=3), "pp", "need at least one layer each, and the model has 2"),
     (dict(pp=2, microbatches=1), "microbatches", "1f1b needs at least pp=2 micro-batches"),
@@ -93,7 +84,7 @@ def _refused(rank, world, overrides):
     (dict(pp=2, microbatches=2, model_args=dict(TINY, tie_embeddings=True)), "pp", "ties"),
 ])
 def test_bad_pipelines_are_refused_on_every_rank(overrides, field, text):
-    answers = run_distributed(_refused, 2, overrides)
+    answers = run_distributed(refused_config, 2, overrides)
     assert all(a is not None and a[0] == field and text in a[1] for a in answers), answers
 
 

@@ -25,7 +25,7 @@ from attnpool.model import model_config
 from attnpool.plan import load_cost_model
 from attnpool.runtime import core_attention
 from attnpool.train import TrainConfig, load_config, train
-from attnpool.train.train import agree, build_model, check_sparse, forward_backward, lr_factor, plan_batch
+from attnpool.train.loop import agree, build_model, check_sparse, forward_backward, lr_factor, plan_batch
 from dist_harness import run_distributed
 
 TINY = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
@@ -42,6 +42,15 @@ def tiny_config(out, **overrides) -> TrainConfig:
 
 def full_weights(model) -> dict:
     return {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+
+
+def refused_config(rank, world, overrides):
+    """On each rank: the (field, message) a training with ``overrides`` is refused with, or None."""
+    try:
+        train(tiny_config("unused", **overrides))
+    except ConfigError as exc:
+        return exc.field, str(exc)
+    return None
 
 
 def rel_diff(a, b) -> float:

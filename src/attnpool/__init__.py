@@ -6,8 +6,18 @@
 """
 
 from attnpool.errors import ConfigError
-from attnpool.plan import DocPiece, Plan, plan_attention
-from attnpool.runtime import core_attention
 
 __all__ = ["ConfigError", "DocPiece", "Plan", "plan_attention", "core_attention"]
 __version__ = "0.1.0"
+
+# Imported on first use (PEP 562), so that the command line starts without loading torch.
+_LAZY = {"DocPiece": "attnpool.plan", "Plan": "attnpool.plan", "plan_attention": "attnpool.plan",
+         "core_attention": "attnpool.runtime"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'attnpool' has no attribute {name!r}")

@@ -6,12 +6,18 @@ import argparse
 import sys
 import traceback
 
-from attnpool.comm import end_process, opened_process_group
-from attnpool.errors import ConfigError
+from attnpool.errors import ConfigError, TrainingError
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Argument errors in one line (no usage block) and exit code 2, as every other input error."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attnpool", description="Core attention disaggregation for long-context training.")
+    parser = OneLineParser(prog="attnpool", description="Core attention disaggregation for long-context training.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from attnpool.cli import bench_cmd, memory_cmd, plan_cmd, profile_cmd, simulate_cmd, train_cmd
 
@@ -32,9 +38,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"attnpool {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except TrainingError as exc:
+        print(f"attnpool {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _opened_process_group() -> bool:
+    """Whether this command opened a process group (attnpool.comm.process is loaded only by commands that
+    may: checking it must not load torch into the others)."""
+    process = sys.modules.get("attnpool.comm.process")
+    return process is not None and process.opened_process_group()
 
 
 def entry() -> None:
@@ -42,11 +58,13 @@ def entry() -> None:
     try:
         code = main()
     except Exception:
-        if not opened_process_group():
+        if not _opened_process_group():
             raise
         traceback.print_exc()  # then leave as below, exit code 1 as Python's own
         code = 1
-    if opened_process_group():
+    if _opened_process_group():
+        from attnpool.comm.process import end_process
+
         end_process(code)  # see attnpool.comm.process
     sys.exit(code)
 

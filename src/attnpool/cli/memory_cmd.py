@@ -40,7 +40,7 @@ def add_parser(sub) -> None:
 
 def _capacity(args, ranks: int):
     from attnpool.train.memory import Capacity, parse_memory_size
-    from attnpool.train.train import host_memory_bytes
+    from attnpool.train.loop import host_memory_bytes
 
     host = parse_memory_size("host_memory", args.host_memory) if args.host_memory is not None \
         else host_memory_bytes() // ranks
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from attnpool.cli.train_cmd import config_from_args
     from attnpool.train.memory import Calibration, report
     from attnpool.parallel import ParallelDims
-    from attnpool.train.train import prepare, run_memory_inputs
+    from attnpool.train.loop import prepare, run_memory_inputs
 
     config = config_from_args(args)
     capacity = _capacity(args, config.nproc)

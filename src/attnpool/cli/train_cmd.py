@@ -70,7 +70,7 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnpool.train.train import run as run_training
+    from attnpool.train.loop import run as run_training
 
     # Under torchrun every rank holds the same (agreed) error and says it: torchrun stops the other
     # ranks as soon as one exits, so a rank that stayed silent could cut rank 0 off before it spoke.

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from attnpool.errors import ConfigError
+from attnpool.sparse.coefficients import H200_MEASURED, SparseCoefficients
 
 MODES = ("none", "vertical-slash")
 KV_TRANSFERS = ("prefix", "read")
@@ -38,10 +39,10 @@ class SparseConfig:
       queries; ``"read"`` sends a server other than a document's estimating one only the KV
       rows its tasks' patterns read, after estimation (runtime.sparse_kv): fewer bytes, one
       more exchange and one host read per sparse layer.
-    - ``cost_coefficients``: a :class:`~attnpool.sparse.cost.SparseCoefficients` JSON file, the
+    - ``cost_coefficients``: a :class:`~attnpool.sparse.coefficients.SparseCoefficients` JSON file, the
       calibration of the sparse kernels on the GPU in use (``bench/gpu_sparse.py --out DIR`` writes
       ``DIR/sparse_cost_coefficients.json``); ``cad`` prices sparse work with its per-tile costs.
-      Empty: the packaged H200 fit (``sparse.cost.H200_MEASURED``). Seconds are weighed against the
+      Empty: the packaged H200 fit (``sparse.coefficients.H200_MEASURED``). Seconds are weighed against the
       dense cost table's, so give the same GPU's (``attnpool profile``); with the ``pairs`` cost model
       the file is checked but unused.
     """
@@ -90,8 +91,6 @@ class SparseConfig:
             raise ConfigError("sparse_local_window", self.local_window,
                               f"exceeds slash_cap={self.slash_cap}: the forced local band must fit in the cap")
         if self.cost_coefficients:  # a missing or malformed file is refused here, before training
-            from attnpool.sparse.cost import SparseCoefficients
-
             try:
                 object.__setattr__(self, "_coefficients", SparseCoefficients.load(self.cost_coefficients))
             except ConfigError as error:
@@ -99,8 +98,6 @@ class SparseConfig:
 
     def coefficients(self):
         """The sparse kernels' cost per (tile, head): ``cost_coefficients``' file, or the packaged H200 fit."""
-        from attnpool.sparse.cost import H200_MEASURED
-
         return self._coefficients or H200_MEASURED
 
     @property

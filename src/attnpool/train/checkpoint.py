@@ -1,17 +1,26 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP): everything a run needs to continue exactly.
+"""Checkpoints with torch.distributed.checkpoint (DCP): everything a run needs to continue exactly, written
+atomically and verified when read.
 
-One checkpoint is one directory ``OUT/checkpoints/step-NNNNNN`` that DCP writes
-from every rank at once: the sharded model and optimizer state (resharded on
-load, so the number of ranks may change), the learning-rate schedule, the
-position of the document stream, the step, and each rank's RNG state. DCP
-writes ``.metadata`` last, so a directory without it is an unfinished save and
-is ignored.
+One checkpoint is one directory ``OUT/checkpoints/step-NNNNNN`` that DCP writes from every rank at once:
+the sharded model and optimizer state (resharded on load, so the number of ranks may change), the
+learning-rate schedule, the position of the document stream, the step, each rank's RNG state and the
+sparse estimator's state. It is written as ``step-NNNNNN.partial`` and renamed once complete, with a
+``manifest.json`` (written last) that records the step, the run's config and every file's size and
+SHA-256. A directory without its manifest is an unfinished save and is not a checkpoint. Reading one
+first checks every file against the manifest (the ranks share the hashing), so a truncated, corrupted
+or missing shard is found before any state is loaded, and named.
+
+Checkpoints written before manifests existed (a DCP ``.metadata`` and no manifest) still load, unverified:
+a directory that lost its manifest looks the same.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -22,6 +31,10 @@ from attnpool.errors import ConfigError
 from attnpool.model import ModelConfig, Transformer
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+MANIFEST = "manifest.json"
+PARTIAL_SUFFIX = ".partial"
+DAMAGED_SUFFIX = ".damaged"
+_HASH_CHUNK = 16 << 20
 
 
 def checkpoint_root(out: str) -> str:
@@ -33,7 +46,8 @@ def checkpoint_path(out: str, step: int) -> str:
 
 
 def finished_checkpoints(out: str) -> list[tuple[int, str]]:
-    """(step, path) of every complete checkpoint in the run directory, oldest first."""
+    """(step, path) of every complete checkpoint in the run directory (a manifest, or a legacy DCP
+    ``.metadata``), oldest first. Complete is not valid: see :func:`verify_checkpoint`."""
     root = checkpoint_root(out)
     if not os.path.isdir(root):
         return []
@@ -41,7 +55,7 @@ def finished_checkpoints(out: str) -> list[tuple[int, str]]:
     for name in os.listdir(root):
         m = _STEP_DIR.match(name)
         path = os.path.join(root, name)
-        if m and os.path.isfile(os.path.join(path, ".metadata")):
+        if m and (os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isfile(os.path.join(path, ".metadata"))):
             found.append((int(m.group(1)), path))
     return sorted(found)
 
@@ -49,6 +63,91 @@ def finished_checkpoints(out: str) -> list[tuple[int, str]]:
 def latest_checkpoint(out: str) -> str | None:
     done = finished_checkpoints(out)
     return done[-1][1] if done else None
+
+
+def read_manifest(path: str) -> dict | None:
+    """The checkpoint's manifest; None for a legacy checkpoint (no manifest). Refuses one that does not parse."""
+    file = os.path.join(path, MANIFEST)
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file) as fh:
+            manifest = json.load(fh)
+        if not isinstance(manifest.get("files"), dict):
+            raise ValueError("no file list")
+        return manifest
+    except (OSError, ValueError) as exc:
+        raise ConfigError("resume", file, f"the checkpoint's manifest is unreadable ({exc})") from None
+
+
+def _sha256(file: str) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as fh:
+        while chunk := fh.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _file_problem(path: str, name: str, expected: dict, checksum: bool) -> str | None:
+    """What is wrong with one file of a checkpoint, or None. Never raises: every rank must reach the
+    collective that follows, whatever its share of the files holds."""
+    file = os.path.join(path, name)
+    try:
+        if not os.path.isfile(file):
+            return f"{file} is missing"
+        size = os.path.getsize(file)
+        if size != expected["bytes"]:
+            return f"{file} has {size} bytes, the manifest says {expected['bytes']} (truncated or overwritten)"
+        if checksum and _sha256(file) != expected["sha256"]:
+            return f"{file} does not match its SHA-256 in the manifest (corrupted)"
+    except OSError as exc:
+        return f"{file} cannot be read ({exc.strerror or exc})"
+    except (KeyError, TypeError):
+        return f"the manifest's entry for {file} is malformed"
+    return None
+
+
+def _my_share(items: list, rank: int, world: int) -> list:
+    return items[rank::world]
+
+
+def verify_checkpoint(path: str, checksum: bool = True, distributed: bool = True) -> str | None:
+    """What is wrong with the checkpoint at ``path`` (naming the file), or None. Sizes always; with
+    ``checksum`` each file's SHA-256 too. ``distributed`` (and a process group initialised): the files'
+    hashing is shared among the ranks, and every rank gets the same answer (a collective: call it on
+    every rank)."""
+    distributed = distributed and dist.is_available() and dist.is_initialized()
+    try:
+        manifest = read_manifest(path)
+    except ConfigError as exc:
+        manifest, problem = None, exc.problem
+    else:
+        problem = None if manifest is not None or os.path.isfile(os.path.join(path, ".metadata")) else \
+            f"{path} has neither a manifest nor DCP metadata"
+    files = sorted(manifest["files"].items()) if manifest else []
+    if problem is None:
+        problem = next(filter(None, (_file_problem(path, n, e, False) for n, e in files)), None)
+    if problem is None and checksum:
+        rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+        problem = next(filter(None, (_file_problem(path, n, e, True) for n, e in _my_share(files, rank, world))), None)
+    if distributed:
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        problem = next(filter(None, problems), None)
+    return problem
+
+
+def select_checkpoint(out: str, checksum: bool = True,
+                      distributed: bool = True) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest valid checkpoint of the run directory (None if there is none), and (path, problem) of
+    each newer one skipped. Arguments as :func:`verify_checkpoint`'s."""
+    skipped = []
+    for _, path in reversed(finished_checkpoints(out)):
+        problem = verify_checkpoint(path, checksum, distributed)
+        if problem is None:
+            return path, skipped
+        skipped.append((path, problem))
+    return None, skipped
 
 
 def _rng_key(rank: int) -> str:
@@ -87,20 +186,82 @@ def check_compatible(path: str, model_config: ModelConfig) -> None:
     raise ConfigError("resume", path, f"the checkpoint is of another model shape: {detail}")
 
 
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json_atomically(file: str, obj) -> None:
+    tmp = file + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, file)
+
+
 def save_checkpoint(path: str, model, optimizer, scheduler, stream, step: int, extra: dict | None = None,
-                    device: torch.device | None = None) -> None:
-    """Write a checkpoint from every rank (a collective: call it on all ranks).
+                    device: torch.device | None = None, config: dict | None = None, keep: int = 0) -> None:
+    """Write a checkpoint from every rank (a collective: call it on all ranks), atomically: DCP writes
+    into ``path.partial``, the ranks hash their share of the files, rank 0 writes the manifest and
+    renames the directory to ``path``; checkpoints of later steps (skipped by the resume as damaged) are
+    renamed ``step-NNNNNN.damaged``.
+    ``keep`` > 0: then delete all but the newest ``keep`` checkpoints, this one always among them.
 
     ``extra``: more state by name, each an object with ``state_dict()`` (e.g. the sparse planning prior).
     ``device``: the rank's compute device, whose RNG is saved (default: the parameters', which
-    optimizer offload keeps on the CPU)."""
-    rank = dist.get_rank()
+    optimizer offload keeps on the CPU). ``config``: the run's settings, kept in the manifest (a resume
+    compares them with its own)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     model_state, optim_state = get_state_dict(model, optimizer)
     device = device or next(model.parameters()).device
     state = {"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict(),
              "data": stream.state_dict(), "step": step, _rng_key(rank): _rng_state(device)}
     state.update({name: obj.state_dict() for name, obj in (extra or {}).items()})
-    dcp.save(state, checkpoint_id=path)
+    partial = path + PARTIAL_SUFFIX
+    root = os.path.dirname(path)
+    if rank == 0:  # saves that did not finish (a crash during a save)
+        for name in os.listdir(root) if os.path.isdir(root) else []:
+            if name.endswith(PARTIAL_SUFFIX):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    dist.barrier()
+    dcp.save(state, checkpoint_id=partial)  # returns on every rank once DCP's metadata is written
+    names = sorted(os.listdir(partial)) if rank == 0 else None
+    box = [names]
+    dist.broadcast_object_list(box, src=0)
+    mine = {}
+    for name in _my_share(box[0], rank, world):  # (DCP's writer has synced them to disk)
+        file = os.path.join(partial, name)
+        mine[name] = {"bytes": os.path.getsize(file), "sha256": _sha256(file)}
+    shares = [None] * world
+    dist.all_gather_object(shares, mine)
+    if rank == 0:
+        files = {name: entry for share in shares for name, entry in share.items()}
+        _write_json_atomically(os.path.join(partial, MANIFEST),
+                               {"format": 1, "step": step, "config": config or {}, "files": files})
+        # A checkpoint of this step already there (from a run that went on past it and was resumed
+        # before it) is moved aside before the new one takes its name, and deleted after.
+        replaced = path + ".replaced"
+        if os.path.isdir(path):
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(path, replaced)
+        os.replace(partial, path)
+        _fsync_dir(root)
+        shutil.rmtree(replaced, ignore_errors=True)
+        # Checkpoints of later steps are ones a resume skipped as damaged (it takes the newest valid one):
+        # left as they are they would stay the "newest" and outlive `keep`. Kept aside, for a look.
+        out = os.path.dirname(root)
+        for later_step, later in finished_checkpoints(out):
+            if later_step > step:
+                shutil.rmtree(later + DAMAGED_SUFFIX, ignore_errors=True)
+                os.replace(later, later + DAMAGED_SUFFIX)
+        if keep > 0:
+            for _, old in finished_checkpoints(out)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()  # no rank goes on (or ends the run) before the checkpoint is in place
 
 
 def load_checkpoint(path: str, model, optimizer, scheduler, stream, extra: dict | None = None,

@@ -101,6 +101,18 @@ class TrainConfig:
     resume: bool = _help("continue from the latest checkpoint in OUT/checkpoints", default=False)
     stop_at: int | None = _help("stop (and checkpoint) after this step without changing the schedule", default=None)
     progress: bool = _help("show a live progress bar on rank 0 (the start line and the final summary always print)", default=True)
+    # Failures
+    keep_checkpoints: int = _help("keep only the newest this many checkpoints (0: all)", default=0)
+    allow_config_change: bool = _help("resume although a setting that changes what the run computes (model, "
+                                      "data, batch, schedule, optimizer, precision) differs from the checkpoint's",
+                                      default=False)
+    max_nonfinite_steps: int = _help("a step whose loss or gradient norm is not finite is skipped on every rank; "
+                                     "this many in a row end the run", default=3)
+    max_restarts: int = _help("when a worker is lost, start all workers again from the latest valid checkpoint, up "
+                              "to this many times (the built-in launcher; under torchrun give torchrun "
+                              "--max-restarts, and a restarted worker resumes by itself)", default=0)
+    collective_timeout_s: float = _help("a collective that waits this long on a silent rank fails, and the survivors "
+                                        "name that rank", default=600.0)
 
     def __post_init__(self):
         for f in fields(self):
@@ -151,6 +163,11 @@ class TrainConfig:
         _at_least("checkpoint_every", self.checkpoint_every, -1)
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
             raise ConfigError("stop_at", self.stop_at, f"must be in [1, steps={self.steps}]")
+        _at_least("keep_checkpoints", self.keep_checkpoints, 0)
+        _at_least("max_nonfinite_steps", self.max_nonfinite_steps, 1)
+        _at_least("max_restarts", self.max_restarts, 0)
+        if not (math.isfinite(self.collective_timeout_s) and self.collective_timeout_s > 0):
+            raise ConfigError("collective_timeout_s", self.collective_timeout_s, "must be a positive number of seconds")
 
     def sparse_config(self) -> SparseConfig | None:
         """The SparseConfig of ``--sparse`` and its options, or None for dense attention."""
@@ -173,6 +190,14 @@ class TrainConfig:
 
 
 FIELDS = {f.name: f for f in fields(TrainConfig)}
+# What the run computes: a resume that changes one of these asks for allow_config_change. The rest may
+# change freely: attention strategy, kernels and memory settings compute the same function, and a
+# resume on another layout (nproc, tp, pp) is what DCP's resharding is for (another dp changes the
+# global batch from there on, as any resume on more or fewer data-parallel ranks does).
+RUN_FIELDS = ("model", "model_args", "data", "data_path", "data_args", "tokens_per_rank", "max_doc_len", "seed",
+              "sparse", "sparse_coverage", "sparse_min_doc_len", "dense_layers", "sparse_args", "steps", "lr",
+              "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip", "precision",
+              "microbatches")
 
 
 def _at_least(name: str, value, low: int, what: str | None = None):

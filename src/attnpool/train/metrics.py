@@ -30,6 +30,7 @@ cost (per average layer; see ``sparse.cost.SparsePrior``).
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import time
@@ -132,6 +133,15 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+NONFINITE_AS_NULL = ("loss", "grad_norm")  # the numbers a skipped step may hold as NaN or inf
+
+
+def json_line(row: dict) -> str:
+    """One row of metrics.jsonl: strict JSON, a non-finite number written as null."""
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+    return json.dumps(clean, allow_nan=False) + "\n"
+
+
 class MetricsLog:
     """``metrics.jsonl`` in the run directory, one JSON object per step (written by rank 0 only).
 
@@ -146,6 +156,10 @@ class MetricsLog:
         if resume_step is not None and os.path.isfile(self.path):
             with open(self.path) as fh:
                 rows = [json.loads(line) for line in fh if line.strip()]
+            for r in rows:  # a skipped step's non-finite loss or norm, written as null, is NaN again
+                for key in NONFINITE_AS_NULL:
+                    if key in r and r[key] is None:
+                        r[key] = math.nan
             self.rows = [r for r in rows if r.get("step", 0) <= resume_step]
 
     def start(self) -> None:
@@ -154,13 +168,13 @@ class MetricsLog:
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
             with open(self.path, "w") as fh:
                 for row in self.rows:
-                    fh.write(json.dumps(row) + "\n")
+                    fh.write(json_line(row))
 
     def append(self, row: dict) -> None:
         self.rows.append(row)
         if self.write:
             with open(self.path, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
+                fh.write(json_line(row))
 
 
 def _fmt_rate(x: float) -> str:

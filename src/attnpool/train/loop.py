@@ -30,8 +30,10 @@ import json
 import math
 import os
 import pickle
+import signal
 import socket
 import tempfile
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -47,7 +49,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from attnpool.comm import all_gather_flat, comm_stats, end_process, process_group
 from attnpool.data import DocumentStream, GlobalBatch, RankTensors, make_source
-from attnpool.errors import ConfigError
+from attnpool.comm.watchdog import RankRecords, is_collective_failure
+from attnpool.errors import ConfigError, TrainingError
 from attnpool.kernels.sparse import device_problem as sparse_device_problem
 from attnpool.kernels.sparse import launch_problem as sparse_launch_problem
 from attnpool.model import ModelConfig, Transformer, apply_activation_checkpointing, model_config
@@ -61,9 +64,9 @@ from attnpool.runtime import CoreAttention
 from attnpool.runtime.sparse import SparseStats
 from attnpool.sparse import SparseConfig
 from attnpool.sparse.cost import SparsePrior
-from attnpool.train.checkpoint import (check_compatible, checkpoint_path, checkpoint_root, latest_checkpoint,
-                                       load_checkpoint, save_checkpoint)
-from attnpool.train.config import DATA_PATH_OPTION, TrainConfig, save_config
+from attnpool.train.checkpoint import (check_compatible, checkpoint_path, checkpoint_root, finished_checkpoints,
+                                       load_checkpoint, read_manifest, save_checkpoint, select_checkpoint)
+from attnpool.train.config import DATA_PATH_OPTION, RUN_FIELDS, TrainConfig, load_config, save_config
 from attnpool.train.memory import (Calibration, Capacity, MemoryEstimate, MemoryInputs, RowRatios, estimate,
                                    format_bytes, report, saved_bytes_per_layer, settings)
 from attnpool.train.offload import ActivationOffload
@@ -102,7 +105,15 @@ def build_source(config: TrainConfig, vocab_size: int):
         options.setdefault("seed", config.seed)
     if config.data == "npy":
         options.setdefault("vocab_size", vocab_size)  # token ids are then checked against the model
-    source = make_source(config.data, **options)
+    try:
+        source = make_source(config.data, **options)
+    except ConfigError as exc:  # name what the user typed: --data-path, or --data-args KEY
+        path_option = DATA_PATH_OPTION.get(config.data)
+        if exc.field == path_option and config.data_path is not None:
+            raise ConfigError("data_path", exc.value, exc.problem) from None
+        if exc.field in config.data_args:
+            raise ConfigError(f"data_args.{exc.field}", exc.value, exc.problem) from None
+        raise
     if source.vocab_size is not None and source.vocab_size > vocab_size:
         raise ConfigError("data", config.data, f"has {source.vocab_size} token ids but the model's vocab_size is "
                                                f"{vocab_size}; raise it with --model-args vocab_size=N")
@@ -135,18 +146,58 @@ def prepare(config: TrainConfig, device: torch.device | None = None, world: int 
     if config.tp > 1 and hasattr(cost_model, "scaled_to"):  # a server's cost is its heads' share of a task's
         cost_model = cost_model.scaled_to(model_cfg.n_heads // config.tp, model_cfg.head_dim)
     sparse = check_sparse(config, model_cfg, device)
-    found = latest_checkpoint(config.out)
+    if config.kernel == "flash" and resolve_device(config) != "cuda":
+        raise ConfigError("kernel", "flash", "FlashAttention runs on CUDA devices only; this run is on the CPU "
+                                             "(use --kernel reference, or leave --kernel unset)")
+    found = None
     if config.resume:
+        # Sizes and manifests here (no process group yet); train() checks every file's hash before loading.
+        found, skipped = select_checkpoint(config.out, checksum=False, distributed=False)
         if found is None:
+            refuse_damaged(config.out, skipped)
             raise ConfigError("resume", config.out, f"no finished checkpoint in {checkpoint_root(config.out)}")
         check_compatible(found, model_cfg)
-    elif found is not None:
+        config_changes(config, found)
+    elif finished_checkpoints(config.out):
         raise ConfigError("out", config.out, "holds checkpoints of an earlier run: pass --resume to continue it, "
                                              "or choose another --out")
     memory = None
     if device is not None and dims is not None and config.memory_check:
         memory = check_memory(config, model_cfg, source, cost_model, sparse, dims, device)
     return Setup(model_cfg, source, cost_model, found if config.resume else None, sparse, memory)
+
+
+def refuse_damaged(out: str, skipped: list[tuple[str, str]]) -> None:
+    """Refuse a resume whose every checkpoint is damaged, naming the newest one's problem."""
+    if skipped:
+        more = f" (and {len(skipped) - 1} older checkpoints are damaged too)" if len(skipped) > 1 else ""
+        raise ConfigError("resume", out, f"no valid checkpoint: {skipped[0][1]}{more}")
+
+
+def checkpoint_config(path: str, out: str) -> dict | None:
+    """The settings of the run that wrote the checkpoint: its manifest's, or (a checkpoint older than
+    manifests) the run directory's config.yaml."""
+    manifest = read_manifest(path)
+    if manifest is not None:
+        return manifest.get("config") or None
+    file = os.path.join(out, "config.yaml")
+    return load_config(file).to_dict() if os.path.isfile(file) else None
+
+
+def config_changes(config: TrainConfig, checkpoint: str) -> list[tuple[str, object, object]]:
+    """(key, the checkpoint's value, this config's) of every setting that changes what the run computes
+    (config.RUN_FIELDS); refused unless ``allow_config_change``."""
+    saved = checkpoint_config(checkpoint, config.out)
+    if saved is None:
+        return []
+    now = config.to_dict()
+    changes = [(k, saved[k], now[k]) for k in RUN_FIELDS if k in saved and saved[k] != now[k]]
+    if changes and not config.allow_config_change:
+        key, before, after = changes[0]
+        also = f" (also {', '.join(k for k, _, _ in changes[1:])})" if len(changes) > 1 else ""
+        raise ConfigError(key, after, f"the checkpoint's run has {key}={before!r}{also}: resuming with another value "
+                                      "changes the run; pass --allow-config-change to continue with it")
+    return changes
 
 
 def check_sparse(config: TrainConfig, model_cfg: ModelConfig,
@@ -506,7 +557,13 @@ def rank_device(config: TrainConfig) -> torch.device:
 def train(config: TrainConfig, on_step=None) -> TrainResult:
     """Train (or, with ``config.resume``, continue) on the ranks of the initialised default process group.
 
-    ``on_step()``, if given, is called after every step (e.g. a torch.profiler's ``step``)."""
+    ``on_step()``, if given, is called after every step (e.g. a torch.profiler's ``step``). A SIGTERM at
+    any time from here on stops the run after its current (or first) step, checkpointed."""
+    with Preemption() as preemption:
+        return _train(config, on_step, preemption)
+
+
+def _train(config: TrainConfig, on_step, preemption: "Preemption") -> TrainResult:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device(config)
     setup = agree(lambda: prepare(config, device, world))
@@ -518,6 +575,8 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
     mesh = build_rank_mesh(ParallelDims.of(world, config.tp, config.pp), device.type)
     dp, tp, pp, dp_rank = mesh.dims.dp, mesh.dims.tp, mesh.dims.pp, mesh.dp_rank
 
+    records = RankRecords(config.out, rank, world)
+    resume_from = verified_checkpoint(config, setup, model_cfg) if setup.resume_from is not None else None
     pipeline = None
     if pp > 1:
         stage_ids, stages = build_stages(model_cfg, config, device, bf16, mesh)
@@ -542,20 +601,20 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
     # With ping-pong, the sparse exchanges get a communicator of their own (CoreAttention.pattern_group).
     pattern_group = mesh.new_attention_group() if sparse and config.pingpong else None
     step = 0
-    if setup.resume_from is not None:
-        step = load_checkpoint(setup.resume_from, model, optimizer, scheduler, stream, extra_state, device)
+    if resume_from is not None:
+        step = load_checkpoint(resume_from, model, optimizer, scheduler, stream, extra_state, device)
     start_step, last_step = step, config.stop_at or config.steps
     shape = attention_shape(model_cfg, tp, bf16)
     attention_kwargs = {"backend": config.kernel} if config.kernel else {}
 
     if rank == 0:
         os.makedirs(config.out, exist_ok=True)
-        save_config(config, os.path.join(config.out, "config.yaml"))
-    log = MetricsLog(config.out, write=rank == 0, resume_step=step if setup.resume_from else None)
+        write_config(config, resume_from, step)
+    log = MetricsLog(config.out, write=rank == 0, resume_step=step if resume_from else None)
     dist.barrier()  # every rank has read the earlier rows before rank 0 rewrites the file
     log.start()
     if rank == 0:
-        resumed = f", resumed from {setup.resume_from}" if setup.resume_from else ""
+        resumed = f", resumed from {resume_from}" if resume_from else ""
         layout = f" (pp {pp} x dp {dp} x tp {tp})" if pp > 1 else f" (dp {dp} x tp {tp})" if tp > 1 else ""
         micro = f" in {config.microbatches} micro-batches" if config.microbatches > 1 else ""
         print(f"attnpool train: {config.model} ({model_cfg.num_params() / 1e6:.2f}M params) on {world} x {device.type}"
@@ -568,93 +627,129 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
         if sparse is not None and device.type == "cuda" and config.precision == "fp32":
             print("the float32 sparse kernels (IEEE products) compile for minutes the first time they run", flush=True)
 
-    comm_stats.timing = True
     last_plan = None
     wall0 = time.perf_counter()
-    with Progress(rank == 0 and config.progress, last_step, step, config.attention) as progress:
-        while step < last_step:
-            step += 1
-            t0 = time.perf_counter()
-            reset_peak_memory(device)
-            micro_batches = [stream.next_batch() for _ in range(config.microbatches)]
-            label_tokens = sum(b.num_label_tokens for b in micro_batches)
-            t_plan = time.perf_counter()
-            # Every micro-batch's plans (a plan per nano-batch with ping-pong) are made at the start of the step.
-            plans = [[plan_batch(nano, config, dp, cost_model, shape, prior, tp)
-                      for nano in (batch.split_documents(2) if config.pingpong else [batch])]
-                     for batch in micro_batches]
-            last_plan = combine_plans([p for mb in plans for p in mb])
-            plan_time = time.perf_counter() - t_plan
-            comm_stats.reset()
-            stats = SparseStats()
-            tensors = [[p.batch.rank_batch(p.plan.pieces, dp_rank).to_torch(device) for p in mb] for mb in plans]
-            attentions = [[CoreAttention(p.plan, mesh.attention_group, sparse=sparse, sparse_stats=stats,
-                                         pattern_group=pattern_group, **attention_kwargs) for p in mb] for mb in plans]
-            # Interleaved phases (ping-pong) leave core attention no wall time of its own to measure.
-            timers = [AttentionTimer(mb[0], device) for mb in attentions] \
-                if all(len(mb) == 1 for mb in attentions) else None
-            if timers is not None:
-                attentions = [[timer] for timer in timers]
-            if pipeline is not None:
-                with step_context(device.type, bf16, tp > 1), offload or nullcontext():
-                    # The loss shares of the step's mean, summed back into token losses for the log.
-                    loss_sum = pipeline.step([mb[0].tokens for mb in tensors], [mb[0].positions for mb in tensors],
-                                             [mb[0].labels for mb in tensors], [mb[0] for mb in attentions],
-                                             1.0 / label_tokens) * label_tokens
-            else:
-                loss_sum = 0.0
-                for i, (mb_tensors, mb_attentions) in enumerate(zip(tensors, attentions)):
-                    if config.microbatches > 1:  # FSDP2 reduces gradients once, after the last micro-batch
-                        model.set_requires_gradient_sync(i == config.microbatches - 1)
-                    loss_sum = loss_sum + forward_backward(model, mb_tensors, mb_attentions, label_tokens, bf16,
-                                                           offload, tp > 1)
-            grad_norm = clip_gradients(params, config.grad_clip or float("inf"), mesh.pp_group if pp > 1 else None)
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            attention_seconds = sum(t.seconds() for t in timers) if timers is not None else float("nan")
-            per_rank = _all_gather_floats([float(loss_sum), attention_seconds, comm_stats.seconds(),
-                                           float(comm_stats.bytes_sent), float(peak_memory_bytes(device)),
-                                           float(peak_reserved_bytes(device)),
-                                           float(offload.offloaded_bytes if offload else 0), *stats.values()], device)
-            sparse_sums = per_rank[:, 7:].sum(0)  # each document was estimated on one rank
-            if prior is not None:
-                prior.update(*sparse_sums[:3])
-            step_time = time.perf_counter() - t0
-            step_tokens = sum(b.num_tokens for b in micro_batches)
-            row = {
-                "step": step,
-                # a dp rank's tp ranks agree on its loss; off the last pipeline stage ranks report none
-                "loss": float(per_rank[:, 0].sum() / tp / label_tokens),
-                "lr": lr,
-                "grad_norm": float(grad_norm),
-                "tokens": step_tokens,
-                "tokens_per_s": step_tokens / step_time,
-                "step_time_s": step_time,
-                "plan_time_s": plan_time,
-                "attention_time_s": None if timers is None else float(per_rank[:, 1].max()),
-                "comm_time_s": float(per_rank[:, 2].max()),
-                "comm_bytes": int(per_rank[:, 3].sum()),
-                "peak_memory_bytes": int(per_rank[:, 4].max()),
-                "peak_reserved_bytes": int(per_rank[:, 5].max()) if device.type == "cuda" else None,
-                "activation_offload_bytes": int(per_rank[:, 6].max()) if offload else None,
-                "attention_work_total": float(np.sum(last_plan.load_local)),  # cost-model units
-                "attention_density": float(sparse_sums[3] / sparse_sums[4]) if sparse else None,
-                "imbalance_before": last_plan.imbalance_local,
-                "imbalance_after": last_plan.imbalance_planned,
-                "num_docs": sum(b.num_docs for b in micro_batches),
-                "longest_doc": int(max(b.doc_lens.max() for b in micro_batches)),
-            }
-            log.append(row)
-            progress.update(row)
-            if on_step is not None:
-                on_step()
-            every = config.checkpoint_every
-            if every >= 0 and (step == last_step or (every and step % every == 0)):
-                save_checkpoint(checkpoint_path(config.out, step), model, optimizer, scheduler, stream, step, extra_state,
-                                device)
-    comm_stats.timing = False
+    nonfinite_total = sum(1 for r in log.rows if r.get("skipped_step"))
+    nonfinite_in_a_row = 0
+    comm_stats.timing = True
+    try:
+        with Progress(rank == 0 and config.progress, last_step, step, config.attention) as progress:
+            while step < last_step:
+                step += 1
+                records.step(step)
+                t0 = time.perf_counter()
+                reset_peak_memory(device)
+                micro_batches = [stream.next_batch() for _ in range(config.microbatches)]
+                label_tokens = sum(b.num_label_tokens for b in micro_batches)
+                t_plan = time.perf_counter()
+                # Every micro-batch's plans (a plan per nano-batch with ping-pong) are made at the start of the step.
+                plans = [[plan_batch(nano, config, dp, cost_model, shape, prior, tp)
+                          for nano in (batch.split_documents(2) if config.pingpong else [batch])]
+                         for batch in micro_batches]
+                last_plan = combine_plans([p for mb in plans for p in mb])
+                plan_time = time.perf_counter() - t_plan
+                comm_stats.reset()
+                stats = SparseStats()
+                tensors = [[p.batch.rank_batch(p.plan.pieces, dp_rank).to_torch(device) for p in mb] for mb in plans]
+                attentions = [[CoreAttention(p.plan, mesh.attention_group, sparse=sparse, sparse_stats=stats,
+                                             pattern_group=pattern_group, **attention_kwargs) for p in mb] for mb in plans]
+                # Interleaved phases (ping-pong) leave core attention no wall time of its own to measure.
+                timers = [AttentionTimer(mb[0], device) for mb in attentions] \
+                    if all(len(mb) == 1 for mb in attentions) else None
+                if timers is not None:
+                    attentions = [[timer] for timer in timers]
+                if pipeline is not None:
+                    with step_context(device.type, bf16, tp > 1), offload or nullcontext():
+                        # The loss shares of the step's mean, summed back into token losses for the log.
+                        loss_sum = pipeline.step([mb[0].tokens for mb in tensors], [mb[0].positions for mb in tensors],
+                                                 [mb[0].labels for mb in tensors], [mb[0] for mb in attentions],
+                                                 1.0 / label_tokens) * label_tokens
+                else:
+                    loss_sum = 0.0
+                    for i, (mb_tensors, mb_attentions) in enumerate(zip(tensors, attentions)):
+                        if config.microbatches > 1:  # FSDP2 reduces gradients once, after the last micro-batch
+                            model.set_requires_gradient_sync(i == config.microbatches - 1)
+                        loss_sum = loss_sum + forward_backward(model, mb_tensors, mb_attentions, label_tokens, bf16,
+                                                               offload, tp > 1)
+                grad_norm = clip_gradients(params, config.grad_clip or float("inf"), mesh.pp_group if pp > 1 else None)
+                lr = scheduler.get_last_lr()[0]
+                # A step whose loss or gradient is not finite is skipped on every rank (its gradients dropped),
+                # and the schedule goes on, so that step numbers keep their learning rates.
+                finite = agree_finite(loss_sum, grad_norm, device)
+                if finite:
+                    optimizer.step()
+                    nonfinite_in_a_row = 0
+                else:
+                    nonfinite_total += 1
+                    nonfinite_in_a_row += 1
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                attention_seconds = sum(t.seconds() for t in timers) if timers is not None else float("nan")
+                per_rank = _all_gather_floats([float(loss_sum), attention_seconds, comm_stats.seconds(),
+                                               float(comm_stats.bytes_sent), float(peak_memory_bytes(device)),
+                                               float(peak_reserved_bytes(device)),
+                                               float(offload.offloaded_bytes if offload else 0), float(preemption.requested),
+                                               *stats.values()], device)
+                stop = bool(per_rank[:, 7].max() > 0)  # a SIGTERM reached some rank: all stop after this step
+                sparse_sums = per_rank[:, 8:].sum(0)  # each document was estimated on one rank
+                if prior is not None:
+                    prior.update(*sparse_sums[:3])
+                step_time = time.perf_counter() - t0
+                step_tokens = sum(b.num_tokens for b in micro_batches)
+                row = {
+                    "step": step,
+                    # a dp rank's tp ranks agree on its loss; off the last pipeline stage ranks report none
+                    "loss": float(per_rank[:, 0].sum() / tp / label_tokens),
+                    "lr": lr,
+                    "grad_norm": float(grad_norm),
+                    "tokens": step_tokens,
+                    "tokens_per_s": step_tokens / step_time,
+                    "step_time_s": step_time,
+                    "plan_time_s": plan_time,
+                    "attention_time_s": None if timers is None else float(per_rank[:, 1].max()),
+                    "comm_time_s": float(per_rank[:, 2].max()),
+                    "comm_bytes": int(per_rank[:, 3].sum()),
+                    "peak_memory_bytes": int(per_rank[:, 4].max()),
+                    "peak_reserved_bytes": int(per_rank[:, 5].max()) if device.type == "cuda" else None,
+                    "activation_offload_bytes": int(per_rank[:, 6].max()) if offload else None,
+                    "attention_work_total": float(np.sum(last_plan.load_local)),  # cost-model units
+                    "attention_density": float(sparse_sums[3] / sparse_sums[4]) if sparse else None,
+                    "imbalance_before": last_plan.imbalance_local,
+                    "imbalance_after": last_plan.imbalance_planned,
+                    "num_docs": sum(b.num_docs for b in micro_batches),
+                    "longest_doc": int(max(b.doc_lens.max() for b in micro_batches)),
+                    "skipped_step": not finite,
+                    "nonfinite_steps": nonfinite_total,
+                }
+                log.append(row)
+                progress.update(row)
+                if on_step is not None:
+                    on_step()
+                every = config.checkpoint_every
+                # No checkpoint of a skipped step: a run that diverges leaves the last good one newest.
+                if finite and every >= 0 and (step == last_step or stop or (every and step % every == 0)):
+                    save_checkpoint(checkpoint_path(config.out, step), model, optimizer, scheduler, stream, step, extra_state,
+                                    device, config.to_dict(), config.keep_checkpoints)
+                if nonfinite_in_a_row >= config.max_nonfinite_steps:
+                    raise TrainingError(f"step {step}: the loss or gradient norm was not finite in {nonfinite_in_a_row} "
+                                        f"steps in a row (max_nonfinite_steps={config.max_nonfinite_steps}); their "
+                                        "updates were skipped, so the weights are those of the last finite step. Lower "
+                                        "--lr, or clip gradients (--grad-clip)")
+                if stop:
+                    if rank == 0:
+                        saved = f"checkpoint {checkpoint_path(config.out, step)} written" if finite and every >= 0 \
+                            else "no checkpoint written (checkpoint_every=-1)" if every < 0 else "no checkpoint (a skipped step)"
+                        print(f"SIGTERM: stopped after step {step}, {saved}; --resume continues", flush=True)
+                    break
+    except (ConfigError, TrainingError):
+        raise
+    except Exception as exc:
+        if not is_collective_failure(exc):
+            raise
+        # A peer is gone (or silent past collective_timeout_s): name it, on every survivor.
+        raise TrainingError(records.describe_failure(exc, step, config.collective_timeout_s), restartable=True) from None
+    finally:
+        comm_stats.timing = False
 
     summary = None
     if rank == 0:
@@ -678,8 +773,83 @@ def _report(config: TrainConfig, log: MetricsLog, last_plan: StepPlan | None, un
         json.dump(summary, fh, indent=1)
     plot = os.path.join(config.out, PLOT_FILE)
     plot_run(log.rows, loads, config.attention, plot)
-    print_summary(summary, [log.path, plot, checkpoint_path(config.out, info["end_step"])])
+    checkpoint = checkpoint_path(config.out, info["end_step"])
+    print_summary(summary, [log.path, plot] + ([checkpoint] if os.path.isdir(checkpoint) else []))
     return summary
+
+
+
+# --- Resume, preemption, non-finite steps --------------------------------------------------------
+
+
+def verified_checkpoint(config: TrainConfig, setup: Setup, model_cfg: ModelConfig) -> str:
+    """The newest checkpoint whose every file matches its manifest's hash (the ranks share the hashing and
+    agree); rank 0 says which newer ones it skipped. Refused on every rank alike where none is valid."""
+    path, skipped = select_checkpoint(config.out)
+    if dist.get_rank() == 0:
+        for bad, problem in skipped:
+            print(f"skipping {bad}: {problem}", flush=True)
+    if path is None:
+        refuse_damaged(config.out, skipped)
+    if path != setup.resume_from:
+        agree(lambda: (check_compatible(path, model_cfg), config_changes(config, path)))
+    return path
+
+
+def write_config(config: TrainConfig, resume_from: str | None, step: int) -> None:
+    """OUT/config.yaml: this run's settings. A resume that changes them (--allow-config-change) keeps the
+    earlier file as config.step-NNNNNN.yaml and says what changed; one that changes nothing keeps it."""
+    path = os.path.join(config.out, "config.yaml")
+    if resume_from is not None and os.path.isfile(path):
+        changes = config_changes(config, resume_from)
+        if changes:
+            print("resuming with changed settings: " + ", ".join(f"{k}: {a} -> {b}" for k, a, b in changes), flush=True)
+            kept = os.path.join(config.out, f"config.step-{step:06d}.yaml")
+            if os.path.exists(kept):  # a resume from this step before (a restart): that copy is the original
+                os.remove(path)
+            else:
+                os.replace(path, kept)
+        elif load_config(path).to_dict() == config.to_dict():
+            return
+    save_config(config, path)
+
+
+class _OnSigterm:
+    """A SIGTERM handler for the block (where signals can be handled: the main thread), the previous one
+    restored after it."""
+
+    def _handle(self, signum, frame):
+        raise NotImplementedError
+
+    def __enter__(self):
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+class Preemption(_OnSigterm):
+    """SIGTERM asks for a stop: the rank finishes its step, and the ranks agree at the step's end (every
+    step gathers each rank's flag) to checkpoint and leave."""
+
+    requested = False
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+
+def agree_finite(loss_sum, grad_norm, device: torch.device) -> bool:
+    """Whether every rank's loss and the gradient norm are finite (one all-reduce): a step that is not
+    is skipped on all ranks alike."""
+    finite = math.isfinite(float(loss_sum)) and math.isfinite(float(grad_norm))
+    flag = torch.tensor([1.0 if finite else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item() > 0)
+
 
 
 # --- Launching ---------------------------------------------------------------------------------
@@ -700,30 +870,57 @@ def _run_rank(config: TrainConfig, rank: int, world: int, init_method: str | Non
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    with process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timedelta(minutes=10),
+    timeout = timedelta(seconds=config.collective_timeout_s)
+    store = _torchrun_attempt_store(world, timeout) if init_method is None else None
+    with process_group(backend, init_method=init_method, store=store, rank=rank, world_size=world, timeout=timeout,
                        device_id=device if device.type == "cuda" else None):
         train(config)
 
 
+def _torchrun_attempt_store(world: int, timeout: timedelta):
+    """Under torchrun, the agent's store with a prefix of this attempt (None where the agent hosts none).
+    The agent keeps one store across restarts, and the process group's keys of an attempt that died stay
+    in it: a restarted worker would read its dead peers' addresses and hang or fail connecting."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"attnpool/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+
+
+def _die_with_parent() -> None:
+    """Linux: a SIGTERM to this worker when its launcher dies (even by SIGKILL), so that no worker trains
+    on as an orphan; it checkpoints and leaves as on any SIGTERM."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _spawned(index: int, config: TrainConfig, world: int, init_method: str, errors_dir: str) -> None:
+    _die_with_parent()
     os.environ["LOCAL_RANK"] = str(index)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         _run_rank(config, index, world, init_method)
-    except ConfigError as exc:
+    except (ConfigError, TrainingError) as exc:
+        report = ("config", *_portable(exc)) if isinstance(exc, ConfigError) else \
+            ("training", str(exc), exc.restartable)
         with open(os.path.join(errors_dir, f"{index}.tmp"), "wb") as fh:
-            pickle.dump(_portable(exc), fh)
+            pickle.dump(report, fh)
         os.replace(os.path.join(errors_dir, f"{index}.tmp"), os.path.join(errors_dir, f"{index}.err"))
-        end_process(2)
+        end_process(2 if isinstance(exc, ConfigError) else 1)
     end_process(0)  # see attnpool.comm.process: no interpreter teardown with a group still referenced
 
 
-def _first_error(errors_dir: str) -> ConfigError | None:
+def _reported_errors(errors_dir: str) -> dict[int, tuple]:
+    found = {}
     for name in sorted(os.listdir(errors_dir)):
         if name.endswith(".err"):
             with open(os.path.join(errors_dir, name), "rb") as fh:
-                return ConfigError(*pickle.load(fh))
-    return None
+                found[int(name[:-4])] = pickle.load(fh)
+    return found
 
 
 def use_growable_segments() -> None:
@@ -733,10 +930,67 @@ def use_growable_segments() -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
-def run(config: TrainConfig) -> int:
-    """Train ``config``: under torchrun in this process (one of torchrun's); otherwise in ``nproc`` processes.
+class _ForwardSigterm(_OnSigterm):
+    """The launcher passes a SIGTERM on to its workers (each finishes its step, checkpoints and leaves with
+    0) instead of dying and leaving them to train on."""
 
-    Returns 0; bad input raises ConfigError (in this process, whichever rank found it).
+    def __init__(self, processes):
+        self.processes = processes
+        self.forwarded = False
+
+    def _handle(self, signum, frame):
+        self.forwarded = True
+        for p in self.processes:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)
+
+
+def _launch(config: TrainConfig) -> str | None:
+    """One start of ``config.nproc`` workers. None when they all finished; bad input and runs that cannot go
+    on are raised; a worker lost (killed, crashed, or named by its peers as stopped) comes back as one line
+    saying which, for the caller to restart from."""
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    with tempfile.TemporaryDirectory() as errors_dir:
+        context = mp.start_processes(_spawned, args=(config, config.nproc, init_method, errors_dir),
+                                     nprocs=config.nproc, join=False, start_method="spawn")
+        try:
+            with _ForwardSigterm(context.processes) as forward:
+                # On the first failure join() gives the others a grace period to leave on their own (agreed
+                # errors; their collectives with a lost rank fail), then kills what is left.
+                while not context.join(grace_period=10):
+                    pass
+            return None
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:  # exited with an error, or raised one
+            first = exc
+        finally:
+            for p in context.processes:
+                if p.is_alive():
+                    p.kill()  # a stopped (SIGSTOP) process never acts on SIGTERM
+                    p.join()
+        errors = _reported_errors(errors_dir)
+    # Bad input first, then a run that cannot go on; else the rank that was lost.
+    for kind, *said in errors.values():
+        if kind == "config":
+            raise ConfigError(*said) from None
+    for kind, *said in errors.values():
+        if kind == "training" and not said[1]:
+            raise TrainingError(said[0]) from None
+    if forward.forwarded:  # stopped on request: no restart
+        raise TrainingError(f"stopped by SIGTERM, and rank {first.error_index} did not leave cleanly ({first})")
+    if getattr(first, "signal_name", None):
+        return f"rank {first.error_index} was killed by {first.signal_name}"
+    lost = [said[0] for kind, *said in errors.values() if kind == "training"]
+    if lost:
+        return lost[0]
+    return f"rank {first.error_index} failed: {str(first).strip().splitlines()[-1][:200]}"
+
+
+def run(config: TrainConfig) -> int:
+    """Train ``config``: under torchrun in this process (one of torchrun's); otherwise in ``nproc`` processes,
+    started again from the latest valid checkpoint up to ``max_restarts`` times when one is lost.
+
+    Returns 0; bad input raises ConfigError and a run that cannot go on TrainingError (in this process,
+    whichever rank found it).
     """
     use_growable_segments()
     if _under_torchrun():
@@ -744,31 +998,32 @@ def run(config: TrainConfig) -> int:
         if config.nproc not in (1, world):
             raise ConfigError("nproc", config.nproc, f"under torchrun the processes are torchrun's ({world}); "
                                                      "leave nproc at 1")
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restart and not config.resume:  # torchrun --max-restarts started this worker again
+            path, _ = select_checkpoint(config.out, checksum=False, distributed=False)
+            if path is not None:
+                if int(os.environ["RANK"]) == 0:
+                    print(f"attnpool train: torchrun's restart {restart}: resuming from {path}", flush=True)
+                config = replace(config, resume=True)
         _run_rank(config, int(os.environ["RANK"]), world, None)
         return 0
     device = resolve_device(config)
     if device == "cuda" and config.nproc > torch.cuda.device_count():
         raise ConfigError("nproc", config.nproc, f"one process per GPU, and this machine has {torch.cuda.device_count()}")
     prepare(config, world=config.nproc)  # refuse bad input before any process starts
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
     if config.nproc == 1:
-        _run_rank(config, 0, 1, init_method)
+        _run_rank(config, 0, 1, f"tcp://127.0.0.1:{_free_port()}")
         return 0
-    with tempfile.TemporaryDirectory() as errors_dir:
-        context = mp.start_processes(_spawned, args=(config, config.nproc, init_method, errors_dir),
-                                     nprocs=config.nproc, join=False, start_method="spawn")
-        try:
-            # On a failure the other ranks usually fail the same way (agreed errors): let them
-            # exit on their own before terminating what is left.
-            while not context.join(grace_period=10):
-                pass
-        except mp.ProcessExitedException:
-            error = _first_error(errors_dir)
-            if error is not None:
-                raise error from None
-            raise
-        finally:
-            for p in context.processes:
-                if p.is_alive():
-                    p.terminate()
+    restarts = 0
+    while (lost := _launch(config)) is not None:
+        if restarts >= config.max_restarts:
+            raise TrainingError(f"{lost}; no restarts left (max_restarts={config.max_restarts})"
+                                if config.max_restarts else lost)
+        restarts += 1
+        path, _ = select_checkpoint(config.out, checksum=False, distributed=False)
+        if path is None and finished_checkpoints(config.out):
+            raise TrainingError(f"{lost}; no valid checkpoint to restart from in {checkpoint_root(config.out)}")
+        print(f"attnpool train: {lost}; restart {restarts} of {config.max_restarts}, resuming from "
+              f"{path or 'the first step (no checkpoint yet)'}", flush=True)
+        config = replace(config, resume=path is not None)
     return 0

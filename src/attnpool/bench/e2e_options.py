@@ -1,0 +1,57 @@
+"""``attnpool bench``'s strategies and arguments: apart from attnpool.bench.e2e (which needs torch), so that
+the command line starts fast."""
+
+from __future__ import annotations
+
+import argparse
+
+from attnpool.train.config import CHECKPOINTING
+
+STRATEGIES = {  # name -> (attention, pingpong, vertical-slash sparse attention: None or its kv_transfer)
+    "local": ("local", False, None),
+    "wlb": ("wlb", False, None),
+    "percp": ("percp", False, None),
+    "cad": ("cad", False, None),
+    "cad+pingpong": ("cad", True, None),
+    "local+sparse": ("local", False, "prefix"),
+    "cad+sparse": ("cad", False, "prefix"),
+    "cad+pingpong+sparse": ("cad", True, "prefix"),
+    "cad+sparse+readkv": ("cad", False, "read"),  # servers receive only the KV their patterns read
+}
+DEFAULT_STRATEGIES = ("local", "wlb", "percp", "cad", "cad+pingpong")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="directory for e2e.json and e2e.md")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: gloo, a smoke test of the benchmark itself")
+    p.add_argument("--model", default="llama3-8b")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (torchrun's world = pp x dp x tp)")
+    p.add_argument("--pp-schedule", default="1f1b", help="pipeline schedule (attnpool train's pp_schedule)")
+    p.add_argument("--microbatches", type=int, default=1, help="micro-batches per step, of the configuration's tokens")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallelism (torchrun's world = dp x tp); --configs tokens stay per GPU, so a dp rank "
+                        "(a TP group) holds tp x them")
+    p.add_argument("--configs", default="prolong:64K,pretrain:64K,prolong:128K",
+                   help="dist:tokens_per_gpu pairs, comma-separated (pretrain is elongated to the global batch)")
+    p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
+                   help=f"comma-separated, from {', '.join(STRATEGIES)} (the +sparse ones train with "
+                        "--sparse vertical-slash at the default coverage; +readkv with kv_transfer=read)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10, help="measured steps")
+    p.add_argument("--ablation", action="store_true", help="also cad+pingpong with one-element messages")
+    p.add_argument("--budget-s", type=float, default=float("inf"), help="start no new run after this many seconds")
+    p.add_argument("--activation-checkpointing", default="keep_attention", choices=CHECKPOINTING,
+                   help="what the backward recomputes (default: everything but core attention); 'none' shows what "
+                        "the recompute costs, which the ideal leaves out, where memory allows")
+    p.add_argument("--sparse-args", default="", metavar="K=V,...",
+                   help="options of the +sparse strategies, e.g. coverage=0.9,slash_cap=64,vertical_cap=1024 "
+                        "(coverage, min_doc_len, and any --sparse-args key of attnpool train)")
+    p.add_argument("--activation-offload", action="store_true",
+                   help="keep the activations saved for backward in host memory (attnpool train's activation_offload)")
+    p.add_argument("--memory-breakdown", action="store_true",
+                   help="record the CUDA allocator's history during each run and write what was live at the peak "
+                        "of the rank with the highest one, by allocating code (memory-*.md; slows the steps)")
+    p.add_argument("--trace", default=None, metavar="STRATEGY",
+                   help="profile two extra steps of this strategy in the first configuration with torch.profiler "
+                        "(not part of the measured steps): trace-*.txt (ops by GPU time) and trace-*.json.gz")

@@ -1,0 +1,230 @@
+"""Surviving failures, as a user meets them on the command line (gloo, tiny model, float32 on CPU).
+
+Faults are injected from outside, as they happen: a worker killed with SIGKILL, a launcher stopped with
+SIGTERM, a worker frozen with SIGSTOP, bytes of a checkpoint overwritten, a shard truncated or deleted,
+a learning rate that sends the loss to NaN. In every case the run loses no step beyond its last
+checkpoint, never loads a wrong model, and never hangs silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from attnpool.bench.faults import (damage, losses, metrics_rows, start_train, train_cli, wait_for_step, wait_gone,
+                                   workers)
+from attnpool.train.checkpoint import MANIFEST, finished_checkpoints, verify_checkpoint
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run on 4 processes: 10 steps, the losses every faulty run must reproduce."""
+    out = str(tmp_path_factory.mktemp("faults") / "reference")
+    done = train_cli("--nproc", "4", "--steps", "10", "--checkpoint-every", "2", "--out", out)
+    assert done.returncode == 0, done.stderr
+    return losses(out)
+
+
+# --- Checkpoints: atomic, verified, kept ------------------------------------------------------------------
+
+
+def test_checkpoints_have_a_manifest_and_the_newest_are_kept(tmp_path):
+    out = str(tmp_path / "run")
+    done = train_cli("--nproc", "2", "--steps", "6", "--checkpoint-every", "2", "--keep-checkpoints", "2", "--out", out)
+    assert done.returncode == 0, done.stderr
+    assert [step for step, _ in finished_checkpoints(out)] == [4, 6]
+    assert not [n for n in os.listdir(os.path.join(out, "checkpoints")) if n.endswith(".partial")]
+    for _, path in finished_checkpoints(out):
+        manifest = json.load(open(os.path.join(path, MANIFEST)))
+        assert set(manifest["files"]) == set(os.listdir(path)) - {MANIFEST}
+        assert manifest["config"]["steps"] == 6 and manifest["step"] == int(path[-6:])
+        assert verify_checkpoint(path) is None
+
+
+def test_a_corrupted_checkpoint_is_skipped_and_the_run_continues_exactly(tmp_path, reference):
+    """The newest checkpoint overwritten in its middle: resume says so, takes the one before, and the steps
+    it then trains are the uninterrupted run's."""
+    out = str(tmp_path / "run")
+    first = train_cli("--nproc", "4", "--steps", "10", "--stop-at", "6", "--checkpoint-every", "2", "--out", out)
+    assert first.returncode == 0, first.stderr
+    bad = damage(os.path.join(out, "checkpoints", "step-000006"), "overwrite")
+    resumed = train_cli("--nproc", "4", "--steps", "10", "--checkpoint-every", "2", "--resume", "--out", out)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"skipping {os.path.dirname(bad)}: {bad} does not match its SHA-256" in resumed.stdout
+    assert "resumed from" in resumed.stdout and "step-000004" in resumed.stdout
+    assert losses(out) == reference
+
+
+@pytest.mark.parametrize("how", ["overwrite", "truncate", "delete"])
+def test_the_only_checkpoint_damaged_is_refused_in_one_line_naming_the_file(tmp_path, how):
+    out = str(tmp_path / "run")
+    assert train_cli("--nproc", "2", "--steps", "4", "--stop-at", "2", "--out", out).returncode == 0
+    bad = damage(os.path.join(out, "checkpoints", "step-000002"), how)
+    resumed = train_cli("--nproc", "2", "--steps", "4", "--resume", "--out", out)
+    assert resumed.returncode == 2, resumed.stderr
+    assert "Traceback" not in resumed.stderr and len(resumed.stderr.strip().splitlines()) == 1, resumed.stderr
+    assert bad in resumed.stderr and "no valid checkpoint" in resumed.stderr
+
+
+# --- Non-finite losses ------------------------------------------------------------------------------------
+
+
+def test_nonfinite_losses_skip_the_step_then_end_the_run(tmp_path):
+    out = str(tmp_path / "run")
+    done = train_cli("--nproc", "2", "--steps", "12", "--lr", "1e6", "--warmup-steps", "0", "--grad-clip", "0",
+                  "--checkpoint-every", "1", "--out", out)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "not finite" in done.stderr and "max_nonfinite_steps" in done.stderr
+    rows = metrics_rows(out)  # valid JSON throughout: a NaN is written as null
+    skipped = [r for r in rows if r["skipped_step"]]
+    assert len(skipped) == 3 and [r["step"] for r in skipped] == list(range(rows[-1]["step"] - 2, rows[-1]["step"] + 1))
+    assert all(r["loss"] is None or r["grad_norm"] is None for r in skipped)
+    assert rows[-1]["nonfinite_steps"] == 3
+    # No checkpoint of a skipped step: the last one is of the last step the optimizer took.
+    assert finished_checkpoints(out)[-1][0] == skipped[0]["step"] - 1
+
+
+# --- Resume with another config ---------------------------------------------------------------------------
+
+
+def test_resume_that_changes_the_run_asks_for_allow_config_change(tmp_path):
+    out = str(tmp_path / "run")
+    assert train_cli("--nproc", "2", "--steps", "3", "--out", out).returncode == 0
+    config = open(os.path.join(out, "config.yaml")).read()
+    refused = train_cli("--nproc", "2", "--steps", "5", "--resume", "--out", out)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "steps" in refused.stderr and "--allow-config-change" in refused.stderr
+    assert open(os.path.join(out, "config.yaml")).read() == config
+    allowed = train_cli("--nproc", "2", "--steps", "5", "--resume", "--allow-config-change", "--out", out)
+    assert allowed.returncode == 0, allowed.stderr
+    assert "steps: 3 -> 5" in allowed.stdout and max(losses(out)) == 5
+    assert os.path.exists(os.path.join(out, "config.step-000003.yaml"))
+
+
+# --- Preemption, killed workers, stalled workers ----------------------------------------------------------
+
+
+def test_sigterm_checkpoints_the_step_and_resume_continues_exactly(tmp_path, reference):
+    out = str(tmp_path / "run")
+    with open(tmp_path / "log", "w") as log:
+        proc = start_train("--nproc", "4", "--steps", "10", "--checkpoint-every", "2", "--out", out, log=log)
+        wait_for_step(out, 3, proc)
+        pids = workers(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, open(tmp_path / "log").read()
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)  # no orphans left training
+    stopped = max(losses(out))
+    assert stopped < 10 and finished_checkpoints(out)[-1][0] == stopped
+    assert "SIGTERM" in open(tmp_path / "log").read()
+    assert train_cli("--nproc", "4", "--steps", "10", "--checkpoint-every", "2", "--resume", "--out", out).returncode == 0
+    assert losses(out) == reference
+
+
+def test_killed_workers_restart_from_the_last_checkpoint_and_lose_nothing(tmp_path, reference):
+    """SIGKILL to a random worker at a random step, twice in one run: all workers restart from the latest
+    checkpoint, and the per-step losses are the uninterrupted run's, bit for bit."""
+    out = str(tmp_path / "run")
+    rng = random.Random(0)
+    with open(tmp_path / "log", "w") as log:
+        proc = start_train("--nproc", "4", "--steps", "10", "--checkpoint-every", "2", "--max-restarts", "3", "--out", out,
+                      log=log)
+        for at in (rng.randint(2, 4), rng.randint(6, 8)):
+            wait_for_step(out, at, proc)
+            pids = workers(proc.pid)
+            os.kill(rng.choice(pids), signal.SIGKILL)
+            assert wait_gone(pids)  # the whole attempt is gone before the next fault
+        assert proc.wait(timeout=300) == 0, open(tmp_path / "log").read()
+    text = open(tmp_path / "log").read()
+    assert text.count("restart 1 of 3") == 1 and text.count("restart 2 of 3") == 1, text
+    assert "resuming from" in text
+    assert losses(out) == reference
+
+
+def test_torchrun_restarts_resume_by_themselves(tmp_path, reference):
+    """Under torchrun --max-restarts, a killed worker: torchrun starts the workers again, and they resume
+    from the latest checkpoint without being told."""
+    out = str(tmp_path / "run")
+    with open(tmp_path / "log", "w") as log:
+        proc = start_train("--steps", "10", "--checkpoint-every", "2", "--out", out, log=log,
+                           torchrun=("--standalone", "--nproc_per_node", "4", "--max-restarts", "1", "--monitor-interval", "0.5"))
+        wait_for_step(out, 3, proc)
+        pids = workers(proc.pid)
+        assert len(pids) == 4
+        os.kill(random.Random(1).choice(pids), signal.SIGKILL)
+        assert proc.wait(timeout=300) == 0, open(tmp_path / "log").read()
+    assert "torchrun's restart 1: resuming from" in open(tmp_path / "log").read()
+    assert losses(out) == reference
+
+
+def test_a_stalled_worker_is_named_instead_of_a_silent_hang(tmp_path):
+    out = str(tmp_path / "run")
+    with open(tmp_path / "log", "w") as log:
+        proc = start_train("--nproc", "2", "--steps", "50", "--collective-timeout-s", "10", "--out", out, log=log)
+        wait_for_step(out, 2, proc)
+        stalled = workers(proc.pid)[1]
+        os.kill(stalled, signal.SIGSTOP)
+        t0 = time.time()
+        try:
+            rc = proc.wait(timeout=120)
+        finally:
+            if os.path.exists(f"/proc/{stalled}"):
+                os.kill(stalled, signal.SIGKILL)
+        detected_s = time.time() - t0
+    text = open(tmp_path / "log").read()
+    assert rc == 1, text
+    assert f"(pid {stalled} on " in text and "collective_timeout_s" in text, text
+    assert detected_s < 60, detected_s
+
+
+# --- First contact ----------------------------------------------------------------------------------------
+
+
+def _cli(*args):
+    import subprocess
+    import sys
+
+    from attnpool.bench.faults import cpu_env
+
+    return subprocess.run([sys.executable, "-m", "attnpool.cli.main", *args], capture_output=True, text=True,
+                          env=cpu_env(), timeout=120)
+
+
+def test_the_command_line_starts_without_torch():
+    """The parser of every subcommand, and `attnpool plan` itself, load without torch (which takes seconds)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, attnpool.cli.main as m; m.build_parser(); import attnpool.cli.plan_cmd, attnpool.sparse, "
+            "attnpool.model, attnpool.train; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("args, typed", [
+    (("plan", "--tokens-per-server", "abc"), "--tokens-per-server"),
+    (("train", "--bogus"), "--bogus"),
+    (("train", "--config", "configs/demo-cpu.yaml", "--data", "text", "--data-path", "/no/such/dir"), "data_path="),
+    (("train", "--config", "configs/demo-cpu.yaml", "--kernel", "flash"), "kernel='flash'"),
+])
+def test_command_line_errors_are_one_line_naming_what_was_typed(args, typed):
+    out = _cli(*args)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert typed in out.stderr and "usage:" not in out.stderr
+
+
+def test_a_run_with_skipped_steps_resumes_and_reports(tmp_path):
+    """Skipped steps leave null losses in metrics.jsonl; a resume reads them back and still summarises."""
+    out = str(tmp_path / "run")
+    args = ("--nproc", "2", "--steps", "10", "--lr", "1e6", "--warmup-steps", "0", "--grad-clip", "0",
+            "--max-nonfinite-steps", "20", "--checkpoint-every", "1", "--out", out)
+    first = train_cli(*args, "--stop-at", "6")
+    assert first.returncode == 0, first.stderr
+    assert any(r["skipped_step"] for r in metrics_rows(out))
+    resumed = train_cli(*args, "--resume")
+    assert resumed.returncode == 0 and "Traceback" not in resumed.stderr, resumed.stderr
+    assert os.path.exists(os.path.join(out, "summary.json"))

@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from attnpool.model import model_config
 from attnpool.parallel.pipeline import head_layers, pipeline_problem, rank_stages, stage_layers
@@ -151,3 +152,32 @@ def test_bubble_reuse_prediction_and_bound():
     assert step["reuse_gain"] <= step["reuse_gain_bound"] <= step["bubble_fraction"] + 1e-12
     uneven = pipeline_step(np.r_[[1.0] * 7, 20.0], np.r_[[0.5] * 7, 10.0], pp=4)
     assert uneven["bubble_fraction"] > 3 / 11  # one long micro-batch stalls the pipeline
+
+
+def test_export_of_a_pipelined_run_matches_one_process_and_loads_in_transformers(tmp_path):
+    """`attnpool export` of a pp=2 run and of one process trained on the same micro-batches: the same
+    weights (float32, within the tolerance of the losses), and transformers loads the export."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from attnpool.bench.faults import TINY_RUN, cpu_env
+
+    def cli(*args):
+        out = subprocess.run([sys.executable, "-m", "attnpool.cli.main", *args], capture_output=True, text=True,
+                             env=cpu_env(), timeout=300)
+        assert out.returncode == 0, out.stderr
+        return out
+
+    run = (*TINY_RUN, "--model-args", "dim=32", "n_layers=4", "n_heads=4", "n_kv_heads=2", "ffn_dim=64",
+           "--microbatches", "2", "--steps", "3")
+    cli("train", *run, "--nproc", "2", "--pp", "2", "--out", str(tmp_path / "pp"))
+    cli("train", *run, "--nproc", "1", "--out", str(tmp_path / "one"))
+    for name in ("pp", "one"):
+        said = cli("export", "--run", str(tmp_path / name), "--out", str(tmp_path / f"hf-{name}"), "--dtype", "fp32")
+        assert "step-000003" in said.stdout
+    pp, one = (load_file(str(tmp_path / f"hf-{n}" / "model.safetensors")) for n in ("pp", "one"))
+    assert set(pp) == set(one)
+    for key in one:
+        torch.testing.assert_close(pp[key], one[key], rtol=1e-4, atol=1e-5, msg=key)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf-pp"))
+    assert model(torch.arange(16)[None]).logits.shape == (1, 16, 256)

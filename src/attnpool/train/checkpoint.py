@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from attnpool.errors import ConfigError
 from attnpool.model import ModelConfig, Transformer
+from attnpool.train.config import load_config
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"
@@ -86,6 +87,16 @@ def _sha256(file: str) -> str:
         while chunk := fh.read(_HASH_CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+def checkpoint_config(path: str, out: str) -> dict | None:
+    """The settings of the run that wrote the checkpoint: its manifest's, or (a checkpoint older than
+    manifests) the run directory's config.yaml."""
+    manifest = read_manifest(path)
+    if manifest is not None:
+        return manifest.get("config") or None
+    file = os.path.join(out, "config.yaml")
+    return load_config(file).to_dict() if os.path.isfile(file) else None
 
 
 def _file_problem(path: str, name: str, expected: dict, checksum: bool) -> str | None:

@@ -64,8 +64,8 @@ from attnpool.runtime import CoreAttention
 from attnpool.runtime.sparse import SparseStats
 from attnpool.sparse import SparseConfig
 from attnpool.sparse.cost import SparsePrior
-from attnpool.train.checkpoint import (check_compatible, checkpoint_path, checkpoint_root, finished_checkpoints,
-                                       load_checkpoint, read_manifest, save_checkpoint, select_checkpoint)
+from attnpool.train.checkpoint import (check_compatible, checkpoint_config, checkpoint_path, checkpoint_root,
+                                       finished_checkpoints, load_checkpoint, save_checkpoint, select_checkpoint)
 from attnpool.train.config import DATA_PATH_OPTION, RUN_FIELDS, TrainConfig, load_config, save_config
 from attnpool.train.memory import (Calibration, Capacity, MemoryEstimate, MemoryInputs, RowRatios, estimate,
                                    format_bytes, report, saved_bytes_per_layer, settings)
@@ -172,16 +172,6 @@ def refuse_damaged(out: str, skipped: list[tuple[str, str]]) -> None:
     if skipped:
         more = f" (and {len(skipped) - 1} older checkpoints are damaged too)" if len(skipped) > 1 else ""
         raise ConfigError("resume", out, f"no valid checkpoint: {skipped[0][1]}{more}")
-
-
-def checkpoint_config(path: str, out: str) -> dict | None:
-    """The settings of the run that wrote the checkpoint: its manifest's, or (a checkpoint older than
-    manifests) the run directory's config.yaml."""
-    manifest = read_manifest(path)
-    if manifest is not None:
-        return manifest.get("config") or None
-    file = os.path.join(out, "config.yaml")
-    return load_config(file).to_dict() if os.path.isfile(file) else None
 
 
 def config_changes(config: TrainConfig, checkpoint: str) -> list[tuple[str, object, object]]:

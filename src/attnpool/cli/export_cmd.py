@@ -1,0 +1,35 @@
+"""``attnpool export``: a run's checkpoint as a Hugging Face model directory that transformers loads.
+
+    attnpool export --run runs/pp --out hf-model                   # the run's newest valid checkpoint
+    attnpool export --checkpoint runs/pp/checkpoints/step-000100 --out hf-model --dtype fp32
+
+Checkpoints keep the whole model's weight names whatever the layout that trained them (data, tensor or
+pipeline parallel), so one process reads every shard and writes one ``config.json`` and
+``model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory",
+                       description="Write a checkpoint of `attnpool train` (any dp, tp or pp layout) as a Hugging "
+                                   "Face model directory: config.json and model.safetensors.")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", metavar="DIR", help="a run directory: its newest valid checkpoint")
+    source.add_argument("--checkpoint", metavar="DIR", help="one checkpoint directory (OUT/checkpoints/step-NNNNNN)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the Hugging Face model directory to write")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weights' dtype (default: bf16)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from attnpool.train.export import export_hf  # torch: only once the command runs
+
+    path, skipped = export_hf(run_dir=args.run, checkpoint=args.checkpoint, out=args.out, dtype=args.dtype)
+    for bad, problem in skipped:
+        print(f"skipping {bad}: {problem}")
+    print(f"attnpool export: {path} -> {args.out} (config.json, model.safetensors, {args.dtype})")
+    return 0

@@ -228,3 +228,18 @@ def test_a_run_with_skipped_steps_resumes_and_reports(tmp_path):
     resumed = train_cli(*args, "--resume")
     assert resumed.returncode == 0 and "Traceback" not in resumed.stderr, resumed.stderr
     assert os.path.exists(os.path.join(out, "summary.json"))
+
+
+def test_torchrun_does_not_restart_a_run_that_would_fail_the_same_way(tmp_path):
+    """A run ended by non-finite losses is not started again by torchrun --max-restarts from its last
+    checkpoint (it would diverge the same way): the restarted workers stop at once, saying why."""
+    out = str(tmp_path / "run")
+    with open(tmp_path / "log", "w") as log:
+        proc = start_train("--steps", "12", "--lr", "1e6", "--warmup-steps", "0", "--grad-clip", "0",
+                           "--checkpoint-every", "1", "--out", out, log=log,
+                           torchrun=("--standalone", "--nproc_per_node", "4", "--max-restarts", "2",
+                                     "--monitor-interval", "0.5"))
+        rc = proc.wait(timeout=300)
+    text = open(tmp_path / "log").read()
+    assert rc != 0 and "max_nonfinite_steps" in text, text
+    assert "torchrun's restart 1 would repeat it" in text and "resuming from" not in text, text

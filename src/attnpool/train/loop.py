@@ -49,7 +49,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from attnpool.comm import all_gather_flat, comm_stats, end_process, process_group
 from attnpool.data import DocumentStream, GlobalBatch, RankTensors, make_source
-from attnpool.comm.watchdog import RankRecords, is_collective_failure
+from attnpool.comm.watchdog import RANKS_DIR, RankRecords, is_collective_failure
 from attnpool.errors import ConfigError, TrainingError
 from attnpool.kernels.sparse import device_problem as sparse_device_problem
 from attnpool.kernels.sparse import launch_problem as sparse_launch_problem
@@ -867,6 +867,9 @@ def _run_rank(config: TrainConfig, rank: int, world: int, init_method: str | Non
         train(config)
 
 
+FINAL_ERROR = "final-error.txt"  # under OUT/ranks: a run's end that a restart cannot get past
+
+
 def _torchrun_attempt_store(world: int, timeout: timedelta):
     """Under torchrun, the agent's store with a prefix of this attempt (None where the agent hosts none).
     The agent keeps one store across restarts, and the process group's keys of an attempt that died stay
@@ -989,13 +992,26 @@ def run(config: TrainConfig) -> int:
             raise ConfigError("nproc", config.nproc, f"under torchrun the processes are torchrun's ({world}); "
                                                      "leave nproc at 1")
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        final = os.path.join(config.out, RANKS_DIR, FINAL_ERROR)
+        if restart and os.path.isfile(final):  # what ended the last attempt would end this one too
+            with open(final) as fh:
+                raise TrainingError(f"{fh.read().strip()} (torchrun's restart {restart} would repeat it)")
+        if not restart and int(os.environ["RANK"]) == 0 and os.path.isfile(final):
+            os.remove(final)  # an earlier run's
         if restart and not config.resume:  # torchrun --max-restarts started this worker again
             path, _ = select_checkpoint(config.out, checksum=False, distributed=False)
             if path is not None:
                 if int(os.environ["RANK"]) == 0:
                     print(f"attnpool train: torchrun's restart {restart}: resuming from {path}", flush=True)
                 config = replace(config, resume=True)
-        _run_rank(config, int(os.environ["RANK"]), world, None)
+        try:
+            _run_rank(config, int(os.environ["RANK"]), world, None)
+        except (ConfigError, TrainingError) as exc:  # bad input, or a run that cannot go on: final
+            if not getattr(exc, "restartable", False) and int(os.environ["RANK"]) == 0:
+                os.makedirs(os.path.dirname(final), exist_ok=True)
+                with open(final, "w") as fh:
+                    fh.write(str(exc))
+            raise
         return 0
     device = resolve_device(config)
     if device == "cuda" and config.nproc > torch.cuda.device_count():

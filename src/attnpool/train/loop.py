@@ -48,8 +48,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from attnpool.comm import all_gather_flat, comm_stats, end_process, process_group
-from attnpool.data import DocumentStream, GlobalBatch, RankTensors, make_source
 from attnpool.comm.watchdog import RANKS_DIR, RankRecords, is_collective_failure
+from attnpool.data import DocumentStream, GlobalBatch, RankTensors, make_source
 from attnpool.errors import ConfigError, TrainingError
 from attnpool.kernels.sparse import device_problem as sparse_device_problem
 from attnpool.kernels.sparse import launch_problem as sparse_launch_problem

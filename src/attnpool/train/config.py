@@ -26,7 +26,7 @@ from attnpool.sparse import SparseConfig
 PRECISIONS = ("auto", "bf16", "fp32")
 CHECKPOINTING = ("none", "full", "keep_attention")
 DEVICES = ("auto", "cpu", "cuda")
-DATA_KINDS = ("stdlib", "synthetic", "text", "npy", "jsonl")
+DATA_KINDS = ("stdlib", "synthetic", "text", "npy", "jsonl", "retrieval")
 # The source option that ``data_path`` fills, per source kind.
 DATA_PATH_OPTION = {"text": "paths", "npy": "tokens_path", "jsonl": "path"}
 

@@ -20,13 +20,10 @@ from attnpool.train.checkpoint import checkpoint_config, select_checkpoint, veri
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def export_hf(*, run_dir: str | None = None, checkpoint: str | None = None, out: str,
-              dtype: str = "bf16") -> tuple[str, list[tuple[str, str]]]:
-    """Write the checkpoint (``checkpoint``, or the newest valid one of ``run_dir``) to ``out`` as
-    config.json and model.safetensors. Returns the checkpoint's path and the (path, problem) of newer ones
-    skipped as damaged. Every file is checked against the manifest first."""
-    if dtype not in DTYPES:
-        raise ConfigError("dtype", dtype, f"choose one of {', '.join(DTYPES)}")
+def read_checkpoint_model(*, run_dir: str | None = None, checkpoint: str | None = None):
+    """``(model, model config, the run's settings, checkpoint path, skipped)``: the whole model on the CPU in
+    float32 from ``checkpoint``, or from the newest valid checkpoint of ``run_dir`` (``skipped``: (path,
+    problem) of newer damaged ones). Every file is checked against the manifest first."""
     skipped: list[tuple[str, str]] = []
     if checkpoint is not None:
         if not os.path.isdir(checkpoint):
@@ -36,7 +33,7 @@ def export_hf(*, run_dir: str | None = None, checkpoint: str | None = None, out:
             raise ConfigError("checkpoint", checkpoint, problem)
         path, run_dir = checkpoint, os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))
     else:
-        if not os.path.isdir(run_dir):
+        if run_dir is None or not os.path.isdir(run_dir):
             raise ConfigError("run", run_dir, "no such run directory")
         path, skipped = select_checkpoint(run_dir, distributed=False)
         if path is None:
@@ -54,5 +51,17 @@ def export_hf(*, run_dir: str | None = None, checkpoint: str | None = None, out:
     with warnings.catch_warnings():  # one process on purpose: DCP's warning that it assumes so is noise here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load(state, checkpoint_id=path)  # only the model's entries: the optimizer's stay on disk
-    save_hf_checkpoint(state["model"], model_cfg, out, dtype=DTYPES[dtype])
+    model.load_state_dict(state["model"])
+    return model, model_cfg, settings, path, skipped
+
+
+def export_hf(*, run_dir: str | None = None, checkpoint: str | None = None, out: str,
+              dtype: str = "bf16") -> tuple[str, list[tuple[str, str]]]:
+    """Write the checkpoint (``checkpoint``, or the newest valid one of ``run_dir``) to ``out`` as
+    config.json and model.safetensors. Returns the checkpoint's path and the (path, problem) of newer ones
+    skipped as damaged. Every file is checked against the manifest first."""
+    if dtype not in DTYPES:
+        raise ConfigError("dtype", dtype, f"choose one of {', '.join(DTYPES)}")
+    model, model_cfg, _, path, skipped = read_checkpoint_model(run_dir=run_dir, checkpoint=checkpoint)
+    save_hf_checkpoint(model.state_dict(), model_cfg, out, dtype=DTYPES[dtype])
     return path, skipped

@@ -8,7 +8,7 @@ import torch
 
 from attnpool.data import DocumentStream, GlobalBatch, make_source
 from attnpool.data.batch import IGNORE_INDEX
-from attnpool.data.retrieval import (ANSWER, ASSIGN, KEY, QUERY, RETRIEVAL_VOCAB, TASKS, TaskShape, eval_instance,
+from attnpool.data.retrieval import (ASSIGN, KEY, QUERY, RETRIEVAL_VOCAB, TASKS, TaskShape, eval_instance,
                                      make_instance)
 from attnpool.errors import ConfigError
 
@@ -36,10 +36,10 @@ def test_instances_hold_the_answer_to_their_question(task):
         assert np.flatnonzero(inst.targets).tolist() == list(range(inst.answer.start, inst.answer.stop))
         q = int(np.flatnonzero(t == QUERY)[-1])
         if task == "passkey":
-            assert t[q + 1] == ANSWER and np.array_equal(t[inst.needle + 1:inst.needle + 5], answer)
+            assert t[q + 1] == KEY and np.array_equal(t[inst.needle + 1:inst.needle + 5], answer)
         else:
-            assert t[q + 2] == ANSWER
-            assert np.array_equal(statement_value(t[:q], t[q + 1], 4), answer)
+            assert t[q + 1] == (KEY if task == "multikey" else ASSIGN)
+            assert np.array_equal(statement_value(t[:q], t[q + 2], 4), answer)
         positions.append(inst.needle)
     assert positions == sorted(positions) and positions[0] < 8 and positions[-1] > 450  # depth places the needle
 
@@ -112,23 +112,40 @@ def test_evaluate_reads_the_answer_positions():
     assert wrong[0].correct == 0
 
 
-def test_train_on_retrieval_then_eval(tmp_path, capsys):
-    """A tiny model trains two steps on the tasks (answer-only loss, a batch may hold no answer), then
-    ``attnpool eval`` reads its checkpoint and writes the table, eval.json and the heat map."""
+def test_retrieval_bench_smoke_then_attnpool_eval(tmp_path, capsys):
+    """bench/retrieval.py --device cpu: the tiny model through the curriculum's two stages (the second resumes the
+    first; answer-only loss, so a step may hold no target), dense and one sparse coverage, then eval; the JSON holds
+    `results` with exactly the issue's names. Then `attnpool eval` reads the sparse run's checkpoint."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, os.path.join(root, "bench", "retrieval.py"), "--out", str(out),
+                           "--work", str(tmp_path / "work"), "--device", "cpu", "--coverages", "0.95"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,) = out.glob("*-cpu-retrieval.json")
+    doc = json.loads(result.read_text())
+    assert {(r["attention"], r["coverage"], r["context"]) for r in doc["results"]} == {
+        (a, c, n) for a, c in (("dense", None), ("sparse", 0.95)) for n in (256, 512)}
+    assert all(set(r) == {"attention", "coverage", "context", "accuracy"} and 0 <= r["accuracy"] <= 1
+               for r in doc["results"])
+    assert doc["unfinished"] == [] and all(v is not None for v in doc["final_loss"].values())
+    md = result.with_suffix(".md").read_text()
+    assert "--resume" in md and "--sparse-coverage 0.95" in md
+    assert (out / result.name.replace(".json", "-loss.png")).stat().st_size > 5000
     from attnpool.cli.main import main
 
-    run = tmp_path / "run"
-    assert main(["train", "--model", "tiny", "--data", "retrieval", "--data-args", "task=passkey,multikey",
-                 "context=256", "num_docs=64", "--tokens-per-rank", "512", "--steps", "2", "--attention", "local",
-                 "--device", "cpu", "--out", str(run), "--no-progress"]) == 0
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert all(np.isfinite(r["loss"]) for r in rows)
     capsys.readouterr()
+    run = tmp_path / "work" / "sparse-0.95"
     assert main(["eval", "--run", str(run), "--contexts", "256", "--depths", "0,1", "--instances", "2",
                  "--device", "cpu"]) == 0
-    out = capsys.readouterr().out
-    assert "passkey" in out and "multikey" in out and "vartrack" not in out  # the run's tasks
-    result = json.loads((run / "eval" / "eval.json").read_text())
-    assert len(result["cells"]) == 4 and result["attention"] == "dense"
+    printed = capsys.readouterr().out
+    assert "passkey" in printed and "multikey" in printed and "vartrack" not in printed  # the run's tasks
+    evaluated = json.loads((run / "eval" / "eval.json").read_text())
+    assert len(evaluated["cells"]) == 4 and evaluated["attention"] == "sparse" and evaluated["coverage"] == 0.95
     assert (run / "eval" / "eval.png").stat().st_size > 5000
     assert main(["eval", "--run", str(run), "--depths", "0,2"]) == 2
+    assert main(["eval", "--run", str(tmp_path / "nowhere")]) == 2

@@ -5,19 +5,25 @@ Three tasks, each a document of exactly ``context`` tokens: filler words with st
 then a question and its answer at the end.
 
 - ``passkey``: one statement ``KEY v1..vk`` at ``depth`` (0: the start of the filler, 1: its end); the
-  question ``QUERY ANSWER`` asks for it; the answer is ``v1..vk``.
+  question ``QUERY KEY`` asks for it; the answer is ``v1..vk``.
 - ``multikey`` (multi-key needle): ``num_keys`` statements ``KEY name v1..vk`` with different names and
-  values; the one at ``depth`` is asked for (``QUERY name ANSWER``), the others sit at random depths.
+  values; the one at ``depth`` is asked for (``QUERY KEY name``), the others sit at random depths.
 - ``vartrack`` (variable tracking, multi-hop): ``ASSIGN x0 v1..vk`` at ``depth``, then ``hops`` links
   ``ASSIGN x_i x_{i-1}`` at later random depths, and a distractor chain of other names and another value;
-  ``QUERY x_hops ANSWER`` asks for the value the chain ends in.
+  ``QUERY ASSIGN x_hops`` asks for the value the chain ends in.
+
+A question repeats the start of the statement it asks about, so passkey and multikey are answered by
+finding that start far back and copying what follows (an induction head's job, which small models learn);
+in ``vartrack`` the statement with that start names another variable, so the answer takes ``hops`` more
+look-ups.
 
 A share ``ordinary`` of the documents are ordinary ones: filler with decoy ``KEY`` statements and no
 question. Documents are packed into batches with the others, so a model that attended across a document
 boundary could copy a neighbour's key: document masks matter.
 
 Tokens are ids below :data:`RETRIEVAL_VOCAB` (128), inside every attnpool model's vocabulary, no tokenizer
-needed: markers 1-6, names 8-31, values 32-63, filler words 64-127 (:data:`LAYOUT`).
+needed: markers 1-6 (5: a document's end; 4 is reserved), names 8-31, values 32-63, filler words 64-127
+(:data:`LAYOUT`).
 
 Loss: only the answer's value tokens are targets (``loss="answer"``, the default; ``DocumentSource.targets``),
 so the gradient is the task's, not the irreducible loss of random filler; ordinary documents have none.
@@ -42,12 +48,12 @@ from attnpool.data.sources import DocumentSource, _check_seed
 from attnpool.errors import ConfigError
 from attnpool.sizes import parse_size
 
-BOS, KEY, QUERY, ANSWER, END, ASSIGN = 1, 2, 3, 4, 5, 6
+BOS, KEY, QUERY, END, ASSIGN = 1, 2, 3, 5, 6
 NAMES = (8, 32)  # [lo, hi): key and variable names
 VALUES = (32, 64)  # value symbols; a key is key_len of them
 FILLER = (64, 128)  # filler words
 RETRIEVAL_VOCAB = 128
-LAYOUT = {"BOS": BOS, "KEY": KEY, "QUERY": QUERY, "ANSWER": ANSWER, "END": END, "ASSIGN": ASSIGN,
+LAYOUT = {"BOS": BOS, "KEY": KEY, "QUERY": QUERY, "END": END, "ASSIGN": ASSIGN,
           "names": NAMES, "values": VALUES, "filler": FILLER}
 TASKS = ("passkey", "multikey", "vartrack")
 LOSSES = ("answer", "all")
@@ -122,18 +128,18 @@ def make_instance(task: str, shape: TaskShape, depth: float, rng: np.random.Gene
     if task == "passkey":
         key = value()
         statements = [np.r_[KEY, key]]
-        question = np.r_[QUERY, ANSWER]
+        question = np.r_[QUERY, KEY]
     elif task == "multikey":
         keys = [value() for _ in range(shape.num_keys)]
         statements = [np.r_[KEY, names[j], keys[j]] for j in range(shape.num_keys)]
         key = keys[0]
-        question = np.r_[QUERY, names[0], ANSWER]
+        question = np.r_[QUERY, KEY, names[0]]
     elif task == "vartrack":
         key, decoy = value(), value()
         chain, other = names[:shape.hops + 1], names[shape.hops + 1:2 * shape.hops + 2]
         statements = [np.r_[ASSIGN, chain[0], key]] + [np.r_[ASSIGN, chain[i], chain[i - 1]] for i in range(1, shape.hops + 1)]
         statements += [np.r_[ASSIGN, other[0], decoy]] + [np.r_[ASSIGN, other[i], other[i - 1]] for i in range(1, shape.hops + 1)]
-        question = np.r_[QUERY, chain[-1], ANSWER]
+        question = np.r_[QUERY, ASSIGN, chain[-1]]
     else:
         raise ConfigError("task", task, f"unknown task; choose from {', '.join(TASKS)}")
     tail = np.r_[question, key, END]

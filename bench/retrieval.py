@@ -6,8 +6,9 @@ the same initial weights (seed) and the same batches (``--data retrieval``, pass
 default, answer-only loss), trained three times: dense, and vertical-slash sparse at coverages 0.95 and
 0.9. A curriculum of rising context (1K, 2K, 4K, 8K, 16K tokens per document, 64K tokens per step) teaches
 dense attention to retrieve at short contexts, where a step holds many documents, then carries it out to
-the longest. Documents of at least ``--sparse-min-doc-len`` (4K) tokens are sparse in the sparse runs, so
-they train dense through the first stages, as a sparse run that continues a dense model's training would.
+the longest. Documents of at least 4K tokens are sparse in the sparse runs, so the stages before are the
+same in every run: they are trained once, and the sparse runs continue from a copy of the dense run at that
+point (weights, optimizer, data position), as sparse training that continues a dense model's would.
 Each stage is one ``attnpool train`` process resuming the last one's checkpoint (the schedule spans all
 stages; ``--stop-at`` ends each). Then every run is evaluated on held-out instances at every trained context
 from 4K up (``attnpool.train.evaluate``, each run with the attention it trained with).
@@ -32,6 +33,7 @@ import datetime
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,14 +46,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_MODEL = dict(dim=1024, n_layers=16, n_heads=8, n_kv_heads=4, ffn_dim=2816, vocab_size=128, max_position=65536,
                  rope_theta=500000.0)
 # (context, steps): many short documents per step first, then longer ones.
-GPU_CURRICULUM = ((1024, 150), (2048, 100), (4096, 100), (8192, 80), (16384, 60))
+GPU_CURRICULUM = ((1024, 400), (2048, 200), (4096, 120), (8192, 80), (16384, 60))
 GPU = dict(tokens_per_rank=65536, lr=6e-4, warmup_steps=30, sparse_min_doc_len=4096, sparse_args={},
            eval_instances=40, eval_depths=(0.0, 0.25, 0.5, 0.75, 1.0), eval_min_context=4096)
 
-# The smoke test: the tiny preset cut to 2 layers, 256- and 512-token documents, sparse from 256 tokens with
+# The smoke test: the tiny preset cut to 2 layers, 128- and 256-token documents, sparse from 256 tokens with
 # patterns scaled down to those lengths (as bench/sparse_quality.py).
 CPU_MODEL = dict(n_layers=2, vocab_size=128)
-CPU_CURRICULUM = ((256, 2), (512, 2))
+CPU_CURRICULUM = ((128, 2), (256, 2))
 CPU = dict(tokens_per_rank=1024, lr=3e-3, warmup_steps=1, sparse_min_doc_len=256,
            sparse_args=dict(block=16, vertical_chunk=16, last_queries=32, sink_tokens=4, local_window=32,
                             slash_cap=32, vertical_cap=64),
@@ -160,12 +162,24 @@ def main() -> int:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH")])))
 
     variants = [("dense", None)] + [("sparse", c) for c in coverages]
+    # Stages of documents shorter than sparse_min_doc_len compute the same in every run: the sparse runs start
+    # from a copy of the dense run taken after the last of them (same weights, data and optimizer state).
+    shared = sum(1 for n, _ in curriculum if n < setup["sparse_min_doc_len"])
+    branch = os.path.join(work, "dense-branch")
     commands, unfinished, stage_seconds = [], [], {}
     for attention, coverage in variants:
         name = attention if coverage is None else f"sparse-{coverage:g}"
         run_dir = os.path.join(work, name)
-        stop_at = 0
-        for context, steps in curriculum:
+        first = 0
+        if attention == "sparse" and shared:
+            if not os.path.isdir(branch):
+                unfinished.append(f"{name}: no dense run to branch from")
+                continue
+            shutil.rmtree(run_dir, ignore_errors=True)
+            shutil.copytree(branch, run_dir)
+            first = shared
+        stop_at = sum(s for _, s in curriculum[:first])
+        for i, (context, steps) in enumerate(curriculum[first:], start=first):
             stop_at += steps
             left = args.budget_s - (time.perf_counter() - t_start)
             if left <= 0:
@@ -184,6 +198,9 @@ def main() -> int:
                 print(done.stdout[-2000:], done.stderr[-4000:], sep="\n", file=sys.stderr)
                 unfinished.append(f"{name}: stage {context} failed (exit {done.returncode})")
                 break
+            if attention == "dense" and i + 1 == shared:
+                shutil.rmtree(branch, ignore_errors=True)
+                shutil.copytree(run_dir, branch)
             last = rows[-1] if rows else {}
             print(f"        {stage_seconds[f'{name}@{context}']:.0f} s, loss {last.get('loss', float('nan')):.3f}, "
                   f"{last.get('tokens_per_s', 0) / 1e3:.1f}K tokens/s"

@@ -114,8 +114,9 @@ def test_evaluate_reads_the_answer_positions():
 
 def test_retrieval_bench_smoke_then_attnpool_eval(tmp_path, capsys):
     """bench/retrieval.py --device cpu: the tiny model through the curriculum's two stages (the second resumes the
-    first; answer-only loss, so a step may hold no target), dense and one sparse coverage, then eval; the JSON holds
-    `results` with exactly the issue's names. Then `attnpool eval` reads the sparse run's checkpoint."""
+    first; answer-only loss, so a step may hold no target), dense, and one sparse coverage branched from the dense
+    run where sparse attention starts, then eval; the JSON holds `results` with exactly the issue's names. Then
+    `attnpool eval` reads the sparse run's checkpoint."""
     import os
     import subprocess
     import sys
@@ -129,12 +130,17 @@ def test_retrieval_bench_smoke_then_attnpool_eval(tmp_path, capsys):
     (result,) = out.glob("*-cpu-retrieval.json")
     doc = json.loads(result.read_text())
     assert {(r["attention"], r["coverage"], r["context"]) for r in doc["results"]} == {
-        (a, c, n) for a, c in (("dense", None), ("sparse", 0.95)) for n in (256, 512)}
+        ("dense", None, 256), ("sparse", 0.95, 256)}
     assert all(set(r) == {"attention", "coverage", "context", "accuracy"} and 0 <= r["accuracy"] <= 1
                for r in doc["results"])
     assert doc["unfinished"] == [] and all(v is not None for v in doc["final_loss"].values())
     md = result.with_suffix(".md").read_text()
     assert "--resume" in md and "--sparse-coverage 0.95" in md
+    sparse_rows = [json.loads(line) for line in (tmp_path / "work" / "sparse-0.95" / "metrics.jsonl").read_text().splitlines()]
+    dense_rows = [json.loads(line) for line in (tmp_path / "work" / "dense" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in sparse_rows] == [1, 2, 3, 4]
+    assert [r["loss"] for r in sparse_rows[:2]] == [r["loss"] for r in dense_rows[:2]]  # the shared dense stage
+    assert sparse_rows[-1]["attention_density"] is not None and dense_rows[-1]["attention_density"] is None
     assert (out / result.name.replace(".json", "-loss.png")).stat().st_size > 5000
     from attnpool.cli.main import main
 

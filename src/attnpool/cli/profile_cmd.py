@@ -65,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--out", args.out, "its directory does not exist")
     argv = sys.argv[sys.argv.index("profile"):] if "profile" in sys.argv else ["profile"]
     backends = tuple(x for x in args.attention_backend.split(",") if x)
+    if not backends:
+        raise ConfigError("--attention-backend", args.attention_backend, f"name one of {', '.join(PROFILED_BACKENDS)}")
     for name in backends:
         if name not in PROFILED_BACKENDS:
             raise ConfigError("--attention-backend", name, f"unknown; choose from {', '.join(PROFILED_BACKENDS)}")

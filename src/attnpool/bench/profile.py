@@ -422,7 +422,8 @@ def device_info() -> dict:
 
 
 def run_profile(opts: ProfileOptions, parts: tuple = ("attention", "linear", "comm"), *, base: dict | None = None,
-                command: str = "", log: Callable[[str], None] = print, attention_backends: tuple = ("auto",)) -> dict | None:
+                command: str = "", log: Callable[[str], None] = print,
+                attention_backends: tuple = ("auto",)) -> dict | None:
     """Measure on this GPU (and, under torchrun, the collectives). Returns the profile on rank 0, None elsewhere.
 
     ``attention_backends``: the kernel backends whose tables to measure ("auto": the one attnpool train

@@ -318,8 +318,9 @@ def _renamed_aliases(mapping: dict, where: str) -> dict:
         value = out.pop(alias)
         value = unset if value is None or (isinstance(value, str) and value.lower() in ("none", "null")) else value
         if key in out and out[key] != value:
-            raise ConfigError(alias, value, f"is the old name of {key}, which is also given{' ' + where if where else ''} "
-                                            f"({key}={out[key]!r}); give {key} only")
+            given = f"given {where}" if where else "given"
+            raise ConfigError(alias, value, f"is the old name of {key}, which is also {given} ({key}={out[key]!r}); "
+                                            f"give {key} only")
         out[key] = value
     return out
 

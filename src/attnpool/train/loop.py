@@ -630,7 +630,8 @@ def _train(config: TrainConfig, on_step, preemption: "Preemption") -> TrainResul
         layout = f" (pp {pp} x dp {dp} x tp {tp})" if pp > 1 else f" (dp {dp} x tp {tp})" if tp > 1 else ""
         micro = f" in {config.microbatches} micro-batches" if config.microbatches > 1 else ""
         print(f"attnpool train: {config.model} ({model_cfg.num_params() / 1e6:.2f}M params) on {world} x {device.type}"
-              f"{layout}, {config.attention} attention ({setup.attention_backend} kernel), {dp} x {config.microbatches * config.tokens_per_rank} tokens "
+              f"{layout}, {config.attention} attention ({setup.attention_backend} kernel), "
+              f"{dp} x {config.microbatches * config.tokens_per_rank} tokens "
               f"per step{micro}, steps {step + 1}..{last_step} of {config.steps}{resumed} -> {config.out}", flush=True)
         if getattr(cost_model, "backend", setup.attention_backend) != setup.attention_backend and device.type == "cuda":
             print(f"cost model: {cost_model.source}", flush=True)  # a stand-in table plans this kernel

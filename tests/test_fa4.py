@@ -273,7 +273,7 @@ def test_gpu_fa4_script_on_cpu(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("gpu_fa4", ROOT / "bench/gpu_fa4.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    code = script.main(["--device", "cpu", "--out", str(tmp_path), "--doc-len", "1024", "--shard", "256",
+    code = script.main(["--device", "cpu", "--out", str(tmp_path), "--doc-len", "512", "--shard", "128",
                         "--reps", "1", "--site", str(tmp_path)])
     printed = capsys.readouterr().out
     assert code == 0, printed

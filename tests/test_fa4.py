@@ -287,3 +287,20 @@ def test_gpu_fa4_script_on_cpu(tmp_path, capsys):
     assert all("error" not in r and r["fwd_bwd_ms"] > 0 and r["shards"] == 4 for r in rows)
     assert "fwd_bwd_speedup_over_flash" in rows[0]
     assert printed.strip().splitlines()[-1].startswith("ALL EXACTNESS CHECKS PASS")
+
+
+def _resolve_per_rank(rank, world):
+    from attnpool.train.loop import same_attention_backend
+
+    try:
+        same_attention_backend("fa4" if rank == 0 else "flash", "auto")
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+def test_ranks_that_resolve_different_kernels_are_refused_on_every_rank():
+    from dist_harness import run_distributed
+
+    messages = run_distributed(_resolve_per_rank, 2)
+    assert messages[0] == messages[1] and "rank 0: fa4, rank 1: flash" in messages[0]

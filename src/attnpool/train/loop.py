@@ -189,6 +189,17 @@ def attention_backend(config: TrainConfig, device: torch.device | None = None) -
                                 field="attention_backend")
 
 
+def same_attention_backend(backend: str, requested: str) -> None:
+    """Refuse, on every rank, a run whose ranks resolved attention_backend to different kernels ("auto" on
+    GPUs where fa4 runs on some only): their cost tables, and so their plans, would differ."""
+    backends = [None] * dist.get_world_size()
+    dist.all_gather_object(backends, backend)
+    if len(set(backends)) > 1:
+        found = ", ".join(f"rank {r}: {b}" for r, b in enumerate(backends))
+        raise ConfigError("attention_backend", requested, f"the ranks run different kernels ({found}); name one "
+                                                          "that runs on every rank")
+
+
 def refuse_damaged(out: str, skipped: list[tuple[str, str]]) -> None:
     """Refuse a resume whose every checkpoint is damaged, naming the newest one's problem."""
     if skipped:
@@ -579,6 +590,7 @@ def _train(config: TrainConfig, on_step, preemption: "Preemption") -> TrainResul
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device(config)
     setup = agree(lambda: prepare(config, device, world))
+    same_attention_backend(setup.attention_backend, config.attention_backend)
     model_cfg, cost_model = setup.model_config, setup.cost_model
     bf16 = uses_bf16(config, device.type)
     # The plan is made over the dp ranks; this rank holds its dp rank's tokens and runs core attention

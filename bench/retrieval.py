@@ -227,7 +227,8 @@ def main() -> int:
         t0 = time.perf_counter()
         cells = evaluate_retrieval(model_obj, tasks=tasks, contexts=eval_contexts, depths=setup["eval_depths"],
                                    instances=setup["eval_instances"], seed=args.seed + 1, sparse=sparse,
-                                   device="cuda" if gpu else "cpu", batch_tokens=setup["tokens_per_rank"])
+                                   device="cuda" if gpu else "cpu", batch_tokens=setup["tokens_per_rank"],
+                                   needle_probe=True)
         print(f"[{time.perf_counter() - t_start:6.0f} s] evaluated {name} in {time.perf_counter() - t0:.0f} s", flush=True)
         del model_obj
         if gpu:
@@ -238,7 +239,8 @@ def main() -> int:
                 results.append({"attention": attention, "coverage": coverage, "context": context,
                                 "accuracy": sum(c.correct for c in mine) / sum(c.total for c in mine)})
         details += [{"attention": attention, "coverage": coverage, "task": c.task, "context": c.context,
-                     "depth": c.depth, "accuracy": c.accuracy, "instances": c.total} for c in cells]
+                     "depth": c.depth, "accuracy": c.accuracy, "instances": c.total, "needle_kept": c.needle_kept}
+                    for c in cells]
         heatmaps[name] = cells
 
     gpu_name = device_name(args.device)
@@ -295,6 +297,16 @@ def write_markdown(path: str, doc: dict, loss_png: str, heatmap_pngs: list[str])
     for attention, coverage in variants:
         lines.append(f"| {attention} | {'-' if coverage is None else coverage} | "
                      + " | ".join(f"{acc.get((attention, coverage, n), float('nan')):.3f}" for n in contexts) + " |")
+    probed = [d for d in doc["details"] if d["needle_kept"] is not None and d["task"] == "passkey"]
+    if probed:
+        lines += ["", "How often a sparse run's patterns let the answer's first query reach the passkey's first value "
+                      "token (share of instances x sparse layers, any head; the online estimate missing the needle "
+                      "would show here):", "", "| coverage | " + " | ".join(fmt(n) for n in contexts) + " |",
+                  "|---|" + "---|" * len(contexts)]
+        for coverage in dict.fromkeys(d["coverage"] for d in probed):
+            kept = [np.mean([d["needle_kept"] for d in probed if d["coverage"] == coverage and d["context"] == n] or
+                            [np.nan]) for n in contexts]
+            lines.append(f"| {coverage} | " + " | ".join(f"{k:.3f}" for k in kept) + " |")
     if doc["unfinished"]:
         lines += ["", "Not finished: " + "; ".join(doc["unfinished"]) + "."]
     lines += ["", f"Loss curves: ![loss]({loss_png})", ""]

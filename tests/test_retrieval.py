@@ -135,7 +135,7 @@ def test_retrieval_bench_smoke_then_attnpool_eval(tmp_path, capsys):
                for r in doc["results"])
     assert doc["unfinished"] == [] and all(v is not None for v in doc["final_loss"].values())
     md = result.with_suffix(".md").read_text()
-    assert "--resume" in md and "--sparse-coverage 0.95" in md
+    assert "--resume" in md and "--sparse-coverage 0.95" in md and "reach the passkey" in md
     sparse_rows = [json.loads(line) for line in (tmp_path / "work" / "sparse-0.95" / "metrics.jsonl").read_text().splitlines()]
     dense_rows = [json.loads(line) for line in (tmp_path / "work" / "dense" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in sparse_rows] == [1, 2, 3, 4]
@@ -147,11 +147,33 @@ def test_retrieval_bench_smoke_then_attnpool_eval(tmp_path, capsys):
     capsys.readouterr()
     run = tmp_path / "work" / "sparse-0.95"
     assert main(["eval", "--run", str(run), "--contexts", "256", "--depths", "0,1", "--instances", "2",
-                 "--device", "cpu"]) == 0
+                 "--device", "cpu", "--needle-probe"]) == 0
     printed = capsys.readouterr().out
     assert "passkey" in printed and "multikey" in printed and "vartrack" not in printed  # the run's tasks
+    assert "needle kept in" in printed
     evaluated = json.loads((run / "eval" / "eval.json").read_text())
     assert len(evaluated["cells"]) == 4 and evaluated["attention"] == "sparse" and evaluated["coverage"] == 0.95
+    assert all(0 <= c["needle_kept"] <= 1 for c in evaluated["cells"])
     assert (run / "eval" / "eval.png").stat().st_size > 5000
     assert main(["eval", "--run", str(run), "--depths", "0,2"]) == 2
     assert main(["eval", "--run", str(tmp_path / "nowhere")]) == 2
+
+
+def test_needle_probe_reports_whether_the_patterns_keep_the_needle():
+    """With patterns that keep only the sinks and the local band, the answer's query cannot reach a needle in the
+    middle of the document; with coverage 1 and caps as large as the document, it always can."""
+    from attnpool.model import Transformer, model_config
+    from attnpool.sparse import SparseConfig
+    from attnpool.train.evaluate import evaluate_retrieval
+
+    torch.manual_seed(0)
+    model = Transformer(model_config("tiny", n_layers=2, vocab_size=128))
+    small = dict(min_doc_len=64, block=16, vertical_chunk=16, last_queries=16, sink_tokens=4, local_window=16)
+    narrow = SparseConfig(coverage=1e-9, slash_cap=16, vertical_cap=4, **small)
+    wide = SparseConfig(coverage=1.0, slash_cap=512, vertical_cap=512, **small)
+    for sparse, expected in ((narrow, 0.0), (wide, 1.0)):
+        (cell,) = evaluate_retrieval(model, tasks="passkey", contexts=(256,), depths=(0.5,), instances=2,
+                                     sparse=sparse, needle_probe=True)
+        assert cell.needle_kept == expected
+    (dense,) = evaluate_retrieval(model, tasks="passkey", contexts=(256,), depths=(0.5,), instances=2)
+    assert dense.needle_kept is None

@@ -35,6 +35,9 @@ def add_parser(sub) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda where available")
     p.add_argument("--batch-tokens", type=parse_size, default=parse_size("64K"),
                    help="tokens per forward pass: instances of one cell packed as documents (default 64K)")
+    p.add_argument("--needle-probe", action="store_true",
+                   help="sparse attention: also report how often each layer's pattern lets the answer's first query "
+                        "reach the asked value (needle_kept in eval.json)")
     p.add_argument("--seed", type=int, default=0, help="seed of the held-out instances (default 0)")
     p.add_argument("--out", metavar="DIR", help="where eval.json and eval.png go (default RUN/eval)")
     p.set_defaults(func=run)
@@ -79,7 +82,10 @@ def run(args: argparse.Namespace) -> int:
     shape = {k: data_args[k] for k in ("key_len", "num_keys", "hops") if k in data_args}
     cells = evaluate_retrieval(model, tasks=tasks, contexts=contexts, depths=depths, instances=args.instances,
                                seed=args.seed, sparse=sparse, device=device, batch_tokens=args.batch_tokens, **shape,
-                               progress=lambda c: print(f"  {c.task} {c.context} depth {c.depth:g}: {c.accuracy:.2f}",
+                               needle_probe=args.needle_probe,
+                               progress=lambda c: print(f"  {c.task} {c.context} depth {c.depth:g}: {c.accuracy:.2f}"
+                                                        + ("" if c.needle_kept is None else
+                                                           f" (needle kept in {c.needle_kept:.0%} of layers)"),
                                                         flush=True))
     print(format_table(cells))
     out = args.out or os.path.join(args.run or os.path.dirname(os.path.dirname(os.path.abspath(path))), "eval")

@@ -63,13 +63,15 @@ _EVAL_STREAM = 7919  # the seed space of held-out instances: (seed, _EVAL_STREAM
 @dataclass(frozen=True)
 class Instance:
     """One generated document: ``tokens`` (context,), ``targets`` (context,) bool, True at the answer's
-    value tokens; ``answer`` the slice of them; ``needle`` the asked statement's first position."""
+    value tokens; ``answer`` the slice of them; ``needle`` the asked statement's first position, ``value`` the
+    position of its first value token (the key column a query must reach to answer)."""
 
     task: str
     tokens: np.ndarray
     targets: np.ndarray
     answer: slice
     needle: int
+    value: int
 
 
 def _int_option(field: str, value, lo: int, hi: int | None = None) -> int:
@@ -167,7 +169,7 @@ def make_instance(task: str, shape: TaskShape, depth: float, rng: np.random.Gene
     start = shape.context - 1 - k
     targets = np.zeros(shape.context, dtype=bool)
     targets[start:start + k] = True
-    return Instance(task, tokens, targets, slice(start, start + k), needle)
+    return Instance(task, tokens, targets, slice(start, start + k), needle, needle + len(statements[0]) - k)
 
 
 def make_ordinary(shape: TaskShape, rng: np.random.Generator) -> np.ndarray:

@@ -31,6 +31,9 @@ class EvalCell:
     depth: float
     correct: int
     total: int
+    # Sparse attention with needle_probe: the share of (instance, sparse layer) pairs whose pattern lets the
+    # first answer query attend to the asked value's first token in some head (None: not probed).
+    needle_kept: float | None = None
 
     @property
     def accuracy(self) -> float:
@@ -54,11 +57,46 @@ def sparse_config_of(settings: dict, attention: str):
     return sparse
 
 
+class NeedleProbe:
+    """Core attention that also estimates each sparse layer's patterns as the runtime does (the same function
+    of the same queries and keys, so the same patterns) and counts, per instance, the layers whose pattern lets
+    the first answer query reach the asked value's key column in at least one head: does the online estimate
+    keep the needle?"""
+
+    def __init__(self, attention, sparse, group):
+        self.attention, self.sparse, self.group = attention, sparse, group
+        self.kept = np.zeros(len(group))
+        self.layers = 0
+
+    def __call__(self, q, k, v, *, layer=None):
+        from attnpool.sparse import estimate_vertical_slash
+
+        out = self.attention(q, k, v, layer=layer)
+        if layer is not None and not self.sparse.is_sparse_layer(layer):
+            return out
+        n = len(self.group[0].tokens)
+        lens = [n] * len(self.group)
+        m = min(n, self.sparse.last_queries)
+        rows = torch.cat([torch.arange((j + 1) * n - m, (j + 1) * n) for j in range(len(self.group))]).to(q.device)
+        cu_q = torch.arange(len(lens) + 1, dtype=torch.int32, device=q.device) * m
+        cu_k = torch.arange(len(lens) + 1, dtype=torch.int32, device=q.device) * n
+        with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
+            pattern = estimate_vertical_slash(q[rows], k, cu_q, cu_k, self.sparse, k_lens_host=lens)
+        for j, inst in enumerate(self.group):  # a document below the sparse length is dense: it keeps everything
+            query = inst.answer.start - 1
+            self.kept[j] += bool(pattern.dense[j]) or bool(
+                pattern.mask(j, 1, query + 1, device=q.device)[:, 0, inst.value].any())
+        self.layers += 1
+        return out
+
+
 @torch.no_grad()
 def evaluate_retrieval(model, *, tasks=TASKS, contexts=(4096,), depths=(0.0, 0.25, 0.5, 0.75, 1.0),
                        instances: int = 20, seed: int = 0, sparse=None, device="cpu", batch_tokens: int = 65536,
-                       key_len: int = 4, num_keys: int = 4, hops: int = 2, progress=None) -> list[EvalCell]:
-    """Accuracy per (task, context, depth) over ``instances`` held-out instances each."""
+                       key_len: int = 4, num_keys: int = 4, hops: int = 2, needle_probe: bool = False,
+                       progress=None) -> list[EvalCell]:
+    """Accuracy per (task, context, depth) over ``instances`` held-out instances each; with sparse attention and
+    ``needle_probe``, also how often the patterns keep the needle (:class:`NeedleProbe`)."""
     from attnpool.plan import linear_table, plan_attention
     from attnpool.runtime import CoreAttention
 
@@ -77,21 +115,26 @@ def evaluate_retrieval(model, *, tasks=TASKS, contexts=(4096,), depths=(0.0, 0.2
         per_call = max(1, batch_tokens // shape.context)
         for task in tasks:
             for depth in depths:
-                correct = 0
+                correct, kept, probed = 0, 0.0, 0
                 for first in range(0, instances, per_call):
                     group = [eval_instance(task, shape, depth, i, seed) for i in range(first, min(instances, first + per_call))]
                     tokens = torch.from_numpy(np.concatenate([g.tokens for g in group])).to(device)
                     positions = torch.arange(shape.context, device=device).repeat(len(group))
                     table = linear_table([shape.context] * len(group), 1)
                     attention = CoreAttention(plan_attention(table, "local", cost_model="pairs"), None, sparse=sparse)
+                    probe = NeedleProbe(attention, sparse, group) if needle_probe and sparse is not None else None
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                        hidden = model(tokens, positions, attention, return_hidden=True)
+                        hidden = model(tokens, positions, probe or attention, return_hidden=True)
                         rows = torch.cat([torch.arange(g.answer.start - 1, g.answer.stop - 1) + j * shape.context
                                           for j, g in enumerate(group)]).to(device)
                         logits = torch.nn.functional.linear(hidden[rows], model.output_weight).float().cpu().numpy()
                     k = shape.key_len
                     correct += sum(answer_correct(logits[j * k:(j + 1) * k], g) for j, g in enumerate(group))
-                cells.append(EvalCell(task, shape.context, float(depth), correct, instances))
+                    if probe is not None and probe.layers:
+                        kept += float(probe.kept.sum()) / probe.layers
+                        probed += len(group)
+                cells.append(EvalCell(task, shape.context, float(depth), correct, instances,
+                                      kept / probed if probed else None))
                 if progress is not None:
                     progress(cells[-1])
     return cells
@@ -114,7 +157,7 @@ def write_results(cells: list[EvalCell], out_dir: str, meta: dict) -> tuple[str,
     json_path, png_path = os.path.join(out_dir, "eval.json"), os.path.join(out_dir, "eval.png")
     doc = {**meta,
            "cells": [{"task": c.task, "context": c.context, "depth": c.depth, "correct": c.correct, "total": c.total,
-                      "accuracy": c.accuracy} for c in cells],
+                      "accuracy": c.accuracy, "needle_kept": c.needle_kept} for c in cells],
            "by_context": [{"task": t, "context": n, "accuracy": a} for (t, n), a in by_context(cells).items()]}
     with open(json_path, "w") as fh:
         json.dump(doc, fh, indent=1)

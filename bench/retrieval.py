@@ -19,7 +19,7 @@ Markdown file of the same name with the commands, the model, the loss curves and
 (PNGs next to it). Runs and checkpoints go to ``--work`` (a temporary directory by default).
 
     PYTHONPATH=src python3 bench/retrieval.py --out bench/results                 # one GPU, ~20 minutes
-    PYTHONPATH=src python3 bench/retrieval.py --out /tmp/r --device cpu           # smoke test, tiny model, < 1 min
+    PYTHONPATH=src python3 bench/retrieval.py --out /tmp/r --device cpu           # smoke test, tiny model, 1-2 min
 
 ``--budget-s`` (default 1140) bounds the whole script's wall time: no stage or run starts after it is spent
 (whatever finished is still evaluated and written, the unfinished named). ``--steps-scale`` scales every
@@ -137,6 +137,7 @@ def main() -> int:
     ap.add_argument("--num-docs", type=int, default=200_000, help="documents in the training source")
     ap.add_argument("--ordinary", type=float, default=0.1, help="share of ordinary (decoy) documents (default 0.1)")
     ap.add_argument("--activation-checkpointing", default="none", choices=("none", "full", "keep_attention"))
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default 6e-4 on GPU, 3e-3 on CPU)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -145,6 +146,10 @@ def main() -> int:
     model = GPU_MODEL if gpu else CPU_MODEL
     curriculum = [(n, max(1, round(s * args.steps_scale))) for n, s in (GPU_CURRICULUM if gpu else CPU_CURRICULUM)]
     setup["curriculum"] = curriculum
+    if args.lr is not None:
+        if not args.lr > 0:
+            ap.error(f"--lr {args.lr}: must be positive")
+        setup["lr"] = args.lr
     try:
         coverages = [float(c) for c in args.coverages.split(",") if c.strip()]
     except ValueError:

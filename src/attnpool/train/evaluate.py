@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from attnpool.data.retrieval import TASKS, TaskShape, answer_correct, eval_instance, parse_tasks
+from attnpool.data.retrieval import RETRIEVAL_VOCAB, TASKS, TaskShape, answer_correct, eval_instance, parse_tasks
 from attnpool.errors import ConfigError
 
 ATTENTIONS = ("trained", "dense", "sparse")
@@ -107,6 +107,9 @@ def evaluate_retrieval(model, *, tasks=TASKS, contexts=(4096,), depths=(0.0, 0.2
     bad = [d for d in depths if not 0.0 <= d <= 1.0]
     if bad:
         raise ConfigError("depths", bad[0], "every depth must be in [0, 1]")
+    if model.output_weight.shape[0] < RETRIEVAL_VOCAB:
+        raise ConfigError("model", f"vocab_size={model.output_weight.shape[0]}",
+                          f"the retrieval tasks use token ids below {RETRIEVAL_VOCAB}")
     model = model.to(device).eval()
     bf16 = device.type == "cuda"
     cells = []

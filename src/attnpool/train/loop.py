@@ -176,7 +176,10 @@ def attention_backend(config: TrainConfig, device: torch.device | None = None) -
     from attnpool.kernels import resolve_backend_name
 
     name = config.attention_backend
-    device_type = resolve_device(config) if device is None else device.type
+    # Without a device (a launcher, or `attnpool memory` planning GPUs from a machine without one) the
+    # configured kind decides; only "auto" asks this machine.
+    device_type = device.type if device is not None else config.device if config.device != "auto" \
+        else resolve_device(config)
     bf16 = uses_bf16(config, device_type)
     if name in ("fa4", "flash") and device_type == "cuda" and not bf16:
         raise ConfigError("attention_backend", name, f"the {name} kernels take bf16, and this run computes in float32 "

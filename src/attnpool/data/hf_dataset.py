@@ -38,19 +38,25 @@ def default_cache_dir() -> str:
 
 
 class HFDatasetSource(DocumentSource):
-    """Documents from ``datasets``, tokenised (see the module docstring). ``progress``: show a progress bar
-    while tokenising (on one process of a run)."""
+    """Documents from ``datasets``, tokenised (see the module docstring). ``progress``: show progress bars
+    while loading and tokenising (on one process of a run). ``model_vocab_size``: refuse, before any record
+    is read, a tokenizer with more tokens than the model's embedding has rows."""
 
     def __init__(self, name: str, tokenizer: str, text_field: str = "text", split: str = "train",
                  subset: str | None = None, streaming: bool = False, documents: int | None = None,
-                 add_special_tokens: bool = False, cache_dir: str | None = None, progress: bool = False):
+                 add_special_tokens: bool = False, cache_dir: str | None = None, progress: bool = False,
+                 model_vocab_size: int | None = None):
         if documents is not None and (isinstance(documents, bool) or not isinstance(documents, int) or documents < 1):
             raise ConfigError("documents", documents, "must be a positive integer (or unset: all)")
         self.name, self.text_field = name, text_field
         self.tokenizer_path = str(tokenizer)
         self.tokenizer = load_tokenizer(tokenizer, field="tokenizer")
         self.vocab_size = len(self.tokenizer)
-        dataset = open_dataset(name, split, subset, bool(streaming))
+        if model_vocab_size is not None and self.vocab_size > model_vocab_size:
+            raise ConfigError("tokenizer", self.tokenizer_path, f"has {self.vocab_size} tokens but the model's "
+                                                                f"vocabulary holds {model_vocab_size}: its ids would "
+                                                                "fall outside the embedding")
+        dataset = open_dataset(name, split, subset, bool(streaming), progress)
         first = _check_text_field(dataset, name, text_field)
         key = _cache_key(dataset, name, split, subset, bool(streaming), text_field, documents,
                          bool(add_special_tokens), self.tokenizer)
@@ -103,13 +109,18 @@ class HFDatasetSource(DocumentSource):
         return np.diff(self.offsets)
 
 
-def open_dataset(name: str, split: str, subset: str | None, streaming: bool):
-    """The split of NAME_OR_PATH as a ``datasets`` Dataset (IterableDataset when streaming)."""
+def open_dataset(name: str, split: str, subset: str | None, streaming: bool, progress: bool = True):
+    """The split of NAME_OR_PATH as a ``datasets`` Dataset (IterableDataset when streaming); ``progress``:
+    datasets' own bars (download, conversion to Arrow)."""
     try:
         import datasets
     except ImportError:
         raise ConfigError("data", f"hf:{name}", "hf: data needs the datasets package: "
                                                 "pip install 'attnpool[data]'") from None
+    if progress:
+        datasets.enable_progress_bars()
+    else:
+        datasets.disable_progress_bars()
     value = f"hf:{name}"
     path = Path(name)
     try:

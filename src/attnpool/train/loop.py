@@ -123,6 +123,7 @@ def build_source(config: TrainConfig, vocab_size: int):
                                                  "model's directory is the default)")
         options["tokenizer"] = tokenizer
         options.setdefault("progress", config.progress and _main_process())
+        options["model_vocab_size"] = vocab_size  # a tokenizer too large is refused before the data is read
     if config.data == "jsonl" and tokenizer is not None:
         options.setdefault("tokenizer_path", tokenizer)
     if config.data == "synthetic":
@@ -140,10 +141,6 @@ def build_source(config: TrainConfig, vocab_size: int):
         if exc.field in config.data_args:
             raise ConfigError(f"data_args.{exc.field}", exc.value, exc.problem) from None
         raise
-    if source.vocab_size is not None and source.vocab_size > vocab_size and hasattr(source, "tokenizer"):
-        raise ConfigError("tokenizer", getattr(source, "tokenizer_path", tokenizer),
-                          f"has {source.vocab_size} tokens but the model's vocabulary holds {vocab_size}: its ids "
-                          "would fall outside the embedding")
     if source.vocab_size is not None and source.vocab_size > vocab_size:
         raise ConfigError("data", config.data, f"has {source.vocab_size} token ids but the model's vocab_size is "
                                                f"{vocab_size}; raise it with --model-args vocab_size=N")

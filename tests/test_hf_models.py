@@ -148,7 +148,7 @@ def hf_train_config(out, model_dir, **overrides) -> TrainConfig:
 def _train_hf(rank, world, out, model_dir):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    runs = {"local": {}, "cad": {}, "cad-full-recompute": dict(activation_checkpointing="full"),
+    runs = {"local": {}, "wlb": {}, "percp": {}, "cad": {}, "cad-full-recompute": dict(activation_checkpointing="full"),
             "cad-stopped": dict(stop_at=2)}
     losses = {}
     for name, overrides in runs.items():
@@ -178,7 +178,8 @@ def rel_diff(a, b) -> float:
 def test_cad_trains_an_hf_model_as_local_does(hf_training):
     _, _, losses, _ = hf_training
     assert len(losses["local"]) == 4 and all(math.isfinite(x) for x in losses["local"])
-    assert rel_diff(losses["cad"], losses["local"]) <= 1e-4
+    for strategy in ("wlb", "percp", "cad"):
+        assert rel_diff(losses[strategy], losses["local"]) <= 1e-4, strategy
     assert rel_diff(losses["cad-full-recompute"], losses["cad"]) <= 1e-6
     assert losses["cad-resumed"] == losses["cad"]  # stopped after step 2, resumed from its checkpoint: exact
 
@@ -199,6 +200,13 @@ def test_export_loads_in_transformers_with_the_trained_weights(hf_training):
         got, want, before = (m(input_ids=tokens).logits for m in (exported, trained, start))
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
     assert (want - before).abs().max().item() > 1e-3  # the export holds trained weights, not the initial ones
+
+    from attnpool.train.export import export_hf  # attnpool export: the run's checkpoint, in one process
+
+    export_hf(run_dir=str(root / "cad"), out=str(root / "exported"), dtype="fp32")
+    again = transformers.AutoModelForCausalLM.from_pretrained(root / "exported", attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=tokens).logits, got)
 
 
 # --- Data and loggers through the command line ---------------------------------------------------

@@ -267,22 +267,24 @@ def test_jsonl_dataset_trains_with_tensorboard(data_dir, tmp_path):
         transformers.AutoTokenizer.from_pretrained(data_dir / "tokenizer")("a stitch")["input_ids"]
 
 
-@pytest.mark.parametrize("streaming", [False, True])
-def test_parquet_dataset_documents_are_the_tokenizers_ids(data_dir, tmp_path, streaming):
-    pytest.importorskip("datasets")
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+@pytest.mark.parametrize("kind, streaming", [("parquet", False), ("parquet", True), ("saved", False)])
+def test_dataset_documents_are_the_tokenizers_ids(data_dir, tmp_path, kind, streaming):
+    datasets = pytest.importorskip("datasets")
     from attnpool.data import make_source
 
-    pq.write_table(pa.table({"text": TEXTS}), tmp_path / "docs.parquet")
-    source = make_source("hf", name=str(tmp_path / "docs.parquet"), tokenizer=str(data_dir / "tokenizer"),
-                         streaming=streaming, cache_dir=str(tmp_path / "cache"))
+    if kind == "parquet":
+        path = tmp_path / "docs.parquet"
+        datasets.Dataset.from_dict({"text": TEXTS}).to_parquet(path)
+    else:  # a directory save_to_disk wrote
+        path = tmp_path / "saved"
+        datasets.Dataset.from_dict({"text": TEXTS}).save_to_disk(path)
+    source = make_source("hf", name=str(path), tokenizer=str(data_dir / "tokenizer"), streaming=streaming,
+                         cache_dir=str(tmp_path / "cache"))
     tokenizer = transformers.AutoTokenizer.from_pretrained(data_dir / "tokenizer")
     expected = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS if t]
     assert [source[i].tolist() for i in range(len(source))] == expected
     assert source.lengths().tolist() == [len(ids) for ids in expected]
-    limited = make_source("hf", name=str(tmp_path / "docs.parquet"), tokenizer=str(data_dir / "tokenizer"),
+    limited = make_source("hf", name=str(path), tokenizer=str(data_dir / "tokenizer"),
                           streaming=streaming, documents=4, cache_dir=str(tmp_path / "cache"))
     assert len(limited) == 3  # the first 4 records, one of them empty
 

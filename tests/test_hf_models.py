@@ -243,6 +243,8 @@ def data_dir(tmp_path_factory):
 
 
 def test_jsonl_dataset_trains_with_tensorboard(data_dir, tmp_path):
+    pytest.importorskip("datasets")
+    pytest.importorskip("tensorboard")
     model_dir = save_model(tmp_path / "model", "llama", randomize=False)
     out = tmp_path / "run"
     p = cli("--model", f"hf:{model_dir}", "--data", f"hf:{data_dir / 'docs.jsonl'}", "--tokenizer",
@@ -308,6 +310,7 @@ def test_wandb_offline_run_directory(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def bad_runs(tmp_path_factory, data_dir):
+    pytest.importorskip("datasets")
     tmp = tmp_path_factory.mktemp("bad-hf")
     (tmp / "no-config").mkdir()
     llama = save_model(tmp / "llama", "llama", randomize=False)

@@ -179,7 +179,10 @@ def attnpool_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
         raise ConfigError("softcap", kwargs["softcap"], "core attention does not soft-cap attention logits")
     if dropout:
         raise ConfigError("attention_dropout", dropout, "core attention does not apply attention dropout")
-    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # (T, H, D), attnpool's layout
+    # (T, H, D), attnpool's layout, in one dtype: under autocast v comes from a linear layer in the compute
+    # dtype, while q and k may have been promoted to float32 by RoPE's or a q/k norm's float32 factors (as
+    # transformers' sdpa casts them back under autocast).
+    q, k, v = (x[0].transpose(0, 1).to(value.dtype).contiguous() for x in (query, key, value))
     head_dim = q.shape[-1]
     if scaling is not None and scaling != head_dim ** -0.5:
         # Core attention scales scores by D^-1/2; the model's scale (Gemma's query_pre_attn_scalar) goes into q.

@@ -92,12 +92,16 @@ def _logits_under_core_attention(rank, world, directories, strategy):
     tokens = torch.cat([docs[p.doc_id][p.start:p.end] for p in mine])
     positions = torch.cat([torch.arange(p.start, p.end) for p in mine])
     rows = torch.cat([torch.arange(starts[p.doc_id] + p.start, starts[p.doc_id] + p.end) for p in mine])
-    results = {}
+    results, autocast = {}, {}
     for arch, directory in directories.items():
         model = build_hf_model(load_hf_spec(directory, max_doc_len=WINDOW)).eval()
         with torch.no_grad():
             results[arch] = model(tokens, positions, CoreAttention(plan))
-    return rows, results
+            # bf16 autocast over float32 weights, as a GPU run without FSDP's bf16 parameters: RoPE's and q/k
+            # norms' float32 factors must not leave q, k and v in different dtypes.
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                autocast[arch] = model(tokens, positions, CoreAttention(plan)).float()
+    return rows, results, autocast
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +115,13 @@ def saved_architectures(tmp_path_factory):
 @pytest.mark.parametrize("world, strategy", [(1, "local"), (4, "cad")])
 def test_logits_equal_transformers_own_attention(saved_architectures, world, strategy):
     directories, expected = saved_architectures
-    for rows, logits in run_distributed(_logits_under_core_attention, world, directories, strategy):
+    for rows, logits, autocast in run_distributed(_logits_under_core_attention, world, directories, strategy):
         for arch, got in logits.items():
             want = expected[arch][rows]
             err = (got - want).abs().max().item() / want.abs().max().item()
             assert err <= 1e-5, f"{arch} on {world} ranks ({strategy}): relative error {err:.3g}"
+            err = (autocast[arch] - want).abs().max().item() / want.abs().max().item()
+            assert err <= 0.1, f"{arch} under bf16 autocast: relative error {err:.3g}"  # bf16's rounding
 
 
 def test_problems_name_architecture_and_feature():

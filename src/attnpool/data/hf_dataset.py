@@ -57,19 +57,19 @@ class HFDatasetSource(DocumentSource):
                                                                 f"vocabulary holds {model_vocab_size}: its ids would "
                                                                 "fall outside the embedding")
         dataset = open_dataset(name, split, subset, bool(streaming), progress)
-        first = _check_text_field(dataset, name, text_field)
+        _check_text_field(dataset, name, text_field)
         key = _cache_key(dataset, name, split, subset, bool(streaming), text_field, documents,
                          bool(add_special_tokens), self.tokenizer)
         cache_file = os.path.join(cache_dir or default_cache_dir(), key + ".npz")
         cached = _read_cache(cache_file)
         if cached is None:
-            cached = self._tokenize(dataset, first, documents, bool(add_special_tokens), progress)
+            cached = self._tokenize(dataset, documents, bool(add_special_tokens), progress)
             _write_cache(cache_file, *cached)
         self.tokens, self.offsets = cached
         if len(self.offsets) < 2:
             raise ConfigError("data", f"hf:{name}", f"holds no non-empty '{text_field}' texts")
 
-    def _tokenize(self, dataset, first: dict, documents: int | None, add_special_tokens: bool,
+    def _tokenize(self, dataset, documents: int | None, add_special_tokens: bool,
                   progress: bool) -> tuple[np.ndarray, np.ndarray]:
         total = len(dataset) if hasattr(dataset, "__len__") else None
         if documents is not None and total is not None:
@@ -148,17 +148,15 @@ def open_dataset(name: str, split: str, subset: str | None, streaming: bool, pro
         raise ConfigError("data", value, f"datasets cannot load it ({message})") from None
 
 
-def _check_text_field(dataset, name: str, text_field: str) -> dict | None:
-    """Refuse a text field the records lack, naming the ones they have; the first record (streaming) or None."""
+def _check_text_field(dataset, name: str, text_field: str) -> None:
+    """Refuse a text field the records lack, naming the ones they have."""
     columns = dataset.column_names
-    first = None
     if columns is None:  # a stream whose columns are known only once read
         first = next(iter(dataset), None)
         columns = list(first) if first is not None else []
     if text_field not in columns:
         raise ConfigError("text_field", text_field, f"not a field of hf:{name}; its fields: "
                                                     f"{', '.join(map(str, columns)) or '(none: no records)'}")
-    return first
 
 
 def _tokenizer_identity(tokenizer) -> str:

@@ -19,6 +19,7 @@ window (``max_doc_len`` <= the window: then the window never cuts anything off).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -257,12 +258,27 @@ def build_hf_model(spec: HFModelSpec, device: torch.device | str = "cpu") -> HFC
 
     register_attention()
     options = dict(dtype=torch.float32, attn_implementation=ATTENTION_NAME)
-    if spec.has_weights:
-        hf_model = AutoModelForCausalLM.from_pretrained(spec.path, config=spec.hf_config, local_files_only=True,
-                                                        **options)
-    else:
-        hf_model = AutoModelForCausalLM.from_config(spec.hf_config, **options)
+    with _without_progress_bars():
+        if spec.has_weights:
+            hf_model = AutoModelForCausalLM.from_pretrained(spec.path, config=spec.hf_config, local_files_only=True,
+                                                            **options)
+        else:
+            hf_model = AutoModelForCausalLM.from_config(spec.hf_config, **options)
     return HFCausalLM(hf_model.to(device).train())
+
+
+@contextlib.contextmanager
+def _without_progress_bars():
+    """transformers' bars for reading and writing weights: one per rank at every start, noise in a run's log."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def hf_state_shapes(spec: HFModelSpec) -> dict[str, tuple]:
@@ -295,7 +311,8 @@ def save_hf_export(model: HFCausalLM, full_state: dict[str, Tensor], directory: 
     implementation = config._attn_implementation
     config._attn_implementation = "sdpa"  # what a later reader gets by default (attnpool's is registered here only)
     try:
-        model.hf.save_pretrained(directory, state_dict=state, safe_serialization=True)
+        with _without_progress_bars():
+            model.hf.save_pretrained(directory, state_dict=state, safe_serialization=True)
     finally:
         config._attn_implementation = implementation
     if tokenizer_path is not None:

@@ -27,6 +27,7 @@ from attnpool.runtime import CoreAttention  # noqa: E402
 from attnpool.train import TrainConfig, train  # noqa: E402
 from dist_harness import run_distributed  # noqa: E402
 from layout_reference import linear_layout  # noqa: E402
+from test_train import SPARSE  # noqa: E402
 
 VOCAB = 97
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -155,12 +156,14 @@ def _train_hf(rank, world, out, model_dir):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     runs = {"local": {}, "wlb": {}, "percp": {}, "cad": {}, "cad-full-recompute": dict(activation_checkpointing="full"),
-            "cad-stopped": dict(stop_at=2)}
+            "cad-stopped": dict(stop_at=2), "local-sparse": SPARSE, "cad-sparse": SPARSE}
     losses = {}
     for name, overrides in runs.items():
         strategy = name.split("-")[0]
         result = train(hf_train_config(Path(out) / name, model_dir, attention=strategy, **overrides))
         losses[name] = result.losses
+        if name == "cad-sparse":
+            losses["density"] = [r["attention_density"] for r in result.rows]
         if name == "cad":
             weights = get_model_state_dict(result.model, options=StateDictOptions(full_state_dict=True))
     losses["cad-resumed"] = train(hf_train_config(Path(out) / "cad-stopped", model_dir, attention="cad",
@@ -188,6 +191,9 @@ def test_cad_trains_an_hf_model_as_local_does(hf_training):
         assert rel_diff(losses[strategy], losses["local"]) <= 1e-4, strategy
     assert rel_diff(losses["cad-full-recompute"], losses["cad"]) <= 1e-6
     assert losses["cad-resumed"] == losses["cad"]  # stopped after step 2, resumed from its checkpoint: exact
+    # Vertical-slash sparse attention runs in the model's layers too (the attention function passes the layer).
+    assert rel_diff(losses["cad-sparse"], losses["local-sparse"]) <= 1e-4
+    assert any(0.0 < d < 1.0 for d in losses["density"]), losses["density"]
 
 
 def test_export_loads_in_transformers_with_the_trained_weights(hf_training):

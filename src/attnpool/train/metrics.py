@@ -149,12 +149,20 @@ TENSORBOARD_DIR = "tensorboard"
 
 
 def logger_problem(kind: str) -> str | None:
-    """Why ``logger: kind`` cannot run here (its package is missing), or None."""
+    """Why ``logger: kind`` cannot run here (its package is missing; W&B online without credentials), or None."""
     import importlib.util
 
     package = LOGGER_PACKAGES.get(kind)
     if package is not None and importlib.util.find_spec(package) is None:
         return f"needs the {package} package: pip install 'attnpool[{kind}]'"
+    if kind == "wandb":
+        import wandb
+
+        # The mode from WANDB_MODE or `wandb offline`'s settings file; checking credentials neither prompts
+        # nor goes on the network.
+        if wandb.setup().settings.mode not in ("offline", "dryrun", "disabled") and not wandb.login(prompt=False):
+            return ("W&B has no API key here: run `wandb login` or set WANDB_API_KEY, or set WANDB_MODE=offline to "
+                    "write the run locally (`wandb sync` uploads it later)")
     return None
 
 

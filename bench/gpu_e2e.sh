@@ -58,12 +58,13 @@ case "$PHASE" in
   full-depth256)
     bench full-depth256 --layers 32 --configs prolong:256K --strategies cad+pingpong,local --warmup 1 --steps 2 \
       --activation-checkpointing full --activation-offload --budget-s 200 ;;
-  # Issue 28's speed runs (not run yet): llama-34b with 8 of its 48 layers, tokens per dp rank, tp=4 against
+  # Issue 28's speed runs: llama-34b with 8 of its 48 layers, tokens per dp rank, tp=4 against
   # pp=2 x tp=2 (both dp=1, so local only) and dp=4 (cad against local); then the full 8B, tp=2 x dp=2
   # against dp=4 at 256K tokens per GPU. --configs tokens are per GPU: a dp rank holds tp x them (64K and
-  # 128K per dp rank throughout).
+  # 128K per dp rank throughout). tp=4 at 64K ran 3.5x the simulator's step (2026-11-26-h200x4-parallel):
+  # its phase keeps a profiled step to show where the time goes.
   parallel34b-tp4)
-    bench parallel34b-tp4 --model llama-34b --layers 8 --tp 4 --configs prolong:16K,prolong:32K --strategies local \
+    bench parallel34b-tp4 --model llama-34b --layers 8 --tp 4 --configs prolong:16K,prolong:32K --strategies local --trace local \
       --warmup 2 --steps 5 --budget-s 300 ;;
   parallel34b-pp2tp2)
     bench parallel34b-pp2tp2 --model llama-34b --layers 8 --pp 2 --tp 2 --microbatches 2 \

@@ -11,6 +11,8 @@
    4 * D * H_q * pairs, backward 2.5x that), median of timed runs.
 
 Usage: PYTHONPATH=src python3 bench/gpu_kernels.py --out DIR   (about a minute)
+       --quick: the exactness cases on shorter segments, a 16K document in 1K shards, 3 timed runs
+       (under 2 minutes, well under one on an H200).
 """
 
 from __future__ import annotations
@@ -129,9 +131,9 @@ def check_exactness(name, segments, n_q, n_kv, dim, seed):
                 tokens_q=q.shape[0], tokens_k=k.shape[0], errors=errors, checks=checks, passed=passed)
 
 
-def exactness_cases():
+def exactness_cases(quick=False):
     gen = torch.Generator().manual_seed(0)
-    main = random_segments(gen, 16, 3000)
+    main = random_segments(gen, 8 if quick else 16, 1000 if quick else 3000)
     keyless = [(5, 0), (300, 200), (64, 1), (0, 0), (257, 257), (3, 9)]
     return [
         ("gqa_32_8_d128", main, 32, 8, 128),
@@ -153,7 +155,7 @@ def median_ms(fn, warmup=3, iters=10):
     return 1e3 * cuda_median_s(fn, warmup=warmup, reps=iters)
 
 
-def bench_shards(doc_len, shard, n_q, n_kv, dim):
+def bench_shards(doc_len, shard, n_q, n_kv, dim, iters=10):
     q_lens, k_lens = shard_layout(doc_len, shard)
     gen = torch.Generator(device="cuda").manual_seed(0)
 
@@ -176,8 +178,8 @@ def bench_shards(doc_len, shard, n_q, n_kv, dim):
         out, lse = flash.forward(q, k, v, *args)
         return flash.backward(dout, q, k, v, out, lse, *args)
 
-    fwd_ms = median_ms(fwd)
-    fwd_bwd_ms = median_ms(fwd_bwd)
+    fwd_ms = median_ms(fwd, warmup=min(3, iters), iters=iters)
+    fwd_bwd_ms = median_ms(fwd_bwd, warmup=min(3, iters), iters=iters)
     return dict(
         layout="whole" if shard == doc_len else f"{len(q_lens)} x {shard}",
         shard=shard, shards=len(q_lens), pairs=pairs,
@@ -189,9 +191,12 @@ def bench_shards(doc_len, shard, n_q, n_kv, dim):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=pathlib.Path, help="directory for gpu_kernels.json")
-    parser.add_argument("--doc-len", type=int, default=65536)
-    parser.add_argument("--shards", type=int, nargs="+", default=[4096, 1024])
+    parser.add_argument("--doc-len", type=int, default=None, help="default 64K; 16K with --quick")
+    parser.add_argument("--shards", type=int, nargs="+", default=None, help="default 4096 1024; 1024 with --quick")
+    parser.add_argument("--quick", action="store_true", help="shorter cases, a 16K document, 3 timed runs: under 2 minutes")
     opts = parser.parse_args()
+    opts.doc_len = opts.doc_len or (16384 if opts.quick else 65536)
+    opts.shards = opts.shards or ([1024] if opts.quick else [4096, 1024])
     opts.out.mkdir(parents=True, exist_ok=True)
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
@@ -210,7 +215,7 @@ def main() -> int:
         exactness=[], throughput=[],
     )
 
-    for name, segments, n_q, n_kv, dim in exactness_cases():
+    for name, segments, n_q, n_kv, dim in exactness_cases(opts.quick):
         try:
             result["exactness"].append(check_exactness(name, segments, n_q, n_kv, dim, seed=1))
         except Exception as error:  # record and go on: one failing case must not hide the rest
@@ -220,7 +225,7 @@ def main() -> int:
 
     for shard in [opts.doc_len, *opts.shards]:
         try:
-            result["throughput"].append(bench_shards(opts.doc_len, shard, 32, 8, 128))
+            result["throughput"].append(bench_shards(opts.doc_len, shard, 32, 8, 128, iters=3 if opts.quick else 10))
         except Exception as error:
             result["throughput"].append(dict(shard=shard, error=repr(error)))
         torch.cuda.empty_cache()

@@ -1,7 +1,9 @@
 """Exactness of the parallel layouts on GPUs (NCCL, bf16): each layout trains the same steps on the same
 batches as its reference, and their losses are compared.
 
-    python3 bench/gpu_layouts.py --out DIR [--gpus 4] [--tokens 16K] [--steps 4] [--layers 4]
+    python3 bench/gpu_layouts.py --out DIR [--gpus 4] [--tokens 16K] [--steps 4] [--layers 4] [--quick]
+
+--quick (under 2 minutes): dp2 x tp2 against dp2 with cad, and one process, 2 layers, 4K tokens, 2 steps.
 
 Layouts (every one with two micro-batches a step, so the pipeline runs a real 1F1B schedule):
 
@@ -35,6 +37,7 @@ LAYOUTS = {
     "pp2xdp2-cad": (4, ["--attention", "cad", "--pp", "2"], "dp2-cad"),
     "pp2xtp2-local": (4, ["--attention", "local", "--pp", "2", "--tp", "2"], "one"),
 }
+QUICK_LAYOUTS = ("one", "dp2-cad", "dp2xtp2-cad")
 # bf16 keeps 8 significant bits: two reduction orders of the same sums give losses a few 1e-3 apart
 # after a few steps. The CPU tests hold the same layouts to 1e-5 in float32.
 TOLERANCE = 1e-2
@@ -65,7 +68,7 @@ def losses(args, name: str) -> list[float] | None:
 
 def run_all(args) -> dict:
     """Packs the runs onto the GPUs, first come first placed, each waiting only for GPUs it needs."""
-    pending = [n for n in LAYOUTS if LAYOUTS[n][0] <= args.gpus]
+    pending = [n for n in chosen_layouts(args) if LAYOUTS[n][0] <= args.gpus]
     free, running, status, port = list(range(args.gpus)), {}, {}, 29600
     t0 = time.time()
     while pending or running:
@@ -89,6 +92,10 @@ def run_all(args) -> dict:
     return status
 
 
+def chosen_layouts(args) -> list[str]:
+    return [n for n in LAYOUTS if not args.quick or n in QUICK_LAYOUTS]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
@@ -100,12 +107,16 @@ def main() -> int:
     p.add_argument("--run-timeout-s", type=float, default=180)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: gloo, float32, a smoke test")
     p.add_argument("--precision", default=None, choices=("bf16", "fp32"), help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--quick", action="store_true", help="three layouts, 2 layers, 4K tokens, 2 steps: under 2 minutes")
     args = p.parse_args()
+    if args.quick:
+        args.layers, args.tokens, args.steps, args.run_timeout_s = 2, "4K", 2, min(args.run_timeout_s, 90)
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
     os.makedirs(args.out, exist_ok=True)
     status = run_all(args)
     rows = []
-    for name, (nproc, flags, ref) in LAYOUTS.items():
+    for name in chosen_layouts(args):
+        nproc, flags, ref = LAYOUTS[name]
         mine, theirs = losses(args, name), losses(args, ref) if ref else None
         dev = None
         if mine and theirs:
@@ -120,7 +131,7 @@ def main() -> int:
                 torch=torch.__version__, model=f"{args.model} x {args.layers} layers", tokens_per_dp_rank=args.tokens,
                 microbatches=2, steps=args.steps, tolerance=TOLERANCE, precision=args.precision,
                 command=f"python3 bench/gpu_layouts.py --out DIR --gpus {args.gpus} --tokens {args.tokens} "
-                        f"--steps {args.steps} --layers {args.layers}")
+                        f"--steps {args.steps} --layers {args.layers}" + (" --quick" if args.quick else ""))
     with open(os.path.join(args.out, "layouts.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     backend = f"{'NCCL' if args.device == 'cuda' else 'gloo'}, {args.precision}"

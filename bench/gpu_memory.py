@@ -18,6 +18,8 @@ Phases (``--phases``, in this order):
 - ``offload``: step time with and without activation offload, same configuration, median of steps 2-6.
 
     PYTHONPATH=src python3 bench/gpu_memory.py --out DIR [--phases saved,measure,fit,full,offload]
+    PYTHONPATH=src python3 bench/gpu_memory.py --out DIR --quick   # under 2 minutes: saved, and two 2-layer
+                                                                  # runs checked against the packaged calibration
 
 Writes ``gpu_memory.json`` (every run), ``gpu_memory.md`` (the tables) and, with ``fit``,
 ``memory_calibration.json`` under DIR; prints the tables last.
@@ -77,6 +79,11 @@ RUNS = [
 ]
 
 
+# --quick: checked against the packaged calibration, nothing fitted.
+QUICK_RUNS = [
+    (2, 32 * K, "keep_attention", False, False, "check"),
+    (2, 32 * K, "full", False, False, "check"),
+]
 # (layers, tokens, mode, activation_offload, optimizer_offload) whose least allocator memory is measured.
 THRESHOLD_RUNS = [
     (2, 128 * K, "keep_attention", False, False),
@@ -412,10 +419,11 @@ def calibration_of(data: dict) -> Calibration:
                                                "cuda_context_bytes", "source")})
 
 
-def finish(record: dict, out: str) -> None:
-    """Fit (where measurements exist), predict every measured run with the result, write the files."""
+def finish(record: dict, out: str, fit: bool = True) -> None:
+    """Fit (where measurements exist and ``fit``), predict every measured run with the result (else with the
+    packaged calibration), write the files."""
     calibration = Calibration.load()
-    if record.get("measure"):
+    if fit and record.get("measure"):
         record["calibration"] = phase_fit(record)
         with open(os.path.join(out, "memory_calibration.json"), "w") as fh:
             json.dump(record["calibration"], fh, indent=1)
@@ -454,6 +462,9 @@ def main():
     parser.add_argument("--full-tokens", type=int, default=64 * K)
     parser.add_argument("--full-setting", default="keep_attention,act",
                         help="MODE[,act][,opt]: the full-depth run's checkpointing mode and offloads")
+    parser.add_argument("--quick", action="store_true",
+                        help="the saved phase and QUICK_RUNS checked against the packaged calibration (nothing fitted): "
+                             "under 2 minutes")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.refit:
@@ -463,7 +474,7 @@ def main():
         finish(record, args.out)
         print(markdown(record))
         return
-    phases = args.phases.split(",")
+    phases = ["saved", "quick"] if args.quick else args.phases.split(",")
     torch.cuda.set_device(0)
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
               "command": "PYTHONPATH=src python3 bench/gpu_memory.py " + " ".join(sys.argv[1:]),
@@ -480,13 +491,13 @@ def main():
         if "breakdown" in phases:
             record["breakdown"] = phase_measure(tmp, Calibration.none(), BREAKDOWN_RUNS, breakdown=True)
             save(record, args.out)
-        if "measure" in phases:
-            record["measure"] = phase_measure(tmp, Calibration.none(), RUNS)
+        if "measure" in phases or "quick" in phases:
+            record["measure"] = phase_measure(tmp, Calibration.none(), QUICK_RUNS if args.quick else RUNS)
             save(record, args.out)
         if "threshold" in phases:
             record["threshold"] = phase_threshold(tmp, THRESHOLD_RUNS, record["measure"])
             save(record, args.out)
-        finish(record, args.out)
+        finish(record, args.out, fit=not args.quick)
         calibration = calibration_of(record["calibration"]) if record.get("calibration") else Calibration.load()
         if "full" in phases:
             mode, *flags = args.full_setting.split(",")

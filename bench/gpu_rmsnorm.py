@@ -7,7 +7,8 @@ a cast back and the weight product, each its own kernel. Both run forward and ba
 median CUDA time of forward+backward, the kernels each launches (torch.profiler), and the largest
 difference of outputs and gradients against a float64 reference, next to bf16's resolution.
 
-Usage: PYTHONPATH=src python3 bench/gpu_rmsnorm.py [--out DIR]   (under a minute on one H200)
+Usage: PYTHONPATH=src python3 bench/gpu_rmsnorm.py [--out DIR] [--quick]   (under a minute on one H200;
+--quick: 32K tokens only, 3 timed runs)
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ def errors(fn, x, weight, grad):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="directory for gpu_rmsnorm.json")
+    parser.add_argument("--quick", action="store_true", help="32K tokens only, 3 timed runs")
     args = parser.parse_args()
+    reps = 3 if args.quick else 10
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -68,16 +71,16 @@ def main() -> int:
     impls = {"replaced": replaced_rmsnorm, "model (rms_norm)": model_rmsnorm}
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
-    for tokens in (32768, 65536, 131072):
+    for tokens in (32768,) if args.quick else (32768, 65536, 131072):
         x = torch.randn(tokens, DIM, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
         weight = (1 + 0.1 * torch.randn(DIM, device="cuda", generator=g)).bfloat16().requires_grad_()
         grad = torch.randn(tokens, DIM, device="cuda", generator=g, dtype=torch.bfloat16)
         for name, fn in impls.items():
-            t = cuda_median_s(lambda: fwd_bwd(fn, x, weight, grad), warmup=2, reps=10)
+            t = cuda_median_s(lambda: fwd_bwd(fn, x, weight, grad), warmup=2, reps=reps)
             rows.append(dict(tokens=tokens, impl=name, fwd_bwd_ms=t * 1e3, kernels=kernels(fn, x, weight, grad),
                              errors=errors(fn, x, weight, grad)))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; (tokens, {DIM}) bf16, forward+backward, "
-          f"median of 10; errors against float64 (bf16 resolution 3.9e-3)")
+          f"median of {reps}; errors against float64 (bf16 resolution 3.9e-3)")
     print(f"{'tokens':>7} {'impl':18} {'ms':>7} {'kernels':>7}  {'out err':>8} {'dx err':>8} {'dw err':>8}")
     for r in rows:
         e = r["errors"]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU check of the distributed core-attention runtime (NCCL, flash backend, bf16).
+"""GPU check of the distributed core-attention runtime (NCCL, a GPU kernel backend, bf16).
 
 exact  (under torchrun, 2 or 4 GPUs): outputs and gradients of core_attention for
        local / percp / cad plans against a float32 single-process reference on
@@ -13,6 +13,9 @@ fused  (one GPU): all CA-tasks each server of a cad plan runs, one flash call pe
 Usage on the GPU machine (from the repository root):
   PYTHONPATH=src torchrun --nproc_per_node 4 bench/gpu_runtime.py exact --out DIR
   PYTHONPATH=src python3 bench/gpu_runtime.py fused --out DIR
+--attention-backend (default auto: fa4 where flash_attn.cute runs, else flash) picks the kernel;
+--quick (under 2 minutes): exact one case and one head layout, fused 32K tokens per server, one
+batch, fewer repeats.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ def doc_tensors(doc_lens, heads, dim, seed, device):
     return [torch.randn(T, h, dim, generator=g).to(device=device, dtype=torch.bfloat16) for h in heads]
 
 
-def exact(out_dir: str) -> int:
+def exact(out_dir: str, backend_name: str, quick: bool) -> int:
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -60,6 +63,9 @@ def exact(out_dir: str) -> int:
         "mixed": rng.integers(1, 6000, size=4 * world).tolist() + [world * 5000 + 17],
         "prolong-sample": sample_batches("prolong", world * 16384, 1, 1)[0],
     }
+    if quick:
+        cases.pop("prolong-sample")
+    backend = get_backend(backend_name, dev, torch.bfloat16)
     records = []
     for case, lens in cases.items():
         pieces = linear_layout(lens, world)
@@ -67,7 +73,7 @@ def exact(out_dir: str) -> int:
         doc_start = np.r_[0, np.cumsum(lens)[:-1]]
         rows = torch.as_tensor(np.concatenate([np.arange(doc_start[p.doc_id] + p.start, doc_start[p.doc_id] + p.end)
                                                for p in pieces[rank]]), device=dev)
-        for n_q, n_kv in ((32, 8), (16, 16)):
+        for n_q, n_kv in ((32, 8),) if quick else ((32, 8), (16, 16)):
             q, k, v, dout = doc_tensors(lens, (n_q, n_kv, n_kv, n_q), 128, zlib.crc32(case.encode()) + n_q, dev)
             # Reference: whole documents, float32, reference backend, autograd.
             cu = torch.as_tensor(np.r_[0, np.cumsum(lens)], dtype=torch.int32, device=dev)
@@ -80,7 +86,7 @@ def exact(out_dir: str) -> int:
                 plan = plan_attention(table, strategy, shape=AttentionShape(n_q, n_kv, 128, 2))
                 ql, kl, vl = (t[rows].clone().requires_grad_(True) for t in (q, k, v))
                 comm_stats.reset()
-                out = core_attention(ql, kl, vl, plan)
+                out = core_attention(ql, kl, vl, plan, backend=backend)
                 out.backward(dout[rows])
                 torch.cuda.synchronize()
                 errs = {"out": rel_err(out, ref["out"]), "dq": rel_err(ql.grad, ref["dq"]),
@@ -101,8 +107,9 @@ def exact(out_dir: str) -> int:
         flat = [r for recs in gathered for r in recs]
         with open(os.path.join(out_dir, f"runtime_exact_{world}gpu.json"), "w") as f:
             json.dump({"world": world, "torch": torch.__version__, "device": torch.cuda.get_device_name(),
-                       "tolerance": TOLERANCE, "ok": ok, "records": flat}, f, indent=1)
-        print(f"\nexactness on {world} GPUs (bf16 vs float32 reference, worst over ranks):")
+                       "backend": backend.name, "quick": quick, "tolerance": TOLERANCE, "ok": ok, "records": flat},
+                      f, indent=1)
+        print(f"\nexactness on {world} GPUs, {backend.name} backend (bf16 vs float32 reference, worst over ranks):")
         print(f"{'case':16s} {'heads':6s} {'strategy':8s} {'out':>8s} {'dq':>8s} {'dk':>8s} {'dv':>8s}  bytes=plan")
         keys = sorted({(r["case"], r["heads"], r["strategy"]) for r in flat})
         for key in keys:
@@ -119,7 +126,7 @@ def median_ms(fn, warmup=2, iters=7) -> float:
     return 1e3 * cuda_median_s(fn, warmup=warmup, reps=iters)
 
 
-def time_call(backend, q, k, v, cu_q, cu_k, max_q, max_k):
+def time_call(backend, q, k, v, cu_q, cu_k, max_q, max_k, iters=7):
     """(forward ms, forward+backward ms) of one kernel call."""
     def fwd():
         return backend.forward(q, k, v, cu_q, cu_k, max_q, max_k)
@@ -131,51 +138,54 @@ def time_call(backend, q, k, v, cu_q, cu_k, max_q, max_k):
         o, l = backend.forward(q, k, v, cu_q, cu_k, max_q, max_k)
         backend.backward(dout, q, k, v, o, l, cu_q, cu_k, max_q, max_k)
 
-    return median_ms(fwd), median_ms(fwd_bwd)
+    return median_ms(fwd, iters=iters), median_ms(fwd_bwd, iters=iters)
 
 
-def fused(out_dir: str) -> int:
+def fused(out_dir: str, backend_name: str, quick: bool) -> int:
     dev = torch.device("cuda")
-    backend = get_backend("flash", dev)
+    backend = get_backend(backend_name, dev, torch.bfloat16)
     n_q, n_kv, dim = 32, 8, 128
-    servers, tokens = 4, 128 * 1024
+    servers, tokens = 4, (32 if quick else 128) * 1024
+    iters = 3 if quick else 7
+    batches = [("prolong", 0)] if quick else [(name, seed) for name in ("prolong", "pretrain") for seed in range(2)]
     results = []
-    for dist_name in ("prolong", "pretrain"):
-        for seed in range(2):
-            lens = sample_batches(dist_name, servers * tokens, 1, seed)[0]
-            q, k, v = doc_tensors(lens, (n_q, n_kv, n_kv), dim, seed, dev)
-            cu = torch.as_tensor(np.r_[0, np.cumsum(lens)], dtype=torch.int32, device=dev)
-            pairs_total = int(sum(causal_pairs(0, L) for L in lens))
-            whole_f, whole_fb = time_call(backend, q, k, v, cu, cu, max(lens), max(lens))
-            plan = plan_attention(linear_layout(lens, servers), "cad")
-            doc_start = np.r_[0, np.cumsum(lens)[:-1]]
-            fused_f = fused_fb = 0.0
-            for s in range(servers):
-                g, n, b = plan.kernel_segments(s)  # the segments of the runtime's kernel call
-                a = b - n
-                qrows = np.concatenate([np.arange(doc_start[d] + x, doc_start[d] + y) for d, x, y in zip(g, a, b)])
-                krows = np.concatenate([np.arange(doc_start[d], doc_start[d] + y) for d, y in zip(g, b)])
-                qi = torch.as_tensor(qrows, device=dev)
-                ki = torch.as_tensor(krows, device=dev)
-                cu_q = torch.as_tensor(np.r_[0, np.cumsum(b - a)], dtype=torch.int32, device=dev)
-                cu_k = torch.as_tensor(np.r_[0, np.cumsum(b)], dtype=torch.int32, device=dev)
-                f, fb = time_call(backend, q[qi], k[ki], v[ki], cu_q, cu_k, int((b - a).max()), int(b.max()))
-                fused_f += f
-                fused_fb += fb
-            flops_f = float(attention_flops(pairs_total, n_q, dim, "fwd"))
-            flops_fb = float(attention_flops(pairs_total, n_q, dim, "fwd+bwd"))
-            rec = dict(dist=dist_name, seed=seed, servers=servers, tokens_per_server=tokens, num_docs=len(lens),
-                       max_doc=max(lens), num_shards=plan.num_tasks, min_shard=int(plan.task_len.min()),
-                       whole_fwd_tflops=flops_f / whole_f / 1e9, whole_fwdbwd_tflops=flops_fb / whole_fb / 1e9,
-                       fused_fwd_tflops=flops_f / fused_f / 1e9, fused_fwdbwd_tflops=flops_fb / fused_fb / 1e9)
-            rec["ratio_fwd"] = rec["fused_fwd_tflops"] / rec["whole_fwd_tflops"]
-            rec["ratio_fwdbwd"] = rec["fused_fwdbwd_tflops"] / rec["whole_fwdbwd_tflops"]
-            results.append(rec)
-            del q, k, v
-            torch.cuda.empty_cache()
+    for dist_name, seed in batches:
+        lens = sample_batches(dist_name, servers * tokens, 1, seed)[0]
+        q, k, v = doc_tensors(lens, (n_q, n_kv, n_kv), dim, seed, dev)
+        cu = torch.as_tensor(np.r_[0, np.cumsum(lens)], dtype=torch.int32, device=dev)
+        pairs_total = int(sum(causal_pairs(0, L) for L in lens))
+        whole_f, whole_fb = time_call(backend, q, k, v, cu, cu, max(lens), max(lens), iters)
+        plan = plan_attention(linear_layout(lens, servers), "cad")
+        doc_start = np.r_[0, np.cumsum(lens)[:-1]]
+        fused_f = fused_fb = 0.0
+        for s in range(servers):
+            g, n, b = plan.kernel_segments(s)  # the segments of the runtime's kernel call
+            a = b - n
+            qrows = np.concatenate([np.arange(doc_start[d] + x, doc_start[d] + y) for d, x, y in zip(g, a, b)])
+            krows = np.concatenate([np.arange(doc_start[d], doc_start[d] + y) for d, y in zip(g, b)])
+            qi = torch.as_tensor(qrows, device=dev)
+            ki = torch.as_tensor(krows, device=dev)
+            cu_q = torch.as_tensor(np.r_[0, np.cumsum(b - a)], dtype=torch.int32, device=dev)
+            cu_k = torch.as_tensor(np.r_[0, np.cumsum(b)], dtype=torch.int32, device=dev)
+            f, fb = time_call(backend, q[qi], k[ki], v[ki], cu_q, cu_k, int((b - a).max()), int(b.max()), iters)
+            fused_f += f
+            fused_fb += fb
+        flops_f = float(attention_flops(pairs_total, n_q, dim, "fwd"))
+        flops_fb = float(attention_flops(pairs_total, n_q, dim, "fwd+bwd"))
+        rec = dict(dist=dist_name, seed=seed, servers=servers, tokens_per_server=tokens, num_docs=len(lens),
+                   max_doc=max(lens), num_shards=plan.num_tasks, min_shard=int(plan.task_len.min()),
+                   whole_fwd_tflops=flops_f / whole_f / 1e9, whole_fwdbwd_tflops=flops_fb / whole_fb / 1e9,
+                   fused_fwd_tflops=flops_f / fused_f / 1e9, fused_fwdbwd_tflops=flops_fb / fused_fb / 1e9)
+        rec["ratio_fwd"] = rec["fused_fwd_tflops"] / rec["whole_fwd_tflops"]
+        rec["ratio_fwdbwd"] = rec["fused_fwdbwd_tflops"] / rec["whole_fwdbwd_tflops"]
+        results.append(rec)
+        del q, k, v
+        torch.cuda.empty_cache()
     with open(os.path.join(out_dir, "runtime_fused.json"), "w") as f:
-        json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
-    print(f"\nfused CA-task calls vs whole documents ({servers} servers x {tokens} tokens, 32/8 heads x 128, bf16), TFLOP/s:")
+        json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(), "backend": backend.name,
+                   "quick": quick, "results": results}, f, indent=1)
+    print(f"\nfused CA-task calls vs whole documents, {backend.name} backend ({servers} servers x {tokens} tokens, "
+          "32/8 heads x 128, bf16), TFLOP/s:")
     print(f"{'dist':9s} {'seed':>4s} {'docs':>5s} {'shards':>6s} {'whole f':>8s} {'fused f':>8s} {'ratio':>6s} {'whole fb':>9s} {'fused fb':>9s} {'ratio':>6s}")
     for r in results:
         print(f"{r['dist']:9s} {r['seed']:4d} {r['num_docs']:5d} {r['num_shards']:6d} {r['whole_fwd_tflops']:8.1f} "
@@ -188,9 +198,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("mode", choices=("exact", "fused"))
     parser.add_argument("--out", default=".")
+    parser.add_argument("--attention-backend", default="auto", choices=("auto", "fa4", "flash"),
+                        help="the kernel backend (default auto: fa4 where it runs, else flash)")
+    parser.add_argument("--quick", action="store_true", help="smaller cases and fewer repeats: under 2 minutes")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    return exact(args.out) if args.mode == "exact" else fused(args.out)
+    run = exact if args.mode == "exact" else fused
+    return run(args.out, args.attention_backend, args.quick)
 
 
 if __name__ == "__main__":

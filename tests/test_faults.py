@@ -209,7 +209,8 @@ def test_the_command_line_starts_without_torch():
     (("plan", "--tokens-per-server", "abc"), "--tokens-per-server"),
     (("train", "--bogus"), "--bogus"),
     (("train", "--config", "configs/demo-cpu.yaml", "--data", "text", "--data-path", "/no/such/dir"), "data_path="),
-    (("train", "--config", "configs/demo-cpu.yaml", "--kernel", "flash"), "kernel='flash'"),
+    (("train", "--config", "configs/demo-cpu.yaml", "--attention-backend", "fa4"), "attention_backend='fa4'"),
+    (("train", "--config", "configs/demo-cpu.yaml", "--kernel", "flash"), "attention_backend='flash'"),  # its old name
 ])
 def test_command_line_errors_are_one_line_naming_what_was_typed(args, typed):
     out = _cli(*args)

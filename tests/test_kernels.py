@@ -169,7 +169,7 @@ def test_autograd_wrapper_gradcheck_float64():
 
 
 def test_get_backend():
-    assert BACKENDS == ("reference", "flash")
+    assert BACKENDS == ("reference", "flash", "fa4")
     assert get_backend(None, "cpu").name == "reference"
     assert get_backend("reference", torch.device("cpu")) is reference.BACKEND
     assert isinstance(get_backend("reference", "cpu"), Backend)

@@ -246,7 +246,7 @@ def test_profile_table_round_trips_through_tablecost_and_sim_costs():
     linear = {"llama3-8b": linear_entry(fake_layer, lin_cfg, (2048, 8192), lambda phase: 0.01, 4096)}
     fake_coll = lambda kind, b: 20e-6 + b * 7 / 8 / 200e9 if kind == "all_to_all" else 30e-6 + b * 7 / 300e9  # noqa: E731
     comm = comm_entry(fake_coll, 8, (2**16, 2**20, 2**24))
-    obj = json.loads(json.dumps(assemble(att, opts, linear=linear, comm=comm, device={"name": "FakeGPU"},
+    obj = json.loads(json.dumps(assemble({"flash": att}, opts, linear=linear, comm=comm, device={"name": "FakeGPU"},
                                          meta={"torch": "x"})))
 
     for phase in ("fwd", "fwd+bwd"):
@@ -287,8 +287,9 @@ def test_profile_measuring_code_runs_on_cpu_with_reference_backend():
     opts = ProfileOptions(q_grid=(16, 32), k_grid=(16, 32, 64), q_measure_max=32, target_q_tokens=64, max_kv_tokens=256,
                           n_q_heads=2, n_kv_heads=1, head_dim=16, min_time_s=0.0, max_reps=3)
     bench = AttentionBench(opts, "cpu", backend_name="reference", timer=wall_median, dtype=torch.float32)
-    obj = assemble(attention_table(bench, opts), opts, device={"name": "cpu"})
-    assert TableCost.from_json(obj, "fwd").tflops.shape == (2, 3)
+    obj = assemble({"reference": attention_table(bench, opts)}, opts, device={"name": "cpu"})
+    assert TableCost.from_json(obj, "fwd", "reference").tflops.shape == (2, 3)
+    assert obj["backends"]["reference"]["source"] == "attnpool profile: reference varlen, bf16, on cpu"
     tiny = model_config("tiny")
     layer, head = linear_measures(tiny, "cpu", replace(opts, head_tokens=32), timer=wall_median, dtype=torch.float32)
     entry = linear_entry(layer, tiny, (32, 64), head, 32)

@@ -41,7 +41,7 @@ from attnpool.bench.memory import MemoryRecorder, breakdown_markdown
 from attnpool.comm import process_group
 from attnpool.comm.all_to_all import tiny_messages
 from attnpool.data.lengths import DISTRIBUTIONS
-from attnpool.errors import ConfigError
+from attnpool.errors import ConfigError, TrainingError
 from attnpool.kernels.sparse import device_problem as sparse_device_problem
 from attnpool.model import model_config
 from attnpool.sizes import parse_size
@@ -52,6 +52,10 @@ from attnpool.train.loop import train, use_growable_segments
 TRACE_STEPS = 2  # profiled after the measured steps: one warm-up step of the profiler, one recorded
 H200_BF16_PEAK_TFLOPS = 989.0  # dense, datasheet: the MFU denominator
 LOSS_TOLERANCE = 0.02
+# Another process's memory on a GPU at start: a benchmark's timings and peaks would be another run's too.
+# (A CUDA context and NCCL's buffers of this process stay well under it.)
+FOREIGN_GPU_MEMORY_LIMIT = 4 * 2**30
+IDLE_GPU_POLLS, IDLE_GPU_POLL_S = 24, 5.0
 
 
 CHECKPOINTING_TEXT = {"keep_attention": "of the linear parts", "full": "of whole layers", "none": "off"}
@@ -235,6 +239,7 @@ def _run_all(args: argparse.Namespace, configs: list, strategies: list, cuda: bo
     rank, world = dist.get_rank(), dist.get_world_size()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        wait_for_idle_gpus()
     cfg = model_config(args.model, n_layers=args.layers)
     t0 = time.perf_counter()
     records, skipped = [], []
@@ -274,6 +279,26 @@ def _run_all(args: argparse.Namespace, configs: list, strategies: list, cuda: bo
     if rank == 0:
         finish(records, skipped, args, world, cfg)
     shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def wait_for_idle_gpus(polls: int = IDLE_GPU_POLLS, poll_s: float = IDLE_GPU_POLL_S) -> None:
+    """Wait until no rank's GPU holds more than FOREIGN_GPU_MEMORY_LIMIT of other processes' memory (say the
+    workers of a benchmark killed a moment ago, still exiting), or refuse on every rank after ``polls``.
+    Every rank polls the same number of times and decides on the same all-reduced figure, so none waits
+    in a collective for one that gave up."""
+    for poll in range(polls + 1):
+        free, total = torch.cuda.mem_get_info()
+        foreign = torch.tensor([total - free - torch.cuda.memory_reserved()], dtype=torch.float64, device="cuda")
+        dist.all_reduce(foreign, op=dist.ReduceOp.MAX)
+        if foreign.item() <= FOREIGN_GPU_MEMORY_LIMIT:
+            return
+        if poll == 0 and dist.get_rank() == 0:
+            print(f"waiting for the GPUs: up to {foreign.item() / 2**30:.1f} GiB in use by other processes",
+                  flush=True)
+        if poll < polls:
+            time.sleep(poll_s)
+    raise TrainingError(f"a GPU still holds {foreign.item() / 2**30:.1f} GiB of other processes' memory after "
+                        f"{polls * poll_s:.0f} s (see nvidia-smi): measurements would not be this run's alone")
 
 
 def _add_memory_breakdown(rec: dict, report: dict | None, out: str, tag: str) -> None:

@@ -1,11 +1,14 @@
 """``attnpool profile``: measure the cost table the simulator and the planner read, on the GPU at hand.
 
 One JSON file per GPU type, in the cost-table format :class:`TableCost` reads
-(``q_grid``, ``k_grid``, ``tables.fwd/fwd+bwd.tflops``, ``n_q_heads``, ``head_dim``)
-plus sections the simulator reads:
+(``q_grid``, ``k_grid``, ``tables.fwd/fwd+bwd.tflops``, ``n_q_heads``, ``head_dim``), one
+table per kernel backend measured (``--attention-backend``): the flash backend's at the top
+level, where every reader before per-backend tables looks, the others' under
+``backends.NAME`` (see :func:`attnpool.plan.cost.backend_table`); plus sections the
+simulator reads:
 
 - ``attention``: how the table was measured. For every grid point (query-shard
-  length q, prefix length k >= q), one call of the ``flash`` backend runs n
+  length q, prefix length k >= q), one call of the kernel backend runs n
   equal CA-tasks (bottom-right causal, q queries over k keys each) fused in one
   varlen batch, n chosen to fill the GPU (about ``target_q_tokens`` query
   tokens) within a KV memory budget and a FLOP cap per call; median of CUDA
@@ -43,7 +46,7 @@ from typing import Callable
 import numpy as np
 
 from attnpool.errors import ConfigError
-from attnpool.plan.cost import PHASES, attention_flops
+from attnpool.plan.cost import PHASES, TOP_LEVEL_BACKEND, attention_flops
 from attnpool.plan.documents import causal_pairs
 
 FORMAT = "attnpool-cost-table/1"
@@ -214,18 +217,25 @@ def comm_entry(measure: Callable[[str, int], float], world: int, sizes: tuple, b
 
 def assemble(attention: dict, opts: ProfileOptions, *, linear: dict | None = None, comm: dict | None = None,
              device: dict | None = None, meta: dict | None = None, base: dict | None = None) -> dict:
-    """The profile JSON: a cost table TableCost.from_json reads, plus linear, comm, device sections.
+    """The profile JSON: cost tables TableCost.from_json reads, plus linear, comm, device sections.
 
-    ``base``: an earlier profile whose sections are kept where this run measured nothing.
+    ``attention``: the :func:`attention_table` of each kernel backend measured, by backend name.
+    ``base``: an earlier profile whose sections (other backends' tables among them) are kept where
+    this run measured nothing.
     """
     obj = dict(base or {})
-    if attention:
-        obj.update({
-            "format": FORMAT,
-            "source": f"attnpool profile: flash varlen, bf16, on {(device or {}).get('name', 'unknown device')}",
+    for backend, table in attention.items():
+        section = {
+            "source": f"attnpool profile: {backend} varlen, bf16, on {(device or {}).get('name', 'unknown device')}",
             "n_q_heads": opts.n_q_heads, "n_kv_heads": opts.n_kv_heads, "head_dim": opts.head_dim,
-            "dtype": "bfloat16", **attention,
-        })
+            "dtype": "bfloat16", **table,
+        }
+        if backend == TOP_LEVEL_BACKEND:
+            obj.update(section)
+        else:
+            obj["backends"] = {**obj.get("backends", {}), backend: section}
+    if attention:
+        obj["format"] = FORMAT
     if linear:
         merged = dict((obj.get("linear") or {}).get("models", {}))
         merged.update(linear)
@@ -412,10 +422,15 @@ def device_info() -> dict:
 
 
 def run_profile(opts: ProfileOptions, parts: tuple = ("attention", "linear", "comm"), *, base: dict | None = None,
-                command: str = "", log: Callable[[str], None] = print) -> dict | None:
-    """Measure on this GPU (and, under torchrun, the collectives). Returns the profile on rank 0, None elsewhere."""
+                command: str = "", log: Callable[[str], None] = print,
+                attention_backends: tuple = ("auto",)) -> dict | None:
+    """Measure on this GPU (and, under torchrun, the collectives). Returns the profile on rank 0, None elsewhere.
+
+    ``attention_backends``: the kernel backends whose tables to measure ("auto": the one attnpool train
+    would pick here)."""
     import torch
 
+    from attnpool.kernels import resolve_backend_name
     from attnpool.model.config import model_config
 
     opts.check()
@@ -427,6 +442,9 @@ def run_profile(opts: ProfileOptions, parts: tuple = ("attention", "linear", "co
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     device = torch.device("cuda", local)
+    # Refused before any collective: a backend that cannot run here (fa4 without flash_attn.cute, ...).
+    backends = dict.fromkeys(resolve_backend_name(name, device, torch.bfloat16, field="--attention-backend")
+                             for name in attention_backends) if "attention" in parts else {}
     comm = None
     if world > 1:
         from attnpool.comm import process_group
@@ -441,16 +459,16 @@ def run_profile(opts: ProfileOptions, parts: tuple = ("attention", "linear", "co
     elif "comm" in parts:
         log("one GPU: collectives skipped (run under torchrun with several GPUs to measure them)")
     attention = {}
-    if "attention" in parts:
-        bench = AttentionBench(opts, device)
-        log(f"core attention: {len(attention_points(opts))} (q, k) points, fwd and fwd+bwd ...")
+    for backend in backends:
+        bench = AttentionBench(opts, device, backend_name=backend)
+        log(f"core attention, {backend} backend: {len(attention_points(opts))} (q, k) points, fwd and fwd+bwd ...")
 
         def progress(i, n, row):
             if i % 10 == 0 or i == n:
                 log(f"  [{i}/{n}] q={row['q']} k={row['k']} x{row['tasks']}: fwd {row['fwd_tflops']:.0f}, "
                     f"fwd+bwd {row['fwd+bwd_tflops']:.0f} TFLOP/s")
 
-        attention = attention_table(bench, opts, progress)
+        attention[backend] = attention_table(bench, opts, progress)
         del bench
         torch.cuda.empty_cache()
     linear = {}

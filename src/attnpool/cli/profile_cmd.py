@@ -14,6 +14,8 @@ from attnpool.errors import ConfigError
 from attnpool.model.config import MODEL_PRESETS
 
 PARTS = ("attention", "linear", "comm")
+# "auto" and the GPU kernels of attnpool.kernels.BACKENDS (this module starts without torch).
+PROFILED_BACKENDS = ("auto", "flash", "fa4")
 
 
 def add_parser(sub) -> None:
@@ -26,6 +28,10 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="llama3-8b",
                    help=f"model preset(s) whose linear layers to time, comma-separated: {', '.join(MODEL_PRESETS)} (default llama3-8b)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"what to measure, comma-separated from {','.join(PARTS)} (default all)")
+    p.add_argument("--attention-backend", default="auto",
+                   help="the kernel backend(s) whose core-attention table to measure, comma-separated from auto, "
+                        "flash, fa4 (default auto: fa4 where flash_attn.cute runs on this sm90+ GPU, else flash); "
+                        "flash's table goes to the file's top level, the others' under backends.NAME")
     p.add_argument("--base", help="an earlier profile JSON: keep its sections where this run measures nothing (merge)")
     p.add_argument("--quick", action="store_true", help="a tiny grid: a smoke test in seconds, not a usable table")
     p.add_argument("--q-max", type=int, default=None, help="largest query-shard length measured (default 16384; larger rows are filled)")
@@ -58,8 +64,14 @@ def run(args: argparse.Namespace) -> int:
     if out.parent and not out.parent.exists():
         raise ConfigError("--out", args.out, "its directory does not exist")
     argv = sys.argv[sys.argv.index("profile"):] if "profile" in sys.argv else ["profile"]
+    backends = tuple(x for x in args.attention_backend.split(",") if x)
+    if not backends:
+        raise ConfigError("--attention-backend", args.attention_backend, f"name one of {', '.join(PROFILED_BACKENDS)}")
+    for name in backends:
+        if name not in PROFILED_BACKENDS:
+            raise ConfigError("--attention-backend", name, f"unknown; choose from {', '.join(PROFILED_BACKENDS)}")
     profile = run_profile(opts, parts, base=base, command="attnpool " + shlex.join(argv),
-                          log=lambda s: print(s, file=sys.stderr, flush=True))
+                          log=lambda s: print(s, file=sys.stderr, flush=True), attention_backends=backends)
     if profile is None:  # not rank 0 under torchrun
         return 0
     out.write_text(json.dumps(profile, indent=1))

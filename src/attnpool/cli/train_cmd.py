@@ -24,23 +24,23 @@ def add_parser(sub) -> None:
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     """--config and one flag per TrainConfig key (what ``attnpool train`` takes; ``attnpool memory`` too)."""
-    from attnpool.train.config import FIELDS, field_kind
+    from attnpool.train.config import ALIASES, FIELDS, field_kind
 
     p.add_argument("--config", metavar="FILE.yaml", help="run config (a YAML mapping of the keys below)")
     for name, f in FIELDS.items():
-        flag = "--" + name.replace("_", "-")
+        flags = ["--" + key.replace("_", "-") for key in (name, *(a for a, (k, _) in ALIASES.items() if k == name))]
         kind = field_kind(f)
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         help_text = f.metadata.get("help", "")
         if "(default:" not in help_text:  # some fields say what their None default means
             help_text += f" (default: {default})"
         if kind == "bool":
-            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            p.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif kind == "dict":
-            p.add_argument(flag, dest=name, nargs="+", metavar="KEY=VALUE", default=None, help=help_text)
+            p.add_argument(*flags, dest=name, nargs="+", metavar="KEY=VALUE", default=None, help=help_text)
         else:
             # Kept as text: the config reads numbers (3e-4, 4K) and 'none' itself.
-            p.add_argument(flag, dest=name, metavar=kind.upper(), default=None, help=help_text)
+            p.add_argument(*flags, dest=name, metavar=kind.upper(), default=None, help=help_text)
 
 
 def _key_values(field: str, items: list[str]) -> dict:

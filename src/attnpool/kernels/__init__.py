@@ -1,7 +1,7 @@
 """Core attention backends behind one contract (see kernels.base).
 
     out, lse = attention(q, k, v, cu_q, cu_k, max_q, max_k)   # differentiable
-    backend = get_backend("flash", device)                     # explicit pair
+    backend = get_backend("fa4", device)                       # explicit pair
     out, lse = backend.forward(q, k, v, cu_q, cu_k, max_q, max_k)
     dq, dk, dv = backend.backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k)
 """
@@ -11,25 +11,48 @@ from __future__ import annotations
 import torch
 
 from attnpool.errors import ConfigError
-from attnpool.kernels import flash, reference
-from attnpool.kernels.base import Backend
+from attnpool.kernels import fa4, flash, reference
+from attnpool.kernels.base import HALF_DTYPES, Backend
 
-BACKENDS = ("reference", "flash")
+BACKENDS = ("reference", "flash", "fa4")
+_MODULES = {"reference": reference, "flash": flash, "fa4": fa4}
 
-__all__ = ["BACKENDS", "Backend", "attention", "get_backend"]
+__all__ = ["BACKENDS", "Backend", "attention", "auto_backend_name", "backend_problem", "get_backend",
+           "resolve_backend_name"]
 
 
-def get_backend(name: str | None, device) -> Backend:
-    """The backend called `name`; None picks flash on CUDA and reference elsewhere."""
-    device = torch.device(device)
-    if name is None:
-        name = "flash" if device.type == "cuda" else "reference"
+def backend_problem(name: str, device) -> str | None:
+    """Why backend `name` cannot run on `device`, or None where it can (the reference runs anywhere)."""
     if name == "reference":
-        return reference.BACKEND
-    if name == "flash":
-        flash.check_available(device)
-        return flash.BACKEND
-    raise ConfigError("backend", name, f"unknown attention backend; choose one of {', '.join(BACKENDS)}")
+        return None
+    return _MODULES[name].problem(device)
+
+
+def auto_backend_name(device, dtype: torch.dtype | None = None) -> str:
+    """What "auto" means: on CUDA for fp16/bf16 (or any dtype, with none given), fa4 where it runs
+    (importable, sm90+), else flash; the reference elsewhere (the CPU, float32 on CUDA)."""
+    device = torch.device(device)
+    if device.type != "cuda" or (dtype is not None and dtype not in HALF_DTYPES):
+        return "reference"
+    return "fa4" if fa4.problem(device) is None else "flash"
+
+
+def resolve_backend_name(name: str | None, device, dtype: torch.dtype | None = None, *, field: str = "backend") -> str:
+    """The backend `name` ("auto" or None: auto_backend_name) stands for on `device`; ConfigError naming
+    `field` where it is unknown or cannot run here."""
+    if name is None or name == "auto":
+        return auto_backend_name(device, dtype)
+    if name not in BACKENDS:
+        raise ConfigError(field, name, f"unknown attention backend; choose auto or one of {', '.join(BACKENDS)}")
+    why = backend_problem(name, device)
+    if why is not None:
+        raise ConfigError(field, name, f"the {name} backend cannot run here: {why}")
+    return name
+
+
+def get_backend(name: str | None, device, dtype: torch.dtype | None = None) -> Backend:
+    """The backend called `name`, checked to run on `device`; None or "auto" picks as auto_backend_name."""
+    return _MODULES[resolve_backend_name(name, device, dtype)].BACKEND
 
 
 class _Attention(torch.autograd.Function):
@@ -56,8 +79,8 @@ def attention(q, k, v, cu_q, cu_k, max_q, max_k, *, backend: str | Backend | Non
     """Causal varlen attention (bottom-right per segment), differentiable in q, k, v.
 
     Returns (out, lse); lse is (H_q, T_q) float32 and not differentiable.
-    `backend` is a name from BACKENDS, a Backend, or None to follow q's device.
+    `backend` is a name from BACKENDS, a Backend, or None (or "auto") to follow q's device and dtype.
     """
     if not isinstance(backend, Backend):
-        backend = get_backend(backend, q.device)
+        backend = get_backend(backend, q.device, q.dtype)
     return _Attention.apply(q, k, v, cu_q, cu_k, max_q, max_k, backend, scale)

@@ -57,6 +57,24 @@ def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+# The dtypes the FlashAttention kernels (flash, fa4) take.
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def check_half_inputs(q, k, v, cu_q, cu_k, backend: str) -> None:
+    """check_inputs, and a dtype the FlashAttention kernels take."""
+    check_inputs(q, k, v, cu_q, cu_k)
+    if q.dtype not in HALF_DTYPES:
+        raise ConfigError("dtype", q.dtype, f"the {backend} backend takes float16 or bfloat16; "
+                          "cast the inputs or use backend='reference'")
+
+
+def no_key_forward(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of a call with no query or no key: every row sees no key."""
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    return torch.zeros_like(q), lse
+
+
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  cu_q: torch.Tensor, cu_k: torch.Tensor) -> None:
     """Refuse inputs whose shapes break the contract.

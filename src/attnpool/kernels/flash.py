@@ -31,9 +31,7 @@ from typing import NamedTuple
 import torch
 
 from attnpool.errors import ConfigError
-from attnpool.kernels.base import Backend, check_inputs, last_dim_contiguous
-
-FLASH_DTYPES = (torch.float16, torch.bfloat16)
+from attnpool.kernels.base import Backend, check_half_inputs, last_dim_contiguous, no_key_forward
 
 # The leading arguments of torch_attn::_varlen_attn_backward that we pass, in order.
 _BACKWARD_ARGUMENTS = (
@@ -88,21 +86,22 @@ def backward_path() -> str:
     return "direct op" if _backward_op() is not None else "recompute"
 
 
-def check_available(device) -> None:
-    """Refuse with ConfigError unless the flash backend can run on `device`."""
+def problem(device) -> str | None:
+    """Why the flash backend cannot run on `device`, or None where it can."""
     device = torch.device(device)
     if device.type != "cuda":
-        raise ConfigError("backend", "flash", f"needs a CUDA device, got {device}")
-    _varlen()
+        return f"needs a CUDA device, got {device}"
+    try:
+        _varlen()
+    except ConfigError as error:
+        return error.problem
+    return None
 
 
 def _check_flash_inputs(q, k, v, cu_q, cu_k, scale) -> None:
-    check_inputs(q, k, v, cu_q, cu_k)
+    check_half_inputs(q, k, v, cu_q, cu_k, "flash")
     if not q.is_cuda:
         raise ConfigError("backend", "flash", f"needs CUDA tensors, got {q.device}")
-    if q.dtype not in FLASH_DTYPES:
-        raise ConfigError("dtype", q.dtype, "the flash backend takes float16 or bfloat16; "
-                          "cast the inputs or use backend='reference'")
     if scale is not None and not _varlen().has_scale:
         raise ConfigError("scale", scale, f"varlen_attn of torch {torch.__version__} has no scale")
 
@@ -126,9 +125,7 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None):
     """Causal varlen attention; returns (out, lse) per the kernels contract."""
     _check_flash_inputs(q, k, v, cu_q, cu_k, scale)
     if q.shape[0] == 0 or k.shape[0] == 0:
-        # Nothing to attend to: every row sees no key.
-        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
-        return torch.zeros_like(q), lse
+        return no_key_forward(q)
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     out, lse = _run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale)
     return out, lse.masked_fill(lse == float("inf"), float("-inf"))

@@ -9,10 +9,17 @@ Two models, one interface (``cost(a, b) -> float64 array``, vectorised):
   It knows that small shards and short documents run the kernel below its peak,
   which pair counts alone do not. The schedulers use it by default.
 
+The rate curve is the kernel's, so a cost-table JSON keeps one table per kernel backend
+(attnpool.kernels: flash, fa4, ...) under ``backends``; a table at the top level of the file
+(every file written before tables were kept per backend) is the flash backend's. A backend
+without a table of its own is costed with flash's, and the TableCost says so (``backend``,
+``source``): the pair counts are the same, only the rate curve is another kernel's.
+
 The default table (``resources/cost_h200.json``) was measured on an H200 by
 ``attnpool profile`` (bench/results/2026-11-21-h200-profile.md has the command); it
 agrees with our earlier FlashAttention-2 measurements, which
-:func:`build_h200_default_table` reproduces, within a few percent.
+:func:`build_h200_default_table` reproduces, within a few percent. It holds the flash
+backend's table only.
 """
 
 from __future__ import annotations
@@ -34,6 +41,37 @@ FWD_FLOPS_PER_PAIR_PER_HEAD_DIM = 4.0
 # Backward is about 2.5x the forward FLOPs.
 BWD_TO_FWD_FLOPS = 2.5
 PHASES = ("fwd", "fwd+bwd")
+# The backend of a table at a file's top level that names none (files before per-backend tables).
+TOP_LEVEL_BACKEND = "flash"
+# What a table is made of, in a file's top level or under backends.NAME.
+TABLE_KEYS = ("source", "n_q_heads", "n_kv_heads", "head_dim", "dtype", "phase", "q_grid", "k_grid", "tables",
+              "tflops", "attention")
+
+
+def backend_tables(obj: dict) -> dict:
+    """Every kernel backend's table in a cost-table JSON object, by backend name: those under ``backends``,
+    and the one at the top level (the ``backend`` it names, else flash)."""
+    if not isinstance(obj, dict):
+        return {}
+    tables = dict(obj.get("backends") or {})
+    top = str(obj.get("backend", TOP_LEVEL_BACKEND))  # TableCost.to_json names it
+    if top not in tables and any(key in obj for key in ("q_grid", "k_grid", "tables", "tflops")):
+        tables[top] = {key: obj[key] for key in TABLE_KEYS if key in obj}
+    return tables
+
+
+def backend_table(obj: dict, backend: str = TOP_LEVEL_BACKEND) -> tuple[dict, str]:
+    """(the table, the backend it was measured with) that costs ``backend``'s kernel: its own where the
+    file has one, else flash's (ConfigError where the file has neither)."""
+    tables = backend_tables(obj)
+    for name in (backend, TOP_LEVEL_BACKEND):
+        if name in tables:
+            if not isinstance(tables[name], dict):
+                raise ConfigError("cost_table", f"backends.{name}", "must be a JSON object (a cost table)")
+            return tables[name], name
+    raise ConfigError("cost_table", ", ".join(sorted(tables)) or "no table",
+                      f"has no kernel table for the {backend} backend, nor flash's to stand in; measure one with "
+                      f"attnpool profile --attention-backend {backend}")
 
 
 def doc_costs(cost_model):
@@ -80,6 +118,7 @@ class TableCost:
     head_dim: int
     phase: str = "fwd+bwd"
     source: str = ""
+    backend: str = TOP_LEVEL_BACKEND  # the kernel backend whose measurements these are
 
     name = "table"
     unit = "s"
@@ -143,6 +182,7 @@ class TableCost:
         return {
             "format": "attnpool-cost-table/1",
             "source": self.source,
+            "backend": self.backend,
             "n_q_heads": self.n_q_heads,
             "head_dim": self.head_dim,
             "phase": self.phase,
@@ -152,10 +192,12 @@ class TableCost:
         }
 
     @classmethod
-    def from_json(cls, obj: dict, phase: str | None = None) -> "TableCost":
-        """Load a table. A file may hold several phases under ``tables``; pick one."""
+    def from_json(cls, obj: dict, phase: str | None = None, backend: str = TOP_LEVEL_BACKEND) -> "TableCost":
+        """Load the table that costs ``backend``'s kernel (see backend_table). A table may hold several
+        phases under ``tables``; pick one."""
         if not isinstance(obj, dict):
             raise ConfigError("cost_table", type(obj).__name__, "must be a JSON object")
+        obj, measured_with = backend_table(obj, backend)
         missing = [f for f in ("q_grid", "k_grid", "n_q_heads", "head_dim") if f not in obj]
         if "tables" in obj:
             phase = phase or "fwd+bwd"
@@ -182,11 +224,15 @@ class TableCost:
                 or not np.all(np.isfinite(t)) or np.any(t <= 0) or np.any(q < 1) or np.any(k < 1) \
                 or np.any(np.diff(q) <= 0) or np.any(np.diff(k) <= 0):
             raise ConfigError("cost_table", f"shape {t.shape}", "tflops must be positive and finite with shape (len(q_grid), len(k_grid)); grids ascending, >= 1, at least 2 points each")
-        return cls(q, k, t, heads, dim, phase, str(obj.get("source", "")))
+        source = str(obj.get("source", ""))
+        if measured_with != backend:
+            source = f"{source} ({measured_with}'s table standing in for {backend}, which has none)".lstrip()
+        return cls(q, k, t, heads, dim, phase, source, measured_with)
 
     def scaled_to(self, n_q_heads: int, head_dim: int) -> "TableCost":
         """The same throughput for another head configuration (FLOPs scale; rate is kept)."""
-        return TableCost(self.q_grid, self.k_grid, self.tflops, n_q_heads, head_dim, self.phase, self.source)
+        return TableCost(self.q_grid, self.k_grid, self.tflops, n_q_heads, head_dim, self.phase, self.source,
+                         self.backend)
 
 
 # Measured on one H200, FlashAttention-2 varlen (PyTorch), bf16, 32 query / 8 KV heads of 128.
@@ -217,23 +263,24 @@ def build_h200_default_table(phase: str = "fwd+bwd") -> TableCost:
     return TableCost(grid, grid.copy(), tflops, 32, 128, phase, "H200 FlashAttention-2 varlen, bf16, earlier measurements")
 
 
-@lru_cache(maxsize=8)
-def _load_packaged(name: str, phase: str) -> TableCost:
+@lru_cache(maxsize=16)
+def _load_packaged(name: str, phase: str, backend: str) -> TableCost:
     text = resources.files("attnpool.resources").joinpath(name).read_text()
-    return TableCost.from_json(json.loads(text), phase)
+    return TableCost.from_json(json.loads(text), phase, backend)
 
 
-def default_cost_model(phase: str = "fwd+bwd") -> TableCost:
-    """The shipped table, measured on an H200 with ``attnpool profile``."""
+def default_cost_model(phase: str = "fwd+bwd", backend: str = TOP_LEVEL_BACKEND) -> TableCost:
+    """The shipped table of ``backend``'s kernel (see backend_table), measured on an H200 with ``attnpool profile``."""
     if phase not in PHASES:
         raise ConfigError("phase", phase, f"must be one of {PHASES}")
-    return _load_packaged("cost_h200.json", phase)
+    return _load_packaged("cost_h200.json", phase, backend)
 
 
-def load_cost_model(spec: str | Path | None, phase: str = "fwd+bwd"):
-    """``None``/"table": the default table; "pairs": :class:`PairsCost`; else a JSON path."""
+def load_cost_model(spec: str | Path | None, phase: str = "fwd+bwd", backend: str = TOP_LEVEL_BACKEND):
+    """``None``/"table": the default table; "pairs": :class:`PairsCost`; else a JSON path. A table is the
+    one of kernel backend ``backend`` (see backend_table)."""
     if spec is None or spec == "table":
-        return default_cost_model(phase)
+        return default_cost_model(phase, backend)
     if spec == "pairs":
         return PairsCost()
     path = Path(spec)
@@ -243,7 +290,7 @@ def load_cost_model(spec: str | Path | None, phase: str = "fwd+bwd"):
         obj = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError("cost_model", str(spec), f"not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    return TableCost.from_json(obj, phase)
+    return TableCost.from_json(obj, phase, backend)
 
 
 def default_min_shard_tokens(model=None, efficiency: float = 0.8, prefix: int = 32768) -> int:

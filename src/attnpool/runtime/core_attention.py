@@ -352,10 +352,9 @@ def _local_problem(q, k, v, plan: Plan, rank: int, world: int, group) -> str | N
 
 
 def default_backend(q: torch.Tensor) -> Backend:
-    """flash for fp16/bf16 on CUDA, reference otherwise (float32 on CUDA included)."""
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
-        return get_backend("flash", q.device)
-    return get_backend("reference", q.device)
+    """The "auto" backend for q: fa4 (where it runs) or flash for fp16/bf16 on CUDA, reference otherwise
+    (float32 on CUDA included)."""
+    return get_backend("auto", q.device, q.dtype)
 
 
 def dispatch_layout(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
@@ -436,7 +435,7 @@ class CoreAttention:
         if self.backend is None:
             dense = default_backend(q)
         elif not isinstance(self.backend, Backend):
-            dense = get_backend(self.backend, q.device)
+            dense = get_backend(self.backend, q.device, q.dtype)
         else:
             dense = self.backend
         if self._sparse_layer(layer):

@@ -5,10 +5,11 @@ GPU type) or, where the profile has no such section, from a built-in assumption
 written down here. :attr:`SimCosts.sources` records which, and every report
 prints it.
 
-- Core attention: the profile's kernel tables (``tables.fwd`` and
-  ``tables["fwd+bwd"]``, TFLOP/s by query-shard length and KV-prefix length),
+- Core attention: the profile's kernel tables of the attention backend simulated
+  (``tables.fwd`` and ``tables["fwd+bwd"]``, TFLOP/s by query-shard length and
+  KV-prefix length; one table per backend, see :func:`attnpool.plan.cost.backend_table`),
   read by :class:`attnpool.plan.cost.TableCost`. The packaged default is
-  ``resources/cost_h200.json`` (H200, FlashAttention-2 varlen).
+  ``resources/cost_h200.json`` (H200, FlashAttention-2 varlen: the flash backend's).
   A table keeps its rate for another head count (FLOPs scale with the heads);
   a table measured for another head_dim is refused.
 - Linear layers (QKV/O projections, MLP, norms, RoPE: everything of a layer
@@ -34,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from attnpool.errors import ConfigError
-from attnpool.plan.cost import TableCost, default_min_shard_tokens
+from attnpool.plan.cost import TOP_LEVEL_BACKEND, TableCost, backend_table, default_min_shard_tokens
 
 # Assumed effective throughput of a layer's linear part (GEMMs plus norms, RoPE,
 # SwiGLU) on one H200 in bf16, forward and backward. About 60% of 989 TFLOP/s.
@@ -130,9 +131,12 @@ def _load_profile(spec) -> tuple[dict, str]:
         raise ConfigError("profile", str(spec), f"not valid JSON ({exc})") from None
 
 
-def _tables(obj: dict, where: str) -> tuple[TableCost, TableCost]:
-    if not isinstance(obj, dict):
+def _tables(profile: dict, where: str, backend: str) -> tuple[TableCost, TableCost]:
+    if not isinstance(profile, dict):
         raise ConfigError("profile", where, "must hold a JSON object (a cost table)")
+    obj, measured_with = backend_table(profile, backend)
+    if measured_with != TOP_LEVEL_BACKEND or "backends" in profile:
+        where = f"{where} backends.{measured_with}"
     if "tables" not in obj or not all(p in obj.get("tables", {}) for p in ("fwd", "fwd+bwd")):
         raise ConfigError("profile", where, "cost table needs tables.fwd and tables[\"fwd+bwd\"] (attnpool profile writes both)")
     for key in ("q_grid", "k_grid", "n_q_heads", "head_dim"):
@@ -141,7 +145,7 @@ def _tables(obj: dict, where: str) -> tuple[TableCost, TableCost]:
     for p in ("fwd", "fwd+bwd"):
         if not isinstance(obj["tables"][p], dict) or not isinstance(obj["tables"][p].get("tflops"), list):
             raise ConfigError("profile", where, f"malformed cost table: tables[{p!r}].tflops is missing or not a list")
-    return TableCost.from_json(obj, "fwd"), TableCost.from_json(obj, "fwd+bwd")
+    return TableCost.from_json(profile, "fwd", backend), TableCost.from_json(profile, "fwd+bwd", backend)
 
 
 def _positive(section: dict, key: str, where: str) -> float:
@@ -196,13 +200,15 @@ def intra_from_profile(obj: dict) -> Link | None:
 
 
 def load_sim_costs(cfg, model_name: str, profile=None, *, intra: Link | None = None, inter: Link | None = None,
-                   linear_tflops: float | None = None, min_shard_tokens: int | None = None) -> SimCosts:
-    """Costs for ``cfg`` from ``profile`` (a path, a dict, or None for the packaged H200 table)."""
+                   linear_tflops: float | None = None, min_shard_tokens: int | None = None,
+                   attention_backend: str = TOP_LEVEL_BACKEND) -> SimCosts:
+    """Costs for ``cfg`` from ``profile`` (a path, a dict, or None for the packaged H200 table), core attention
+    from the table of ``attention_backend``'s kernel (flash's where the profile has none for it)."""
     if isinstance(profile, dict):
         obj, where = profile, "profile"
     else:
         obj, where = _load_profile(profile)
-    fwd, fwd_bwd = _tables(obj, where)
+    fwd, fwd_bwd = _tables(obj, where, attention_backend)
     if int(fwd.head_dim) != int(cfg.head_dim):
         raise ConfigError("profile", where, f"was measured for head_dim={fwd.head_dim}; model {model_name} has head_dim={cfg.head_dim}: profile it with --model {model_name}")
     fwd, fwd_bwd = fwd.scaled_to(cfg.n_heads, cfg.head_dim), fwd_bwd.scaled_to(cfg.n_heads, cfg.head_dim)
@@ -221,7 +227,7 @@ def load_sim_costs(cfg, model_name: str, profile=None, *, intra: Link | None = N
         raise ConfigError("min_shard_tokens", min_shard_tokens, "must be >= 1")
     device = obj.get("device", {})
     sources = {
-        "attention": f"{where}: {obj.get('source', '')}".strip(),
+        "attention": f"{where}: {fwd_bwd.source}".strip(),
         "device": device.get("name", "") if isinstance(device, dict) else str(device),
         "linear": linear.source,
         "intra_node": intra.source,

@@ -30,6 +30,12 @@ DATA_KINDS = ("stdlib", "synthetic", "text", "npy", "jsonl")
 # ``model: hf:DIR`` is a Hugging Face model directory; ``data: hf:NAME_OR_PATH`` a dataset datasets.load_dataset reads.
 HF_PREFIX = "hf:"
 LOGGERS = ("none", "tensorboard", "wandb")
+# "auto" and the names of attnpool.kernels.BACKENDS (this module must not import torch, so they are
+# written out; a test keeps them equal).
+ATTENTION_BACKENDS = ("auto", "fa4", "flash", "reference")
+# Keys read under another name: (old key -> key, what an unset old value means). ``kernel`` is the
+# earlier name of attention_backend; run directories' config.yaml files still hold it.
+ALIASES = {"kernel": ("attention_backend", "auto")}
 # The source option that ``data_path`` fills, per source kind.
 DATA_PATH_OPTION = {"text": "paths", "npy": "tokens_path", "jsonl": "path"}
 
@@ -63,7 +69,9 @@ class TrainConfig:
     min_shard: int | None = _help("smallest query shard a scheduler may cut (default: from the cost model)", default=None)
     eps: float = _help("cad balances until max/mean attention load <= 1 + eps", default=0.02)
     memory_cap: float = _help("wlb: tokens per rank may reach this multiple of tokens_per_rank", default=1.1)
-    kernel: str | None = _help("core attention kernel: reference or flash (default: flash for bf16 on CUDA)", default=None)
+    attention_backend: str = _help("core attention kernel: auto (fa4 where flash_attn.cute imports on an sm90+ GPU, "
+                                   "else flash on CUDA; reference on CPU and for fp32), fa4, flash or reference",
+                                   default="auto")
     sparse: str = _help("sparse core attention: none, or vertical-slash (a pattern per layer, step, document and head, "
                         "estimated online)", default="none")
     sparse_coverage: float = _help("vertical-slash: keep columns and diagonals until they hold this share of the "
@@ -150,8 +158,9 @@ class TrainConfig:
             raise ConfigError("eps", self.eps, "must be in [0, 1)")
         if not self.memory_cap >= 1.0:
             raise ConfigError("memory_cap", self.memory_cap, "must be >= 1.0")
-        if self.kernel not in (None, "reference", "flash"):
-            raise ConfigError("kernel", self.kernel, "must be reference or flash (or unset)")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError("attention_backend", self.attention_backend,
+                              f"unknown attention backend; choose one of {', '.join(ATTENTION_BACKENDS)}")
         self.sparse_config()  # refuses bad sparse options
         _at_least("steps", self.steps, 1)
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -317,9 +326,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
     Dict-valued keys (``model_args``, ``data_args``) are merged key by key, so
     ``--model-args n_layers=2`` keeps the file's other model arguments.
     """
-    values = read_yaml(path) if path is not None else {}
     where = f"in {path}" if path is not None else ""
-    for source, mapping in ((where, values), ("", overrides or {})):
+    values = _renamed_aliases(read_yaml(path) if path is not None else {}, where)
+    overrides = _renamed_aliases(overrides or {}, "")
+    for source, mapping in ((where, values), ("", overrides)):
         unknown = sorted(set(mapping) - set(FIELDS))
         if unknown:
             raise ConfigError("config", unknown[0], f"unknown key{' ' + source if source else ''}; known keys: "
@@ -331,6 +341,22 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
         else:
             merged[key] = value
     return TrainConfig(**merged)
+
+
+def _renamed_aliases(mapping: dict, where: str) -> dict:
+    """``mapping`` with every alias key (ALIASES) under its current name; refused where both are given."""
+    out = dict(mapping)
+    for alias, (key, unset) in ALIASES.items():
+        if alias not in out:
+            continue
+        value = out.pop(alias)
+        value = unset if value is None or (isinstance(value, str) and value.lower() in ("none", "null")) else value
+        if key in out and out[key] != value:
+            given = f"given {where}" if where else "given"
+            raise ConfigError(alias, value, f"is the old name of {key}, which is also {given} ({key}={out[key]!r}); "
+                                            f"give {key} only")
+        out[key] = value
+    return out
 
 
 def save_config(config: TrainConfig, path: str | os.PathLike) -> None:

@@ -97,6 +97,9 @@ class Setup:
     resume_from: str | None  # checkpoint directory, when resuming
     sparse: SparseConfig | None  # with its cost coefficients read here, on every rank alike
     memory: MemoryEstimate | None = None  # the predicted peak, where a rank's device was checked
+    # The kernel backend core attention runs (attnpool.kernels); "auto" only in a launcher, which leaves
+    # the choice to the ranks' devices.
+    attention_backend: str = "auto"
     hf: HFModelSpec | None = None  # an hf: model (model_config is then its shape as the planner sees it)
 
 
@@ -174,13 +177,11 @@ def prepare(config: TrainConfig, device: torch.device | None = None, world: int 
                                             "hidden states of one shape; the pipeline's micro-batches overlap instead")
     dims = ParallelDims.of(world, config.tp, config.pp) if world is not None else None
     source = build_source(config, model_cfg.vocab_size)
-    cost_model = load_cost_model(config.cost_model)
+    backend = attention_backend(config, device)
+    cost_model = load_cost_model(config.cost_model, backend=backend)
     if config.tp > 1 and hasattr(cost_model, "scaled_to"):  # a server's cost is its heads' share of a task's
         cost_model = cost_model.scaled_to(model_cfg.n_heads // config.tp, model_cfg.head_dim)
     sparse = check_sparse(config, model_cfg, device)
-    if config.kernel == "flash" and resolve_device(config) != "cuda":
-        raise ConfigError("kernel", "flash", "FlashAttention runs on CUDA devices only; this run is on the CPU "
-                                             "(use --kernel reference, or leave --kernel unset)")
     found = None
     if config.resume:
         # Sizes and manifests here (no process group yet); train() checks every file's hash before loading.
@@ -196,7 +197,39 @@ def prepare(config: TrainConfig, device: torch.device | None = None, world: int 
     memory = None
     if device is not None and dims is not None and config.memory_check:
         memory = check_memory(config, model_cfg, source, cost_model, sparse, dims, device)
-    return Setup(model_cfg, source, cost_model, found if config.resume else None, sparse, memory, hf)
+    return Setup(model_cfg, source, cost_model, found if config.resume else None, sparse, memory, backend, hf)
+
+
+def attention_backend(config: TrainConfig, device: torch.device | None = None) -> str:
+    """The kernel backend (attnpool.kernels) of this run's core attention, refused with a ConfigError naming
+    attention_backend where it cannot run: fa4 without flash_attn.cute or on a GPU older than sm90, fa4 or
+    flash on the CPU or in float32. ``device``: the rank's; None in a launcher, which must not touch its GPUs
+    and only refuses what the device kind and precision decide ("auto" then stays "auto")."""
+    from attnpool.kernels import resolve_backend_name
+
+    name = config.attention_backend
+    device_type = resolve_device(config) if device is None else device.type
+    bf16 = uses_bf16(config, device_type)
+    if name in ("fa4", "flash") and device_type == "cuda" and not bf16:
+        raise ConfigError("attention_backend", name, f"the {name} kernels take bf16, and this run computes in float32 "
+                                                     f"(precision={config.precision}); use reference, or bf16")
+    if device is None and device_type == "cuda":
+        return name
+    # Attention inputs are bf16 on CUDA (autocast) unless precision is fp32; float32 on the CPU.
+    dtype = torch.bfloat16 if bf16 and device_type == "cuda" else torch.float32
+    return resolve_backend_name(name, device if device is not None else torch.device(device_type), dtype,
+                                field="attention_backend")
+
+
+def same_attention_backend(backend: str, requested: str) -> None:
+    """Refuse, on every rank, a run whose ranks resolved attention_backend to different kernels ("auto" on
+    GPUs where fa4 runs on some only): their cost tables, and so their plans, would differ."""
+    backends = [None] * dist.get_world_size()
+    dist.all_gather_object(backends, backend)
+    if len(set(backends)) > 1:
+        found = ", ".join(f"rank {r}: {b}" for r, b in enumerate(backends))
+        raise ConfigError("attention_backend", requested, f"the ranks run different kernels ({found}); name one "
+                                                          "that runs on every rank")
 
 
 def refuse_damaged(out: str, skipped: list[tuple[str, str]]) -> None:
@@ -593,6 +626,7 @@ def _train(config: TrainConfig, on_step, preemption: "Preemption") -> TrainResul
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device(config)
     setup = agree(lambda: prepare(config, device, world))
+    same_attention_backend(setup.attention_backend, config.attention_backend)
     model_cfg, cost_model = setup.model_config, setup.cost_model
     bf16 = uses_bf16(config, device.type)
     # The plan is made over the dp ranks; this rank holds its dp rank's tokens and runs core attention
@@ -632,7 +666,7 @@ def _train(config: TrainConfig, on_step, preemption: "Preemption") -> TrainResul
         step = load_checkpoint(resume_from, model, optimizer, scheduler, stream, extra_state, device)
     start_step, last_step = step, config.stop_at or config.steps
     shape = attention_shape(model_cfg, tp, bf16)
-    attention_kwargs = {"backend": config.kernel} if config.kernel else {}
+    attention_kwargs = {"backend": setup.attention_backend}
 
     if rank == 0:
         os.makedirs(config.out, exist_ok=True)
@@ -646,8 +680,11 @@ def _train(config: TrainConfig, on_step, preemption: "Preemption") -> TrainResul
         layout = f" (pp {pp} x dp {dp} x tp {tp})" if pp > 1 else f" (dp {dp} x tp {tp})" if tp > 1 else ""
         micro = f" in {config.microbatches} micro-batches" if config.microbatches > 1 else ""
         print(f"attnpool train: {config.model} ({num_params / 1e6:.2f}M params) on {world} x {device.type}"
-              f"{layout}, {config.attention} attention, {dp} x {config.microbatches * config.tokens_per_rank} tokens "
+              f"{layout}, {config.attention} attention ({setup.attention_backend} kernel), "
+              f"{dp} x {config.microbatches * config.tokens_per_rank} tokens "
               f"per step{micro}, steps {step + 1}..{last_step} of {config.steps}{resumed} -> {config.out}", flush=True)
+        if getattr(cost_model, "backend", setup.attention_backend) != setup.attention_backend and device.type == "cuda":
+            print(f"cost model: {cost_model.source}", flush=True)  # a stand-in table plans this kernel
         if setup.memory is not None and device.type == "cuda":
             capacity = torch.cuda.get_device_properties(device).total_memory
             print(f"memory: predicted peak {format_bytes(setup.memory.peak_bytes)} per GPU of its "

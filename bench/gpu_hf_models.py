@@ -4,10 +4,10 @@ training against `local`.
     python3 bench/gpu_hf_models.py --out DIR [--gpus 2] [--tokens 16K] [--steps 4]
 
 1. Logits. For each supported architecture a random model (hidden 512, 4 layers, 8 query heads of 64, 4 KV
-   heads), bf16 on one GPU: packed documents under attnpool's attention (one process, the flash kernel)
-   against transformers' eager attention on each document alone. Both run in bf16, so they differ by bf16's
-   rounding of two computation orders; transformers' own bf16 run against its float32 one gives the scale of
-   that noise. (Eager: transformers has no sdpa path for Gemma 2.)
+   heads), bf16 on one GPU: packed documents under attnpool's attention (one process, the default kernel:
+   fa4 where installed, else flash) against transformers' eager attention on each document alone. Both run
+   in bf16, so they differ by bf16's rounding of two computation orders; transformers' own bf16 run against
+   its float32 one gives the scale of that noise. (Eager: transformers has no sdpa path for Gemma 2.)
 2. Training. `attnpool train --model hf:DIR` (a Qwen3 of the same size, random weights) on `--gpus` GPUs
    (NCCL), synthetic prolong documents, `local` and `cad`: the losses' largest relative difference, and the
    median step time of each.

@@ -237,8 +237,8 @@ FIELDS = {f.name: f for f in fields(TrainConfig)}
 # change freely: attention strategy, kernels and memory settings compute the same function, and a
 # resume on another layout (nproc, tp, pp) is what DCP's resharding is for (another dp changes the
 # global batch from there on, as any resume on more or fewer data-parallel ranks does).
-RUN_FIELDS = ("model", "model_args", "data", "data_path", "data_args", "tokenizer", "tokens_per_rank", "max_doc_len", "seed",
-              "sparse", "sparse_coverage", "sparse_min_doc_len", "dense_layers", "sparse_args", "steps", "lr",
+RUN_FIELDS = ("model", "model_args", "data", "data_path", "data_args", "tokenizer", "tokens_per_rank", "max_doc_len",
+              "seed", "sparse", "sparse_coverage", "sparse_min_doc_len", "dense_layers", "sparse_args", "steps", "lr",
               "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip", "precision",
               "microbatches")
 

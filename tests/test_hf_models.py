@@ -343,6 +343,7 @@ def bad_runs(tmp_path_factory, data_dir):
                                 f"cache_dir={tmp / 'cache'}"], "text_field='content'"),
         "tokenizer vocab": (["--model", f"hf:{small}", *data], "tokenizer="),
         "tensor parallel": (["--model", f"hf:{llama}", "--tp", "2", "--nproc", "2"], "tp=2"),
+        "no tokenizer": (["--data", f"hf:{data_dir / 'docs.jsonl'}"], "tokenizer=None"),
     }
     common = ["--device", "cpu", "--steps", "1", "--no-progress"]
     procs = {name: cli(*args, *common, "--out", str(tmp / "out")) for name, (args, _) in cases.items()}
@@ -350,7 +351,7 @@ def bad_runs(tmp_path_factory, data_dir):
 
 
 @pytest.mark.parametrize("case", ["no config.json", "unsupported architecture", "soft-capping", "sliding window",
-                                  "missing text field", "tokenizer vocab", "tensor parallel"])
+                                  "missing text field", "tokenizer vocab", "tensor parallel", "no tokenizer"])
 def test_bad_input_exits_2_with_one_line(bad_runs, case):
     code, stderr, needle = bad_runs[case]
     assert code == 2, stderr

@@ -74,14 +74,17 @@ def dense_with_grads(q, k, v, dout, segments, scale=None):
     return out.detach(), lse.detach(), grads
 
 
-def rel_error(got, want):
+def rel_error(got, want, floor=0.1):
+    """Max abs error over the exact values' scale, taken as at least ``floor``: the inputs are unit-scale, so
+    float32 rounds each term of a sum (of order 0.1-1) to ~1e-7 absolute, and a result that cancels to far below its terms
+    (a 2-token segment's dq, ~1e-3) keeps that absolute error; its relative error says nothing."""
     got, want = got.double(), want.double()
     finite = torch.isfinite(want)
     assert torch.equal(finite, torch.isfinite(got)), "-inf rows differ"
     if not finite.any():
         return 0.0
     diff = (got[finite] - want[finite]).abs().max().item()
-    return diff / max(want[finite].abs().max().item(), 1e-12)
+    return diff / max(want[finite].abs().max().item(), floor)
 
 
 def check_backend_against_dense(segments, n_q, n_kv, dim, dtype, tol, scale=None, seed=0):

@@ -6,11 +6,11 @@ a Hugging Face tokenizer (without special tokens unless ``add_special_tokens``);
 ``streaming`` reads records one batch at a time without converting the whole dataset to Arrow first (for
 large ones; ``documents`` stops after that many).
 
-A :class:`DocumentStream` shuffles documents by index, so the token ids are kept in memory (int32, plus
-offsets). Tokenising a large dataset takes a while and every rank needs the same ids: the result is cached
-under ``cache_dir`` (default ``~/.cache/attnpool/tokenized``), keyed by the dataset's identity, the options
-and the tokenizer, and written atomically, so the launcher tokenises and its ranks read, and a second run
-starts at once.
+A :class:`DocumentStream` reads documents by index, so the token ids are tokenised up front (int32, plus
+offsets). That takes a while for a large dataset, and every rank needs the same ids: they are cached under
+``cache_dir`` (default ``~/.cache/attnpool/tokenized``) as .npy files, keyed by the dataset's identity, the
+options and the tokenizer, and written atomically, so the launcher tokenises, its ranks memory-map one copy,
+and a second run starts at once.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -60,11 +61,11 @@ class HFDatasetSource(DocumentSource):
         _check_text_field(dataset, name, text_field)
         key = _cache_key(dataset, name, split, subset, bool(streaming), text_field, documents,
                          bool(add_special_tokens), self.tokenizer)
-        cache_file = os.path.join(cache_dir or default_cache_dir(), key + ".npz")
-        cached = _read_cache(cache_file)
+        cache_entry = os.path.join(cache_dir or default_cache_dir(), key)
+        cached = _read_cache(cache_entry)
         if cached is None:
             cached = self._tokenize(dataset, documents, bool(add_special_tokens), progress)
-            _write_cache(cache_file, *cached)
+            _write_cache(cache_entry, *cached)
         self.tokens, self.offsets = cached
         if len(self.offsets) < 2:
             raise ConfigError("data", f"hf:{name}", f"holds no non-empty '{text_field}' texts")
@@ -184,23 +185,26 @@ def _cache_key(dataset, name, split, subset, streaming, text_field, documents, a
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def _read_cache(file: str) -> tuple[np.ndarray, np.ndarray] | None:
+def _read_cache(entry: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """The cached token ids (memory-mapped: the ranks of a machine share one copy in the page cache) and offsets."""
     try:
-        with np.load(file) as saved:
-            return saved["tokens"], saved["offsets"]
-    except (OSError, KeyError, ValueError):
+        return (np.load(os.path.join(entry, "tokens.npy"), mmap_mode="r"),
+                np.load(os.path.join(entry, "offsets.npy")))
+    except (OSError, ValueError):
         return None
 
 
-def _write_cache(file: str, tokens: np.ndarray, offsets: np.ndarray) -> None:
-    """Written whole under a temporary name, then renamed: a reader sees all of it or none."""
+def _write_cache(entry: str, tokens: np.ndarray, offsets: np.ndarray) -> None:
+    """Written whole into a directory of its own, then renamed into place: a reader sees all of it or none
+    (where two processes race, the first rename wins and the other's copy is dropped)."""
+    partial = f"{entry}.{os.getpid()}.partial"
     try:
-        os.makedirs(os.path.dirname(file), exist_ok=True)
-        partial = f"{file}.{os.getpid()}.partial.npz"
-        np.savez(partial, tokens=tokens, offsets=offsets)
-        os.replace(partial, file)
+        os.makedirs(partial, exist_ok=True)
+        np.save(os.path.join(partial, "tokens.npy"), tokens)
+        np.save(os.path.join(partial, "offsets.npy"), offsets)
+        os.rename(partial, entry)
     except OSError:
-        pass  # a read-only cache: the next process tokenises again
+        shutil.rmtree(partial, ignore_errors=True)  # a read-only cache, or another process's copy is in place
 
 
 class _TokenizeProgress:

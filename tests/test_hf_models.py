@@ -331,22 +331,18 @@ def bad_runs(tmp_path_factory, data_dir):
     (tmp / "no-config").mkdir()
     llama = save_model(tmp / "llama", "llama", randomize=False)
     small = save_model(tmp / "small-vocab", "llama", randomize=False, vocab_size=32)
-    gemma2 = tmp / "gemma2"
-    transformers.Gemma2Config(**SHAPE).save_pretrained(gemma2)
     gpt2 = tmp / "gpt2"
     transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4).save_pretrained(gpt2)
-    mistral = tmp / "mistral"
-    transformers.MistralConfig(**SHAPE, sliding_window=64).save_pretrained(mistral)
+    gemma2 = tmp / "gemma2"
+    transformers.Gemma2Config(**SHAPE).save_pretrained(gemma2)
     data = ["--data", f"hf:{data_dir / 'docs.jsonl'}", "--tokenizer", str(data_dir / "tokenizer")]
     cases = {
         "no config.json": (["--model", f"hf:{tmp / 'no-config'}"], "has no config.json"),
         "unsupported architecture": (["--model", f"hf:{gpt2}"], "model_type 'gpt2'"),
-        "soft-capping": (["--model", f"hf:{gemma2}"], "attn_logit_softcapping=50.0"),
-        "sliding window": (["--model", f"hf:{mistral}"], "sliding_window=64"),
+        "unsupported feature": (["--model", f"hf:{gemma2}"], "attn_logit_softcapping=50.0"),
         "missing text field": (["--model", f"hf:{llama}", *data, "--data-args", "text_field=content",
                                 f"cache_dir={tmp / 'cache'}"], "text_field='content'"),
         "tokenizer vocab": (["--model", f"hf:{small}", *data], "tokenizer="),
-        "tensor parallel": (["--model", f"hf:{llama}", "--tp", "2", "--nproc", "2"], "tp=2"),
         "no tokenizer": (["--data", f"hf:{data_dir / 'docs.jsonl'}"], "tokenizer=None"),
     }
     common = ["--device", "cpu", "--steps", "1", "--no-progress"]
@@ -354,8 +350,8 @@ def bad_runs(tmp_path_factory, data_dir):
     return {name: (p.wait(timeout=300), p.stderr.read(), cases[name][1]) for name, p in procs.items()}
 
 
-@pytest.mark.parametrize("case", ["no config.json", "unsupported architecture", "soft-capping", "sliding window",
-                                  "missing text field", "tokenizer vocab", "tensor parallel", "no tokenizer"])
+@pytest.mark.parametrize("case", ["no config.json", "unsupported architecture", "unsupported feature",
+                                  "missing text field", "tokenizer vocab", "no tokenizer"])
 def test_bad_input_exits_2_with_one_line(bad_runs, case):
     code, stderr, needle = bad_runs[case]
     assert code == 2, stderr
@@ -365,6 +361,8 @@ def test_bad_input_exits_2_with_one_line(bad_runs, case):
 
 
 def test_hf_model_refuses_what_it_cannot_run():
+    with pytest.raises(ConfigError, match="tp=2"):
+        TrainConfig(model="hf:somewhere", tp=2, nproc=2)
     with pytest.raises(ConfigError, match="model_args"):
         TrainConfig(model="hf:somewhere", model_args=dict(n_layers=2))
     with pytest.raises(ConfigError, match="keep_attention"):

@@ -239,6 +239,15 @@ def save_tokenizer(directory: Path, vocab_size: int = 60) -> Path:
     return directory
 
 
+@pytest.fixture(scope="module", autouse=True)
+def datasets_cache(tmp_path_factory):
+    """datasets' own Arrow cache (of the json and parquet files read here) in a temporary directory, for this
+    process where datasets is not imported yet, and for the command lines started."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf-datasets-cache")))
+        yield
+
+
 def cli(*args, env=None):
     return subprocess.Popen([sys.executable, "-m", "attnpool.cli.main", "train", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})

@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from attnpool.errors import ConfigError
 from attnpool.model import Transformer, model_config, save_hf_checkpoint
+from attnpool.model.hf_causal_lm import build_hf_model, hf_model_dir, load_hf_spec, save_hf_export
 from attnpool.train.checkpoint import checkpoint_config, select_checkpoint, verify_checkpoint
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -46,13 +47,20 @@ def export_hf(*, run_dir: str | None = None, checkpoint: str | None = None, out:
     if settings is None:
         raise ConfigError("checkpoint", path, "has no manifest and its run directory no config.yaml: the model's "
                                               "settings are unknown")
-    model_cfg = model_config(settings["model"], **settings.get("model_args", {}))
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
-    model.to_empty(device="cpu")
+    hf_dir = hf_model_dir(settings["model"])
+    if hf_dir is not None:  # an hf: model: transformers' own classes, from the run's model directory
+        model = build_hf_model(load_hf_spec(hf_dir, settings.get("max_doc_len")))
+    else:
+        model_cfg = model_config(settings["model"], **settings.get("model_args", {}))
+        with torch.device("meta"):
+            model = Transformer(model_cfg)
+        model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # one process on purpose: DCP's warning that it assumes so is noise here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load(state, checkpoint_id=path)  # only the model's entries: the optimizer's stay on disk
-    save_hf_checkpoint(state["model"], model_cfg, out, dtype=DTYPES[dtype])
+    if hf_dir is not None:
+        save_hf_export(model, state["model"], out, DTYPES[dtype])
+    else:
+        save_hf_checkpoint(state["model"], model_cfg, out, dtype=DTYPES[dtype])
     return path, skipped

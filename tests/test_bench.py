@@ -20,9 +20,11 @@ def test_bench_runs_every_strategy_and_writes_results(tmp_path):
     for rec in records:
         for key in ("strategy", "dist", "tokens_per_gpu", "step_time_s", "tokens_per_s", "speedup_vs_local",
                     "speedup_vs_local_total", "total_time_s", "plan_time_s",
-                    "efficiency", "mfu", "imbalance_after", "bytes_sent_per_gpu", "peak_memory_bytes"):
+                    "efficiency", "efficiency_with_recompute", "mfu", "imbalance_after", "bytes_sent_per_gpu", "peak_memory_bytes"):
             assert key in rec
     assert all(rec["loss_ok"] for rec in records[:6])  # same batches, same initial weights
+    for rec in records:  # keep_attention recomputes the linear parts: a longer ideal, never a shorter one
+        assert rec["ideal_step_with_recompute_s"] > rec["ideal_step_s"] > 0
     assert records[0]["attention_density"] is None and 0 < records[4]["attention_density"] <= 1
     assert (tmp_path / "trace-prolong-1K-cad.txt").read_text().strip()  # the profiled extra step
     assert (tmp_path / "trace-prolong-1K-cad.json.gz").stat().st_size > 0
@@ -38,6 +40,8 @@ def test_bench_without_activation_checkpointing_says_so(tmp_path):
     meta = json.loads((tmp_path / "e2e.json").read_text())["meta"]
     assert meta["command"].endswith("--activation-checkpointing none")
     assert "activation checkpointing off" in (tmp_path / "e2e.md").read_text()
+    for rec in json.loads((tmp_path / "e2e.json").read_text())["records"]:  # nothing is recomputed
+        assert rec["efficiency_with_recompute"] == rec["efficiency"]
 
 
 def test_summary_of_ping_pong_steps_with_one_document():
@@ -51,7 +55,7 @@ def test_summary_of_ping_pong_steps_with_one_document():
                     peak_memory_bytes=1, attention_work_total=1.0, loss=1.0, plan_time_s=1e-3,
                     attention_time_s=attention_time_s, longest_doc=4096)
 
-    args = argparse.Namespace(warmup=1, tp=1, pp=1, microbatches=1)
+    args = argparse.Namespace(warmup=1, tp=1, pp=1, microbatches=1, activation_checkpointing="keep_attention")
     cfg = model_config("tiny", n_layers=1)
     mixed = summarize("cad+pingpong", "pretrain", 2048, [row(None), row(0.3), row(None), row(0.2)], args, 2, cfg)
     assert mixed["attention_time_s"] is None

@@ -230,6 +230,12 @@ def test_memory_command_names_a_setting_that_fits():
     assert "does NOT fit" in text and f"activation_checkpointing={fitting['activation_checkpointing']}" in text
 
 
+def test_memory_command_plans_gpus_from_a_machine_without_one():
+    """--device cuda names the GPUs the run will have, not this machine's; dp=1 (tp=4) says why no plan was drawn."""
+    out = _cli(*MEMORY_8B, "--device", "cuda", "--tp", "4", check_rc=0).stdout
+    assert "dp 1 x tp 4 ranks" in out and "one dp rank: core attention runs on its own tokens" in out
+
+
 @pytest.mark.parametrize("args, field", [
     (("--gpu-memory", "plenty"), "gpu_memory"),
     (("--gpu-memory", "2GB"), "nproc"),  # not even one token fits: the states alone are larger

@@ -11,7 +11,9 @@ optimizer) and reports, over the measured steps: median step time, tokens/s,
 model FLOPs utilisation, attention imbalance, bytes sent per GPU, peak memory per
 GPU, and efficiency = ideal / measured, where the ideal is the step's FLOPs at
 the measured single-GPU rates of the shipped profile (linear layers and
-whole-document attention), evenly shared. The overlap ablation runs `cad` with
+whole-document attention), evenly shared; efficiency with recompute counts in the
+ideal the forward work the checkpointing mode repeats (with ``full``, a quarter
+of the step: efficiency alone cannot pass ~0.75 there). The overlap ablation runs `cad` with
 ping-pong and one-element messages. The bf16 losses of every strategy are
 checked against `local` over the first steps (those of the ``+sparse``
 strategies, which train with vertical-slash sparse attention, against
@@ -59,6 +61,10 @@ IDLE_GPU_POLLS, IDLE_GPU_POLL_S = 24, 5.0
 
 
 CHECKPOINTING_TEXT = {"keep_attention": "of the linear parts", "full": "of whole layers", "none": "off"}
+# Per checkpointing mode, the share of (linear, attention) forward+backward time that recomputation adds: a
+# forward is 1/3 of a linear layer's forward+backward (2 of 6 FLOPs per weight and token) and 1/3.5 of causal
+# attention's (FlashAttention's backward does 2.5 forwards' FLOPs).
+RECOMPUTED_SHARE = {"none": (0.0, 0.0), "keep_attention": (1 / 3, 0.0), "full": (1 / 3, 1 / 3.5)}
 
 
 
@@ -158,6 +164,10 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg):
     step = statistics.median(r["step_time_s"] for r in measured)
     global_tokens = rows[0]["tokens"]
     flops = model_flops_per_token(cfg) * global_tokens
+    linear_s = global_tokens * linear_s_per_token(cfg) / world
+    # (the plan's loads are one tp rank's: its share of the heads)
+    attention_s = statistics.median(r["attention_work_total"] for r in measured) * cfg.n_layers * args.tp / world
+    linear_again, attention_again = RECOMPUTED_SHARE[args.activation_checkpointing]
     rec = {
         "strategy": name, "dist": dist_name, "tokens_per_gpu": tokens, "gpus": world, "tp": args.tp, "pp": args.pp,
         "microbatches": args.microbatches,
@@ -171,9 +181,10 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg):
         "peak_memory_bytes": max(r["peak_memory_bytes"] for r in measured),
         # Ideal: the step's linear work and whole-document attention (the plan's total load,
         # seconds per layer under the measured table) at single-GPU rates, shared evenly.
-        "ideal_step_s": global_tokens * linear_s_per_token(cfg) / world
-        # (the plan's loads are one tp rank's: its share of the heads)
-        + statistics.median(r["attention_work_total"] for r in measured) * cfg.n_layers * args.tp / world,
+        "ideal_step_s": linear_s + attention_s,
+        # The same with the forward work the checkpointing mode repeats in the backward: what a perfectly
+        # balanced step with this memory setting would take.
+        "ideal_step_with_recompute_s": linear_s * (1 + linear_again) + attention_s * (1 + attention_again),
         "losses": [r["loss"] for r in rows],
         # Host-side planning of each step (every rank plans the batch), and core attention's own time
         # on the slowest rank (not measured under ping-pong, where it interleaves with the rest).
@@ -184,6 +195,7 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg):
         "longest_doc": max(r["longest_doc"] for r in rows),
     }
     rec["efficiency"] = rec["ideal_step_s"] / step
+    rec["efficiency_with_recompute"] = rec["ideal_step_with_recompute_s"] / step
     return rec
 
 
@@ -361,13 +373,15 @@ def finish(records, skipped, args, world, cfg):
              f"{args.warmup} warm-up + {args.steps} measured steps (median), same seeds and batches for all strategies.",
              "", f"Command: `{meta['command']}`", "",
              "| dist | tokens/GPU | strategy | step (s) | tokens/s | vs local | vs local (total) | MFU | efficiency | "
-             "attn max/mean | MiB sent/GPU | peak GiB | predicted GiB | loss vs local | attn density |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "efficiency with recompute | attn max/mean | MiB sent/GPU | peak GiB | predicted GiB | loss vs local | "
+             "attn density |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         lv, density = r.get("loss_vs_local_max_rel"), r["attention_density"]
         vs, vs_total = (("-" if x is None else f"{x:.3f}") for x in (r["speedup_vs_local"], r["speedup_vs_local_total"]))
         lines.append(f"| {r['dist']} | {r['tokens_per_gpu'] // 1024}K | {r['strategy']} | {r['step_time_s']:.3f} | "
                      f"{r['tokens_per_s'] / 1e3:.1f}K | {vs} | {vs_total} | {r['mfu']:.3f} | {r['efficiency']:.3f} | "
+                     f"{r['efficiency_with_recompute']:.3f} | "
                      f"{r['imbalance_after']:.3f} | {r['bytes_sent_per_gpu'] / 2**20:.0f} | "
                      f"{r['peak_memory_bytes'] / 2**30:.1f} | {_gib(r['predicted_peak_memory_bytes'])} | "
                      f"{'-' if lv is None else f'{lv:.4f}'} | "

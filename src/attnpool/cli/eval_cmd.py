@@ -71,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
     from attnpool.train.export import read_checkpoint_model
 
     model, model_cfg, settings, path, skipped = read_checkpoint_model(run_dir=args.run, checkpoint=args.checkpoint)
+    if model_cfg is None:
+        raise ConfigError("run", args.run or args.checkpoint, f"trained {settings['model']}: attnpool eval runs "
+                                                              "attnpool's own models (--model tiny, llama3-8b, ...)")
     for bad, problem in skipped:
         print(f"skipping {bad}: {problem}")
     data_args = settings.get("data_args", {}) if settings.get("data") == "retrieval" else {}

@@ -125,6 +125,7 @@ def _print_tables(config, result, calibration) -> None:
                   f"{format_bytes(result.capacity.host_bytes)} of host memory per rank", highlight=False)
     rows = x.rows
     where = (f"the worst of the first {rows.batches} batches' plans" if rows.batches else
+             "one dp rank: core attention runs on its own tokens" if x.dp == 1 else
              "the fewest any plan holds: no setting fits even those, so no batch was drawn")
     console.print(f"core attention's rows on the busiest rank, per token of tokens_per_rank: {rows.query:.2f} queries "
                   f"served, {rows.unique_kv:.2f} KV rows, {rows.returned:.2f} outputs returned, {rows.home:.2f} tokens "

@@ -320,20 +320,21 @@ class JsonlSource(DocumentSource):
         return self._lengths.copy()
 
 
-def load_tokenizer(tokenizer_path: str | Path):
-    """A Hugging Face tokenizer from a local path; transformers is imported only here."""
+def load_tokenizer(tokenizer_path: str | Path, field: str = "tokenizer_path"):
+    """A Hugging Face tokenizer from a local path; transformers is imported only here. ``field``: the
+    setting that named the path, for the error."""
     path = str(tokenizer_path)
     if not os.path.exists(path):
-        raise ConfigError("tokenizer_path", path, "no such file or directory (tokenizers load from a local path only)")
+        raise ConfigError(field, path, "no such file or directory (tokenizers load from a local path only)")
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise ConfigError("tokenizer_path", path,
-                          "tokenising JSONL needs transformers: pip install 'attnpool[hf]'") from None
+        raise ConfigError(field, path, "tokenising text needs transformers: pip install 'attnpool[hf]'") from None
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError("tokenizer_path", path, f"not a loadable tokenizer ({exc})") from None
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(field, path, f"not a loadable tokenizer ({first_line})") from None
 
 
 # Test suites are code written to provoke edge cases (and are large), and
@@ -362,10 +363,14 @@ SOURCES = {
 
 
 def make_source(kind: str, **options) -> DocumentSource:
-    """Build a source by name (``synthetic``, ``text``, ``npy``, ``jsonl``, ``stdlib``, ``retrieval``) from keyword options."""
-    if kind not in SOURCES:
-        raise ConfigError("source", kind, f"unknown; choose one of {', '.join(SOURCES)}")
-    build = SOURCES[kind]
+    """Build a source by name (``synthetic``, ``text``, ``npy``, ``jsonl``, ``stdlib``, ``retrieval``, or ``hf``:
+    a ``datasets`` dataset, attnpool.data.hf_dataset) from keyword options."""
+    if kind == "hf":
+        from attnpool.data.hf_dataset import HFDatasetSource as build  # imports datasets only when used
+    elif kind not in SOURCES:
+        raise ConfigError("source", kind, f"unknown; choose one of {', '.join(SOURCES)}, hf")
+    else:
+        build = SOURCES[kind]
     try:
         inspect.signature(build).bind(**options)
     except TypeError as exc:

@@ -27,6 +27,9 @@ PRECISIONS = ("auto", "bf16", "fp32")
 CHECKPOINTING = ("none", "full", "keep_attention")
 DEVICES = ("auto", "cpu", "cuda")
 DATA_KINDS = ("stdlib", "synthetic", "text", "npy", "jsonl", "retrieval")
+# ``model: hf:DIR`` is a Hugging Face model directory; ``data: hf:NAME_OR_PATH`` a dataset datasets.load_dataset reads.
+HF_PREFIX = "hf:"
+LOGGERS = ("none", "tensorboard", "wandb")
 # "auto" and the names of attnpool.kernels.BACKENDS (this module must not import torch, so they are
 # written out; a test keeps them equal).
 ATTENTION_BACKENDS = ("auto", "fa4", "flash", "reference")
@@ -44,12 +47,18 @@ def _help(text: str, **kw):
 @dataclass
 class TrainConfig:
     # Model
-    model: str = _help("model preset: tiny, llama3-8b, llama-34b, qwen2.5-3b", default="tiny")
+    model: str = _help("model preset (tiny, llama3-8b, llama-34b, qwen2.5-3b), or hf:DIR, a Hugging Face model "
+                       "directory (config.json, safetensors weights if any)", default="tiny")
     model_args: dict = _help("model fields to override, e.g. n_layers=2 dim=64", default_factory=dict)
     # Data
-    data: str = _help(f"document source: {', '.join(DATA_KINDS)}", default="stdlib")
+    data: str = _help(f"document source: {', '.join(DATA_KINDS)}, or hf:NAME_OR_PATH (datasets.load_dataset: "
+                      "json/jsonl/parquet/text files, a saved dataset, a Hub name)", default="stdlib")
     data_path: str | None = _help("text: file, directory or glob; npy: tokens .npy; jsonl: .jsonl file", default=None)
-    data_args: dict = _help("more source options, e.g. offsets_path=... tokenizer_path=... dist=prolong", default_factory=dict)
+    data_args: dict = _help("more source options, e.g. offsets_path=... tokenizer_path=... dist=prolong; hf: "
+                            "text_field, split, subset, streaming, documents, add_special_tokens, cache_dir",
+                            default_factory=dict)
+    tokenizer: str | None = _help("Hugging Face tokenizer directory for hf: and jsonl data (default: the hf: model's "
+                                  "directory)", default=None)
     tokens_per_rank: int = _help("tokens per data-parallel rank per micro-batch (the global batch is dp x this; "
                                  "dp = nproc / (pp x tp))", default=1024)
     max_doc_len: int | None = _help("cut longer documents into pieces of this many tokens", default=None)
@@ -109,6 +118,8 @@ class TrainConfig:
     resume: bool = _help("continue from the latest checkpoint in OUT/checkpoints", default=False)
     stop_at: int | None = _help("stop (and checkpoint) after this step without changing the schedule", default=None)
     progress: bool = _help("show a live progress bar on rank 0 (the start line and the final summary always print)", default=True)
+    logger: str = _help(f"also send every step's metrics to: {', '.join(LOGGERS)} (rank 0; wandb follows WANDB_MODE, "
+                        "WANDB_PROJECT)", default="none")
     # Failures
     keep_checkpoints: int = _help("keep only the newest this many checkpoints (0: all)", default=0)
     allow_config_change: bool = _help("resume although a setting that changes what the run computes (model, "
@@ -125,8 +136,12 @@ class TrainConfig:
     def __post_init__(self):
         for f in fields(self):
             setattr(self, f.name, _coerce(f, getattr(self, f.name)))
-        if self.data not in DATA_KINDS:
-            raise ConfigError("data", self.data, f"unknown source; choose one of {', '.join(DATA_KINDS)}")
+        if self.data.startswith(HF_PREFIX):
+            if self.data == HF_PREFIX:
+                raise ConfigError("data", self.data, "name a dataset or a path after hf:")
+        elif self.data not in DATA_KINDS:
+            raise ConfigError("data", self.data, f"unknown source; choose one of {', '.join(DATA_KINDS)}, or "
+                                                 f"{HF_PREFIX}NAME_OR_PATH")
         if self.data_path is not None and self.data not in DATA_PATH_OPTION:
             raise ConfigError("data_path", self.data_path, f"the {self.data} source takes no path")
         if self.data in DATA_PATH_OPTION and self.data_path is None and DATA_PATH_OPTION[self.data] not in self.data_args:
@@ -167,6 +182,10 @@ class TrainConfig:
         _at_least("pp", self.pp, 1)
         _at_least("microbatches", self.microbatches, 1)
         _at_least("nproc", self.nproc, 1)
+        if self.model.startswith(HF_PREFIX):
+            self._check_hf_model()
+        if self.logger not in LOGGERS:
+            raise ConfigError("logger", self.logger, f"choose one of {', '.join(LOGGERS)}")
         if not self.out:
             raise ConfigError("out", self.out, "needs a run directory")
         _at_least("checkpoint_every", self.checkpoint_every, -1)
@@ -177,6 +196,21 @@ class TrainConfig:
         _at_least("max_restarts", self.max_restarts, 0)
         if not (math.isfinite(self.collective_timeout_s) and self.collective_timeout_s > 0):
             raise ConfigError("collective_timeout_s", self.collective_timeout_s, "must be a positive number of seconds")
+
+    def _check_hf_model(self) -> None:
+        """What a Hugging Face model (transformers' modules, core attention from outside) cannot run with."""
+        if self.model == HF_PREFIX:
+            raise ConfigError("model", self.model, "name a model directory after hf:")
+        if self.model_args:
+            raise ConfigError("model_args", self.model_args, "an hf: model takes its settings from its config.json")
+        unsupported = (("tp", self.tp != 1, "tensor parallelism splits attnpool's own layers only"),
+                       ("pp", self.pp != 1, "pipeline stages split attnpool's own layers only"),
+                       ("pingpong", self.pingpong, "ping-pong interleaves attnpool's own layers only"),
+                       ("activation_checkpointing", self.activation_checkpointing == "keep_attention",
+                        "keep_attention recomputes attnpool's own linear parts only; use full"))
+        for name, refused, why in unsupported:
+            if refused:
+                raise ConfigError(name, getattr(self, name), f"not available with an hf: model: {why}")
 
     def sparse_config(self) -> SparseConfig | None:
         """The SparseConfig of ``--sparse`` and its options, or None for dense attention."""
@@ -203,8 +237,8 @@ FIELDS = {f.name: f for f in fields(TrainConfig)}
 # change freely: attention strategy, kernels and memory settings compute the same function, and a
 # resume on another layout (nproc, tp, pp) is what DCP's resharding is for (another dp changes the
 # global batch from there on, as any resume on more or fewer data-parallel ranks does).
-RUN_FIELDS = ("model", "model_args", "data", "data_path", "data_args", "tokens_per_rank", "max_doc_len", "seed",
-              "sparse", "sparse_coverage", "sparse_min_doc_len", "dense_layers", "sparse_args", "steps", "lr",
+RUN_FIELDS = ("model", "model_args", "data", "data_path", "data_args", "tokenizer", "tokens_per_rank", "max_doc_len",
+              "seed", "sparse", "sparse_coverage", "sparse_min_doc_len", "dense_layers", "sparse_args", "steps", "lr",
               "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip", "precision",
               "microbatches")
 

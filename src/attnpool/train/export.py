@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from attnpool.errors import ConfigError
 from attnpool.model import Transformer, model_config, save_hf_checkpoint
+from attnpool.model.hf_causal_lm import build_hf_model, hf_model_dir, load_hf_spec, save_hf_export
 from attnpool.train.checkpoint import checkpoint_config, select_checkpoint, verify_checkpoint
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -23,7 +24,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def read_checkpoint_model(*, run_dir: str | None = None, checkpoint: str | None = None):
     """``(model, model config, the run's settings, checkpoint path, skipped)``: the whole model on the CPU in
     float32 from ``checkpoint``, or from the newest valid checkpoint of ``run_dir`` (``skipped``: (path,
-    problem) of newer damaged ones). Every file is checked against the manifest first."""
+    problem) of newer damaged ones). Every file is checked against the manifest first. An ``hf:`` model is
+    transformers' own class, from the run's model directory, and its config None."""
     skipped: list[tuple[str, str]] = []
     if checkpoint is not None:
         if not os.path.isdir(checkpoint):
@@ -43,10 +45,14 @@ def read_checkpoint_model(*, run_dir: str | None = None, checkpoint: str | None 
     if settings is None:
         raise ConfigError("checkpoint", path, "has no manifest and its run directory no config.yaml: the model's "
                                               "settings are unknown")
-    model_cfg = model_config(settings["model"], **settings.get("model_args", {}))
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
-    model.to_empty(device="cpu")
+    hf_dir = hf_model_dir(settings["model"])
+    if hf_dir is not None:  # an hf: model: transformers' own classes, from the run's model directory
+        model, model_cfg = build_hf_model(load_hf_spec(hf_dir, settings.get("max_doc_len"))), None
+    else:
+        model_cfg = model_config(settings["model"], **settings.get("model_args", {}))
+        with torch.device("meta"):
+            model = Transformer(model_cfg)
+        model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # one process on purpose: DCP's warning that it assumes so is noise here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
@@ -63,5 +69,8 @@ def export_hf(*, run_dir: str | None = None, checkpoint: str | None = None, out:
     if dtype not in DTYPES:
         raise ConfigError("dtype", dtype, f"choose one of {', '.join(DTYPES)}")
     model, model_cfg, _, path, skipped = read_checkpoint_model(run_dir=run_dir, checkpoint=checkpoint)
-    save_hf_checkpoint(model.state_dict(), model_cfg, out, dtype=DTYPES[dtype])
+    if model_cfg is None:  # an hf: model
+        save_hf_export(model, model.state_dict(), out, DTYPES[dtype])
+    else:
+        save_hf_checkpoint(model.state_dict(), model_cfg, out, dtype=DTYPES[dtype])
     return path, skipped

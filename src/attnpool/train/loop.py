@@ -54,6 +54,8 @@ from attnpool.errors import ConfigError, TrainingError
 from attnpool.kernels.sparse import device_problem as sparse_device_problem
 from attnpool.kernels.sparse import launch_problem as sparse_launch_problem
 from attnpool.model import ModelConfig, Transformer, apply_activation_checkpointing, model_config
+from attnpool.model.hf_causal_lm import (HFCausalLM, HFModelSpec, build_hf_model, export_dtype, hf_model_dir,
+                                         hf_state_shapes, load_hf_spec, save_hf_export)
 from attnpool.parallel import ParallelDims, RankMesh, apply_tensor_parallel, build_rank_mesh, tensor_parallel_problem
 from attnpool.parallel.pipeline import (PipelineRunner, PipelineStageModel, activations_in_flight, build_stage_models,
                                         merged_stages, pipeline_problem)
@@ -66,12 +68,12 @@ from attnpool.sparse import SparseConfig
 from attnpool.sparse.cost import SparsePrior
 from attnpool.train.checkpoint import (check_compatible, checkpoint_config, checkpoint_path, checkpoint_root,
                                        finished_checkpoints, load_checkpoint, save_checkpoint, select_checkpoint)
-from attnpool.train.config import DATA_PATH_OPTION, RUN_FIELDS, TrainConfig, load_config, save_config
+from attnpool.train.config import DATA_PATH_OPTION, HF_PREFIX, RUN_FIELDS, TrainConfig, load_config, save_config
 from attnpool.train.memory import (Calibration, Capacity, MemoryEstimate, MemoryInputs, RowRatios, estimate,
                                    format_bytes, report, saved_bytes_per_layer, settings)
 from attnpool.train.offload import ActivationOffload
-from attnpool.train.metrics import (PLOT_FILE, SUMMARY_FILE, AttentionTimer, MetricsLog, Progress, peak_memory_bytes,
-                                    peak_reserved_bytes,
+from attnpool.train.metrics import (PLOT_FILE, SUMMARY_FILE, AttentionTimer, MetricsLog, Progress, logger_problem,
+                                    open_logger, peak_memory_bytes, peak_reserved_bytes,
                                     plot_run, print_summary, reset_peak_memory, summarize)
 
 # Models above this many weights are built on the meta device and initialised
@@ -80,6 +82,8 @@ from attnpool.train.metrics import (PLOT_FILE, SUMMARY_FILE, AttentionTimer, Met
 META_INIT_PARAMS = 1_000_000_000
 # Batches whose plans bound core attention's buffers in the memory check (the run's first ones).
 MEMORY_SAMPLE_BATCHES = 8
+# Under the run directory: an hf: model's weights at the end of the run, as transformers reads them.
+HF_EXPORT_DIR = "hf"
 
 
 # --- What a run is built from (checked before any process group exists) ---------------------
@@ -96,12 +100,35 @@ class Setup:
     # The kernel backend core attention runs (attnpool.kernels); "auto" only in a launcher, which leaves
     # the choice to the ranks' devices.
     attention_backend: str = "auto"
+    hf: HFModelSpec | None = None  # an hf: model (model_config is then its shape as the planner sees it)
+
+
+def tokenizer_path(config: TrainConfig) -> str | None:
+    """The tokenizer of hf: and jsonl data: ``tokenizer``, else an hf: model's own directory."""
+    return config.tokenizer or hf_model_dir(config.model)
+
+
+def _main_process() -> bool:
+    """The launcher, or rank 0 (of torchrun's or of the built-in launcher's ranks)."""
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0
 
 
 def build_source(config: TrainConfig, vocab_size: int):
     options = dict(config.data_args)
+    kind = config.data
     if config.data_path is not None:
         options[DATA_PATH_OPTION[config.data]] = config.data_path
+    tokenizer = tokenizer_path(config)
+    if config.data.startswith(HF_PREFIX):
+        kind, options["name"] = "hf", config.data[len(HF_PREFIX):]
+        if tokenizer is None:
+            raise ConfigError("tokenizer", None, f"--data {config.data} needs a tokenizer: set tokenizer: DIR (an hf: "
+                                                 "model's directory is the default)")
+        options["tokenizer"] = tokenizer
+        options.setdefault("progress", config.progress and _main_process())
+        options["model_vocab_size"] = vocab_size  # a tokenizer too large is refused before the data is read
+    if config.data == "jsonl" and tokenizer is not None:
+        options.setdefault("tokenizer_path", tokenizer)
     if config.data == "synthetic":
         options.setdefault("dist", "pretrain")
         options.setdefault("vocab_size", vocab_size)
@@ -109,7 +136,7 @@ def build_source(config: TrainConfig, vocab_size: int):
     if config.data == "npy":
         options.setdefault("vocab_size", vocab_size)  # token ids are then checked against the model
     try:
-        source = make_source(config.data, **options)
+        source = make_source(kind, **options)
     except ConfigError as exc:  # name what the user typed: --data-path, or --data-args KEY
         path_option = DATA_PATH_OPTION.get(config.data)
         if exc.field == path_option and config.data_path is not None:
@@ -130,7 +157,12 @@ def prepare(config: TrainConfig, device: torch.device | None = None, world: int 
     ``device``: the rank's device, whose kind the sparse kernels must support and whose memory must hold
     the run; None in a launcher, which must not touch its GPUs (asking one initialises CUDA and would hold
     a context on it for the whole run). ``world``: the number of ranks (checked against ``tp``), where known."""
-    model_cfg = model_config(config.model, **config.model_args)
+    hf_dir = hf_model_dir(config.model)
+    hf = load_hf_spec(hf_dir, config.max_doc_len) if hf_dir is not None else None
+    model_cfg = hf.model_config if hf is not None else model_config(config.model, **config.model_args)
+    problem = logger_problem(config.logger)
+    if problem is not None:
+        raise ConfigError("logger", config.logger, problem)
     problem = tensor_parallel_problem(model_cfg, config.tp)
     if problem is not None:
         raise ConfigError("tp", config.tp, problem)
@@ -157,7 +189,7 @@ def prepare(config: TrainConfig, device: torch.device | None = None, world: int 
         if found is None:
             refuse_damaged(config.out, skipped)
             raise ConfigError("resume", config.out, f"no finished checkpoint in {checkpoint_root(config.out)}")
-        check_compatible(found, model_cfg)
+        check_compatible(found, model_cfg, hf_state_shapes(hf) if hf is not None else None)
         config_changes(config, found)
     elif finished_checkpoints(config.out):
         raise ConfigError("out", config.out, "holds checkpoints of an earlier run: pass --resume to continue it, "
@@ -165,7 +197,7 @@ def prepare(config: TrainConfig, device: torch.device | None = None, world: int 
     memory = None
     if device is not None and dims is not None and config.memory_check:
         memory = check_memory(config, model_cfg, source, cost_model, sparse, dims, device)
-    return Setup(model_cfg, source, cost_model, found if config.resume else None, sparse, memory, backend)
+    return Setup(model_cfg, source, cost_model, found if config.resume else None, sparse, memory, backend, hf)
 
 
 def attention_backend(config: TrainConfig, device: torch.device | None = None) -> str:
@@ -176,7 +208,10 @@ def attention_backend(config: TrainConfig, device: torch.device | None = None) -
     from attnpool.kernels import resolve_backend_name
 
     name = config.attention_backend
-    device_type = resolve_device(config) if device is None else device.type
+    # Without a device (a launcher, or `attnpool memory` planning GPUs from a machine without one) the
+    # configured kind decides; only "auto" asks this machine.
+    device_type = device.type if device is not None else config.device if config.device != "auto" \
+        else resolve_device(config)
     bf16 = uses_bf16(config, device_type)
     if name in ("fa4", "flash") and device_type == "cuda" and not bf16:
         raise ConfigError("attention_backend", name, f"the {name} kernels take bf16, and this run computes in float32 "
@@ -372,15 +407,17 @@ def check_memory(config: TrainConfig, model_cfg: ModelConfig, source, cost_model
 
 
 def build_model(model_cfg: ModelConfig, config: TrainConfig, device: torch.device, bf16: bool = False,
-                mesh: RankMesh | None = None) -> Transformer:
-    """The model, tensor-parallel over ``mesh``'s "tp" ranks where tp > 1 (attnpool.parallel.tensor), then
-    FSDP2-sharded over its "dp" ranks (all ranks without a mesh) per layer and at the root, with
-    gradients summed over ranks.
+                mesh: RankMesh | None = None, hf: HFModelSpec | None = None) -> Transformer | HFCausalLM:
+    """The model (``hf``: transformers' model of that directory), tensor-parallel over ``mesh``'s "tp" ranks
+    where tp > 1 (attnpool.parallel.tensor), then FSDP2-sharded over its "dp" ranks (all ranks without a mesh)
+    per layer and at the root, with gradients summed over ranks.
 
     With ``bf16`` FSDP gathers parameters in bf16 for compute (half the all-gather bytes,
     no per-use casts) and reduces gradients in float32; the sharded master weights and the
     optimizer stay float32."""
     torch.manual_seed(config.seed)
+    if hf is not None:  # built whole on every rank (the same weights everywhere), then sharded
+        return shard_model(build_hf_model(hf, device), config, device, bf16, mesh, on_meta=False)
     on_meta = model_cfg.num_params() > META_INIT_PARAMS
     with torch.device("meta" if on_meta else device):
         model = Transformer(model_cfg)
@@ -403,7 +440,9 @@ def build_stages(model_cfg: ModelConfig, config: TrainConfig, device: torch.devi
 def shard_model(model: Transformer, config: TrainConfig, device: torch.device, bf16: bool, mesh: RankMesh | None,
                 on_meta: bool) -> Transformer:
     """Activation checkpointing, tensor parallelism and FSDP2 applied to ``model`` (see build_model)."""
-    if config.activation_checkpointing != "none":
+    if isinstance(model, HFCausalLM) and config.activation_checkpointing == "full":
+        model.checkpoint_layers()  # (keep_attention is refused for hf: models in TrainConfig)
+    elif config.activation_checkpointing != "none":
         apply_activation_checkpointing(model, recompute_attention=config.activation_checkpointing == "full")
     if mesh is not None and mesh.dims.tp > 1:
         apply_tensor_parallel(model, mesh.tp_mesh)
@@ -610,8 +649,9 @@ def _train(config: TrainConfig, on_step, preemption: "Preemption") -> TrainResul
                                         (tokens // tp, model_cfg.dim), torch.bfloat16 if bf16 else torch.float32,
                                         device, mesh.pp_group)
     else:
-        model = build_model(model_cfg, config, device, bf16, mesh)
+        model = build_model(model_cfg, config, device, bf16, mesh, setup.hf)
     params = list(model.parameters())
+    num_params = sum(p.numel() for p in params) if setup.hf is not None else model_cfg.num_params()
     optimizer = build_optimizer(model, config, fused=device.type == "cuda")
     offload = None
     if config.activation_offload:  # prefetch in backward: one layer's saved activations ahead
@@ -634,14 +674,15 @@ def _train(config: TrainConfig, on_step, preemption: "Preemption") -> TrainResul
     if rank == 0:
         os.makedirs(config.out, exist_ok=True)
         write_config(config, resume_from, step)
-    log = MetricsLog(config.out, write=rank == 0, resume_step=step if resume_from else None)
+    log = MetricsLog(config.out, write=rank == 0, resume_step=step if resume_from else None,
+                     logger=open_logger(config.logger, config.out, config.to_dict()) if rank == 0 else None)
     dist.barrier()  # every rank has read the earlier rows before rank 0 rewrites the file
     log.start()
     if rank == 0:
         resumed = f", resumed from {resume_from}" if resume_from else ""
         layout = f" (pp {pp} x dp {dp} x tp {tp})" if pp > 1 else f" (dp {dp} x tp {tp})" if tp > 1 else ""
         micro = f" in {config.microbatches} micro-batches" if config.microbatches > 1 else ""
-        print(f"attnpool train: {config.model} ({model_cfg.num_params() / 1e6:.2f}M params) on {world} x {device.type}"
+        print(f"attnpool train: {config.model} ({num_params / 1e6:.2f}M params) on {world} x {device.type}"
               f"{layout}, {config.attention} attention ({setup.attention_backend} kernel), "
               f"{dp} x {config.microbatches * config.tokens_per_rank} tokens "
               f"per step{micro}, steps {step + 1}..{last_step} of {config.steps}{resumed} -> {config.out}", flush=True)
@@ -779,16 +820,36 @@ def _train(config: TrainConfig, on_step, preemption: "Preemption") -> TrainResul
         raise TrainingError(records.describe_failure(exc, step, config.collective_timeout_s), restartable=True) from None
     finally:
         comm_stats.timing = False
+        log.close()
+    if setup.hf is not None and step == last_step:
+        export_hf_model(model, setup.hf, config)
 
     summary = None
     if rank == 0:
-        info = {"model": config.model, "params": model_cfg.num_params(), "world": world, "dp": dp, "tp": tp, "pp": pp,
+        info = {"model": config.model, "params": num_params, "world": world, "dp": dp, "tp": tp, "pp": pp,
                 "predicted_peak_memory_bytes": setup.memory.peak_bytes if setup.memory and device.type == "cuda" else None,
                 "tokens_per_rank": config.tokens_per_rank, "microbatches": config.microbatches,
                 "strategy": config.attention, "steps": config.steps,
                 "start_step": start_step, "end_step": step, "wall_s": time.perf_counter() - wall0}
         summary = _report(config, log, last_plan, getattr(cost_model, "unit", "work"), info)
     return TrainResult(log.rows, model, summary, setup.memory)
+
+
+def export_hf_model(model: HFCausalLM, hf: HFModelSpec, config: TrainConfig) -> str:
+    """OUT/hf: the trained weights (gathered from every rank's shards; a collective) in the dtype of the
+    model's config.json, with ``save_pretrained``, and the tokenizer where there is one."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    directory = os.path.join(config.out, HF_EXPORT_DIR)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        tokenizer = tokenizer_path(config)
+        has_tokenizer = tokenizer is not None and any(
+            os.path.isfile(os.path.join(tokenizer, name)) for name in ("tokenizer.json", "tokenizer_config.json"))
+        save_hf_export(model, full, directory, export_dtype(hf), tokenizer if has_tokenizer else None)
+        print(f"hf export: {directory} (transformers: AutoModelForCausalLM.from_pretrained)", flush=True)
+    dist.barrier()
+    return directory
 
 
 def _report(config: TrainConfig, log: MetricsLog, last_plan: StepPlan | None, unit: str, info: dict) -> dict | None:
@@ -821,7 +882,8 @@ def verified_checkpoint(config: TrainConfig, setup: Setup, model_cfg: ModelConfi
     if path is None:
         refuse_damaged(config.out, skipped)
     if path != setup.resume_from:
-        agree(lambda: (check_compatible(path, model_cfg), config_changes(config, path)))
+        shapes = hf_state_shapes(setup.hf) if setup.hf is not None else None
+        agree(lambda: (check_compatible(path, model_cfg, shapes), config_changes(config, path)))
     return path
 
 

@@ -142,16 +142,89 @@ def json_line(row: dict) -> str:
     return json.dumps(clean, allow_nan=False) + "\n"
 
 
+# --- Loggers: every row of metrics.jsonl, also to TensorBoard or W&B -------------------------------
+
+LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+TENSORBOARD_DIR = "tensorboard"
+
+
+def logger_problem(kind: str) -> str | None:
+    """Why ``logger: kind`` cannot run here (its package is missing; W&B online without credentials), or None."""
+    import importlib.util
+
+    package = LOGGER_PACKAGES.get(kind)
+    if package is not None and importlib.util.find_spec(package) is None:
+        return f"needs the {package} package: pip install 'attnpool[{kind}]'"
+    if kind == "wandb":
+        import wandb
+
+        # The mode from WANDB_MODE or `wandb offline`'s settings file; checking credentials neither prompts
+        # nor goes on the network.
+        if wandb.setup().settings.mode not in ("offline", "dryrun", "disabled") and not wandb.login(prompt=False):
+            return ("W&B has no API key here: run `wandb login` or set WANDB_API_KEY, or set WANDB_MODE=offline to "
+                    "write the run locally (`wandb sync` uploads it later)")
+    return None
+
+
+def _scalars(row: dict) -> dict[str, float]:
+    """A row's numbers (booleans as 0/1), without the step and without the nulls of a metric a step lacks."""
+    return {k: float(v) for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+
+
+class TensorBoardLogger:
+    """Scalars in OUT/tensorboard (``tensorboard --logdir OUT/tensorboard``), one tag per metric."""
+
+    def __init__(self, out: str):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=os.path.join(out, TENSORBOARD_DIR), flush_secs=10)
+
+    def log(self, row: dict) -> None:
+        for name, value in _scalars(row).items():
+            self.writer.add_scalar(name, value, global_step=row["step"])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLogger:
+    """A W&B run under OUT/wandb, with the run's settings as its config. WANDB_MODE=offline writes it locally
+    without a network (``wandb sync`` uploads it later); WANDB_PROJECT names the project (default attnpool)."""
+
+    def __init__(self, out: str, settings: dict):
+        import wandb
+
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "attnpool"), dir=out,
+                              name=os.path.basename(os.path.abspath(out)), config=settings)
+
+    def log(self, row: dict) -> None:
+        self.run.log(_scalars(row), step=row["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def open_logger(kind: str, out: str, settings: dict):
+    """The logger ``kind`` names (None for ``none``)."""
+    if kind == "tensorboard":
+        return TensorBoardLogger(out)
+    if kind == "wandb":
+        return WandbLogger(out, settings)
+    return None
+
+
 class MetricsLog:
-    """``metrics.jsonl`` in the run directory, one JSON object per step (written by rank 0 only).
+    """``metrics.jsonl`` in the run directory, one JSON object per step (written by rank 0 only), and each row
+    to ``logger`` (TensorBoard or W&B) where one is given.
 
     A resumed run keeps the rows up to the step it resumes from and drops any
     later ones (written after that checkpoint by the run that stopped).
     """
 
-    def __init__(self, out: str, write: bool, resume_step: int | None):
+    def __init__(self, out: str, write: bool, resume_step: int | None, logger=None):
         self.path = os.path.join(out, METRICS_FILE)
         self.write = write
+        self.logger = logger
         self.rows: list[dict] = []
         if resume_step is not None and os.path.isfile(self.path):
             with open(self.path) as fh:
@@ -175,6 +248,13 @@ class MetricsLog:
         if self.write:
             with open(self.path, "a") as fh:
                 fh.write(json_line(row))
+        if self.logger is not None:
+            self.logger.log(row)
+
+    def close(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+            self.logger = None
 
 
 def _fmt_rate(x: float) -> str:

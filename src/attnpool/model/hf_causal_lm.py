@@ -1,0 +1,321 @@
+"""Any Hugging Face causal LM of a supported architecture, trained with attnpool's core attention.
+
+``--model hf:DIR``: transformers builds the model from ``DIR/config.json`` (and its safetensors
+weights, if any) with its own modules, so embedding scaling, norms, RoPE variants, q/k norms and MLPs
+are the architecture's own. attnpool provides one thing: the attention function, registered with
+``transformers.AttentionInterface`` under the name ``attnpool``. Every layer's attention module calls
+it with q, k and v after RoPE, and it hands them to the core attention that came with the forward's
+keyword arguments (``core_attention``: the same callable ``(q, k, v, *, layer) -> out`` attnpool's own
+Transformer takes), so the plan travels with the call and the model never learns which scheduler made
+it. Tokens are one packed sequence (batch 1); ``position_ids`` restart at each document, so RoPE sees
+positions within the document, and no attention mask is built: core attention is causal within each
+document by construction.
+
+What core attention cannot express is refused before anything is built (:func:`hf_model_problem`):
+architectures whose forward attnpool has not checked, soft-capped attention logits or output logits,
+non-causal attention, attention dropout, and sliding-window layers unless every document fits in the
+window (``max_doc_len`` <= the window: then the window never cuts anything off).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from attnpool.errors import ConfigError
+from attnpool.model.config import ModelConfig
+from attnpool.model.llama import chunked_cross_entropy
+
+HF_MODEL_PREFIX = "hf:"
+ATTENTION_NAME = "attnpool"
+
+# model_type -> its family. Each was read in transformers 5.24's modeling code: between the embedding and
+# the output projection tokens mix only in attention, the attention function gets q, k and v after RoPE
+# (and any q/k norm), and the output projection is a plain linear map (no bias, no scaling) of the final
+# norm's output, so the chunked loss may compute the logits itself.
+SUPPORTED_MODEL_TYPES = {
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "gemma": "Gemma",
+    "gemma2": "Gemma 2",
+    "gemma3_text": "Gemma 3 (text)",
+}
+
+
+def hf_model_dir(model: str) -> str | None:
+    """DIR of a ``model`` setting ``hf:DIR``; None for attnpool's own presets."""
+    return model[len(HF_MODEL_PREFIX):] if model.startswith(HF_MODEL_PREFIX) else None
+
+
+@dataclass
+class HFModelSpec:
+    """A Hugging Face model directory, checked: its config, and attnpool's view of its shape."""
+
+    path: str
+    hf_config: object  # transformers.PretrainedConfig
+    # The shape the planner, the cost model and the memory model see (heads, head_dim, layers, widths):
+    # a Llama-shaped approximation of the architecture, exact in the attention's shape.
+    model_config: ModelConfig
+    has_weights: bool  # *.safetensors in the directory: from_pretrained; else random weights from the config
+
+    @property
+    def architecture(self) -> str:
+        return _architecture(self.hf_config)
+
+
+def _architecture(hf_config) -> str:
+    architectures = getattr(hf_config, "architectures", None) or []
+    return architectures[0] if architectures else hf_config.__class__.__name__.replace("Config", "")
+
+
+def load_hf_spec(path: str, max_doc_len: int | None = None) -> HFModelSpec:
+    """Read and check ``path``'s config.json (refused with ConfigError naming the model, the architecture and
+    the feature attnpool cannot run). Nothing is downloaded: ``path`` is a local directory."""
+    field = "model"
+    value = HF_MODEL_PREFIX + path
+    if not os.path.isdir(path):
+        raise ConfigError(field, value, "no such directory (hf: takes a local model directory)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(field, value, f"{path} has no config.json")
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise ConfigError(field, value, "hf: models need transformers: pip install 'attnpool[hf]'") from None
+    try:
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(field, value, f"config.json is not a config transformers reads "
+                                        f"({str(exc).splitlines()[0]})") from None
+    problem = hf_model_problem(hf_config, max_doc_len)
+    if problem is not None:
+        raise ConfigError(field, value, problem)
+    has_weights = any(name.endswith(".safetensors") for name in os.listdir(path))
+    return HFModelSpec(path, hf_config, planning_config(hf_config), has_weights)
+
+
+def hf_model_problem(hf_config, max_doc_len: int | None = None) -> str | None:
+    """Why attnpool cannot train this model with its core attention, naming architecture and feature; None
+    where it can."""
+    model_type = getattr(hf_config, "model_type", None)
+    arch = _architecture(hf_config)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return (f"architecture {arch} (model_type {model_type!r}) is not supported; supported model types: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    if getattr(hf_config, "attn_logit_softcapping", None) is not None:
+        return (f"{arch} soft-caps attention logits (attn_logit_softcapping="
+                f"{hf_config.attn_logit_softcapping}), which core attention's kernels do not compute")
+    if getattr(hf_config, "final_logit_softcapping", None) is not None:
+        return (f"{arch} soft-caps its output logits (final_logit_softcapping="
+                f"{hf_config.final_logit_softcapping}), which the chunked loss does not compute")
+    if getattr(hf_config, "use_bidirectional_attention", False) or getattr(hf_config, "is_causal", True) is False:
+        return f"{arch} is configured for non-causal (bidirectional) attention; core attention is causal"
+    if getattr(hf_config, "attention_dropout", 0.0):
+        return (f"{arch} has attention dropout (attention_dropout={hf_config.attention_dropout}), which core "
+                "attention does not apply; set it to 0.0 in config.json")
+    window = sliding_window(hf_config)
+    if window is not None and (max_doc_len is None or max_doc_len > window):
+        have = "no max_doc_len" if max_doc_len is None else f"max_doc_len={max_doc_len}"
+        return (f"{arch} has sliding-window attention layers (sliding_window={window}), which core attention "
+                f"does not compute; with --max-doc-len {window} or less no document reaches past the window, "
+                f"and they are plain causal attention ({have} now)")
+    return None
+
+
+def sliding_window(hf_config) -> int | None:
+    """The window of the model's sliding-window layers, or None where every layer attends to the whole prefix."""
+    window = getattr(hf_config, "sliding_window", None)
+    if window is None:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None  # a window in the config that no layer uses (Qwen's max_window_layers)
+    return int(window)
+
+
+def planning_config(hf_config) -> ModelConfig:
+    """attnpool's ModelConfig of the same shape (heads, head_dim, layers, widths, vocabulary), for the planner's
+    per-head costs and the memory model."""
+    n_heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_heads
+    return ModelConfig(
+        vocab_size=hf_config.vocab_size,
+        dim=hf_config.hidden_size,
+        n_layers=hf_config.num_hidden_layers,
+        n_heads=n_heads,
+        n_kv_heads=getattr(hf_config, "num_key_value_heads", None) or n_heads,
+        ffn_dim=hf_config.intermediate_size,
+        head_dim=head_dim,
+        norm_eps=getattr(hf_config, "rms_norm_eps", 1e-6),
+        tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        qkv_bias=bool(getattr(hf_config, "attention_bias", False)) or hf_config.model_type == "qwen2",
+        max_position=getattr(hf_config, "max_position_embeddings", None),
+    )
+
+
+# --- The attention function ----------------------------------------------------------------------
+
+
+def attnpool_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
+                       scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+    """transformers' attention-function contract: query (1, H_q, T, D), key and value (1, H_kv, T, D) ->
+    ((1, T, H_q, D), no weights). Runs the ``core_attention`` the model's forward was given."""
+    core_attention = kwargs.get("core_attention")
+    if core_attention is None:
+        raise ConfigError("attn_implementation", ATTENTION_NAME,
+                          "the model was called without core_attention; call it through HFCausalLM")
+    if query.shape[0] != 1:
+        raise ConfigError("batch", query.shape[0], "attnpool packs documents into one sequence: batch size 1")
+    # Checked at start too (hf_model_problem); here for a config changed after that.
+    if not getattr(module, "is_causal", True):
+        raise ConfigError("is_causal", False, f"{type(module).__name__} is non-causal; core attention is causal")
+    if kwargs.get("softcap") is not None:
+        raise ConfigError("softcap", kwargs["softcap"], "core attention does not soft-cap attention logits")
+    if dropout:
+        raise ConfigError("attention_dropout", dropout, "core attention does not apply attention dropout")
+    # (T, H, D), attnpool's layout, in one dtype: under autocast v comes from a linear layer in the compute
+    # dtype, while q and k may have been promoted to float32 by RoPE's or a q/k norm's float32 factors (as
+    # transformers' sdpa casts them back under autocast).
+    q, k, v = (x[0].transpose(0, 1).to(value.dtype).contiguous() for x in (query, key, value))
+    head_dim = q.shape[-1]
+    if scaling is not None and scaling != head_dim ** -0.5:
+        # Core attention scales scores by D^-1/2; the model's scale (Gemma's query_pre_attn_scalar) goes into q.
+        q = q * (scaling * head_dim ** 0.5)
+    out = core_attention(q, k, v, layer=module.layer_idx)
+    return out.unsqueeze(0), None
+
+
+def register_attention() -> None:
+    """Make ``attn_implementation="attnpool"`` known to transformers (idempotent). No attention-mask
+    function is registered for it, so transformers builds no mask (none is needed)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, attnpool_attention)
+
+
+# --- The model -----------------------------------------------------------------------------------
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM behind the interface of attnpool's Transformer: ``model(tokens, positions,
+    core_attention, labels=...)`` on one packed sequence, ``layers`` (index -> decoder layer, for FSDP2 and
+    activation checkpointing) and ``output_weight``. Its weights keep transformers' names under ``hf.``."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf = hf_model
+
+    @property
+    def config(self):
+        return self.hf.config
+
+    @property
+    def layers(self) -> dict[str, nn.Module]:
+        return {str(i): layer for i, layer in enumerate(self.hf.model.layers)}
+
+    @property
+    def output_weight(self) -> Tensor:
+        return self.hf.get_output_embeddings().weight
+
+    def forward(self, tokens: Tensor, positions: Tensor, attention, *, return_hidden: bool = False,
+                labels: Tensor | None = None) -> Tensor:
+        """Logits (T, vocab) of tokens (T,) at in-document positions (T,); the summed token loss with
+        ``labels`` (computed in chunks, as Transformer's); the final normed hidden states with
+        ``return_hidden``."""
+        if isinstance(tokens, (list, tuple)):
+            raise ConfigError("pingpong", True, "hf: models run one batch at a time (no interleaved nano-batches)")
+        if tokens.dim() != 1 or positions.shape != tokens.shape:
+            raise ConfigError("tokens", tuple(tokens.shape), f"must be one flat sequence (T,) with positions of the "
+                                                             f"same shape, not {tuple(positions.shape)}")
+        hidden = self.hf.model(input_ids=tokens[None], position_ids=positions[None], core_attention=attention,
+                               use_cache=False).last_hidden_state[0]
+        if labels is not None:
+            return chunked_cross_entropy(hidden, self.output_weight, labels)
+        if return_hidden:
+            return hidden
+        return self.hf.get_output_embeddings()(hidden)
+
+    def checkpoint_layers(self) -> None:
+        """Recompute each decoder layer in backward (activation checkpointing ``full``), through transformers'
+        own per-layer hook (GradientCheckpointingLayer), non-reentrant as attnpool's."""
+        for layer in self.hf.model.layers:
+            layer.gradient_checkpointing = True
+            layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+
+
+def build_hf_model(spec: HFModelSpec, device: torch.device | str = "cpu") -> HFCausalLM:
+    """The model in float32 (the master weights; compute may run in bf16 under autocast and FSDP2's mixed
+    precision), from the directory's safetensors or, without any, initialised from the config by
+    transformers (seed before calling: every rank then starts from the same weights)."""
+    from transformers import AutoModelForCausalLM
+
+    register_attention()
+    options = dict(dtype=torch.float32, attn_implementation=ATTENTION_NAME)
+    with _without_progress_bars():
+        if spec.has_weights:
+            hf_model = AutoModelForCausalLM.from_pretrained(spec.path, config=spec.hf_config, local_files_only=True,
+                                                            **options)
+        else:
+            hf_model = AutoModelForCausalLM.from_config(spec.hf_config, **options)
+    return HFCausalLM(hf_model.to(device).train())
+
+
+@contextlib.contextmanager
+def _without_progress_bars():
+    """transformers' bars for reading and writing weights: one per rank at every start, noise in a run's log."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def hf_state_shapes(spec: HFModelSpec) -> dict[str, tuple]:
+    """Name -> shape of every entry of the model's state dict (built on the meta device: nothing allocated),
+    to check a checkpoint against before loading it."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = HFCausalLM(AutoModelForCausalLM.from_config(spec.hf_config, dtype=torch.float32))
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def export_dtype(spec: HFModelSpec) -> torch.dtype:
+    """The dtype of the export: the one config.json names (what the user brought), else float32."""
+    dtype = getattr(spec.hf_config, "dtype", None) or getattr(spec.hf_config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+
+def save_hf_export(model: HFCausalLM, full_state: dict[str, Tensor], directory: str, dtype: torch.dtype,
+                   tokenizer_path: str | None = None) -> None:
+    """Write ``full_state`` (whole tensors, names under ``hf.``) in ``dtype`` with ``save_pretrained``:
+    config.json and safetensors that transformers loads with its own attention; the tokenizer beside them
+    where one is given."""
+    prefix = "hf."
+    state = {name[len(prefix):]: t.to(dtype) if t.is_floating_point() else t
+             for name, t in full_state.items() if name.startswith(prefix)}
+    config = model.hf.config
+    implementation = config._attn_implementation
+    config._attn_implementation = "sdpa"  # what a later reader gets by default (attnpool's is registered here only)
+    try:
+        with _without_progress_bars():
+            model.hf.save_pretrained(directory, state_dict=state, safe_serialization=True)
+    finally:
+        config._attn_implementation = implementation
+    if tokenizer_path is not None:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True).save_pretrained(directory)

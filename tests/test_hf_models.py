@@ -1,0 +1,380 @@
+"""Bring your own model and data: Hugging Face causal LMs under attnpool's core attention, HF datasets, loggers.
+
+Tiny random models of every supported architecture, made with transformers' config classes and saved to
+temporary directories, float32 on CPU. The references are transformers' own attention (eager) on each
+document alone, and attnpool's `local` strategy for training.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from attnpool.errors import ConfigError  # noqa: E402
+from attnpool.model.hf_causal_lm import build_hf_model, hf_model_problem, load_hf_spec  # noqa: E402
+from attnpool.plan import plan_attention  # noqa: E402
+from attnpool.runtime import CoreAttention  # noqa: E402
+from attnpool.train import TrainConfig, train  # noqa: E402
+from dist_harness import run_distributed  # noqa: E402
+from layout_reference import linear_layout  # noqa: E402
+from test_train import SPARSE  # noqa: E402
+
+VOCAB = 97
+SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, max_position_embeddings=256, dtype="float32")
+# Windows longer than any document here: those layers are plain causal attention (see hf_model_problem).
+WINDOW = 128
+ARCHITECTURES = {
+    "llama": (transformers.LlamaConfig, dict(rope_theta=10000.0)),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=None)),
+    "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
+    "qwen3": (transformers.Qwen3Config, dict()),  # q/k norms
+    "gemma": (transformers.GemmaConfig, dict()),  # scaled embedding, (1 + w) norms, GeLU MLP
+    "gemma2": (transformers.Gemma2Config, dict(attn_logit_softcapping=None, final_logit_softcapping=None,
+                                               query_pre_attn_scalar=16, sliding_window=WINDOW)),
+    "gemma3_text": (transformers.Gemma3TextConfig, dict(query_pre_attn_scalar=16, sliding_window=WINDOW,
+                                                        layer_types=["sliding_attention", "full_attention"])),
+}
+DOC_LENS = [40, 13, 70, 5, 32]  # 160 tokens: 40 per rank on 4 ranks, documents split between ranks
+
+
+def randomize_(model, seed=0):
+    """Weights large enough that attention is far from uniform (transformers' init leaves it nearly flat)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen) if p.mean() > 0.5 else
+                        0.2 * torch.randn(p.shape, generator=gen))  # Gemma's norms hold w of (1 + w)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+    return model
+
+
+def save_model(directory: Path, arch: str, randomize: bool = True, **extra) -> Path:
+    config_class, options = ARCHITECTURES[arch]
+    config = config_class(**{**SHAPE, **options, **extra})
+    if randomize:
+        randomize_(transformers.AutoModelForCausalLM.from_config(config)).save_pretrained(directory)
+    else:
+        config.save_pretrained(directory)  # no weights: attnpool initialises from the config
+    return directory
+
+
+def document_tokens(seed=1) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=gen) for n in DOC_LENS]
+
+
+def reference_logits(directory: Path, docs: list[torch.Tensor]) -> torch.Tensor:
+    """transformers' own attention (eager), each document alone from position 0, concatenated."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager",
+                                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.cat([model(input_ids=doc[None]).logits[0] for doc in docs])
+
+
+def _logits_under_core_attention(rank, world, directories, strategy):
+    """Each architecture's logits for this rank's tokens of the packed documents, and the rows they are."""
+    pieces = linear_layout(DOC_LENS, world)
+    plan = plan_attention(pieces, strategy, cost_model="pairs", min_shard_tokens=8)
+    docs, starts = document_tokens(), np.r_[0, np.cumsum(DOC_LENS)]
+    mine = pieces[rank]
+    tokens = torch.cat([docs[p.doc_id][p.start:p.end] for p in mine])
+    positions = torch.cat([torch.arange(p.start, p.end) for p in mine])
+    rows = torch.cat([torch.arange(starts[p.doc_id] + p.start, starts[p.doc_id] + p.end) for p in mine])
+    results, autocast = {}, {}
+    for arch, directory in directories.items():
+        model = build_hf_model(load_hf_spec(directory, max_doc_len=WINDOW)).eval()
+        with torch.no_grad():
+            results[arch] = model(tokens, positions, CoreAttention(plan))
+            # bf16 autocast over float32 weights, as a GPU run without FSDP's bf16 parameters: RoPE's and q/k
+            # norms' float32 factors must not leave q, k and v in different dtypes.
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                autocast[arch] = model(tokens, positions, CoreAttention(plan)).float()
+    return rows, results, autocast
+
+
+@pytest.fixture(scope="module")
+def saved_architectures(tmp_path_factory):
+    root = tmp_path_factory.mktemp("architectures")
+    directories = {arch: str(save_model(root / arch, arch)) for arch in ARCHITECTURES}
+    docs = document_tokens()
+    return directories, {arch: reference_logits(d, docs) for arch, d in directories.items()}
+
+
+@pytest.mark.parametrize("world, strategy", [(1, "local"), (4, "cad")])
+def test_logits_equal_transformers_own_attention(saved_architectures, world, strategy):
+    directories, expected = saved_architectures
+    for rows, logits, autocast in run_distributed(_logits_under_core_attention, world, directories, strategy):
+        for arch, got in logits.items():
+            want = expected[arch][rows]
+            err = (got - want).abs().max().item() / want.abs().max().item()
+            assert err <= 1e-5, f"{arch} on {world} ranks ({strategy}): relative error {err:.3g}"
+            err = (autocast[arch] - want).abs().max().item() / want.abs().max().item()
+            assert err <= 0.1, f"{arch} under bf16 autocast: relative error {err:.3g}"  # bf16's rounding
+
+
+def test_problems_name_architecture_and_feature():
+    gemma2 = transformers.Gemma2Config(**SHAPE)
+    assert "attn_logit_softcapping=50.0" in hf_model_problem(gemma2)
+    no_attention_cap = transformers.Gemma2Config(**SHAPE, attn_logit_softcapping=None)
+    assert "final_logit_softcapping=30.0" in hf_model_problem(no_attention_cap)
+    mistral = transformers.MistralConfig(**SHAPE, sliding_window=64)
+    assert "sliding_window=64" in hf_model_problem(mistral)
+    assert hf_model_problem(mistral, max_doc_len=64) is None  # no document reaches past the window
+    assert "sliding_window=64" in hf_model_problem(mistral, max_doc_len=65)
+    bidirectional = transformers.Gemma3TextConfig(**SHAPE, use_bidirectional_attention=True)
+    assert "non-causal" in hf_model_problem(bidirectional, max_doc_len=16)
+    assert "attention_dropout=0.1" in hf_model_problem(transformers.LlamaConfig(**SHAPE, attention_dropout=0.1))
+    assert "GPT2" in hf_model_problem(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4))
+    assert hf_model_problem(transformers.Qwen3Config(**SHAPE)) is None
+
+
+# --- Training: strategies agree, checkpointing and resume, the export ----------------------------
+
+
+def hf_train_config(out, model_dir, **overrides) -> TrainConfig:
+    values = dict(model=f"hf:{model_dir}", data="synthetic", data_args=dict(dist="pretrain"), tokens_per_rank=192,
+                  steps=4, lr=3e-3, warmup_steps=1, cost_model="pairs", min_shard=16, device="cpu", progress=False,
+                  out=str(out))
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def _train_hf(rank, world, out, model_dir):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    runs = {"local": {}, "wlb": {}, "percp": {}, "cad": {}, "cad-full-recompute": dict(activation_checkpointing="full"),
+            "cad-stopped": dict(stop_at=2), "local-sparse": SPARSE, "cad-sparse": SPARSE}
+    losses = {}
+    for name, overrides in runs.items():
+        strategy = name.split("-")[0]
+        result = train(hf_train_config(Path(out) / name, model_dir, attention=strategy, **overrides))
+        losses[name] = result.losses
+        if name == "cad-sparse":
+            losses["density"] = [r["attention_density"] for r in result.rows]
+        if name == "cad":
+            weights = get_model_state_dict(result.model, options=StateDictOptions(full_state_dict=True))
+    losses["cad-resumed"] = train(hf_train_config(Path(out) / "cad-stopped", model_dir, attention="cad",
+                                                  resume=True)).losses
+    return losses, weights
+
+
+@pytest.fixture(scope="module")
+def hf_training(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf-train")
+    model_dir = save_model(root / "model", "qwen3", randomize=False, tie_word_embeddings=True)
+    losses, weights = run_distributed(_train_hf, 2, str(root), str(model_dir))[0]
+    return root, model_dir, losses, weights
+
+
+def rel_diff(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.max(np.abs(a - b) / np.abs(b)))
+
+
+def test_cad_trains_an_hf_model_as_local_does(hf_training):
+    _, _, losses, _ = hf_training
+    assert len(losses["local"]) == 4 and all(math.isfinite(x) for x in losses["local"])
+    for strategy in ("wlb", "percp", "cad"):
+        assert rel_diff(losses[strategy], losses["local"]) <= 1e-4, strategy
+    assert rel_diff(losses["cad-full-recompute"], losses["cad"]) <= 1e-6
+    assert losses["cad-resumed"] == losses["cad"]  # stopped after step 2, resumed from its checkpoint: exact
+    # Vertical-slash sparse attention runs in the model's layers too (the attention function passes the layer).
+    assert rel_diff(losses["cad-sparse"], losses["local-sparse"]) <= 1e-4
+    assert any(0.0 < d < 1.0 for d in losses["density"]), losses["density"]
+
+
+def test_export_loads_in_transformers_with_the_trained_weights(hf_training):
+    root, model_dir, _, weights = hf_training
+    export = root / "cad" / "hf"
+    assert (export / "config.json").is_file() and list(export.glob("*.safetensors"))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager").eval()
+    config = transformers.AutoConfig.from_pretrained(model_dir, attn_implementation="eager")
+    trained = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    trained.load_state_dict({k.removeprefix("hf."): v for k, v in weights.items()})
+    torch.manual_seed(0)  # the run's seed: the weights it started from
+    start = build_hf_model(load_hf_spec(str(model_dir))).hf.eval()
+    start.config._attn_implementation = "eager"
+    tokens = torch.randint(0, VOCAB, (1, 50), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got, want, before = (m(input_ids=tokens).logits for m in (exported, trained, start))
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    assert (want - before).abs().max().item() > 1e-3  # the export holds trained weights, not the initial ones
+
+    from attnpool.train.export import export_hf  # attnpool export: the run's checkpoint, in one process
+
+    export_hf(run_dir=str(root / "cad"), out=str(root / "exported"), dtype="fp32")
+    again = transformers.AutoModelForCausalLM.from_pretrained(root / "exported", attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=tokens).logits, got)
+
+
+# --- Data and loggers through the command line ---------------------------------------------------
+
+
+TEXTS = ["the quick brown fox jumps over the lazy dog " * 6, "a stitch in time saves nine " * 9,
+         "pack my box with five dozen liquor jugs " * 4, "", "how vexingly quick daft zebras jump " * 12] * 4
+
+
+def save_tokenizer(directory: Path, vocab_size: int = 60) -> Path:
+    """A small word-piece BPE tokenizer trained on TEXTS, saved as transformers reads it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>"]))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>").save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module", autouse=True)
+def datasets_cache(tmp_path_factory):
+    """datasets' own Arrow cache (of the json and parquet files read here) in a temporary directory, for this
+    process where datasets is not imported yet, and for the command lines started."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf-datasets-cache")))
+        yield
+
+
+def cli(*args, env=None):
+    return subprocess.Popen([sys.executable, "-m", "attnpool.cli.main", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    with open(root / "docs.jsonl", "w") as fh:
+        for text in TEXTS:
+            fh.write(json.dumps({"body": text, "id": len(text)}) + "\n")
+    save_tokenizer(root / "tokenizer")
+    return root
+
+
+def test_jsonl_dataset_trains_with_tensorboard(data_dir, tmp_path):
+    pytest.importorskip("datasets")
+    pytest.importorskip("tensorboard")
+    model_dir = save_model(tmp_path / "model", "llama", randomize=False)
+    out = tmp_path / "run"
+    p = cli("--model", f"hf:{model_dir}", "--data", f"hf:{data_dir / 'docs.jsonl'}", "--tokenizer",
+            str(data_dir / "tokenizer"), "--data-args", "text_field=body", f"cache_dir={tmp_path / 'cache'}",
+            "--logger", "tensorboard", "--tokens-per-rank", "96", "--steps", "3", "--cost-model", "pairs",
+            "--device", "cpu", "--no-progress", "--out", str(out))
+    stdout, stderr = p.communicate(timeout=300)
+    assert p.returncode == 0, stderr
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # tokenised once, by the launcher; the rank read it
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    for tag in ("loss", "imbalance_after", "comm_bytes", "peak_memory_bytes", "tokens_per_s"):
+        assert [e.step for e in events.Scalars(tag)] == [1, 2, 3], tag
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
+    # The export carries the tokenizer it was trained with.
+    assert transformers.AutoTokenizer.from_pretrained(out / "hf")("a stitch")["input_ids"] == \
+        transformers.AutoTokenizer.from_pretrained(data_dir / "tokenizer")("a stitch")["input_ids"]
+
+
+@pytest.mark.parametrize("kind, streaming", [("parquet", False), ("parquet", True), ("saved", False)])
+def test_dataset_documents_are_the_tokenizers_ids(data_dir, tmp_path, kind, streaming):
+    datasets = pytest.importorskip("datasets")
+    from attnpool.data import make_source
+
+    if kind == "parquet":
+        path = tmp_path / "docs.parquet"
+        datasets.Dataset.from_dict({"text": TEXTS}).to_parquet(path)
+    else:  # a directory save_to_disk wrote
+        path = tmp_path / "saved"
+        datasets.Dataset.from_dict({"text": TEXTS}).save_to_disk(path)
+    source = make_source("hf", name=str(path), tokenizer=str(data_dir / "tokenizer"), streaming=streaming,
+                         cache_dir=str(tmp_path / "cache"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(data_dir / "tokenizer")
+    expected = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS if t]
+    assert [source[i].tolist() for i in range(len(source))] == expected
+    assert source.lengths().tolist() == [len(ids) for ids in expected]
+    again = make_source("hf", name=str(path), tokenizer=str(data_dir / "tokenizer"), streaming=streaming,
+                        cache_dir=str(tmp_path / "cache"))
+    assert isinstance(again.tokens, np.memmap)  # read from the cache the first one wrote, not tokenised again
+    assert [again[i].tolist() for i in range(len(again))] == expected
+    limited = make_source("hf", name=str(path), tokenizer=str(data_dir / "tokenizer"),
+                          streaming=streaming, documents=4, cache_dir=str(tmp_path / "cache"))
+    assert len(limited) == 3  # the first 4 records, one of them empty
+
+
+def test_wandb_offline_run_directory(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from attnpool.train.metrics import open_logger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = open_logger("wandb", str(tmp_path), {"model": "hf:x"})
+    for step in (1, 2):
+        logger.log({"step": step, "loss": 1.0 / step, "attention_time_s": None, "skipped_step": False})
+    logger.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+# --- Bad input: one line, exit code 2 ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory, data_dir):
+    pytest.importorskip("datasets")
+    tmp = tmp_path_factory.mktemp("bad-hf")
+    (tmp / "no-config").mkdir()
+    llama = save_model(tmp / "llama", "llama", randomize=False)
+    small = save_model(tmp / "small-vocab", "llama", randomize=False, vocab_size=32)
+    gpt2 = tmp / "gpt2"
+    transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4).save_pretrained(gpt2)
+    gemma2 = tmp / "gemma2"
+    transformers.Gemma2Config(**SHAPE).save_pretrained(gemma2)
+    data = ["--data", f"hf:{data_dir / 'docs.jsonl'}", "--tokenizer", str(data_dir / "tokenizer")]
+    cases = {
+        "no config.json": (["--model", f"hf:{tmp / 'no-config'}"], "has no config.json"),
+        "unsupported architecture": (["--model", f"hf:{gpt2}"], "model_type 'gpt2'"),
+        "unsupported feature": (["--model", f"hf:{gemma2}"], "attn_logit_softcapping=50.0"),
+        "missing text field": (["--model", f"hf:{llama}", *data, "--data-args", "text_field=content",
+                                f"cache_dir={tmp / 'cache'}"], "text_field='content'"),
+        "tokenizer vocab": (["--model", f"hf:{small}", *data], "tokenizer="),
+        "no tokenizer": (["--data", f"hf:{data_dir / 'docs.jsonl'}"], "tokenizer=None"),
+    }
+    common = ["--device", "cpu", "--steps", "1", "--no-progress"]
+    procs = {name: cli(*args, *common, "--out", str(tmp / "out")) for name, (args, _) in cases.items()}
+    return {name: (p.wait(timeout=300), p.stderr.read(), cases[name][1]) for name, p in procs.items()}
+
+
+@pytest.mark.parametrize("case", ["no config.json", "unsupported architecture", "unsupported feature",
+                                  "missing text field", "tokenizer vocab", "no tokenizer"])
+def test_bad_input_exits_2_with_one_line(bad_runs, case):
+    code, stderr, needle = bad_runs[case]
+    assert code == 2, stderr
+    assert needle in stderr, stderr
+    assert "Traceback" not in stderr
+    assert len(stderr.strip().splitlines()) == 1, stderr
+
+
+def test_hf_model_refuses_what_it_cannot_run():
+    with pytest.raises(ConfigError, match="tp=2"):
+        TrainConfig(model="hf:somewhere", tp=2, nproc=2)
+    with pytest.raises(ConfigError, match="model_args"):
+        TrainConfig(model="hf:somewhere", model_args=dict(n_layers=2))
+    with pytest.raises(ConfigError, match="keep_attention"):
+        TrainConfig(model="hf:somewhere", activation_checkpointing="keep_attention")
+    with pytest.raises(ConfigError, match="logger='mlflow'"):
+        TrainConfig(logger="mlflow")

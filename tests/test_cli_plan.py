@@ -70,3 +70,16 @@ def test_malformed_length_file_exits_2(tmp_path, content, needle):
 def test_other_commands_refuse_bad_input(args, needle):
     r = run_cli(*args)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_cad_never_loses_to_a_baseline_on_one_long_document(tmp_path, capsys):
+    """Issue 26: one 10M-token document over 4 servers x 1K tokens (a 4K slice of it, 512-token shards).
+    The greedy from home reached 1.330 where percp's head-tail pairs reach 1.005."""
+    lengths = tmp_path / "one-10m.json"
+    lengths.write_text(json.dumps([10_000_000]))
+    assert main(["plan", "--dist", str(lengths), "--servers", "4", "--tokens-per-server", "1K",
+                 "--strategy", "all", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["strategies"]
+    assert out["percp"]["imbalance_after"] < 1.01  # the layout that cad must match
+    for name, m in out.items():
+        assert out["cad"]["imbalance_after"] <= m["imbalance_after"] + 1e-9, (name, out)

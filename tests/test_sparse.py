@@ -837,3 +837,32 @@ def test_slash_backward_switch_is_checked_before_training(monkeypatch):
     monkeypatch.setattr(sk, "SLASH_BACKWARD", "gluon")
     assert "CUDA" in sk.gluon_problem(torch.zeros(1, 1, 128, dtype=torch.bfloat16), 128)  # no GPU here
     assert "bf16" in sk.gluon_problem(torch.zeros(1, 1, 64, dtype=torch.bfloat16), 128)
+
+
+def test_cad_never_ends_above_local_under_the_sparse_prior():
+    """Issue 26: the README's sparse example (tiny model, 4 ranks x 256 tokens, 64-token shards, block 16) planned
+    its first steps worse than local under its own prior (1.258 -> 1.270: a 64-token shard carries a third of the
+    mean, moves overfilled receivers and the greedy kept its last state). Over random batches of that shape cad's
+    busiest server now never carries more than local's, by the prior that plans it."""
+    from attnpool.plan import linear_table, load_cost_model, plan_attention
+    from attnpool.plan.metrics import home_loads, server_loads
+    from attnpool.sparse.cost import SparsePrior
+
+    cfg = SparseConfig(min_doc_len=256, block=16, vertical_chunk=16, last_queries=32, sink_tokens=4, local_window=32,
+                       slash_cap=32, vertical_cap=64)
+    prior = SparsePrior(cfg, num_heads=4, head_dim=32, n_layers=4)
+    pairs = load_cost_model("pairs")
+    rng = np.random.default_rng(0)
+    batches = [[1024]] + [list(rng.integers(1, 900, size=int(rng.integers(1, 8)))) for _ in range(40)]
+    for lens in batches:
+        total = sum(lens)
+        lens = lens + [4 * 256 - total] if total < 4 * 256 else lens  # 4 x 256 tokens, as the demo's steps
+        table = linear_table(lens, 4, -(-sum(lens) // 4))
+        model = prior.cost_model(table.doc_len, pairs)
+        local = home_loads(table, model)
+        planned = server_loads(plan_attention(table, "cad", cost_model=model, min_shard_tokens=64), model)
+        assert planned.max() <= local.max() * (1 + 1e-9), (lens, planned, local)
+    one = linear_table([1024], 4, 256)
+    model = prior.cost_model(one.doc_len, pairs)
+    planned = server_loads(plan_attention(one, "cad", cost_model=model, min_shard_tokens=64), model)
+    assert planned.max() / planned.mean() < 1.05  # was 1.270, local 1.258

@@ -19,12 +19,13 @@ class OneLineParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="attnpool", description="Core attention disaggregation for long-context training.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from attnpool.cli import bench_cmd, export_cmd, memory_cmd, plan_cmd, profile_cmd, simulate_cmd, train_cmd
+    from attnpool.cli import bench_cmd, eval_cmd, export_cmd, memory_cmd, plan_cmd, profile_cmd, simulate_cmd, train_cmd
 
     plan_cmd.add_parser(sub)
     train_cmd.add_parser(sub)
     memory_cmd.add_parser(sub)
     export_cmd.add_parser(sub)
+    eval_cmd.add_parser(sub)
     simulate_cmd.add_parser(sub)
     profile_cmd.add_parser(sub)
     bench_cmd.add_parser(sub)

@@ -96,8 +96,12 @@ class GlobalBatch:
 
     @classmethod
     def from_documents(cls, docs: Sequence[np.ndarray], step: int = 0, num_ranks: int = 1,
-                       tokens_per_rank: int | None = None, doc_source=None, doc_source_start=None) -> "GlobalBatch":
-        """Build a batch from document token arrays (labels and mask derived here)."""
+                       tokens_per_rank: int | None = None, doc_source=None, doc_source_start=None,
+                       targets: Sequence[np.ndarray | None] | None = None) -> "GlobalBatch":
+        """Build a batch from document token arrays (labels and mask derived here).
+
+        ``targets`` (optional, per document, None for all): which tokens are to be predicted (a source's
+        ``targets``, e.g. a task's answer); the token before each one gets it as its label."""
         lens = np.asarray([len(d) for d in docs], dtype=np.int64)
         if lens.size == 0 or np.any(lens == 0):
             raise ConfigError("docs", lens.tolist(), "need at least one document and no empty ones")
@@ -108,6 +112,11 @@ class GlobalBatch:
         labels[last] = IGNORE_INDEX
         loss_mask = np.ones(len(tokens), dtype=bool)
         loss_mask[last] = False
+        if targets is not None and any(t is not None for t in targets):
+            wanted = np.concatenate([np.ones(n, dtype=bool) if t is None else np.asarray(t, dtype=bool)
+                                     for n, t in zip(lens.tolist(), targets)])
+            loss_mask[:-1] &= wanted[1:]
+            labels[~loss_mask] = IGNORE_INDEX
         if tokens_per_rank is None:
             tokens_per_rank = -(-len(tokens) // num_ranks)
         d = len(lens)
@@ -240,7 +249,7 @@ class DocumentStream:
         self.cursor = 0  # index into this epoch's order of the document being poured
         self.pos = 0  # tokens of that document already poured
         self._order = self._epoch_order(0)
-        self._cached: tuple[int, np.ndarray] | None = None  # the last document read
+        self._cached: tuple | None = None  # the last document read: (index, tokens, targets or None)
 
     @property
     def batch_tokens(self) -> int:
@@ -252,7 +261,9 @@ class DocumentStream:
     def _read(self, index: int) -> np.ndarray:
         # A long document spans several batches: read it once, not once per batch.
         if self._cached is None or self._cached[0] != index:
-            self._cached = (index, np.asarray(self.source[index], dtype=np.int64))
+            targets = getattr(self.source, "targets", None)
+            self._cached = (index, np.asarray(self.source[index], dtype=np.int64),
+                            None if targets is None else targets(index))
         return self._cached[1]
 
     def _next_document(self) -> None:
@@ -264,7 +275,7 @@ class DocumentStream:
 
     def next_batch(self) -> GlobalBatch:
         budget = self.batch_tokens
-        chunks, sources, starts = [], [], []
+        chunks, sources, starts, targets = [], [], [], []
         filled = 0
         empty_in_a_row = 0
         while filled < budget:
@@ -282,6 +293,8 @@ class DocumentStream:
                 end = min(end, (self.pos // self.max_doc_len + 1) * self.max_doc_len)
             take = min(end - self.pos, budget - filled)
             chunks.append(doc[self.pos:self.pos + take])
+            wanted = self._cached[2]
+            targets.append(None if wanted is None else wanted[self.pos:self.pos + take])
             sources.append(index)
             starts.append(self.pos)
             self.pos += take
@@ -289,7 +302,7 @@ class DocumentStream:
             if self.pos == len(doc):
                 self._next_document()
         batch = GlobalBatch.from_documents(chunks, self.step, self.num_ranks, self.tokens_per_rank,
-                                           sources, starts)
+                                           sources, starts, targets)
         self.step += 1
         return batch
 

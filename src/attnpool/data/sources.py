@@ -12,6 +12,8 @@ cheaply as the source can. :class:`attnpool.data.batch.DocumentStream` needs onl
 - :class:`NpySource`: pre-tokenised tokens plus document offsets, two ``.npy`` files.
 - :class:`JsonlSource`: JSON lines tokenised with a local Hugging Face tokenizer.
 - :func:`stdlib_corpus`: the demo corpus, the running Python's standard library.
+- :class:`attnpool.data.retrieval.RetrievalSource`: synthetic long-range tasks (passkey, multi-key
+  needle, variable tracking) whose loss is on their answers (``targets``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ class DocumentSource:
     def lengths(self) -> np.ndarray:
         """Token count of every document, (len(self),) int64."""
         return np.asarray([len(self[i]) for i in range(len(self))], dtype=np.int64)
+
+    def targets(self, index: int) -> np.ndarray | None:
+        """Which tokens of document ``index`` are to be predicted ((L,) bool), or None for every one (a language
+        model's loss). A task source marks its answers, so the loss is the task's (data.retrieval)."""
+        return None
 
     def __iter__(self) -> Iterator[np.ndarray]:
         for i in range(len(self)):
@@ -356,8 +363,8 @@ SOURCES = {
 
 
 def make_source(kind: str, **options) -> DocumentSource:
-    """Build a source by name (``synthetic``, ``text``, ``npy``, ``jsonl``, ``stdlib``, or ``hf``: a ``datasets``
-    dataset, attnpool.data.hf_dataset) from keyword options."""
+    """Build a source by name (``synthetic``, ``text``, ``npy``, ``jsonl``, ``stdlib``, ``retrieval``, or ``hf``:
+    a ``datasets`` dataset, attnpool.data.hf_dataset) from keyword options."""
     if kind == "hf":
         from attnpool.data.hf_dataset import HFDatasetSource as build  # imports datasets only when used
     elif kind not in SOURCES:
@@ -369,3 +376,9 @@ def make_source(kind: str, **options) -> DocumentSource:
     except TypeError as exc:
         raise ConfigError(f"source.{kind}", sorted(options), f"bad options: {exc}") from None
     return build(**options)
+
+
+# Task sources build on DocumentSource above (and import it from here), so they register last.
+from attnpool.data.retrieval import RetrievalSource  # noqa: E402
+
+SOURCES["retrieval"] = RetrievalSource

@@ -8,7 +8,10 @@ all candidate moves the one with the fewest bytes per unit of work wins: Q out
 and O back for the moved query tokens plus the KV prefix the receiver does not
 already hold (KV of a document it holds or already receives is free). Cuts never
 make a shard below ``min_shard_tokens``; a piece shorter than that moves whole or
-not at all.
+not at all. Where the minimum shard carries more work than the deficits, a move
+overfills its receiver; the greedy keeps the best state it passed through, and
+where it misses the tolerance it starts again from ``percp``'s plan, so ``cad``
+never ends above ``local`` or ``percp`` (``schedule_cad``).
 
 Differences from the released DistCA planner (arXiv 2510.18121): the tolerance
 bounds the busiest server (max/mean), not each receiver; shards have a minimum
@@ -25,6 +28,8 @@ import numpy as np
 
 from attnpool.plan.cost import PairsCost, doc_costs
 from attnpool.plan.documents import PieceTable, causal_pairs
+from attnpool.plan.local import home_tasks
+from attnpool.plan.percp import schedule_percp
 from attnpool.plan.plan import AttentionShape
 
 
@@ -74,27 +79,58 @@ WHOLE, SUFFIX, PREFIX = 0, 1, 2
 
 def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: float = 0.02,
                  shape: AttentionShape = AttentionShape(), **_):
-    W = table.num_ranks
-    cost, cost1 = doc_costs(cost_model)
-    exact_cost = isinstance(cost_model, PairsCost)
-    cost0 = cost(table.start, table.end, table.doc)
-    items = _Items(table.doc, table.start, table.end, np.arange(table.num_pieces), table.rank, cost0)
-    loads = np.bincount(table.rank, weights=cost0, minlength=W).astype(np.float64)
-    if W == 1:
-        return items.tasks()
-    by_rank = np.argsort(table.rank, kind="stable")
-    bounds = np.searchsorted(table.rank[by_rank], np.arange(W + 1))
-    movable = [by_rank[bounds[r]:bounds[r + 1]].tolist() for r in range(W)]
+    """The greedy from every piece at home; where that misses the tolerance, also the greedy from
+    ``percp``'s plan, and the one whose busiest server carries less work.
 
-    # KV a rank already holds for a document: [0, kv_end) for the largest task end of
-    # that doc on that rank. Only documents on more than one rank can have it on a
-    # receiver, so only those are tracked until a move puts a doc on a new rank.
+    Each greedy returns the best state it passed through, never one worse than its start, so
+    ``cad``'s busiest server never carries more than under ``local`` or ``percp``, the baselines
+    over the same layout that it could have copied. The second start matters where the minimum
+    shard is coarse against the work to move: one long document over few ranks at 2 shards per
+    rank is balanced only by a permutation of shards (percp's head-tail pairs), which moves from
+    busiest to idlest cannot reach.
+    """
+    cost, cost1 = doc_costs(cost_model)
+    home = home_tasks(table)
+    tasks, max_load, balanced = _greedy(table, home, cost, cost1, isinstance(cost_model, PairsCost),
+                                        min_shard_tokens, eps, shape)
+    if balanced or table.num_ranks == 1:
+        return tasks
+    seeded, seeded_max, _ = _greedy(table, schedule_percp(table, min_shard_tokens), cost, cost1,
+                                    isinstance(cost_model, PairsCost), min_shard_tokens, eps, shape)
+    return seeded if seeded_max < max_load * (1.0 - 1e-12) else tasks
+
+
+def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_shard_tokens: int, eps: float,
+            shape: AttentionShape):
+    """Moves from the busiest server, starting from ``start_tasks`` (doc, a, b, piece, server).
+
+    Returns (tasks, busiest server's load, whether max/mean <= 1 + eps) of the state with the
+    least loaded busiest server seen: where the minimum shard carries more work than the
+    deficits, a move can overfill its receiver and later moves may not recover, so the last
+    state can be worse than an earlier one (or than the start). Moves after the best state are
+    undone from a log.
+    """
+    W = table.num_ranks
+    doc0, a0, b0, piece0, server0 = (np.asarray(x, dtype=np.int64) for x in start_tasks)
+    cost0 = cost(a0, b0, doc0)
+    items = _Items(doc0, a0, b0, piece0, server0, cost0)
+    loads = np.bincount(server0, weights=cost0, minlength=W).astype(np.float64)
+    if W == 1:
+        return items.tasks(), float(loads.max()), True
+    by_server = np.argsort(server0, kind="stable")
+    bounds = np.searchsorted(server0[by_server], np.arange(W + 1))
+    movable = [by_server[bounds[r]:bounds[r + 1]].tolist() for r in range(W)]
+
+    # KV a server already holds for a document: [0, kv_end) for the largest task end of that
+    # doc on that server. Only documents on more than one server can have it on a receiver,
+    # so only those are tracked until a move puts a doc on a new server.
     kv_end: dict[tuple[int, int], int] = {}
     holders: dict[int, list[int]] = {}
-    pieces_per_doc = np.bincount(table.doc, minlength=table.num_docs)
-    split = np.flatnonzero(pieces_per_doc[table.doc] > 1)
-    tracked = pieces_per_doc > 1  # docs with an entry in holders
-    for g, r, e in zip(table.doc[split].tolist(), table.rank[split].tolist(), table.end[split].tolist()):
+    pair = np.unique(server0 * table.num_docs + doc0)
+    servers_per_doc = np.bincount(pair % table.num_docs, minlength=table.num_docs)
+    split = np.flatnonzero(servers_per_doc[doc0] > 1)
+    tracked = servers_per_doc > 1  # docs with an entry in holders
+    for g, r, e in zip(doc0[split].tolist(), server0[split].tolist(), b0[split].tolist()):
         if (r, g) not in kv_end:
             holders.setdefault(g, []).append(r)
         kv_end[(r, g)] = max(kv_end.get((r, g), 0), e)
@@ -103,10 +139,12 @@ def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: floa
     kv_bytes = float(shape.kv_bytes)
     tol = eps / 2.0
     stuck = np.zeros(W, dtype=bool)
+    undo: list[tuple] = []  # per move: (item, server, a, b, cost, item count) before it
+    best_load, best_moves = float(loads.max()), 0
     # Stop when the tolerance is met, or when W moves in a row have not lowered the
     # busiest server (the minimum shard makes a tighter balance unreachable, e.g. eps=0).
     best_max, stalled = np.inf, 0
-    for _ in range(8 * (W + table.num_pieces)):  # a bound only; every home token moves at most once
+    for _ in range(8 * (W + items.n)):  # a bound only; every starting task moves at most once
         mean = loads.sum() / W
         masked = np.where(stuck, -np.inf, loads)
         d = int(np.argmax(masked))
@@ -124,7 +162,7 @@ def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: floa
             continue
         r0 = int(np.argmin(loads))
         # Candidates (item, receiver): the most underloaded server for every item, plus
-        # every underloaded rank that already holds KV of the item's document.
+        # every underloaded server that already holds KV of the item's document.
         cand_item, cand_recv, cand_held = list(range(ids.size)), [r0] * ids.size, [0] * ids.size
         docs = items.doc[ids]
         for k in np.flatnonzero(tracked[docs]).tolist():
@@ -173,6 +211,7 @@ def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: floa
         if kind != WHOLE and not exact_cost:
             ma, mb, mcost = _refine_cut(lambda x, y: cost1(x, y, g), kind, int(a[c]), int(b[c]), ma, mb, float(delta[c]),
                                         mean * (1.0 + tol) - loads[r], min_shard_tokens, mcost)
+        undo.append((i, int(items.server[i]), int(items.a[i]), int(items.b[i]), float(items.cost[i]), items.n))
         if kind == WHOLE:
             items.server[i] = r
             movable[d].remove(i)
@@ -184,12 +223,17 @@ def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: floa
             items.a[i], items.b[i], items.cost[i] = ka, kb, kept
             items.add(g, ma, mb, int(items.piece[i]), r, mcost)
         loads[r] += mcost
+        if loads.max() < best_load * (1.0 - 1e-12):
+            best_load, best_moves = float(loads.max()), len(undo)
         if (r, g) not in kv_end:
             holders.setdefault(g, [] if (d, g) in kv_end else [d]).append(r)
             tracked[g] = True
             kv_end.setdefault((d, g), 0 if kind == WHOLE else int(items.b[i]))
         kv_end[(r, g)] = max(kv_end.get((r, g), 0), mb)
-    return items.tasks()
+    for i, server, ia, ib, icost, n in reversed(undo[best_moves:]):
+        items.server[i], items.a[i], items.b[i], items.cost[i], items.n = server, ia, ib, icost, n
+    best_mean = items.cost[: items.n].sum() / W
+    return items.tasks(), best_load, best_load <= best_mean * (1.0 + eps)
 
 
 def _refine_cut(cost1, kind, a, b, ma, mb, delta, room, min_shard, mcost):

@@ -202,14 +202,18 @@ class StepModel:
 
     # --- strategies ---
 
-    def plan_step(self, plan: Plan, overlap: bool = False, name: str | None = None) -> StepTime:
-        """Step time of a plan from the real planner (local, wlb, cad): all-to-alls over all servers."""
+    def plan_step(self, plan: Plan, overlap: bool = False, name: str | None = None,
+                  task_seconds: tuple[np.ndarray, np.ndarray] | None = None) -> StepTime:
+        """Step time of a plan from the real planner (local, wlb, cad): all-to-alls over all servers.
+
+        ``task_seconds``: per-GPU (fwd, bwd) seconds of each of the plan's tasks, where the dense table does
+        not price them (sparse attention: bench/sim_sparse.py)."""
         S = self.cluster.servers
         if plan.num_ranks != S:
             raise ConfigError("plan.num_ranks", plan.num_ranks, f"the cluster has {S} servers")
         t = plan.pieces
         tokens = t.tokens_per_rank.astype(np.float64)
-        f, b = self.task_attention(plan.task_start, plan.task_end)
+        f, b = self.task_attention(plan.task_start, plan.task_end) if task_seconds is None else task_seconds
         attn_f = np.bincount(plan.task_server, weights=f, minlength=S)
         attn_b = np.bincount(plan.task_server, weights=b, minlength=S)
         home, srv, ln = plan.task_home, plan.task_server, plan.task_len

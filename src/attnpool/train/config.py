@@ -26,7 +26,7 @@ from attnpool.sparse import SparseConfig
 PRECISIONS = ("auto", "bf16", "fp32")
 CHECKPOINTING = ("none", "full", "keep_attention")
 DEVICES = ("auto", "cpu", "cuda")
-DATA_KINDS = ("stdlib", "synthetic", "text", "npy", "jsonl")
+DATA_KINDS = ("stdlib", "synthetic", "text", "npy", "jsonl", "retrieval")
 # ``model: hf:DIR`` is a Hugging Face model directory; ``data: hf:NAME_OR_PATH`` a dataset datasets.load_dataset reads.
 HF_PREFIX = "hf:"
 LOGGERS = ("none", "tensorboard", "wandb")

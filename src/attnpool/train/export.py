@@ -21,13 +21,11 @@ from attnpool.train.checkpoint import checkpoint_config, select_checkpoint, veri
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def export_hf(*, run_dir: str | None = None, checkpoint: str | None = None, out: str,
-              dtype: str = "bf16") -> tuple[str, list[tuple[str, str]]]:
-    """Write the checkpoint (``checkpoint``, or the newest valid one of ``run_dir``) to ``out`` as
-    config.json and model.safetensors. Returns the checkpoint's path and the (path, problem) of newer ones
-    skipped as damaged. Every file is checked against the manifest first."""
-    if dtype not in DTYPES:
-        raise ConfigError("dtype", dtype, f"choose one of {', '.join(DTYPES)}")
+def read_checkpoint_model(*, run_dir: str | None = None, checkpoint: str | None = None):
+    """``(model, model config, the run's settings, checkpoint path, skipped)``: the whole model on the CPU in
+    float32 from ``checkpoint``, or from the newest valid checkpoint of ``run_dir`` (``skipped``: (path,
+    problem) of newer damaged ones). Every file is checked against the manifest first. An ``hf:`` model is
+    transformers' own class, from the run's model directory, and its config None."""
     skipped: list[tuple[str, str]] = []
     if checkpoint is not None:
         if not os.path.isdir(checkpoint):
@@ -37,7 +35,7 @@ def export_hf(*, run_dir: str | None = None, checkpoint: str | None = None, out:
             raise ConfigError("checkpoint", checkpoint, problem)
         path, run_dir = checkpoint, os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))
     else:
-        if not os.path.isdir(run_dir):
+        if run_dir is None or not os.path.isdir(run_dir):
             raise ConfigError("run", run_dir, "no such run directory")
         path, skipped = select_checkpoint(run_dir, distributed=False)
         if path is None:
@@ -49,7 +47,7 @@ def export_hf(*, run_dir: str | None = None, checkpoint: str | None = None, out:
                                               "settings are unknown")
     hf_dir = hf_model_dir(settings["model"])
     if hf_dir is not None:  # an hf: model: transformers' own classes, from the run's model directory
-        model = build_hf_model(load_hf_spec(hf_dir, settings.get("max_doc_len")))
+        model, model_cfg = build_hf_model(load_hf_spec(hf_dir, settings.get("max_doc_len"))), None
     else:
         model_cfg = model_config(settings["model"], **settings.get("model_args", {}))
         with torch.device("meta"):
@@ -59,8 +57,20 @@ def export_hf(*, run_dir: str | None = None, checkpoint: str | None = None, out:
     with warnings.catch_warnings():  # one process on purpose: DCP's warning that it assumes so is noise here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load(state, checkpoint_id=path)  # only the model's entries: the optimizer's stay on disk
-    if hf_dir is not None:
-        save_hf_export(model, state["model"], out, DTYPES[dtype])
+    model.load_state_dict(state["model"])
+    return model, model_cfg, settings, path, skipped
+
+
+def export_hf(*, run_dir: str | None = None, checkpoint: str | None = None, out: str,
+              dtype: str = "bf16") -> tuple[str, list[tuple[str, str]]]:
+    """Write the checkpoint (``checkpoint``, or the newest valid one of ``run_dir``) to ``out`` as
+    config.json and model.safetensors. Returns the checkpoint's path and the (path, problem) of newer ones
+    skipped as damaged. Every file is checked against the manifest first."""
+    if dtype not in DTYPES:
+        raise ConfigError("dtype", dtype, f"choose one of {', '.join(DTYPES)}")
+    model, model_cfg, _, path, skipped = read_checkpoint_model(run_dir=run_dir, checkpoint=checkpoint)
+    if model_cfg is None:  # an hf: model
+        save_hf_export(model, model.state_dict(), out, DTYPES[dtype])
     else:
-        save_hf_checkpoint(state["model"], model_cfg, out, dtype=DTYPES[dtype])
+        save_hf_checkpoint(model.state_dict(), model_cfg, out, dtype=DTYPES[dtype])
     return path, skipped

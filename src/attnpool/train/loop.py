@@ -708,7 +708,9 @@ def _train(config: TrainConfig, on_step, preemption: "Preemption") -> TrainResul
                 t0 = time.perf_counter()
                 reset_peak_memory(device)
                 micro_batches = [stream.next_batch() for _ in range(config.microbatches)]
-                label_tokens = sum(b.num_label_tokens for b in micro_batches)
+                # A step may hold no target at all (task sources mark only answers; a batch of ordinary
+                # documents has none): its loss is then 0, not 0 / 0.
+                label_tokens = max(1, sum(b.num_label_tokens for b in micro_batches))
                 t_plan = time.perf_counter()
                 # Every micro-batch's plans (a plan per nano-batch with ping-pong) are made at the start of the step.
                 plans = [[plan_batch(nano, config, dp, cost_model, shape, prior, tp)

@@ -1,0 +1,327 @@
+#!/usr/bin/env python3
+"""Does sparse training keep long-range quality? Dense and vertical-slash training on retrieval tasks (issue 26).
+
+The same Llama-style model (189M parameters: 16 layers, dim 1024, 8 query / 4 KV heads of 128, vocab 128),
+the same initial weights (seed) and the same batches (``--data retrieval``, passkey and multi-key needle by
+default, answer-only loss), trained three times: dense, and vertical-slash sparse at coverages 0.95 and
+0.9. A curriculum of rising context (1K, 2K, 4K, 8K, 16K tokens per document, 64K tokens per step) teaches
+dense attention to retrieve at short contexts, where a step holds many documents, then carries it out to
+the longest. Documents of at least 4K tokens are sparse in the sparse runs, so the stages before are the
+same in every run: they are trained once, and the sparse runs continue from a copy of the dense run at that
+point (weights, optimizer, data position), as sparse training that continues a dense model's would.
+Each stage is one ``attnpool train`` process resuming the last one's checkpoint (the schedule spans all
+stages; ``--stop-at`` ends each). Then every run is evaluated on held-out instances at every trained context
+from 4K up (``attnpool.train.evaluate``, each run with the attention it trained with).
+
+Writes to ``--out``: ``<date>-<gpu>-retrieval.json`` (``results``: a list of ``{"attention", "coverage",
+"context", "accuracy"}``, passkey accuracy over all depths; ``details``: every task and depth), a
+Markdown file of the same name with the commands, the model, the loss curves and the accuracy heat maps
+(PNGs next to it). Runs and checkpoints go to ``--work`` (a temporary directory by default).
+
+    PYTHONPATH=src python3 bench/retrieval.py --out bench/results                 # one GPU, ~20 minutes
+    PYTHONPATH=src python3 bench/retrieval.py --out /tmp/r --device cpu           # smoke test, tiny model, 1-2 min
+
+``--budget-s`` (default 1140) bounds the whole script's wall time: no stage or run starts after it is spent
+(whatever finished is still evaluated and written, the unfinished named). ``--steps-scale`` scales every
+stage's steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+GPU_MODEL = dict(dim=1024, n_layers=16, n_heads=8, n_kv_heads=4, ffn_dim=2816, vocab_size=128, max_position=65536,
+                 rope_theta=500000.0)
+# (context, steps): many short documents per step first, then longer ones.
+GPU_CURRICULUM = ((1024, 400), (2048, 200), (4096, 120), (8192, 80), (16384, 60))
+GPU = dict(tokens_per_rank=65536, lr=6e-4, warmup_steps=30, sparse_min_doc_len=4096, sparse_args={},
+           eval_instances=40, eval_depths=(0.0, 0.25, 0.5, 0.75, 1.0), eval_min_context=4096)
+
+# The smoke test: the tiny preset cut to 2 layers, 128- and 256-token documents, sparse from 256 tokens with
+# patterns scaled down to those lengths (as bench/sparse_quality.py).
+CPU_MODEL = dict(n_layers=2, vocab_size=128)
+CPU_CURRICULUM = ((128, 2), (256, 2))
+CPU = dict(tokens_per_rank=1024, lr=3e-3, warmup_steps=1, sparse_min_doc_len=256,
+           sparse_args=dict(block=16, vertical_chunk=16, last_queries=32, sink_tokens=4, local_window=32,
+                            slash_cap=32, vertical_cap=64),
+           eval_instances=2, eval_depths=(0.0, 1.0), eval_min_context=256)
+
+
+def train_command(run_dir: str, attention: str, coverage: float | None, context: int, stop_at: int, steps: int,
+                  resume: bool, args, setup: dict, model: dict) -> list[str]:
+    cmd = [sys.executable, "-m", "attnpool.cli.main", "train", "--model", "tiny",
+           "--model-args", *[f"{k}={v}" for k, v in model.items()],
+           "--data", "retrieval", "--data-args", f"task={args.tasks}", f"context={context}",
+           f"num_docs={args.num_docs}", f"ordinary={args.ordinary}",
+           "--tokens-per-rank", str(setup["tokens_per_rank"]), "--seed", str(args.seed),
+           "--attention", "local", "--device", args.device, "--steps", str(steps), "--stop-at", str(stop_at),
+           "--lr", str(setup["lr"]), "--warmup-steps", str(setup["warmup_steps"]), "--out", run_dir,
+           "--checkpoint-every", "0", "--keep-checkpoints", "1", "--no-progress"]
+    if args.activation_checkpointing != "none":
+        cmd += ["--activation-checkpointing", args.activation_checkpointing]
+    if resume:
+        cmd += ["--resume", "--allow-config-change"]  # a later stage: longer documents, the same schedule
+    if attention == "sparse":
+        cmd += ["--sparse", "vertical-slash", "--sparse-coverage", str(coverage),
+                "--sparse-min-doc-len", str(setup["sparse_min_doc_len"])]
+        if setup["sparse_args"]:
+            cmd += ["--sparse-args", *[f"{k}={v}" for k, v in setup["sparse_args"].items()]]
+    return cmd
+
+
+def read_rows(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def device_name(device: str) -> str:
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    name = torch.cuda.get_device_name(0).lower()
+    match = re.search(r"(h100|h200|a100|b200|gb200|l40s?|a10g?)", name)
+    return match.group(1) if match else re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+
+
+def plot_losses(runs: dict, boundaries: list[int], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for name, rows in runs.items():
+        if rows:
+            steps = np.array([r["step"] for r in rows])
+            loss = np.array([np.nan if r["loss"] is None else r["loss"] for r in rows], dtype=float)
+            smooth = np.convolve(loss, np.ones(5) / 5, mode="same") if len(loss) >= 10 else loss
+            ax.plot(steps, smooth, lw=1.2, label=name)
+    for b, label in boundaries:
+        ax.axvline(b, color="#bbbbbb", lw=0.8, ls=":")
+        ax.text(b, ax.get_ylim()[1], f" {label}", fontsize=7, va="top", color="#777777")
+    ax.set_xlabel("step")
+    ax.set_ylabel("answer-token loss (5-step mean)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="where the JSON, the Markdown and the plots go")
+    ap.add_argument("--work", help="run directories and checkpoints (default: a temporary directory)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the smoke test (tiny model)")
+    ap.add_argument("--coverages", default="0.95,0.9", help="sparse coverages, most important first (default 0.95,0.9)")
+    ap.add_argument("--tasks", default="passkey,multikey", help="training tasks (default passkey,multikey)")
+    ap.add_argument("--budget-s", type=float, default=1140.0, help="wall-time budget of the script (default 1140)")
+    ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every stage's steps (default 1)")
+    ap.add_argument("--num-docs", type=int, default=200_000, help="documents in the training source")
+    ap.add_argument("--ordinary", type=float, default=0.1, help="share of ordinary (decoy) documents (default 0.1)")
+    ap.add_argument("--activation-checkpointing", default="none", choices=("none", "full", "keep_attention"))
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default 6e-4 on GPU, 3e-3 on CPU)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    gpu = args.device == "cuda"
+    setup = dict(GPU if gpu else CPU)
+    model = GPU_MODEL if gpu else CPU_MODEL
+    curriculum = [(n, max(1, round(s * args.steps_scale))) for n, s in (GPU_CURRICULUM if gpu else CPU_CURRICULUM)]
+    setup["curriculum"] = curriculum
+    if args.lr is not None:
+        if not args.lr > 0:
+            ap.error(f"--lr {args.lr}: must be positive")
+        setup["lr"] = args.lr
+    try:
+        coverages = [float(c) for c in args.coverages.split(",") if c.strip()]
+    except ValueError:
+        ap.error(f"--coverages {args.coverages!r}: not a comma list of numbers")
+    if any(not 0 < c <= 1 for c in coverages):
+        ap.error(f"--coverages {args.coverages!r}: each must be in (0, 1]")
+    if gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: no GPU visible (use --device cpu for the smoke test)")
+    total_steps = sum(s for _, s in curriculum)
+    work = args.work or tempfile.mkdtemp(prefix="attnpool-retrieval-")
+    os.makedirs(args.out, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH")])))
+
+    variants = [("dense", None)] + [("sparse", c) for c in coverages]
+    # Stages of documents shorter than sparse_min_doc_len compute the same in every run: the sparse runs start
+    # from a copy of the dense run taken after the last of them (same weights, data and optimizer state).
+    shared = sum(1 for n, _ in curriculum if n < setup["sparse_min_doc_len"])
+    branch = os.path.join(work, "dense-branch")
+    commands, unfinished, stage_seconds = [], [], {}
+    for attention, coverage in variants:
+        name = attention if coverage is None else f"sparse-{coverage:g}"
+        run_dir = os.path.join(work, name)
+        first = 0
+        if attention == "sparse" and shared:
+            if not os.path.isdir(branch):
+                unfinished.append(f"{name}: no dense run to branch from")
+                continue
+            shutil.rmtree(run_dir, ignore_errors=True)
+            shutil.copytree(branch, run_dir)
+            first = shared
+        stop_at = sum(s for _, s in curriculum[:first])
+        for i, (context, steps) in enumerate(curriculum[first:], start=first):
+            stop_at += steps
+            left = args.budget_s - (time.perf_counter() - t_start)
+            if left <= 0:
+                unfinished.append(f"{name}: stage {context} and later (budget spent)")
+                break
+            cmd = train_command(run_dir, attention, coverage, context, stop_at, total_steps, stop_at > steps, args,
+                                setup, model)
+            commands.append(" ".join(["python", *cmd[1:]]))
+            print(f"[{time.perf_counter() - t_start:6.0f} s] {name}: context {context}, steps {stop_at - steps + 1}.."
+                  f"{stop_at} of {total_steps}", flush=True)
+            t0 = time.perf_counter()
+            done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+            stage_seconds[f"{name}@{context}"] = time.perf_counter() - t0
+            rows = read_rows(run_dir)
+            if done.returncode != 0:
+                print(done.stdout[-2000:], done.stderr[-4000:], sep="\n", file=sys.stderr)
+                unfinished.append(f"{name}: stage {context} failed (exit {done.returncode})")
+                break
+            if attention == "dense" and i + 1 == shared:
+                shutil.rmtree(branch, ignore_errors=True)
+                shutil.copytree(run_dir, branch)
+            last = rows[-1] if rows else {}
+            print(f"        {stage_seconds[f'{name}@{context}']:.0f} s, loss {last.get('loss', float('nan')):.3f}, "
+                  f"{last.get('tokens_per_s', 0) / 1e3:.1f}K tokens/s"
+                  + (f", attention density {last['attention_density']:.3f}" if last.get("attention_density") else ""),
+                  flush=True)
+
+    # Evaluation: each finished run with the attention it trained with, at every trained context from the minimum up.
+    import torch
+
+    from attnpool.train.evaluate import evaluate_retrieval, plot_heatmap, sparse_config_of
+    from attnpool.train.export import read_checkpoint_model
+
+    eval_contexts = [n for n, _ in curriculum if n >= setup["eval_min_context"]]
+    tasks = args.tasks
+    results, details, runs, heatmaps = [], [], {}, {}
+    for attention, coverage in variants:
+        name = attention if coverage is None else f"sparse-{coverage:g}"
+        run_dir = os.path.join(work, name)
+        runs[name] = read_rows(run_dir)
+        if not runs[name] or runs[name][-1]["step"] < total_steps:
+            continue  # unfinished: not evaluated (named in unfinished)
+        model_obj, _, settings, path, _ = read_checkpoint_model(run_dir=run_dir)
+        sparse = sparse_config_of(settings, "trained")
+        t0 = time.perf_counter()
+        cells = evaluate_retrieval(model_obj, tasks=tasks, contexts=eval_contexts, depths=setup["eval_depths"],
+                                   instances=setup["eval_instances"], seed=args.seed + 1, sparse=sparse,
+                                   device="cuda" if gpu else "cpu", batch_tokens=setup["tokens_per_rank"],
+                                   needle_probe=True)
+        print(f"[{time.perf_counter() - t_start:6.0f} s] evaluated {name} in {time.perf_counter() - t0:.0f} s", flush=True)
+        del model_obj
+        if gpu:
+            torch.cuda.empty_cache()
+        for context in eval_contexts:
+            mine = [c for c in cells if c.task == "passkey" and c.context == context]
+            if mine:
+                results.append({"attention": attention, "coverage": coverage, "context": context,
+                                "accuracy": sum(c.correct for c in mine) / sum(c.total for c in mine)})
+        details += [{"attention": attention, "coverage": coverage, "task": c.task, "context": c.context,
+                     "depth": c.depth, "accuracy": c.accuracy, "instances": c.total, "needle_kept": c.needle_kept}
+                    for c in cells]
+        heatmaps[name] = cells
+
+    gpu_name = device_name(args.device)
+    stem = f"{datetime.date.today()}-{gpu_name}-retrieval"
+    loss_png = f"{stem}-loss.png"
+    boundaries, at = [], 0
+    for context, steps in curriculum:
+        boundaries.append((at, f"{context // 1024}K" if context >= 1024 else str(context)))
+        at += steps
+    plot_losses(runs, boundaries, os.path.join(args.out, loss_png), f"dense vs vertical-slash, same weights and data "
+                                                                     f"({gpu_name})")
+    for name, cells in heatmaps.items():
+        plot_heatmap(cells, os.path.join(args.out, f"{stem}-{name}.png"), name)
+
+    from attnpool.model import model_config
+
+    params = model_config("tiny", **model).num_params()
+    doc = {"date": str(datetime.date.today()), "device": gpu_name, "command": " ".join(["python", *sys.argv]),
+           "model": {"preset": "tiny", "model_args": model, "params": params}, "curriculum": curriculum,
+           "tasks": tasks, "tokens_per_step": setup["tokens_per_rank"], "sparse_min_doc_len": setup["sparse_min_doc_len"],
+           "sparse_args": setup["sparse_args"], "eval": {"depths": list(setup["eval_depths"]),
+                                                        "instances": setup["eval_instances"], "contexts": eval_contexts},
+           "results": results, "details": details, "unfinished": unfinished,
+           "final_loss": {k: (v[-1]["loss"] if v else None) for k, v in runs.items()},
+           "stage_seconds": stage_seconds, "wall_s": time.perf_counter() - t_start, "train_commands": commands}
+    with open(os.path.join(args.out, f"{stem}.json"), "w") as fh:
+        json.dump(doc, fh, indent=1)
+    write_markdown(os.path.join(args.out, f"{stem}.md"), doc, loss_png, [f"{stem}-{n}.png" for n in heatmaps])
+    print(f"wrote {os.path.join(args.out, stem)}.json and .md ({time.perf_counter() - t_start:.0f} s)")
+    return 0 if not unfinished else 1
+
+
+def write_markdown(path: str, doc: dict, loss_png: str, heatmap_pngs: list[str]) -> None:
+    m = doc["model"]
+    contexts = doc["eval"]["contexts"]
+    variants = list(dict.fromkeys((r["attention"], r["coverage"]) for r in doc["results"]))
+    acc = {(r["attention"], r["coverage"], r["context"]): r["accuracy"] for r in doc["results"]}
+    fmt = lambda n: f"{n // 1024}K" if n >= 1024 else str(n)  # noqa: E731
+    lines = [
+        "# Long-range retrieval: dense and vertical-slash training from the same start (issue 26)", "",
+        f"{doc['device']}, {doc['date']}. Command: `{doc['command']}` ({doc['wall_s']:.0f} s).", "",
+        f"Model: `--model tiny --model-args {' '.join(f'{k}={v}' for k, v in m['model_args'].items())}` "
+        f"({m['params'] / 1e6:.2f}M parameters). Tasks `{doc['tasks']}` (`--data retrieval`, answer-only loss), "
+        f"{doc['tokens_per_step']} tokens per step, curriculum "
+        f"{', '.join(f'{fmt(n)} x {s} steps' for n, s in doc['curriculum'])}; sparse runs: documents of "
+        f"{doc['sparse_min_doc_len']}+ tokens sparse"
+        + (f", `--sparse-args {' '.join(f'{k}={v}' for k, v in doc['sparse_args'].items())}`" if doc["sparse_args"] else "")
+        + ".", "",
+        f"Passkey accuracy over needle depths {', '.join(f'{d:g}' for d in doc['eval']['depths'])} "
+        f"({doc['eval']['instances']} held-out instances per depth):", "",
+        "| attention | coverage | " + " | ".join(fmt(n) for n in contexts) + " |",
+        "|---|---|" + "---|" * len(contexts),
+    ]
+    for attention, coverage in variants:
+        lines.append(f"| {attention} | {'-' if coverage is None else coverage} | "
+                     + " | ".join(f"{acc.get((attention, coverage, n), float('nan')):.3f}" for n in contexts) + " |")
+    probed = [d for d in doc["details"] if d["needle_kept"] is not None and d["task"] == "passkey"]
+    if probed:
+        lines += ["", "How often a sparse run's patterns let the answer's first query reach the passkey's first value "
+                      "token (share of instances x sparse layers, any head; the online estimate missing the needle "
+                      "would show here):", "", "| coverage | " + " | ".join(fmt(n) for n in contexts) + " |",
+                  "|---|" + "---|" * len(contexts)]
+        for coverage in dict.fromkeys(d["coverage"] for d in probed):
+            kept = [np.mean([d["needle_kept"] for d in probed if d["coverage"] == coverage and d["context"] == n] or
+                            [np.nan]) for n in contexts]
+            lines.append(f"| {coverage} | " + " | ".join(f"{k:.3f}" for k in kept) + " |")
+    if doc["unfinished"]:
+        lines += ["", "Not finished: " + "; ".join(doc["unfinished"]) + "."]
+    lines += ["", f"Loss curves: ![loss]({loss_png})", ""]
+    lines += [f"![accuracy]({p})" for p in heatmap_pngs]
+    lines += ["", "Training commands (one per stage; each resumes the previous stage's checkpoint):", "", "```"]
+    lines += doc["train_commands"]
+    lines += ["```"]
+    with open(path, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

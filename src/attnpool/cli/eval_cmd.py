@@ -1,0 +1,100 @@
+"""``attnpool eval``: a trained checkpoint's accuracy on held-out long-range retrieval tasks.
+
+    attnpool eval --run runs/retrieval --contexts 4K,8K,16K --depths 0,0.5,1 --instances 50
+    attnpool eval --checkpoint runs/retrieval/checkpoints/step-000300 --tasks passkey --attention dense
+
+Prints a table (task and depth by context), writes ``eval.json`` and ``eval.png`` (a heat map per task) to
+``--out`` (default: RUN/eval).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from attnpool.cli.common import parse_size
+from attnpool.errors import ConfigError
+
+DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("eval", help="accuracy of a checkpoint on held-out retrieval tasks, by context and depth",
+                       description="Evaluate a checkpoint of `attnpool train` on held-out instances of the retrieval "
+                                   "tasks (passkey, multikey, vartrack): exact-match accuracy of the answer by context "
+                                   "length and needle depth. One process reads the checkpoint, whatever its layout.")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", metavar="DIR", help="a run directory: its newest valid checkpoint")
+    source.add_argument("--checkpoint", metavar="DIR", help="one checkpoint directory (OUT/checkpoints/step-NNNNNN)")
+    p.add_argument("--tasks", default=None, help="comma list of passkey, multikey, vartrack, or all (default: the "
+                                                 "run's retrieval tasks, else passkey)")
+    p.add_argument("--contexts", default="4K", help="comma list of context lengths, e.g. 4K,16K,64K (default 4K)")
+    p.add_argument("--depths", default=DEFAULT_DEPTHS, help=f"comma list of needle depths in [0, 1] (default {DEFAULT_DEPTHS})")
+    p.add_argument("--instances", type=int, default=20, help="held-out instances per (task, context, depth) (default 20)")
+    p.add_argument("--attention", choices=("trained", "dense", "sparse"), default="trained",
+                   help="attention to evaluate with: the run's (default), dense, or the run's sparse options")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda where available")
+    p.add_argument("--batch-tokens", type=parse_size, default=parse_size("64K"),
+                   help="tokens per forward pass: instances of one cell packed as documents (default 64K)")
+    p.add_argument("--needle-probe", action="store_true",
+                   help="sparse attention: also report how often each layer's pattern lets the answer's first query "
+                        "reach the asked value (needle_kept in eval.json)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the held-out instances (default 0)")
+    p.add_argument("--out", metavar="DIR", help="where eval.json and eval.png go (default RUN/eval)")
+    p.set_defaults(func=run)
+
+
+def _list(field: str, text: str, parse) -> list:
+    try:
+        values = [parse(x.strip()) for x in text.split(",") if x.strip()]
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise ConfigError(field, text, f"not a comma list of values ({exc})") from None
+    if not values:
+        raise ConfigError(field, text, "is empty")
+    return values
+
+
+def run(args: argparse.Namespace) -> int:
+    contexts = _list("--contexts", args.contexts, parse_size)
+    depths = _list("--depths", args.depths, float)
+    bad = [d for d in depths if not 0.0 <= d <= 1.0]
+    if bad:
+        raise ConfigError("--depths", bad[0], "every depth must be in [0, 1]")
+    if args.instances < 1:
+        raise ConfigError("--instances", args.instances, "must be >= 1")
+    if args.seed < 0:
+        raise ConfigError("--seed", args.seed, "must be >= 0")
+    import os
+
+    import torch  # only once the command runs
+
+    from attnpool.train.evaluate import evaluate_retrieval, format_table, sparse_config_of, write_results
+    from attnpool.train.export import read_checkpoint_model
+
+    model, model_cfg, settings, path, skipped = read_checkpoint_model(run_dir=args.run, checkpoint=args.checkpoint)
+    if model_cfg is None:
+        raise ConfigError("run", args.run or args.checkpoint, f"trained {settings['model']}: attnpool eval runs "
+                                                              "attnpool's own models (--model tiny, llama3-8b, ...)")
+    for bad, problem in skipped:
+        print(f"skipping {bad}: {problem}")
+    data_args = settings.get("data_args", {}) if settings.get("data") == "retrieval" else {}
+    tasks = args.tasks or data_args.get("task", "passkey")
+    sparse = sparse_config_of(settings, args.attention)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"attnpool eval: {path} ({settings['model']}, {model_cfg.num_params() / 1e6:.1f}M params), "
+          f"{'sparse' if sparse else 'dense'} attention, {args.instances} instances per cell on {device}", flush=True)
+    shape = {k: data_args[k] for k in ("key_len", "num_keys", "hops") if k in data_args}
+    cells = evaluate_retrieval(model, tasks=tasks, contexts=contexts, depths=depths, instances=args.instances,
+                               seed=args.seed, sparse=sparse, device=device, batch_tokens=args.batch_tokens, **shape,
+                               needle_probe=args.needle_probe,
+                               progress=lambda c: print(f"  {c.task} {c.context} depth {c.depth:g}: {c.accuracy:.2f}"
+                                                        + ("" if c.needle_kept is None else
+                                                           f" (needle kept in {c.needle_kept:.0%} of layers)"),
+                                                        flush=True))
+    print(format_table(cells))
+    out = args.out or os.path.join(args.run or os.path.dirname(os.path.dirname(os.path.abspath(path))), "eval")
+    meta = {"checkpoint": path, "model": settings["model"], "attention": "sparse" if sparse else "dense",
+            "coverage": sparse.coverage if sparse else None, "instances": args.instances, "seed": args.seed,
+            "title": f"{os.path.basename(path)}: {'sparse' if sparse else 'dense'} attention"}
+    json_path, png_path = write_results(cells, out, meta)
+    print(f"wrote {json_path} and {png_path}")
+    return 0

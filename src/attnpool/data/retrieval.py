@@ -1,0 +1,244 @@
+"""Synthetic long-range tasks: the answer sits far back in the document, so only attention that reaches it
+can give it (``--data retrieval``).
+
+Three tasks, each a document of exactly ``context`` tokens: filler words with statements hidden in them,
+then a question and its answer at the end.
+
+- ``passkey``: one statement ``KEY v1..vk`` at ``depth`` (0: the start of the filler, 1: its end); the
+  question ``QUERY KEY`` asks for it; the answer is ``v1..vk``.
+- ``multikey`` (multi-key needle): ``num_keys`` statements ``KEY name v1..vk`` with different names and
+  values; the one at ``depth`` is asked for (``QUERY KEY name``), the others sit at random depths.
+- ``vartrack`` (variable tracking, multi-hop): ``ASSIGN x0 v1..vk`` at ``depth``, then ``hops`` links
+  ``ASSIGN x_i x_{i-1}`` at later random depths, and a distractor chain of other names and another value;
+  ``QUERY ASSIGN x_hops`` asks for the value the chain ends in.
+
+A question repeats the start of the statement it asks about, so passkey and multikey are answered by
+finding that start far back and copying what follows (an induction head's job, which small models learn);
+in ``vartrack`` the statement with that start names another variable, so the answer takes ``hops`` more
+look-ups.
+
+A share ``ordinary`` of the documents are ordinary ones: filler with decoy ``KEY`` statements and no
+question. Documents are packed into batches with the others, so a model that attended across a document
+boundary could copy a neighbour's key: document masks matter.
+
+Tokens are ids below :data:`RETRIEVAL_VOCAB` (128), inside every attnpool model's vocabulary, no tokenizer
+needed: markers 1-6 (5: a document's end; 4 is reserved), names 8-31, values 32-63, filler words 64-127
+(:data:`LAYOUT`).
+
+Loss: only the answer's value tokens are targets (``loss="answer"``, the default; ``DocumentSource.targets``),
+so the gradient is the task's, not the irreducible loss of random filler; ordinary documents have none.
+``loss="all"`` trains on every token instead. The accuracy (:func:`answer_correct`) is an exact match of all
+value tokens by the model's most likely next token at each answer position given the right earlier ones,
+which is what greedy decoding of the answer produces.
+
+Every document is ``context`` tokens, so a batch of a multiple of ``context`` tokens holds whole documents
+(the stream cuts the document that overflows a batch, and the rest of a cut task has lost its key).
+Document ``i`` is generated from ``(seed, i)``; held-out instances (:func:`make_instance` with
+``split="eval"``) come from a separate seed space.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from attnpool.data.sources import DocumentSource, _check_seed
+from attnpool.errors import ConfigError
+from attnpool.sizes import parse_size
+
+BOS, KEY, QUERY, END, ASSIGN = 1, 2, 3, 5, 6
+NAMES = (8, 32)  # [lo, hi): key and variable names
+VALUES = (32, 64)  # value symbols; a key is key_len of them
+FILLER = (64, 128)  # filler words
+RETRIEVAL_VOCAB = 128
+LAYOUT = {"BOS": BOS, "KEY": KEY, "QUERY": QUERY, "END": END, "ASSIGN": ASSIGN,
+          "names": NAMES, "values": VALUES, "filler": FILLER}
+TASKS = ("passkey", "multikey", "vartrack")
+LOSSES = ("answer", "all")
+_EVAL_STREAM = 7919  # the seed space of held-out instances: (seed, _EVAL_STREAM, ...) never equals (seed, i)
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One generated document: ``tokens`` (context,), ``targets`` (context,) bool, True at the answer's
+    value tokens; ``answer`` the slice of them; ``needle`` the asked statement's first position, ``value`` the
+    position of its first value token (the key column a query must reach to answer)."""
+
+    task: str
+    tokens: np.ndarray
+    targets: np.ndarray
+    answer: slice
+    needle: int
+    value: int
+
+
+def _int_option(field: str, value, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, str):
+        try:
+            value = parse_size(value)
+        except ValueError as exc:
+            raise ConfigError(field, value, str(exc)) from None
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < lo or (hi is not None and value > hi):
+        raise ConfigError(field, value, f"must be an integer in [{lo}, {hi if hi is not None else 'inf'})")
+    return int(value)
+
+
+def parse_tasks(tasks) -> tuple[str, ...]:
+    """``"passkey"``, ``"passkey,multikey"``, ``"all"`` or a list: the tasks named, checked."""
+    names = list(TASKS) if tasks == "all" else tasks.split(",") if isinstance(tasks, str) else list(tasks)
+    bad = [t for t in names if t not in TASKS]
+    if not names or bad:
+        raise ConfigError("task", bad[0] if bad else tasks, f"unknown task; choose from {', '.join(TASKS)} or all")
+    return tuple(dict.fromkeys(names))
+
+
+@dataclass(frozen=True)
+class TaskShape:
+    """What every instance of a source shares: sizes of keys, numbers of keys and hops, the context."""
+
+    context: int
+    key_len: int = 4
+    num_keys: int = 4
+    hops: int = 2
+
+    def __post_init__(self):
+        object.__setattr__(self, "context", _int_option("context", self.context, 1))
+        object.__setattr__(self, "key_len", _int_option("key_len", self.key_len, 1, 16))
+        object.__setattr__(self, "num_keys", _int_option("num_keys", self.num_keys, 1, (NAMES[1] - NAMES[0]) // 2))
+        object.__setattr__(self, "hops", _int_option("hops", self.hops, 1, (NAMES[1] - NAMES[0]) // 2 - 1))
+        need = self.min_context()
+        if self.context < need:
+            raise ConfigError("context", self.context, f"too short for these tasks: needs at least {need} tokens")
+
+    def min_context(self) -> int:
+        """The statements and the question of the largest task, plus as many filler words."""
+        k = self.key_len
+        statements = max(k + 1, self.num_keys * (k + 2), 2 * (k + 2 + 3 * self.hops))
+        return 2 * (statements + k + 5)
+
+
+def make_instance(task: str, shape: TaskShape, depth: float, rng: np.random.Generator) -> Instance:
+    """One document of ``task`` with its asked statement at ``depth`` in [0, 1] of the filler."""
+    if not 0.0 <= depth <= 1.0:
+        raise ConfigError("depth", depth, "must be in [0, 1]")
+    k = shape.key_len
+    value = lambda: rng.integers(*VALUES, size=k)  # noqa: E731
+    names = rng.permutation(np.arange(*NAMES))
+    # Statements as (filler position, order, tokens); the asked one is first.
+    if task == "passkey":
+        key = value()
+        statements = [np.r_[KEY, key]]
+        question = np.r_[QUERY, KEY]
+    elif task == "multikey":
+        keys = [value() for _ in range(shape.num_keys)]
+        statements = [np.r_[KEY, names[j], keys[j]] for j in range(shape.num_keys)]
+        key = keys[0]
+        question = np.r_[QUERY, KEY, names[0]]
+    elif task == "vartrack":
+        key, decoy = value(), value()
+        chain, other = names[:shape.hops + 1], names[shape.hops + 1:2 * shape.hops + 2]
+        statements = [np.r_[ASSIGN, chain[0], key]] + [np.r_[ASSIGN, chain[i], chain[i - 1]] for i in range(1, shape.hops + 1)]
+        statements += [np.r_[ASSIGN, other[0], decoy]] + [np.r_[ASSIGN, other[i], other[i - 1]] for i in range(1, shape.hops + 1)]
+        question = np.r_[QUERY, ASSIGN, chain[-1]]
+    else:
+        raise ConfigError("task", task, f"unknown task; choose from {', '.join(TASKS)}")
+    tail = np.r_[question, key, END]
+    n_filler = shape.context - 1 - len(tail) - sum(len(s) for s in statements)
+    where = rng.integers(0, n_filler + 1, size=len(statements))
+    where[0] = round(depth * n_filler)
+    if task == "vartrack":  # each link after the one it names, so the chain reads forward
+        h = shape.hops + 1
+        where[1:h] = np.sort(rng.integers(where[0], n_filler + 1, size=h - 1))
+        where[h:] = np.sort(where[h:])
+    order = np.lexsort((np.arange(len(statements)), where))
+    filler = rng.integers(*FILLER, size=n_filler)
+    parts, at, needle, pos = [np.array([BOS])], 0, 0, 1
+    for j in order:
+        parts.append(filler[at:where[j]])
+        pos += where[j] - at
+        at = where[j]
+        if j == 0:
+            needle = pos
+        parts.append(statements[j])
+        pos += len(statements[j])
+    parts += [filler[at:], tail]
+    tokens = np.concatenate(parts).astype(np.int64)
+    assert len(tokens) == shape.context
+    start = shape.context - 1 - k
+    targets = np.zeros(shape.context, dtype=bool)
+    targets[start:start + k] = True
+    return Instance(task, tokens, targets, slice(start, start + k), needle, needle + len(statements[0]) - k)
+
+
+def make_ordinary(shape: TaskShape, rng: np.random.Generator) -> np.ndarray:
+    """Filler with decoy ``KEY`` statements (one per 512 tokens or so) and no question."""
+    tokens = rng.integers(*FILLER, size=shape.context)
+    tokens[0] = BOS
+    for p in rng.integers(1, max(2, shape.context - shape.key_len - 1), size=max(1, shape.context // 512)):
+        tokens[p:p + shape.key_len + 1] = np.r_[KEY, rng.integers(*VALUES, size=shape.key_len)]
+    return tokens.astype(np.int64)
+
+
+def eval_instance(task: str, shape: TaskShape, depth: float, index: int, seed: int = 0) -> Instance:
+    """Held-out instance ``index`` of (task, context, depth): from a seed space training never draws from."""
+    return make_instance(task, shape, depth, np.random.default_rng(
+        (seed, _EVAL_STREAM, TASKS.index(task), shape.context, round(depth * 1000), index)))
+
+
+def answer_correct(logits_at_answer, instance: Instance) -> bool:
+    """Exact match: the most likely next token before each answer token is that token (``logits_at_answer``:
+    (key_len, vocab) logits at positions answer.start - 1 .. answer.stop - 2)."""
+    predicted = np.asarray(logits_at_answer).argmax(-1)
+    return bool(np.array_equal(predicted, instance.tokens[instance.answer]))
+
+
+class RetrievalSource(DocumentSource):
+    """``--data retrieval``: ``num_docs`` documents of ``context`` tokens, tasks drawn in turn from ``task``
+    (a name, a comma list or ``all``) at ``depth`` (a number in [0, 1], or random per document when
+    unset), a share ``ordinary`` of ordinary documents. ``--data-args task=passkey context=8K``."""
+
+    vocab_size = RETRIEVAL_VOCAB
+
+    def __init__(self, task="passkey", context=4096, num_docs: int = 100_000, seed: int = 0, depth=None,
+                 key_len: int = 4, num_keys: int = 4, hops: int = 2, ordinary: float = 0.25, loss: str = "answer"):
+        self.tasks = parse_tasks(task)
+        self.shape = TaskShape(context, key_len, num_keys, hops)
+        self.num_docs = _int_option("num_docs", num_docs, 1)
+        self.seed = _check_seed("seed", seed)
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth <= 1):
+            raise ConfigError("depth", depth, "must be a number in [0, 1], or unset for a random depth per document")
+        self.depth = depth
+        if isinstance(ordinary, bool) or not isinstance(ordinary, (int, float)) or not 0 <= ordinary < 1:
+            raise ConfigError("ordinary", ordinary, "must be a share in [0, 1)")
+        self.ordinary = float(ordinary)
+        if loss not in LOSSES:
+            raise ConfigError("loss", loss, f"choose one of {', '.join(LOSSES)}")
+        self.loss = loss
+
+    def __len__(self) -> int:
+        return self.num_docs
+
+    @lru_cache(maxsize=4)  # the stream reads a document's tokens, then its targets
+    def document(self, index: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """(tokens, targets) of document ``index``; targets None for an ordinary document."""
+        i = self._check_index(index)
+        rng = np.random.default_rng((self.seed, i))
+        if rng.random() < self.ordinary:
+            return make_ordinary(self.shape, rng), None
+        depth = self.depth if self.depth is not None else float(rng.random())
+        inst = make_instance(self.tasks[i % len(self.tasks)], self.shape, depth, rng)
+        return inst.tokens, inst.targets
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.document(int(index))[0]
+
+    def targets(self, index: int) -> np.ndarray | None:
+        if self.loss == "all":
+            return None
+        targets = self.document(int(index))[1]
+        return np.zeros(self.shape.context, dtype=bool) if targets is None else targets
+
+    def lengths(self) -> np.ndarray:
+        return np.full(self.num_docs, self.shape.context, dtype=np.int64)

@@ -1,0 +1,179 @@
+"""Retrieval tasks (``--data retrieval``), their answer-only loss through the stream, and ``attnpool eval``."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from attnpool.data import DocumentStream, GlobalBatch, make_source
+from attnpool.data.batch import IGNORE_INDEX
+from attnpool.data.retrieval import (ASSIGN, KEY, QUERY, RETRIEVAL_VOCAB, TASKS, TaskShape, eval_instance,
+                                     make_instance)
+from attnpool.errors import ConfigError
+
+
+def statement_value(tokens, name, k):
+    """The value a statement ``KEY name v..`` / ``ASSIGN name v..`` gives ``name`` (following ASSIGN links)."""
+    for i in range(len(tokens) - 1):
+        if tokens[i] in (KEY, ASSIGN) and tokens[i + 1] == name:
+            rest = tokens[i + 2:i + 2 + k]
+            if tokens[i] == ASSIGN and rest[0] < 32:  # a link to another name
+                return statement_value(tokens, rest[0], k)
+            return rest
+    raise AssertionError(f"no statement for name {name}")
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_instances_hold_the_answer_to_their_question(task):
+    shape = TaskShape(512, key_len=4, num_keys=4, hops=3)
+    positions = []
+    for depth in (0.0, 0.3, 0.7, 1.0):
+        inst = make_instance(task, shape, depth, np.random.default_rng(5))
+        t = inst.tokens
+        assert len(t) == 512 and t.max() < RETRIEVAL_VOCAB and t.min() >= 0
+        answer = t[inst.answer]
+        assert np.flatnonzero(inst.targets).tolist() == list(range(inst.answer.start, inst.answer.stop))
+        q = int(np.flatnonzero(t == QUERY)[-1])
+        if task == "passkey":
+            assert t[q + 1] == KEY and np.array_equal(t[inst.needle + 1:inst.needle + 5], answer)
+        else:
+            assert t[q + 1] == (KEY if task == "multikey" else ASSIGN)
+            assert np.array_equal(statement_value(t[:q], t[q + 2], 4), answer)
+        positions.append(inst.needle)
+    assert positions == sorted(positions) and positions[0] < 8 and positions[-1] > 450  # depth places the needle
+
+
+def test_held_out_instances_differ_from_training_documents():
+    source = make_source("retrieval", task="passkey", context=256, num_docs=200, ordinary=0.0)
+    train_keys = {tuple(source[i][-5:-1]) for i in range(200)}
+    held_out = {tuple(eval_instance("passkey", TaskShape(256), 0.5, i).tokens[-5:-1]) for i in range(50)}
+    assert not train_keys & held_out
+
+
+def test_stream_labels_only_the_answers():
+    source = make_source("retrieval", task="all", context="1K", num_docs=64, ordinary=0.25, seed=3)
+    stream = DocumentStream(source, num_ranks=2, tokens_per_rank=2048, seed=1)
+    for _ in range(6):
+        batch = stream.next_batch()
+        assert np.all(batch.doc_lens == 1024)  # whole documents: the batch is a multiple of the context
+        for d, (lo, hi) in enumerate(zip(batch.doc_offsets[:-1], batch.doc_offsets[1:])):
+            labelled = np.flatnonzero(batch.loss_mask[lo:hi])
+            targets = source.targets(int(batch.doc_source[d]))
+            # the token before each answer token predicts it
+            assert labelled.tolist() == (np.flatnonzero(targets) - 1).tolist()
+            assert np.array_equal(batch.labels[lo:hi][labelled], batch.tokens[lo:hi][labelled + 1])
+        assert np.all(batch.labels[~batch.loss_mask] == IGNORE_INDEX)
+    # Sources without targets keep every token's label.
+    plain = GlobalBatch.from_documents([np.arange(5), np.arange(3)], targets=[None, None])
+    assert plain.num_label_tokens == 6
+    all_tokens = make_source("retrieval", context=256, num_docs=4, loss="all")
+    assert all_tokens.targets(0) is None
+
+
+@pytest.mark.parametrize("options, field", [
+    (dict(task="nope"), "task"),
+    (dict(context=40), "context"),
+    (dict(context="12Q"), "context"),
+    (dict(depth=1.5), "depth"),
+    (dict(ordinary=1.0), "ordinary"),
+    (dict(loss="most"), "loss"),
+    (dict(key_len=0), "key_len"),
+    (dict(colour="red"), "source.retrieval"),
+])
+def test_bad_options_are_refused_by_name(options, field):
+    with pytest.raises(ConfigError) as err:
+        make_source("retrieval", **options)
+    assert err.value.field == field
+
+
+class CopyModel(torch.nn.Module):
+    """A model that knows every next token (it reads it from the input): hidden state = one-hot of the token
+    after each position, output weights = identity. Evaluated correctly, it answers every instance."""
+
+    def __init__(self, offset=1):
+        super().__init__()
+        self.offset = offset
+        self.output_weight = torch.nn.Parameter(torch.eye(RETRIEVAL_VOCAB))
+
+    def forward(self, tokens, positions, attention, return_hidden=False):
+        nxt = torch.roll(tokens, -self.offset)
+        return torch.nn.functional.one_hot(nxt, RETRIEVAL_VOCAB).float()
+
+
+def test_evaluate_reads_the_answer_positions():
+    from attnpool.train.evaluate import by_context, evaluate_retrieval
+
+    cells = evaluate_retrieval(CopyModel(), tasks="all", contexts=(256,), depths=(0.0, 1.0), instances=3,
+                               batch_tokens=512)
+    assert len(cells) == 6 and all(c.correct == 3 for c in cells)
+    assert by_context(cells) == {(t, 256): 1.0 for t in TASKS}
+    wrong = evaluate_retrieval(CopyModel(offset=2), tasks="passkey", contexts=(256,), depths=(0.5,), instances=3)
+    assert wrong[0].correct == 0
+
+
+def test_retrieval_bench_smoke_then_attnpool_eval(tmp_path, capsys):
+    """bench/retrieval.py --device cpu: the tiny model through the curriculum's two stages (the second resumes the
+    first; answer-only loss, so a step may hold no target), dense, and one sparse coverage branched from the dense
+    run where sparse attention starts, then eval; the JSON holds `results` with exactly the issue's names. Then
+    `attnpool eval` reads the sparse run's checkpoint."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, os.path.join(root, "bench", "retrieval.py"), "--out", str(out),
+                           "--work", str(tmp_path / "work"), "--device", "cpu", "--coverages", "0.95"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,) = out.glob("*-cpu-retrieval.json")
+    doc = json.loads(result.read_text())
+    assert {(r["attention"], r["coverage"], r["context"]) for r in doc["results"]} == {
+        ("dense", None, 256), ("sparse", 0.95, 256)}
+    assert all(set(r) == {"attention", "coverage", "context", "accuracy"} and 0 <= r["accuracy"] <= 1
+               for r in doc["results"])
+    assert doc["unfinished"] == [] and all(v is not None for v in doc["final_loss"].values())
+    md = result.with_suffix(".md").read_text()
+    assert "--resume" in md and "--sparse-coverage 0.95" in md and "reach the passkey" in md
+    sparse_rows = [json.loads(line) for line in (tmp_path / "work" / "sparse-0.95" / "metrics.jsonl").read_text().splitlines()]
+    dense_rows = [json.loads(line) for line in (tmp_path / "work" / "dense" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in sparse_rows] == [1, 2, 3, 4]
+    assert [r["loss"] for r in sparse_rows[:2]] == [r["loss"] for r in dense_rows[:2]]  # the shared dense stage
+    assert sparse_rows[-1]["attention_density"] is not None and dense_rows[-1]["attention_density"] is None
+    assert (out / result.name.replace(".json", "-loss.png")).stat().st_size > 5000
+    from attnpool.cli.main import main
+
+    capsys.readouterr()
+    run = tmp_path / "work" / "sparse-0.95"
+    assert main(["eval", "--run", str(run), "--contexts", "256", "--depths", "0,1", "--instances", "2",
+                 "--device", "cpu", "--needle-probe"]) == 0
+    printed = capsys.readouterr().out
+    assert "passkey" in printed and "multikey" in printed and "vartrack" not in printed  # the run's tasks
+    assert "needle kept in" in printed
+    evaluated = json.loads((run / "eval" / "eval.json").read_text())
+    assert len(evaluated["cells"]) == 4 and evaluated["attention"] == "sparse" and evaluated["coverage"] == 0.95
+    assert all(0 <= c["needle_kept"] <= 1 for c in evaluated["cells"])
+    assert (run / "eval" / "eval.png").stat().st_size > 5000
+    assert main(["eval", "--run", str(run), "--depths", "0,2"]) == 2
+    assert main(["eval", "--run", str(tmp_path / "nowhere")]) == 2
+
+
+def test_needle_probe_reports_whether_the_patterns_keep_the_needle():
+    """With patterns that keep only the sinks and the local band, the answer's query cannot reach a needle in the
+    middle of the document; with coverage 1 and caps as large as the document, it always can."""
+    from attnpool.model import Transformer, model_config
+    from attnpool.sparse import SparseConfig
+    from attnpool.train.evaluate import evaluate_retrieval
+
+    torch.manual_seed(0)
+    model = Transformer(model_config("tiny", n_layers=2, vocab_size=128))
+    small = dict(min_doc_len=64, block=16, vertical_chunk=16, last_queries=16, sink_tokens=4, local_window=16)
+    narrow = SparseConfig(coverage=1e-9, slash_cap=16, vertical_cap=4, **small)
+    wide = SparseConfig(coverage=1.0, slash_cap=512, vertical_cap=512, **small)
+    for sparse, expected in ((narrow, 0.0), (wide, 1.0)):
+        (cell,) = evaluate_retrieval(model, tasks="passkey", contexts=(256,), depths=(0.5,), instances=2,
+                                     sparse=sparse, needle_probe=True)
+        assert cell.needle_kept == expected
+    (dense,) = evaluate_retrieval(model, tasks="passkey", contexts=(256,), depths=(0.5,), instances=2)
+    assert dense.needle_kept is None

@@ -155,7 +155,9 @@ def hf_train_config(out, model_dir, **overrides) -> TrainConfig:
 def _train_hf(rank, world, out, model_dir):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    runs = {"local": {}, "wlb": {}, "percp": {}, "cad": {}, "cad-full-recompute": dict(activation_checkpointing="full"),
+    runs = {"local": {}, "wlb": {}, "percp": {},
+            "cad": dict(checkpoint_every=1, keep_checkpoints=2, hf_export_checkpoints=True),
+            "cad-full-recompute": dict(activation_checkpointing="full"),
             "cad-stopped": dict(stop_at=2), "local-sparse": SPARSE, "cad-sparse": SPARSE}
     losses = {}
     for name, overrides in runs.items():
@@ -212,6 +214,15 @@ def test_export_loads_in_transformers_with_the_trained_weights(hf_training):
         got, want, before = (m(input_ids=tokens).logits for m in (exported, trained, start))
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
     assert (want - before).abs().max().item() > 1e-3  # the export holds trained weights, not the initial ones
+
+    # hf_export_checkpoints: an export beside each checkpoint, as many as keep_checkpoints, the last one the end's.
+    exports = root / "cad" / "hf-exports"
+    assert sorted(p.name for p in exports.iterdir()) == ["step-000003", "step-000004"]
+    for step in ("step-000003", "step-000004"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(exports / step, attn_implementation="eager").eval()
+        with torch.no_grad():
+            logits = model(input_ids=tokens).logits
+        assert torch.equal(logits, got) == (step == "step-000004"), step
 
     from attnpool.train.export import export_hf  # attnpool export: the run's checkpoint, in one process
 
@@ -367,6 +378,11 @@ def test_bad_input_exits_2_with_one_line(bad_runs, case):
     assert needle in stderr, stderr
     assert "Traceback" not in stderr
     assert len(stderr.strip().splitlines()) == 1, stderr
+
+
+def test_hf_export_checkpoints_needs_an_hf_model():
+    with pytest.raises(ConfigError, match="hf_export_checkpoints"):
+        TrainConfig(model="tiny", hf_export_checkpoints=True)
 
 
 def test_hf_model_refuses_what_it_cannot_run():

@@ -115,6 +115,9 @@ class TrainConfig:
     device: str = _help("auto, cpu or cuda", default="auto")
     out: str = _help("run directory: metrics.jsonl, checkpoints/, summary.png", default="runs/train")
     checkpoint_every: int = _help("save a checkpoint every this many steps (0: only at the end; -1: never)", default=0)
+    hf_export_checkpoints: bool = _help("hf: models: also write a Hugging Face export of every checkpoint, "
+                                        "OUT/hf-exports/step-NNNNNN (the end's is OUT/hf), as many as keep_checkpoints",
+                                        default=False)
     resume: bool = _help("continue from the latest checkpoint in OUT/checkpoints", default=False)
     stop_at: int | None = _help("stop (and checkpoint) after this step without changing the schedule", default=None)
     progress: bool = _help("show a live progress bar on rank 0 (the start line and the final summary always print)", default=True)
@@ -184,6 +187,9 @@ class TrainConfig:
         _at_least("nproc", self.nproc, 1)
         if self.model.startswith(HF_PREFIX):
             self._check_hf_model()
+        if self.hf_export_checkpoints and not self.model.startswith(HF_PREFIX):
+            raise ConfigError("hf_export_checkpoints", True, f"exports {HF_PREFIX}DIR models; for attnpool's own, "
+                                                             "`attnpool export --checkpoint PATH` writes any checkpoint")
         if self.logger not in LOGGERS:
             raise ConfigError("logger", self.logger, f"choose one of {', '.join(LOGGERS)}")
         if not self.out:

@@ -30,6 +30,8 @@ import json
 import math
 import os
 import pickle
+import re
+import shutil
 import signal
 import socket
 import tempfile
@@ -83,7 +85,8 @@ META_INIT_PARAMS = 1_000_000_000
 # Batches whose plans bound core attention's buffers in the memory check (the run's first ones).
 MEMORY_SAMPLE_BATCHES = 8
 # Under the run directory: an hf: model's weights at the end of the run, as transformers reads them.
-HF_EXPORT_DIR = "hf"
+HF_EXPORT_DIR = "hf"  # the end's export
+HF_CHECKPOINT_EXPORTS_DIR = "hf-exports"  # one per checkpoint (hf_export_checkpoints), named as the checkpoint
 
 
 # --- What a run is built from (checked before any process group exists) ---------------------
@@ -800,6 +803,8 @@ def _train(config: TrainConfig, on_step, preemption: "Preemption") -> TrainResul
                 if finite and every >= 0 and (step == last_step or stop or (every and step % every == 0)):
                     save_checkpoint(checkpoint_path(config.out, step), model, optimizer, scheduler, stream, step, extra_state,
                                     device, config.to_dict(), config.keep_checkpoints)
+                    if config.hf_export_checkpoints:
+                        export_hf_model(model, setup.hf, config, checkpoint_export_dir(config.out, step))
                 if nonfinite_in_a_row >= config.max_nonfinite_steps:
                     raise TrainingError(f"step {step}: the loss or gradient norm was not finite in {nonfinite_in_a_row} "
                                         f"steps in a row (max_nonfinite_steps={config.max_nonfinite_steps}); their "
@@ -835,18 +840,37 @@ def _train(config: TrainConfig, on_step, preemption: "Preemption") -> TrainResul
     return TrainResult(log.rows, model, summary, setup.memory)
 
 
-def export_hf_model(model: HFCausalLM, hf: HFModelSpec, config: TrainConfig) -> str:
-    """OUT/hf: the trained weights (gathered from every rank's shards; a collective) in the dtype of the
-    model's config.json, with ``save_pretrained``, and the tokenizer where there is one."""
+def checkpoint_export_dir(out: str, step: int) -> str:
+    """Where hf_export_checkpoints puts the export of step ``step``'s checkpoint."""
+    return os.path.join(out, HF_CHECKPOINT_EXPORTS_DIR, os.path.basename(checkpoint_path(out, step)))
+
+
+def export_hf_model(model: HFCausalLM, hf: HFModelSpec, config: TrainConfig, directory: str | None = None) -> str:
+    """``directory`` (default OUT/hf): the trained weights (gathered from every rank's shards; a collective)
+    in the dtype of the model's config.json, with ``save_pretrained``, and the tokenizer where there is one.
+    Written beside it and renamed into place, so a reader never finds half an export; per-checkpoint
+    exports beyond the newest ``keep_checkpoints`` are deleted, as their checkpoints are."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    directory = os.path.join(config.out, HF_EXPORT_DIR)
+    directory = directory or os.path.join(config.out, HF_EXPORT_DIR)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         tokenizer = tokenizer_path(config)
         has_tokenizer = tokenizer is not None and any(
             os.path.isfile(os.path.join(tokenizer, name)) for name in ("tokenizer.json", "tokenizer_config.json"))
-        save_hf_export(model, full, directory, export_dtype(hf), tokenizer if has_tokenizer else None)
+        partial, replaced = directory + ".partial", directory + ".replaced"
+        for stale in (partial, replaced):
+            shutil.rmtree(stale, ignore_errors=True)
+        save_hf_export(model, full, partial, export_dtype(hf), tokenizer if has_tokenizer else None)
+        if os.path.isdir(directory):  # a resumed run's export of the same step, or the end's again
+            os.replace(directory, replaced)
+        os.replace(partial, directory)
+        shutil.rmtree(replaced, ignore_errors=True)
+        exports = os.path.dirname(directory)
+        if config.keep_checkpoints > 0 and os.path.basename(exports) == HF_CHECKPOINT_EXPORTS_DIR:
+            finished = sorted(name for name in os.listdir(exports) if re.fullmatch(r"step-\d+", name))
+            for name in finished[:-config.keep_checkpoints]:
+                shutil.rmtree(os.path.join(exports, name), ignore_errors=True)
         print(f"hf export: {directory} (transformers: AutoModelForCausalLM.from_pretrained)", flush=True)
     dist.barrier()
     return directory

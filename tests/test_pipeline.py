@@ -17,6 +17,9 @@ import torch
 
 from attnpool.model import model_config
 from attnpool.parallel.pipeline import head_layers, pipeline_problem, rank_stages, stage_layers
+from attnpool.parallel.pooled_pipeline import pooled_table, tick_microbatch, ticks
+from attnpool.plan import linear_table, load_cost_model, plan_attention
+from attnpool.plan.metrics import home_loads, server_loads
 from attnpool.sim.pipeline import makespan, pipeline_step, stage_order
 from attnpool.train import train
 from attnpool.train.memory import MemoryInputs, estimate
@@ -63,16 +66,52 @@ def test_accumulated_micro_batches_train_as_one_batch_of_their_documents(tmp_pat
     assert rel_diff(losses["two"], losses["one"]) <= 1e-5
 
 
-def _resume(rank, world, out, pp, resume, stop_at):
+def test_pooled_pipeline_trains_as_without_it(tmp_path):
+    """pp_schedule=pooled (core attention pooled over every stage's ranks in lock-step ticks): pp=2 against one
+    process, pp=2 x dp=2 against dp=2 and pp=2 x tp=2 against one process, all accumulating the same
+    micro-batches; local and cad; keep_attention and no checkpointing (the modes pooling runs under)."""
+    base = dict(model_args=FOUR_LAYERS, steps=3, microbatches=2, pp_schedule="pooled")
+    runs = [("local", dict(base, attention="local")), ("cad", dict(base, attention="cad")),
+            ("cad-m3", dict(base, attention="cad", microbatches=3, activation_checkpointing="none"))]
+    unpooled = [(name, {k: v for k, v in kw.items() if k != "pp_schedule"}) for name, kw in runs]
+    one = run_distributed(_losses, 1, str(tmp_path / "one"), unpooled)[0]
+    dp = run_distributed(_losses, 2, str(tmp_path / "dp"), unpooled[1:2])[0]
+    pp = run_distributed(_losses, 2, str(tmp_path / "pp"), [(n, dict(kw, pp=2)) for n, kw in runs])[0]
+    pp4 = run_distributed(_losses, 4, str(tmp_path / "4"), [("pp2dp2", dict(runs[1][1], pp=2)),
+                                                             ("pp2tp2", dict(runs[1][1], pp=2, tp=2))])[0]
+    for name, _ in runs:
+        assert len(pp[name]) == 3 and rel_diff(pp[name], one[name]) <= 1e-5, name
+    assert rel_diff(pp4["pp2dp2"], dp["cad"]) <= 1e-5
+    assert rel_diff(pp4["pp2tp2"], one["cad"]) <= 1e-5
+
+
+def test_pooled_ticks_let_idle_stages_serve():
+    """In the warm-up tick the second stage's ranks hold no tokens; pooled, cad gives them work, and the
+    busiest rank carries less than when each stage serves its own micro-batch."""
+    tables = [linear_table(np.array(lens), 2, 1024) for lens in ([1536, 512], [256] * 8, [2048])]
+    assert [tick_microbatch(t, 1, 3) for t in range(ticks(3, 2))] == [None, 0, 1, 2]
+    warmup = pooled_table(tables, 0, 2)
+    assert warmup.num_ranks == 4 and warmup.tokens_per_rank.tolist() == [1024, 1024, 0, 0]
+    plan = plan_attention(warmup, "cad", cost_model="pairs", min_shard_tokens=64)
+    served = server_loads(plan, load_cost_model("pairs"))
+    assert served[2] > 0 and served[3] > 0
+    assert served.max() < home_loads(warmup, load_cost_model("pairs")).max() * 0.6
+    # A full tick: each stage's ranks hold their micro-batch's pieces in its own order.
+    full = pooled_table(tables, 1, 2)
+    assert full.tokens_per_rank.tolist() == [1024] * 4
+    assert full.doc_len[full.doc][full.rank == 2].tolist() == tables[0].doc_len[tables[0].doc][tables[0].rank == 0].tolist()
+
+
+def _resume(rank, world, out, pp, resume, stop_at, schedule="1f1b"):
     return [r["loss"] for r in train(tiny_config(out, microbatches=2, steps=6, stop_at=stop_at, pp=pp,
-                                                 resume=resume)).rows]
+                                                 pp_schedule=schedule, resume=resume)).rows]
 
 
-@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
-def test_checkpoint_resumes_with_another_pipeline(tmp_path, first, then):
-    full = run_distributed(_resume, then, str(tmp_path / "full"), then, False, None)[0]
-    run_distributed(_resume, first, str(tmp_path / "cut"), first, False, 3)
-    resumed = run_distributed(_resume, then, str(tmp_path / "cut"), then, True, None)[0]
+@pytest.mark.parametrize("first, then, schedule", [(2, 1, "1f1b"), (1, 2, "1f1b"), (2, 1, "pooled")])
+def test_checkpoint_resumes_with_another_pipeline(tmp_path, first, then, schedule):
+    full = run_distributed(_resume, then, str(tmp_path / "full"), then, False, None, schedule)[0]
+    run_distributed(_resume, first, str(tmp_path / "cut"), first, False, 3, schedule)
+    resumed = run_distributed(_resume, then, str(tmp_path / "cut"), then, True, None, schedule)[0]
     assert rel_diff(resumed[3:], full[3:]) <= 1e-5
 
 
@@ -83,6 +122,10 @@ def test_checkpoint_resumes_with_another_pipeline(tmp_path, first, then):
     (dict(pp=2, microbatches=2, attention="wlb"), "attention", "wlb"),
     (dict(pp=2, microbatches=2, pingpong=True), "pingpong", "ping-pong"),
     (dict(pp=2, microbatches=2, model_args=dict(TINY, tie_embeddings=True)), "pp", "ties"),
+    (dict(pp=2, microbatches=2, pp_schedule="pooled", model_args=dict(TINY, n_layers=3)), "pp", "split evenly"),
+    (dict(pp=2, microbatches=2, pp_schedule="pooled", activation_checkpointing="full"), "activation_checkpointing",
+     "keep_attention"),
+    (dict(pp=2, microbatches=2, pp_schedule="pooled", sparse="vertical-slash"), "sparse", "dense core attention"),
 ])
 def test_bad_pipelines_are_refused_on_every_rank(overrides, field, text):
     answers = run_distributed(refused_config, 2, overrides)

@@ -78,6 +78,23 @@ class RankMesh:
         return mine
 
 
+    def pp_peers(self) -> list[int]:
+        """The global ranks of this rank's dp and tp index on every pipeline stage, in stage order."""
+        d = self.dims
+        return [(p * d.dp + self.dp_rank) * d.tp + self.tp_rank for p in range(d.pp)]
+
+    def pooled_attention_group(self):
+        """A communicator over every stage's dp ranks of this tp index, in (stage, dp rank) order: core attention
+        pooled across pipeline stages (attnpool.parallel.pooled_pipeline). A collective: every rank calls it."""
+        d = self.dims
+        mine = None
+        for t in range(d.tp):
+            group = dist.new_group([(p * d.dp + i) * d.tp + t for p in range(d.pp) for i in range(d.dp)])
+            if t == self.tp_rank:
+                mine = group
+        return mine
+
+
 def build_rank_mesh(dims: ParallelDims, device_type: str) -> RankMesh:
     """The ("pp", "dp", "tp") DeviceMesh over the initialised default group (a collective)."""
     mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))

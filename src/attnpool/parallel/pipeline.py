@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from attnpool.model import ModelConfig, Transformer
+from attnpool.parallel.pooled_pipeline import POOLED
 
 # name -> (torch's name for the schedule, stages per pipeline rank)
 SCHEDULES = {
@@ -60,7 +61,15 @@ def stage_layers(n_layers: int, stages: int, head: float) -> list[range]:
 
 def rank_stages(schedule: str, pp: int, pp_rank: int) -> list[int]:
     """The stage indices pipeline rank ``pp_rank`` holds under ``schedule`` (looped: r, r + pp, ...)."""
-    return [pp_rank + i * pp for i in range(SCHEDULES[schedule][1])]
+    return [pp_rank + i * pp for i in range(stages_per_rank(schedule))]
+
+
+def stages_per_rank(schedule: str) -> int:
+    return 1 if schedule == POOLED else SCHEDULES[schedule][1]
+
+
+def schedule_names() -> tuple[str, ...]:
+    return (*SCHEDULES, POOLED)
 
 
 def activations_in_flight(schedule: str, pp: int, microbatches: int) -> int:
@@ -68,7 +77,7 @@ def activations_in_flight(schedule: str, pp: int, microbatches: int) -> int:
     stage-sized units: GPipe keeps all of them; 1F1B-style schedules at most one per stage behind it."""
     if pp == 1:
         return 1
-    if schedule == "gpipe":
+    if schedule in ("gpipe", POOLED):
         return microbatches
     return min(microbatches, pp) * SCHEDULES[schedule][1]
 
@@ -78,17 +87,17 @@ def pipeline_problem(cfg: ModelConfig, pp: int, schedule: str, microbatches: int
     if schedule in REFUSED_SCHEDULES:
         return "pp_schedule", schedule, ("zero-bubble schedules split the backward into input and weight gradients, "
                                          f"which this model's gradients do not survive; use {', '.join(SCHEDULES)}")
-    if schedule not in SCHEDULES:
-        return "pp_schedule", schedule, f"unknown schedule; choose one of {', '.join(SCHEDULES)}"
+    if schedule not in schedule_names():
+        return "pp_schedule", schedule, f"unknown schedule; choose one of {', '.join(schedule_names())}"
     if pp == 1:
         return None
-    stages = pp * SCHEDULES[schedule][1]
+    stages = pp * stages_per_rank(schedule)
     if stages > cfg.n_layers:
-        return "pp", pp, (f"{stages} pipeline stages ({schedule}: {SCHEDULES[schedule][1]} per rank) need at least "
+        return "pp", pp, (f"{stages} pipeline stages ({schedule}: {stages_per_rank(schedule)} per rank) need at least "
                           f"one layer each, and the model has {cfg.n_layers}")
     if cfg.tie_embeddings:
         return "pp", pp, "the model ties its output projection to its embedding, which pipeline stages cannot share"
-    if schedule != "gpipe" and microbatches < pp:
+    if schedule not in ("gpipe", POOLED) and microbatches < pp:
         return "microbatches", microbatches, f"{schedule} needs at least pp={pp} micro-batches"
     if schedule == "interleaved-1f1b":
         rounds = microbatches // pp  # torch runs the micro-batches in rounds of equal size
@@ -126,8 +135,9 @@ def build_stage_models(model: PipelineStageModel, schedule: str, pp: int, pp_ran
     """This pipeline rank's stages of ``model`` (a whole model, not yet sharded): their indices and modules
     (copies where the rank holds two)."""
     stage_ids = rank_stages(schedule, pp, pp_rank)
-    num_stages = pp * SCHEDULES[schedule][1]
-    ranges = stage_layers(model.config.n_layers, num_stages, head_layers(model.config))
+    num_stages = pp * stages_per_rank(schedule)
+    # Pooled stages run layer j together, so they hold equal numbers (the last one's head is not counted).
+    ranges = stage_layers(model.config.n_layers, num_stages, 0.0 if schedule == POOLED else head_layers(model.config))
     models = []
     for i, s in enumerate(stage_ids):
         stage = model if i == len(stage_ids) - 1 else copy.deepcopy(model)

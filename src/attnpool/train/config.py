@@ -106,7 +106,9 @@ class TrainConfig:
     microbatches: int = _help("micro-batches of tokens_per_rank per dp rank in each step, gradients accumulated "
                               "over them (each planned on its own; one optimizer step)", default=1)
     pp: int = _help("pipeline stages: the layers split over this many ranks (ranks = pp x dp x tp)", default=1)
-    pp_schedule: str = _help("pipeline schedule: 1f1b, gpipe or interleaved-1f1b (two stages per rank)",
+    pp_schedule: str = _help("pipeline schedule: 1f1b, gpipe, interleaved-1f1b (two stages per rank), or pooled "
+                             "(GPipe in lock-step, core attention pooled over every stage's ranks: bubbles serve "
+                             "attention)",
                              default="1f1b")
     tp: int = _help("tensor parallel degree: this many neighbouring ranks split every layer by heads and the "
                     "sequence between layers; ranks = dp x tp, and tokens_per_rank is per dp rank", default=1)

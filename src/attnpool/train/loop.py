@@ -61,6 +61,7 @@ from attnpool.model.hf_causal_lm import (HFCausalLM, HFModelSpec, build_hf_model
 from attnpool.parallel import ParallelDims, RankMesh, apply_tensor_parallel, build_rank_mesh, tensor_parallel_problem
 from attnpool.parallel.pipeline import (PipelineRunner, PipelineStageModel, activations_in_flight, build_stage_models,
                                         merged_stages, pipeline_problem)
+from attnpool.parallel.pooled_pipeline import POOLED, PooledPipelineRunner, pooled_problem, pooled_table
 from attnpool.plan import AttentionShape, linear_table, load_cost_model, pad_ranks, plan_attention, wlb_table
 from attnpool.plan.metrics import AttentionRows, home_loads, imbalance, server_loads
 from attnpool.plan.plan import Plan
@@ -175,6 +176,11 @@ def prepare(config: TrainConfig, device: torch.device | None = None, world: int 
     if config.pp > 1 and config.attention == "wlb":
         raise ConfigError("attention", "wlb", "pipeline stages exchange hidden states of one shape, and wlb gives ranks "
                                               "different numbers of tokens; use local, percp or cad with pp > 1")
+    if config.pp > 1 and config.pp_schedule == POOLED:
+        problem = pooled_problem(model_cfg.n_layers, config.pp, config.activation_checkpointing,
+                                 config.sparse != "none")
+        if problem is not None:
+            raise ConfigError(*problem)
     if config.pp > 1 and config.pingpong:
         raise ConfigError("pingpong", True, "ping-pong's nano-batches differ in size, and pipeline stages exchange "
                                             "hidden states of one shape; the pipeline's micro-batches overlap instead")
@@ -648,9 +654,15 @@ def _train(config: TrainConfig, on_step, preemption: "Preemption") -> TrainResul
         stage_ids, stages = build_stages(model_cfg, config, device, bf16, mesh)
         model = merged_stages(stages)
         tokens = config.tokens_per_rank + (-config.tokens_per_rank) % tp  # padded for tp (plan_batch)
-        pipeline = PipelineRunner.build(stage_ids, stages, config.pp_schedule, config.microbatches, tokens,
-                                        (tokens // tp, model_cfg.dim), torch.bfloat16 if bf16 else torch.float32,
-                                        device, mesh.pp_group)
+        hidden, hidden_dtype = (tokens // tp, model_cfg.dim), torch.bfloat16 if bf16 else torch.float32
+        if config.pp_schedule == POOLED:
+            pipeline = PooledPipelineRunner(
+                model, [int(k) for k in model.layers], mesh.pp_rank, pp, mesh.pp_peers(), hidden, hidden_dtype,
+                (model_cfg.n_heads // tp, model_cfg.n_kv_heads // tp, model_cfg.head_dim), device)
+            pooled_group = mesh.pooled_attention_group()
+        else:
+            pipeline = PipelineRunner.build(stage_ids, stages, config.pp_schedule, config.microbatches, tokens,
+                                            hidden, hidden_dtype, device, mesh.pp_group)
     else:
         model = build_model(model_cfg, config, device, bf16, mesh, setup.hf)
     params = list(model.parameters())
@@ -727,11 +739,25 @@ def _train(config: TrainConfig, on_step, preemption: "Preemption") -> TrainResul
                 attentions = [[CoreAttention(p.plan, mesh.attention_group, sparse=sparse, sparse_stats=stats,
                                              pattern_group=pattern_group, **attention_kwargs) for p in mb] for mb in plans]
                 # Interleaved phases (ping-pong) leave core attention no wall time of its own to measure.
+                # (Pooled pipeline ticks make core attentions of their own.)
                 timers = [AttentionTimer(mb[0], device) for mb in attentions] \
-                    if all(len(mb) == 1 for mb in attentions) else None
+                    if all(len(mb) == 1 for mb in attentions) and not isinstance(pipeline, PooledPipelineRunner) \
+                    else None
                 if timers is not None:
                     attentions = [[timer] for timer in timers]
-                if pipeline is not None:
+                if isinstance(pipeline, PooledPipelineRunner):
+                    tables = [mb[0].plan.pieces for mb in plans]
+
+                    def tick_attention(tick):
+                        plan = plan_attention(pooled_table(tables, tick, pp), config.attention, cost_model=cost_model,
+                                              min_shard_tokens=config.min_shard, eps=config.eps, shape=shape)
+                        return CoreAttention(plan, pooled_group, **attention_kwargs)
+
+                    with step_context(device.type, bf16, tp > 1), offload or nullcontext():
+                        loss_sum = pipeline.step([mb[0].tokens for mb in tensors], [mb[0].positions for mb in tensors],
+                                                 [mb[0].labels for mb in tensors], tick_attention,
+                                                 1.0 / label_tokens) * label_tokens
+                elif pipeline is not None:
                     with step_context(device.type, bf16, tp > 1), offload or nullcontext():
                         # The loss shares of the step's mean, summed back into token losses for the log.
                         loss_sum = pipeline.step([mb[0].tokens for mb in tensors], [mb[0].positions for mb in tensors],

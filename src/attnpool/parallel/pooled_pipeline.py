@@ -1,0 +1,166 @@
+"""Pipeline stages whose core attention is pooled across stages, so that pipeline bubbles serve attention
+(DistCA's pipeline mode; ``pp_schedule: pooled``).
+
+With torch's schedules (attnpool.parallel.pipeline) a stage waiting in the warm-up or drain of a step
+does nothing. Here every stage runs the same phase in each tick, and each tick's core attention is one
+exchange over all pipeline and dp ranks:
+
+- **Ticks.** GPipe's order in lock-step: in forward tick t (0 <= t < T = M + S - 1, M micro-batches, S
+  stages) stage s runs micro-batch t - s where 0 <= t - s < M, and is idle otherwise. Backward tick t
+  (from T - 1 down to 0) runs the backward of forward tick t on every stage: stage s + 1's backward of a
+  micro-batch comes one tick before stage s's, as the gradient's path needs.
+- **Pooled attention.** Every stage holds the same number of layers, so in a tick all stages reach their
+  j-th layer's core attention together. The CA-tasks of the tick's micro-batches (each laid out over its
+  stage's dp ranks as without pooling) are planned over all S x dp ranks: the ranks of idle stages hold
+  no tokens and serve, the ranks of busy stages hand work to them (:func:`pooled_table`). One plan serves
+  the tick's every layer slot, one all-to-all exchange per slot over all of those ranks.
+- **Idle ranks** call the tick's core attention once per layer slot with no tokens of their own (they
+  still serve what the plan gives them), and in the backward tick run those calls' backward in reverse
+  slot order, in step with the busy stages' autograd, which runs its layers last to first.
+
+What this needs, refused otherwise (:func:`pooled_problem`): layers divisible by stages; activation
+checkpointing that does not recompute core attention (``keep_attention`` or ``none``: a recomputed
+exchange would run inside the busy stages' backward only); dense attention (the sparse estimator's own
+exchanges are not pooled). Memory: like GPipe, a stage holds the activations of all its micro-batches.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from attnpool.plan.documents import DocPiece, PieceTable
+
+POOLED = "pooled"
+
+
+def pooled_problem(n_layers: int, pp: int, checkpointing: str, sparse: bool) -> tuple[str, object, str] | None:
+    """(field, value, why) where ``pp_schedule: pooled`` cannot run, or None."""
+    if n_layers % pp:
+        return "pp", pp, (f"{POOLED} runs every stage's layer j at once: the model's {n_layers} layers must split "
+                          f"evenly over {pp} stages")
+    if checkpointing == "full":
+        return "activation_checkpointing", checkpointing, (
+            f"{POOLED} exchanges core attention over every stage's ranks in step, and a recomputed core attention "
+            "would exchange inside the busy stages' backward only; use keep_attention (or none)")
+    if sparse:
+        return "sparse", "vertical-slash", f"{POOLED} pools dense core attention only; use another pp_schedule"
+    return None
+
+
+def ticks(microbatches: int, stages: int) -> int:
+    return microbatches + stages - 1
+
+
+def tick_microbatch(tick: int, stage: int, microbatches: int) -> int | None:
+    """The micro-batch stage ``stage`` runs in tick ``tick``, or None where it is idle."""
+    m = tick - stage
+    return m if 0 <= m < microbatches else None
+
+
+def pooled_table(tables: Sequence[PieceTable], tick: int, stages: int) -> PieceTable:
+    """Tick ``tick``'s layout over ``stages`` x dp ranks (pooled rank s * dp + d): the dp ranks of stage s
+    hold micro-batch ``tick - s``'s pieces as ``tables[tick - s]`` lays them out (the same buffer order, so
+    each rank's own tokens are where its stage expects them), the ranks of idle stages nothing. Documents
+    are renumbered per micro-batch: two micro-batches' document 3 are different documents."""
+    dp = tables[0].num_ranks
+    stride = 1 + max(int(t.doc_ids.max()) if t.num_docs else 0 for t in tables)
+    per_rank: list[list[DocPiece]] = [[] for _ in range(stages * dp)]
+    for s in range(stages):
+        m = tick_microbatch(tick, s, len(tables))
+        if m is None:
+            continue
+        t = tables[m]
+        ids, lens = t.doc_ids[t.doc], t.doc_len[t.doc]
+        for i in np.lexsort((t.offset, t.rank)).tolist():
+            per_rank[s * dp + int(t.rank[i])].append(
+                DocPiece(m * stride + int(ids[i]), int(lens[i]), int(t.start[i]), int(t.length[i])))
+    return PieceTable.from_pieces(per_rank)
+
+
+class PooledPipelineRunner:
+    """One pipeline rank's stage under the pooled schedule (see the module's docstring).
+
+    ``model``: the stage (a PipelineStageModel, sharded); ``slot_layers``: its layers' indices in order;
+    ``stage``/``stages``: this rank's stage and how many there are; ``pp_peers``: the global ranks of this
+    rank's (dp, tp) index on every stage, in stage order (where hidden states and their gradients go);
+    ``hidden``/``hidden_dtype``: what a stage passes on; ``heads``: (query heads, KV heads, head dim) of
+    this rank's core attention calls."""
+
+    def __init__(self, model, slot_layers: list[int], stage: int, stages: int, pp_peers: list[int],
+                 hidden: tuple[int, ...], hidden_dtype: torch.dtype, heads: tuple[int, int, int],
+                 device: torch.device):
+        self.model, self.slot_layers, self.stage, self.stages = model, slot_layers, stage, stages
+        self.pp_peers, self.hidden, self.hidden_dtype, self.heads = pp_peers, hidden, hidden_dtype, heads
+        self.device = device
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def step(self, tokens: list[Tensor], positions: list[Tensor], labels: list[Tensor],
+             tick_attention: Callable[[int], object], loss_scale: float) -> Tensor:
+        """Forward and backward of one step's micro-batches (this dp rank's tensors, one per micro-batch);
+        ``tick_attention(t)``: tick t's core attention (a CoreAttention over every stage's ranks of this
+        tp index, its plan from :func:`pooled_table`), called once per tick in order on every rank.
+        Returns this rank's sum of the micro-batches' loss shares (0 off the last stage)."""
+        count, s = len(tokens), self.stage
+        total = torch.zeros((), device=self.device)
+        saved: list[tuple] = []  # per tick: ("busy", input leaf, output) or ("idle", per-slot outputs)
+        for t in range(ticks(count, self.stages)):
+            attention = tick_attention(t)
+            m = tick_microbatch(t, s, count)
+            if m is None:
+                saved.append(("idle", self._serve(attention)))
+                continue
+            x = tokens[m] if self.first else self._recv_hidden(self.pp_peers[s - 1])
+            out = self.model(x, positions=positions[m], microbatch=torch.tensor(0), attentions=(attention,),
+                             labels=labels[m], loss_scale=loss_scale)
+            if self.last:
+                total = total + out.detach()
+            else:
+                dist.send(out.detach().contiguous(), self.pp_peers[s + 1])
+            saved.append(("busy", None if self.first else x, out))
+        for t in reversed(range(len(saved))):
+            entry = saved[t]
+            if entry[0] == "idle":
+                for out in reversed(entry[1]):  # the busy stages' autograd runs their layers last to first
+                    out.backward(torch.zeros_like(out))
+                continue
+            _, x, out = entry
+            m = tick_microbatch(t, s, count)
+            if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2 reduces once, after the last backward
+                self.model.set_requires_gradient_sync(m == 0)
+            if self.last:
+                out.backward()
+            else:
+                out.backward(self._recv_hidden(self.pp_peers[s + 1], grad=True))
+            if x is not None:
+                dist.send(x.grad.contiguous(), self.pp_peers[s - 1])
+            saved[t] = None  # its activations can go
+        return total.full_tensor() if hasattr(total, "full_tensor") else total
+
+    def _serve(self, attention) -> list[Tensor]:
+        """An idle tick: every layer slot's core attention with no tokens of this rank's own, so that it
+        serves what the plan gives it; the outputs (empty) keep the calls' backward for the backward tick."""
+        h_q, h_kv, d = self.heads
+        outs = []
+        for layer in self.slot_layers:
+            q = torch.empty(0, h_q, d, dtype=self.hidden_dtype, device=self.device, requires_grad=True)
+            k, v = (torch.empty(0, h_kv, d, dtype=self.hidden_dtype, device=self.device, requires_grad=True)
+                    for _ in range(2))
+            outs.append(attention(q, k, v, layer=layer))
+        return outs
+
+    def _recv_hidden(self, peer: int, grad: bool = False) -> Tensor:
+        buffer = torch.empty(self.hidden, dtype=self.hidden_dtype, device=self.device)
+        dist.recv(buffer, peer)
+        return buffer if grad else buffer.requires_grad_()

@@ -75,8 +75,14 @@ case "$PHASE" in
   parallel8b-tp2)
     bench parallel8b-tp2 --layers 32 --tp 2 --configs prolong:256K --strategies local,cad+pingpong --warmup 1 \
       --steps 3 --activation-checkpointing full --activation-offload --budget-s 300 ;;
+  # Issue 22's bubble reuse against torch's 1F1B: pp=2 x dp=2, 8 layers, 4 micro-batches, cad; the same batches.
+  pooled-pp2)
+    for schedule in 1f1b pooled; do
+      bench "pooled-pp2-$schedule" --layers 8 --pp 2 --microbatches 4 --pp-schedule "$schedule" \
+        --configs prolong:64K,pretrain:64K --strategies cad,local --warmup 2 --steps 5 --budget-s 240
+    done ;;
   *) phases="smoke|prolong128|prolong256|pretrain64|pretrain64-memory|prolong64|pretrain128|pretrain128-baselines|pretrain256"
      phases="$phases|pretrain256-baselines"
-     echo "usage: bash bench/gpu_e2e.sh $phases|prolong256-baselines|prolong256-sparse-pingpong|full-depth128|full-depth256|parallel34b-tp4|parallel34b-pp2tp2|parallel34b-dp4|parallel8b-tp2 [BENCH ARGS...]" >&2
+     echo "usage: bash bench/gpu_e2e.sh $phases|prolong256-baselines|prolong256-sparse-pingpong|full-depth128|full-depth256|parallel34b-tp4|parallel34b-pp2tp2|parallel34b-dp4|parallel8b-tp2|pooled-pp2 [BENCH ARGS...]" >&2
      exit 2 ;;
 esac

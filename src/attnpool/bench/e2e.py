@@ -364,7 +364,8 @@ def finish(records, skipped, args, world, cfg):
                           if args.activation_checkpointing != "keep_attention" else "")
                        + (" --activation-offload" if args.activation_offload else "")
                        + "".join(f" --{k} {getattr(args, k)}" for k in ("tp", "pp", "microbatches")
-                                 if getattr(args, k) != 1)}
+                                 if getattr(args, k) != 1)
+                       + (f" --pp-schedule {args.pp_schedule}" if args.pp > 1 and args.pp_schedule != "1f1b" else "")}
     with open(os.path.join(args.out, "e2e.json"), "w") as f:
         json.dump({"meta": meta, "records": records}, f, indent=1)
     lines = [f"# End-to-end training steps on {meta['machine']}", "",

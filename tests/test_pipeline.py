@@ -20,7 +20,7 @@ from attnpool.parallel.pipeline import head_layers, pipeline_problem, rank_stage
 from attnpool.parallel.pooled_pipeline import pooled_table, tick_microbatch, ticks
 from attnpool.plan import linear_table, load_cost_model, plan_attention
 from attnpool.plan.metrics import home_loads, server_loads
-from attnpool.sim.pipeline import makespan, pipeline_step, stage_order
+from attnpool.sim.pipeline import makespan, pipeline_step, pooled_makespan, stage_order
 from attnpool.train import train
 from attnpool.train.memory import MemoryInputs, estimate
 from dist_harness import run_distributed
@@ -195,6 +195,19 @@ def test_bubble_reuse_prediction_and_bound():
     assert step["reuse_gain"] <= step["reuse_gain_bound"] <= step["bubble_fraction"] + 1e-12
     uneven = pipeline_step(np.r_[[1.0] * 7, 20.0], np.r_[[0.5] * 7, 10.0], pp=4)
     assert uneven["bubble_fraction"] > 3 / 11  # one long micro-batch stalls the pipeline
+
+
+def test_pooled_schedule_model():
+    """Lock-step ticks: without attention the pooled step is GPipe's; all attention pooled leaves no bubble;
+    half of it: the ramps' ticks (k of 4 stages busy) cost 0.5 + k / 4 x 0.5 each, the 5 full ticks 1."""
+    assert pooled_makespan([1.0] * 8, [0.0] * 8, 4) == pytest.approx(makespan([1.0] * 8, 4, "gpipe"))
+    assert pooled_makespan([1.0] * 8, [1.0] * 8, 4) == pytest.approx(8.0)
+    assert pooled_makespan([1.0] * 8, [0.5] * 8, 4) == pytest.approx(5 * 1.0 + 2 * (0.5 * 3 + 0.5 * 6 / 4))
+    step = pipeline_step([4.0] * 8, [2.0] * 8, pp=4)
+    assert step["pooled_gain"] == pytest.approx(1 - 9.5 / 11)
+    # Lock-step waits for each tick's slowest stage: uneven micro-batches without attention cost more pooled.
+    uneven = [1.0, 3.0] * 4
+    assert pooled_makespan(uneven, [0.0] * 8, 4) > makespan(uneven, 4, "gpipe") + 1.0
 
 
 def test_export_of_a_pipelined_run_matches_one_process_and_loads_in_transformers(tmp_path):

@@ -17,6 +17,10 @@ attention: about (pp - 1) a / 2 per step, a a micro-batch's core attention per s
 ``reuse_gain``). An upper bound on any reuse (``reuse_gain_bound``): the step cannot be shorter than the
 same pipeline with no core attention on its critical path (every stage-time cut to its non-attention
 part), nor than every rank's share of the step's work. Neither counts moving Q and KV between stage groups.
+
+``pooled_step_s`` models the schedule attnpool builds for it (``pp_schedule: pooled``, :func:`pooled_makespan`):
+lock-step GPipe ticks with each tick's attention pooled; ``pooled_gain`` is its gain over ``schedule``, which
+also counts what lock-step costs (a tick lasts as long as its slowest stage's non-attention work).
 """
 
 from __future__ import annotations
@@ -73,6 +77,20 @@ def makespan(stage_times, pp: int, schedule: str = "1f1b") -> float:
     return float(clock.max())
 
 
+def pooled_makespan(stage_times, attention_times, pp: int) -> float:
+    """The step time of ``pp_schedule: pooled`` (attnpool.parallel.pooled_pipeline): GPipe's order in lock-step
+    ticks, each tick's core attention (of the micro-batches of its busy stages; ``attention_times`` per stage,
+    like ``stage_times``) spread evenly over all pp stage groups, its other work taking as long as the
+    busiest stage's. Forward ticks take FORWARD_SHARE of each, backward ticks the rest."""
+    t, a = np.asarray(stage_times, dtype=float), np.asarray(attention_times, dtype=float)
+    M = len(t)
+    total = 0.0
+    for tick in range(M + pp - 1):
+        busy = [tick - s for s in range(pp) if 0 <= tick - s < M]
+        total += max(t[m] - a[m] for m in busy) + sum(a[m] for m in busy) / pp
+    return total  # the forward ticks' FORWARD_SHARE and the backward ticks' rest add up to one of each
+
+
 def pipeline_step(step_s, attention_s, pp: int, schedule: str = "1f1b") -> dict:
     """One pipelined step of micro-batches whose whole-model step times (``step_s``) and core attention
     times (``attention_s``) are given: its time, its bubble and the bound on what bubble reuse saves."""
@@ -81,8 +99,10 @@ def pipeline_step(step_s, attention_s, pp: int, schedule: str = "1f1b") -> dict:
     work = step_s.sum() / pp  # each rank's share: pp stages' work over pp ranks
     bound = max(makespan((step_s - attention_s) / pp, pp, schedule), work)
     pooled_ramp = (pp - 1) * float(np.mean(attention_s / pp)) / 2
+    pooled = pooled_makespan(step_s / pp, attention_s / pp, pp)
     return {"step_s": total, "bubble_fraction": 1 - work / total, "reuse_gain": pooled_ramp / total,
-            "reuse_gain_bound": 1 - bound / total, "attention_share": float(attention_s.sum() / step_s.sum())}
+            "reuse_gain_bound": 1 - bound / total, "attention_share": float(attention_s.sum() / step_s.sum()),
+            "pooled_step_s": pooled, "pooled_gain": 1 - pooled / total}
 
 
 def simulate_pipeline(config: SimConfig, pp: int, microbatches: int, steps: int = 4, schedule: str = "1f1b",

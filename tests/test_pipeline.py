@@ -66,6 +66,16 @@ def test_accumulated_micro_batches_train_as_one_batch_of_their_documents(tmp_pat
     assert rel_diff(losses["two"], losses["one"]) <= 1e-5
 
 
+def _losses_and_balance(rank, world, out, runs):
+    found = {}
+    for name, kw in runs:
+        rows = train(tiny_config(f"{out}/{name}-{world}", **kw)).rows
+        found[name] = [r["loss"] for r in rows]
+        found[f"{name} balance"] = (np.mean([r["imbalance_before"] for r in rows]),
+                                    np.mean([r["imbalance_after"] for r in rows]))
+    return found
+
+
 def test_pooled_pipeline_trains_as_without_it(tmp_path):
     """pp_schedule=pooled (core attention pooled over every stage's ranks in lock-step ticks): pp=2 against one
     process, pp=2 x dp=2 against dp=2 and pp=2 x tp=2 against one process, all accumulating the same
@@ -76,11 +86,14 @@ def test_pooled_pipeline_trains_as_without_it(tmp_path):
     unpooled = [(name, {k: v for k, v in kw.items() if k != "pp_schedule"}) for name, kw in runs]
     one = run_distributed(_losses, 1, str(tmp_path / "one"), unpooled)[0]
     dp = run_distributed(_losses, 2, str(tmp_path / "dp"), unpooled[1:2])[0]
-    pp = run_distributed(_losses, 2, str(tmp_path / "pp"), [(n, dict(kw, pp=2)) for n, kw in runs])[0]
+    pp = run_distributed(_losses_and_balance, 2, str(tmp_path / "pp"), [(n, dict(kw, pp=2)) for n, kw in runs])[0]
     pp4 = run_distributed(_losses, 4, str(tmp_path / "4"), [("pp2dp2", dict(runs[1][1], pp=2)),
                                                              ("pp2tp2", dict(runs[1][1], pp=2, tp=2))])[0]
     for name, _ in runs:
         assert len(pp[name]) == 3 and rel_diff(pp[name], one[name]) <= 1e-5, name
+    # The step's balance is the ticks': in the ramps a stage's ranks idle (local), or serve (cad).
+    before, after = pp["cad balance"]
+    assert before > 1.3 and after < 1.1, (before, after)
     assert rel_diff(pp4["pp2dp2"], dp["cad"]) <= 1e-5
     assert rel_diff(pp4["pp2tp2"], one["cad"]) <= 1e-5
 

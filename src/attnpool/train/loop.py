@@ -61,8 +61,9 @@ from attnpool.model.hf_causal_lm import (HFCausalLM, HFModelSpec, build_hf_model
 from attnpool.parallel import ParallelDims, RankMesh, apply_tensor_parallel, build_rank_mesh, tensor_parallel_problem
 from attnpool.parallel.pipeline import (PipelineRunner, PipelineStageModel, activations_in_flight, build_stage_models,
                                         merged_stages, pipeline_problem)
-from attnpool.parallel.pooled_pipeline import POOLED, PooledPipelineRunner, pooled_problem, pooled_table
-from attnpool.plan import AttentionShape, linear_table, load_cost_model, pad_ranks, plan_attention, wlb_table
+from attnpool.parallel.pooled_pipeline import POOLED, PooledPipelineRunner, pooled_problem, pooled_table, ticks
+from attnpool.plan import (AttentionShape, PieceTable, linear_table, load_cost_model, pad_ranks, plan_attention,
+                           wlb_table)
 from attnpool.plan.metrics import AttentionRows, home_loads, imbalance, server_loads
 from attnpool.plan.plan import Plan
 from attnpool.runtime import CoreAttention
@@ -553,12 +554,36 @@ def plan_batch(batch: GlobalBatch, config: TrainConfig, num_ranks: int, cost_mod
     return StepPlan(plan, batch, local.tolist(), planned.tolist(), imbalance(local), imbalance(planned))
 
 
-def combine_plans(plans: list[StepPlan]) -> StepPlan:
-    """One step's balance over its nano-batches: per-rank loads summed (the plans themselves stay separate)."""
+def plan_pooled_ticks(tables: list[PieceTable], stages: int, config: TrainConfig, cost_model,
+                      shape: AttentionShape) -> list[StepPlan]:
+    """Every tick's plan of a pooled pipeline step (attnpool.parallel.pooled_pipeline) over all stages' dp
+    ranks, with its loads divided by the number of stages: each micro-batch runs on every stage, a
+    stage's share of its layers, so the ticks' summed loads are then the step's attention work per layer,
+    as a step's plans count it without pooling."""
+    out = []
+    for tick in range(ticks(len(tables), stages)):
+        table = pooled_table(tables, tick, stages)
+        plan = plan_attention(table, config.attention, cost_model=cost_model, min_shard_tokens=config.min_shard,
+                              eps=config.eps, shape=shape)
+        local, planned = home_loads(table, cost_model) / stages, server_loads(plan, cost_model) / stages
+        out.append(StepPlan(plan, None, local.tolist(), planned.tolist(), imbalance(local), imbalance(planned)))
+    return out
+
+
+def combine_plans(plans: list[StepPlan], in_turn: bool = False) -> StepPlan:
+    """One step's balance over its nano-batches: per-rank loads summed (the plans themselves stay separate).
+    ``in_turn``: the plans run one after another, each as long as its busiest rank, so the step's imbalance is
+    the sum of their busiest ranks' loads over the sum of their means (a pooled pipeline's ticks)."""
     if len(plans) == 1:
         return plans[0]
     local = np.sum([p.load_local for p in plans], axis=0).tolist()
     planned = np.sum([p.load_planned for p in plans], axis=0).tolist()
+    if in_turn:
+        def step_imbalance(loads):
+            mean = sum(float(np.mean(x)) for x in loads)
+            return sum(max(x) for x in loads) / mean if mean > 0 else 1.0  # as imbalance(): 1.0 without work
+        return StepPlan(None, None, local, planned, step_imbalance([p.load_local for p in plans]),
+                        step_imbalance([p.load_planned for p in plans]))
     return StepPlan(None, None, local, planned, imbalance(local), imbalance(planned))
 
 
@@ -732,6 +757,10 @@ def _train(config: TrainConfig, on_step, preemption: "Preemption") -> TrainResul
                           for nano in (batch.split_documents(2) if config.pingpong else [batch])]
                          for batch in micro_batches]
                 last_plan = combine_plans([p for mb in plans for p in mb])
+                if isinstance(pipeline, PooledPipelineRunner):
+                    # The ticks' plans over every stage's ranks are what runs; the step's balance is theirs.
+                    tick_plans = plan_pooled_ticks([mb[0].plan.pieces for mb in plans], pp, config, cost_model, shape)
+                    last_plan = combine_plans(tick_plans, in_turn=True)
                 plan_time = time.perf_counter() - t_plan
                 comm_stats.reset()
                 stats = SparseStats()
@@ -746,17 +775,12 @@ def _train(config: TrainConfig, on_step, preemption: "Preemption") -> TrainResul
                 if timers is not None:
                     attentions = [[timer] for timer in timers]
                 if isinstance(pipeline, PooledPipelineRunner):
-                    tables = [mb[0].plan.pieces for mb in plans]
-
-                    def tick_attention(tick):
-                        plan = plan_attention(pooled_table(tables, tick, pp), config.attention, cost_model=cost_model,
-                                              min_shard_tokens=config.min_shard, eps=config.eps, shape=shape)
-                        return CoreAttention(plan, pooled_group, **attention_kwargs)
-
                     with step_context(device.type, bf16, tp > 1), offload or nullcontext():
-                        loss_sum = pipeline.step([mb[0].tokens for mb in tensors], [mb[0].positions for mb in tensors],
-                                                 [mb[0].labels for mb in tensors], tick_attention,
-                                                 1.0 / label_tokens) * label_tokens
+                        loss_sum = pipeline.step(
+                            [mb[0].tokens for mb in tensors], [mb[0].positions for mb in tensors],
+                            [mb[0].labels for mb in tensors],
+                            lambda tick: CoreAttention(tick_plans[tick].plan, pooled_group, **attention_kwargs),
+                            1.0 / label_tokens) * label_tokens
                 elif pipeline is not None:
                     with step_context(device.type, bf16, tp > 1), offload or nullcontext():
                         # The loss shares of the step's mean, summed back into token losses for the log.

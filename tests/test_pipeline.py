@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from attnpool.model import model_config
-from attnpool.parallel.pipeline import head_layers, pipeline_problem, rank_stages, stage_layers
+from attnpool.parallel.pipeline import (activations_in_flight, head_layers, pipeline_problem, rank_stages,
+                                        stage_layers)
 from attnpool.parallel.pooled_pipeline import pooled_table, tick_microbatch, ticks
 from attnpool.plan import linear_table, load_cost_model, plan_attention
 from attnpool.plan.metrics import home_loads, server_loads
@@ -112,7 +113,23 @@ def test_pooled_ticks_let_idle_stages_serve():
     # A full tick: each stage's ranks hold their micro-batch's pieces in its own order.
     full = pooled_table(tables, 1, 2)
     assert full.tokens_per_rank.tolist() == [1024] * 4
-    assert full.doc_len[full.doc][full.rank == 2].tolist() == tables[0].doc_len[tables[0].doc][tables[0].rank == 0].tolist()
+    first = tables[0]
+    assert full.doc_len[full.doc][full.rank == 2].tolist() == first.doc_len[first.doc][first.rank == 0].tolist()
+
+
+def test_memory_model_counts_the_pooled_ticks():
+    """A pooled rank keeps every tick's saved state (M + pp - 1 units) and serves other stages' rows, which
+    the memory check samples from the ticks' plans even with one dp rank."""
+    from attnpool.parallel import ParallelDims
+    from attnpool.train.loop import build_source, sample_row_ratios
+
+    assert activations_in_flight("pooled", 2, 4) == 5 and activations_in_flight("gpipe", 2, 4) == 4
+    cfg = tiny_config("unused", data="synthetic", data_args=dict(dist="pretrain"), attention="cad", pp=2,
+                      microbatches=2, pp_schedule="pooled")
+    tiny = model_config("tiny", **TINY)
+    rows = sample_row_ratios(cfg, build_source(cfg, tiny.vocab_size), load_cost_model("pairs"),
+                             ParallelDims(dp=1, pp=2), tiny, None, False, batches=2)
+    assert rows.batches == 2 and rows.query > 0  # the ramps' idle ranks serve the busy stage's queries
 
 
 def _resume(rank, world, out, pp, resume, stop_at, schedule="1f1b"):

@@ -343,8 +343,10 @@ def uses_bf16(config: TrainConfig, device_type: str) -> bool:
 def sample_row_ratios(config: TrainConfig, source, cost_model, dims: ParallelDims, model_cfg: ModelConfig,
                       sparse: SparseConfig | None, bf16: bool, batches: int = MEMORY_SAMPLE_BATCHES) -> RowRatios:
     """Core attention's rows on the busiest rank, per token of tokens_per_rank: the largest of each over the
-    dp ranks and the plans of the run's first ``batches`` batches (with ping-pong, both nano-batches' rows)."""
-    if dims.dp == 1:
+    dp ranks and the plans of the run's first ``batches`` batches (with ping-pong, both nano-batches' rows;
+    with a pooled pipeline, every tick's plan over all stages' ranks, of the first ``batches`` steps)."""
+    pooled = dims.pp > 1 and config.pp_schedule == POOLED
+    if dims.dp == 1 and not pooled:
         return RowRatios()
     world = dims.dp
     stream = DocumentStream(source, world, config.tokens_per_rank, config.seed, config.max_doc_len)
@@ -353,12 +355,18 @@ def sample_row_ratios(config: TrainConfig, source, cost_model, dims: ParallelDim
     names = ("home", "query", "returned", "unique_kv", "expanded_kv")
     worst = np.zeros(len(names))
     for _ in range(batches):
-        batch = stream.next_batch()
-        nanos = batch.split_documents(2) if config.pingpong else [batch]
-        rows = [AttentionRows.of(plan_batch(nano, config, world, cost_model, shape, prior, dims.tp).plan)
-                for nano in nanos]
-        per_rank = np.array([np.sum([getattr(r, name) for r in rows], axis=0) for name in names])
-        worst = np.maximum(worst, per_rank.max(axis=1))
+        if pooled:  # one unit in flight per tick, each with its own plan's rows
+            tables = [plan_batch(stream.next_batch(), config, world, cost_model, shape, prior, dims.tp).plan.pieces
+                      for _ in range(config.microbatches)]
+            units = [[AttentionRows.of(t.plan)] for t in plan_pooled_ticks(tables, dims.pp, config, cost_model, shape)]
+        else:
+            batch = stream.next_batch()
+            nanos = batch.split_documents(2) if config.pingpong else [batch]
+            units = [[AttentionRows.of(plan_batch(nano, config, world, cost_model, shape, prior, dims.tp).plan)
+                      for nano in nanos]]
+        for rows in units:
+            per_rank = np.array([np.sum([getattr(r, name) for r in rows], axis=0) for name in names])
+            worst = np.maximum(worst, per_rank.max(axis=1))
     return RowRatios(*(worst / config.tokens_per_rank).tolist(), batches=batches)
 
 

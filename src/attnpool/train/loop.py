@@ -757,8 +757,10 @@ def _train(config: TrainConfig, on_step, preemption: "Preemption") -> TrainResul
                 reset_peak_memory(device)
                 micro_batches = [stream.next_batch() for _ in range(config.microbatches)]
                 # A step may hold no target at all (task sources mark only answers; a batch of ordinary
-                # documents has none): its loss is then 0, not 0 / 0.
-                label_tokens = max(1, sum(b.num_label_tokens for b in micro_batches))
+                # documents has none): its loss is then 0, not 0 / 0, and the optimizer does not step (AdamW's
+                # momentum and weight decay would move the weights without a gradient).
+                targets = sum(b.num_label_tokens for b in micro_batches)
+                label_tokens = max(1, targets)
                 t_plan = time.perf_counter()
                 # Every micro-batch's plans (a plan per nano-batch with ping-pong) are made at the start of the step.
                 plans = [[plan_batch(nano, config, dp, cost_model, shape, prior, tp)
@@ -808,7 +810,8 @@ def _train(config: TrainConfig, on_step, preemption: "Preemption") -> TrainResul
                 # and the schedule goes on, so that step numbers keep their learning rates.
                 finite = agree_finite(loss_sum, grad_norm, device)
                 if finite:
-                    optimizer.step()
+                    if targets:  # the same on every rank: the micro-batches are the global batches
+                        optimizer.step()
                     nonfinite_in_a_row = 0
                 else:
                     nonfinite_total += 1

@@ -356,8 +356,8 @@ def sample_row_ratios(config: TrainConfig, source, cost_model, dims: ParallelDim
     worst = np.zeros(len(names))
     for _ in range(batches):
         if pooled:  # one unit in flight per tick, each with its own plan's rows
-            tables = [plan_batch(stream.next_batch(), config, world, cost_model, shape, prior, dims.tp).plan.pieces
-                      for _ in range(config.microbatches)]
+            tables = [plan_batch(stream.next_batch(), config, world, cost_model, shape, prior, dims.tp,
+                                 strategy="local").plan.pieces for _ in range(config.microbatches)]
             units = [[AttentionRows.of(t.plan)] for t in plan_pooled_ticks(tables, dims.pp, config, cost_model, shape)]
         else:
             batch = stream.next_batch()
@@ -541,8 +541,9 @@ class StepPlan:
 
 def plan_batch(batch: GlobalBatch, config: TrainConfig, num_ranks: int, cost_model,
                shape: AttentionShape = AttentionShape(), sparse_prior: SparsePrior | None = None,
-               tokens_multiple: int = 1) -> StepPlan:
-    """Lay out the batch (linear, or wlb's re-packing) and plan its core attention for ``config.attention``.
+               tokens_multiple: int = 1, strategy: str | None = None) -> StepPlan:
+    """Lay out the batch (linear, or wlb's re-packing) and plan its core attention for ``config.attention``
+    (or ``strategy``: "local" where only the layout is wanted, as a pooled pipeline plans its ticks itself).
 
     With sparse attention the cost of a task is its expected sparse work (``sparse_prior``).
     ``tokens_multiple`` (tensor parallelism's tp): every rank's tokens are padded to a multiple of it
@@ -555,8 +556,8 @@ def plan_batch(batch: GlobalBatch, config: TrainConfig, num_ranks: int, cost_mod
         batch = batch.padded(table.doc_len[batch.num_docs:])
     if sparse_prior is not None:  # the tables number documents in batch order, padding last
         cost_model = sparse_prior.cost_model(table.doc_len, cost_model)
-    plan = plan_attention(table, config.attention, cost_model=cost_model, min_shard_tokens=config.min_shard,
-                          eps=config.eps, shape=shape)
+    plan = plan_attention(table, strategy or config.attention, cost_model=cost_model,
+                          min_shard_tokens=config.min_shard, eps=config.eps, shape=shape)
     local = home_loads(linear, cost_model)  # "before" is always plain packing served at home
     planned = server_loads(plan, cost_model)
     return StepPlan(plan, batch, local.tolist(), planned.tolist(), imbalance(local), imbalance(planned))
@@ -698,6 +699,7 @@ def _train(config: TrainConfig, on_step, preemption: "Preemption") -> TrainResul
                                             hidden, hidden_dtype, device, mesh.pp_group)
     else:
         model = build_model(model_cfg, config, device, bf16, mesh, setup.hf)
+    pooled = isinstance(pipeline, PooledPipelineRunner)
     params = list(model.parameters())
     num_params = sum(p.numel() for p in params) if setup.hf is not None else model_cfg.num_params()
     optimizer = build_optimizer(model, config, fused=device.type == "cuda")
@@ -762,12 +764,13 @@ def _train(config: TrainConfig, on_step, preemption: "Preemption") -> TrainResul
                 targets = sum(b.num_label_tokens for b in micro_batches)
                 label_tokens = max(1, targets)
                 t_plan = time.perf_counter()
-                # Every micro-batch's plans (a plan per nano-batch with ping-pong) are made at the start of the step.
-                plans = [[plan_batch(nano, config, dp, cost_model, shape, prior, tp)
+                # Every micro-batch's plans (a plan per nano-batch with ping-pong) are made at the start of the step;
+                # a pooled pipeline's only lay its micro-batches out, and its ticks are planned over all stages.
+                plans = [[plan_batch(nano, config, dp, cost_model, shape, prior, tp, "local" if pooled else None)
                           for nano in (batch.split_documents(2) if config.pingpong else [batch])]
                          for batch in micro_batches]
                 last_plan = combine_plans([p for mb in plans for p in mb])
-                if isinstance(pipeline, PooledPipelineRunner):
+                if pooled:
                     # The ticks' plans over every stage's ranks are what runs; the step's balance is theirs.
                     tick_plans = plan_pooled_ticks([mb[0].plan.pieces for mb in plans], pp, config, cost_model, shape)
                     last_plan = combine_plans(tick_plans, in_turn=True)
@@ -780,11 +783,11 @@ def _train(config: TrainConfig, on_step, preemption: "Preemption") -> TrainResul
                 # Interleaved phases (ping-pong) leave core attention no wall time of its own to measure.
                 # (Pooled pipeline ticks make core attentions of their own.)
                 timers = [AttentionTimer(mb[0], device) for mb in attentions] \
-                    if all(len(mb) == 1 for mb in attentions) and not isinstance(pipeline, PooledPipelineRunner) \
+                    if all(len(mb) == 1 for mb in attentions) and not pooled \
                     else None
                 if timers is not None:
                     attentions = [[timer] for timer in timers]
-                if isinstance(pipeline, PooledPipelineRunner):
+                if pooled:
                     with step_context(device.type, bf16, tp > 1), offload or nullcontext():
                         loss_sum = pipeline.step(
                             [mb[0].tokens for mb in tensors], [mb[0].positions for mb in tensors],

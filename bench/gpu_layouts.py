@@ -36,11 +36,14 @@ LAYOUTS = {
     "pp2xdp2-local": (4, ["--attention", "local", "--pp", "2"], "dp2-local"),
     "pp2xdp2-cad": (4, ["--attention", "cad", "--pp", "2"], "dp2-cad"),
     "pp2xtp2-local": (4, ["--attention", "local", "--pp", "2", "--tp", "2"], "one"),
+    # The pooled pipeline (issue 22): its idle stages serve CA-tasks, one exchange over all four ranks.
+    "pp2xdp2-pooled-cad": (4, ["--attention", "cad", "--pp", "2", "--pp-schedule", "pooled"], "dp2-cad"),
 }
 QUICK_LAYOUTS = ("one", "dp2-cad", "dp2xtp2-cad")
 # bf16 keeps 8 significant bits: two reduction orders of the same sums give losses a few 1e-3 apart
-# after a few steps. The CPU tests hold the same layouts to 1e-5 in float32.
-TOLERANCE = 1e-2
+# after a few steps. The CPU tests hold the same layouts to 1e-5 in float32; on GPUs float32 GEMMs
+# (TF32 off) and NCCL's other reduction orders leave some 1e-6, so 1e-4 separates logic from rounding.
+TOLERANCE = {"bf16": 1e-2, "fp32": 1e-4}
 
 
 def launch(name: str, gpus: list[int], port: int, args) -> subprocess.Popen:
@@ -123,21 +126,22 @@ def main() -> int:
             n = min(len(mine), len(theirs))
             dev = max(abs(a - b) / abs(b) for a, b in zip(mine[:n], theirs[:n]))
         rows.append(dict(layout=name, processes=nproc, flags=" ".join(flags), reference=ref, losses=mine,
-                         max_rel_diff=dev, ok=None if ref is None else dev is not None and dev <= TOLERANCE,
+                         max_rel_diff=dev, ok=None if ref is None else dev is not None and dev <= TOLERANCE[args.precision],
                          **status.get(name, dict(rc=None, wall_s=None))))
     import torch
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU process (gloo)"
     meta = dict(date=time.strftime("%Y-%m-%d"), machine=f"{args.gpus} x {device}",
                 torch=torch.__version__, model=f"{args.model} x {args.layers} layers", tokens_per_dp_rank=args.tokens,
-                microbatches=2, steps=args.steps, tolerance=TOLERANCE, precision=args.precision,
+                microbatches=2, steps=args.steps, tolerance=TOLERANCE[args.precision], precision=args.precision,
                 command=f"python3 bench/gpu_layouts.py --out DIR --gpus {args.gpus} --tokens {args.tokens} "
-                        f"--steps {args.steps} --layers {args.layers}" + (" --quick" if args.quick else ""))
+                        f"--steps {args.steps} --layers {args.layers} --precision {args.precision}"
+                        + (" --quick" if args.quick else ""))
     with open(os.path.join(args.out, "layouts.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     backend = f"{'NCCL' if args.device == 'cuda' else 'gloo'}, {args.precision}"
     lines = [f"# Parallel layouts against their references on {meta['machine']} ({backend})", "",
              f"{meta['model']}, synthetic prolong, {args.tokens} tokens per dp rank per micro-batch, 2 micro-batches, "
-             f"{args.steps} steps; tolerance {TOLERANCE} relative.", "", f"Command: `{meta['command']}`", "",
+             f"{args.steps} steps; tolerance {TOLERANCE[args.precision]} relative.", "", f"Command: `{meta['command']}`", "",
              "| layout | processes | reference | losses | max rel diff | ok | wall s |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         ls = "-" if not r["losses"] else " ".join(f"{x:.4f}" for x in r["losses"])

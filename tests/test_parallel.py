@@ -82,6 +82,39 @@ def test_gradients_after_one_step_do_not_depend_on_tp():
         torch.testing.assert_close(dp_tp[name], g, rtol=1e-4, atol=1e-7, msg=name)
 
 
+def _built_weights(rank, world, tp, pp, on_meta):
+    """Every weight this rank holds, whole (DTensor shards gathered), as build_model or build_stages made it;
+    ``on_meta``: built on the meta device and initialised after sharding, as models over 1B parameters are."""
+    import attnpool.train.loop as loop
+
+    if on_meta:
+        loop.META_INIT_PARAMS = 0
+    mcfg = model_config("tiny", **TINY)
+    cfg = tiny_config("unused", tp=tp, pp=pp, microbatches=2, seed=7)
+    mesh = build_rank_mesh(ParallelDims.of(world, tp, pp), "cpu")
+    if pp > 1:
+        models = loop.build_stages(mcfg, cfg, torch.device("cpu"), False, mesh)[1]
+    else:
+        models = [build_model(mcfg, cfg, torch.device("cpu"), mesh=mesh)]
+    return {n: p.full_tensor() for m in models for n, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("world, tp, pp", [(4, 2, 1), (4, 1, 2), (4, 2, 2)])
+def test_every_layout_starts_from_the_one_process_weights(world, tp, pp):
+    """Built on the meta device and sharded (dp x tp, pp x dp, pp x tp), the model holds the very weights
+    the one-process model is built with: each weight is drawn whole by name and seed and cut, so a layout's
+    training can be compared with one process's (on GPUs, where 8B models are built on the meta device,
+    the RNG's order of draws used to differ per layout)."""
+    one = run_distributed(_built_weights, 1, 1, 1, False)[0]
+    ranks = run_distributed(_built_weights, world, tp, pp, True)
+    held = {}
+    for weights in ranks:
+        held.update(weights)
+    assert held.keys() == one.keys()
+    for name, weight in one.items():
+        assert torch.equal(held[name], weight), name
+
+
 def _train_cut(rank, world, out, tp, resume, stop_at):
     result = train(tiny_config(out, attention="cad", steps=6, stop_at=stop_at, tp=tp, resume=resume))
     return [r["loss"] for r in result.rows]

@@ -27,11 +27,13 @@ its name.
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from attnpool.errors import ConfigError
@@ -214,6 +216,20 @@ class TransformerBlock(nn.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
+def _normal_by_name_(param: Tensor, name: str, std: float, *, seed: int, device) -> None:
+    """Fill ``param`` with N(0, std) drawn whole from a generator seeded by (seed, name), keeping a sharded
+    parameter's own part, so that every way of cutting the model draws the same weights (see init_weights)."""
+    if param.device.type == "meta":
+        return
+    local = param.to_local() if isinstance(param, DTensor) else param
+    device = torch.device(device) if device is not None else local.device
+    generator = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    whole = torch.empty(param.shape, dtype=param.dtype, device=device).normal_(0.0, std, generator=generator)
+    if isinstance(param, DTensor):  # this rank's part, as the placements cut it (no communication)
+        whole = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()
+    local.copy_(whole)
+
+
 class Transformer(nn.Module):
     """Token embedding, ``n_layers`` blocks, final norm, output projection."""
 
@@ -234,27 +250,41 @@ class Transformer(nn.Module):
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.no_grad()
-    def init_weights(self):
+    def init_weights(self, seed: int | None = None, device: torch.device | str | None = None):
         """Weights ~ N(0, 0.02); norms 1, biases 0.
 
         The two projections that write into the residual stream (o_proj,
         down_proj) get std 0.02 / sqrt(2 * n_layers), as in GPT-2, so the
-        residual's variance does not grow with depth. Seed before calling. A
-        model built on the meta device gets its values from ``to_empty()`` and
-        then this.
+        residual's variance does not grow with depth.
+
+        Each weight is drawn whole from a generator of its own, seeded by
+        ``seed`` (default ``torch.initial_seed()``, what the last
+        ``torch.manual_seed`` set) and the weight's name, on ``device`` (default:
+        the parameter's); a sharded parameter (a DTensor: FSDP2, tensor
+        parallelism) keeps its part of it. So the values do not depend on how
+        the model is cut: one process, a pipeline stage and a tensor- or
+        data-parallel shard start from the same weights (on one kind of device:
+        CPU and CUDA generators draw different numbers). A model built on the
+        meta device gets storage from ``to_empty()`` and then its values here;
+        its parameters are skipped while still on the meta device.
         """
+        seed = torch.initial_seed() if seed is None else seed
         std = 0.02
         out_std = std / math.sqrt(2 * self.config.n_layers)
+        normal = dict(seed=seed, device=device)
         if self.embed is not None:
-            nn.init.normal_(self.embed.weight, std=std)
+            _normal_by_name_(self.embed.weight, "embed.weight", std, **normal)
         if self.lm_head is not None:
-            nn.init.normal_(self.lm_head.weight, std=std)
-        for layer in self.layers.values():
+            _normal_by_name_(self.lm_head.weight, "lm_head.weight", std, **normal)
+        for key, layer in self.layers.items():
             attention, mlp = layer.attention, layer.mlp
-            for proj in (attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj):
-                nn.init.normal_(proj.weight, std=std)
-            for proj in (attention.o_proj, mlp.down_proj):
-                nn.init.normal_(proj.weight, std=out_std)
+            for part, module, proj_std in (("attention.q_proj", attention.q_proj, std),
+                                           ("attention.k_proj", attention.k_proj, std),
+                                           ("attention.v_proj", attention.v_proj, std),
+                                           ("attention.o_proj", attention.o_proj, out_std),
+                                           ("mlp.gate_proj", mlp.gate_proj, std), ("mlp.up_proj", mlp.up_proj, std),
+                                           ("mlp.down_proj", mlp.down_proj, out_std)):
+                _normal_by_name_(module.weight, f"layers.{key}.{part}.weight", proj_std, **normal)
             for proj in (attention.q_proj, attention.k_proj, attention.v_proj):
                 if proj.bias is not None:
                     nn.init.zeros_(proj.bias)

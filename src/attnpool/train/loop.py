@@ -483,7 +483,10 @@ def shard_model(model: Transformer, config: TrainConfig, device: torch.device, b
                 module.set_force_sum_reduction_for_comms(True)
     if on_meta:
         model.to_empty(device="cpu" if config.optimizer_offload else device)
-        model.init_weights()
+    if isinstance(model, Transformer):  # (an hf: model keeps the weights it was built with)
+        # Drawn per weight by name and seed, whole, each rank keeping its part: every layout (tp, pp, dp;
+        # built on the meta device or not) starts from the weights of the one-process model.
+        model.init_weights(seed=config.seed, device=device)
     return model
 
 

@@ -13,6 +13,9 @@ Each stage is one ``attnpool train`` process resuming the last one's checkpoint 
 stages; ``--stop-at`` ends each). Then every run is evaluated on held-out instances at every trained context
 from 4K up (``attnpool.train.evaluate``, each run with the attention it trained with).
 
+A run of the script ended by its budget goes on where it stopped when called again with the same ``--work``
+(finished stages are skipped), so the experiment can span several shorter calls.
+
 Writes to ``--out``: ``<date>-<gpu>-retrieval.json`` (``results``: a list of ``{"attention", "coverage",
 "context", "accuracy"}``, passkey accuracy over all depths; ``details``: every task and depth), a
 Markdown file of the same name with the commands, the model, the loss curves and the accuracy heat maps
@@ -180,19 +183,24 @@ def main() -> int:
             if not os.path.isdir(branch):
                 unfinished.append(f"{name}: no dense run to branch from")
                 continue
-            shutil.rmtree(run_dir, ignore_errors=True)
-            shutil.copytree(branch, run_dir)
+            if not read_rows(run_dir):  # (a run begun by an earlier call of this script goes on)
+                shutil.rmtree(run_dir, ignore_errors=True)
+                shutil.copytree(branch, run_dir)
             first = shared
         stop_at = sum(s for _, s in curriculum[:first])
         for i, (context, steps) in enumerate(curriculum[first:], start=first):
             stop_at += steps
+            cmd = train_command(run_dir, attention, coverage, context, stop_at, total_steps, stop_at > steps, args,
+                                setup, model)
+            commands.append(" ".join(["python", *cmd[1:]]))
+            done_rows = read_rows(run_dir)
+            if done_rows and done_rows[-1]["step"] >= stop_at:  # an earlier call with the same --work did it
+                print(f"        {name}: context {context} done before (step {done_rows[-1]['step']})", flush=True)
+                continue
             left = args.budget_s - (time.perf_counter() - t_start)
             if left <= 0:
                 unfinished.append(f"{name}: stage {context} and later (budget spent)")
                 break
-            cmd = train_command(run_dir, attention, coverage, context, stop_at, total_steps, stop_at > steps, args,
-                                setup, model)
-            commands.append(" ".join(["python", *cmd[1:]]))
             print(f"[{time.perf_counter() - t_start:6.0f} s] {name}: context {context}, steps {stop_at - steps + 1}.."
                   f"{stop_at} of {total_steps}", flush=True)
             t0 = time.perf_counter()

@@ -9,6 +9,7 @@ import json
 import pathlib
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -224,11 +225,17 @@ def test_prepare_refuses_fa4_on_cpu():
 def test_cost_tables_are_keyed_by_backend():
     flash = default_cost_model()
     assert flash.backend == "flash" and "flash" in flash.source
-    stand_in = default_cost_model(backend="fa4")  # the packaged file has flash's table only
+    # The packaged file holds fa4's measured table too: faster than flash's on a long prefix.
+    packaged = default_cost_model(backend="fa4")
+    assert packaged.backend == "fa4" and "fa4" in packaged.source
+    long_shard = (np.array([0.0]), np.array([65536.0]))
+    assert packaged.cost(*long_shard)[0] < 0.7 * flash.cost(*long_shard)[0]
+    # A file without one: flash's table stands in, and says so.
+    obj = json.loads(json.dumps(flash.to_json()))
+    stand_in = TableCost.from_json(obj, backend="fa4")
     assert stand_in.backend == "flash" and "standing in for fa4" in stand_in.source
     assert (stand_in.tflops == flash.tflops).all()
     # A file with an fa4 table: fa4 runs use it, flash runs keep the top-level one.
-    obj = json.loads(json.dumps(flash.to_json()))
     obj["backends"] = {"fa4": {**flash.to_json(), "tflops": (flash.tflops * 2).tolist(), "source": "fa4 table"}}
     fa4_table = TableCost.from_json(obj, backend="fa4")
     assert fa4_table.backend == "fa4" and fa4_table.source == "fa4 table"
@@ -263,8 +270,10 @@ def test_profile_writes_flash_at_the_top_and_others_under_backends():
     fa4_costs = load_sim_costs(cfg, "llama3-8b", obj, attention_backend="fa4")
     assert fa4_costs.attn_fwd_bwd.backend == "fa4" and "fa4" in fa4_costs.sources["attention"]
     assert float(fa4_costs.attn_fwd_bwd.cost(0, 4096)) == pytest.approx(float(flash_costs.attn_fwd_bwd.cost(0, 4096)) / 2)
-    packaged = load_sim_costs(cfg, "llama3-8b", attention_backend="fa4")
-    assert "standing in for fa4" in packaged.sources["attention"]
+    packaged = load_sim_costs(cfg, "llama3-8b", attention_backend="fa4")  # fa4's measured H200 table
+    assert packaged.attn_fwd_bwd.backend == "fa4" and "fa4 varlen" in packaged.sources["attention"]
+    base.pop("backends", None)  # a file with flash's table alone: it stands in, and says so
+    assert "standing in for fa4" in load_sim_costs(cfg, "llama3-8b", base, attention_backend="fa4").sources["attention"]
 
 
 # --- bench/gpu_fa4.py ---

@@ -44,6 +44,27 @@ def test_instances_hold_the_answer_to_their_question(task):
     assert positions == sorted(positions) and positions[0] < 8 and positions[-1] > 450  # depth places the needle
 
 
+def test_multikey_queries_ask_several_statements_and_label_every_answer():
+    shape = TaskShape(512, key_len=4, num_keys=6, queries=6)
+    inst = make_instance("multikey", shape, 0.5, np.random.default_rng(2))
+    t = inst.tokens
+    asks = np.flatnonzero(t == QUERY)
+    assert len(asks) == 6 and inst.targets.sum() == 6 * 4
+    names = set()
+    for q in asks:  # each question QUERY KEY name is followed by that name's value, and it is labelled
+        name = int(t[q + 2])
+        names.add(name)
+        assert np.array_equal(t[q + 3:q + 7], statement_value(t[:asks[0]], name, 4))
+        assert inst.targets[q + 3:q + 7].all()
+    assert len(names) == 6
+    assert np.flatnonzero(inst.targets)[-4:].tolist() == list(range(inst.answer.start, inst.answer.stop))
+    # by default one question, its answer the only target
+    one = make_instance("multikey", TaskShape(512, key_len=4, num_keys=6), 0.5, np.random.default_rng(2))
+    assert (one.tokens == QUERY).sum() == 1 and one.targets.sum() == 4
+    with pytest.raises(ConfigError, match="queries"):
+        TaskShape(512, num_keys=4, queries=5)
+
+
 def test_held_out_instances_differ_from_training_documents():
     source = make_source("retrieval", task="passkey", context=256, num_docs=200, ordinary=0.0)
     train_keys = {tuple(source[i][-5:-1]) for i in range(200)}

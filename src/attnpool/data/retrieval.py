@@ -102,12 +102,14 @@ class TaskShape:
     key_len: int = 4
     num_keys: int = 4
     hops: int = 2
+    queries: int = 1  # multikey: how many of its statements are asked (training signal; held-out instances ask 1)
 
     def __post_init__(self):
         object.__setattr__(self, "context", _int_option("context", self.context, 1))
         object.__setattr__(self, "key_len", _int_option("key_len", self.key_len, 1, 16))
         object.__setattr__(self, "num_keys", _int_option("num_keys", self.num_keys, 1, (NAMES[1] - NAMES[0]) // 2))
         object.__setattr__(self, "hops", _int_option("hops", self.hops, 1, (NAMES[1] - NAMES[0]) // 2 - 1))
+        object.__setattr__(self, "queries", _int_option("queries", self.queries, 1, self.num_keys))
         need = self.min_context()
         if self.context < need:
             raise ConfigError("context", self.context, f"too short for these tasks: needs at least {need} tokens")
@@ -115,7 +117,7 @@ class TaskShape:
     def min_context(self) -> int:
         """The statements and the question of the largest task, plus as many filler words."""
         k = self.key_len
-        statements = max(k + 1, self.num_keys * (k + 2), 2 * (k + 2 + 3 * self.hops))
+        statements = max(k + 1, self.num_keys * (k + 2) + (self.queries - 1) * (k + 3), 2 * (k + 2 + 3 * self.hops))
         return 2 * (statements + k + 5)
 
 
@@ -136,6 +138,10 @@ def make_instance(task: str, shape: TaskShape, depth: float, rng: np.random.Gene
         statements = [np.r_[KEY, names[j], keys[j]] for j in range(shape.num_keys)]
         key = keys[0]
         question = np.r_[QUERY, KEY, names[0]]
+        # queries > 1: other statements are asked and answered first, in a random order (more answer tokens
+        # per document to learn from; the last question is the instance's own).
+        earlier = [np.r_[QUERY, KEY, names[j], keys[j]] for j in rng.permutation(np.arange(1, shape.queries))] \
+            if shape.queries > 1 else []
     elif task == "vartrack":
         key, decoy = value(), value()
         chain, other = names[:shape.hops + 1], names[shape.hops + 1:2 * shape.hops + 2]
@@ -144,7 +150,9 @@ def make_instance(task: str, shape: TaskShape, depth: float, rng: np.random.Gene
         question = np.r_[QUERY, ASSIGN, chain[-1]]
     else:
         raise ConfigError("task", task, f"unknown task; choose from {', '.join(TASKS)}")
-    tail = np.r_[question, key, END]
+    if task != "multikey":
+        earlier = []
+    tail = np.concatenate([*earlier, question, key, [END]])
     n_filler = shape.context - 1 - len(tail) - sum(len(s) for s in statements)
     where = rng.integers(0, n_filler + 1, size=len(statements))
     where[0] = round(depth * n_filler)
@@ -169,6 +177,10 @@ def make_instance(task: str, shape: TaskShape, depth: float, rng: np.random.Gene
     start = shape.context - 1 - k
     targets = np.zeros(shape.context, dtype=bool)
     targets[start:start + k] = True
+    at = shape.context - len(tail)
+    for asked in earlier:  # each earlier answer's value tokens
+        targets[at + len(asked) - k:at + len(asked)] = True
+        at += len(asked)
     return Instance(task, tokens, targets, slice(start, start + k), needle, needle + len(statements[0]) - k)
 
 
@@ -202,9 +214,10 @@ class RetrievalSource(DocumentSource):
     vocab_size = RETRIEVAL_VOCAB
 
     def __init__(self, task="passkey", context=4096, num_docs: int = 100_000, seed: int = 0, depth=None,
-                 key_len: int = 4, num_keys: int = 4, hops: int = 2, ordinary: float = 0.25, loss: str = "answer"):
+                 key_len: int = 4, num_keys: int = 4, hops: int = 2, ordinary: float = 0.25, loss: str = "answer",
+                 queries: int = 1):
         self.tasks = parse_tasks(task)
-        self.shape = TaskShape(context, key_len, num_keys, hops)
+        self.shape = TaskShape(context, key_len, num_keys, hops, queries)
         self.num_docs = _int_option("num_docs", num_docs, 1)
         self.seed = _check_seed("seed", seed)
         if depth is not None and (isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth <= 1):

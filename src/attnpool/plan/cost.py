@@ -18,8 +18,9 @@ without a table of its own is costed with flash's, and the TableCost says so (``
 The default table (``resources/cost_h200.json``) was measured on an H200 by
 ``attnpool profile`` (bench/results/2026-11-21-h200-profile.md has the command); it
 agrees with our earlier FlashAttention-2 measurements, which
-:func:`build_h200_default_table` reproduces, within a few percent. It holds the flash
-backend's table only.
+:func:`build_h200_default_table` reproduces, within a few percent. The flash backend's table is
+at its top level; fa4's (FlashAttention-4, measured on an H200 on 2026-11-26:
+bench/results/2026-11-26-h200-fa4.md) under ``backends.fa4``.
 """
 
 from __future__ import annotations

@@ -56,6 +56,7 @@ from attnpool.errors import ConfigError, TrainingError
 from attnpool.kernels.sparse import device_problem as sparse_device_problem
 from attnpool.kernels.sparse import launch_problem as sparse_launch_problem
 from attnpool.model import ModelConfig, Transformer, apply_activation_checkpointing, model_config
+from attnpool.model.compile import compile_linear_parts
 from attnpool.model.hf_causal_lm import (HFCausalLM, HFModelSpec, build_hf_model, export_dtype, hf_model_dir,
                                          hf_state_shapes, load_hf_spec, save_hf_export)
 from attnpool.parallel import ParallelDims, RankMesh, apply_tensor_parallel, build_rank_mesh, tensor_parallel_problem
@@ -457,13 +458,15 @@ def build_stages(model_cfg: ModelConfig, config: TrainConfig, device: torch.devi
 
 def shard_model(model: Transformer, config: TrainConfig, device: torch.device, bf16: bool, mesh: RankMesh | None,
                 on_meta: bool) -> Transformer:
-    """Activation checkpointing, tensor parallelism and FSDP2 applied to ``model`` (see build_model)."""
+    """Activation checkpointing, tensor parallelism, ``compile`` and FSDP2 applied to ``model`` (see build_model)."""
     if isinstance(model, HFCausalLM) and config.activation_checkpointing == "full":
         model.checkpoint_layers()  # (keep_attention is refused for hf: models in TrainConfig)
     elif config.activation_checkpointing != "none":
         apply_activation_checkpointing(model, recompute_attention=config.activation_checkpointing == "full")
     if mesh is not None and mesh.dims.tp > 1:
         apply_tensor_parallel(model, mesh.tp_mesh)
+    if config.compile and isinstance(model, Transformer):  # (refused with hf: models in TrainConfig)
+        compile_linear_parts(model)
     # cast_forward_inputs=False: a layer's input is already bf16, and FSDP2 would otherwise round RoPE's
     # float32 cos and sin to bf16 at every layer (and keep that copy for backward).
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,

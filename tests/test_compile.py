@@ -1,0 +1,39 @@
+"""``compile``: the layers' linear parts under torch.compile train as the eager model does (float32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from attnpool.errors import ConfigError
+from attnpool.train import train
+from dist_harness import run_distributed
+from test_train import rel_diff, tiny_config
+
+
+def _losses(rank, world, out, tp, runs):
+    return {name: [r["loss"] for r in train(tiny_config(f"{out}/{name}-{world}-{tp}", tp=tp, **kw)).rows]
+            for name, kw in runs}
+
+
+def test_compiled_linear_parts_train_as_eager(tmp_path):
+    """One process, with what the compiled parts must live with: linear recompute (their backward runs the
+    compiled code again, in chunks), ping-pong (two nano-batches), full recompute; then dp=2 (FSDP2 around
+    the compiled blocks) against the eager dp=2."""
+    runs = [("keep", dict(activation_checkpointing="keep_attention", steps=3)),
+            ("pingpong-full", dict(attention="cad", pingpong=True, activation_checkpointing="full", steps=3))]
+    eager = run_distributed(_losses, 1, str(tmp_path / "eager"), 1, runs)[0]
+    compiled = run_distributed(_losses, 1, str(tmp_path / "compiled"), 1, [(n, {**kw, "compile": True}) for n, kw in runs])[0]
+    for name, _ in runs:
+        assert len(compiled[name]) == 3
+        assert rel_diff(compiled[name], eager[name]) <= 1e-5, name
+    dp_runs = [("keep", dict(attention="cad", activation_checkpointing="keep_attention", steps=3))]
+    dp_eager = run_distributed(_losses, 2, str(tmp_path / "dp-eager"), 1, dp_runs)[0]
+    dp_compiled = run_distributed(_losses, 2, str(tmp_path / "dp"), 1, [("keep", dict(dp_runs[0][1], compile=True))])[0]
+    assert rel_diff(dp_compiled["keep"], dp_eager["keep"]) <= 1e-5
+
+
+@pytest.mark.parametrize("overrides", [dict(model="hf:/nonexistent", model_args={}), dict(tp=2)])
+def test_compile_is_refused_where_it_is_not_exact(overrides):
+    with pytest.raises(ConfigError) as err:
+        tiny_config("unused", compile=True, **overrides)
+    assert err.value.field == "compile"

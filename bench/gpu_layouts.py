@@ -117,6 +117,7 @@ def main() -> int:
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
     os.makedirs(args.out, exist_ok=True)
     status = run_all(args)
+    tolerance = TOLERANCE[args.precision]
     rows = []
     for name in chosen_layouts(args):
         nproc, flags, ref = LAYOUTS[name]
@@ -126,13 +127,13 @@ def main() -> int:
             n = min(len(mine), len(theirs))
             dev = max(abs(a - b) / abs(b) for a, b in zip(mine[:n], theirs[:n]))
         rows.append(dict(layout=name, processes=nproc, flags=" ".join(flags), reference=ref, losses=mine,
-                         max_rel_diff=dev, ok=None if ref is None else dev is not None and dev <= TOLERANCE[args.precision],
+                         max_rel_diff=dev, ok=None if ref is None else dev is not None and dev <= tolerance,
                          **status.get(name, dict(rc=None, wall_s=None))))
     import torch
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU process (gloo)"
     meta = dict(date=time.strftime("%Y-%m-%d"), machine=f"{args.gpus} x {device}",
                 torch=torch.__version__, model=f"{args.model} x {args.layers} layers", tokens_per_dp_rank=args.tokens,
-                microbatches=2, steps=args.steps, tolerance=TOLERANCE[args.precision], precision=args.precision,
+                microbatches=2, steps=args.steps, tolerance=tolerance, precision=args.precision,
                 command=f"python3 bench/gpu_layouts.py --out DIR --gpus {args.gpus} --tokens {args.tokens} "
                         f"--steps {args.steps} --layers {args.layers} --precision {args.precision}"
                         + (" --quick" if args.quick else ""))
@@ -141,7 +142,7 @@ def main() -> int:
     backend = f"{'NCCL' if args.device == 'cuda' else 'gloo'}, {args.precision}"
     lines = [f"# Parallel layouts against their references on {meta['machine']} ({backend})", "",
              f"{meta['model']}, synthetic prolong, {args.tokens} tokens per dp rank per micro-batch, 2 micro-batches, "
-             f"{args.steps} steps; tolerance {TOLERANCE[args.precision]} relative.", "", f"Command: `{meta['command']}`", "",
+             f"{args.steps} steps; tolerance {tolerance} relative.", "", f"Command: `{meta['command']}`", "",
              "| layout | processes | reference | losses | max rel diff | ok | wall s |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         ls = "-" if not r["losses"] else " ".join(f"{x:.4f}" for x in r["losses"])

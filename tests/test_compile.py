@@ -5,14 +5,9 @@ from __future__ import annotations
 import pytest
 
 from attnpool.errors import ConfigError
-from attnpool.train import train
 from dist_harness import run_distributed
+from test_parallel import _losses
 from test_train import rel_diff, tiny_config
-
-
-def _losses(rank, world, out, tp, runs):
-    return {name: [r["loss"] for r in train(tiny_config(f"{out}/{name}-{world}-{tp}", tp=tp, **kw)).rows]
-            for name, kw in runs}
 
 
 def test_compiled_linear_parts_train_as_eager(tmp_path):

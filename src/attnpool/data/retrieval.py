@@ -128,6 +128,7 @@ def make_instance(task: str, shape: TaskShape, depth: float, rng: np.random.Gene
     k = shape.key_len
     value = lambda: rng.integers(*VALUES, size=k)  # noqa: E731
     names = rng.permutation(np.arange(*NAMES))
+    earlier = []  # questions asked and answered before the instance's own (multikey with queries > 1)
     # Statements as (filler position, order, tokens); the asked one is first.
     if task == "passkey":
         key = value()
@@ -140,8 +141,8 @@ def make_instance(task: str, shape: TaskShape, depth: float, rng: np.random.Gene
         question = np.r_[QUERY, KEY, names[0]]
         # queries > 1: other statements are asked and answered first, in a random order (more answer tokens
         # per document to learn from; the last question is the instance's own).
-        earlier = [np.r_[QUERY, KEY, names[j], keys[j]] for j in rng.permutation(np.arange(1, shape.queries))] \
-            if shape.queries > 1 else []
+        if shape.queries > 1:
+            earlier = [np.r_[QUERY, KEY, names[j], keys[j]] for j in rng.permutation(np.arange(1, shape.queries))]
     elif task == "vartrack":
         key, decoy = value(), value()
         chain, other = names[:shape.hops + 1], names[shape.hops + 1:2 * shape.hops + 2]
@@ -150,8 +151,6 @@ def make_instance(task: str, shape: TaskShape, depth: float, rng: np.random.Gene
         question = np.r_[QUERY, ASSIGN, chain[-1]]
     else:
         raise ConfigError("task", task, f"unknown task; choose from {', '.join(TASKS)}")
-    if task != "multikey":
-        earlier = []
     tail = np.concatenate([*earlier, question, key, [END]])
     n_filler = shape.context - 1 - len(tail) - sum(len(s) for s in statements)
     where = rng.integers(0, n_filler + 1, size=len(statements))

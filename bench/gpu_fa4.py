@@ -13,7 +13,8 @@
    one document cut into equal query shards, each a kernel segment with its own copy of its causal
    prefix (K/V gathered from the document's unique rows), forward, then backward in groups of at most
    BACKWARD_GROUP_KEYS key rows (runtime.dispatch.backward_in_parts) and the prefix copies' gradients
-   summed back; and the same layout as one bare kernel call each way ("one call", what raw FA4 measured).
+   summed back (runtime.dispatch.PrefixCopies); and the same layout as one bare kernel call each way
+   ("one call", what raw FA4 measured).
    fa4 and flash in the same run; TFLOP/s from causal pairs (forward 4 * D * H_q * pairs, forward+backward
    3.5x that); medians of several runs after a warm-up that includes FA4's compilation.
 
@@ -31,6 +32,7 @@ for a second run on the same machine.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import platform
@@ -45,7 +47,9 @@ import torch
 
 from attnpool.bench.timing import cuda_median_s
 from attnpool.kernels import Backend, get_backend, reference
-from attnpool.runtime.dispatch import BACKWARD_GROUP_KEYS, SegmentRows, backward_in_parts, segment_groups
+from attnpool.sizes import parse_size
+from attnpool.runtime.dispatch import (BACKWARD_GROUP_KEYS, PrefixCopies, SegmentRows, backward_in_parts,
+                                      segment_groups)
 
 MAX_ABS = 1e-2  # per unit of max(1, max |reference|)
 INF = float("inf")
@@ -164,7 +168,8 @@ def ca_tasks(doc_len: int, shard: int):
     return np.full(len(ends), shard), ends
 
 
-def bench_layout(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, reps) -> list[dict]:
+def bench_layout(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, reps,
+                 group_keys=(BACKWARD_GROUP_KEYS,)) -> list[dict]:
     q_len, k_len = ca_tasks(doc_len, shard)
     gen = torch.Generator(device=device).manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -177,22 +182,19 @@ def bench_layout(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, reps)
     # The unique KV row of each key of each segment: every shard reads its own copy of its prefix.
     kv_expand = torch.as_tensor(np.concatenate([np.arange(end) for end in k_len]), device=device)
     call = (cumulative(q_len, device), cumulative(k_len, device), int(q_len.max()), int(k_len.max()))
-    groups = segment_groups(k_len, BACKWARD_GROUP_KEYS)
+    copies = PrefixCopies.of(np.zeros(len(k_len)), k_len, doc_len, device)  # every prefix starts at row 0
     segments = np.arange(len(k_len))
     fwd_flops = 4.0 * dim * n_q * doc_len * (doc_len + 1) / 2  # the tasks' union is the document's causal pairs
     rows = []
     for label, backend in backends.items():
-        parts = [(SegmentRows.of(q_len, k_len, (segments >= a) & (segments < b), device), backend) for a, b in groups]
-
         def server_forward():  # _Serve.forward: the prefix copies gathered, one kernel call
             k, v = k_doc[kv_expand], v_doc[kv_expand]
             return k, v, *backend.forward(q, k, v, *call)
 
-        def server_forward_backward():  # and _Serve.backward: grouped calls, the copies' gradients summed
+        def server_forward_backward(parts):  # and _Serve.backward: grouped calls, the copies' gradients summed
             k, v, out, lse = server_forward()
             dq, dk, dv = backward_in_parts(parts, dout, q, k, v, out, lse, None)
-            return dq, torch.zeros_like(k_doc).index_add_(0, kv_expand, dk), \
-                torch.zeros_like(v_doc).index_add_(0, kv_expand, dv)
+            return dq, copies.sum(dk), copies.sum(dv)
 
         k_exp, v_exp = k_doc[kv_expand], v_doc[kv_expand]
 
@@ -203,10 +205,16 @@ def bench_layout(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, reps)
             out, lse = backend.forward(q, k_exp, v_exp, *call)
             return backend.backward(dout, q, k_exp, v_exp, out, lse, *call)
 
-        for path, fwd, fwd_bwd in (("core_attention kernel path", server_forward, server_forward_backward),
-                                   ("one call", one_call_forward, one_call_forward_backward)):
+        paths = []
+        for keys in group_keys:  # the kernel path with each backward group size asked for
+            parts = [(SegmentRows.of(q_len, k_len, (segments >= a) & (segments < b), device), backend)
+                     for a, b in segment_groups(k_len, keys)]
+            path = "core_attention kernel path" + ("" if keys == BACKWARD_GROUP_KEYS else f" ({keys // 1024}K groups)")
+            paths.append((path, keys, len(parts), server_forward, functools.partial(server_forward_backward, parts)))
+        paths.append(("one call", None, 1, one_call_forward, one_call_forward_backward))
+        for path, keys, calls, fwd, fwd_bwd in paths:
             row = dict(backend=label, path=path, doc_len=doc_len, shard=shard, shards=len(q_len),
-                       backward_calls=len(parts) if path != "one call" else 1)
+                       backward_group_keys=keys, backward_calls=calls)
             try:
                 row["fwd_ms"] = 1e3 * median_s(fwd, device, warmup, reps)
                 row["fwd_bwd_ms"] = 1e3 * median_s(fwd_bwd, device, warmup, reps)
@@ -224,6 +232,10 @@ def bench_layout(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, reps)
         if r["backend"] == "fa4" and "error" not in r and flash_row:
             r["fwd_bwd_speedup_over_flash"] = flash_row["fwd_bwd_ms"] / r["fwd_bwd_ms"]
             r["fwd_speedup_over_flash"] = flash_row["fwd_ms"] / r["fwd_ms"]
+        flash_default = by.get(("flash", "core_attention kernel path"))
+        if r["backend"] == "fa4" and "error" not in r and flash_default and r["path"] != "one call":
+            # what the runtime's default flash path gives: the A/B of a backend switch inside attnpool
+            r["fwd_bwd_speedup_over_flash_default"] = flash_default["fwd_bwd_ms"] / r["fwd_bwd_ms"]
     return rows
 
 
@@ -256,6 +268,10 @@ def parse_args(argv=None):
     parser.add_argument("--doc-len", type=int, default=None, help="document length (default 64K; 16K with --quick; "
                                                                   "2K on the CPU)")
     parser.add_argument("--shard", type=int, default=None, help="query-shard length (default 1024; 256 on the CPU)")
+    parser.add_argument("--backward-group-keys", default=str(BACKWARD_GROUP_KEYS),
+                        help="comma list of key rows per backward call to time the kernel path with (default "
+                             f"{BACKWARD_GROUP_KEYS}, the runtime's); e.g. 128K,512K,4M")
+    parser.add_argument("--skip-exactness", action="store_true", help="only the benchmark")
     parser.add_argument("--reps", type=int, default=None, help="timed runs per median (default 7; 3 with --quick)")
     return parser.parse_args(argv)
 
@@ -284,7 +300,7 @@ def main(argv=None) -> int:
         print(f"gpu_fa4: {error}", file=sys.stderr)
         return 2
 
-    for name, segments, n_q, n_kv, dim in exactness_cases(opts.quick):
+    for name, segments, n_q, n_kv, dim in ([] if opts.skip_exactness else exactness_cases(opts.quick)):
         if cpu:  # the same shapes, smaller: the float64 reference on two cores
             segments = [(min(a, 40), min(b, 80)) for a, b in segments]
             n_q, n_kv, dim = n_q // 8 or 1, n_kv // 8 or 1, 16
@@ -296,7 +312,9 @@ def main(argv=None) -> int:
         if not cpu:
             torch.cuda.empty_cache()
     result["seconds_exactness"] = time.time() - started  # FA4 compiles its kernels here, on their first calls
-    result["benchmark"] = bench_layout(doc_len, shard, *heads, device, backends, warmup=2 if not cpu else 1, reps=reps)
+    group_keys = [parse_size(x) for x in opts.backward_group_keys.split(",")]
+    result["benchmark"] = bench_layout(doc_len, shard, *heads, device, backends, warmup=2 if not cpu else 1, reps=reps,
+                                       group_keys=group_keys)
     result["seconds"] = time.time() - started
     (opts.out / "gpu_fa4.json").write_text(json.dumps(result, indent=2))
 
@@ -317,14 +335,16 @@ def main(argv=None) -> int:
               f"(flash worst {worst_flash:.1e})" + (f"  failed: {failed}" if failed else ""))
     print(f"\nCA-tasks: a {doc_len}-token document in {shard}-token query shards with their prefixes, "
           f"H_q/H_kv/D {heads[0]}/{heads[1]}/{heads[2]}; TFLOP/s from causal pairs, median of {reps}")
-    print(f"  {'backend':7s} {'path':27s} {'fwd ms':>8s} {'fwd':>6s} {'fwd+bwd ms':>11s} {'fwd+bwd':>8s} {'vs flash':>8s}")
+    print(f"  {'backend':7s} {'path':40s} {'fwd ms':>8s} {'fwd':>6s} {'fwd+bwd ms':>11s} {'fwd+bwd':>8s} {'vs flash':>8s}")
     for row in result["benchmark"]:
         if "error" in row:
-            print(f"  {row['backend']:7s} {row['path']:27s} ERROR {row['error'][:80]}")
+            print(f"  {row['backend']:7s} {row['path']:40s} ERROR {row['error'][:80]}")
             continue
         speedup = row.get("fwd_bwd_speedup_over_flash")
-        print(f"  {row['backend']:7s} {row['path']:27s} {row['fwd_ms']:8.2f} {row['fwd_tflops']:6.1f} "
-              f"{row['fwd_bwd_ms']:11.2f} {row['fwd_bwd_tflops']:8.1f} {f'{speedup:.2f}x' if speedup else '':>8s}")
+        print(f"  {row['backend']:7s} {row['path']:40s} {row['fwd_ms']:8.2f} {row['fwd_tflops']:6.1f} "
+              f"{row['fwd_bwd_ms']:11.2f} {row['fwd_bwd_tflops']:8.1f} {f'{speedup:.2f}x' if speedup else '':>8s}"
+              + (f" ({row['fwd_bwd_speedup_over_flash_default']:.2f}x flash's default)"
+                 if "fwd_bwd_speedup_over_flash_default" in row and row["path"] != "core_attention kernel path" else ""))
     ok = all(case["passed"] for case in result["exactness"])
     print(f"\n{'ALL EXACTNESS CHECKS PASS' if ok else 'SOME EXACTNESS CHECKS FAILED'} in {result['seconds']:.0f} s "
           f"(exactness and first compilations {result['seconds_exactness']:.0f} s); "

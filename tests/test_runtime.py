@@ -283,3 +283,26 @@ def test_contiguous_tasks_share_one_kernel_segment():
                     assert layout.kv_expand.numel() == k_len.sum() <= plan.task_end[tasks].sum()
                     merged_somewhere |= len(doc) < len(tasks)
     assert merged_somewhere
+
+
+def test_prefix_copies_sum_as_index_add_does():
+    """Three documents served as segments of their prefixes (one alone, one in three segments out of order,
+    one in two), and one document in 1K-token segments as gpu_fa4 benchmarks it: the float32 sum of the
+    copies equals the float64 index_add_ over kv_expand."""
+    from attnpool.plan.documents import ranges
+    from attnpool.runtime.dispatch import PrefixCopies
+
+    cases = [(np.array([0, 5, 5, 5, 12, 12]), np.array([5, 3, 7, 4, 6, 9])),
+             (np.zeros(8, dtype=np.int64), np.arange(1, 9) * 16)]
+    for seg_base, seg_k in cases:
+        num_unique = int(max(b + k for b, k in zip(seg_base, seg_k)))
+        kv_expand = torch.as_tensor(ranges(seg_base, seg_k))
+        d = torch.randn(len(kv_expand), 2, 3, dtype=torch.float64)
+        want = torch.zeros(num_unique, 2, 3, dtype=torch.float64).index_add_(0, kv_expand, d)
+        copies = PrefixCopies.of(seg_base, seg_k, num_unique, "cpu")
+        assert len(copies.extra) == len(seg_k) - len(set(seg_base.tolist()))
+        got = copies.sum(d.float())
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="cover"):  # a document's rows past its longest segment
+        PrefixCopies.of(np.array([0, 4]), np.array([4, 2]), 8, "cpu")

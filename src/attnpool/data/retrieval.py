@@ -55,7 +55,7 @@ FILLER = (64, 128)  # filler words
 RETRIEVAL_VOCAB = 128
 LAYOUT = {"BOS": BOS, "KEY": KEY, "QUERY": QUERY, "END": END, "ASSIGN": ASSIGN,
           "names": NAMES, "values": VALUES, "filler": FILLER}
-TASKS = ("passkey", "multikey", "vartrack")
+TASKS = ("passkey", "multikey", "vartrack", "copy")
 LOSSES = ("answer", "all")
 _EVAL_STREAM = 7919  # the seed space of held-out instances: (seed, _EVAL_STREAM, ...) never equals (seed, i)
 
@@ -125,6 +125,8 @@ def make_instance(task: str, shape: TaskShape, depth: float, rng: np.random.Gene
     """One document of ``task`` with its asked statement at ``depth`` in [0, 1] of the filler."""
     if not 0.0 <= depth <= 1.0:
         raise ConfigError("depth", depth, "must be in [0, 1]")
+    if task == "copy":
+        return _copy_instance(shape, rng)
     k = shape.key_len
     value = lambda: rng.integers(*VALUES, size=k)  # noqa: E731
     names = rng.permutation(np.arange(*NAMES))
@@ -181,6 +183,25 @@ def make_instance(task: str, shape: TaskShape, depth: float, rng: np.random.Gene
         targets[at + len(asked) - k:at + len(asked)] = True
         at += len(asked)
     return Instance(task, tokens, targets, slice(start, start + k), needle, needle + len(statements[0]) - k)
+
+
+def _copy_instance(shape: TaskShape, rng: np.random.Generator) -> Instance:
+    """``BOS f s f' QUERY s END``: a random span ``s`` of value and filler symbols amid filler words ``f``,
+    then the span again (the answer). Every token of the copy after its first is found by an induction head
+    (the token after the earlier occurrence of the one just read), so a copy supervises up to half its
+    document where a passkey supervises ``key_len`` tokens: a curriculum starts with it to grow the circuit
+    the other tasks' look-ups use. The span's length and the filler around it are random, so the copy sits
+    at no fixed distance from its source (a model could otherwise learn the distance instead of the look-up)."""
+    room = shape.context - 3  # BOS, QUERY, END
+    m = int(rng.integers(max(1, room // 8), room // 2 + 1))
+    before = int(rng.integers(0, room - 2 * m + 1))
+    span = rng.integers(VALUES[0], FILLER[1], size=m)
+    filler = rng.integers(*FILLER, size=room - 2 * m)
+    tokens = np.concatenate([[BOS], filler[:before], span, filler[before:], [QUERY], span, [END]]).astype(np.int64)
+    start = len(tokens) - 1 - m
+    targets = np.zeros(shape.context, dtype=bool)
+    targets[start:start + m] = True
+    return Instance("copy", tokens, targets, slice(start, start + m), 1 + before, 1 + before)
 
 
 def make_ordinary(shape: TaskShape, rng: np.random.Generator) -> np.ndarray:

@@ -211,6 +211,7 @@ class HFCausalLM(nn.Module):
     def __init__(self, hf_model: nn.Module):
         super().__init__()
         self.hf = hf_model
+        self.cross_entropy = chunked_cross_entropy  # the loss of ``labels`` (model.fused_loss picks it)
 
     @property
     def config(self):
@@ -237,7 +238,7 @@ class HFCausalLM(nn.Module):
         hidden = self.hf.model(input_ids=tokens[None], position_ids=positions[None], core_attention=attention,
                                use_cache=False).last_hidden_state[0]
         if labels is not None:
-            return chunked_cross_entropy(hidden, self.output_weight, labels)
+            return self.cross_entropy(hidden, self.output_weight, labels)
         if return_hidden:
             return hidden
         return self.hf.get_output_embeddings()(hidden)

@@ -243,6 +243,8 @@ class Transformer(nn.Module):
         # parameter and no lm_head entry in the state dict (keep embed in the
         # root FSDP unit, since the root's forward uses it twice).
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
+        # The loss of ``labels``: (h, weight, labels) -> summed cross-entropy (model.fused_loss picks it).
+        self.cross_entropy = chunked_cross_entropy
         self.init_weights()
 
     @property
@@ -327,7 +329,7 @@ class Transformer(nn.Module):
             return h
         h = self.norm(h)
         if labels is not None:
-            return chunked_cross_entropy(h, self.output_weight, labels)
+            return self.cross_entropy(h, self.output_weight, labels)
         if return_hidden:
             return h
         return F.linear(h, self.output_weight)
@@ -346,7 +348,7 @@ class Transformer(nn.Module):
             hs = layer(hs, coss, sins, attentions)
         hs = [self.norm(h) for h in hs]
         if labels is not None:
-            return [chunked_cross_entropy(h, self.output_weight, y) for h, y in zip(hs, labels)]
+            return [self.cross_entropy(h, self.output_weight, y) for h, y in zip(hs, labels)]
         return hs if return_hidden else [F.linear(h, self.output_weight) for h in hs]
 
 

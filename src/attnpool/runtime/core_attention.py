@@ -249,12 +249,10 @@ def _expanded(L: DispatchLayout, k_u: torch.Tensor, v_u: torch.Tensor) -> tuple[
 
 def _summed(L: DispatchLayout, dk_exp: torch.Tensor, dv_exp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of the unique K and V (the backward of _expanded): a unique row may feed several
-    kernel segments, and its copies' gradients are summed once here."""
+    kernel segments, and its copies' gradients are summed once here (dispatch.PrefixCopies)."""
     if L.kv_expand_identity:
         return dk_exp, dv_exp
-    shape = (L.num_unique_kv, *dk_exp.shape[1:])
-    return (dk_exp.new_zeros(shape).index_add_(0, L.kv_expand, dk_exp),
-            dv_exp.new_zeros(shape).index_add_(0, L.kv_expand, dv_exp))
+    return L.prefix_copies.sum(dk_exp), L.prefix_copies.sum(dv_exp)
 
 
 class _ReturnStart(torch.autograd.Function):

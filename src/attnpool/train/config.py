@@ -33,6 +33,7 @@ LOGGERS = ("none", "tensorboard", "wandb")
 # "auto" and the names of attnpool.kernels.BACKENDS (this module must not import torch, so they are
 # written out; a test keeps them equal).
 ATTENTION_BACKENDS = ("auto", "fa4", "flash", "reference")
+LOSS_KERNELS = ("auto", "liger", "chunked")  # attnpool.model.fused_loss.LOSS_KERNELS (a test keeps them equal)
 # Keys read under another name: (old key -> key, what an unset old value means). ``kernel`` is the
 # earlier name of attention_backend; run directories' config.yaml files still hold it.
 ALIASES = {"kernel": ("attention_backend", "auto")}
@@ -101,6 +102,10 @@ class TrainConfig:
     compile: bool = _help("torch.compile every layer's linear parts (norms, projections, RoPE, SwiGLU), fusing the "
                           "elementwise work between the matmuls; core attention stays eager. The first steps compile",
                           default=False)
+    loss_kernel: str = _help("the LM head's loss (projection and cross-entropy): auto (liger where liger_kernel "
+                             "imports on a CUDA run with tp=1, else chunked), liger (Liger-Kernel's fused linear "
+                             "cross-entropy: gradients made in the forward, no logits recomputed) or chunked "
+                             "(float32 logits in chunks, recomputed in backward)", default="auto")
     optimizer_offload: bool = _help("keep parameters, gradients and optimizer states in host memory and step the "
                                     "optimizer there (FSDP2's CPUOffloadPolicy)", default=False)
     memory_check: bool = _help("refuse, before anything is allocated, a configuration whose predicted peak memory "
@@ -197,6 +202,12 @@ class TrainConfig:
             # trains 5e-3 away from one process after three steps (forward equal, gradients not).
             raise ConfigError("compile", True, f"not with tensor parallelism (tp={self.tp}): the compiled "
                                                "backward of the tensor-parallel projections is not exact; use tp=1")
+        if self.loss_kernel not in LOSS_KERNELS:
+            raise ConfigError("loss_kernel", self.loss_kernel, f"choose one of {', '.join(LOSS_KERNELS)}")
+        if self.loss_kernel == "liger" and (self.tp > 1 or self.device == "cpu"):
+            raise ConfigError("loss_kernel", "liger", f"not with tp={self.tp}: the head's weight is split by "
+                                                      "vocabulary; use chunked" if self.tp > 1 else
+                                                      "Liger-Kernel runs on CUDA GPUs, and device is cpu")
         if self.hf_export_checkpoints and not self.model.startswith(HF_PREFIX):
             raise ConfigError("hf_export_checkpoints", True, f"exports {HF_PREFIX}DIR models; for attnpool's own, "
                                                              "`attnpool export --checkpoint PATH` writes any checkpoint")

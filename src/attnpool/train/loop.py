@@ -57,6 +57,7 @@ from attnpool.kernels.sparse import device_problem as sparse_device_problem
 from attnpool.kernels.sparse import launch_problem as sparse_launch_problem
 from attnpool.model import ModelConfig, Transformer, apply_activation_checkpointing, model_config
 from attnpool.model.compile import compile_linear_parts
+from attnpool.model.fused_loss import resolve_loss_kernel, use_loss_kernel
 from attnpool.model.hf_causal_lm import (HFCausalLM, HFModelSpec, build_hf_model, export_dtype, hf_model_dir,
                                          hf_state_shapes, load_hf_spec, save_hf_export)
 from attnpool.parallel import ParallelDims, RankMesh, apply_tensor_parallel, build_rank_mesh, tensor_parallel_problem
@@ -189,6 +190,8 @@ def prepare(config: TrainConfig, device: torch.device | None = None, world: int 
     dims = ParallelDims.of(world, config.tp, config.pp) if world is not None else None
     source = build_source(config, model_cfg.vocab_size)
     backend = attention_backend(config, device)
+    if device is not None:  # (a launcher or `attnpool memory` leaves liger's import to the ranks)
+        resolve_loss_kernel(config.loss_kernel, device.type, config.tp)
     cost_model = load_cost_model(config.cost_model, backend=backend)
     if config.tp > 1 and hasattr(cost_model, "scaled_to"):  # a server's cost is its heads' share of a task's
         cost_model = cost_model.scaled_to(model_cfg.n_heads // config.tp, model_cfg.head_dim)
@@ -373,11 +376,16 @@ def sample_row_ratios(config: TrainConfig, source, cost_model, dims: ParallelDim
 
 def memory_inputs(config: TrainConfig, model_cfg: ModelConfig, dims: ParallelDims, bf16: bool,
                   rows: RowRatios = RowRatios(), gpu: bool = True) -> MemoryInputs:
-    """The memory model's view of a run (on CPU runs offload moves nothing, so it counts as off)."""
+    """The memory model's view of a run (on CPU runs offload moves nothing, so it counts as off). The loss
+    kernel is the one asked for, or for auto the one this machine would run (a GPU run planned from a
+    machine without liger_kernel is predicted with the chunked loss, the larger)."""
+    loss_kernel = config.loss_kernel if config.loss_kernel != "auto" else \
+        resolve_loss_kernel("auto", "cuda" if gpu else "cpu", dims.tp)
     return MemoryInputs(model_cfg, config.tokens_per_rank, config.activation_checkpointing,
                         config.activation_offload and gpu, config.optimizer_offload and gpu, bf16, dp=dims.dp,
                         tp=dims.tp, pp=dims.pp, microbatches=config.microbatches,
-                        in_flight=activations_in_flight(config.pp_schedule, dims.pp, config.microbatches), rows=rows)
+                        in_flight=activations_in_flight(config.pp_schedule, dims.pp, config.microbatches), rows=rows,
+                        loss_kernel=loss_kernel)
 
 
 def run_memory_inputs(config: TrainConfig, model_cfg: ModelConfig, source, cost_model, sparse: SparseConfig | None,
@@ -467,6 +475,7 @@ def shard_model(model: Transformer, config: TrainConfig, device: torch.device, b
         apply_tensor_parallel(model, mesh.tp_mesh)
     if config.compile and isinstance(model, Transformer):  # (refused with hf: models in TrainConfig)
         compile_linear_parts(model)
+    use_loss_kernel(model, resolve_loss_kernel(config.loss_kernel, device.type, config.tp))
     # cast_forward_inputs=False: a layer's input is already bf16, and FSDP2 would otherwise round RoPE's
     # float32 cos and sin to bf16 at every layer (and keep that copy for backward).
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,

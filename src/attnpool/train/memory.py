@@ -84,6 +84,7 @@ class MemoryInputs:
     microbatches: int = 1  # per step, gradients accumulated over them
     in_flight: int = 1  # micro-batches whose activations a pipeline rank holds at once (parallel.pipeline)
     rows: RowRatios = field(default_factory=RowRatios)
+    loss_kernel: str = "chunked"  # or liger (attnpool.model.fused_loss): the loss's transient memory differs
 
     def __post_init__(self):
         if self.activation_checkpointing not in CHECKPOINTING_MODES:
@@ -201,11 +202,20 @@ def step_inputs_per_token(x: MemoryInputs, loss: bool = False) -> float:
 
 
 def loss_transient(x: MemoryInputs, tokens: int) -> float:
-    """One loss chunk in backward: its recomputed logits (the product, its float32 copy under bf16,
-    log-softmax) and their gradient (float32, and in bf16 for the product's backward)."""
-    chunk = min(loss_chunk_tokens(x.model.vocab_size), tokens)
+    """chunked: one loss chunk in backward: its recomputed logits (the product, its float32 copy under bf16,
+    log-softmax) and their gradient (float32, and in bf16 for the product's backward). liger (in the
+    forward, where it makes the gradients): the head's weight gradient accumulated in float32, and the
+    larger of one chunk of logits (overwritten by their gradient) and the weight gradient's final copy in
+    the weight's dtype; the output projection's gradient and the hidden states' are counted beside it."""
+    m = x.model
+    if x.loss_kernel == "liger":
+        a = 2 if x.bf16 else 4
+        # Liger's chunk: tokens / ceil(vocab / dim), rounded up to a power of two
+        chunk = min(tokens, 1 << max(0, math.ceil(math.log2(max(1, -(-tokens // -(-m.vocab_size // m.dim)))))))
+        return 4 * m.vocab_size * m.dim + max(a * chunk * m.vocab_size, a * m.vocab_size * m.dim)
+    chunk = min(loss_chunk_tokens(m.vocab_size), tokens)
     per_logit = (2 + 4 + 4 + 4 + 2) if x.bf16 else (4 + 4 + 4)
-    return per_logit * chunk * x.model.vocab_size / x.tp
+    return per_logit * chunk * m.vocab_size / x.tp
 
 
 def attention_backward_transient(x: MemoryInputs, tokens: int) -> float:
@@ -283,7 +293,8 @@ def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryE
     if x.microbatches > 1:  # accumulated unsharded until the step's last micro-batch
         backward["accumulated gradients"] = GRAD_BYTES * (layers * layer + root)
     phases = {
-        "loss backward": {
+        # (Liger's fused loss makes its gradients in the forward, so its peak is there.)
+        "loss (gradients in forward)" if x.loss_kernel == "liger" else "loss backward": {
             **states, **compute, "activations": activations_at(saved_layers),
             "step inputs": step_inputs_per_token(x, loss=True) * home / x.tp * in_flight,
             "output projection gradient": head_gradient, "loss chunk": loss_transient(x, tokens),

@@ -94,11 +94,12 @@ class PrefixCopies:
     """How the kernel's expanded keys map back to the unique KV rows, for summing their gradients (the
     backward of ``k_u[kv_expand]``). Each kernel segment reads a prefix ``[base, base + k_len)`` of the
     unique buffer, its document's rows; the longest segment of each document covers them all. Its
-    gradient rows are gathered once (``first``), in float32, and every other segment's are added as one
-    slice each (``extra``: (unique start, expanded start, length)): contiguous adds with no atomics, and a
-    float32 sum where bf16 atomics (index_add_) rounded at every one of up to a document's number of
-    segments additions (one H200, a 64K-token document in 1K-token segments: 8 ms against 26 ms per
-    tensor, max error 2.9e-3 of the largest value against 2.3e-2; bench/results/2026-11-26-h200-fa4.md)."""
+    gradient rows are gathered once (``first``), in float32 (float64 stays float64), and every other
+    segment's are added as one slice each (``extra``: (unique start, expanded start, length)): contiguous
+    adds with no atomics, and a float32 sum where bf16 atomics (index_add_) rounded at every one of up to
+    a document's number of segments additions (one H200, a 64K-token document in 1K-token segments: 8 ms
+    against 26 ms per tensor, max error 2.9e-3 of the largest value against 2.3e-2;
+    bench/results/2026-11-26-h200-fa4.md)."""
 
     num_unique: int
     first: slice | torch.Tensor  # expanded row of each unique row, in its document's longest segment
@@ -124,7 +125,9 @@ class PrefixCopies:
 
     def sum(self, d_expanded: torch.Tensor) -> torch.Tensor:
         """The unique rows' gradient (in ``d_expanded``'s dtype) from the expanded keys' gradient."""
-        total = torch.empty((self.num_unique, *d_expanded.shape[1:]), dtype=torch.float32, device=d_expanded.device)
+        # float32 at least (float64 stays float64)
+        dtype = torch.promote_types(d_expanded.dtype, torch.float32)
+        total = torch.empty((self.num_unique, *d_expanded.shape[1:]), dtype=dtype, device=d_expanded.device)
         total.copy_(d_expanded[self.first])
         for unique, expanded, n in self.extra:
             total[unique:unique + n] += d_expanded[expanded:expanded + n]

@@ -90,6 +90,8 @@ class MemoryInputs:
         if self.activation_checkpointing not in CHECKPOINTING_MODES:
             raise ConfigError("activation_checkpointing", self.activation_checkpointing,
                               f"choose one of {', '.join(CHECKPOINTING_MODES)}")
+        if self.loss_kernel not in ("chunked", "liger"):  # (resolved: auto is the run's choice)
+            raise ConfigError("loss_kernel", self.loss_kernel, "the memory model counts chunked or liger")
         for name in ("tokens_per_rank", "dp", "tp", "pp", "microbatches", "in_flight"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be at least 1")

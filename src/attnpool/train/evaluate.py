@@ -131,9 +131,9 @@ def evaluate_retrieval(model, *, tasks=TASKS, contexts=(4096,), depths=(0.0, 0.2
                         rows = torch.cat([torch.arange(g.answer.start - 1, g.answer.stop - 1) + j * shape.context
                                           for j, g in enumerate(group)]).to(device)
                         logits = torch.nn.functional.linear(hidden[rows], model.output_weight).float().cpu().numpy()
-                    ends = np.cumsum([g.answer.stop - g.answer.start for g in group])  # a copy's answer is
-                    correct += sum(answer_correct(logits[end - (g.answer.stop - g.answer.start):end], g)  # its span
-                                   for end, g in zip(ends, group))
+                    lengths = [g.answer.stop - g.answer.start for g in group]  # (a copy's answer is its span)
+                    correct += sum(answer_correct(part, g)
+                                   for part, g in zip(np.split(logits, np.cumsum(lengths)[:-1]), group))
                     if probe is not None and probe.layers:
                         kept += float(probe.kept.sum()) / probe.layers
                         probed += len(group)

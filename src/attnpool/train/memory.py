@@ -213,7 +213,8 @@ def loss_transient(x: MemoryInputs, tokens: int) -> float:
     if x.loss_kernel == "liger":
         a = 2 if x.bf16 else 4
         # Liger's chunk: tokens / ceil(vocab / dim), rounded up to a power of two
-        chunk = min(tokens, 1 << max(0, math.ceil(math.log2(max(1, -(-tokens // -(-m.vocab_size // m.dim)))))))
+        per_chunk = max(1, -(-tokens // -(-m.vocab_size // m.dim)))
+        chunk = min(tokens, 1 << (per_chunk - 1).bit_length())
         return 4 * m.vocab_size * m.dim + max(a * chunk * m.vocab_size, a * m.vocab_size * m.dim)
     chunk = min(loss_chunk_tokens(m.vocab_size), tokens)
     per_logit = (2 + 4 + 4 + 4 + 2) if x.bf16 else (4 + 4 + 4)

@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Does sparse training keep long-range quality? Dense and vertical-slash training on retrieval tasks (issue 26).
 
-The same Llama-style model (189M parameters: 16 layers, dim 1024, 8 query / 4 KV heads of 128, vocab 128),
+The same Llama-style model (189M parameters: 16 layers, dim 1024, 8 query / 4 KV heads of 128, vocab 128, RoPE
+theta 1e4),
 the same initial weights (seed) and the same batches (``--data retrieval``, passkey and multi-key needle by
 default, with copies of random spans to grow the look-up, answer-only loss), trained three times: dense, and
 vertical-slash sparse at coverages 0.95 and 0.9. A curriculum of rising context (256, 1K, 4K, 8K, 16K tokens
-per document, 64K tokens per step) teaches dense attention to retrieve at short contexts, where a step holds
-many documents, then carries it out to the longest. Documents of at least 4K tokens are sparse in the sparse runs, so the stages before are the
+per document; 16K tokens a step up to 1K, then 64K; each stage after the first mixes in shorter documents)
+teaches dense attention to retrieve at short contexts, where a step holds many documents, then carries it out to
+the longest. Documents of at least 4K tokens are sparse in the sparse runs, so the stages before are the
 same in every run: they are trained once, and the sparse runs continue from a copy of the dense run at that
 point (weights, optimizer, data position), as sparse training that continues a dense model's would.
 Each stage is one ``attnpool train`` process resuming the last one's checkpoint (the schedule spans all
@@ -47,39 +49,46 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GPU_MODEL = dict(dim=1024, n_layers=16, n_heads=8, n_kv_heads=4, ffn_dim=2816, vocab_size=128, max_position=65536,
-                 rope_theta=500000.0)
-# (context, steps): many short documents per step first, then longer ones.
-# The first stage grows the look-up: 256-token documents, 256 a step, half of them copies (the ``copy`` task: a
-# span repeated, every copied token supervised). Without copies, passkeys alone (4 answer tokens a document)
-# left the loss flat at ln 32 for 860 steps from 1K tokens up (bench/results/2026-11-26-h200-retrieval.md).
-GPU_CURRICULUM = ((256, 400), (1024, 200), (4096, 120), (8192, 80), (16384, 60))
-GPU = dict(tokens_per_rank=65536, lr=6e-4, warmup_steps=30, sparse_min_doc_len=4096, sparse_args={},
+                 rope_theta=10000.0)
+# (context, steps, tokens per step): many short documents per step first, then longer ones.
+# The first stage grows the look-up: 256-token documents, 64 a step, a third of them copies (the ``copy``
+# task: a span repeated, every copied token supervised). The loss sits on a plateau near ln 96 (the span
+# symbols' chance) until an induction-style look-up forms, then falls to ~0.1 within a few hundred steps: on an
+# H200 this model left it after ~1,200 steps with lr 3e-4 and rope_theta 1e4, and stayed on it for 1,800 steps
+# with lr 1e-3; with rope_theta 5e5, lr 6e-4 and 64K-token steps it stayed on it for 400
+# (bench/results/2026-11-26-h200-retrieval.md). Short steps buy the most updates for the time.
+# Every later stage mixes document lengths from ``mix_from`` up to its context (``min_context``, log-uniform):
+# moved to documents only longer than it had seen, the model lost the look-up (loss back to chance at 16K).
+GPU_CURRICULUM = ((256, 2000, 16384), (1024, 300, 16384), (4096, 150, 65536), (8192, 120, 65536),
+                  (16384, 120, 65536))
+GPU = dict(lr=3e-4, warmup_steps=30, mix_from=256, sparse_min_doc_len=4096, sparse_args={},
            eval_instances=40, eval_depths=(0.0, 0.25, 0.5, 0.75, 1.0), eval_min_context=4096)
 
 # The smoke test: the tiny preset cut to 2 layers, 128- and 256-token documents, sparse from 256 tokens with
 # patterns scaled down to those lengths (as bench/sparse_quality.py).
 CPU_MODEL = dict(n_layers=2, vocab_size=128)
-CPU_CURRICULUM = ((128, 2), (256, 2))
-CPU = dict(tokens_per_rank=1024, lr=3e-3, warmup_steps=1, sparse_min_doc_len=256,
+CPU_CURRICULUM = ((128, 2, 512), (256, 2, 1024))
+CPU = dict(lr=3e-3, warmup_steps=1, mix_from=128, sparse_min_doc_len=256,
            sparse_args=dict(block=16, vertical_chunk=16, last_queries=32, sink_tokens=4, local_window=32,
                             slash_cap=32, vertical_cap=64),
            eval_instances=2, eval_depths=(0.0, 1.0), eval_min_context=256)
 
 
-def train_command(run_dir: str, attention: str, coverage: float | None, context: int, stop_at: int, steps: int,
-                  resume: bool, args, setup: dict, model: dict) -> list[str]:
+def train_command(run_dir: str, attention: str, coverage: float | None, context: int, tokens: int, stop_at: int,
+                  steps: int, resume: bool, args, setup: dict, model: dict) -> list[str]:
     cmd = [sys.executable, "-m", "attnpool.cli.main", "train", "--model", "tiny",
            "--model-args", *[f"{k}={v}" for k, v in model.items()],
            "--data", "retrieval", "--data-args", f"task={args.tasks}", f"context={context}",
+           *([f"min_context={setup['mix_from']}"] if context > setup["mix_from"] else []),
            f"num_docs={args.num_docs}", f"ordinary={args.ordinary}",
-           "--tokens-per-rank", str(setup["tokens_per_rank"]), "--seed", str(args.seed),
+           "--tokens-per-rank", str(tokens), "--seed", str(args.seed),
            "--attention", "local", "--device", args.device, "--steps", str(steps), "--stop-at", str(stop_at),
            "--lr", str(setup["lr"]), "--warmup-steps", str(setup["warmup_steps"]), "--out", run_dir,
            "--checkpoint-every", "0", "--keep-checkpoints", "1", "--no-progress"]
     if args.activation_checkpointing != "none":
         cmd += ["--activation-checkpointing", args.activation_checkpointing]
     if resume:
-        cmd += ["--resume", "--allow-config-change"]  # a later stage: longer documents, the same schedule
+        cmd += ["--resume", "--allow-config-change"]  # a later stage: longer documents and steps, the same schedule
     if attention == "sparse":
         cmd += ["--sparse", "vertical-slash", "--sparse-coverage", str(coverage),
                 "--sparse-min-doc-len", str(setup["sparse_min_doc_len"])]
@@ -137,21 +146,22 @@ def main() -> int:
     ap.add_argument("--work", help="run directories and checkpoints (default: a temporary directory)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the smoke test (tiny model)")
     ap.add_argument("--coverages", default="0.95,0.9", help="sparse coverages, most important first (default 0.95,0.9)")
-    ap.add_argument("--tasks", default="copy,passkey,multikey",
-                    help="training tasks (default copy,passkey,multikey); all but copy are evaluated")
+    ap.add_argument("--tasks", default="copy,passkey",
+                    help="training tasks (default copy,passkey; the look-up forms from the copies, so a third "
+                         "task slows it); all but copy are evaluated")
     ap.add_argument("--budget-s", type=float, default=1140.0, help="wall-time budget of the script (default 1140)")
     ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every stage's steps (default 1)")
     ap.add_argument("--num-docs", type=int, default=200_000, help="documents in the training source")
     ap.add_argument("--ordinary", type=float, default=0.1, help="share of ordinary (decoy) documents (default 0.1)")
     ap.add_argument("--activation-checkpointing", default="none", choices=("none", "full", "keep_attention"))
-    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default 6e-4 on GPU, 3e-3 on CPU)")
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-4 on GPU, 3e-3 on CPU)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     t_start = time.perf_counter()
     gpu = args.device == "cuda"
     setup = dict(GPU if gpu else CPU)
     model = GPU_MODEL if gpu else CPU_MODEL
-    curriculum = [(n, max(1, round(s * args.steps_scale))) for n, s in (GPU_CURRICULUM if gpu else CPU_CURRICULUM)]
+    curriculum = [(n, max(1, round(s * args.steps_scale)), t) for n, s, t in (GPU_CURRICULUM if gpu else CPU_CURRICULUM)]
     setup["curriculum"] = curriculum
     if args.lr is not None:
         if not args.lr > 0:
@@ -168,7 +178,7 @@ def main() -> int:
 
         if not torch.cuda.is_available():
             ap.error("--device cuda: no GPU visible (use --device cpu for the smoke test)")
-    total_steps = sum(s for _, s in curriculum)
+    total_steps = sum(s for _, s, _ in curriculum)
     work = args.work or tempfile.mkdtemp(prefix="attnpool-retrieval-")
     os.makedirs(args.out, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH")])))
@@ -176,7 +186,7 @@ def main() -> int:
     variants = [("dense", None)] + [("sparse", c) for c in coverages]
     # Stages of documents shorter than sparse_min_doc_len compute the same in every run: the sparse runs start
     # from a copy of the dense run taken after the last of them (same weights, data and optimizer state).
-    shared = sum(1 for n, _ in curriculum if n < setup["sparse_min_doc_len"])
+    shared = sum(1 for n, _, _ in curriculum if n < setup["sparse_min_doc_len"])
     branch = os.path.join(work, "dense-branch")
     commands, unfinished, stage_seconds = [], [], {}
     for attention, coverage in variants:
@@ -191,13 +201,15 @@ def main() -> int:
                 shutil.rmtree(run_dir, ignore_errors=True)
                 shutil.copytree(branch, run_dir)
             first = shared
-        stop_at = sum(s for _, s in curriculum[:first])
-        for i, (context, steps) in enumerate(curriculum[first:], start=first):
+        stop_at = sum(s for _, s, _ in curriculum[:first])
+        for i, (context, steps, tokens) in enumerate(curriculum[first:], start=first):
             stop_at += steps
-            cmd = train_command(run_dir, attention, coverage, context, stop_at, total_steps, stop_at > steps, args,
-                                setup, model)
-            commands.append(" ".join(["python", *cmd[1:]]))
             done_rows = read_rows(run_dir)
+            # A later stage, or a stage an earlier call stopped part-way (SIGTERM checkpoints), goes on from the
+            # run's last checkpoint.
+            cmd = train_command(run_dir, attention, coverage, context, tokens, stop_at, total_steps,
+                                stop_at > steps or bool(done_rows), args, setup, model)
+            commands.append(" ".join(["python", *cmd[1:]]))
             if done_rows and done_rows[-1]["step"] >= stop_at:  # an earlier call with the same --work did it
                 print(f"        {name}: context {context} done before (step {done_rows[-1]['step']})", flush=True)
                 continue
@@ -230,7 +242,7 @@ def main() -> int:
     from attnpool.train.evaluate import evaluate_retrieval, plot_heatmap, sparse_config_of
     from attnpool.train.export import read_checkpoint_model
 
-    eval_contexts = [n for n, _ in curriculum if n >= setup["eval_min_context"]]
+    eval_contexts = [n for n, _, _ in curriculum if n >= setup["eval_min_context"]]
     tasks = ",".join(t for t in args.tasks.split(",") if t != "copy") or "passkey"  # (a copy's answer is its span)
     results, details, runs, heatmaps = [], [], {}, {}
     for attention, coverage in variants:
@@ -244,7 +256,7 @@ def main() -> int:
         t0 = time.perf_counter()
         cells = evaluate_retrieval(model_obj, tasks=tasks, contexts=eval_contexts, depths=setup["eval_depths"],
                                    instances=setup["eval_instances"], seed=args.seed + 1, sparse=sparse,
-                                   device="cuda" if gpu else "cpu", batch_tokens=setup["tokens_per_rank"],
+                                   device="cuda" if gpu else "cpu", batch_tokens=max(t for _, _, t in curriculum),
                                    needle_probe=True)
         print(f"[{time.perf_counter() - t_start:6.0f} s] evaluated {name} in {time.perf_counter() - t0:.0f} s", flush=True)
         del model_obj
@@ -264,7 +276,7 @@ def main() -> int:
     stem = f"{datetime.date.today()}-{gpu_name}-retrieval"
     loss_png = f"{stem}-loss.png"
     boundaries, at = [], 0
-    for context, steps in curriculum:
+    for context, steps, _ in curriculum:
         boundaries.append((at, f"{context // 1024}K" if context >= 1024 else str(context)))
         at += steps
     plot_losses(runs, boundaries, os.path.join(args.out, loss_png), f"dense vs vertical-slash, same weights and data "
@@ -277,7 +289,7 @@ def main() -> int:
     params = model_config("tiny", **model).num_params()
     doc = {"date": str(datetime.date.today()), "device": gpu_name, "command": " ".join(["python", *sys.argv]),
            "model": {"preset": "tiny", "model_args": model, "params": params}, "curriculum": curriculum,
-           "tasks": tasks, "tokens_per_step": setup["tokens_per_rank"], "sparse_min_doc_len": setup["sparse_min_doc_len"],
+           "train_tasks": args.tasks, "tasks": tasks, "mix_from": setup["mix_from"], "sparse_min_doc_len": setup["sparse_min_doc_len"],
            "sparse_args": setup["sparse_args"], "eval": {"depths": list(setup["eval_depths"]),
                                                         "instances": setup["eval_instances"], "contexts": eval_contexts},
            "results": results, "details": details, "unfinished": unfinished,
@@ -300,9 +312,11 @@ def write_markdown(path: str, doc: dict, loss_png: str, heatmap_pngs: list[str])
         "# Long-range retrieval: dense and vertical-slash training from the same start (issue 26)", "",
         f"{doc['device']}, {doc['date']}. Command: `{doc['command']}` ({doc['wall_s']:.0f} s).", "",
         f"Model: `--model tiny --model-args {' '.join(f'{k}={v}' for k, v in m['model_args'].items())}` "
-        f"({m['params'] / 1e6:.2f}M parameters). Tasks `{doc['tasks']}` (`--data retrieval`, answer-only loss), "
-        f"{doc['tokens_per_step']} tokens per step, curriculum "
-        f"{', '.join(f'{fmt(n)} x {s} steps' for n, s in doc['curriculum'])}; sparse runs: documents of "
+        f"({m['params'] / 1e6:.2f}M parameters). Tasks `{doc['train_tasks']}` (`--data retrieval`, answer-only loss; "
+        f"evaluated: `{doc['tasks']}`), "
+        f"curriculum (context x steps, tokens per step) "
+        f"{', '.join(f'{fmt(n)} x {s} ({fmt(t)})' for n, s, t in doc['curriculum'])}, documents of each stage "
+        f"after the first from {fmt(doc['mix_from'])} tokens up to its context; sparse runs: documents of "
         f"{doc['sparse_min_doc_len']}+ tokens sparse"
         + (f", `--sparse-args {' '.join(f'{k}={v}' for k, v in doc['sparse_args'].items())}`" if doc["sparse_args"] else "")
         + ".", "",

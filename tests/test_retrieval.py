@@ -108,8 +108,33 @@ def test_stream_labels_only_the_answers():
     assert all_tokens.targets(0) is None
 
 
+def test_min_context_mixes_lengths_log_uniformly_and_leaves_fixed_lengths_as_they_were():
+    fixed = make_source("retrieval", task="copy,passkey", context="2K", num_docs=400, seed=2)
+    mixed = make_source("retrieval", task="copy,passkey", context="2K", num_docs=400, seed=2, min_context=256)
+    assert np.all(fixed.lengths() == 2048)
+    lengths = mixed.lengths()
+    assert lengths.min() >= 256 and lengths.max() <= 2048
+    # As many documents in each of the three octaves (log-uniform), within sampling noise.
+    octaves = np.histogram(lengths, bins=[256, 512, 1024, 2049])[0]
+    assert np.all(np.abs(octaves - 400 / 3) < 45), octaves
+    for i in range(0, 400, 37):
+        tokens, targets = mixed.document(i)
+        assert len(tokens) == lengths[i] == len(mixed.targets(i))
+        if targets is not None:  # the answer is the end of the document, as at a fixed context
+            assert targets[-2] and tokens[-1] == END
+    # A document of the full context is the document the fixed source gives (same draws).
+    full = np.flatnonzero(lengths == 2048)
+    for i in full[:3]:
+        assert np.array_equal(mixed[i], fixed[i])
+    # The stream packs them, cut where a document overflows a batch.
+    batch = DocumentStream(mixed, num_ranks=1, tokens_per_rank=4096, seed=0).next_batch()
+    assert batch.doc_lens.sum() == 4096 and len(batch.doc_lens) > 2
+
+
 @pytest.mark.parametrize("options, field", [
     (dict(task="nope"), "task"),
+    (dict(min_context=4096, context=2048), "min_context"),
+    (dict(min_context=40, context=2048), "min_context"),
     (dict(context=40), "context"),
     (dict(context="12Q"), "context"),
     (dict(depth=1.5), "depth"),
@@ -161,7 +186,8 @@ def test_retrieval_bench_smoke_then_attnpool_eval(tmp_path, capsys):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, os.path.join(root, "bench", "retrieval.py"), "--out", str(out),
-                           "--work", str(tmp_path / "work"), "--device", "cpu", "--coverages", "0.95"],
+                           "--work", str(tmp_path / "work"), "--device", "cpu", "--coverages", "0.95",
+                           "--tasks", "copy,passkey,multikey"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     (result,) = out.glob("*-cpu-retrieval.json")
@@ -173,6 +199,7 @@ def test_retrieval_bench_smoke_then_attnpool_eval(tmp_path, capsys):
     assert doc["unfinished"] == [] and all(v is not None for v in doc["final_loss"].values())
     md = result.with_suffix(".md").read_text()
     assert "--resume" in md and "--sparse-coverage 0.95" in md and "reach the passkey" in md
+    assert "min_context=128" in md  # the second stage mixes in the first stage's length
     sparse_rows = [json.loads(line) for line in (tmp_path / "work" / "sparse-0.95" / "metrics.jsonl").read_text().splitlines()]
     dense_rows = [json.loads(line) for line in (tmp_path / "work" / "dense" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in sparse_rows] == [1, 2, 3, 4]

@@ -32,14 +32,20 @@ value tokens by the model's most likely next token at each answer position given
 which is what greedy decoding of the answer produces.
 
 Every document is ``context`` tokens, so a batch of a multiple of ``context`` tokens holds whole documents
-(the stream cuts the document that overflows a batch, and the rest of a cut task has lost its key).
+(the stream cuts the document that overflows a batch, and the rest of a cut task has lost its key). With
+``min_context`` each document's length is drawn instead, log-uniformly in [min_context, context] (as many
+documents of each octave, so the longest octave holds about half the tokens): a model carried to a longer
+context keeps seeing the lengths it learnt at. Moved to documents only longer than any it had seen, the
+189M model of bench/retrieval.py lost the look-up it had learnt (loss from 0.05 back to chance at 16K), and
+then the few long documents a step holds are little to relearn it from. Mixed lengths do not pack whole, so
+about one document a batch is cut.
 Document ``i`` is generated from ``(seed, i)``; held-out instances (:func:`make_instance` with
 ``split="eval"``) come from a separate seed space.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -58,6 +64,7 @@ LAYOUT = {"BOS": BOS, "KEY": KEY, "QUERY": QUERY, "END": END, "ASSIGN": ASSIGN,
 TASKS = ("passkey", "multikey", "vartrack", "copy")
 LOSSES = ("answer", "all")
 _EVAL_STREAM = 7919  # the seed space of held-out instances: (seed, _EVAL_STREAM, ...) never equals (seed, i)
+_LENGTH_STREAM = 7927  # the seed space of documents' lengths (with min_context)
 
 
 @dataclass(frozen=True)
@@ -227,19 +234,26 @@ def answer_correct(logits_at_answer, instance: Instance) -> bool:
 
 
 class RetrievalSource(DocumentSource):
-    """``--data retrieval``: ``num_docs`` documents of ``context`` tokens, tasks drawn in turn from ``task``
-    (a name, a comma list or ``all``) at ``depth`` (a number in [0, 1], or random per document when
-    unset), a share ``ordinary`` of ordinary documents. ``--data-args task=passkey context=8K``."""
+    """``--data retrieval``: ``num_docs`` documents of ``context`` tokens (or, with ``min_context``, of lengths
+    drawn log-uniformly from [min_context, context]), tasks drawn in turn from ``task`` (a name, a comma list
+    or ``all``) at ``depth`` (a number in [0, 1], or random per document when unset), a share ``ordinary`` of
+    ordinary documents. ``--data-args task=passkey context=8K``."""
 
     vocab_size = RETRIEVAL_VOCAB
 
     def __init__(self, task="passkey", context=4096, num_docs: int = 100_000, seed: int = 0, depth=None,
                  key_len: int = 4, num_keys: int = 4, hops: int = 2, ordinary: float = 0.25, loss: str = "answer",
-                 queries: int = 1):
+                 queries: int = 1, min_context=None):
         self.tasks = parse_tasks(task)
         self.shape = TaskShape(context, key_len, num_keys, hops, queries)
         self.num_docs = _int_option("num_docs", num_docs, 1)
         self.seed = _check_seed("seed", seed)
+        self._lengths = np.full(self.num_docs, self.shape.context, dtype=np.int64)
+        if min_context is not None:
+            low = _int_option("min_context", min_context, self.shape.min_context(), self.shape.context)
+            rng = np.random.default_rng((self.seed, _LENGTH_STREAM))
+            drawn = np.exp(rng.uniform(np.log(low), np.log(self.shape.context + 1), size=self.num_docs))
+            self._lengths = np.clip(drawn.astype(np.int64), low, self.shape.context)
         if depth is not None and (isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth <= 1):
             raise ConfigError("depth", depth, "must be a number in [0, 1], or unset for a random depth per document")
         self.depth = depth
@@ -258,10 +272,11 @@ class RetrievalSource(DocumentSource):
         """(tokens, targets) of document ``index``; targets None for an ordinary document."""
         i = self._check_index(index)
         rng = np.random.default_rng((self.seed, i))
+        shape = self.shape if self._lengths[i] == self.shape.context else replace(self.shape, context=int(self._lengths[i]))
         if rng.random() < self.ordinary:
-            return make_ordinary(self.shape, rng), None
+            return make_ordinary(shape, rng), None
         depth = self.depth if self.depth is not None else float(rng.random())
-        inst = make_instance(self.tasks[i % len(self.tasks)], self.shape, depth, rng)
+        inst = make_instance(self.tasks[i % len(self.tasks)], shape, depth, rng)
         return inst.tokens, inst.targets
 
     def __getitem__(self, index: int) -> np.ndarray:
@@ -270,8 +285,8 @@ class RetrievalSource(DocumentSource):
     def targets(self, index: int) -> np.ndarray | None:
         if self.loss == "all":
             return None
-        targets = self.document(int(index))[1]
-        return np.zeros(self.shape.context, dtype=bool) if targets is None else targets
+        tokens, targets = self.document(int(index))
+        return np.zeros(len(tokens), dtype=bool) if targets is None else targets
 
     def lengths(self) -> np.ndarray:
-        return np.full(self.num_docs, self.shape.context, dtype=np.int64)
+        return self._lengths.copy()

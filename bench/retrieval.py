@@ -3,14 +3,16 @@
 
 The same Llama-style model (189M parameters: 16 layers, dim 1024, 8 query / 4 KV heads of 128, vocab 128, RoPE
 theta 1e4),
-the same initial weights (seed) and the same batches (``--data retrieval``, passkey and multi-key needle by
-default, with copies of random spans to grow the look-up, answer-only loss), trained three times: dense, and
+the same initial weights (seed) and the same batches (``--data retrieval``, passkeys by default, with copies of
+random spans to grow the look-up, answer-only loss), trained three times: dense, and
 vertical-slash sparse at coverages 0.95 and 0.9. A curriculum of rising context (256, 1K, 4K, 8K, 16K tokens
 per document; 16K tokens a step up to 1K, then 64K; each stage after the first mixes in shorter documents)
 teaches dense attention to retrieve at short contexts, where a step holds many documents, then carries it out to
 the longest. Documents of at least 4K tokens are sparse in the sparse runs, so the stages before are the
 same in every run: they are trained once, and the sparse runs continue from a copy of the dense run at that
-point (weights, optimizer, data position), as sparse training that continues a dense model's would.
+point (weights, optimizer, data position), as sparse training that continues a dense model's would. A stage
+that mixes lengths up to exactly 4K counts as one of them (of its documents, 1 in ~14,000 has 4K tokens, and
+those are trained dense in every run): sparse training starts with the 8K stage.
 Each stage is one ``attnpool train`` process resuming the last one's checkpoint (the schedule spans all
 stages; ``--stop-at`` ends each). Then every run is evaluated on held-out instances at every trained context
 from 4K up (``attnpool.train.evaluate``, each run with the attention it trained with).
@@ -51,14 +53,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_MODEL = dict(dim=1024, n_layers=16, n_heads=8, n_kv_heads=4, ffn_dim=2816, vocab_size=128, max_position=65536,
                  rope_theta=10000.0)
 # (context, steps, tokens per step): many short documents per step first, then longer ones.
-# The first stage grows the look-up: 256-token documents, 64 a step, a third of them copies (the ``copy``
+# The first stage grows the look-up: 256-token documents, 64 a step, ~45% of them copies (the ``copy``
 # task: a span repeated, every copied token supervised). The loss sits on a plateau near ln 96 (the span
-# symbols' chance) until an induction-style look-up forms, then falls to ~0.1 within a few hundred steps: on an
+# symbols' chance) until an induction-style look-up forms, then falls to ~0.05 within a few hundred steps: on an
 # H200 this model left it after ~1,200 steps with lr 3e-4 and rope_theta 1e4, and stayed on it for 1,800 steps
 # with lr 1e-3; with rope_theta 5e5, lr 6e-4 and 64K-token steps it stayed on it for 400
 # (bench/results/2026-11-26-h200-retrieval.md). Short steps buy the most updates for the time.
-# Every later stage mixes document lengths from ``mix_from`` up to its context (``min_context``, log-uniform):
-# moved to documents only longer than it had seen, the model lost the look-up (loss back to chance at 16K).
+# Every stage of longer documents than ``mix_from`` mixes lengths from it up to its context (``min_context``,
+# log-uniform): moved to documents only longer than it had seen, the model lost the look-up (loss back to
+# chance at 16K).
 GPU_CURRICULUM = ((256, 2000, 16384), (1024, 300, 16384), (4096, 150, 65536), (8192, 120, 65536),
                   (16384, 120, 65536))
 GPU = dict(lr=3e-4, warmup_steps=30, mix_from=256, sparse_min_doc_len=4096, sparse_args={},
@@ -68,7 +71,7 @@ GPU = dict(lr=3e-4, warmup_steps=30, mix_from=256, sparse_min_doc_len=4096, spar
 # patterns scaled down to those lengths (as bench/sparse_quality.py).
 CPU_MODEL = dict(n_layers=2, vocab_size=128)
 CPU_CURRICULUM = ((128, 2, 512), (256, 2, 1024))
-CPU = dict(lr=3e-3, warmup_steps=1, mix_from=128, sparse_min_doc_len=256,
+CPU = dict(lr=3e-3, warmup_steps=1, mix_from=128, sparse_min_doc_len=192,
            sparse_args=dict(block=16, vertical_chunk=16, last_queries=32, sink_tokens=4, local_window=32,
                             slash_cap=32, vertical_cap=64),
            eval_instances=2, eval_depths=(0.0, 1.0), eval_min_context=256)
@@ -158,6 +161,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     t_start = time.perf_counter()
+    from attnpool.train.checkpoint import finished_checkpoints
+
     gpu = args.device == "cuda"
     setup = dict(GPU if gpu else CPU)
     model = GPU_MODEL if gpu else CPU_MODEL
@@ -185,8 +190,10 @@ def main() -> int:
 
     variants = [("dense", None)] + [("sparse", c) for c in coverages]
     # Stages of documents shorter than sparse_min_doc_len compute the same in every run: the sparse runs start
-    # from a copy of the dense run taken after the last of them (same weights, data and optimizer state).
-    shared = sum(1 for n, _, _ in curriculum if n < setup["sparse_min_doc_len"])
+    # from a copy of the dense run taken after the last of them (same weights, data and optimizer state). A
+    # stage mixing lengths up to exactly sparse_min_doc_len counts as one (see the module's docstring).
+    shared = sum(1 for n, _, _ in curriculum if n < setup["sparse_min_doc_len"]
+                 or (n == setup["sparse_min_doc_len"] and n > setup["mix_from"]))
     branch = os.path.join(work, "dense-branch")
     commands, unfinished, stage_seconds = [], [], {}
     for attention, coverage in variants:
@@ -206,9 +213,9 @@ def main() -> int:
             stop_at += steps
             done_rows = read_rows(run_dir)
             # A later stage, or a stage an earlier call stopped part-way (SIGTERM checkpoints), goes on from the
-            # run's last checkpoint.
+            # run's last checkpoint; a first stage that left none starts again.
             cmd = train_command(run_dir, attention, coverage, context, tokens, stop_at, total_steps,
-                                stop_at > steps or bool(done_rows), args, setup, model)
+                                stop_at > steps or bool(finished_checkpoints(run_dir)), args, setup, model)
             commands.append(" ".join(["python", *cmd[1:]]))
             if done_rows and done_rows[-1]["step"] >= stop_at:  # an earlier call with the same --work did it
                 print(f"        {name}: context {context} done before (step {done_rows[-1]['step']})", flush=True)

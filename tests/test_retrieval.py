@@ -122,10 +122,10 @@ def test_min_context_mixes_lengths_log_uniformly_and_leaves_fixed_lengths_as_the
         assert len(tokens) == lengths[i] == len(mixed.targets(i))
         if targets is not None:  # the answer is the end of the document, as at a fixed context
             assert targets[-2] and tokens[-1] == END
-    # A document of the full context is the document the fixed source gives (same draws).
-    full = np.flatnonzero(lengths == 2048)
-    for i in full[:3]:
-        assert np.array_equal(mixed[i], fixed[i])
+    # Document i of a drawn length is document i of a source of that fixed context (the same draws).
+    for i in (0, 5, 211):
+        same = make_source("retrieval", task="copy,passkey", context=int(lengths[i]), num_docs=400, seed=2)
+        assert np.array_equal(mixed[i], same[i]) and np.array_equal(mixed.targets(i), same.targets(i))
     # The stream packs them, cut where a document overflows a batch.
     batch = DocumentStream(mixed, num_ranks=1, tokens_per_rank=4096, seed=0).next_batch()
     assert batch.doc_lens.sum() == 4096 and len(batch.doc_lens) > 2

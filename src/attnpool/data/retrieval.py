@@ -1,8 +1,9 @@
 """Synthetic long-range tasks: the answer sits far back in the document, so only attention that reaches it
 can give it (``--data retrieval``).
 
-Three tasks, each a document of exactly ``context`` tokens: filler words with statements hidden in them,
-then a question and its answer at the end.
+Four tasks, each a document of ``context`` tokens (or of a length drawn per document, ``min_context``):
+filler words with statements hidden in them, then a question and its answer at the end (``copy``: a span, then
+the span again).
 
 - ``passkey``: one statement ``KEY v1..vk`` at ``depth`` (0: the start of the filler, 1: its end); the
   question ``QUERY KEY`` asks for it; the answer is ``v1..vk``.
@@ -88,7 +89,8 @@ def _int_option(field: str, value, lo: int, hi: int | None = None) -> int:
         except ValueError as exc:
             raise ConfigError(field, value, str(exc)) from None
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < lo or (hi is not None and value > hi):
-        raise ConfigError(field, value, f"must be an integer in [{lo}, {hi if hi is not None else 'inf'})")
+        raise ConfigError(field, value, f"must be an integer in [{lo}, {hi}]" if hi is not None else
+                          f"must be an integer of at least {lo}")
     return int(value)
 
 
@@ -250,6 +252,7 @@ class RetrievalSource(DocumentSource):
         self.seed = _check_seed("seed", seed)
         self._lengths = np.full(self.num_docs, self.shape.context, dtype=np.int64)
         if min_context is not None:
+            # (at least what the tasks need, at most the context)
             low = _int_option("min_context", min_context, self.shape.min_context(), self.shape.context)
             rng = np.random.default_rng((self.seed, _LENGTH_STREAM))
             drawn = np.exp(rng.uniform(np.log(low), np.log(self.shape.context + 1), size=self.num_docs))

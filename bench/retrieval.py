@@ -6,13 +6,13 @@ theta 1e4),
 the same initial weights (seed) and the same batches (``--data retrieval``, passkeys by default, with copies of
 random spans to grow the look-up, answer-only loss), trained three times: dense, and
 vertical-slash sparse at coverages 0.95 and 0.9. A curriculum of rising context (256, 1K, 4K, 8K, 16K tokens
-per document; 16K tokens a step up to 1K, then 64K; each stage after the first mixes in shorter documents)
-teaches dense attention to retrieve at short contexts, where a step holds many documents, then carries it out to
+per document; 16K tokens a step up to 1K, then 64K, and 128K at 16K) teaches dense attention to retrieve at short contexts, where a step holds many documents, then carries it out to
 the longest. Documents of at least 4K tokens are sparse in the sparse runs, so the stages before are the
 same in every run: they are trained once, and the sparse runs continue from a copy of the dense run at that
-point (weights, optimizer, data position), as sparse training that continues a dense model's would. A stage
-that mixes lengths up to exactly 4K counts as one of them (of its documents, 1 in ~14,000 has 4K tokens, and
-those are trained dense in every run): sparse training starts with the 8K stage.
+point (weights, optimizer, data position), as sparse training that continues a dense model's would.
+``--mix-from N`` mixes document lengths from N up to each later stage's context (``min_context``); a stage
+mixing lengths up to exactly 4K then counts as shared (of its documents 1 in ~14,000 has 4K tokens, and those
+are trained dense in every run), so sparse training starts with the 8K stage.
 Each stage is one ``attnpool train`` process resuming the last one's checkpoint (the schedule spans all
 stages; ``--stop-at`` ends each). Then every run is evaluated on held-out instances at every trained context
 from 4K up (``attnpool.train.evaluate``, each run with the attention it trained with).
@@ -59,19 +59,20 @@ GPU_MODEL = dict(dim=1024, n_layers=16, n_heads=8, n_kv_heads=4, ffn_dim=2816, v
 # H200 this model left it after ~1,200 steps with lr 3e-4 and rope_theta 1e4, and stayed on it for 1,800 steps
 # with lr 1e-3; with rope_theta 5e5, lr 6e-4 and 64K-token steps it stayed on it for 400
 # (bench/results/2026-11-26-h200-retrieval.md). Short steps buy the most updates for the time.
-# Every stage of longer documents than ``mix_from`` mixes lengths from it up to its context (``min_context``,
-# log-uniform): moved to documents only longer than it had seen, the model lost the look-up (loss back to
-# chance at 16K).
+# Moved from 4K- to 8K-token documents, 8 a step, the model relearnt the look-up within ~80 steps; moved on to
+# 16K, 4 a step, it lost it for all 80 steps (loss at chance): the last stage holds 8 a step, for 100 steps.
+# Mixing shorter documents into the long stages (--mix-from) kept short-range accuracy but not the longest in a
+# CPU proxy (the tiny model carried from 128 to 2K tokens; the results file).
 GPU_CURRICULUM = ((256, 2000, 16384), (1024, 300, 16384), (4096, 150, 65536), (8192, 120, 65536),
-                  (16384, 120, 65536))
-GPU = dict(lr=3e-4, warmup_steps=30, mix_from=256, sparse_min_doc_len=4096, sparse_args={},
+                  (16384, 100, 131072))
+GPU = dict(lr=3e-4, warmup_steps=30, sparse_min_doc_len=4096, sparse_args={},
            eval_instances=40, eval_depths=(0.0, 0.25, 0.5, 0.75, 1.0), eval_min_context=4096)
 
 # The smoke test: the tiny preset cut to 2 layers, 128- and 256-token documents, sparse from 256 tokens with
 # patterns scaled down to those lengths (as bench/sparse_quality.py).
 CPU_MODEL = dict(n_layers=2, vocab_size=128)
 CPU_CURRICULUM = ((128, 2, 512), (256, 2, 1024))
-CPU = dict(lr=3e-3, warmup_steps=1, mix_from=128, sparse_min_doc_len=192,
+CPU = dict(lr=3e-3, warmup_steps=1, sparse_min_doc_len=192,
            sparse_args=dict(block=16, vertical_chunk=16, last_queries=32, sink_tokens=4, local_window=32,
                             slash_cap=32, vertical_cap=64),
            eval_instances=2, eval_depths=(0.0, 1.0), eval_min_context=256)
@@ -82,7 +83,7 @@ def train_command(run_dir: str, attention: str, coverage: float | None, context:
     cmd = [sys.executable, "-m", "attnpool.cli.main", "train", "--model", "tiny",
            "--model-args", *[f"{k}={v}" for k, v in model.items()],
            "--data", "retrieval", "--data-args", f"task={args.tasks}", f"context={context}",
-           *([f"min_context={setup['mix_from']}"] if context > setup["mix_from"] else []),
+           *([f"min_context={args.mix_from}"] if args.mix_from and context > args.mix_from else []),
            f"num_docs={args.num_docs}", f"ordinary={args.ordinary}",
            "--tokens-per-rank", str(tokens), "--seed", str(args.seed),
            "--attention", "local", "--device", args.device, "--steps", str(steps), "--stop-at", str(stop_at),
@@ -159,6 +160,9 @@ def main() -> int:
     ap.add_argument("--activation-checkpointing", default="none", choices=("none", "full", "keep_attention"))
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-4 on GPU, 3e-3 on CPU)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mix-from", type=int, default=None, metavar="N",
+                    help="mix document lengths from N tokens up to each later stage's context (data min_context; "
+                         "default: every document of the stage's length)")
     args = ap.parse_args()
     t_start = time.perf_counter()
     from attnpool.train.checkpoint import finished_checkpoints
@@ -168,6 +172,8 @@ def main() -> int:
     model = GPU_MODEL if gpu else CPU_MODEL
     curriculum = [(n, max(1, round(s * args.steps_scale)), t) for n, s, t in (GPU_CURRICULUM if gpu else CPU_CURRICULUM)]
     setup["curriculum"] = curriculum
+    if args.mix_from is not None and not 0 < args.mix_from:
+        ap.error(f"--mix-from {args.mix_from}: must be a positive number of tokens")
     if args.lr is not None:
         if not args.lr > 0:
             ap.error(f"--lr {args.lr}: must be positive")
@@ -193,7 +199,7 @@ def main() -> int:
     # from a copy of the dense run taken after the last of them (same weights, data and optimizer state). A
     # stage mixing lengths up to exactly sparse_min_doc_len counts as one (see the module's docstring).
     shared = sum(1 for n, _, _ in curriculum if n < setup["sparse_min_doc_len"]
-                 or (n == setup["sparse_min_doc_len"] and n > setup["mix_from"]))
+                 or (n == setup["sparse_min_doc_len"] and bool(args.mix_from) and n > args.mix_from))
     branch = os.path.join(work, "dense-branch")
     commands, unfinished, stage_seconds = [], [], {}
     for attention, coverage in variants:
@@ -296,7 +302,7 @@ def main() -> int:
     params = model_config("tiny", **model).num_params()
     doc = {"date": str(datetime.date.today()), "device": gpu_name, "command": " ".join(["python", *sys.argv]),
            "model": {"preset": "tiny", "model_args": model, "params": params}, "curriculum": curriculum,
-           "train_tasks": args.tasks, "tasks": tasks, "mix_from": setup["mix_from"], "sparse_min_doc_len": setup["sparse_min_doc_len"],
+           "train_tasks": args.tasks, "tasks": tasks, "mix_from": args.mix_from, "sparse_min_doc_len": setup["sparse_min_doc_len"],
            "sparse_args": setup["sparse_args"], "eval": {"depths": list(setup["eval_depths"]),
                                                         "instances": setup["eval_instances"], "contexts": eval_contexts},
            "results": results, "details": details, "unfinished": unfinished,
@@ -322,8 +328,9 @@ def write_markdown(path: str, doc: dict, loss_png: str, heatmap_pngs: list[str])
         f"({m['params'] / 1e6:.2f}M parameters). Tasks `{doc['train_tasks']}` (`--data retrieval`, answer-only loss; "
         f"evaluated: `{doc['tasks']}`), "
         f"curriculum (context x steps, tokens per step) "
-        f"{', '.join(f'{fmt(n)} x {s} ({fmt(t)})' for n, s, t in doc['curriculum'])}, documents of each stage "
-        f"after the first from {fmt(doc['mix_from'])} tokens up to its context; sparse runs: documents of "
+        f"{', '.join(f'{fmt(n)} x {s} ({fmt(t)})' for n, s, t in doc['curriculum'])}"
+        + (f", documents of each later stage from {fmt(doc['mix_from'])} tokens up to its context" if doc["mix_from"]
+           else "") + f"; sparse runs: documents of "
         f"{doc['sparse_min_doc_len']}+ tokens sparse"
         + (f", `--sparse-args {' '.join(f'{k}={v}' for k, v in doc['sparse_args'].items())}`" if doc["sparse_args"] else "")
         + ".", "",

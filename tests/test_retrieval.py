@@ -187,7 +187,7 @@ def test_retrieval_bench_smoke_then_attnpool_eval(tmp_path, capsys):
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, os.path.join(root, "bench", "retrieval.py"), "--out", str(out),
                            "--work", str(tmp_path / "work"), "--device", "cpu", "--coverages", "0.95",
-                           "--tasks", "copy,passkey,multikey"],
+                           "--tasks", "copy,passkey,multikey", "--mix-from", "128"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     (result,) = out.glob("*-cpu-retrieval.json")
@@ -199,7 +199,7 @@ def test_retrieval_bench_smoke_then_attnpool_eval(tmp_path, capsys):
     assert doc["unfinished"] == [] and all(v is not None for v in doc["final_loss"].values())
     md = result.with_suffix(".md").read_text()
     assert "--resume" in md and "--sparse-coverage 0.95" in md and "reach the passkey" in md
-    assert "min_context=128" in md  # the second stage mixes in the first stage's length
+    assert "min_context=128" in md  # --mix-from: the second stage mixes in the first stage's length
     sparse_rows = [json.loads(line) for line in (tmp_path / "work" / "sparse-0.95" / "metrics.jsonl").read_text().splitlines()]
     dense_rows = [json.loads(line) for line in (tmp_path / "work" / "dense" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in sparse_rows] == [1, 2, 3, 4]

@@ -36,9 +36,8 @@ Every document is ``context`` tokens, so a batch of a multiple of ``context`` to
 (the stream cuts the document that overflows a batch, and the rest of a cut task has lost its key). With
 ``min_context`` each document's length is drawn instead, log-uniformly in [min_context, context] (as many
 documents of each octave, so the longest octave holds about half the tokens): a model carried to a longer
-context keeps seeing the lengths it learnt at. Moved to documents only longer than any it had seen, the
-189M model of bench/retrieval.py lost the look-up it had learnt (loss from 0.05 back to chance at 16K), and
-then the few long documents a step holds are little to relearn it from. Mixed lengths do not pack whole, so
+context keeps seeing the lengths it learnt at (in a CPU proxy that kept short-range accuracy, at some cost
+to the longest context's: bench/results/2026-11-26-h200-retrieval.md). Mixed lengths do not pack whole, so
 about one document a batch is cut.
 Document ``i`` is generated from ``(seed, i)``; held-out instances (:func:`make_instance` with
 ``split="eval"``) come from a separate seed space.

@@ -56,7 +56,7 @@ GPU_MODEL = dict(dim=1024, n_layers=16, n_heads=8, n_kv_heads=4, ffn_dim=2816, v
 # The first stage grows the look-up: 256-token documents, 64 a step, ~45% of them copies (the ``copy``
 # task: a span repeated, every copied token supervised). The loss sits on a plateau near ln 96 (the span
 # symbols' chance) until an induction-style look-up forms, then falls to ~0.05 within a few hundred steps: on an
-# H200 this model left it after ~1,200 steps with lr 3e-4 and rope_theta 1e4, and stayed on it for 1,800 steps
+# H200 this model left it after ~900-1,300 steps with lr 3e-4 and rope_theta 1e4, and stayed on it for 1,800 steps
 # with lr 1e-3; with rope_theta 5e5, lr 6e-4 and 64K-token steps it stayed on it for 400
 # (bench/results/2026-11-26-h200-retrieval.md). Short steps buy the most updates for the time.
 # Moved from 4K- to 8K-token documents, 8 a step, the model relearnt the look-up within ~80 steps; moved on to

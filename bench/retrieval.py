@@ -2,11 +2,11 @@
 """Does sparse training keep long-range quality? Dense and vertical-slash training on retrieval tasks (issue 26).
 
 The same Llama-style model (189M parameters: 16 layers, dim 1024, 8 query / 4 KV heads of 128, vocab 128, RoPE
-theta 1e4),
-the same initial weights (seed) and the same batches (``--data retrieval``, passkeys by default, with copies of
-random spans to grow the look-up, answer-only loss), trained three times: dense, and
+theta 1e4), the same initial weights (seed) and the same batches (``--data retrieval``, passkeys by default,
+with copies of random spans to grow the look-up, answer-only loss), trained three times: dense, and
 vertical-slash sparse at coverages 0.95 and 0.9. A curriculum of rising context (256, 1K, 4K, 8K, 16K tokens
-per document; 16K tokens a step up to 1K, then 64K, and 128K at 16K) teaches dense attention to retrieve at short contexts, where a step holds many documents, then carries it out to
+per document; 16K tokens a step up to 1K, then 64K, and 128K at 16K) teaches dense attention to retrieve at
+short contexts, where a step holds many documents, then carries it out to
 the longest. Documents of at least 4K tokens are sparse in the sparse runs, so the stages before are the
 same in every run: they are trained once, and the sparse runs continue from a copy of the dense run at that
 point (weights, optimizer, data position), as sparse training that continues a dense model's would.

@@ -25,7 +25,7 @@ from attnpool.runtime.dispatch import DispatchLayout
 from attnpool.train.memory import (CHECKPOINTING_MODES, Calibration, Capacity, MemoryInputs, RowRatios, estimate,
                                    format_tokens, largest_tokens, parse_memory_size, report, saved_per_layer,
                                    settings)
-from attnpool.train.offload import ActivationOffload
+from attnpool.train.offload import ActivationOffload, piece_sizes
 from dist_harness import run_distributed
 from test_train import tiny_config
 
@@ -273,7 +273,8 @@ def test_offload_and_chunked_recompute_keep_gradients_exact(mode, monkeypatch):
     for offload in (False, True):
         for layers in (1, 2):
             model = small_model(layers, mode)
-            hooks = ActivationOffload("cpu", min_bytes=0) if offload else None
+            # pieces of at least 256 bytes: most regions are held in several host pieces
+            hooks = ActivationOffload("cpu", min_bytes=0, piece_floor_bytes=256) if offload else None
             with hooks if hooks else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                 loss = model(tokens, positions, CoreAttention(plan), labels=tokens)
             loss.backward()
@@ -339,6 +340,51 @@ def test_offload_leaves_parameters_and_small_tensors_alone():
     assert offload.offloaded_bytes == big.numel() * 4  # the matmul keeps big and the weight; only big moves
     loss.backward()
     assert torch.equal(weight.grad, expected)
+
+
+def test_host_pieces_are_powers_of_two_above_the_floor():
+    """The pinned allocator rounds each block up to a power of two: a region's pieces are powers of two
+    (in bytes) down to the floor, largest first, and one piece below the floor holds the rest."""
+    for numel in (1, 5, 1000, 12345, (1 << 20) + 3, 3 << 20):
+        for element_size in (2, 4, 8):
+            sizes = piece_sizes(numel, element_size, floor_bytes=1024)
+            assert sum(sizes) == numel
+            whole = [s * element_size for s in sizes if s * element_size >= 1024]
+            assert all(b & (b - 1) == 0 for b in whole) and whole == sorted(whole, reverse=True)
+            assert len(sizes) - len(whole) <= 1 and sum(sizes[len(whole):]) * element_size < 1024
+    assert piece_sizes(0, 2) == []
+    # 2.3 GiB of bf16 (a 300K-token layer input of Llama-3-8B): 2 GiB + 256 MiB + ..., not one 4 GiB block
+    assert piece_sizes(int(2.3 * 2**30) // 2, 2)[:2] == [1 << 30, 1 << 27]
+
+
+def _offload_dtensors(rank, world):
+    """A sharded activation and a replicated weight (tensor parallelism's DTensors) saved through
+    offload: the same gradients as without it, and the local shards moved."""
+    import contextlib
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 16), torch.randn(16, 16)
+    results = []
+    for offload in (None, ActivationOffload("cpu", min_bytes=0)):
+        xd = distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+        wd = distribute_tensor(w, mesh, [Replicate()]).requires_grad_()
+        with offload or contextlib.nullcontext():
+            loss = torch.tanh(xd @ wd).sum()
+        loss.backward()
+        results.append((xd.grad.full_tensor(), wd.grad.full_tensor(), offload.offloaded_bytes if offload else 0))
+    (gx, gw, _), (gx_off, gw_off, moved) = results
+    return torch.equal(gx, gx_off) and torch.equal(gw, gw_off), moved
+
+
+def test_offload_moves_dtensors_local_shards():
+    for same, moved in run_distributed(_offload_dtensors, 2):
+        assert same
+        # x's shard (4 x 16), w (16 x 16) and tanh's output shard (4 x 16), float32
+        assert moved == (4 * 16 + 16 * 16 + 4 * 16) * 4
 
 
 def test_loss_chunk_is_sized_by_bytes_of_logits():

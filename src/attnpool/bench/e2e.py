@@ -50,6 +50,7 @@ from attnpool.sizes import parse_size
 from attnpool.train.config import TrainConfig
 from attnpool.train.metrics import attention_time
 from attnpool.train.loop import train, use_growable_segments
+from attnpool.train.offload import release_host_cache
 
 TRACE_STEPS = 2  # profiled after the measured steps: one warm-up step of the profiler, one recorded
 H200_BF16_PEAK_TFLOPS = 989.0  # dense, datasheet: the MFU denominator
@@ -283,6 +284,7 @@ def _run_all(args: argparse.Namespace, configs: list, strategies: list, cuda: bo
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
+                release_host_cache()  # activation offload's pinned blocks, cached sized for this run's tensors
             if rank == 0:
                 print(f"{dist_name:8s} {tokens // 1024:4d}K {rec['strategy']:34s} step {rec['step_time_s']:7.3f} s  "
                       f"{rec['tokens_per_s'] / 1e3:8.1f}K tok/s  imbalance {rec['imbalance_after']:.3f}  "

@@ -20,31 +20,68 @@ backward needs them.
 
 Left on the GPU: parameters (FSDP gathers them again for backward), tensors under ``min_bytes``, tensors
 on other devices, and non-contiguous ones (their strides would not survive the round trip). A region
-saved twice (the same layer input kept by two checkpoints as views of one tensor) is copied once.
+saved twice (the same layer input kept by two checkpoints as views of one tensor) is copied once. A
+DTensor (tensor parallelism's sequence-parallel activations) moves its local shard and is rebuilt around
+it in backward.
 
-On a CPU run the "host copy" is a copy in the same memory: the same function, nothing saved; training
-turns offload on there only so that its path runs in tests.
+A region's host copy is held in pieces whose sizes are powers of two: PyTorch's pinned-memory allocator
+rounds every block up to a power of two and keeps freed blocks cached, so a 2.3 GiB layer input held
+whole would take a 4 GiB block (twice the host memory the memory model counts). The pieces waste less
+than ``PIECE_FLOOR_BYTES`` per region.
+
+On a CPU run the "host copy" is a copy in the same memory (the same pieces, unpinned): the same
+function, nothing saved; training turns offload on there only so that its path runs in tests.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import weakref
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 DEFAULT_MIN_BYTES = 1 << 20
+PIECE_FLOOR_BYTES = 16 << 20
+
+
+def piece_sizes(numel: int, element_size: int, floor_bytes: int = PIECE_FLOOR_BYTES) -> list[int]:
+    """Element counts of a region's host pieces: the powers of two (in bytes) of its size down to
+    ``floor_bytes``, largest first, then what is left in one piece (below ``floor_bytes``)."""
+    sizes, left = [], numel * element_size
+    piece = 1 << (left.bit_length() - 1) if left else 0
+    while piece >= max(floor_bytes, element_size):
+        if left >= piece:
+            sizes.append(piece // element_size)
+            left -= piece
+        piece >>= 1
+    if left:
+        sizes.append(left // element_size)
+    return sizes
+
+
+def release_host_cache() -> None:
+    """Hand the pinned blocks PyTorch's host allocator keeps cached back to the system: a run after
+    another in the same process (a benchmark's strategies) would otherwise allocate beside them."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+        if empty is not None:
+            empty()
 
 
 class _Saved:
-    """One offloaded region: its host copy, and its device copy while backward needs it."""
+    """One offloaded region: its host copy (flat pieces, see ``piece_sizes``), and its device copy while
+    backward needs it."""
 
-    __slots__ = ("host", "nbytes", "device_copy", "ready", "users")
+    __slots__ = ("pieces", "dtype", "numel", "nbytes", "device_copy", "ready", "users")
 
-    def __init__(self, host: torch.Tensor):
-        self.host = host
-        self.nbytes = host.numel() * host.element_size()
+    def __init__(self, pieces: list[torch.Tensor]):
+        self.pieces = pieces
+        self.dtype = pieces[0].dtype
+        self.numel = sum(p.numel() for p in pieces)
+        self.nbytes = self.numel * pieces[0].element_size()
         self.device_copy: torch.Tensor | None = None
         self.ready = None  # CUDA event: the device copy is complete
         self.users = 0  # packs of this region not unpacked yet
@@ -60,6 +97,15 @@ class _Packed:
         self.saved, self.offset, self.shape, self.position = saved, offset, shape, position
 
 
+class _PackedDTensor:
+    """A saved DTensor: its local shard as packed, and what rebuilds the DTensor around it."""
+
+    __slots__ = ("local", "spec")
+
+    def __init__(self, local, spec):
+        self.local, self.spec = local, spec
+
+
 class ActivationOffload:
     """Saved-tensor hooks that keep saved activations in host memory (see the module docstring).
 
@@ -68,8 +114,10 @@ class ActivationOffload:
     """
 
     def __init__(self, device: torch.device, *, min_bytes: int = DEFAULT_MIN_BYTES,
-                 prefetch_bytes: int = 1 << 30, max_pending_bytes: int = 4 << 30):
+                 prefetch_bytes: int = 1 << 30, max_pending_bytes: int = 4 << 30,
+                 piece_floor_bytes: int = PIECE_FLOOR_BYTES):
         self.device = torch.device(device)
+        self.piece_floor_bytes = piece_floor_bytes
         self.cuda = self.device.type == "cuda"
         self.min_bytes = min_bytes
         self.prefetch_bytes = prefetch_bytes
@@ -103,6 +151,9 @@ class ActivationOffload:
                 or t.numel() * t.element_size() < self.min_bytes or not t.is_contiguous())
 
     def _pack(self, t: torch.Tensor):
+        if isinstance(t, DTensor) and not isinstance(t, nn.Parameter):
+            local = self._pack(t._local_tensor)
+            return t if local is t._local_tensor else _PackedDTensor(local, t._spec)
         if self._keeps_on_device(t):
             return t
         # A tensor saved whole and again as views (core attention's output, then its chunks in the
@@ -116,7 +167,7 @@ class ActivationOffload:
         if found is None or found[0]() is not base:
             found = self._regions[id(base)] = (weakref.ref(base), [])
         for region_start, region_end, saved in found[1]:
-            if region_start <= start and end <= region_end and saved.host.dtype == t.dtype:
+            if region_start <= start and end <= region_end and saved.dtype == t.dtype:
                 break
         else:
             region_start, saved = start, _Saved(self._copy_to_host(t))
@@ -125,15 +176,20 @@ class ActivationOffload:
         self._order.append(saved)
         return _Packed(saved, start - region_start, t.shape, len(self._order) - 1)
 
-    def _copy_to_host(self, t: torch.Tensor) -> torch.Tensor:
+    def _copy_to_host(self, t: torch.Tensor) -> list[torch.Tensor]:
         nbytes = t.numel() * t.element_size()
         self.offloaded_bytes += nbytes
+        flat, start = t.detach().view(-1), 0
+        pieces = [torch.empty(n, dtype=t.dtype, pin_memory=self.cuda)
+                  for n in piece_sizes(t.numel(), t.element_size(), self.piece_floor_bytes)]
         if not self.cuda:
-            return t.detach().clone()
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            for piece in pieces:
+                start += piece.copy_(flat[start:start + piece.numel()]).numel()
+            return pieces
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            host.copy_(t, non_blocking=True)
+            for piece in pieces:
+                start += piece.copy_(flat[start:start + piece.numel()], non_blocking=True).numel()
             done = torch.cuda.Event()
             done.record()
         t.record_stream(self.stream)  # the allocator reuses t's memory only after the copy
@@ -143,7 +199,7 @@ class ActivationOffload:
             done, nbytes = self._pending.popleft()
             done.synchronize()  # forward waits here only when it runs too far ahead of the copies
             self._pending_bytes -= nbytes
-        return host
+        return pieces
 
     # --- backward --------------------------------------------------------------------------------
 
@@ -151,17 +207,21 @@ class ActivationOffload:
         if saved.device_copy is not None or saved.users <= 0:
             return
         self._fetched_bytes += saved.nbytes
-        if not self.cuda:
-            saved.device_copy = saved.host.clone()
-            return
-        with torch.cuda.stream(self.stream):
-            saved.device_copy = saved.host.to(self.device, non_blocking=True)
-            saved.ready = torch.cuda.Event()
-            saved.ready.record()
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            saved.device_copy, start = torch.empty(saved.numel, dtype=saved.dtype, device=self.device), 0
+            for piece in saved.pieces:
+                start += saved.device_copy[start:start + piece.numel()].copy_(piece, non_blocking=self.cuda).numel()
+            if self.cuda:
+                saved.ready = torch.cuda.Event()
+                saved.ready.record()
 
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
+        if isinstance(packed, _PackedDTensor):
+            spec = packed.spec
+            return DTensor.from_local(self._unpack(packed.local), spec.mesh, spec.placements, run_check=False,
+                                      shape=spec.shape, stride=spec.stride)
         saved = packed.saved
         if saved.users <= 0:  # unpacked again after its last user (a retained graph): from the host anew
             saved.users = 1
@@ -172,7 +232,7 @@ class ActivationOffload:
         while self._cursor > 0 and self._fetched_bytes < self.prefetch_bytes:
             self._cursor -= 1
             self._fetch(self._order[self._cursor])
-        t = saved.device_copy.view(-1)[packed.offset:packed.offset + packed.shape.numel()].view(packed.shape)
+        t = saved.device_copy[packed.offset:packed.offset + packed.shape.numel()].view(packed.shape)
         if self.cuda:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(saved.ready)

@@ -58,6 +58,17 @@ def test_balanced_plan_costs_exactly_the_ideal(costs):
     assert st.linear + st.attention == pytest.approx(st.step, rel=1e-12)
 
 
+def test_full_recompute_runs_core_attention_forward_again(costs):
+    """recompute full (attnpool train's full checkpointing): the linear parts as under linear, and core
+    attention's forward once more in each layer's backward."""
+    cluster = Cluster(gpus=32, tp=8, tokens_per_gpu=4096)
+    docs = [8192, 4096, 4096]
+    steps = {r: _local_step(StepModel(CFG, cluster, costs, r), [docs] * 4, 4 * 4096)[0] for r in ("linear", "full")}
+    forward, _ = StepModel(CFG, cluster, costs).task_attention(np.zeros(3, dtype=np.int64), np.array(docs))
+    assert steps["full"].linear == pytest.approx(steps["linear"].linear, rel=1e-12)
+    assert steps["full"].attention - steps["linear"].attention == pytest.approx(CFG.n_layers * forward.sum(), rel=1e-9)
+
+
 def test_more_imbalance_takes_longer(costs):
     model = StepModel(CFG, Cluster(gpus=32, tp=8, tokens_per_gpu=4096), costs)
     steps = []

@@ -42,8 +42,9 @@ def add_parser(sub) -> None:
     p.add_argument("--model", type=_list(str, "model presets"), default=None,
                    help=f"model preset(s): {', '.join(k for k in MODEL_PRESETS if k != 'tiny')} (default llama3-8b)")
     p.add_argument("--layers", type=int, default=None, help="override the preset's number of layers (reduced-depth runs)")
-    p.add_argument("--recompute", default="none", choices=("none", "linear"),
-                   help="linear: activation checkpointing of the linear parts, as attnpool train's keep_attention")
+    p.add_argument("--recompute", default="none", choices=("none", "linear", "full"),
+                   help="linear: activation checkpointing of the linear parts, as attnpool train's keep_attention; "
+                        "full: of whole layers (core attention's forward runs again too), as its full")
     p.add_argument("--gpus", type=_list(int, "GPU counts"), default=None, help="number(s) of GPUs (default 64)")
     p.add_argument("--tp", type=int, default=8, help="tensor-parallel size inside a node; an attention server is one TP group (default 8)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")

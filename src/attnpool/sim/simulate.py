@@ -57,7 +57,7 @@ class SimConfig:
     elongate: float | None = None  # None: max_doc_len / 64K for pretrain, 1 otherwise
     upsample: bool = True
     cp_degrees: tuple | None = None  # None: every divisor of the number of servers
-    recompute: str = "none"  # "linear": linear forwards and head logits run again in backward
+    recompute: str = "none"  # "linear": linear forwards and head logits run again in backward; "full": attention too
 
     def model_config(self):
         return model_config(self.model, **({"n_layers": self.layers} if self.layers is not None else {}))

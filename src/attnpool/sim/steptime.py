@@ -126,7 +126,7 @@ class StepTime:
         return asdict(self)
 
 
-RECOMPUTE = ("none", "linear")
+RECOMPUTE = ("none", "linear", "full")
 
 
 class StepModel:
@@ -150,7 +150,10 @@ class StepModel:
         self.tok_bwd_post = lin.bwd * (1 - lin.pre_fraction) / tp
         self.tok_head_fwd = lin.head_fwd / tp
         self.tok_head_bwd = lin.head_bwd / tp
-        if recompute == "linear":
+        # full (attnpool train's full checkpointing, whole layers): core attention's forward runs again
+        # in backward too, before its backward; its exchanges are charged once.
+        self.attention_again = recompute == "full"
+        if recompute in ("linear", "full"):
             # Activation checkpointing of the linear parts (core attention kept) and a loss
             # computed in checkpointed chunks: backward runs every linear forward and the
             # head's logits once more.
@@ -169,7 +172,7 @@ class StepModel:
     def task_attention(self, a, b) -> tuple[np.ndarray, np.ndarray]:
         """Per-GPU (fwd, bwd) seconds of tasks on a server of tp GPUs (each GPU runs n_heads / tp)."""
         f, b_ = self.costs.attention(a, b)
-        return f / self.cluster.tp, b_ / self.cluster.tp
+        return f / self.cluster.tp, (b_ + f if self.attention_again else b_) / self.cluster.tp
 
     def ideal(self, doc_lens) -> float:
         """Perfect balance, no communication: mean linear + mean attention (whole documents)."""
@@ -213,7 +216,10 @@ class StepModel:
             raise ConfigError("plan.num_ranks", plan.num_ranks, f"the cluster has {S} servers")
         t = plan.pieces
         tokens = t.tokens_per_rank.astype(np.float64)
-        f, b = self.task_attention(plan.task_start, plan.task_end) if task_seconds is None else task_seconds
+        if task_seconds is None:
+            f, b = self.task_attention(plan.task_start, plan.task_end)
+        else:
+            f, b = task_seconds[0], task_seconds[1] + (task_seconds[0] if self.attention_again else 0)
         attn_f = np.bincount(plan.task_server, weights=f, minlength=S)
         attn_b = np.bincount(plan.task_server, weights=b, minlength=S)
         home, srv, ln = plan.task_home, plan.task_server, plan.task_len

@@ -18,10 +18,11 @@ three to host memory (FSDP2's ``CPUOffloadPolicy``). For compute, FSDP2 gathers 
 the compute dtype (bf16 under mixed precision) while it runs, the next one prefetched, and the root's
 (embedding, output projection, final norm) for the whole forward and backward. Tensor and pipeline
 parallelism enter as mesh sizes: ``tp`` divides every layer's parameters and, with sequence
-parallelism, every per-token activation; ``pp`` splits the layers into stages, the first of which holds
+parallelism, every per-token activation but the norms' gathered outputs; ``pp`` splits the layers into stages, the first of which holds
 ``in_flight`` micro-batches' activations (1F1B: up to pp). With several micro-batches per step FSDP2
 reduces gradients once, after the last: until then each rank keeps its layers' whole float32 gradients.
-These follow the standard arithmetic and are not calibrated on GPUs yet.
+These follow the standard arithmetic; the 4 x H200 runs in bench/results/2026-11-26-h200x4-parallel.md
+check them (tp 2 and 4, pp 2 x tp 2: within 9% of the measured peaks).
 
 Core attention's buffers depend on the plan: a server holds the Q rows it serves, the unique KV rows
 they need and, for backward, the outputs it returned to other ranks. :class:`RowRatios` gives these per
@@ -175,7 +176,11 @@ def saved_per_layer(x: MemoryInputs) -> dict[str, float]:
     attention saves: the server's Q rows and float32 LSE, its unique K and V rows, the rank's output,
     and the outputs it returned to other ranks. full: the layer's input alone. none: additionally
     each norm's input and float32 reciprocal RMS, each norm's output (the next projections' input),
-    the attention block's sum, and the MLP's four ffn_dim-wide intermediates."""
+    the attention block's sum, and the MLP's four ffn_dim-wide intermediates.
+
+    Per token of the dp rank, before ``estimate`` divides by tp: under tensor parallelism every term is
+    split over the tp ranks (by sequence or by heads) but the norms' outputs, which sequence parallelism
+    gathers to the whole sequence before the projections that save them (counted tp times here)."""
     m, r = x.model, x.rows
     a = 2 if x.bf16 else 4
     q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
@@ -191,7 +196,7 @@ def saved_per_layer(x: MemoryInputs) -> dict[str, float]:
         return {"layer input": a * m.dim}
     if mode == "keep_attention":
         return {"layer input": a * m.dim, **attention}
-    return {"layer input": a * m.dim, "norm statistics": 2 * 4.0, "norm outputs": 2 * a * m.dim,
+    return {"layer input": a * m.dim, "norm statistics": 2 * 4.0, "norm outputs": 2 * a * m.dim * x.tp,
             "attention sum": a * m.dim, **attention, "mlp intermediates": 4 * a * m.ffn_dim}
 
 
@@ -241,7 +246,8 @@ def layer_backward_transient(x: MemoryInputs, tokens: int) -> float:
     LINEAR_CHUNK_TOKENS tokens recomputed and differentiated (four ffn_dim-wide intermediates, three
     gradients) plus the attention output's gradient; under none three ffn_dim-wide gradients of the kept
     intermediates; under full the same, on top of the whole layer recomputed (what none keeps, but its
-    input)."""
+    input). Under tensor parallelism keep_attention's linear parts are recomputed whole, not in chunks
+    (parallel.tensor: a sequence shard and the whole sequence's angles do not split alike)."""
     m = x.model
     a, c = (2, 2) if x.bf16 else (4, 4)
     home = tokens * x.rows.home
@@ -250,7 +256,8 @@ def layer_backward_transient(x: MemoryInputs, tokens: int) -> float:
     weight_gradients = c * 3 * m.dim * m.ffn_dim
     attention = attention_backward_transient(x, tokens)
     if x.activation_checkpointing == "keep_attention":
-        mlp = 7 * a * m.ffn_dim * min(LINEAR_CHUNK_TOKENS, home) + a * q * home
+        chunk = home if x.tp > 1 else min(LINEAR_CHUNK_TOKENS, home)  # (then ffn_dim / tp wide)
+        mlp = 7 * a * m.ffn_dim * chunk + a * q * home
         recomputed = 0.0
     else:
         mlp = 3 * a * m.ffn_dim * home

@@ -117,6 +117,8 @@ class ActivationOffload:
                  prefetch_bytes: int = 1 << 30, max_pending_bytes: int = 4 << 30,
                  piece_floor_bytes: int = PIECE_FLOOR_BYTES):
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # tensors say cuda:N: compare alike
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.piece_floor_bytes = piece_floor_bytes
         self.cuda = self.device.type == "cuda"
         self.min_bytes = min_bytes

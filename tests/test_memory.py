@@ -24,7 +24,7 @@ from attnpool.runtime import CoreAttention
 from attnpool.runtime.dispatch import DispatchLayout
 from attnpool.train.memory import (CHECKPOINTING_MODES, Calibration, Capacity, MemoryInputs, RowRatios, estimate,
                                    format_tokens, largest_tokens, parse_memory_size, report, saved_per_layer,
-                                   settings)
+                                   settings, undominated)
 from attnpool.train.offload import ActivationOffload, piece_sizes
 from dist_harness import run_distributed
 from test_train import tiny_config
@@ -118,6 +118,22 @@ def test_attention_rows_match_the_dispatch_layout():
             assert rows.unique_kv[r] == layout.num_unique_kv
             assert rows.expanded_kv[r] == len(layout.kv_expand)
             assert rows.returned[r] == len(layout.recv_q_pos)
+
+
+def test_the_estimate_is_the_largest_over_sampled_ranks_not_their_bound():
+    """Two ranks, each the worst in another count: the peak is one of theirs, below the elementwise
+    bound that would combine both; a rank matched or exceeded in every count by another is dropped."""
+    m = model_config("llama3-8b", n_layers=8)
+    many_queries = RowRatios(query=1.6, returned=0.6, unique_kv=1.2, expanded_kv=1.2, batches=2)
+    many_keys = RowRatios(query=1.1, returned=0.1, unique_kv=2.5, expanded_kv=2.5, batches=2)
+    dominated = RowRatios(query=1.0, returned=0.1, unique_kv=1.1, expanded_kv=1.1, batches=2)
+    assert undominated([many_queries, dominated, many_keys, many_queries]) == (many_queries, many_keys)
+    bound = RowRatios(query=1.6, returned=0.6, unique_kv=2.5, expanded_kv=2.5, batches=2)
+    for mode in CHECKPOINTING_MODES:
+        x = MemoryInputs(m, 64 * 1024, mode, dp=4, rows=bound)
+        each = [estimate(replace(x, rows=r)).peak_bytes for r in (many_queries, many_keys)]
+        peak = estimate(replace(x, row_candidates=(many_queries, many_keys))).peak_bytes
+        assert peak == max(each) < estimate(x).peak_bytes
 
 
 def test_more_tokens_layers_and_fewer_ranks_need_more_memory():
@@ -228,6 +244,16 @@ def test_memory_command_names_a_setting_that_fits():
     assert data["attention_rows"]["batches"] > 0  # cad's rows came from plans
     text = _cli(*MEMORY_8B, check_rc=0).stdout
     assert "does NOT fit" in text and f"activation_checkpointing={fitting['activation_checkpointing']}" in text
+
+
+def test_a_short_run_samples_only_the_batches_it_trains_on():
+    """Core attention's rows come from the run's first batches: 8 at most, and no more than it draws
+    (steps x micro-batches, up to stop_at)."""
+    def sampled(*args):
+        return json.loads(_cli(*MEMORY_8B, "--json", *args, check_rc=0).stdout)["attention_rows"]["batches"]
+    assert sampled("--steps", "1000") == 8
+    assert sampled("--steps", "3") == 3
+    assert sampled("--steps", "1000", "--stop-at", "2", "--microbatches", "2") == 4
 
 
 def test_memory_command_plans_gpus_from_a_machine_without_one():

@@ -127,9 +127,9 @@ def test_memory_model_counts_the_pooled_ticks():
     cfg = tiny_config("unused", data="synthetic", data_args=dict(dist="pretrain"), attention="cad", pp=2,
                       microbatches=2, pp_schedule="pooled")
     tiny = model_config("tiny", **TINY)
-    rows = sample_row_ratios(cfg, build_source(cfg, tiny.vocab_size), load_cost_model("pairs"),
-                             ParallelDims(dp=1, pp=2), tiny, None, False, batches=2)
-    assert rows.batches == 2 and rows.query > 0  # the ramps' idle ranks serve the busy stage's queries
+    rows, candidates = sample_row_ratios(cfg, build_source(cfg, tiny.vocab_size), load_cost_model("pairs"),
+                                         ParallelDims(dp=1, pp=2), tiny, None, False, batches=2)
+    assert rows.batches == 2 and rows.query > 0 and candidates == ()  # ticks' rows add up on a rank: the bound  # the ramps' idle ranks serve the busy stage's queries
 
 
 def _resume(rank, world, out, pp, resume, stop_at, schedule="1f1b"):

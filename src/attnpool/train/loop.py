@@ -76,7 +76,7 @@ from attnpool.train.checkpoint import (check_compatible, checkpoint_config, chec
                                        finished_checkpoints, load_checkpoint, save_checkpoint, select_checkpoint)
 from attnpool.train.config import DATA_PATH_OPTION, HF_PREFIX, RUN_FIELDS, TrainConfig, load_config, save_config
 from attnpool.train.memory import (Calibration, Capacity, MemoryEstimate, MemoryInputs, RowRatios, estimate,
-                                   format_bytes, report, saved_bytes_per_layer, settings)
+                                   format_bytes, report, saved_bytes_per_layer, settings, undominated)
 from attnpool.train.offload import ActivationOffload
 from attnpool.train.metrics import (PLOT_FILE, SUMMARY_FILE, AttentionTimer, MetricsLog, Progress, logger_problem,
                                     open_logger, peak_memory_bytes, peak_reserved_bytes,
@@ -345,19 +345,21 @@ def uses_bf16(config: TrainConfig, device_type: str) -> bool:
 
 
 def sample_row_ratios(config: TrainConfig, source, cost_model, dims: ParallelDims, model_cfg: ModelConfig,
-                      sparse: SparseConfig | None, bf16: bool, batches: int = MEMORY_SAMPLE_BATCHES) -> RowRatios:
-    """Core attention's rows on the busiest rank, per token of tokens_per_rank: the largest of each over the
-    dp ranks and the plans of the run's first ``batches`` batches (with ping-pong, both nano-batches' rows;
-    with a pooled pipeline, every tick's plan over all stages' ranks, of the first ``batches`` steps)."""
+                      sparse: SparseConfig | None, bf16: bool,
+                      batches: int = MEMORY_SAMPLE_BATCHES) -> tuple[RowRatios, tuple[RowRatios, ...]]:
+    """Core attention's rows per token of tokens_per_rank, from the plans of the run's first ``batches``
+    batches (with ping-pong, both nano-batches' rows; with a pooled pipeline, every tick's plan over all
+    stages' ranks, of the first ``batches`` steps): the largest of each count over the plans and dp ranks,
+    and (but pooled) each plan's rank rows that no other matches in every count (memory.undominated)."""
     pooled = dims.pp > 1 and config.pp_schedule == POOLED
     if dims.dp == 1 and not pooled:
-        return RowRatios()
+        return RowRatios(), ()
     world = dims.dp
     stream = DocumentStream(source, world, config.tokens_per_rank, config.seed, config.max_doc_len)
     shape = attention_shape(model_cfg, dims.tp, bf16)
     prior = SparsePrior(sparse, model_cfg.n_heads // dims.tp, model_cfg.head_dim, model_cfg.n_layers) if sparse else None
     names = ("home", "query", "returned", "unique_kv", "expanded_kv")
-    worst = np.zeros(len(names))
+    worst, candidates = np.zeros(len(names)), []
     for _ in range(batches):
         if pooled:  # one unit in flight per tick, each with its own plan's rows
             tables = [plan_batch(stream.next_batch(), config, world, cost_model, shape, prior, dims.tp,
@@ -371,7 +373,12 @@ def sample_row_ratios(config: TrainConfig, source, cost_model, dims: ParallelDim
         for rows in units:
             per_rank = np.array([np.sum([getattr(r, name) for r in rows], axis=0) for name in names])
             worst = np.maximum(worst, per_rank.max(axis=1))
-    return RowRatios(*(worst / config.tokens_per_rank).tolist(), batches=batches)
+            candidates += [RowRatios(*(counts / config.tokens_per_rank).tolist(), batches=batches)
+                           for counts in per_rank.T]
+    # A pooled rank holds several ticks' rows at once (and none of its own tokens in some): only the
+    # elementwise bound stands for it.
+    bound = RowRatios(*(worst / config.tokens_per_rank).tolist(), batches=batches)
+    return bound, () if pooled else undominated(candidates)
 
 
 def memory_inputs(config: TrainConfig, model_cfg: ModelConfig, dims: ParallelDims, bf16: bool,
@@ -390,13 +397,19 @@ def memory_inputs(config: TrainConfig, model_cfg: ModelConfig, dims: ParallelDim
 
 def run_memory_inputs(config: TrainConfig, model_cfg: ModelConfig, source, cost_model, sparse: SparseConfig | None,
                       dims: ParallelDims, gpu: bool, capacity: Capacity, calibration: Calibration) -> MemoryInputs:
-    """The memory model's inputs for a run, core attention's rows from plans of its first batches. Those
-    are drawn only if, with the fewest rows core attention can hold (RowRatios(), a lower bound of the
+    """The memory model's inputs for a run, core attention's rows from plans of its first batches (at most
+    MEMORY_SAMPLE_BATCHES, and no more than the run trains on). Those are drawn only if, with the fewest rows core attention can hold (RowRatios(), a lower bound of the
     busiest rank's), some memory setting fits: a batch far too large is refused before one is drawn."""
     bf16 = uses_bf16(config, "cuda" if gpu else "cpu")
     x = memory_inputs(config, model_cfg, dims, bf16, gpu=gpu)
     if any(capacity.holds(estimate(s, calibration)) for s in settings(x, offloads=gpu)):
-        x = replace(x, rows=sample_row_ratios(config, source, cost_model, dims, model_cfg, sparse, bf16))
+        # A run shorter than the sample plans only the batches it will train on (a pooled pipeline's
+        # sample is of steps, the others' of micro-batches).
+        steps = config.stop_at or config.steps
+        run_batches = steps if dims.pp > 1 and config.pp_schedule == POOLED else steps * config.microbatches
+        rows, candidates = sample_row_ratios(config, source, cost_model, dims, model_cfg, sparse, bf16,
+                                             batches=min(MEMORY_SAMPLE_BATCHES, run_batches))
+        x = replace(x, rows=rows, row_candidates=candidates)
     return x
 
 

@@ -68,6 +68,20 @@ class RowRatios:
     expanded_kv: float = 1.0
     batches: int = 0  # plans they were taken from; 0: not sampled, the fewest rows any plan holds
 
+    def counts(self) -> tuple[float, ...]:
+        return self.home, self.query, self.returned, self.unique_kv, self.expanded_kv
+
+
+def undominated(candidates) -> tuple[RowRatios, ...]:
+    """The candidates no other one matches or exceeds in every row count (the only ones that can hold a
+    rank's largest peak, since every term grows with each count); the first of equal ones kept."""
+    kept = []
+    for i, r in enumerate(candidates):
+        if not any(all(a >= b for a, b in zip(o.counts(), r.counts())) and (o.counts() != r.counts() or j < i)
+                   for j, o in enumerate(candidates) if j != i):
+            kept.append(r)
+    return tuple(kept)
+
 
 @dataclass(frozen=True)
 class MemoryInputs:
@@ -85,6 +99,9 @@ class MemoryInputs:
     microbatches: int = 1  # per step, gradients accumulated over them
     in_flight: int = 1  # micro-batches whose activations a pipeline rank holds at once (parallel.pipeline)
     rows: RowRatios = field(default_factory=RowRatios)
+    # Each sampled plan's rank rows (undominated ones); when given, the estimate is the largest over them,
+    # and ``rows`` (their elementwise bound, which may combine two ranks' worst counts) is only shown.
+    row_candidates: tuple[RowRatios, ...] = ()
     loss_kernel: str = "chunked"  # or liger (attnpool.model.fused_loss): the loss's transient memory differs
 
     def __post_init__(self):
@@ -271,8 +288,11 @@ def layer_backward_transient(x: MemoryInputs, tokens: int) -> float:
 
 
 def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryEstimate:
-    """The predicted peak of one rank (the busiest: the first pipeline stage, the rank with the largest
-    attention rows)."""
+    """The predicted peak of one rank (the busiest: the first pipeline stage, the rank and sampled plan with
+    the largest attention rows)."""
+    if x.row_candidates:
+        return max((estimate(replace(x, rows=rows, row_candidates=()), calibration) for rows in x.row_candidates),
+                   key=lambda e: e.peak_bytes)
     cal = calibration or Calibration.none()
     m = x.model
     c = 2 if x.bf16 else 4  # compute copies of parameters and their gradients

@@ -99,7 +99,8 @@ def _saved_per_token_under_tp(rank, world, mode):
             return t
 
         with step_context("cpu", False, True), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(tensors.tokens, tensors.positions, CoreAttention(step.plan, mesh.attention_group), labels=tensors.labels)
+            model(tensors.tokens, tensors.positions, CoreAttention(step.plan, mesh.attention_group),
+                  labels=tensors.labels)
         saved[layers] = sum(storages.values())
     return (saved[2] - saved[1]) / cfg.tokens_per_rank
 
@@ -109,7 +110,8 @@ def test_saved_per_layer_under_tp_is_the_memory_models(mode):
     """Under tp=2 a layer keeps its share of what one process keeps, but for the norms' outputs: sequence
     parallelism gathers them to the whole sequence before the projections, which save them whole."""
     measured = run_distributed(_saved_per_token_under_tp, 2, mode)[0]
-    predicted = sum(saved_per_layer(MemoryInputs(model_config("tiny", **TINY), 256, mode, bf16=False, tp=2)).values()) / 2
+    x = MemoryInputs(model_config("tiny", **TINY), 256, mode, bf16=False, tp=2)
+    predicted = sum(saved_per_layer(x).values()) / 2
     if mode != "none":
         assert measured == predicted
     else:

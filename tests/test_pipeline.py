@@ -10,14 +10,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
 from attnpool.model import model_config
-from attnpool.parallel.pipeline import (activations_in_flight, head_layers, pipeline_problem, rank_stages,
-                                        stage_layers)
+from attnpool.parallel.pipeline import (activations_in_flight, head_layers, pipeline_problem, rank_layers,
+                                        rank_stages, stage_layers)
 from attnpool.parallel.pooled_pipeline import pooled_table, tick_microbatch, ticks
 from attnpool.plan import linear_table, load_cost_model, plan_attention
 from attnpool.plan.metrics import home_loads, server_loads
@@ -117,6 +118,21 @@ def test_pooled_ticks_let_idle_stages_serve():
     assert full.doc_len[full.doc][full.rank == 2].tolist() == first.doc_len[first.doc][first.rank == 0].tolist()
 
 
+def test_memory_model_counts_the_first_ranks_layers():
+    """The first pipeline rank holds more layers than n_layers / pp where the head's weight moves layers
+    forward (llama3-8b x 8 on 2 stages: 5 and 3), and the memory check counts what it holds."""
+    from attnpool.parallel import ParallelDims
+    from attnpool.train.loop import memory_inputs
+
+    m = model_config("llama3-8b", n_layers=8)
+    assert rank_layers(m, "1f1b", 2) == 5 and rank_layers(m, "1f1b", 2, pp_rank=1) == 3
+    assert rank_layers(m, "pooled", 2) == 4 and rank_layers(m, "interleaved-1f1b", 2) == 3 + 2
+    cfg = tiny_config("unused", model="llama3-8b", model_args=dict(n_layers=8), pp=2, microbatches=2)
+    x = memory_inputs(cfg, m, ParallelDims(dp=1, pp=2), bf16=True)
+    assert x.rank_layers == 5
+    assert estimate(x).peak_bytes > estimate(replace(x, rank_layers=0)).peak_bytes  # 0: four, evenly
+
+
 def test_memory_model_counts_the_pooled_ticks():
     """A pooled rank keeps every tick's saved state (M + pp - 1 units) and serves other stages' rows, which
     the memory check samples from the ticks' plans even with one dp rank."""
@@ -129,7 +145,8 @@ def test_memory_model_counts_the_pooled_ticks():
     tiny = model_config("tiny", **TINY)
     rows, candidates = sample_row_ratios(cfg, build_source(cfg, tiny.vocab_size), load_cost_model("pairs"),
                                          ParallelDims(dp=1, pp=2), tiny, None, False, batches=2)
-    assert rows.batches == 2 and rows.query > 0 and candidates == ()  # ticks' rows add up on a rank: the bound  # the ramps' idle ranks serve the busy stage's queries
+    assert rows.batches == 2 and rows.query > 0  # the ramps' idle ranks serve the busy stage's queries
+    assert candidates == ()  # a rank holds several ticks' rows at once: only their bound stands for it
 
 
 def _resume(rank, world, out, pp, resume, stop_at, schedule="1f1b"):

@@ -133,14 +133,25 @@ class PipelineStageModel(Transformer):
         return super().forward(x, positions, attention, labels=labels) * loss_scale
 
 
+def schedule_stage_layers(cfg: ModelConfig, schedule: str, pp: int) -> list[range]:
+    """Every stage's layers under ``schedule``. Pooled stages run layer j together, so they hold equal
+    numbers (the last one's head is not counted)."""
+    return stage_layers(cfg.n_layers, pp * stages_per_rank(schedule), 0.0 if schedule == POOLED else head_layers(cfg))
+
+
+def rank_layers(cfg: ModelConfig, schedule: str, pp: int, pp_rank: int = 0) -> int:
+    """How many layers pipeline rank ``pp_rank`` holds (the first holds the most)."""
+    ranges = schedule_stage_layers(cfg, schedule, pp)
+    return sum(len(ranges[s]) for s in rank_stages(schedule, pp, pp_rank))
+
+
 def build_stage_models(model: PipelineStageModel, schedule: str, pp: int, pp_rank: int) -> tuple[list[int],
                                                                                                  list[PipelineStageModel]]:
     """This pipeline rank's stages of ``model`` (a whole model, not yet sharded): their indices and modules
     (copies where the rank holds two)."""
     stage_ids = rank_stages(schedule, pp, pp_rank)
     num_stages = pp * stages_per_rank(schedule)
-    # Pooled stages run layer j together, so they hold equal numbers (the last one's head is not counted).
-    ranges = stage_layers(model.config.n_layers, num_stages, 0.0 if schedule == POOLED else head_layers(model.config))
+    ranges = schedule_stage_layers(model.config, schedule, pp)
     models = []
     for i, s in enumerate(stage_ids):
         stage = model if i == len(stage_ids) - 1 else copy.deepcopy(model)

@@ -62,7 +62,7 @@ from attnpool.model.hf_causal_lm import (HFCausalLM, HFModelSpec, build_hf_model
                                          hf_state_shapes, load_hf_spec, save_hf_export)
 from attnpool.parallel import ParallelDims, RankMesh, apply_tensor_parallel, build_rank_mesh, tensor_parallel_problem
 from attnpool.parallel.pipeline import (PipelineRunner, PipelineStageModel, activations_in_flight, build_stage_models,
-                                        merged_stages, pipeline_problem)
+                                        merged_stages, pipeline_problem, rank_layers)
 from attnpool.parallel.pooled_pipeline import POOLED, PooledPipelineRunner, pooled_problem, pooled_table, ticks
 from attnpool.plan import (AttentionShape, PieceTable, linear_table, load_cost_model, pad_ranks, plan_attention,
                            wlb_table)
@@ -392,13 +392,15 @@ def memory_inputs(config: TrainConfig, model_cfg: ModelConfig, dims: ParallelDim
                         config.activation_offload and gpu, config.optimizer_offload and gpu, bf16, dp=dims.dp,
                         tp=dims.tp, pp=dims.pp, microbatches=config.microbatches,
                         in_flight=activations_in_flight(config.pp_schedule, dims.pp, config.microbatches), rows=rows,
+                        rank_layers=rank_layers(model_cfg, config.pp_schedule, dims.pp) if dims.pp > 1 else 0,
                         loss_kernel=loss_kernel)
 
 
 def run_memory_inputs(config: TrainConfig, model_cfg: ModelConfig, source, cost_model, sparse: SparseConfig | None,
                       dims: ParallelDims, gpu: bool, capacity: Capacity, calibration: Calibration) -> MemoryInputs:
     """The memory model's inputs for a run, core attention's rows from plans of its first batches (at most
-    MEMORY_SAMPLE_BATCHES, and no more than the run trains on). Those are drawn only if, with the fewest rows core attention can hold (RowRatios(), a lower bound of the
+    MEMORY_SAMPLE_BATCHES, and no more than the run trains on). Those are drawn only if, with the fewest
+    rows core attention can hold (RowRatios(), a lower bound of the
     busiest rank's), some memory setting fits: a batch far too large is refused before one is drawn."""
     bf16 = uses_bf16(config, "cuda" if gpu else "cpu")
     x = memory_inputs(config, model_cfg, dims, bf16, gpu=gpu)

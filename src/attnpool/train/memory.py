@@ -18,11 +18,12 @@ three to host memory (FSDP2's ``CPUOffloadPolicy``). For compute, FSDP2 gathers 
 the compute dtype (bf16 under mixed precision) while it runs, the next one prefetched, and the root's
 (embedding, output projection, final norm) for the whole forward and backward. Tensor and pipeline
 parallelism enter as mesh sizes: ``tp`` divides every layer's parameters and, with sequence
-parallelism, every per-token activation but the norms' gathered outputs; ``pp`` splits the layers into stages, the first of which holds
-``in_flight`` micro-batches' activations (1F1B: up to pp). With several micro-batches per step FSDP2
-reduces gradients once, after the last: until then each rank keeps its layers' whole float32 gradients.
-These follow the standard arithmetic; the 4 x H200 runs in bench/results/2026-11-26-h200x4-parallel.md
-check them (tp 2 and 4, pp 2 x tp 2: within 9% of the measured peaks).
+parallelism, every per-token activation but the norms' gathered outputs; ``pp`` splits the layers into
+stages, the first of which holds the most layers (``rank_layers``) and ``in_flight`` micro-batches'
+activations (1F1B: up to pp). With several micro-batches per step FSDP2 reduces gradients once, after the
+last: until then each rank keeps its layers' whole float32 gradients. These follow the standard
+arithmetic; the 4 x H200 runs in bench/results/2026-11-26-h200x4-parallel.md check them (tp 2 and 4,
+pp 2 x tp 2, 1F1B at pp 2 x dp 2: within 9% of the measured peaks; the pooled pipeline 31% over).
 
 Core attention's buffers depend on the plan: a server holds the Q rows it serves, the unique KV rows
 they need and, for backward, the outputs it returned to other ranks. :class:`RowRatios` gives these per
@@ -98,6 +99,7 @@ class MemoryInputs:
     pp: int = 1
     microbatches: int = 1  # per step, gradients accumulated over them
     in_flight: int = 1  # micro-batches whose activations a pipeline rank holds at once (parallel.pipeline)
+    rank_layers: int = 0  # layers the busiest pipeline rank holds (parallel.pipeline.rank_layers); 0: n_layers / pp
     rows: RowRatios = field(default_factory=RowRatios)
     # Each sampled plan's rank rows (undominated ones); when given, the estimate is the largest over them,
     # and ``rows`` (their elementwise bound, which may combine two ranks' worst counts) is only shown.
@@ -298,7 +300,7 @@ def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryE
     c = 2 if x.bf16 else 4  # compute copies of parameters and their gradients
     tokens = x.tokens_per_rank
     home = tokens * x.rows.home
-    layers = math.ceil(m.n_layers / x.pp)
+    layers = x.rank_layers or math.ceil(m.n_layers / x.pp)
     first_root, last_root = root_params(m)
     root = first_root + last_root if x.pp == 1 else max(first_root, last_root)
     layer = m.layer_params() / x.tp

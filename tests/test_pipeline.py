@@ -143,10 +143,15 @@ def test_memory_model_counts_the_pooled_ticks():
     cfg = tiny_config("unused", data="synthetic", data_args=dict(dist="pretrain"), attention="cad", pp=2,
                       microbatches=2, pp_schedule="pooled")
     tiny = model_config("tiny", **TINY)
-    rows, candidates = sample_row_ratios(cfg, build_source(cfg, tiny.vocab_size), load_cost_model("pairs"),
-                                         ParallelDims(dp=1, pp=2), tiny, None, False, batches=2)
+    sampled = sample_row_ratios(cfg, build_source(cfg, tiny.vocab_size), load_cost_model("pairs"),
+                                ParallelDims(dp=1, pp=2), tiny, None, False, batches=2)
+    rows, held = sampled["rows"], sampled["held_candidates"]
     assert rows.batches == 2 and rows.query > 0  # the ramps' idle ranks serve the busy stage's queries
-    assert candidates == ()  # a rank holds several ticks' rows at once: only their bound stands for it
+    # A rank holds every tick's rows at once: its own tokens in its 2 busy ticks (its micro-batches), and
+    # what it served in every tick, the idle one included.
+    assert held and max(r.home for r in held) == 2 and max(r.returned for r in held) > 0
+    x = MemoryInputs(tiny, cfg.tokens_per_rank, "keep_attention", pp=2, microbatches=2, in_flight=3, rows=rows)
+    assert estimate(replace(x, held_candidates=held)).peak_bytes < estimate(x).peak_bytes  # 3 units at the bound
 
 
 def _resume(rank, world, out, pp, resume, stop_at, schedule="1f1b"):

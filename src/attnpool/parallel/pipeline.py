@@ -75,7 +75,8 @@ def schedule_names() -> tuple[str, ...]:
 def activations_in_flight(schedule: str, pp: int, microbatches: int) -> int:
     """Micro-batches whose activations the busiest (first) pipeline rank holds at once, counted in
     stage-sized units: GPipe keeps all of them; 1F1B-style schedules at most one per stage behind it; the
-    pooled schedule one per tick (an idle tick's served rows counted as a busy one's: an upper bound)."""
+    pooled schedule one per tick (an idle tick's served rows counted as a busy one's: an upper bound, which
+    the memory check replaces with the sampled ticks' rows summed, memory.MemoryInputs.held_rows)."""
     if pp == 1:
         return 1
     if schedule == POOLED:  # every tick's, idle ones included: they keep what serving saved for backward

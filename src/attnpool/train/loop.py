@@ -346,14 +346,16 @@ def uses_bf16(config: TrainConfig, device_type: str) -> bool:
 
 def sample_row_ratios(config: TrainConfig, source, cost_model, dims: ParallelDims, model_cfg: ModelConfig,
                       sparse: SparseConfig | None, bf16: bool,
-                      batches: int = MEMORY_SAMPLE_BATCHES) -> tuple[RowRatios, tuple[RowRatios, ...]]:
+                      batches: int = MEMORY_SAMPLE_BATCHES) -> dict:
     """Core attention's rows per token of tokens_per_rank, from the plans of the run's first ``batches``
     batches (with ping-pong, both nano-batches' rows; with a pooled pipeline, every tick's plan over all
-    stages' ranks, of the first ``batches`` steps): the largest of each count over the plans and dp ranks,
-    and (but pooled) each plan's rank rows that no other matches in every count (memory.undominated)."""
+    stages' ranks, of the first ``batches`` steps), as MemoryInputs fields: ``rows``, the largest of each
+    count over the plans and dp ranks, and each plan's rank rows that no other matches in every count
+    (memory.undominated): ``row_candidates``, or for a pooled pipeline, whose rank holds every tick's
+    rows at once, ``held_candidates``: each step's rank rows summed over its ticks."""
     pooled = dims.pp > 1 and config.pp_schedule == POOLED
     if dims.dp == 1 and not pooled:
-        return RowRatios(), ()
+        return {"rows": RowRatios()}
     world = dims.dp
     stream = DocumentStream(source, world, config.tokens_per_rank, config.seed, config.max_doc_len)
     shape = attention_shape(model_cfg, dims.tp, bf16)
@@ -361,7 +363,7 @@ def sample_row_ratios(config: TrainConfig, source, cost_model, dims: ParallelDim
     names = ("home", "query", "returned", "unique_kv", "expanded_kv")
     worst, candidates = np.zeros(len(names)), []
     for _ in range(batches):
-        if pooled:  # one unit in flight per tick, each with its own plan's rows
+        if pooled:  # one unit per tick, each with its own plan's rows
             tables = [plan_batch(stream.next_batch(), config, world, cost_model, shape, prior, dims.tp,
                                  strategy="local").plan.pieces for _ in range(config.microbatches)]
             units = [[AttentionRows.of(t.plan)] for t in plan_pooled_ticks(tables, dims.pp, config, cost_model, shape)]
@@ -370,15 +372,19 @@ def sample_row_ratios(config: TrainConfig, source, cost_model, dims: ParallelDim
             nanos = batch.split_documents(2) if config.pingpong else [batch]
             units = [[AttentionRows.of(plan_batch(nano, config, world, cost_model, shape, prior, dims.tp).plan)
                       for nano in nanos]]
+        held = 0
         for rows in units:
             per_rank = np.array([np.sum([getattr(r, name) for r in rows], axis=0) for name in names])
             worst = np.maximum(worst, per_rank.max(axis=1))
+            held = held + per_rank
+            if not pooled:
+                candidates += [RowRatios(*(counts / config.tokens_per_rank).tolist(), batches=batches)
+                               for counts in per_rank.T]
+        if pooled:
             candidates += [RowRatios(*(counts / config.tokens_per_rank).tolist(), batches=batches)
-                           for counts in per_rank.T]
-    # A pooled rank holds several ticks' rows at once (and none of its own tokens in some): only the
-    # elementwise bound stands for it.
+                           for counts in held.T]
     bound = RowRatios(*(worst / config.tokens_per_rank).tolist(), batches=batches)
-    return bound, () if pooled else undominated(candidates)
+    return {"rows": bound, "held_candidates" if pooled else "row_candidates": undominated(candidates)}
 
 
 def memory_inputs(config: TrainConfig, model_cfg: ModelConfig, dims: ParallelDims, bf16: bool,
@@ -409,9 +415,8 @@ def run_memory_inputs(config: TrainConfig, model_cfg: ModelConfig, source, cost_
         # sample is of steps, the others' of micro-batches).
         steps = config.stop_at or config.steps
         run_batches = steps if dims.pp > 1 and config.pp_schedule == POOLED else steps * config.microbatches
-        rows, candidates = sample_row_ratios(config, source, cost_model, dims, model_cfg, sparse, bf16,
-                                             batches=min(MEMORY_SAMPLE_BATCHES, run_batches))
-        x = replace(x, rows=rows, row_candidates=candidates)
+        x = replace(x, **sample_row_ratios(config, source, cost_model, dims, model_cfg, sparse, bf16,
+                                           batches=min(MEMORY_SAMPLE_BATCHES, run_batches)))
     return x
 
 

@@ -23,7 +23,7 @@ stages, the first of which holds the most layers (``rank_layers``) and ``in_flig
 activations (1F1B: up to pp). With several micro-batches per step FSDP2 reduces gradients once, after the
 last: until then each rank keeps its layers' whole float32 gradients. These follow the standard
 arithmetic; the 4 x H200 runs in bench/results/2026-11-26-h200x4-parallel.md check them (tp 2 and 4,
-pp 2 x tp 2, 1F1B at pp 2 x dp 2: within 9% of the measured peaks; the pooled pipeline 31% over).
+pp 2 x tp 2, 1F1B and pooled at pp 2 x dp 2: within 9% of the measured peaks).
 
 Core attention's buffers depend on the plan: a server holds the Q rows it serves, the unique KV rows
 they need and, for backward, the outputs it returned to other ranks. :class:`RowRatios` gives these per
@@ -104,6 +104,11 @@ class MemoryInputs:
     # Each sampled plan's rank rows (undominated ones); when given, the estimate is the largest over them,
     # and ``rows`` (their elementwise bound, which may combine two ranks' worst counts) is only shown.
     row_candidates: tuple[RowRatios, ...] = ()
+    # What a rank holds at once when its in-flight units' rows differ (a pooled pipeline: every tick's,
+    # summed, its idle ticks holding only the rows they served); None: ``in_flight`` units of ``rows``.
+    # ``rows`` then stays the bound of one unit, for the transients of one unit's backward.
+    held_rows: RowRatios | None = None
+    held_candidates: tuple[RowRatios, ...] = ()  # as row_candidates, for held_rows
     loss_kernel: str = "chunked"  # or liger (attnpool.model.fused_loss): the loss's transient memory differs
 
     def __post_init__(self):
@@ -295,6 +300,9 @@ def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryE
     if x.row_candidates:
         return max((estimate(replace(x, rows=rows, row_candidates=()), calibration) for rows in x.row_candidates),
                    key=lambda e: e.peak_bytes)
+    if x.held_candidates:
+        return max((estimate(replace(x, held_rows=rows, held_candidates=()), calibration)
+                    for rows in x.held_candidates), key=lambda e: e.peak_bytes)
     cal = calibration or Calibration.none()
     m = x.model
     c = 2 if x.bf16 else 4  # compute copies of parameters and their gradients
@@ -308,12 +316,17 @@ def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryE
     owned = (layers * layer + root) / x.dp  # this rank's shard
     in_flight = x.in_flight
 
-    per_layer = sum(saved_per_layer(x).values()) * home / x.tp
+    per_layer = sum(saved_per_layer(x).values()) * home / x.tp  # one unit's
     saved_layers = layers * in_flight
+    if x.held_rows is None:
+        held_home, held_per_layer = home * in_flight, per_layer * in_flight
+    else:
+        held_home = tokens * x.held_rows.home
+        held_per_layer = sum(saved_per_layer(replace(x, rows=x.held_rows)).values()) * held_home / x.tp
     # Offloaded, a layer's saved tensors are on the GPU while its backward runs, and the next one's
     # arrive ahead of it (ActivationOffload's prefetch is one layer's worth).
-    activations_at = (lambda n: min(n, 2) * per_layer) if x.activation_offload else (lambda n: n * per_layer)
-    step_inputs = step_inputs_per_token(x) * home / x.tp * in_flight
+    all_layers = min(saved_layers, 2) * per_layer if x.activation_offload else layers * held_per_layer
+    step_inputs = step_inputs_per_token(x) * held_home / x.tp
     head_gradient = c * (last_root if x.pp == 1 else 0) / x.tp
 
     states = {} if x.optimizer_offload else {"parameters": PARAM_BYTES * owned, "optimizer states": ADAM_BYTES * owned}
@@ -327,14 +340,14 @@ def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryE
     phases = {
         # (Liger's fused loss makes its gradients in the forward, so its peak is there.)
         "loss (gradients in forward)" if x.loss_kernel == "liger" else "loss backward": {
-            **states, **compute, "activations": activations_at(saved_layers),
-            "step inputs": step_inputs_per_token(x, loss=True) * home / x.tp * in_flight,
+            **states, **compute, "activations": all_layers,
+            "step inputs": step_inputs_per_token(x, loss=True) * held_home / x.tp,
             "output projection gradient": head_gradient, "loss chunk": loss_transient(x, tokens),
             "hidden state gradient": (2 if x.bf16 else 4) * m.dim * home / x.tp,
         },
-        "last layer backward": {**states, **compute, "activations": activations_at(saved_layers),
+        "last layer backward": {**states, **compute, "activations": all_layers,
                                 "step inputs": step_inputs, **backward},
-        "first layer backward": {**states, **compute, "activations": activations_at(1), "step inputs": step_inputs,
+        "first layer backward": {**states, **compute, "activations": per_layer, "step inputs": step_inputs,
                                  **backward, "gradients": later_gradients + (GRAD_BYTES * layer if layers > 1 else 0)},
         "optimizer step": {**states, "gradients": 0 if x.optimizer_offload else GRAD_BYTES * owned},
     }
@@ -350,7 +363,7 @@ def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryE
     breakdown = {name: int(round(value)) for name, value in breakdown.items()}
     host = (PARAM_BYTES + GRAD_BYTES + ADAM_BYTES) * owned if x.optimizer_offload else 0
     if x.activation_offload:
-        host += saved_layers * per_layer
+        host += layers * held_per_layer
     return MemoryEstimate(x, phase, breakdown, int(round(allocated)), sum(breakdown.values()), int(host))
 
 

@@ -366,6 +366,11 @@ def test_offload_leaves_parameters_and_small_tensors_alone():
     assert offload.offloaded_bytes == big.numel() * 4  # the matmul keeps big and the weight; only big moves
     loss.backward()
     assert torch.equal(weight.grad, expected)
+    empty = torch.zeros(0, 8, requires_grad=True)
+    with ActivationOffload("cpu", min_bytes=0) as offload:
+        loss = torch.sin(empty).sum()  # sin keeps its (empty) input: left where it is
+    loss.backward()
+    assert offload.offloaded_bytes == 0 and empty.grad.shape == (0, 8)
 
 
 def test_host_pieces_are_powers_of_two_above_the_floor():
@@ -384,7 +389,8 @@ def test_host_pieces_are_powers_of_two_above_the_floor():
 
 
 def _offload_dtensors(rank, world):
-    """A sharded activation and a replicated weight (tensor parallelism's DTensors) saved through
+    """A sharded activation, a replicated weight and an activation gathered asynchronously (tensor
+    parallelism's DTensors; the gather's output an AsyncCollectiveTensor until waited for) saved through
     offload: the same gradients as without it, and the local shards moved."""
     import contextlib
 
@@ -399,7 +405,8 @@ def _offload_dtensors(rank, world):
         xd = distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
         wd = distribute_tensor(w, mesh, [Replicate()]).requires_grad_()
         with offload or contextlib.nullcontext():
-            loss = torch.tanh(xd @ wd).sum()
+            gathered = xd.redistribute(mesh, [Replicate()], async_op=True)
+            loss = torch.tanh(xd @ wd).sum() + torch.sin(gathered).sum()
         loss.backward()
         results.append((xd.grad.full_tensor(), wd.grad.full_tensor(), offload.offloaded_bytes if offload else 0))
     (gx, gw, _), (gx_off, gw_off, moved) = results
@@ -409,8 +416,8 @@ def _offload_dtensors(rank, world):
 def test_offload_moves_dtensors_local_shards():
     for same, moved in run_distributed(_offload_dtensors, 2):
         assert same
-        # x's shard (4 x 16), w (16 x 16) and tanh's output shard (4 x 16), float32
-        assert moved == (4 * 16 + 16 * 16 + 4 * 16) * 4
+        # x's shard (4 x 16), w (16 x 16), tanh's output shard (4 x 16) and x gathered (8 x 16), float32
+        assert moved == (4 * 16 + 16 * 16 + 4 * 16 + 8 * 16) * 4
 
 
 def test_loss_chunk_is_sized_by_bytes_of_logits():

@@ -120,17 +120,23 @@ def test_pooled_ticks_let_idle_stages_serve():
 
 def test_memory_model_counts_the_first_ranks_layers():
     """The first pipeline rank holds more layers than n_layers / pp where the head's weight moves layers
-    forward (llama3-8b x 8 on 2 stages: 5 and 3), and the memory check counts what it holds."""
+    forward (llama3-8b x 8 on 2 stages: 5 and 3), and the memory check counts what it holds: its
+    parameters, and activations in units of its largest stage (interleaved: two stages a rank)."""
     from attnpool.parallel import ParallelDims
     from attnpool.train.loop import memory_inputs
 
     m = model_config("llama3-8b", n_layers=8)
-    assert rank_layers(m, "1f1b", 2) == 5 and rank_layers(m, "1f1b", 2, pp_rank=1) == 3
-    assert rank_layers(m, "pooled", 2) == 4 and rank_layers(m, "interleaved-1f1b", 2) == 3 + 2
+    assert rank_layers(m, "1f1b", 2) == [5] and rank_layers(m, "1f1b", 2, pp_rank=1) == [3]
+    assert rank_layers(m, "pooled", 2) == [4] and rank_layers(m, "interleaved-1f1b", 2) == [3, 2]
     cfg = tiny_config("unused", model="llama3-8b", model_args=dict(n_layers=8), pp=2, microbatches=2)
     x = memory_inputs(cfg, m, ParallelDims(dp=1, pp=2), bf16=True)
-    assert x.rank_layers == 5
-    assert estimate(x).peak_bytes > estimate(replace(x, rank_layers=0)).peak_bytes  # 0: four, evenly
+    assert x.rank_layers == x.stage_layers == 5
+    assert estimate(x).peak_bytes > estimate(replace(x, rank_layers=0, stage_layers=0)).peak_bytes  # 4, evenly
+    interleaved = memory_inputs(replace(cfg, pp_schedule="interleaved-1f1b"), m, ParallelDims(dp=1, pp=2), bf16=True)
+    assert (interleaved.rank_layers, interleaved.stage_layers, interleaved.in_flight) == (5, 3, 4)
+    x = replace(interleaved, activation_offload=True)  # offloaded, what every layer saves is on the host
+    one_layer = estimate(replace(x, in_flight=1, stage_layers=1)).host_bytes
+    assert estimate(x).host_bytes == 3 * 4 * one_layer > 0
 
 
 def test_memory_model_counts_the_pooled_ticks():

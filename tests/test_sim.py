@@ -67,6 +67,16 @@ def test_full_recompute_runs_core_attention_forward_again(costs):
     forward, _ = StepModel(CFG, cluster, costs).task_attention(np.zeros(3, dtype=np.int64), np.array(docs))
     assert steps["full"].linear == pytest.approx(steps["linear"].linear, rel=1e-12)
     assert steps["full"].attention - steps["linear"].attention == pytest.approx(CFG.n_layers * forward.sum(), rel=1e-9)
+    # with exchanges (one long document on server 0, cad moving its work), recomputing them costs more
+    moved = {}
+    for r in ("linear", "full"):
+        model = StepModel(CFG, cluster, costs, r)
+        lens = [32768] + [4096] * 24  # server 0 one long document, the others eight short ones each
+        rank = [0] + [1 + i // 8 for i in range(24)]
+        table = PieceTable.from_arrays(4, np.array(lens), rank, np.arange(25), np.zeros(25), lens)
+        plan = plan_attention(table, "cad", cost_model=model.costs.attn_fwd_bwd)
+        moved[r] = model.plan_step(plan)
+    assert moved["full"].comm_total > moved["linear"].comm_total > 0
 
 
 def test_more_imbalance_takes_longer(costs):

@@ -140,10 +140,10 @@ def schedule_stage_layers(cfg: ModelConfig, schedule: str, pp: int) -> list[rang
     return stage_layers(cfg.n_layers, pp * stages_per_rank(schedule), 0.0 if schedule == POOLED else head_layers(cfg))
 
 
-def rank_layers(cfg: ModelConfig, schedule: str, pp: int, pp_rank: int = 0) -> int:
-    """How many layers pipeline rank ``pp_rank`` holds (the first holds the most)."""
+def rank_layers(cfg: ModelConfig, schedule: str, pp: int, pp_rank: int = 0) -> list[int]:
+    """The layers of each stage pipeline rank ``pp_rank`` holds (the first rank holds the most)."""
     ranges = schedule_stage_layers(cfg, schedule, pp)
-    return sum(len(ranges[s]) for s in rank_stages(schedule, pp, pp_rank))
+    return [len(ranges[s]) for s in rank_stages(schedule, pp, pp_rank)]
 
 
 def build_stage_models(model: PipelineStageModel, schedule: str, pp: int, pp_rank: int) -> tuple[list[int],

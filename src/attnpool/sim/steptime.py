@@ -105,6 +105,12 @@ class Collective:
     def duration(self, nano: int) -> np.ndarray:
         return np.where(self.transfer > 0, self.latency + self.transfer / nano, 0.0)
 
+    @staticmethod
+    def serial(*collectives: "Collective") -> "Collective":
+        """The collectives one after another, as one."""
+        return Collective(sum(np.where(c.transfer > 0, c.latency, 0.0) for c in collectives),
+                          sum(c.transfer for c in collectives))
+
 
 @dataclass
 class StepTime:
@@ -151,7 +157,7 @@ class StepModel:
         self.tok_head_fwd = lin.head_fwd / tp
         self.tok_head_bwd = lin.head_bwd / tp
         # full (attnpool train's full checkpointing, whole layers): core attention's forward runs again
-        # in backward too, before its backward; its exchanges are charged once.
+        # in backward too, with its exchanges, before its backward.
         self.attention_again = recompute == "full"
         if recompute in ("linear", "full"):
             # Activation checkpointing of the linear parts (core attention kept) and a loss
@@ -312,6 +318,8 @@ class StepModel:
         cf = np.zeros(S)
         mf = np.zeros(G)
         comm_total = np.zeros(G)
+        if self.attention_again:  # the recomputed forward's exchanges precede the backward's own
+            bwd_comm = (Collective.serial(*fwd_comm, bwd_comm[0]), bwd_comm[1])
         passes = (
             (fwd_pre, fwd_post + fwd_pre, fwd_post + head_f, attn_f, fwd_comm),
             (head_b + bwd_post, bwd_post + bwd_pre, bwd_pre, attn_b, bwd_comm),

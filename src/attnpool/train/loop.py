@@ -394,11 +394,12 @@ def memory_inputs(config: TrainConfig, model_cfg: ModelConfig, dims: ParallelDim
     machine without liger_kernel is predicted with the chunked loss, the larger)."""
     loss_kernel = config.loss_kernel if config.loss_kernel != "auto" else \
         resolve_loss_kernel("auto", "cuda" if gpu else "cpu", dims.tp)
+    stages = rank_layers(model_cfg, config.pp_schedule, dims.pp) if dims.pp > 1 else [0]
     return MemoryInputs(model_cfg, config.tokens_per_rank, config.activation_checkpointing,
                         config.activation_offload and gpu, config.optimizer_offload and gpu, bf16, dp=dims.dp,
                         tp=dims.tp, pp=dims.pp, microbatches=config.microbatches,
                         in_flight=activations_in_flight(config.pp_schedule, dims.pp, config.microbatches), rows=rows,
-                        rank_layers=rank_layers(model_cfg, config.pp_schedule, dims.pp) if dims.pp > 1 else 0,
+                        rank_layers=sum(stages), stage_layers=max(stages),
                         loss_kernel=loss_kernel)
 
 
@@ -411,8 +412,8 @@ def run_memory_inputs(config: TrainConfig, model_cfg: ModelConfig, source, cost_
     bf16 = uses_bf16(config, "cuda" if gpu else "cpu")
     x = memory_inputs(config, model_cfg, dims, bf16, gpu=gpu)
     if any(capacity.holds(estimate(s, calibration)) for s in settings(x, offloads=gpu)):
-        # A run shorter than the sample plans only the batches it will train on (a pooled pipeline's
-        # sample is of steps, the others' of micro-batches).
+        # A run shorter than the sample plans no more batches than it draws (from the stream's start, also
+        # when it resumes later on); a pooled pipeline's sample is of steps, the others' of micro-batches.
         steps = config.stop_at or config.steps
         run_batches = steps if dims.pp > 1 and config.pp_schedule == POOLED else steps * config.microbatches
         x = replace(x, **sample_row_ratios(config, source, cost_model, dims, model_cfg, sparse, bf16,

@@ -58,9 +58,10 @@ PARAM_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
 
 @dataclass(frozen=True)
 class RowRatios:
-    """Core attention's rows on the busiest rank, per token of ``tokens_per_rank`` (each the largest over
-    ranks and sampled batches, so together a bound): tokens held (wlb holds up to memory_cap), query rows
-    served, of them served for other ranks, unique and expanded KV rows (plan.metrics.AttentionRows)."""
+    """Core attention's rows on a rank, per token of ``tokens_per_rank``: tokens held (wlb holds up to
+    memory_cap), query rows served, of them served for other ranks, unique and expanded KV rows
+    (plan.metrics.AttentionRows). Sampled (``train.sample_row_ratios``): one rank's in one plan, or each
+    count's largest over the ranks and plans, a bound."""
 
     home: float = 1.0
     query: float = 1.0
@@ -100,6 +101,7 @@ class MemoryInputs:
     microbatches: int = 1  # per step, gradients accumulated over them
     in_flight: int = 1  # micro-batches whose activations a pipeline rank holds at once (parallel.pipeline)
     rank_layers: int = 0  # layers the busiest pipeline rank holds (parallel.pipeline.rank_layers); 0: n_layers / pp
+    stage_layers: int = 0  # layers of its largest stage, what one in-flight unit holds; 0: rank_layers
     rows: RowRatios = field(default_factory=RowRatios)
     # Each sampled plan's rank rows (undominated ones); when given, the estimate is the largest over them,
     # and ``rows`` (their elementwise bound, which may combine two ranks' worst counts) is only shown.
@@ -297,12 +299,11 @@ def layer_backward_transient(x: MemoryInputs, tokens: int) -> float:
 def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryEstimate:
     """The predicted peak of one rank (the busiest: the first pipeline stage, the rank and sampled plan with
     the largest attention rows)."""
-    if x.row_candidates:
-        return max((estimate(replace(x, rows=rows, row_candidates=()), calibration) for rows in x.row_candidates),
-                   key=lambda e: e.peak_bytes)
-    if x.held_candidates:
-        return max((estimate(replace(x, held_rows=rows, held_candidates=()), calibration)
-                    for rows in x.held_candidates), key=lambda e: e.peak_bytes)
+    if x.row_candidates or x.held_candidates:
+        each = [estimate(replace(x, rows=rows, row_candidates=()), calibration) for rows in x.row_candidates] or \
+            [estimate(replace(x, held_rows=rows, held_candidates=()), calibration) for rows in x.held_candidates]
+        # the device's peak of the worst rank, and the host memory of the worst (another rank's, maybe)
+        return replace(max(each, key=lambda e: e.peak_bytes), host_bytes=max(e.host_bytes for e in each))
     cal = calibration or Calibration.none()
     m = x.model
     c = 2 if x.bf16 else 4  # compute copies of parameters and their gradients
@@ -317,7 +318,8 @@ def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryE
     in_flight = x.in_flight
 
     per_layer = sum(saved_per_layer(x).values()) * home / x.tp  # one unit's
-    saved_layers = layers * in_flight
+    stage_layers = x.stage_layers or layers
+    saved_layers = stage_layers * in_flight
     if x.held_rows is None:
         held_home, held_per_layer = home * in_flight, per_layer * in_flight
     else:
@@ -325,7 +327,7 @@ def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryE
         held_per_layer = sum(saved_per_layer(replace(x, rows=x.held_rows)).values()) * held_home / x.tp
     # Offloaded, a layer's saved tensors are on the GPU while its backward runs, and the next one's
     # arrive ahead of it (ActivationOffload's prefetch is one layer's worth).
-    all_layers = min(saved_layers, 2) * per_layer if x.activation_offload else layers * held_per_layer
+    all_layers = min(saved_layers, 2) * per_layer if x.activation_offload else stage_layers * held_per_layer
     step_inputs = step_inputs_per_token(x) * held_home / x.tp
     head_gradient = c * (last_root if x.pp == 1 else 0) / x.tp
 
@@ -363,7 +365,7 @@ def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryE
     breakdown = {name: int(round(value)) for name, value in breakdown.items()}
     host = (PARAM_BYTES + GRAD_BYTES + ADAM_BYTES) * owned if x.optimizer_offload else 0
     if x.activation_offload:
-        host += layers * held_per_layer
+        host += stage_layers * held_per_layer
     return MemoryEstimate(x, phase, breakdown, int(round(allocated)), sum(breakdown.values()), int(host))
 
 

@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import warnings
 import weakref
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 DEFAULT_MIN_BYTES = 1 << 20
@@ -67,7 +69,10 @@ def release_host_cache() -> None:
     another in the same process (a benchmark's strategies) would otherwise allocate beside them."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
-        if empty is not None:
+        if empty is None:
+            warnings.warn("this torch has no way to free its cached pinned memory: a later run in this process "
+                          "allocates beside it", RuntimeWarning, stacklevel=2)
+        else:
             empty()
 
 
@@ -150,12 +155,17 @@ class ActivationOffload:
 
     def _keeps_on_device(self, t: torch.Tensor) -> bool:
         return (t.device != self.device or isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
-                or t.numel() * t.element_size() < self.min_bytes or not t.is_contiguous())
+                or t.numel() == 0 or t.numel() * t.element_size() < self.min_bytes or not t.is_contiguous())
 
     def _pack(self, t: torch.Tensor):
-        if isinstance(t, DTensor) and not isinstance(t, nn.Parameter):
-            local = self._pack(t._local_tensor)
-            return t if local is t._local_tensor else _PackedDTensor(local, t._spec)
+        if isinstance(t, AsyncCollectiveTensor):
+            # A collective's output not waited for yet (tensor parallelism redistributes asynchronously).
+            # Wait here, on the compute stream: the first wait on a collective is the only one that
+            # synchronises, and one from the copy's side stream would leave the forward unsynchronised.
+            t = t.trigger_wait()
+        if isinstance(t, DTensor) and not (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)):
+            packed = self._pack(t._local_tensor)
+            return t if isinstance(packed, torch.Tensor) else _PackedDTensor(packed, t._spec)
         if self._keeps_on_device(t):
             return t
         # A tensor saved whole and again as views (core attention's output, then its chunks in the

@@ -11,7 +11,7 @@ bench() {  # bench NAME ARGS...: one torchrun of `attnpool bench`, its log and r
   local name=$1; shift
   mkdir -p "$OUT/$name"
   python3 -m torch.distributed.run --nproc_per_node "${NPROC:-4}" -m attnpool.cli.main bench --model llama3-8b \
-    --layers 4 --out "$OUT/$name" "$@" ${EXTRA[@]+"${EXTRA[@]}"} 2>&1 | grep -v "^\[rank" | tee "$OUT/$name/log"
+    --layers 4 --out "$OUT/$name" "$@" ${EXTRA[@]+"${EXTRA[@]}"} 2>&1 | grep --line-buffered -v "^\[rank" | tee "$OUT/$name/log"
 }
 PHASE=${1:-}
 EXTRA=("${@:2}")

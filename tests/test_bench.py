@@ -6,7 +6,26 @@ import subprocess
 import sys
 
 
-def test_bench_runs_every_strategy_and_writes_results(tmp_path):
+def _partial_results_are_written_quietly(tmp_path, records, capsys):
+    """After each strategy the results so far are written (a run killed later keeps them), marked partial,
+    with nothing printed."""
+    from attnpool.bench.e2e import finish
+    from attnpool.bench.e2e_options import add_arguments
+    from attnpool.model import model_config
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--out", str(tmp_path / "partial"), "--device", "cpu", "--model", "tiny", "--layers", "1",
+                         "--configs", "prolong:1K", "--strategies", "local,cad"])
+    capsys.readouterr()
+    finish(records[:2], [], args, 2, model_config("tiny", n_layers=1), complete=False)
+    assert capsys.readouterr().out == ""
+    written = json.loads((tmp_path / "partial" / "e2e.json").read_text())
+    assert [r["strategy"] for r in written["records"]] == ["local", "cad"] and written["meta"]["complete"] is False
+    assert "Partial: written after each strategy" in (tmp_path / "partial" / "e2e.md").read_text()
+
+
+def test_bench_runs_every_strategy_and_writes_results(tmp_path, capsys):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "attnpool.cli.main", "bench",
            "--device", "cpu", "--model", "tiny", "--layers", "1", "--configs", "prolong:1K", "--strategies",
            "local,cad,cad+pingpong,local+sparse,cad+sparse,cad+sparse+readkv", "--warmup", "1", "--steps", "1", "--ablation",
@@ -23,6 +42,9 @@ def test_bench_runs_every_strategy_and_writes_results(tmp_path):
                     "efficiency", "efficiency_with_recompute", "mfu", "imbalance_after", "bytes_sent_per_gpu", "peak_memory_bytes"):
             assert key in rec
     assert all(rec["loss_ok"] for rec in records[:6])  # same batches, same initial weights
+    assert json.loads((tmp_path / "e2e.json").read_text())["meta"]["complete"]
+    assert "Partial" not in (tmp_path / "e2e.md").read_text()
+    _partial_results_are_written_quietly(tmp_path, records, capsys)
     for rec in records:  # keep_attention recomputes the linear parts: a longer ideal, never a shorter one
         assert rec["ideal_step_with_recompute_s"] > rec["ideal_step_s"] > 0
     assert records[0]["attention_density"] is None and 0 < records[4]["attention_density"] <= 1

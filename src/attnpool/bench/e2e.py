@@ -286,6 +286,7 @@ def _run_all(args: argparse.Namespace, configs: list, strategies: list, cuda: bo
                 torch.cuda.empty_cache()
                 release_host_cache()  # activation offload's pinned blocks, cached sized for this run's tensors
             if rank == 0:
+                finish(records, skipped, args, world, cfg, complete=False)  # what a later kill would lose
                 print(f"{dist_name:8s} {tokens // 1024:4d}K {rec['strategy']:34s} step {rec['step_time_s']:7.3f} s  "
                       f"{rec['tokens_per_s'] / 1e3:8.1f}K tok/s  imbalance {rec['imbalance_after']:.3f}  "
                       f"peak {rec['peak_memory_bytes'] / 2**30:.1f} GiB  plan {rec['plan_time_s'] * 1e3:.0f} ms  "
@@ -334,7 +335,8 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.1f}"
 
 
-def finish(records, skipped, args, world, cfg):
+def finish(records, skipped, args, world, cfg, complete: bool = True):
+    """Writes e2e.json and e2e.md of the records so far (``complete``: all of them, and prints the table)."""
     by_config = {}
     for r in records:
         by_config.setdefault((r["dist"], r["tokens_per_gpu"]), []).append(r)
@@ -356,7 +358,7 @@ def finish(records, skipped, args, world, cfg):
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU process (gloo)"
     meta = {"date": str(datetime.date.today()), "machine": f"{world} x {device}",
             "torch": torch.__version__, "model": f"{args.model} x {args.layers} layers", "warmup": args.warmup,
-            "measured_steps": args.steps, "skipped": skipped,
+            "measured_steps": args.steps, "skipped": skipped, "complete": complete,
             "command": f"torchrun --nproc-per-node {world} -m attnpool.cli.main bench --model {args.model} "
                        f"--layers {args.layers} --configs {args.configs} "
                        f"--strategies {args.strategies} --warmup {args.warmup} --steps {args.steps}"
@@ -391,6 +393,9 @@ def finish(records, skipped, args, world, cfg):
                      f"{'-' if density is None else f'{density:.3f}'} |")
     if skipped:
         lines += ["", f"Not run (time budget): {', '.join(skipped)}."]
+    if not complete:
+        lines += ["", "Partial: written after each strategy; the run had not finished."]
     with open(os.path.join(args.out, "e2e.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    print("\n".join(lines[6:]))
+    if complete:
+        print("\n".join(lines[6:]))

@@ -362,6 +362,10 @@ def sample_row_ratios(config: TrainConfig, source, cost_model, dims: ParallelDim
     prior = SparsePrior(sparse, model_cfg.n_heads // dims.tp, model_cfg.head_dim, model_cfg.n_layers) if sparse else None
     names = ("home", "query", "returned", "unique_kv", "expanded_kv")
     worst, candidates = np.zeros(len(names)), []
+
+    def ratios(counts) -> RowRatios:
+        return RowRatios(*(counts / config.tokens_per_rank).tolist(), batches=batches)
+
     for _ in range(batches):
         if pooled:  # one unit per tick, each with its own plan's rows
             tables = [plan_batch(stream.next_batch(), config, world, cost_model, shape, prior, dims.tp,
@@ -372,19 +376,12 @@ def sample_row_ratios(config: TrainConfig, source, cost_model, dims: ParallelDim
             nanos = batch.split_documents(2) if config.pingpong else [batch]
             units = [[AttentionRows.of(plan_batch(nano, config, world, cost_model, shape, prior, dims.tp).plan)
                       for nano in nanos]]
-        held = 0
-        for rows in units:
-            per_rank = np.array([np.sum([getattr(r, name) for r in rows], axis=0) for name in names])
-            worst = np.maximum(worst, per_rank.max(axis=1))
-            held = held + per_rank
-            if not pooled:
-                candidates += [RowRatios(*(counts / config.tokens_per_rank).tolist(), batches=batches)
-                               for counts in per_rank.T]
-        if pooled:
-            candidates += [RowRatios(*(counts / config.tokens_per_rank).tolist(), batches=batches)
-                           for counts in held.T]
-    bound = RowRatios(*(worst / config.tokens_per_rank).tolist(), batches=batches)
-    return {"rows": bound, "held_candidates" if pooled else "row_candidates": undominated(candidates)}
+        # (counts, ranks) of each unit; a pooled rank holds every tick's at once, the others one unit at a time
+        per_unit = [np.array([np.sum([getattr(r, name) for r in rows], axis=0) for name in names]) for rows in units]
+        worst = np.maximum(worst, np.max([counts.max(axis=1) for counts in per_unit], axis=0))
+        for counts in [sum(per_unit)] if pooled else per_unit:
+            candidates += [ratios(rank) for rank in counts.T]
+    return {"rows": ratios(worst), "held_candidates" if pooled else "row_candidates": undominated(candidates)}
 
 
 def memory_inputs(config: TrainConfig, model_cfg: ModelConfig, dims: ParallelDims, bf16: bool,

@@ -194,14 +194,13 @@ class ActivationOffload:
         flat, start = t.detach().view(-1), 0
         pieces = [torch.empty(n, dtype=t.dtype, pin_memory=self.cuda)
                   for n in piece_sizes(t.numel(), t.element_size(), self.piece_floor_bytes)]
-        if not self.cuda:
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
             for piece in pieces:
-                start += piece.copy_(flat[start:start + piece.numel()]).numel()
-            return pieces
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            for piece in pieces:
-                start += piece.copy_(flat[start:start + piece.numel()], non_blocking=True).numel()
+                start += piece.copy_(flat[start:start + piece.numel()], non_blocking=self.cuda).numel()
+            if not self.cuda:
+                return pieces
             done = torch.cuda.Event()
             done.record()
         t.record_stream(self.stream)  # the allocator reuses t's memory only after the copy

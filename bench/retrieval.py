@@ -1,24 +1,25 @@
 #!/usr/bin/env python3
 """Does sparse training keep long-range quality? Dense and vertical-slash training on retrieval tasks (issue 26).
 
-The same Llama-style model (189M parameters: 16 layers, dim 1024, 8 query / 4 KV heads of 128, vocab 128, RoPE
-theta 1e4), the same initial weights (seed) and the same batches (``--data retrieval``, passkeys by default,
-with copies of random spans to grow the look-up, answer-only loss), trained three times: dense, and
-vertical-slash sparse at coverages 0.95 and 0.9. A curriculum of rising context (256, 1K, 4K, 8K, 16K tokens
-per document; 16K tokens a step up to 1K, then 64K, and 128K at 16K) teaches dense attention to retrieve at
-short contexts, where a step holds many documents, then carries it out to
-the longest. Documents of at least 4K tokens are sparse in the sparse runs, so the stages before are the
-same in every run: they are trained once, and the sparse runs continue from a copy of the dense run at that
-point (weights, optimizer, data position), as sparse training that continues a dense model's would.
-``--mix-from N`` mixes document lengths from N up to each later stage's context (``min_context``); a stage
-mixing lengths up to exactly 4K then counts as shared (of its documents 1 in ~14,000 has 4K tokens, and those
-are trained dense in every run), so sparse training starts with the 8K stage.
+The same Llama-style model (189M parameters: 16 layers, dim 1024, 8 query / 4 KV heads of 128, vocab 128), the
+same initial weights (seed) and the same batches (``--data retrieval``, answer-only loss), trained three times:
+dense, and vertical-slash sparse at coverages 0.95 and 0.9. A curriculum of rising context (256, 1K, 4K, 8K,
+16K tokens per document; 16K tokens a step up to 1K, then 64K, and 128K at 16K) teaches dense attention the
+look-up at short contexts, where a step holds many documents (copies of random spans beside passkeys, RoPE base
+1e4), then carries it out to the longest (passkeys and multi-key needles with every key asked, RoPE base 5e5,
+as long-context extension raises it; why: the comment on ``GPU_CURRICULUM``). Documents of at least 8K tokens
+are sparse in the sparse runs, so the stages before are the same in every run: they are trained once, and the
+sparse runs continue from a copy of the dense run at that point (weights, optimizer, data position), as sparse
+training that continues a dense model's would. ``--mix-from N`` mixes document lengths from N up to each later
+stage's context (``min_context``); a stage mixing lengths up to exactly the sparse threshold then counts as
+shared (its rare documents of that length are trained dense in every run).
 Each stage is one ``attnpool train`` process resuming the last one's checkpoint (the schedule spans all
 stages; ``--stop-at`` ends each). Then every run is evaluated on held-out instances at every trained context
 from 4K up (``attnpool.train.evaluate``, each run with the attention it trained with).
 
 A run of the script ended by its budget goes on where it stopped when called again with the same ``--work``
-(finished stages are skipped), so the experiment can span several shorter calls.
+(finished stages are skipped, finished evaluations read back from ``RUN/retrieval-eval.json``), so the
+experiment can span several shorter calls.
 
 Writes to ``--out``: ``<date>-<gpu>-retrieval.json`` (``results``: a list of ``{"attention", "coverage",
 "context", "accuracy"}``, passkey accuracy over all depths; ``details``: every task and depth), a
@@ -28,14 +29,15 @@ Markdown file of the same name with the commands, the model, the loss curves and
     PYTHONPATH=src python3 bench/retrieval.py --out bench/results                 # one GPU, ~20 minutes
     PYTHONPATH=src python3 bench/retrieval.py --out /tmp/r --device cpu           # smoke test, tiny model, 1-2 min
 
-``--budget-s`` (default 1140) bounds the whole script's wall time: no stage or run starts after it is spent
-(whatever finished is still evaluated and written, the unfinished named). ``--steps-scale`` scales every
+``--budget-s`` (default 1140) bounds the whole script's wall time: no stage or evaluation starts after it is
+spent (whatever was evaluated is written, the unfinished named). ``--steps-scale`` scales every
 stage's steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -45,54 +47,88 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_TASKS = "copy,passkey"
 
 GPU_MODEL = dict(dim=1024, n_layers=16, n_heads=8, n_kv_heads=4, ffn_dim=2816, vocab_size=128, max_position=65536,
                  rope_theta=10000.0)
-# (context, steps, tokens per step): many short documents per step first, then longer ones.
-# The first stage grows the look-up: 256-token documents, 64 a step, ~45% of them copies (the ``copy``
-# task: a span repeated, every copied token supervised). The loss sits on a plateau near ln 96 (the span
-# symbols' chance) until an induction-style look-up forms, then falls to ~0.05 within a few hundred steps: on an
-# H200 this model left it after ~900-1,300 steps with lr 3e-4 and rope_theta 1e4, and stayed on it for 1,800 steps
-# with lr 1e-3; with rope_theta 5e5, lr 6e-4 and 64K-token steps it stayed on it for 400
-# (bench/results/2026-11-26-h200-retrieval.md). Short steps buy the most updates for the time.
-# Moved from 4K- to 8K-token documents, 8 a step, the model relearnt the look-up within ~80 steps; moved on to
-# 16K, 4 a step, it lost it for all 80 steps (loss at chance): the last stage holds 8 a step, for 100 steps.
-# Mixing shorter documents into the long stages (--mix-from) kept short-range accuracy but not the longest in a
-# CPU proxy (the tiny model carried from 128 to 2K tokens; the results file).
-GPU_CURRICULUM = ((256, 2000, 16384), (1024, 300, 16384), (4096, 150, 65536), (8192, 120, 65536),
-                  (16384, 100, 131072))
-GPU = dict(lr=3e-4, warmup_steps=30, sparse_min_doc_len=4096, sparse_args={},
+
+
+class Stage(NamedTuple):
+    """One stage of the curriculum: documents of ``context`` tokens, ``tokens`` a step for ``steps`` steps, of
+    ``tasks`` (None: ``--tasks``) with ``data_args`` beside them, and RoPE's base ``rope_theta`` from this stage on
+    (None: the model's)."""
+
+    context: int
+    steps: int
+    tokens: int
+    tasks: str | None = None
+    rope_theta: float | None = None
+    data_args: tuple[str, ...] = ()
+
+
+# Many short documents a step first, then longer ones. The first stage grows the look-up: 256-token
+# documents, 64 a step, ~45% of them copies (the ``copy`` task: a span repeated, every copied token supervised).
+# The loss sits on a plateau near ln 96 (the span symbols' chance) until an induction-style look-up forms, then
+# falls to ~0.05 within a few hundred steps: on an H200 this model left it after ~900-1,300 steps with lr 3e-4
+# and rope_theta 1e4, and stayed on it for 1,800 steps with lr 1e-3; with rope_theta 5e5, lr 6e-4 and 64K-token
+# steps it stayed on it for 400 (bench/results/2026-11-26-h200-retrieval.md). Short steps buy the most updates
+# for the time.
+# Once the look-up has formed, two things carry it far back (the 2026-11-26 run, RoPE base 1e4 and copies to
+# the end, answered only where the key lay within ~4-8K tokens of the question):
+# - RoPE's base is raised to 5e5 (as long-context extension does): with 1e4 even the slowest of a 128-dim
+#   head's 64 rotations turns 1.9 radians over 16K tokens, so no part of q.k stays a pure content match that
+#   far; with 5e5, 16 of them turn less than 1 radian over 16K.
+# - The tasks become passkeys and multi-key needles with every key asked (queries=4): a copy supervises
+#   thousands of tokens a document to a passkey's 4, so with copies in the batch the long look-up's gradient
+#   was a thousandth of the loss's.
+# 8 documents a step at 16K: with 4, the 2026-11-26 run lost the look-up moving there.
+LOOKUP_TASKS = "passkey,multikey"
+LOOKUP_ARGS = ("queries=4",)
+GPU_CURRICULUM = (Stage(256, 1600, 16384, "copy,passkey"),
+                  Stage(1024, 300, 16384, LOOKUP_TASKS, 5e5, LOOKUP_ARGS),
+                  Stage(4096, 150, 65536, LOOKUP_TASKS, 5e5, LOOKUP_ARGS),
+                  Stage(8192, 120, 65536, LOOKUP_TASKS, 5e5, LOOKUP_ARGS),
+                  Stage(16384, 100, 131072, LOOKUP_TASKS, 5e5, LOOKUP_ARGS))
+# Sparse from 8K-token documents: the 4K stage is shared by every run (one H200's ~30 minutes hold the dense run
+# and two sparse ones this way).
+GPU = dict(lr=3e-4, warmup_steps=30, sparse_min_doc_len=8192, sparse_args={},
            eval_instances=40, eval_depths=(0.0, 0.25, 0.5, 0.75, 1.0), eval_min_context=4096)
 
 # The smoke test: the tiny preset cut to 2 layers, 128- and 256-token documents, sparse from 256 tokens with
-# patterns scaled down to those lengths (as bench/sparse_quality.py).
+# patterns scaled down to those lengths (as bench/sparse_quality.py), the RoPE base raised in the second stage.
 CPU_MODEL = dict(n_layers=2, vocab_size=128)
-CPU_CURRICULUM = ((128, 2, 512), (256, 2, 1024))
+CPU_CURRICULUM = (Stage(128, 2, 512), Stage(256, 2, 1024, rope_theta=5e5))
 CPU = dict(lr=3e-3, warmup_steps=1, sparse_min_doc_len=192,
            sparse_args=dict(block=16, vertical_chunk=16, last_queries=32, sink_tokens=4, local_window=32,
                             slash_cap=32, vertical_cap=64),
            eval_instances=2, eval_depths=(0.0, 1.0), eval_min_context=256)
 
 
-def train_command(run_dir: str, attention: str, coverage: float | None, context: int, tokens: int, stop_at: int,
+def stage_tasks(stage: Stage, args) -> str:
+    return args.tasks or stage.tasks or DEFAULT_TASKS
+
+
+def train_command(run_dir: str, attention: str, coverage: float | None, stage: Stage, stop_at: int,
                   steps: int, resume: bool, args, setup: dict, model: dict) -> list[str]:
+    model_args = dict(model, **({"rope_theta": stage.rope_theta} if stage.rope_theta else {}))
     cmd = [sys.executable, "-m", "attnpool.cli.main", "train", "--model", "tiny",
-           "--model-args", *[f"{k}={v}" for k, v in model.items()],
-           "--data", "retrieval", "--data-args", f"task={args.tasks}", f"context={context}",
-           *([f"min_context={args.mix_from}"] if args.mix_from and context > args.mix_from else []),
-           f"num_docs={args.num_docs}", f"ordinary={args.ordinary}",
-           "--tokens-per-rank", str(tokens), "--seed", str(args.seed),
+           "--model-args", *[f"{k}={v}" for k, v in model_args.items()],
+           "--data", "retrieval", "--data-args", f"task={stage_tasks(stage, args)}", f"context={stage.context}",
+           *([f"min_context={args.mix_from}"] if args.mix_from and stage.context > args.mix_from else []),
+           *stage.data_args, f"num_docs={args.num_docs}", f"ordinary={args.ordinary}",
+           "--tokens-per-rank", str(stage.tokens), "--seed", str(args.seed),
            "--attention", "local", "--device", args.device, "--steps", str(steps), "--stop-at", str(stop_at),
            "--lr", str(setup["lr"]), "--warmup-steps", str(setup["warmup_steps"]), "--out", run_dir,
            "--checkpoint-every", "0", "--keep-checkpoints", "1", "--no-progress"]
     if args.activation_checkpointing != "none":
         cmd += ["--activation-checkpointing", args.activation_checkpointing]
-    if resume:
-        cmd += ["--resume", "--allow-config-change"]  # a later stage: longer documents and steps, the same schedule
+    if resume:  # a later stage: longer documents and steps, maybe other tasks and RoPE base, the same schedule
+        cmd += ["--resume", "--allow-config-change"]
     if attention == "sparse":
         cmd += ["--sparse", "vertical-slash", "--sparse-coverage", str(coverage),
                 "--sparse-min-doc-len", str(setup["sparse_min_doc_len"])]
@@ -150,9 +186,11 @@ def main() -> int:
     ap.add_argument("--work", help="run directories and checkpoints (default: a temporary directory)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the smoke test (tiny model)")
     ap.add_argument("--coverages", default="0.95,0.9", help="sparse coverages, most important first (default 0.95,0.9)")
-    ap.add_argument("--tasks", default="copy,passkey",
-                    help="training tasks (default copy,passkey; the look-up forms from the copies, so a third "
-                         "task slows it); all but copy are evaluated")
+    ap.add_argument("--tasks", default=None,
+                    help="training tasks of every stage (default: the curriculum's, copy,passkey until the look-up "
+                         "forms, then passkey,multikey; a third task beside the copies slows it)")
+    ap.add_argument("--eval-tasks", default="passkey",
+                    help="tasks evaluated (default passkey; the results hold passkey's accuracy)")
     ap.add_argument("--budget-s", type=float, default=1140.0, help="wall-time budget of the script (default 1140)")
     ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every stage's steps (default 1)")
     ap.add_argument("--num-docs", type=int, default=200_000, help="documents in the training source")
@@ -165,13 +203,15 @@ def main() -> int:
                          "default: every document of the stage's length)")
     args = ap.parse_args()
     t_start = time.perf_counter()
+    from attnpool.data.retrieval import parse_tasks
+    from attnpool.errors import ConfigError
     from attnpool.train.checkpoint import finished_checkpoints
 
     gpu = args.device == "cuda"
     setup = dict(GPU if gpu else CPU)
     model = GPU_MODEL if gpu else CPU_MODEL
-    curriculum = [(n, max(1, round(s * args.steps_scale)), t) for n, s, t in (GPU_CURRICULUM if gpu else CPU_CURRICULUM)]
-    setup["curriculum"] = curriculum
+    curriculum = [stage._replace(steps=max(1, round(stage.steps * args.steps_scale)))
+                  for stage in (GPU_CURRICULUM if gpu else CPU_CURRICULUM)]
     if args.mix_from is not None and not 0 < args.mix_from:
         ap.error(f"--mix-from {args.mix_from}: must be a positive number of tokens")
     if args.lr is not None:
@@ -189,7 +229,15 @@ def main() -> int:
 
         if not torch.cuda.is_available():
             ap.error("--device cuda: no GPU visible (use --device cpu for the smoke test)")
-    total_steps = sum(s for _, s, _ in curriculum)
+    try:
+        eval_tasks = parse_tasks(args.eval_tasks)
+        for stage in curriculum:
+            parse_tasks(stage_tasks(stage, args))
+    except ConfigError as exc:
+        ap.error(str(exc))
+    if "copy" in eval_tasks:
+        ap.error("--eval-tasks: copy is a warm-up, its answer a span, not evaluated")
+    total_steps = sum(stage.steps for stage in curriculum)
     work = args.work or tempfile.mkdtemp(prefix="attnpool-retrieval-")
     os.makedirs(args.out, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH")])))
@@ -198,8 +246,9 @@ def main() -> int:
     # Stages of documents shorter than sparse_min_doc_len compute the same in every run: the sparse runs start
     # from a copy of the dense run taken after the last of them (same weights, data and optimizer state). A
     # stage mixing lengths up to exactly sparse_min_doc_len counts as one (see the module's docstring).
-    shared = sum(1 for n, _, _ in curriculum if n < setup["sparse_min_doc_len"]
-                 or (n == setup["sparse_min_doc_len"] and bool(args.mix_from) and n > args.mix_from))
+    shared = sum(1 for stage in curriculum if stage.context < setup["sparse_min_doc_len"]
+                 or (stage.context == setup["sparse_min_doc_len"] and bool(args.mix_from)
+                     and stage.context > args.mix_from))
     branch = os.path.join(work, "dense-branch")
     commands, unfinished, stage_seconds = [], [], {}
     for attention, coverage in variants:
@@ -214,15 +263,17 @@ def main() -> int:
                 shutil.rmtree(run_dir, ignore_errors=True)
                 shutil.copytree(branch, run_dir)
             first = shared
-        stop_at = sum(s for _, s, _ in curriculum[:first])
-        for i, (context, steps, tokens) in enumerate(curriculum[first:], start=first):
+        stop_at = sum(stage.steps for stage in curriculum[:first])
+        for i, stage in enumerate(curriculum[first:], start=first):
+            context, steps = stage.context, stage.steps
             stop_at += steps
             done_rows = read_rows(run_dir)
             # A later stage, or a stage an earlier call stopped part-way (SIGTERM checkpoints), goes on from the
             # run's last checkpoint; a first stage that left none starts again.
-            cmd = train_command(run_dir, attention, coverage, context, tokens, stop_at, total_steps,
-                                stop_at > steps or bool(finished_checkpoints(run_dir)), args, setup, model)
-            commands.append(" ".join(["python", *cmd[1:]]))
+            command = lambda resume: train_command(run_dir, attention, coverage, stage, stop_at,  # noqa: E731
+                                                   total_steps, resume, args, setup, model)
+            commands.append(" ".join(["python", *command(stop_at > steps)[1:]]))  # as the curriculum runs it
+            cmd = command(stop_at > steps or bool(finished_checkpoints(run_dir)))
             if done_rows and done_rows[-1]["step"] >= stop_at:  # an earlier call with the same --work did it
                 print(f"        {name}: context {context} done before (step {done_rows[-1]['step']})", flush=True)
                 continue
@@ -252,11 +303,15 @@ def main() -> int:
     # Evaluation: each finished run with the attention it trained with, at every trained context from the minimum up.
     import torch
 
-    from attnpool.train.evaluate import evaluate_retrieval, plot_heatmap, sparse_config_of
+    from attnpool.train.evaluate import EvalCell, evaluate_retrieval, plot_heatmap, sparse_config_of
     from attnpool.train.export import read_checkpoint_model
 
-    eval_contexts = [n for n, _, _ in curriculum if n >= setup["eval_min_context"]]
-    tasks = ",".join(t for t in args.tasks.split(",") if t != "copy") or "passkey"  # (a copy's answer is its span)
+    eval_contexts = [stage.context for stage in curriculum if stage.context >= setup["eval_min_context"]]
+    tasks = ",".join(eval_tasks)
+    # What an evaluation is of: a run evaluated by an earlier call of this script with the same --work (its
+    # RUN/retrieval-eval.json) is read back when these match.
+    eval_key = {"tasks": tasks, "contexts": eval_contexts, "depths": list(setup["eval_depths"]),
+                "instances": setup["eval_instances"], "seed": args.seed + 1, "step": total_steps}
     results, details, runs, heatmaps = [], [], {}, {}
     for attention, coverage in variants:
         name = attention if coverage is None else f"sparse-{coverage:g}"
@@ -264,17 +319,31 @@ def main() -> int:
         runs[name] = read_rows(run_dir)
         if not runs[name] or runs[name][-1]["step"] < total_steps:
             continue  # unfinished: not evaluated (named in unfinished)
-        model_obj, _, settings, path, _ = read_checkpoint_model(run_dir=run_dir)
-        sparse = sparse_config_of(settings, "trained")
-        t0 = time.perf_counter()
-        cells = evaluate_retrieval(model_obj, tasks=tasks, contexts=eval_contexts, depths=setup["eval_depths"],
-                                   instances=setup["eval_instances"], seed=args.seed + 1, sparse=sparse,
-                                   device="cuda" if gpu else "cpu", batch_tokens=max(t for _, _, t in curriculum),
-                                   needle_probe=True)
-        print(f"[{time.perf_counter() - t_start:6.0f} s] evaluated {name} in {time.perf_counter() - t0:.0f} s", flush=True)
-        del model_obj
-        if gpu:
-            torch.cuda.empty_cache()
+        saved = os.path.join(run_dir, "retrieval-eval.json")
+        cells = None
+        if os.path.isfile(saved):
+            with open(saved) as fh:
+                earlier = json.load(fh)
+            if earlier["key"] == eval_key:
+                cells = [EvalCell(**c) for c in earlier["cells"]]
+        if cells is None:
+            if time.perf_counter() - t_start >= args.budget_s:
+                unfinished.append(f"{name}: evaluation (budget spent)")
+                continue
+            model_obj, _, settings, _, _ = read_checkpoint_model(run_dir=run_dir)
+            sparse = sparse_config_of(settings, "trained")
+            t0 = time.perf_counter()
+            cells = evaluate_retrieval(model_obj, tasks=tasks, contexts=eval_contexts, depths=setup["eval_depths"],
+                                       instances=setup["eval_instances"], seed=args.seed + 1, sparse=sparse,
+                                       device="cuda" if gpu else "cpu",
+                                       batch_tokens=max(stage.tokens for stage in curriculum), needle_probe=True)
+            print(f"[{time.perf_counter() - t_start:6.0f} s] evaluated {name} in {time.perf_counter() - t0:.0f} s",
+                  flush=True)
+            del model_obj
+            if gpu:
+                torch.cuda.empty_cache()
+            with open(saved, "w") as fh:
+                json.dump({"key": eval_key, "cells": [dataclasses.asdict(c) for c in cells]}, fh)
         for context in eval_contexts:
             mine = [c for c in cells if c.task == "passkey" and c.context == context]
             if mine:
@@ -289,9 +358,9 @@ def main() -> int:
     stem = f"{datetime.date.today()}-{gpu_name}-retrieval"
     loss_png = f"{stem}-loss.png"
     boundaries, at = [], 0
-    for context, steps, _ in curriculum:
-        boundaries.append((at, f"{context // 1024}K" if context >= 1024 else str(context)))
-        at += steps
+    for stage in curriculum:
+        boundaries.append((at, f"{stage.context // 1024}K" if stage.context >= 1024 else str(stage.context)))
+        at += stage.steps
     plot_losses(runs, boundaries, os.path.join(args.out, loss_png), f"dense vs vertical-slash, same weights and data "
                                                                      f"({gpu_name})")
     for name, cells in heatmaps.items():
@@ -301,8 +370,8 @@ def main() -> int:
 
     params = model_config("tiny", **model).num_params()
     doc = {"date": str(datetime.date.today()), "device": gpu_name, "command": " ".join(["python", *sys.argv]),
-           "model": {"preset": "tiny", "model_args": model, "params": params}, "curriculum": curriculum,
-           "train_tasks": args.tasks, "tasks": tasks, "mix_from": args.mix_from, "sparse_min_doc_len": setup["sparse_min_doc_len"],
+           "model": {"preset": "tiny", "model_args": model, "params": params}, "curriculum": [stage._replace(tasks=stage_tasks(stage, args))._asdict() for stage in curriculum],
+           "tasks": tasks, "mix_from": args.mix_from, "sparse_min_doc_len": setup["sparse_min_doc_len"],
            "sparse_args": setup["sparse_args"], "eval": {"depths": list(setup["eval_depths"]),
                                                         "instances": setup["eval_instances"], "contexts": eval_contexts},
            "results": results, "details": details, "unfinished": unfinished,
@@ -315,6 +384,12 @@ def main() -> int:
     return 0 if not unfinished else 1
 
 
+def stage_text(stage: dict, fmt) -> str:
+    extra = [*stage["data_args"], *([f"rope_theta {stage['rope_theta']:g}"] if stage["rope_theta"] else [])]
+    return (f"{fmt(stage['context'])} x {stage['steps']} ({fmt(stage['tokens'])}, `{stage['tasks']}`"
+            + (f" {' '.join(extra)}" if extra else "") + ")")
+
+
 def write_markdown(path: str, doc: dict, loss_png: str, heatmap_pngs: list[str]) -> None:
     m = doc["model"]
     contexts = doc["eval"]["contexts"]
@@ -325,10 +400,9 @@ def write_markdown(path: str, doc: dict, loss_png: str, heatmap_pngs: list[str])
         "# Long-range retrieval: dense and vertical-slash training from the same start (issue 26)", "",
         f"{doc['device']}, {doc['date']}. Command: `{doc['command']}` ({doc['wall_s']:.0f} s).", "",
         f"Model: `--model tiny --model-args {' '.join(f'{k}={v}' for k, v in m['model_args'].items())}` "
-        f"({m['params'] / 1e6:.2f}M parameters). Tasks `{doc['train_tasks']}` (`--data retrieval`, answer-only loss; "
-        f"evaluated: `{doc['tasks']}`), "
-        f"curriculum (context x steps, tokens per step) "
-        f"{', '.join(f'{fmt(n)} x {s} ({fmt(t)})' for n, s, t in doc['curriculum'])}"
+        f"({m['params'] / 1e6:.2f}M parameters); `--data retrieval`, answer-only loss; evaluated: `{doc['tasks']}`. "
+        f"Curriculum (context x steps, tokens per step, tasks, and where it changes, RoPE's base): "
+        f"{', '.join(stage_text(stage, fmt) for stage in doc['curriculum'])}"
         + (f", documents of each later stage from {fmt(doc['mix_from'])} tokens up to its context" if doc["mix_from"]
            else "") + f"; sparse runs: documents of "
         f"{doc['sparse_min_doc_len']}+ tokens sparse"

@@ -191,10 +191,10 @@ def bench_layout(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, reps,
             k, v = k_doc[kv_expand], v_doc[kv_expand]
             return k, v, *backend.forward(q, k, v, *call)
 
-        def server_forward_backward(parts):  # and _Serve.backward: grouped calls, the copies' gradients summed
+        def server_forward_backward(parts, impl="auto"):  # and _Serve.backward: grouped calls, copies summed
             k, v, out, lse = server_forward()
             dq, dk, dv = backward_in_parts(parts, dout, q, k, v, out, lse, None)
-            return dq, copies.sum(dk), copies.sum(dv)
+            return dq, copies.sum(dk, impl), copies.sum(dv, impl)
 
         k_exp, v_exp = k_doc[kv_expand], v_doc[kv_expand]
 
@@ -211,6 +211,9 @@ def bench_layout(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, reps,
                      for a, b in segment_groups(k_len, keys)]
             path = "core_attention kernel path" + ("" if keys == BACKWARD_GROUP_KEYS else f" ({keys // 1024}K groups)")
             paths.append((path, keys, len(parts), server_forward, functools.partial(server_forward_backward, parts)))
+            if keys == BACKWARD_GROUP_KEYS and device.type == "cuda":  # the A/B of the copies' sum (kernels.prefix_sum)
+                paths.append((path + " (torch prefix sum)", keys, len(parts), server_forward,
+                              functools.partial(server_forward_backward, parts, "torch")))
         paths.append(("one call", None, 1, one_call_forward, one_call_forward_backward))
         for path, keys, calls, fwd, fwd_bwd in paths:
             row = dict(backend=label, path=path, doc_len=doc_len, shard=shard, shards=len(q_len),

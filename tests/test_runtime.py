@@ -306,3 +306,44 @@ def test_prefix_copies_sum_as_index_add_does():
         torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="cover"):  # a document's rows past its longest segment
         PrefixCopies.of(np.array([0, 4]), np.array([4, 2]), 8, "cpu")
+
+
+def _prefix_sum_interpreted():
+    """kernels.prefix_sum through Triton's interpreter against PrefixCopies' torch sum: documents in
+    segments out of order, copies shorter and longer than a row block, column counts not a multiple of
+    the column block, float32 and bfloat16 (summed in float32 both)."""
+    import test_sparse
+
+    from attnpool.runtime.dispatch import PrefixCopies
+
+    test_sparse._patch_interpreter_for_numpy2()
+    g = torch.Generator().manual_seed(0)
+    cases = [(np.array([0, 5, 5, 5, 12, 12]), np.array([5, 3, 7, 4, 6, 9]), (2, 3)),
+             (np.zeros(6, dtype=np.int64), np.arange(1, 7) * 24, (3, 50)),
+             (np.array([0, 0, 70, 0]), np.array([70, 33, 40, 1]), (1, 130))]
+    for seg_base, seg_k, shape in cases:
+        num_unique = int(max(b + k for b, k in zip(seg_base, seg_k)))
+        copies = PrefixCopies.of(seg_base, seg_k, num_unique, "cpu")
+        for dtype in (torch.float32, torch.bfloat16):
+            d = torch.randn(int(seg_k.sum()), *shape, generator=g).to(dtype)
+            want, got = copies.sum(d, impl="torch"), copies.sum(d, impl="triton")
+            assert got.dtype == dtype and got.shape == want.shape
+            # float32 sums in another order (each document's copies longest first): rounding apart
+            tol = 1e-6 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    print("PREFIX SUM OK")
+
+
+def test_prefix_copies_kernel_sums_as_torch_does():
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {here!r}); import test_runtime; test_runtime._prefix_sum_interpreted()"
+    run = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "PREFIX SUM OK" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]

@@ -104,6 +104,10 @@ class PrefixCopies:
     num_unique: int
     first: slice | torch.Tensor  # expanded row of each unique row, in its document's longest segment
     extra: tuple[tuple[int, int, int], ...]
+    # The same for kernels.prefix_sum (int32): each unique row's document; per document its first unique
+    # row, where its copies start in the two lists below and how many it has; every copy's first expanded
+    # row and length, each document's longest first.
+    tables: tuple[torch.Tensor, ...] = ()
 
     @classmethod
     def of(cls, seg_base: np.ndarray, seg_k: np.ndarray, num_unique: int, device) -> "PrefixCopies":
@@ -121,10 +125,25 @@ class PrefixCopies:
         else:
             first = index_tensor(ranges(exp_start[longest], seg_k[longest]), device=device)
         extra = tuple(zip(seg_base[others].tolist(), exp_start[others].tolist(), seg_k[others].tolist()))
-        return cls(num_unique, first, extra)
+        doc_first = np.flatnonzero(is_first)
+        doc_count = np.diff(np.r_[doc_first, len(order)])
+        row_doc = np.repeat(np.arange(len(longest)), seg_k[longest])
+        tables = tuple(index_tensor(a, torch.int32, device=device) for a in
+                       (row_doc, seg_base[longest], doc_first, doc_count, exp_start[order], seg_k[order]))
+        return cls(num_unique, first, extra, tables)
 
-    def sum(self, d_expanded: torch.Tensor) -> torch.Tensor:
-        """The unique rows' gradient (in ``d_expanded``'s dtype) from the expanded keys' gradient."""
+    def sum(self, d_expanded: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+        """The unique rows' gradient (in ``d_expanded``'s dtype) from the expanded keys' gradient.
+        ``impl``: "triton" (kernels.prefix_sum, one pass; "auto" on CUDA below float64) or "torch"."""
+        if impl not in ("auto", "triton", "torch"):
+            raise ValueError(f"impl={impl!r}: choose auto, triton or torch")
+        if impl == "auto":
+            impl = "triton" if d_expanded.is_cuda and d_expanded.dtype != torch.float64 else "torch"
+        if impl == "triton":
+            from attnpool.kernels.prefix_sum import prefix_sum
+
+            out = torch.empty((self.num_unique, *d_expanded.shape[1:]), dtype=d_expanded.dtype, device=d_expanded.device)
+            return prefix_sum(d_expanded.contiguous(), out, *self.tables)
         # float32 at least (float64 stays float64)
         dtype = torch.promote_types(d_expanded.dtype, torch.float32)
         total = torch.empty((self.num_unique, *d_expanded.shape[1:]), dtype=dtype, device=d_expanded.device)

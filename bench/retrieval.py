@@ -198,6 +198,9 @@ def main() -> int:
     ap.add_argument("--activation-checkpointing", default="none", choices=("none", "full", "keep_attention"))
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-4 on GPU, 3e-3 on CPU)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--long-rope-theta", type=float, default=None, metavar="BASE",
+                    help="RoPE base of the stages that raise it (default theirs, 5e5; the model's 1e4 keeps the "
+                         "first stage's base throughout, the ablation of the raise)")
     ap.add_argument("--mix-from", type=int, default=None, metavar="N",
                     help="mix document lengths from N tokens up to each later stage's context (data min_context; "
                          "default: every document of the stage's length)")
@@ -210,7 +213,11 @@ def main() -> int:
     gpu = args.device == "cuda"
     setup = dict(GPU if gpu else CPU)
     model = GPU_MODEL if gpu else CPU_MODEL
-    curriculum = [stage._replace(steps=max(1, round(stage.steps * args.steps_scale)))
+    if args.long_rope_theta is not None and not args.long_rope_theta > 0:
+        ap.error(f"--long-rope-theta {args.long_rope_theta}: must be positive")
+    curriculum = [stage._replace(steps=max(1, round(stage.steps * args.steps_scale)),
+                                 rope_theta=args.long_rope_theta if stage.rope_theta and args.long_rope_theta
+                                 else stage.rope_theta)
                   for stage in (GPU_CURRICULUM if gpu else CPU_CURRICULUM)]
     if args.mix_from is not None and not 0 < args.mix_from:
         ap.error(f"--mix-from {args.mix_from}: must be a positive number of tokens")

@@ -200,6 +200,16 @@ def test_retrieval_bench_smoke_then_attnpool_eval(tmp_path, capsys):
     md = result.with_suffix(".md").read_text()
     assert "--resume" in md and "--sparse-coverage 0.95" in md and "reach the passkey" in md
     assert "min_context=128" in md  # --mix-from: the second stage mixes in the first stage's length
+    # The second stage raises RoPE's base (the first keeps the model's), and its command says so.
+    assert [stage["rope_theta"] for stage in doc["curriculum"]] == [None, 500000.0]
+    assert "rope_theta=500000.0" in md and md.count("rope_theta=500000.0") == md.count("--resume")
+    # Called again with the same --work: nothing is trained or evaluated again, the same results are written.
+    again = subprocess.run([sys.executable, os.path.join(root, "bench", "retrieval.py"), "--out", str(out),
+                            "--work", str(tmp_path / "work"), "--device", "cpu", "--coverages", "0.95",
+                            "--tasks", "copy,passkey,multikey", "--mix-from", "128"],
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "evaluated" not in again.stdout and "steps" not in again.stdout
+    assert json.loads(result.read_text())["results"] == doc["results"]
     sparse_rows = [json.loads(line) for line in (tmp_path / "work" / "sparse-0.95" / "metrics.jsonl").read_text().splitlines()]
     dense_rows = [json.loads(line) for line in (tmp_path / "work" / "dense" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in sparse_rows] == [1, 2, 3, 4]

@@ -16,6 +16,7 @@ import torch
 from attnpool.errors import ConfigError
 from attnpool.kernels import (BACKENDS, attention, auto_backend_name, backend_problem, fa4, get_backend, reference,
                               resolve_backend_name)
+from attnpool.runtime.dispatch import SegmentRows, backward_in_parts, segment_groups
 from attnpool.plan.cost import TableCost, backend_table, default_cost_model, load_cost_model
 from attnpool.train.config import ATTENTION_BACKENDS, TrainConfig, load_config, save_config
 from attnpool.train.loop import attention_backend
@@ -53,11 +54,17 @@ class StandInInterface:
                         max_seqlen_q=None, max_seqlen_k=None, deterministic=False, dq=None, dk=None, dv=None,
                         score_mod=None, score_mod_bwd=None, mask_mod=None, aux_tensors=None, aux_scalars=None,
                         block_sparse_tensors=None, dlse=None, learnable_sink=None):
-        self.calls.append(("backward", dict(causal=causal, scale=softmax_scale)))
+        self.calls.append(("backward", dict(causal=causal, scale=softmax_scale, into=dq is not None)))
         assert causal and lse.dtype == torch.float32 and lse.is_contiguous() and dout.dtype == q.dtype
         assert lse.shape == (q.shape[1], q.shape[0])
-        return reference.backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                  softmax_scale)
+        grads = reference.backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   softmax_scale)
+        if dq is None:
+            return grads
+        for given, like, grad in zip((dq, dk, dv), (q, k, v), grads):  # as the kernel: checked, then written
+            assert given.shape == like.shape and given.dtype == like.dtype and given.device == like.device
+            given.copy_(grad)
+        return dq, dk, dv
 
 
 @pytest.fixture
@@ -140,6 +147,43 @@ def test_fa4_forward_and_backward_through_the_interface(stand_in, n_q, n_kv):
         assert torch.equal(got, expected)
     assert [c[0] for c in stand_in.calls] == ["forward", "backward"]
     assert all(c[1]["scale"] == 0.3 for c in stand_in.calls)
+
+
+def test_fa4_backward_writes_into_given_tensors(stand_in):
+    q, k, v, dout, cu_q, cu_k, max_q, max_k = make_inputs(MIXED_SEGMENTS, 4, 2, 16, torch.bfloat16)
+    out, lse = fa4.forward(q, k, v, cu_q, cu_k, max_q, max_k)
+    into = tuple(torch.full_like(x, float("nan")) for x in (q, k, v))
+    grads = fa4.backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, into=into)
+    assert all(got is given for got, given in zip(grads, into)) and stand_in.calls[-1][1]["into"]
+    for got, expected in zip(grads, reference.backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k)):
+        assert torch.equal(got, expected)
+    empty = tuple(x[:0] for x in (q, k, v))
+    assert all(t.numel() == 0 for t in fa4.backward(dout[:0], *empty, out[:0], lse[:, :0], cu_q[:1], cu_k[:1], 0, 0,
+                                                    into=tuple(torch.empty_like(x) for x in empty)))
+    with pytest.raises(ValueError, match="into"):
+        fa4.backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, into=(into[0], into[1], into[2][1:]))
+
+
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_a_split_backward_lands_every_part_in_its_rows(stand_in, consecutive):
+    """backward_in_parts over fa4: consecutive groups of segments (the backward's key groups) are written into
+    the call's gradients by the kernel; other subsets (sparse and dense segments) are copied there. Either way
+    the gradients are one call's, and no row is left as allocated."""
+    q, k, v, dout, cu_q, cu_k, max_q, max_k = make_inputs(MIXED_SEGMENTS, 4, 2, 16, torch.bfloat16)
+    out, lse = fa4.forward(q, k, v, cu_q, cu_k, max_q, max_k)
+    q_len, k_len = np.diff(cu_q.numpy()), np.diff(cu_k.numpy())
+    segs = np.arange(len(k_len))
+    if consecutive:
+        keeps = [(segs >= a) & (segs < b) for a, b in segment_groups(k_len, 24)]
+        assert len(keeps) >= 3
+    else:
+        keeps = [segs % 2 == 0, segs % 2 == 1]
+    parts = [(SegmentRows.of(q_len, k_len, keep, "cpu"), fa4.BACKEND) for keep in keeps]
+    stand_in.calls.clear()
+    grads = backward_in_parts(parts, dout, q, k, v, out, lse, None)
+    assert [c[1]["into"] for c in stand_in.calls if c[0] == "backward"] == [consecutive] * len(keeps)
+    for got, expected in zip(grads, reference.backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k)):
+        assert torch.equal(got, expected)
 
 
 def test_fa4_empty_calls_never_reach_the_kernel(stand_in):

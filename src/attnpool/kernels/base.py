@@ -5,6 +5,7 @@ A backend is a pair of plain functions over packed variable-length segments:
     forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None) -> (out, lse)
     backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None)
         -> (dq, dk, dv)
+    (and, where ``Backend.backward_into``, a keyword ``into=(dq, dk, dv)`` to write them into)
 
 q is (T_q, H_q, D), k and v are (T_k, H_kv, D) with H_q a multiple of H_kv
 (query head h reads kv head h // (H_q // H_kv)). cu_q and cu_k are int32
@@ -44,6 +45,10 @@ class Backend:
     # own from the arguments alone. The runtime then splits a large backward to bound its workspace; a
     # backend bound to one call's segments (a sparse pattern per segment) must leave it False.
     splits_by_segment: bool = False
+    # Whether backward takes ``into=(dq, dk, dv)``: tensors (row ranges of a larger call's gradients) it
+    # writes the gradients into and returns, so a split backward needs neither a zeroed buffer nor a copy
+    # of each part's gradients (for the CA-task layout's expanded keys, gigabytes a step).
+    backward_into: bool = False
 
 
 def default_scale(head_dim: int) -> float:

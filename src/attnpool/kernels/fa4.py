@@ -80,17 +80,22 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None):
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None):
-    """Gradients (dq, dk, dv) from the forward's out and lse."""
+def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None, into=None):
+    """Gradients (dq, dk, dv) from the forward's out and lse; written into ``into`` (three contiguous
+    tensors shaped and typed as q, k, v) where given."""
     check_half_inputs(q, k, v, cu_q, cu_k, "fa4")
+    if into is not None and any(t.shape != x.shape or t.dtype != x.dtype or not t.is_contiguous()
+                                for t, x in zip(into, (q, k, v))):
+        raise ValueError("into: three contiguous tensors of q's, k's and v's shapes and dtype")
     if q.shape[0] == 0 or k.shape[0] == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return tuple(t.zero_() for t in into) if into is not None else (
+            torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
     q, k, v, out, dout = (last_dim_contiguous(x) for x in (q, k, v, out, dout.to(q.dtype)))
     interface = _loaded()
-    dq, dk, dv = interface._flash_attn_bwd(
+    dq, dk, dv = into if into is not None else (None, None, None)
+    return tuple(interface._flash_attn_bwd(
         q, k, v, out, dout, lse.float().contiguous(), softmax_scale=scale, causal=True,
-        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=int(max_q), max_seqlen_k=int(max_k))
-    return dq, dk, dv
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=int(max_q), max_seqlen_k=int(max_k), dq=dq, dk=dk, dv=dv)[:3])
 
 
-BACKEND = Backend("fa4", forward, backward, splits_by_segment=True)
+BACKEND = Backend("fa4", forward, backward, splits_by_segment=True, backward_into=True)

@@ -77,13 +77,18 @@ class SegmentRows:
 
 
 def backward_in_parts(parts, dout, q, k, v, out, lse, scale):
-    """A kernel call's backward as one call per part, ``parts`` being (SegmentRows, Backend) pairs
-    that share no segment; each part's gradients are written into its rows."""
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    """A kernel call's backward as one call per part, ``parts`` being (SegmentRows, Backend) pairs that
+    partition the call's segments (every row in one part); each part's gradients land in its rows: written
+    there by the kernel where the backend can (``Backend.backward_into``) and the rows are a range, else
+    copied."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for rows, backend in parts:
-        grads = backend.backward(dout[rows.q_rows], q[rows.q_rows], k[rows.k_rows], v[rows.k_rows], out[rows.q_rows],
-                                 lse[:, rows.q_rows].contiguous(), rows.cu_q, rows.cu_k, rows.max_q, rows.max_k,
-                                 scale=scale)
+        args = (dout[rows.q_rows], q[rows.q_rows], k[rows.k_rows], v[rows.k_rows], out[rows.q_rows],
+                lse[:, rows.q_rows].contiguous(), rows.cu_q, rows.cu_k, rows.max_q, rows.max_k)
+        if backend.backward_into and isinstance(rows.q_rows, slice) and isinstance(rows.k_rows, slice):
+            backend.backward(*args, scale=scale, into=(dq[rows.q_rows], dk[rows.k_rows], dv[rows.k_rows]))
+            continue
+        grads = backend.backward(*args, scale=scale)
         dq[rows.q_rows], dk[rows.k_rows], dv[rows.k_rows] = grads
         del grads  # one part's kernel outputs at a time
     return dq, dk, dv

@@ -145,6 +145,22 @@ def read_rows(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in fh]
 
 
+def read_json(path: str):
+    """The file's JSON, or None where it cannot be read (a call killed while writing it)."""
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def write_json(path: str, obj) -> None:
+    """Written whole or not at all (a temporary file renamed over it)."""
+    with open(path + ".tmp", "w") as fh:
+        json.dump(obj, fh)
+    os.replace(path + ".tmp", path)
+
+
 def device_name(device: str) -> str:
     if device == "cpu":
         return "cpu"
@@ -247,6 +263,24 @@ def main() -> int:
     total_steps = sum(stage.steps for stage in curriculum)
     work = args.work or tempfile.mkdtemp(prefix="attnpool-retrieval-")
     os.makedirs(args.out, exist_ok=True)
+    # What the runs in --work are trained with: a later call goes on with them only where it would train the
+    # same (finished stages are skipped by their step, finished evaluations read back), never mixing two setups.
+    training = {"device": args.device, "model": model, "seed": args.seed, "lr": setup["lr"],
+                "warmup_steps": setup["warmup_steps"], "num_docs": args.num_docs, "ordinary": args.ordinary,
+                "mix_from": args.mix_from, "activation_checkpointing": args.activation_checkpointing,
+                "sparse_min_doc_len": setup["sparse_min_doc_len"], "sparse_args": setup["sparse_args"],
+                "curriculum": [stage._replace(tasks=stage_tasks(stage, args))._asdict() for stage in curriculum]}
+    training = json.loads(json.dumps(training))  # (tuples as lists, as read back)
+    settings_path = os.path.join(work, "retrieval-settings.json")
+    if os.path.isfile(settings_path):
+        earlier = read_json(settings_path)
+        if earlier != training:
+            differ = sorted(k for k in set(training) | set(earlier or {}) if (earlier or {}).get(k) != training.get(k))
+            ap.error(f"--work {work}: holds runs trained with other settings ({', '.join(differ) or 'unreadable'}); "
+                     "use another --work")
+    else:
+        os.makedirs(work, exist_ok=True)
+        write_json(settings_path, training)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH")])))
 
     variants = [("dense", None)] + [("sparse", c) for c in coverages]
@@ -327,12 +361,9 @@ def main() -> int:
         if not runs[name] or runs[name][-1]["step"] < total_steps:
             continue  # unfinished: not evaluated (named in unfinished)
         saved = os.path.join(run_dir, "retrieval-eval.json")
-        cells = None
-        if os.path.isfile(saved):
-            with open(saved) as fh:
-                earlier = json.load(fh)
-            if earlier["key"] == eval_key:
-                cells = [EvalCell(**c) for c in earlier["cells"]]
+        earlier = read_json(saved) if os.path.isfile(saved) else None
+        cells = ([EvalCell(**c) for c in earlier["cells"]]
+                 if isinstance(earlier, dict) and earlier.get("key") == eval_key else None)
         if cells is None:
             if time.perf_counter() - t_start >= args.budget_s:
                 unfinished.append(f"{name}: evaluation (budget spent)")
@@ -349,8 +380,7 @@ def main() -> int:
             del model_obj
             if gpu:
                 torch.cuda.empty_cache()
-            with open(saved, "w") as fh:
-                json.dump({"key": eval_key, "cells": [dataclasses.asdict(c) for c in cells]}, fh)
+            write_json(saved, {"key": eval_key, "cells": [dataclasses.asdict(c) for c in cells]})
         for context in eval_contexts:
             mine = [c for c in cells if c.task == "passkey" and c.context == context]
             if mine:

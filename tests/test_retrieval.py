@@ -210,6 +210,12 @@ def test_retrieval_bench_smoke_then_attnpool_eval(tmp_path, capsys):
                            capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "evaluated" not in again.stdout and "steps" not in again.stdout
     assert json.loads(result.read_text())["results"] == doc["results"]
+    # With other training settings the same --work is refused before anything runs.
+    other = subprocess.run([sys.executable, os.path.join(root, "bench", "retrieval.py"), "--out", str(out),
+                            "--work", str(tmp_path / "work"), "--device", "cpu", "--coverages", "0.95",
+                            "--tasks", "copy,passkey,multikey", "--mix-from", "128", "--lr", "1e-3"],
+                           capture_output=True, text=True, timeout=600)
+    assert other.returncode == 2 and "other settings (lr)" in other.stderr
     sparse_rows = [json.loads(line) for line in (tmp_path / "work" / "sparse-0.95" / "metrics.jsonl").read_text().splitlines()]
     dense_rows = [json.loads(line) for line in (tmp_path / "work" / "dense" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in sparse_rows] == [1, 2, 3, 4]

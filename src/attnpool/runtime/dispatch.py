@@ -81,7 +81,8 @@ def backward_in_parts(parts, dout, q, k, v, out, lse, scale):
     partition the call's segments (every row in one part); each part's gradients land in its rows: written
     there by the kernel where the backend can (``Backend.backward_into``) and the rows are a range, else
     copied."""
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # contiguous whatever the inputs' strides: a part's rows are then contiguous views the kernel can write
+    dq, dk, dv = (x.new_empty(x.shape) for x in (q, k, v))
     for rows, backend in parts:
         args = (dout[rows.q_rows], q[rows.q_rows], k[rows.k_rows], v[rows.k_rows], out[rows.q_rows],
                 lse[:, rows.q_rows].contiguous(), rows.cu_q, rows.cu_k, rows.max_q, rows.max_k)
@@ -104,7 +105,9 @@ class PrefixCopies:
     adds with no atomics, and a float32 sum where bf16 atomics (index_add_) rounded at every one of up to
     a document's number of segments additions (one H200, a 64K-token document in 1K-token segments: 8 ms
     against 26 ms per tensor, max error 2.9e-3 of the largest value against 2.3e-2;
-    bench/results/2026-11-26-h200-fa4.md)."""
+    bench/results/2026-11-26-h200-fa4.md). On CUDA below float64, ``sum`` runs kernels.prefix_sum instead: every
+    expanded row read once and every unique row written once, 12.6-14.5 ms faster than the slices on that layout
+    (bench/results/2026-11-27-h200-fa4-prefix-sum.md)."""
 
     num_unique: int
     first: slice | torch.Tensor  # expanded row of each unique row, in its document's longest segment
@@ -133,6 +136,8 @@ class PrefixCopies:
         doc_first = np.flatnonzero(is_first)
         doc_count = np.diff(np.r_[doc_first, len(order)])
         row_doc = np.repeat(np.arange(len(longest)), seg_k[longest])
+        if int(seg_k.sum()) >= 2**31:  # (the tables are int32; the kernel's element offsets are int64)
+            raise ValueError(f"{int(seg_k.sum())} expanded key rows: more than int32 row indices hold")
         tables = tuple(index_tensor(a, torch.int32, device=device) for a in
                        (row_doc, seg_base[longest], doc_first, doc_count, exp_start[order], seg_k[order]))
         return cls(num_unique, first, extra, tables)

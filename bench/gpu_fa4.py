@@ -206,16 +206,19 @@ def bench_layout(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, reps,
             out, lse = backend.forward(q, k_exp, v_exp, *call)
             return backend.backward(dout, q, k_exp, v_exp, out, lse, *call)
 
-        paths = []
+        paths, default_path = [], None
         for keys in group_keys:  # the kernel path with each backward group size asked for
             parts = [(SegmentRows.of(q_len, k_len, (segments >= a) & (segments < b), device), backend)
                      for a, b in segment_groups(k_len, keys)]
             path = "core_attention kernel path" + ("" if keys == BACKWARD_GROUP_KEYS else f" ({keys // 1024}K groups)")
             paths.append((path, keys, len(parts), server_forward, functools.partial(server_forward_backward, parts)))
-            if keys == BACKWARD_GROUP_KEYS and device.type == "cuda":  # the A/B of the copies' sum (kernels.prefix_sum)
+            if keys != BACKWARD_GROUP_KEYS:
+                continue
+            default_path = paths[-1][4]
+            if device.type == "cuda":  # the A/B of the copies' sum (kernels.prefix_sum)
                 paths.append((path + " (torch prefix sum)", keys, len(parts), server_forward,
                               functools.partial(server_forward_backward, parts, "torch")))
-            if keys == BACKWARD_GROUP_KEYS and backend.backward_into:  # the A/B of writing groups in place
+            if backend.backward_into:  # the A/B of writing groups in place
                 copied = [(rows, dataclasses.replace(backend, backward_into=False)) for rows, _ in parts]
                 paths.append((path + " (groups copied)", keys, len(parts), server_forward,
                               functools.partial(server_forward_backward, copied)))
@@ -223,21 +226,20 @@ def bench_layout(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, reps,
         # The kernel path's gradients (groups written in place, the copies summed as the path sums them)
         # against one call's summed in torch: the grouped backward must compute what one call does.
         path_vs_one_call = None
-        for path, _, _, _, fwd_bwd in paths:
-            if path == "core_attention kernel path":
-                try:
-                    got = fwd_bwd()
-                    dq1, dk1, dv1 = one_call_forward_backward()
-                    want = (dq1, copies.sum(dk1, "torch"), copies.sum(dv1, "torch"))
-                    del dk1, dv1
-                    path_vs_one_call = {name: ((g.float() - w.float()).abs().max()
-                                               / w.float().abs().max().clamp_min(1e-30)).item()
-                                        for name, g, w in zip(("dq", "dk", "dv"), got, want)}
-                    del got, want, dq1
-                except Exception as error:  # an OOM here must not end the benchmark
-                    path_vs_one_call = {"error": repr(error)}
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+        if default_path is not None:
+            try:
+                got = default_path()
+                dq1, dk1, dv1 = one_call_forward_backward()
+                want = (dq1, copies.sum(dk1, "torch"), copies.sum(dv1, "torch"))
+                del dk1, dv1
+                path_vs_one_call = {name: ((g.float() - w.float()).abs().max()
+                                           / w.float().abs().max().clamp_min(1e-30)).item()
+                                    for name, g, w in zip(("dq", "dk", "dv"), got, want)}
+                del got, want, dq1
+            except Exception as error:  # an OOM here must not end the benchmark
+                path_vs_one_call = {"error": repr(error)}
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         for path, keys, calls, fwd, fwd_bwd in paths:
             row = dict(backend=label, path=path, doc_len=doc_len, shard=shard, shards=len(q_len),
                        backward_group_keys=keys, backward_calls=calls)

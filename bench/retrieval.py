@@ -60,8 +60,8 @@ GPU_MODEL = dict(dim=1024, n_layers=16, n_heads=8, n_kv_heads=4, ffn_dim=2816, v
 
 class Stage(NamedTuple):
     """One stage of the curriculum: documents of ``context`` tokens, ``tokens`` a step for ``steps`` steps, of
-    ``tasks`` (None: ``--tasks``) with ``data_args`` beside them, and RoPE's base ``rope_theta`` from this stage on
-    (None: the model's)."""
+    ``tasks`` (None: the default; ``--tasks`` replaces every stage's) with ``data_args`` beside them, and
+    RoPE's base ``rope_theta`` from this stage on (None: the model's)."""
 
     context: int
     steps: int
@@ -109,8 +109,8 @@ CPU = dict(lr=3e-3, warmup_steps=1, sparse_min_doc_len=192,
            eval_instances=2, eval_depths=(0.0, 1.0), eval_min_context=256)
 
 
-def stage_tasks(stage: Stage, args) -> str:
-    return args.tasks or stage.tasks or DEFAULT_TASKS
+def tokens_text(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 else str(n)
 
 
 def train_command(run_dir: str, attention: str, coverage: float | None, stage: Stage, stop_at: int,
@@ -118,7 +118,7 @@ def train_command(run_dir: str, attention: str, coverage: float | None, stage: S
     model_args = dict(model, **({"rope_theta": stage.rope_theta} if stage.rope_theta else {}))
     cmd = [sys.executable, "-m", "attnpool.cli.main", "train", "--model", "tiny",
            "--model-args", *[f"{k}={v}" for k, v in model_args.items()],
-           "--data", "retrieval", "--data-args", f"task={stage_tasks(stage, args)}", f"context={stage.context}",
+           "--data", "retrieval", "--data-args", f"task={stage.tasks}", f"context={stage.context}",
            *([f"min_context={args.mix_from}"] if args.mix_from and stage.context > args.mix_from else []),
            *stage.data_args, f"num_docs={args.num_docs}", f"ordinary={args.ordinary}",
            "--tokens-per-rank", str(stage.tokens), "--seed", str(args.seed),
@@ -231,7 +231,9 @@ def main() -> int:
     model = GPU_MODEL if gpu else CPU_MODEL
     if args.long_rope_theta is not None and not args.long_rope_theta > 0:
         ap.error(f"--long-rope-theta {args.long_rope_theta}: must be positive")
+    # The stages as run: --tasks, --steps-scale and --long-rope-theta applied.
     curriculum = [stage._replace(steps=max(1, round(stage.steps * args.steps_scale)),
+                                 tasks=args.tasks or stage.tasks or DEFAULT_TASKS,
                                  rope_theta=args.long_rope_theta if stage.rope_theta and args.long_rope_theta
                                  else stage.rope_theta)
                   for stage in (GPU_CURRICULUM if gpu else CPU_CURRICULUM)]
@@ -255,7 +257,7 @@ def main() -> int:
     try:
         eval_tasks = parse_tasks(args.eval_tasks)
         for stage in curriculum:
-            parse_tasks(stage_tasks(stage, args))
+            parse_tasks(stage.tasks)
     except ConfigError as exc:
         ap.error(str(exc))
     if "copy" in eval_tasks:
@@ -269,7 +271,7 @@ def main() -> int:
                 "warmup_steps": setup["warmup_steps"], "num_docs": args.num_docs, "ordinary": args.ordinary,
                 "mix_from": args.mix_from, "activation_checkpointing": args.activation_checkpointing,
                 "sparse_min_doc_len": setup["sparse_min_doc_len"], "sparse_args": setup["sparse_args"],
-                "curriculum": [stage._replace(tasks=stage_tasks(stage, args))._asdict() for stage in curriculum]}
+                "curriculum": [stage._asdict() for stage in curriculum]}
     training = json.loads(json.dumps(training))  # (tuples as lists, as read back)
     settings_path = os.path.join(work, "retrieval-settings.json")
     if os.path.isfile(settings_path):
@@ -396,7 +398,7 @@ def main() -> int:
     loss_png = f"{stem}-loss.png"
     boundaries, at = [], 0
     for stage in curriculum:
-        boundaries.append((at, f"{stage.context // 1024}K" if stage.context >= 1024 else str(stage.context)))
+        boundaries.append((at, tokens_text(stage.context)))
         at += stage.steps
     plot_losses(runs, boundaries, os.path.join(args.out, loss_png), f"dense vs vertical-slash, same weights and data "
                                                                      f"({gpu_name})")
@@ -407,7 +409,7 @@ def main() -> int:
 
     params = model_config("tiny", **model).num_params()
     doc = {"date": str(datetime.date.today()), "device": gpu_name, "command": " ".join(["python", *sys.argv]),
-           "model": {"preset": "tiny", "model_args": model, "params": params}, "curriculum": [stage._replace(tasks=stage_tasks(stage, args))._asdict() for stage in curriculum],
+           "model": {"preset": "tiny", "model_args": model, "params": params}, "curriculum": training["curriculum"],
            "tasks": tasks, "mix_from": args.mix_from, "sparse_min_doc_len": setup["sparse_min_doc_len"],
            "sparse_args": setup["sparse_args"], "eval": {"depths": list(setup["eval_depths"]),
                                                         "instances": setup["eval_instances"], "contexts": eval_contexts},
@@ -421,9 +423,9 @@ def main() -> int:
     return 0 if not unfinished else 1
 
 
-def stage_text(stage: dict, fmt) -> str:
+def stage_text(stage: dict) -> str:
     extra = [*stage["data_args"], *([f"rope_theta {stage['rope_theta']:g}"] if stage["rope_theta"] else [])]
-    return (f"{fmt(stage['context'])} x {stage['steps']} ({fmt(stage['tokens'])}, `{stage['tasks']}`"
+    return (f"{tokens_text(stage['context'])} x {stage['steps']} ({tokens_text(stage['tokens'])}, `{stage['tasks']}`"
             + (f" {' '.join(extra)}" if extra else "") + ")")
 
 
@@ -432,22 +434,21 @@ def write_markdown(path: str, doc: dict, loss_png: str, heatmap_pngs: list[str])
     contexts = doc["eval"]["contexts"]
     variants = list(dict.fromkeys((r["attention"], r["coverage"]) for r in doc["results"]))
     acc = {(r["attention"], r["coverage"], r["context"]): r["accuracy"] for r in doc["results"]}
-    fmt = lambda n: f"{n // 1024}K" if n >= 1024 else str(n)  # noqa: E731
     lines = [
         "# Long-range retrieval: dense and vertical-slash training from the same start (issue 26)", "",
         f"{doc['device']}, {doc['date']}. Command: `{doc['command']}` ({doc['wall_s']:.0f} s).", "",
         f"Model: `--model tiny --model-args {' '.join(f'{k}={v}' for k, v in m['model_args'].items())}` "
         f"({m['params'] / 1e6:.2f}M parameters); `--data retrieval`, answer-only loss; evaluated: `{doc['tasks']}`. "
         f"Curriculum (context x steps, tokens per step, tasks, and where it changes, RoPE's base): "
-        f"{', '.join(stage_text(stage, fmt) for stage in doc['curriculum'])}"
-        + (f", documents of each later stage from {fmt(doc['mix_from'])} tokens up to its context" if doc["mix_from"]
+        f"{', '.join(stage_text(stage) for stage in doc['curriculum'])}"
+        + (f", documents of each later stage from {tokens_text(doc['mix_from'])} tokens up to its context" if doc["mix_from"]
            else "") + f"; sparse runs: documents of "
         f"{doc['sparse_min_doc_len']}+ tokens sparse"
         + (f", `--sparse-args {' '.join(f'{k}={v}' for k, v in doc['sparse_args'].items())}`" if doc["sparse_args"] else "")
         + ".", "",
         f"Passkey accuracy over needle depths {', '.join(f'{d:g}' for d in doc['eval']['depths'])} "
         f"({doc['eval']['instances']} held-out instances per depth):", "",
-        "| attention | coverage | " + " | ".join(fmt(n) for n in contexts) + " |",
+        "| attention | coverage | " + " | ".join(tokens_text(n) for n in contexts) + " |",
         "|---|---|" + "---|" * len(contexts),
     ]
     for attention, coverage in variants:
@@ -457,7 +458,7 @@ def write_markdown(path: str, doc: dict, loss_png: str, heatmap_pngs: list[str])
     if probed:
         lines += ["", "How often a sparse run's patterns let the answer's first query reach the passkey's first value "
                       "token (share of instances x sparse layers, any head; the online estimate missing the needle "
-                      "would show here):", "", "| coverage | " + " | ".join(fmt(n) for n in contexts) + " |",
+                      "would show here):", "", "| coverage | " + " | ".join(tokens_text(n) for n in contexts) + " |",
                   "|---|" + "---|" * len(contexts)]
         for coverage in dict.fromkeys(d["coverage"] for d in probed):
             kept = [np.mean([d["needle_kept"] for d in probed if d["coverage"] == coverage and d["context"] == n] or

@@ -4,7 +4,7 @@
 # Each phase stays under the 10-minute command limit through --budget-s. NPROC=2 runs a phase on
 # two GPUs; extra arguments go to `attnpool bench` after the phase's own (the last one wins).
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
 bench() {  # bench NAME ARGS...: one torchrun of `attnpool bench`, its log and results kept under $OUT/NAME

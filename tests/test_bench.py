@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -51,6 +52,19 @@ def test_bench_runs_every_strategy_and_writes_results(tmp_path, capsys):
     assert (tmp_path / "trace-prolong-1K-cad.txt").read_text().strip()  # the profiled extra step
     assert (tmp_path / "trace-prolong-1K-cad.json.gz").stat().st_size > 0
     assert "| prolong | 1K | cad |" in (tmp_path / "e2e.md").read_text()
+    # auto on the CPU: the reference kernel, named in every record and in the table's heading
+    assert {rec["attention_backend"] for rec in records} == {"reference"}
+    assert "core attention kernel reference" in (tmp_path / "e2e.md").read_text()
+
+
+def test_bench_refuses_a_kernel_that_cannot_run_before_any_process_group(tmp_path):
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")  # as torchrun sets them; no rendezvous
+    cmd = [sys.executable, "-m", "attnpool.cli.main", "bench", "--device", "cpu", "--model", "tiny", "--layers", "1",
+           "--configs", "prolong:1K", "--strategies", "local", "--attention-backend", "fa4", "--out", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "attention_backend" in r.stderr and "fa4" in r.stderr
+    assert not (tmp_path / "e2e.json").exists()
 
 
 def test_bench_without_activation_checkpointing_says_so(tmp_path):

@@ -49,7 +49,7 @@ from attnpool.model import model_config
 from attnpool.sizes import parse_size
 from attnpool.train.config import TrainConfig
 from attnpool.train.metrics import attention_time
-from attnpool.train.loop import train, use_growable_segments
+from attnpool.train.loop import attention_backend, train, use_growable_segments
 from attnpool.train.offload import release_host_cache
 
 TRACE_STEPS = 2  # profiled after the measured steps: one warm-up step of the profiler, one recorded
@@ -110,7 +110,7 @@ def run_one(name, dist_name, tokens, args, out_dir, trace=False):
         stop_at=None if trace else args.warmup + args.steps, warmup_steps=2, lr=1e-4, seed=0,
         attention=attention, pingpong=pingpong, **sparse,
         activation_checkpointing=args.activation_checkpointing, activation_offload=args.activation_offload,
-        precision="bf16",
+        precision="bf16", attention_backend=args.attention_backend,
         device=args.device, progress=False, checkpoint_every=-1, out=os.path.join(out_dir, f"{dist_name}-{tokens}-{name}"),
     )
     if not trace:
@@ -242,6 +242,12 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
 def run(args: argparse.Namespace) -> int:
     configs, strategies = check_arguments(args)
     cuda = args.device == "cuda"
+    # The kernel every run uses, for the record ("auto" takes fa4 where it imports, so one command measures
+    # different kernels on different machines), refused here where it cannot run: every rank alike, before
+    # any process group.
+    args.resolved_attention_backend = attention_backend(
+        TrainConfig(attention_backend=args.attention_backend, device=args.device, precision="bf16"),
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu"))
     use_growable_segments()  # as attnpool train runs (and the memory model's calibration was measured)
     with process_group("nccl" if cuda else "gloo"):
         _run_all(args, configs, strategies, cuda)
@@ -275,6 +281,7 @@ def _run_all(args: argparse.Namespace, configs: list, strategies: list, cuda: bo
             label = "cad+pingpong (1-element messages)" if name == "ablation" else name
             rec = summarize(label, dist_name, tokens, rows, args, world, cfg)
             rec["predicted_peak_memory_bytes"] = predicted  # the memory model's, of the allocator's peak
+            rec["attention_backend"] = args.resolved_attention_backend
             if args.memory_breakdown:
                 _add_memory_breakdown(rec, recorder.breakdown(), args.out, f"{dist_name}-{tokens // 1024}K-{name}")
             records.append(rec)
@@ -357,7 +364,8 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
     os.makedirs(args.out, exist_ok=True)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU process (gloo)"
     meta = {"date": str(datetime.date.today()), "machine": f"{world} x {device}",
-            "torch": torch.__version__, "model": f"{args.model} x {args.layers} layers", "warmup": args.warmup,
+            "torch": torch.__version__, "model": f"{args.model} x {args.layers} layers",
+            "attention_backend": ", ".join(sorted({r["attention_backend"] for r in records})), "warmup": args.warmup,
             "measured_steps": args.steps, "skipped": skipped, "complete": complete,
             "command": f"torchrun --nproc-per-node {world} -m attnpool.cli.main bench --model {args.model} "
                        f"--layers {args.layers} --configs {args.configs} "
@@ -367,13 +375,15 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
                        + (f" --activation-checkpointing {args.activation_checkpointing}"
                           if args.activation_checkpointing != "keep_attention" else "")
                        + (" --activation-offload" if args.activation_offload else "")
+                       + (f" --attention-backend {args.attention_backend}" if args.attention_backend != "auto" else "")
                        + "".join(f" --{k} {getattr(args, k)}" for k in ("tp", "pp", "microbatches")
                                  if getattr(args, k) != 1)
                        + (f" --pp-schedule {args.pp_schedule}" if args.pp > 1 and args.pp_schedule != "1f1b" else "")}
     with open(os.path.join(args.out, "e2e.json"), "w") as f:
         json.dump({"meta": meta, "records": records}, f, indent=1)
     lines = [f"# End-to-end training steps on {meta['machine']}", "",
-             f"{meta['model']}, torch {meta['torch']}, bf16, FSDP2, activation checkpointing "
+             f"{meta['model']}, torch {meta['torch']}, bf16, core attention kernel {meta['attention_backend']}, "
+             f"FSDP2, activation checkpointing "
              f"{CHECKPOINTING_TEXT[args.activation_checkpointing]}, "
              f"{args.warmup} warm-up + {args.steps} measured steps (median), same seeds and batches for all strategies.",
              "", f"Command: `{meta['command']}`", "",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from attnpool.train.config import CHECKPOINTING
+from attnpool.train.config import ATTENTION_BACKENDS, CHECKPOINTING
 
 STRATEGIES = {  # name -> (attention, pingpong, vertical-slash sparse attention: None or its kv_transfer)
     "local": ("local", False, None),
@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation-checkpointing", default="keep_attention", choices=CHECKPOINTING,
                    help="what the backward recomputes (default: everything but core attention); 'none' shows what "
                         "the recompute costs, which the ideal leaves out, where memory allows")
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="core attention's kernel (attnpool train's attention_backend; default auto: fa4 where "
+                        "flash_attn.cute imports on an sm90+ GPU, else flash on CUDA); the one run is recorded")
     p.add_argument("--sparse-args", default="", metavar="K=V,...",
                    help="options of the +sparse strategies, e.g. coverage=0.9,slash_cap=64,vertical_cap=1024 "
                         "(coverage, min_doc_len, and any --sparse-args key of attnpool train)")

@@ -2,7 +2,8 @@
 # End-to-end benchmark runs on 4 x H200 (device kind nvidia-h200-x4), one phase per device call:
 #   bash bench/gpu_e2e.sh PHASE [BENCH ARGS...]   (results under $OUT, or ./bench-out without it)
 # Each phase stays under the 10-minute command limit through --budget-s. NPROC=2 runs a phase on
-# two GPUs; extra arguments go to `attnpool bench` after the phase's own (the last one wins).
+# two GPUs; extra arguments go to `attnpool bench` after the phase's own (the last one wins). A PYTHONPATH
+# given is kept after src: FA4's unpacked wheels there and `--attention-backend fa4` run the phase with FA4.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-bench-out}

@@ -18,6 +18,7 @@ def _partial_results_are_written_quietly(tmp_path, records, capsys):
     add_arguments(p)
     args = p.parse_args(["--out", str(tmp_path / "partial"), "--device", "cpu", "--model", "tiny", "--layers", "1",
                          "--configs", "prolong:1K", "--strategies", "local,cad"])
+    args.resolved_attention_backend = "reference"  # (run() resolves it)
     capsys.readouterr()
     finish(records[:2], [], args, 2, model_config("tiny", n_layers=1), complete=False)
     assert capsys.readouterr().out == ""
@@ -57,6 +58,34 @@ def test_bench_runs_every_strategy_and_writes_results(tmp_path, capsys):
     assert "core attention kernel reference" in (tmp_path / "e2e.md").read_text()
 
 
+def test_bench_sets_growable_segments_before_anything_starts_cuda(monkeypatch):
+    """The allocator reads its settings when CUDA starts, and resolving the kernel starts it: set after
+    that, growable segments were silently off (as in issue 27's fifth session)."""
+    import attnpool.bench.e2e as e2e
+    from attnpool.bench.e2e_options import add_arguments
+    from attnpool.errors import ConfigError
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    seen = []
+
+    def resolve(config, device):
+        seen.append(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+        raise ConfigError("attention_backend", config.attention_backend, "stop here")
+
+    monkeypatch.setattr(e2e, "attention_backend", resolve)
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--out", "unused", "--device", "cpu", "--model", "tiny", "--layers", "1", "--configs", "prolong:1K",
+                         "--strategies", "local"])
+    try:
+        e2e.run(args)
+    except ConfigError:
+        pass
+    assert seen == ["expandable_segments:True"]
+
+
 def test_bench_refuses_a_kernel_that_cannot_run_before_any_process_group(tmp_path):
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")  # as torchrun sets them; no rendezvous
     cmd = [sys.executable, "-m", "attnpool.cli.main", "bench", "--device", "cpu", "--model", "tiny", "--layers", "1",
@@ -74,7 +103,7 @@ def test_bench_without_activation_checkpointing_says_so(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     meta = json.loads((tmp_path / "e2e.json").read_text())["meta"]
-    assert meta["command"].endswith("--activation-checkpointing none")
+    assert meta["command"].endswith("--attention-backend reference --activation-checkpointing none")  # as run
     assert "activation checkpointing off" in (tmp_path / "e2e.md").read_text()
     for rec in json.loads((tmp_path / "e2e.json").read_text())["records"]:  # nothing is recomputed
         assert rec["efficiency_with_recompute"] == rec["efficiency"]

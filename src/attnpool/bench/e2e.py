@@ -242,13 +242,16 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
 def run(args: argparse.Namespace) -> int:
     configs, strategies = check_arguments(args)
     cuda = args.device == "cuda"
+    # As attnpool train runs (and the memory model's calibration was measured). First: the allocator reads
+    # its settings when CUDA starts, and the kernel's resolution below starts it (it asks for the GPU's
+    # compute capability); set after that, growable segments were silently off (one H200, torch 2.11).
+    use_growable_segments()
     # The kernel every run uses, for the record ("auto" takes fa4 where it imports, so one command measures
     # different kernels on different machines), refused here where it cannot run: every rank alike, before
     # any process group.
     args.resolved_attention_backend = attention_backend(
         TrainConfig(attention_backend=args.attention_backend, device=args.device, precision="bf16"),
         torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu"))
-    use_growable_segments()  # as attnpool train runs (and the memory model's calibration was measured)
     with process_group("nccl" if cuda else "gloo"):
         _run_all(args, configs, strategies, cuda)
     return 0
@@ -343,7 +346,8 @@ def _gib(n: int | None) -> str:
 
 
 def finish(records, skipped, args, world, cfg, complete: bool = True):
-    """Writes e2e.json and e2e.md of the records so far (``complete``: all of them, and prints the table)."""
+    """Writes e2e.json and e2e.md of the records so far (``complete``: all of them, and prints the table).
+    ``args``: as run() completed them (``resolved_attention_backend``)."""
     by_config = {}
     for r in records:
         by_config.setdefault((r["dist"], r["tokens_per_gpu"]), []).append(r)
@@ -365,17 +369,17 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU process (gloo)"
     meta = {"date": str(datetime.date.today()), "machine": f"{world} x {device}",
             "torch": torch.__version__, "model": f"{args.model} x {args.layers} layers",
-            "attention_backend": ", ".join(sorted({r["attention_backend"] for r in records})), "warmup": args.warmup,
+            "attention_backend": args.resolved_attention_backend, "warmup": args.warmup,
             "measured_steps": args.steps, "skipped": skipped, "complete": complete,
             "command": f"torchrun --nproc-per-node {world} -m attnpool.cli.main bench --model {args.model} "
                        f"--layers {args.layers} --configs {args.configs} "
-                       f"--strategies {args.strategies} --warmup {args.warmup} --steps {args.steps}"
+                       f"--strategies {args.strategies} --warmup {args.warmup} --steps {args.steps} "
+                       f"--attention-backend {args.resolved_attention_backend}"  # as run, where "auto" was asked
                        + (" --ablation" if args.ablation else "") + (f" --trace {args.trace}" if args.trace else "")
                        + (f" --sparse-args {args.sparse_args}" if args.sparse_args else "")
                        + (f" --activation-checkpointing {args.activation_checkpointing}"
                           if args.activation_checkpointing != "keep_attention" else "")
                        + (" --activation-offload" if args.activation_offload else "")
-                       + (f" --attention-backend {args.attention_backend}" if args.attention_backend != "auto" else "")
                        + "".join(f" --{k} {getattr(args, k)}" for k in ("tp", "pp", "microbatches")
                                  if getattr(args, k) != 1)
                        + (f" --pp-schedule {args.pp_schedule}" if args.pp > 1 and args.pp_schedule != "1f1b" else "")}

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def _partial_results_are_written_quietly(tmp_path, records, capsys):
     """After each strategy the results so far are written (a run killed later keeps them), marked partial,
@@ -79,10 +81,8 @@ def test_bench_sets_growable_segments_before_anything_starts_cuda(monkeypatch):
     add_arguments(p)
     args = p.parse_args(["--out", "unused", "--device", "cpu", "--model", "tiny", "--layers", "1", "--configs", "prolong:1K",
                          "--strategies", "local"])
-    try:
+    with pytest.raises(ConfigError, match="stop here"):
         e2e.run(args)
-    except ConfigError:
-        pass
     assert seen == ["expandable_segments:True"]
 
 

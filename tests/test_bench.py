@@ -5,8 +5,10 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
+import torch
 
 
 def _partial_results_are_written_quietly(tmp_path, records, capsys):
@@ -84,6 +86,19 @@ def test_bench_sets_growable_segments_before_anything_starts_cuda(monkeypatch):
     with pytest.raises(ConfigError, match="stop here"):
         e2e.run(args)
     assert seen == ["expandable_segments:True"]
+
+
+def test_growable_segments_asked_for_too_late_are_warned_of(monkeypatch):
+    from attnpool.train.loop import use_growable_segments
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.warns(UserWarning, match="after CUDA started"):
+        use_growable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    with warnings.catch_warnings():  # set already (a user's, or an earlier run's in this process): left alone
+        warnings.simplefilter("error")
+        use_growable_segments()
 
 
 def test_bench_refuses_a_kernel_that_cannot_run_before_any_process_group(tmp_path):

@@ -37,6 +37,7 @@ import socket
 import tempfile
 import threading
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -1141,8 +1142,15 @@ def _reported_errors(errors_dir: str) -> dict[int, tuple]:
 def use_growable_segments() -> None:
     """Every step's shapes differ (documents are packed anew): growable segments keep the caching allocator
     from fragmenting (attnpool.train.memory's calibration is measured with them). Takes effect where it
-    runs before the process's first CUDA allocation; a user's own PYTORCH_CUDA_ALLOC_CONF wins."""
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    runs before CUDA starts in the process (the allocator reads its settings then); a user's own
+    PYTORCH_CUDA_ALLOC_CONF wins. Set after CUDA started, it would be silently off: warned of here."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+        return
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if torch.cuda.is_initialized():
+        warnings.warn("growable segments asked for after CUDA started in this process: the allocator keeps the "
+                      "settings it started with (call use_growable_segments() before anything touches the GPU)",
+                      stacklevel=2)
 
 
 class _ForwardSigterm(_OnSigterm):

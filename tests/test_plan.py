@@ -5,7 +5,7 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from attnpool.errors import ConfigError
 from attnpool.plan import (STRATEGIES, DocPiece, PairsCost, PieceTable, causal_pairs, default_cost_model,
@@ -175,6 +175,7 @@ def test_bad_layout_inputs():
 @given(lens=st.lists(st.integers(1, 20000), min_size=0, max_size=20), W=st.integers(2, 8),
        long_shards=st.sampled_from([0, 2, 3, 4]), min_shard=st.sampled_from([64, 256, 512]),
        cost=st.sampled_from(["pairs", "table"]))
+@example(lens=[13268], W=5, long_shards=0, min_shard=512, cost="table")  # balanced around a larger total than percp's
 def test_cad_never_loses_to_local_or_percp(lens, W, long_shards, min_shard, cost):
     """cad's busiest server carries no more work than under local or percp (plans over the same layout it
     could have copied), whatever the mix, including a long document first whose shards are as coarse as the

@@ -9,12 +9,17 @@
    absolute on unit-scale tensors; gradients summed over a GQA group or a long prefix grow past 1, where
    rounding the result to bf16 alone costs 2^-8 of it), the same -inf lse rows, and the contract's zeros
    in rows without keys.
-2. CA-task kernel benchmark, as core_attention's server step runs it (runtime.core_attention._Serve):
-   one document cut into equal query shards, each a kernel segment with its own copy of its causal
-   prefix (K/V gathered from the document's unique rows), forward, then backward in groups of at most
-   BACKWARD_GROUP_KEYS key rows (runtime.dispatch.backward_in_parts) and the prefix copies' gradients
-   summed back (runtime.dispatch.PrefixCopies); and the same layout as one bare kernel call each way
-   ("one call", what raw FA4 measured).
+2. CA-task kernel benchmark, "prefix copies": one document cut into equal query shards, each a kernel
+   segment with its own copy of its causal prefix (K/V gathered from the document's unique rows), forward,
+   then backward in groups of at most BACKWARD_GROUP_KEYS key rows (runtime.dispatch.backward_in_parts)
+   and the prefix copies' gradients summed back (runtime.dispatch.PrefixCopies): how the runtime serves
+   shards of one document that do not continue each other with a backend that has no PositionKernel
+   (flash); and the same layout as one bare kernel call each way ("one call", what raw FA4 measured).
+3. The server step itself (runtime.core_attention.serve_forward / serve_backward, what _Serve runs between
+   its exchanges) on layouts made by a plan: rank 0 of two serves some of the document's query shards
+   ("all": every shard, which the plan makes one task and the runtime one causal segment; "odd", "every
+   4th", "first and last 8": shards that do not continue each other, which fa4 serves as one call over
+   the document's unique keys at the queries' positions, and flash as prefix copies).
    fa4 and flash in the same run; TFLOP/s from causal pairs (forward 4 * D * H_q * pairs, forward+backward
    3.5x that); medians of several runs after a warm-up that includes FA4's compilation.
 
@@ -49,8 +54,11 @@ import torch
 from attnpool.bench.timing import cuda_median_s
 from attnpool.kernels import Backend, get_backend, reference
 from attnpool.sizes import parse_size
-from attnpool.runtime.dispatch import (BACKWARD_GROUP_KEYS, PrefixCopies, SegmentRows, backward_in_parts,
-                                      segment_groups)
+from attnpool.plan.documents import DocPiece, PieceTable
+from attnpool.plan.plan import make_plan
+from attnpool.runtime.core_attention import serve_backward, serve_forward
+from attnpool.runtime.dispatch import (BACKWARD_GROUP_KEYS, DispatchLayout, PrefixCopies, SegmentRows,
+                                      backward_in_parts, segment_groups)
 
 MAX_ABS = 1e-2  # per unit of max(1, max |reference|)
 INF = float("inf")
@@ -59,9 +67,10 @@ INF = float("inf")
 # --- what runs where ---
 
 def backends_under_test(device: torch.device) -> dict[str, Backend]:
-    """{"fa4": ..., "flash": ...}; on the CPU the reference backend stands in for both."""
+    """{"fa4": ..., "flash": ...}; on the CPU the reference backend stands in for both (for flash without its
+    PositionKernel, as flash has none)."""
     if device.type == "cpu":
-        return {"fa4": reference.BACKEND, "flash": reference.BACKEND}
+        return {"fa4": reference.BACKEND, "flash": dataclasses.replace(reference.BACKEND, positions=None)}
     return {name: get_backend(name, device) for name in ("fa4", "flash")}
 
 
@@ -161,6 +170,40 @@ def check_case(name, segments, n_q, n_kv, dim, device, backends, seed=0) -> dict
                 max_abs=errors, scale=scales, checks=checks, passed=passed)
 
 
+def position_cases(quick: bool):
+    """(name, query spans of one document, its keys): non-adjacent shards, odd lengths, a single row."""
+    cases = [("positions_odd_spans", [(0, 100), (500, 777), (1200, 1201), (2000, 3001)], 3001),
+             ("positions_tail_blocks", [(1024, 2048), (3072, 4096)], 4096),
+             ("positions_one_row_many_keys", [(37, 38), (2900, 4097)], 4097)]
+    return cases[:2] if quick else cases
+
+
+def check_position_case(name, spans, num_keys, n_q, n_kv, dim, device, backend: Backend, seed=0) -> dict:
+    """The backend's PositionKernel in bf16 against the reference's in float64 on the same values."""
+    gen = torch.Generator().manual_seed(seed)
+    positions = np.concatenate([np.arange(a, b) for a, b in spans])
+
+    def unit(tokens, heads):
+        return torch.randn(tokens, heads, dim, generator=gen).to(torch.bfloat16).to(device)
+
+    q, dout, k, v = unit(len(positions), n_q), unit(len(positions), n_q), unit(num_keys, n_kv), unit(num_keys, n_kv)
+
+    def run(kernel, *tensors):
+        handle = kernel.prepare(positions, num_keys, device)
+        q, k, v, dout = tensors
+        out, lse = kernel.forward(q, k, v, handle)
+        return (out, lse, *kernel.backward(dout, q, k, v, out, lse, handle))
+
+    want = run(reference.BACKEND.positions, *(x.double() for x in (q, k, v, dout)))
+    got = run(backend.positions, q, k, v, dout)
+    names = ("out", "lse", "dq", "dk", "dv")
+    errors = {n: max_abs_error(g, w) for n, g, w in zip(names, got, want)}
+    scales = {n: scale_of(w) for n, w in zip(names, want)}
+    passed = all(e <= MAX_ABS * scales[n] for n, e in errors.items())
+    return dict(name=name, heads=[n_q, n_kv], head_dim=dim, spans=spans, num_keys=num_keys, keyless_rows=0,
+                max_abs={"fa4": errors}, scale=scales, checks={}, passed=passed)
+
+
 # --- the CA-task benchmark ---
 
 def ca_tasks(doc_len: int, shard: int):
@@ -210,7 +253,7 @@ def bench_layout(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, reps,
         for keys in group_keys:  # the kernel path with each backward group size asked for
             parts = [(SegmentRows.of(q_len, k_len, (segments >= a) & (segments < b), device), backend)
                      for a, b in segment_groups(k_len, keys)]
-            path = "core_attention kernel path" + ("" if keys == BACKWARD_GROUP_KEYS else f" ({keys // 1024}K groups)")
+            path = "prefix copies" + ("" if keys == BACKWARD_GROUP_KEYS else f" ({keys // 1024}K groups)")
             paths.append((path, keys, len(parts), server_forward, functools.partial(server_forward_backward, parts)))
             if keys != BACKWARD_GROUP_KEYS:
                 continue
@@ -243,7 +286,7 @@ def bench_layout(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, reps,
         for path, keys, calls, fwd, fwd_bwd in paths:
             row = dict(backend=label, path=path, doc_len=doc_len, shard=shard, shards=len(q_len),
                        backward_group_keys=keys, backward_calls=calls)
-            if path == "core_attention kernel path" and path_vs_one_call:  # max |difference| / max |one call's|
+            if path == "prefix copies" and path_vs_one_call:  # max |difference| / max |one call's|
                 row["grads_vs_one_call"] = path_vs_one_call
             try:
                 row["fwd_ms"] = 1e3 * median_s(fwd, device, warmup, reps)
@@ -262,10 +305,92 @@ def bench_layout(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, reps,
         if r["backend"] == "fa4" and "error" not in r and flash_row:
             r["fwd_bwd_speedup_over_flash"] = flash_row["fwd_bwd_ms"] / r["fwd_bwd_ms"]
             r["fwd_speedup_over_flash"] = flash_row["fwd_ms"] / r["fwd_ms"]
-        flash_default = by.get(("flash", "core_attention kernel path"))
+        flash_default = by.get(("flash", "prefix copies"))
         if r["backend"] == "fa4" and "error" not in r and flash_default and r["path"] != "one call":
             # what the runtime's default flash path gives: the A/B of a backend switch inside attnpool
             r["fwd_bwd_speedup_over_flash_default"] = flash_default["fwd_bwd_ms"] / r["fwd_bwd_ms"]
+    return rows
+
+
+def server_layout(doc_len: int, shard: int, served, device):
+    """Rank 0's DispatchLayout where a plan of two ranks has rank 0 hold the whole document and serve the
+    query shards ``served`` (indices), rank 1 the others: the runtime's own cut of that work into calls."""
+    pieces = PieceTable.from_pieces([[DocPiece(0, doc_len, 0, doc_len)], []])
+    count = doc_len // shard
+    start = np.arange(count) * shard
+    server = np.where(np.isin(np.arange(count), served), 0, 1)
+    plan = make_plan("bench", pieces, np.zeros(count), start, start + shard, np.zeros(count), server, shard)
+    return plan, DispatchLayout.build(plan, 0, device)
+
+
+def server_layouts(doc_len: int, shard: int):
+    count = doc_len // shard
+    return {"all": range(count), "odd": range(1, count, 2), "every 4th": range(3, count, 4),
+            "first and last 8": [*range(min(8, count)), *range(max(8, count - 8), count)]}
+
+
+def bench_server_step(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, reps) -> list[dict]:
+    gen = torch.Generator(device=device).manual_seed(1)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    for name, served in server_layouts(doc_len, shard).items():
+        plan, L = server_layout(doc_len, shard, served, device)
+        doc, q_len, k_len = plan.kernel_segments(0)
+        pairs = float(((k_len - q_len + 1 + k_len) * q_len / 2).sum())  # each segment's rows see k - q + 1 .. k keys
+        fwd_flops = 4.0 * dim * n_q * pairs
+
+        def randn(tokens, heads):
+            return torch.randn(tokens, heads, dim, generator=gen, device=device, dtype=dtype)
+
+        q, dout, k, v = randn(L.num_server_q, n_q), randn(L.num_server_q, n_q), randn(L.num_unique_kv, n_kv), \
+            randn(L.num_unique_kv, n_kv)
+        grads = {}
+        for label, backend in backends.items():  # the backends' gradients on this layout, compared below
+            try:
+                out, lse = serve_forward(L, backend, q, k, v)
+                grads[label] = serve_backward(L, backend, dout, q, k, v, out, lse)
+                del out, lse
+            except Exception as error:  # the timing below records it
+                grads[label] = repr(error)
+        fa4_vs_flash = None
+        if all(isinstance(g, tuple) for g in grads.values()):  # max |difference| / max |flash's|
+            fa4_vs_flash = {name: ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+                            for name, a, b in zip(("dq", "dk", "dv"), grads["fa4"], grads["flash"])}
+        del grads
+        for label, backend in backends.items():
+            documents = L.documents is not None and backend.positions is not None
+            calls = (f"{len(L.documents.calls)} document call" if documents else
+                     "one causal segment" if L.kv_expand_identity else f"{len(k_len)} segments, prefix copies")
+
+            def forward():
+                return serve_forward(L, backend, q, k, v)
+
+            def forward_backward():
+                out, lse = serve_forward(L, backend, q, k, v)
+                return serve_backward(L, backend, dout, q, k, v, out, lse)
+
+            row = dict(backend=label, path=f"server step: {name}", doc_len=doc_len, shard=shard, shards=len(served),
+                       segments=len(k_len), calls=calls, query_rows=L.num_server_q, unique_kv_rows=L.num_unique_kv,
+                       expanded_kv_rows=int(k_len.sum()))
+            if label == "fa4" and fa4_vs_flash:
+                row["grads_vs_flash"] = fa4_vs_flash
+            try:
+                row["fwd_ms"] = 1e3 * median_s(forward, device, warmup, reps)
+                row["fwd_bwd_ms"] = 1e3 * median_s(forward_backward, device, warmup, reps)
+                row["fwd_tflops"] = fwd_flops / row["fwd_ms"] / 1e9
+                row["fwd_bwd_tflops"] = 3.5 * fwd_flops / row["fwd_bwd_ms"] / 1e9
+            except Exception as error:  # record and go on
+                row["error"] = repr(error)
+            rows.append(row)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        del q, dout, k, v
+    by = {(r["backend"], r["path"]): r for r in rows if "error" not in r}
+    for r in rows:
+        flash_row = by.get(("flash", r["path"]))
+        if r["backend"] == "fa4" and "error" not in r and flash_row:
+            r["fwd_bwd_speedup_over_flash"] = flash_row["fwd_bwd_ms"] / r["fwd_bwd_ms"]
+            r["fwd_speedup_over_flash"] = flash_row["fwd_ms"] / r["fwd_ms"]
     return rows
 
 
@@ -341,10 +466,22 @@ def main(argv=None) -> int:
                                             traceback=traceback.format_exc()))
         if not cpu:
             torch.cuda.empty_cache()
+    for name, spans, num_keys in ([] if opts.skip_exactness else position_cases(opts.quick)):
+        n_q, n_kv, dim = (4, 2, 16) if cpu else (32, 8, 128)
+        if cpu:
+            spans, num_keys = [(a // 8, max(a // 8 + 1, b // 8)) for a, b in spans], num_keys // 8 + 1
+        try:
+            result["exactness"].append(check_position_case(name, spans, num_keys, n_q, n_kv, dim, device,
+                                                           backends["fa4"]))
+        except Exception as error:
+            result["exactness"].append(dict(name=name, passed=False, error=repr(error),
+                                            traceback=traceback.format_exc()))
     result["seconds_exactness"] = time.time() - started  # FA4 compiles its kernels here, on their first calls
     group_keys = [parse_size(x) for x in opts.backward_group_keys.split(",")]
     result["benchmark"] = bench_layout(doc_len, shard, *heads, device, backends, warmup=2 if not cpu else 1, reps=reps,
                                        group_keys=group_keys)
+    result["benchmark"] += bench_server_step(doc_len, shard, *heads, device, backends, warmup=2 if not cpu else 1,
+                                             reps=reps)
     result["seconds"] = time.time() - started
     (opts.out / "gpu_fa4.json").write_text(json.dumps(result, indent=2))
 
@@ -363,9 +500,10 @@ def main(argv=None) -> int:
         failed = [k for k, ok in case["checks"].items() if not ok]
         fa4_errors = " ".join(f"{k} {e:.1e}" + (f" [{case['scale'][k]:.1f}]" if case["scale"][k] > 1 else "")
                               for k, e in case["max_abs"]["fa4"].items())
-        worst_flash = max(case["max_abs"]["flash"].values())
+        worst_flash = max(case["max_abs"]["flash"].values()) if "flash" in case["max_abs"] else None
         print(f"  {case['name']:40s} {'PASS' if case['passed'] else 'FAIL'}  fa4: {fa4_errors}  "
-              f"(flash worst {worst_flash:.1e})" + (f"  failed: {failed}" if failed else ""))
+              + (f"(flash worst {worst_flash:.1e})" if worst_flash is not None else "(flash: no position kernel)")
+              + (f"  failed: {failed}" if failed else ""))
     print(f"\nCA-tasks: a {doc_len}-token document in {shard}-token query shards with their prefixes, "
           f"H_q/H_kv/D {heads[0]}/{heads[1]}/{heads[2]}; TFLOP/s from causal pairs, median of {reps}")
     print(f"  {'backend':7s} {'path':40s} {'fwd ms':>8s} {'fwd':>6s} {'fwd+bwd ms':>11s} {'fwd+bwd':>8s} {'vs flash':>8s}")
@@ -377,10 +515,13 @@ def main(argv=None) -> int:
         print(f"  {row['backend']:7s} {row['path']:40s} {row['fwd_ms']:8.2f} {row['fwd_tflops']:6.1f} "
               f"{row['fwd_bwd_ms']:11.2f} {row['fwd_bwd_tflops']:8.1f} {f'{speedup:.2f}x' if speedup else '':>8s}"
               + (f" ({row['fwd_bwd_speedup_over_flash_default']:.2f}x flash's default)"
-                 if "fwd_bwd_speedup_over_flash_default" in row and row["path"] != "core_attention kernel path" else "")
+                 if "fwd_bwd_speedup_over_flash_default" in row and row["path"] != "prefix copies" else "")
+              + (f"  [{row['calls']}]" if "calls" in row else "")
               + (" gradients vs one call: " + " ".join(f"{k} {e:.1e}" if isinstance(e, float) else f"{k} {e[:60]}"
                                                         for k, e in row["grads_vs_one_call"].items())
-                 if "grads_vs_one_call" in row else ""))
+                 if "grads_vs_one_call" in row else "")
+              + (" gradients vs flash: " + " ".join(f"{k} {e:.1e}" for k, e in row["grads_vs_flash"].items())
+                 if "grads_vs_flash" in row else ""))
     ok = all(case["passed"] for case in result["exactness"])
     verdict = ("exactness not checked" if opts.skip_exactness else
                "ALL EXACTNESS CHECKS PASS" if ok else "SOME EXACTNESS CHECKS FAILED")

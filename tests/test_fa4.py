@@ -331,14 +331,24 @@ def test_gpu_fa4_script_on_cpu(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert code == 0, printed
     result = json.loads((tmp_path / "gpu_fa4.json").read_text())
-    assert result["stand_in"] and len(result["exactness"]) == 4
+    assert result["stand_in"] and len(result["exactness"]) == 7
     assert all(case["passed"] for case in result["exactness"])
     assert any(case["keyless_rows"] for case in result["exactness"])
+    assert sum(case["name"].startswith("positions_") for case in result["exactness"]) == 3
     rows = result["benchmark"]
+    steps = ("all", "odd", "every 4th", "first and last 8")
     assert {(r["backend"], r["path"]) for r in rows} == {
-        (b, p) for b in ("fa4", "flash") for p in ("core_attention kernel path", "one call")}
-    assert all("error" not in r and r["fwd_bwd_ms"] > 0 and r["shards"] == 4 for r in rows)
+        (b, p) for b in ("fa4", "flash") for p in ("prefix copies", "one call", *(f"server step: {s}" for s in steps))}
+    assert all("error" not in r and r["fwd_bwd_ms"] > 0 for r in rows)
+    assert all(r["shards"] == 4 for r in rows if not r["path"].startswith("server step"))
     assert "fwd_bwd_speedup_over_flash" in rows[0]
+    step = {(r["backend"], r["path"]): r for r in rows}
+    # the plan makes every shard one task, one causal segment; shards that do not continue each other are
+    # one document call where the backend serves positions (the stand-in for fa4), copies where not (flash's)
+    assert step["fa4", "server step: all"]["calls"] == step["flash", "server step: all"]["calls"] == "one causal segment"
+    assert step["fa4", "server step: odd"]["calls"] == "1 document call"
+    assert step["flash", "server step: odd"]["calls"] == "2 segments, prefix copies"
+    assert max(step["fa4", "server step: odd"]["grads_vs_flash"].values()) < 1e-5
     assert printed.strip().splitlines()[-1].startswith("ALL EXACTNESS CHECKS PASS")
 
 

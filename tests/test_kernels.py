@@ -225,3 +225,86 @@ def attention_cases(draw):
 def test_reference_property(case):
     segments, n_q, n_kv, dim, seed = case
     check_backend_against_dense(segments, n_q, n_kv, dim, torch.float32, tol=1e-5, seed=seed)
+
+
+# --- queries at given positions of one document (Backend.positions) ---
+
+def dense_at_positions(q, k, v, positions, scale=None):
+    """float64 attention with the explicit mask key <= position, autograd; (out, lse)."""
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    kh, vh = (x.repeat_interleave(group, dim=1).transpose(0, 1) for x in (k, v))
+    scores = scale * q.transpose(0, 1) @ kh.transpose(1, 2)
+    hidden = torch.arange(k.shape[0])[None, :] > torch.as_tensor(positions)[:, None]
+    scores = scores.masked_fill(hidden, -INF)
+    return (torch.softmax(scores, dim=-1) @ vh).transpose(0, 1), torch.logsumexp(scores, dim=-1)
+
+
+@pytest.mark.parametrize("chunk_rows", [1024, 7])
+def test_reference_positions_match_dense(monkeypatch, chunk_rows):
+    """Non-adjacent shards of one document, out of nothing but their positions: the reference's PositionKernel
+    against the dense masked float64 attention, forward and backward (into= too)."""
+    monkeypatch.setattr(reference, "MAX_CHUNK_ROWS", chunk_rows)
+    positions = torch.cat([torch.arange(3, 20), torch.arange(40, 41), torch.arange(70, 101)])
+    num_keys = 101
+    gen = torch.Generator().manual_seed(3)
+    q, dout = (torch.randn(len(positions), 4, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(num_keys, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    kernel = reference.BACKEND.positions
+    handle = kernel.prepare(positions.numpy(), num_keys, "cpu")
+    out, lse = kernel.forward(q, k, v, handle, scale=0.3)
+    into = tuple(torch.empty_like(x) for x in (q, k, v))
+    got = kernel.backward(dout, q, k, v, out, lse, handle, scale=0.3, into=into)
+    assert all(g is t for g, t in zip(got, into))
+    qr, kr, vr = (x.clone().requires_grad_(True) for x in (q, k, v))
+    want_out, want_lse = dense_at_positions(qr, kr, vr, positions, scale=0.3)
+    want_out.backward(dout)
+    torch.testing.assert_close(out, want_out.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, want_lse.detach(), rtol=1e-10, atol=1e-10)
+    for g, w in zip(got, (qr.grad, kr.grad, vr.grad)):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+def test_positions_are_checked():
+    kernel = reference.BACKEND.positions
+    with pytest.raises(ConfigError, match="positions"):
+        kernel.prepare([0, 5, 9], 9, "cpu")
+    with pytest.raises(ConfigError, match="positions"):
+        kernel.prepare([-1, 2], 9, "cpu")
+    handle = kernel.prepare([0, 5, 8], 9, "cpu")
+    q, k = torch.zeros(3, 2, 4), torch.zeros(9, 1, 4)
+    with pytest.raises(ConfigError, match=r"k.shape\[0\]"):
+        kernel.forward(q, k[:8], k[:8], handle)
+    with pytest.raises(ConfigError, match=r"q.shape\[0\]"):
+        kernel.forward(q[:2], k, k, handle)
+
+
+@pytest.mark.parametrize("spans, num_keys", [
+    ([(0, 100), (500, 777), (1200, 1201), (2000, 3001)], 3001),
+    ([(1024, 2048), (3072, 4096)], 4096),
+    ([(5, 6)], 300),
+    ([(0, 129), (200, 457)], 4000),
+])
+def test_fa4_position_blocks_cover_exactly_the_visible_pairs(spans, num_keys):
+    """fa4's block-sparse tables (host NumPy, so checked here): a block is full only where every row sees
+    every key of it, and every block with a visible pair is full or partial, never both; the packed indices
+    list each row's blocks in ascending order."""
+    import numpy as np
+
+    from attnpool.kernels import fa4
+
+    positions = np.concatenate([np.arange(a, b) for a, b in spans])
+    partial, full = fa4.position_blocks(positions, num_keys, block=128)
+    visible = np.arange(num_keys)[None, :] <= positions[:, None]
+    B = 128
+    for m in range(partial.shape[0]):
+        for n in range(partial.shape[1]):
+            tile = visible[m * B:(m + 1) * B, n * B:(n + 1) * B]
+            assert not (partial[m, n] and full[m, n])
+            if full[m, n]:
+                assert tile.shape[1] == B and tile.all()
+            assert bool(partial[m, n] or full[m, n]) == bool(tile.any()), (m, n)
+    count, index = fa4._packed(partial)
+    assert count.shape == (1, 1, partial.shape[0]) and index.shape == (1, 1, *partial.shape)
+    for m in range(partial.shape[0]):
+        assert index[0, 0, m, :count[0, 0, m]].tolist() == np.flatnonzero(partial[m]).tolist()

@@ -453,3 +453,21 @@ def test_training_with_offload_gives_the_same_losses(tmp_path):
         assert [loss for loss, _ in results[name]] == plain, name
     assert all(offloaded is None for _, offloaded in results["plain"])
     assert all(offloaded > 0 for _, offloaded in results["activations"] + results["both"])
+
+
+def test_prefix_copies_are_counted_only_where_the_backend_makes_them():
+    """A server holding shards of one document that do not continue each other reads a prefix copy per shard
+    under flash, and under fa4 or the reference (which serve queries at given positions) the unique rows."""
+    from attnpool.kernels import serves_positions
+    from attnpool.plan.documents import DocPiece, PieceTable
+    from attnpool.plan.plan import make_plan
+
+    assert serves_positions("fa4") and serves_positions("reference")
+    assert not any(serves_positions(name) for name in ("flash", "auto", None))
+    pieces = PieceTable.from_pieces([[DocPiece(0, 4096, 0, 4096)], []])
+    start = np.arange(8) * 512
+    plan = make_plan("test", pieces, np.zeros(8), start, start + 512, np.zeros(8), np.arange(8) % 2, 512)
+    copies, unique = AttentionRows.of(plan), AttentionRows.of(plan, copies=False)
+    assert copies.expanded_kv[0] == 512 * (1 + 3 + 5 + 7) and copies.unique_kv[0] == 3584
+    assert np.array_equal(unique.expanded_kv, copies.unique_kv)
+    assert DispatchLayout.build(plan, 0, "cpu").documents is not None

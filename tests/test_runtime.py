@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 
 from attnpool import ConfigError, DocPiece, core_attention, plan_attention
 from attnpool.comm import comm_stats
+from attnpool.kernels import reference as reference_kernels
 from attnpool.plan import AttentionShape, linear_layout
 from attnpool.runtime.core_attention import dispatch_layout
 from dist_harness import run_distributed
@@ -53,7 +55,10 @@ def local_rows(tensors, pieces, which):
         torch.zeros(0, *tensors[next(iter(tensors))][which].shape[1:], dtype=torch.float64)
 
 
-def worker(rank, world, dtype_name, backward_group_keys=None):
+def worker(rank, world, dtype_name, backward_group_keys=None, copies=False):
+    """``copies``: the reference backend without its PositionKernel, so that documents with several
+    segments on a server run as prefix copies (as under flash) rather than one call each."""
+    backend = dataclasses.replace(reference_kernels.BACKEND, positions=None) if copies else None
     if backward_group_keys is not None:  # this process only: the harness runs every worker in its own
         import attnpool.runtime.dispatch as dispatch
 
@@ -72,7 +77,7 @@ def worker(rank, world, dtype_name, backward_group_keys=None):
                 comm_stats.reset()
                 saved = []
                 with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-                    out = core_attention(q, k, v, plan)
+                    out = core_attention(q, k, v, plan, backend=backend)
                 layout = dispatch_layout(plan, q, k, v)
                 out.backward(dout)
                 results[(case, strategy, heads)] = dict(
@@ -82,6 +87,7 @@ def worker(rank, world, dtype_name, backward_group_keys=None):
                     saved_numel=sum(t.numel() for t in saved if not (out.numel() and t.data_ptr() == out.data_ptr())),
                     saved_inputs=any(t.data_ptr() == x.data_ptr() for t in saved for x in (q, k, v) if x.numel()),
                     backward_groups=len(layout.backward_groups),
+                    document_calls=0 if copies or layout.documents is None else len(layout.documents.calls),
                     server_numel=(layout.num_server_q * n_q + 2 * layout.num_unique_kv * n_kv
                                   + sum(layout.q_recv_splits) * n_q) * HEAD_DIM
                     + layout.num_server_q * n_q,  # Q, unique K and V, outputs sent home to other ranks, LSE
@@ -134,12 +140,58 @@ def test_outputs_and_grads_match_reference_float32(world_results):
     assert_matches_reference(*world_results, tolerance=1e-5)
 
 
+def test_documents_with_several_segments_run_as_one_call_each(world_results):
+    """The reference backend serves queries at given positions, so a server's non-adjacent shards of one
+    document run as one call over its unique keys (no copies): the plans above have such documents."""
+    world, results = world_results
+    assert sum(got["document_calls"] for rank_results in results for got in rank_results.values()) > 0
+
+
 def test_backward_in_groups_of_segments_matches_reference():
     """With a bound of 700 key rows per backward call, servers run their backward in several calls
-    (and segments longer than the bound alone); the gradients are those of one call."""
-    results = run_distributed(worker, 2, "float32", 700)
-    assert max(got["backward_groups"] for rank_results in results for got in rank_results.values()) >= 3
-    assert_matches_reference(2, results, tolerance=1e-5)
+    (and segments longer than the bound alone); the gradients are those of one call. And the same
+    with prefix copies (a backend without a PositionKernel, as flash), grouped the same way."""
+    for copies in (False, True):
+        results = run_distributed(worker, 2, "float32", 700, copies)
+        assert max(got["backward_groups"] for rank_results in results for got in rank_results.values()) >= 3
+        assert all(got["document_calls"] == 0 for rank_results in results for got in rank_results.values()) or not copies
+        assert_matches_reference(2, results, tolerance=1e-5)
+
+
+def test_document_serving_partitions_the_servers_rows():
+    """DocumentServing's parts (the one-segment documents' varlen call, one call per document with several)
+    cover every query row and every unique KV row of the server exactly once, each document call's
+    positions being its tasks' document positions."""
+    from attnpool.runtime.dispatch import DispatchLayout
+
+    def rows(r, n):
+        mask = np.zeros(n, dtype=int)
+        np.add.at(mask, np.arange(n)[r] if isinstance(r, slice) else r.numpy(), 1)
+        return mask
+
+    seen = 0
+    for world in (2, 4):
+        for _, pieces in make_cases(world):
+            for strategy in STRATEGIES:
+                plan = plan_attention(pieces, strategy, cost_model="pairs", min_shard_tokens=32)
+                for r in range(world):
+                    layout = DispatchLayout.build(plan, r, "cpu")
+                    D = layout.documents
+                    if D is None:
+                        continue
+                    seen += len(D.calls)
+                    q_cover = sum(rows(c.q_rows, layout.num_server_q) for c in D.calls)
+                    k_cover = sum(rows(c.k_rows, layout.num_unique_kv) for c in D.calls)
+                    if D.varlen is not None:
+                        q_cover += rows(D.varlen.q_rows, layout.num_server_q)
+                        k_cover += rows(D.varlen.k_rows, layout.num_unique_kv)
+                    assert (q_cover == 1).all() and (k_cover == 1).all()
+                    tasks = plan.server_tasks(r)
+                    task_pos = np.concatenate([np.arange(plan.task_start[t], plan.task_end[t]) for t in tasks])
+                    for c in D.calls:
+                        assert np.array_equal(c.positions, task_pos[c.q_rows])
+                        assert c.positions.max() == c.k_rows.stop - c.k_rows.start - 1
+    assert seen
 
 
 def test_segment_groups_bound_their_keys():

@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     setup = prepare(replace(config, resume=False, memory_check=False, out=os.devnull), world=config.nproc)
     calibration = Calibration.load()
     x = run_memory_inputs(config, setup.model_config, setup.source, setup.cost_model, setup.sparse,
-                          ParallelDims.of(config.nproc, config.tp, config.pp), True, capacity, calibration)
+                          ParallelDims.of(config.nproc, config.tp, config.pp), True, capacity, calibration,
+                          setup.attention_backend)
     result = report(x, capacity, calibration)
     if args.json:
         print(json.dumps(_as_json(config, result, calibration), indent=1))

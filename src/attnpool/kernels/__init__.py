@@ -18,7 +18,7 @@ BACKENDS = ("reference", "flash", "fa4")
 _MODULES = {"reference": reference, "flash": flash, "fa4": fa4}
 
 __all__ = ["BACKENDS", "Backend", "attention", "auto_backend_name", "backend_problem", "get_backend",
-           "resolve_backend_name"]
+           "resolve_backend_name", "serves_positions"]
 
 
 def backend_problem(name: str, device) -> str | None:
@@ -48,6 +48,12 @@ def resolve_backend_name(name: str | None, device, dtype: torch.dtype | None = N
     if why is not None:
         raise ConfigError(field, name, f"the {name} backend cannot run here: {why}")
     return name
+
+
+def serves_positions(name: str | None) -> bool:
+    """Whether backend ``name`` serves queries at given positions of a document (Backend.positions), so that
+    core attention copies no prefixes; False for flash, and for "auto" or None, which are not resolved."""
+    return name in _MODULES and _MODULES[name].BACKEND.positions is not None
 
 
 def get_backend(name: str | None, device, dtype: torch.dtype | None = None) -> Backend:

@@ -17,20 +17,44 @@ a row that sees no key has lse = -inf, out = 0 and zero gradients.
 
 The pair is explicit (not only an autograd function) because the runtime calls
 them inside its own autograd function and saves only what it needs.
+
+A backend may also serve queries at given positions of one document against the document's keys
+(``Backend.positions``, a PositionKernel): a server's non-adjacent shards of one document in one call
+over its keys as they are, where the varlen contract needs each shard's prefix copied into its own
+segment.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from attnpool.errors import ConfigError
 
 ForwardFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 BackwardFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class PositionKernel:
+    """Causal attention of one document's queries, given their positions in it, over the document's
+    keys [0, num_keys): query row i sees keys 0 .. positions[i] (each position below num_keys).
+
+        handle = prepare(positions, num_keys, device)   # positions: int NumPy array; once per layout
+        forward(q, k, v, handle, scale=None) -> (out, lse)
+        backward(dout, q, k, v, out, lse, handle, scale=None, into=None) -> (dq, dk, dv)
+
+    q is (len(positions), H_q, D), k and v (num_keys, H_kv, D); out, lse and the gradients as in the
+    varlen contract, ``into`` as ``Backend.backward_into``'s. ``handle`` is the backend's own (what its
+    kernel reads besides the tensors), built on the host once and reused by every layer."""
+
+    prepare: Callable[..., Any]
+    forward: ForwardFn
+    backward: BackwardFn
 
 
 @dataclass(frozen=True)
@@ -49,6 +73,9 @@ class Backend:
     # writes the gradients into and returns, so a split backward needs neither a zeroed buffer nor a copy
     # of each part's gradients (for the CA-task layout's expanded keys, gigabytes a step).
     backward_into: bool = False
+    # Queries at given positions of one document against its keys, with no copies (None: not offered;
+    # the runtime then copies each segment's prefix).
+    positions: PositionKernel | None = None
 
 
 def default_scale(head_dim: int) -> float:
@@ -78,6 +105,29 @@ def no_key_forward(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of a call with no query or no key: every row sees no key."""
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     return torch.zeros_like(q), lse
+
+
+def check_position_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_positions: int,
+                          num_keys: int) -> None:
+    """check_inputs' shape checks for a PositionKernel call: one query row per position, the handle's keys."""
+    empty = torch.zeros(1, dtype=torch.int32, device=q.device)
+    check_inputs(q, k, v, empty, empty)
+    if q.shape[0] != num_positions:
+        raise ConfigError("q.shape[0]", q.shape[0], f"expected one query row per position ({num_positions})")
+    if k.shape[0] != num_keys:
+        raise ConfigError("k.shape[0]", k.shape[0], f"expected the document's {num_keys} keys the positions were "
+                          "prepared for")
+
+
+def check_positions(positions, num_keys: int):
+    """``positions`` as an int64 NumPy array, refused unless each is in [0, num_keys)."""
+    positions = np.asarray(positions, dtype=np.int64)
+    if positions.ndim != 1:
+        raise ConfigError("positions.shape", positions.shape, "expected one position per query row")
+    if len(positions) and (positions.min() < 0 or positions.max() >= num_keys):
+        raise ConfigError("positions", (int(positions.min()), int(positions.max())),
+                          f"each query's position must lie in [0, num_keys={num_keys})")
+    return positions
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -15,6 +15,16 @@ Installed by the ``hopper`` extra (``pip install 'attnpool[hopper]'``). Read aga
   -> ``(dq, dk, dv)``: the function the package's own autograd calls from the saved out and lse;
   there is no public one. Its preprocess reads lse = -inf rows as rows without keys.
 
+- Queries at given positions of one document (``Backend.positions``) run the non-varlen
+  ``_flash_attn_fwd`` / ``_flash_attn_bwd`` with one batch entry, ``causal=False``, a ``mask_mod``
+  that reads each query's position from ``aux_tensors`` (key n visible to query row m where
+  n <= positions[m]), and ``block_sparse_tensors`` built on the host from the positions: per 128-row
+  query block, the 128-key blocks every row sees in full (no mask evaluated) and those it sees in
+  part; the rest are skipped, so the work is the visible pairs' as in a causal call. The backward
+  takes the same blocks transposed (per key block, its query blocks). Varlen block sparsity has no
+  backward in this version, hence one call per document. 128 is the block both directions use on
+  sm90 at head_dim 128 (forward tile 128 x 128; backward 64 x 128 with two query tiles per block).
+
 The kernels are compiled on their first call per configuration (dtype, head_dim, GQA ratio,
 tile choice; not the sequence lengths): seconds each, so time only after a warm-up.
 Importing ``flash_attn.cute`` loads the CUTLASS DSL (a few seconds), so it happens on first use.
@@ -24,10 +34,14 @@ from __future__ import annotations
 
 import functools
 import importlib
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from attnpool.kernels.base import Backend, check_half_inputs, last_dim_contiguous, no_key_forward
+from attnpool.kernels.base import (HALF_DTYPES, Backend, PositionKernel, check_half_inputs, check_position_inputs,
+                                   check_positions, last_dim_contiguous, no_key_forward)
+from attnpool.errors import ConfigError
 
 # Hopper (sm90) and newer: FA4's backward has no sm8x path, and its speed is why it is here.
 MIN_CAPABILITY = (9, 0)
@@ -98,4 +112,113 @@ def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None, into
         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=int(max_q), max_seqlen_k=int(max_k), dq=dq, dk=dk, dv=dv)[:3])
 
 
-BACKEND = Backend("fa4", forward, backward, splits_by_segment=True, backward_into=True)
+# --- queries at given positions of one document ---
+
+# Query rows and keys per block of the block-sparse tables (see the module's docstring).
+POSITION_BLOCK = 128
+
+
+def position_blocks(positions: np.ndarray, num_keys: int, block: int = POSITION_BLOCK):
+    """(partial, full): bool (query blocks, key blocks) tables of which key blocks a query block's rows see
+    in part (mask evaluated) and in full (every row every key). A key block is full only where it is
+    complete and its last key is at most the block's smallest position; it is seen at all where its first
+    key is at most the block's largest."""
+    m_blocks, n_blocks = -(-len(positions) // block), -(-num_keys // block)
+    padded = np.full(m_blocks * block, -1, dtype=np.int64)
+    padded[:len(positions)] = positions
+    rows = padded.reshape(m_blocks, block)
+    highest = rows.max(1)
+    lowest = np.where(rows >= 0, rows, np.iinfo(np.int64).max).min(1)
+    first = np.arange(n_blocks) * block
+    complete = first + block <= num_keys
+    full = (first + block - 1)[None, :] <= lowest[:, None]
+    full &= complete[None, :]
+    partial = (first[None, :] <= highest[:, None]) & ~full
+    return partial, full
+
+
+def _packed(seen: np.ndarray):
+    """FA4's (count, index) pair of a bool (rows, cols) table: per row its count, and its columns in
+    ascending order packed to the left, shaped (1, 1, rows) and (1, 1, rows, cols) (batch, head broadcast)."""
+    count = seen.sum(1).astype(np.int32)
+    index = np.argsort(~seen, axis=1, kind="stable").astype(np.int32)
+    return count[None, None], index[None, None]
+
+
+@dataclass(frozen=True, eq=False)
+class PositionTables:
+    """fa4's PositionKernel handle: the positions (the mask's aux tensor) and the block-sparse tables,
+    forward (per query block) and backward (per key block), on the device."""
+
+    positions: torch.Tensor  # int32
+    num_keys: int
+    forward_blocks: object  # flash_attn.cute.block_sparsity.BlockSparseTensorsTorch
+    backward_blocks: object
+
+
+def prepare_positions(positions, num_keys: int, device) -> PositionTables:
+    positions = check_positions(positions, num_keys)
+    if num_keys >= 2**31:
+        raise ConfigError("num_keys", num_keys, "more keys than int32 positions hold")
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+    partial, full = position_blocks(positions, num_keys)
+
+    def tables(partial, full):
+        arrays = (*_packed(partial), *_packed(full))
+        return BlockSparseTensorsTorch(*(torch.as_tensor(np.ascontiguousarray(a), device=device) for a in arrays),
+                                       block_size=(POSITION_BLOCK, POSITION_BLOCK))
+
+    return PositionTables(torch.as_tensor(positions.astype(np.int32), device=device), int(num_keys),
+                          tables(partial, full), tables(partial.T, full.T))
+
+
+@functools.cache
+def _position_mask():
+    """The mask_mod: key ``kv_idx`` is visible to query row ``q_idx`` where kv_idx <= positions[q_idx]
+    (positions: the first aux tensor). Made on first use: it is CuTe DSL, imported with FA4."""
+    import cutlass
+    import cutlass.cute as cute
+    from flash_attn.cute import utils
+
+    @cute.jit
+    def position_causal(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+        position = utils.scalar_to_ssa(aux_tensors[0][q_idx[0]], cutlass.Int32)
+        return kv_idx <= position
+
+    return position_causal
+
+
+def _check_position_call(q, k, v, handle: PositionTables):
+    check_position_inputs(q, k, v, handle.positions.shape[0], handle.num_keys)
+    if q.dtype not in HALF_DTYPES:
+        raise ConfigError("dtype", q.dtype, "the fa4 backend takes float16 or bfloat16")
+
+
+def position_forward(q, k, v, handle: PositionTables, scale=None):
+    _check_position_call(q, k, v, handle)
+    if q.shape[0] == 0:
+        return no_key_forward(q)
+    q, k, v = (last_dim_contiguous(x)[None] for x in (q, k, v))
+    out, lse = _loaded()._flash_attn_fwd(
+        q, k, v, softmax_scale=scale, causal=False, mask_mod=_position_mask(), aux_tensors=[handle.positions],
+        block_sparse_tensors=handle.forward_blocks, return_lse=True)[:2]
+    return out[0], lse[0]
+
+
+def position_backward(dout, q, k, v, out, lse, handle: PositionTables, scale=None, into=None):
+    _check_position_call(q, k, v, handle)
+    if q.shape[0] == 0:
+        return tuple(t.zero_() for t in into) if into is not None else (
+            torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
+    q, k, v, out, dout = (last_dim_contiguous(x)[None] for x in (q, k, v, out, dout.to(q.dtype)))
+    dq, dk, dv = (t[None] for t in into) if into is not None else (None, None, None)
+    grads = _loaded()._flash_attn_bwd(
+        q, k, v, out, dout, lse.float().contiguous()[None], softmax_scale=scale, causal=False,
+        mask_mod=_position_mask(), aux_tensors=[handle.positions], block_sparse_tensors=handle.backward_blocks,
+        dq=dq, dk=dk, dv=dv)[:3]
+    return tuple(g[0] for g in grads)
+
+
+BACKEND = Backend("fa4", forward, backward, splits_by_segment=True, backward_into=True,
+                  positions=PositionKernel(prepare_positions, position_forward, position_backward))

@@ -9,9 +9,13 @@ Speed is secondary, but each chunk is a few batched matmuls over all heads.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
-from attnpool.kernels.base import Backend, check_inputs, default_scale
+from attnpool.kernels.base import (Backend, PositionKernel, check_inputs, check_position_inputs, check_positions,
+                                   default_scale)
 
 # Upper bounds on one chunk: at most this many query rows, and at most this many
 # elements in its score block (64 MiB in float32), whichever is smaller.
@@ -58,19 +62,17 @@ def _token_major(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x.reshape(n_kv, -1, rows, dim).permute(2, 0, 1, 3).reshape(rows, -1, dim)
 
 
-def _probabilities(q_scaled: torch.Tensor, keys: torch.Tensor, row_lse: torch.Tensor | None,
-                   q_len: int, k_len: int, r0: int, r1: int):
+def _probabilities(q_scaled: torch.Tensor, keys: torch.Tensor, row_lse: torch.Tensor | None, last_key: torch.Tensor):
     """Masked scores of one chunk turned into probabilities.
 
-    q_scaled is head-major (H_kv, group * rows, D), keys (H_kv, n_keys, D).
-    With row_lse None it is computed here (forward); the backward passes the
-    forward's. Returns (P, row_lse), P of shape (H_kv, group * rows, n_keys).
+    q_scaled is head-major (H_kv, group * rows, D), keys (H_kv, n_keys, D), ``last_key`` each row's last
+    visible key. With row_lse None it is computed here (forward); the backward passes the forward's.
+    Returns (P, row_lse), P of shape (H_kv, group * rows, n_keys).
     """
     n_kv, n_keys = keys.shape[0], keys.shape[1]
     scores = torch.bmm(q_scaled, keys.transpose(1, 2))
-    last_key = torch.arange(r0, r1, device=keys.device) + (k_len - q_len)
     hidden = torch.arange(n_keys, device=keys.device)[None, :] > last_key[:, None]
-    scores.view(n_kv, -1, r1 - r0, n_keys).masked_fill_(hidden, float("-inf"))
+    scores.view(n_kv, -1, len(last_key), n_keys).masked_fill_(hidden, float("-inf"))
     if row_lse is None:
         row_lse = torch.logsumexp(scores, dim=-1)
     # Rows that see no key have lse = -inf; shifting them by 0 instead keeps
@@ -79,23 +81,57 @@ def _probabilities(q_scaled: torch.Tensor, keys: torch.Tensor, row_lse: torch.Te
     return torch.exp(scores - shift[..., None]), row_lse
 
 
+def _forward_rows(out, lse, q, k, v, chunks, scale):
+    """out and lse of the query rows ``chunks`` names ((rows, n_keys, last key of each row), all over
+    the keys ``k``, ``v``)."""
+    acc = lse.dtype
+    n_q, n_kv = q.shape[1], k.shape[1]
+    keys, values = k.to(acc).transpose(0, 1), v.to(acc).transpose(0, 1)
+    for rows, n_keys, last_key in chunks:
+        q_scaled = _head_major(q[rows].to(acc) * scale, n_kv)
+        p, row_lse = _probabilities(q_scaled, keys[:, :n_keys], None, last_key)
+        out[rows] = _token_major(torch.bmm(p, values[:, :n_keys]), len(last_key)).to(q.dtype)
+        lse[:, rows] = row_lse.reshape(n_q, len(last_key))
+
+
+def _backward_rows(dq, dout, q, k, v, out, lse, chunks, scale):
+    """dq of the rows ``chunks`` names (written into ``dq``), and the gradients of ``k``, ``v`` they give."""
+    acc = _accumulation_dtype(q.dtype)
+    n_kv = k.shape[1]
+    keys, values = k.to(acc).transpose(0, 1), v.to(acc).transpose(0, 1)
+    dkeys, dvalues = torch.zeros_like(keys), torch.zeros_like(values)
+    for rows, n_keys, last_key in chunks:
+        q_scaled = _head_major(q[rows].to(acc) * scale, n_kv)
+        grad_out = _head_major(dout[rows].to(acc), n_kv)
+        row_lse = lse[:, rows].to(acc).reshape(n_kv, -1)
+        p, _ = _probabilities(q_scaled, keys[:, :n_keys], row_lse, last_key)
+        dp = torch.bmm(grad_out, values[:, :n_keys].transpose(1, 2))
+        # D_i = rowsum(dout * out) = rowsum(P * dP): the softmax Jacobian's diagonal term.
+        delta = (grad_out * _head_major(out[rows].to(acc), n_kv)).sum(-1, keepdim=True)
+        ds = p * (dp - delta)
+        dq[rows] = _token_major(torch.bmm(ds, keys[:, :n_keys]) * scale, len(last_key)).to(q.dtype)
+        # Stacking a kv head's query group along rows makes these matmuls
+        # sum over the group, which is GQA's gradient for the shared head.
+        dkeys[:, :n_keys] += torch.bmm(ds.transpose(1, 2), q_scaled)
+        dvalues[:, :n_keys] += torch.bmm(p.transpose(1, 2), grad_out)
+    return dkeys.transpose(0, 1).to(k.dtype), dvalues.transpose(0, 1).to(v.dtype)
+
+
+def _segment_chunks(q0, q_len, k_len, n_heads, device):
+    """The chunks of one varlen segment whose queries start at row q0: its rows are its keys' tail."""
+    for r0, r1, n_keys in _chunks(q_len, k_len, n_heads):
+        yield slice(q0 + r0, q0 + r1), n_keys, torch.arange(r0, r1, device=device) + (k_len - q_len)
+
+
 def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None):
     """Causal varlen attention; returns (out, lse) per the kernels contract."""
     check_inputs(q, k, v, cu_q, cu_k)
     scale = default_scale(q.shape[2]) if scale is None else scale
-    acc = _accumulation_dtype(q.dtype)
-    n_q, n_kv = q.shape[1], k.shape[1]
     out = torch.zeros_like(q)
-    lse = torch.full((n_q, q.shape[0]), float("-inf"), dtype=acc, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_accumulation_dtype(q.dtype), device=q.device)
     for q0, q_len, k0, k_len in _segments(cu_q, cu_k):
-        keys = k[k0:k0 + k_len].to(acc).transpose(0, 1)
-        values = v[k0:k0 + k_len].to(acc).transpose(0, 1)
-        for r0, r1, n_keys in _chunks(q_len, k_len, n_q):
-            rows = slice(q0 + r0, q0 + r1)
-            q_scaled = _head_major(q[rows].to(acc) * scale, n_kv)
-            p, row_lse = _probabilities(q_scaled, keys[:, :n_keys], None, q_len, k_len, r0, r1)
-            out[rows] = _token_major(torch.bmm(p, values[:, :n_keys]), r1 - r0).to(q.dtype)
-            lse[:, rows] = row_lse.reshape(n_q, r1 - r0)
+        _forward_rows(out, lse, q, k[k0:k0 + k_len], v[k0:k0 + k_len],
+                      _segment_chunks(q0, q_len, k_len, q.shape[1], q.device), scale)
     return out, lse
 
 
@@ -103,32 +139,58 @@ def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None):
     """Gradients (dq, dk, dv) of causal varlen attention, from the forward's out and lse."""
     check_inputs(q, k, v, cu_q, cu_k)
     scale = default_scale(q.shape[2]) if scale is None else scale
-    acc = _accumulation_dtype(q.dtype)
-    n_q, n_kv = q.shape[1], k.shape[1]
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for q0, q_len, k0, k_len in _segments(cu_q, cu_k):
-        keys = k[k0:k0 + k_len].to(acc).transpose(0, 1)
-        values = v[k0:k0 + k_len].to(acc).transpose(0, 1)
-        dkeys = torch.zeros_like(keys)
-        dvalues = torch.zeros_like(values)
-        for r0, r1, n_keys in _chunks(q_len, k_len, n_q):
-            rows = slice(q0 + r0, q0 + r1)
-            q_scaled = _head_major(q[rows].to(acc) * scale, n_kv)
-            grad_out = _head_major(dout[rows].to(acc), n_kv)
-            row_lse = lse[:, rows].to(acc).reshape(n_kv, -1)
-            p, _ = _probabilities(q_scaled, keys[:, :n_keys], row_lse, q_len, k_len, r0, r1)
-            dp = torch.bmm(grad_out, values[:, :n_keys].transpose(1, 2))
-            # D_i = rowsum(dout * out) = rowsum(P * dP): the softmax Jacobian's diagonal term.
-            delta = (grad_out * _head_major(out[rows].to(acc), n_kv)).sum(-1, keepdim=True)
-            ds = p * (dp - delta)
-            dq[rows] = _token_major(torch.bmm(ds, keys[:, :n_keys]) * scale, r1 - r0).to(q.dtype)
-            # Stacking a kv head's query group along rows makes these matmuls
-            # sum over the group, which is GQA's gradient for the shared head.
-            dkeys[:, :n_keys] += torch.bmm(ds.transpose(1, 2), q_scaled)
-            dvalues[:, :n_keys] += torch.bmm(p.transpose(1, 2), grad_out)
-        dk[k0:k0 + k_len] = dkeys.transpose(0, 1).to(k.dtype)
-        dv[k0:k0 + k_len] = dvalues.transpose(0, 1).to(v.dtype)
+        dk[k0:k0 + k_len], dv[k0:k0 + k_len] = _backward_rows(
+            dq, dout, q, k[k0:k0 + k_len], v[k0:k0 + k_len], out, lse,
+            _segment_chunks(q0, q_len, k_len, q.shape[1], q.device), scale)
     return dq, dk, dv
 
 
-BACKEND = Backend("reference", forward, backward, splits_by_segment=True)
+# --- queries at given positions of one document (PositionKernel) ---
+
+@dataclass(frozen=True, eq=False)
+class Positions:
+    """The reference's PositionKernel handle: the positions on the host (to size each chunk's keys) and on
+    the device (its masks)."""
+
+    host: np.ndarray
+    device: torch.Tensor
+    num_keys: int
+
+
+def prepare_positions(positions, num_keys: int, device) -> Positions:
+    host = check_positions(positions, num_keys)
+    return Positions(host, torch.as_tensor(host, device=device), int(num_keys))
+
+
+def _position_chunks(handle: Positions, n_heads: int):
+    rows = max(1, min(MAX_CHUNK_ROWS, MAX_SCORE_ELEMENTS // max(1, n_heads * handle.num_keys)))
+    for r0 in range(0, len(handle.host), rows):
+        r1 = min(len(handle.host), r0 + rows)
+        yield slice(r0, r1), int(handle.host[r0:r1].max()) + 1, handle.device[r0:r1]
+
+
+def position_forward(q, k, v, handle: Positions, scale=None):
+    check_position_inputs(q, k, v, len(handle.host), handle.num_keys)
+    scale = default_scale(q.shape[2]) if scale is None else scale
+    out = torch.zeros_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_accumulation_dtype(q.dtype), device=q.device)
+    _forward_rows(out, lse, q, k, v, _position_chunks(handle, q.shape[1]), scale)
+    return out, lse
+
+
+def position_backward(dout, q, k, v, out, lse, handle: Positions, scale=None, into=None):
+    check_position_inputs(q, k, v, len(handle.host), handle.num_keys)
+    scale = default_scale(q.shape[2]) if scale is None else scale
+    dq = torch.zeros_like(q)
+    dk, dv = _backward_rows(dq, dout, q, k, v, out, lse, _position_chunks(handle, q.shape[1]), scale)
+    if into is None:
+        return dq, dk, dv
+    for target, grad in zip(into, (dq, dk, dv)):
+        target.copy_(grad)
+    return into
+
+
+BACKEND = Backend("reference", forward, backward, splits_by_segment=True,
+                  positions=PositionKernel(prepare_positions, position_forward, position_backward))

@@ -113,7 +113,8 @@ class AttentionRows:
     ``home`` tokens (the rank's layer activations), ``query`` rows it serves (its Q buffer, its
     LSE), ``returned`` of them served for other ranks (their outputs, kept for backward),
     ``unique_kv`` rows it holds (each once) and ``expanded_kv`` rows its kernel call reads
-    (one prefix per kernel segment, Plan.kernel_segments)."""
+    (one prefix per kernel segment, Plan.kernel_segments; with ``copies=False``, for a backend that
+    serves queries at given positions (kernels.serves_positions), the unique rows: it copies none)."""
 
     home: np.ndarray
     query: np.ndarray
@@ -122,14 +123,16 @@ class AttentionRows:
     expanded_kv: np.ndarray
 
     @classmethod
-    def of(cls, plan: Plan) -> "AttentionRows":
+    def of(cls, plan: Plan, copies: bool = True) -> "AttentionRows":
         W = plan.num_ranks
         remote = plan.task_server != plan.task_home
         x = plan.kv_transfers()
+        unique_kv = np.bincount(x.server, weights=x.length, minlength=W).astype(np.int64)
         return cls(
             home=np.asarray(plan.pieces.tokens_per_rank, dtype=np.int64),
             query=np.bincount(plan.task_server, weights=plan.task_len, minlength=W).astype(np.int64),
             returned=np.bincount(plan.task_server, weights=np.where(remote, plan.task_len, 0), minlength=W).astype(np.int64),
-            unique_kv=np.bincount(x.server, weights=x.length, minlength=W).astype(np.int64),
-            expanded_kv=np.array([int(plan.kernel_segments(r)[2].sum()) for r in range(W)], dtype=np.int64),
+            unique_kv=unique_kv,
+            expanded_kv=np.array([int(plan.kernel_segments(r)[2].sum()) for r in range(W)], dtype=np.int64)
+            if copies else unique_kv,
         )

@@ -23,7 +23,9 @@ sent home to other ranks are saved; backward reassembles it (_ServerRows). The
 output's gradient is assembled the same way, into one server-ordered buffer.
 KV prefixes are expanded (one per kernel segment, Plan.kernel_segments) only
 transiently around each kernel call, and not at all where each served document
-is one segment (DispatchLayout.kv_expand_identity). The kernel's backward runs
+is one segment (DispatchLayout.kv_expand_identity) or the backend serves queries
+at given positions (Backend.positions): then a document with several segments is
+one call of its own over its unique keys (DispatchLayout.documents). The kernel's backward runs
 over groups of segments of bounded key rows (DispatchLayout.backward_groups): a
 FlashAttention-2 backward over a busy server's whole call was a step's peak memory.
 
@@ -211,7 +213,7 @@ class _Serve(torch.autograd.Function):
         if isinstance(backend, SparseServing):
             serving, backend = backend, backend.bind(q, q_srv, k_u)
             serving.fetch_read_kv(k, v, k_u, v_u)  # withheld rows the patterns read, into k_u and v_u
-        out_srv, lse = backend.forward(q_srv, *_expanded(L, k_u, v_u), L.cu_q, L.cu_k, L.max_q, L.max_k, scale=scale)
+        out_srv, lse = serve_forward(L, backend, q_srv, k_u, v_u, scale)
         ctx.save_for_backward(q_srv, k_u, v_u, lse)
         ctx.meta = (L, sh, backend, scale, serving, q.shape, k.shape, out_srv_rows)
         return out_srv
@@ -220,15 +222,8 @@ class _Serve(torch.autograd.Function):
     def backward(ctx, dout_srv):
         q_srv, k_u, v_u, lse = ctx.saved_tensors
         L, sh, backend, scale, serving, q_shape, k_shape, out_srv_rows = ctx.meta
-        # Held in one tuple so that the output's reassembly and any expanded K/V go as soon as it does.
-        args = (dout_srv.contiguous(), q_srv, *_expanded(L, k_u, v_u), out_srv_rows.take(), lse)
-        if L.backward_groups and backend.splits_by_segment:
-            dq_srv, dk_exp, dv_exp = backward_in_parts([(rows, backend) for rows in L.backward_groups], *args, scale)
-        else:
-            dq_srv, dk_exp, dv_exp = backend.backward(*args, L.cu_q, L.cu_k, L.max_q, L.max_k, scale=scale)
-        del args
-        dk_u, dv_u = _summed(L, dk_exp, dv_exp)
-        del dk_exp, dv_exp  # the copies' gradients, once summed
+        dq_srv, dk_u, dv_u = serve_backward(L, backend, dout_srv.contiguous(), q_srv, k_u, v_u,
+                                            out_srv_rows.take(), lse, scale)
         dq = dq_srv.new_zeros(q_shape)
         dq[L.local_q_rows] = dq_srv[L.local_q_pos]
         dk = dk_u.new_zeros(k_shape).index_add_(0, L.local_kv_rows, dk_u[L.local_kv_pos])
@@ -238,6 +233,79 @@ class _Serve(torch.autograd.Function):
         dq_recv = dq_srv[L.recv_q_pos].reshape(-1, sh.q_width)
         dkv_recv = torch.stack([dk_u[L.recv_kv_pos], dv_u[L.recv_kv_pos]], 1).reshape(-1, sh.kv_width)
         return dq, dk, dv, dq_recv, dkv_recv, None, None, None, None, None
+
+
+def serve_forward(L: DispatchLayout, backend: Backend, q_srv, k_u, v_u, scale=None):
+    """(out, lse) of every CA-task a server runs: its kernel calls over its Q (task order) and unique K, V
+    buffers, the server step of core attention without its communication (bench/gpu_fa4.py times it)."""
+    if _serves_documents(L, backend):
+        return _documents_forward(L, backend, q_srv, k_u, v_u, scale)
+    return backend.forward(q_srv, *_expanded(L, k_u, v_u), L.cu_q, L.cu_k, L.max_q, L.max_k, scale=scale)
+
+
+def serve_backward(L: DispatchLayout, backend: Backend, dout, q_srv, k_u, v_u, out, lse, scale=None):
+    """dQ of the server's queries and dK, dV of its unique KV rows, from serve_forward's out and lse."""
+    if _serves_documents(L, backend):
+        return _documents_backward(L, backend, dout, q_srv, k_u, v_u, out, lse, scale)
+    # Held in one tuple so that the output's reassembly and any expanded K/V go as soon as it does.
+    args = (dout, q_srv, *_expanded(L, k_u, v_u), out, lse)
+    del out
+    if L.backward_groups and backend.splits_by_segment:
+        dq, dk_exp, dv_exp = backward_in_parts([(rows, backend) for rows in L.backward_groups], *args, scale)
+    else:
+        dq, dk_exp, dv_exp = backend.backward(*args, L.cu_q, L.cu_k, L.max_q, L.max_k, scale=scale)
+    del args
+    dk, dv = _summed(L, dk_exp, dv_exp)
+    return dq, dk, dv  # the copies' gradients go once summed
+
+
+def _serves_documents(L: DispatchLayout, backend) -> bool:
+    """Whether the server's work runs without prefix copies (dispatch.DocumentServing): some served document
+    has several segments and the backend serves queries at given positions."""
+    return L.documents is not None and isinstance(backend, Backend) and backend.positions is not None
+
+
+def _documents_forward(L: DispatchLayout, backend: Backend, q_srv, k_u, v_u, scale):
+    """(out, lse) of the server's tasks as dispatch.DocumentServing cuts them: the one-segment documents in
+    one varlen call, each other document in a PositionKernel call over its unique keys."""
+    D = L.documents
+    out = torch.empty_like(q_srv)
+    lse = None
+    parts = [(D.varlen.q_rows, lambda: backend.forward(
+        q_srv[D.varlen.q_rows], k_u[D.varlen.k_rows], v_u[D.varlen.k_rows], D.varlen.cu_q, D.varlen.cu_k,
+        D.varlen.max_q, D.varlen.max_k, scale=scale))] if D.varlen is not None else []
+    for call, handle in zip(D.calls, D.handles(backend, q_srv.device)):
+        parts.append((call.q_rows, lambda c=call, h=handle: backend.positions.forward(
+            q_srv[c.q_rows], k_u[c.k_rows], v_u[c.k_rows], h, scale=scale)))
+    for rows, run in parts:
+        part_out, part_lse = run()
+        if lse is None:  # the backend's lse dtype (float64 for float64 inputs to the reference)
+            lse = part_lse.new_empty(q_srv.shape[1], q_srv.shape[0])
+        out[rows], lse[:, rows] = part_out, part_lse
+        del part_out, part_lse
+    return out, lse
+
+
+def _documents_backward(L: DispatchLayout, backend: Backend, dout, q_srv, k_u, v_u, out, lse, scale):
+    """dQ of the server's queries and dK, dV of its unique KV rows, as _documents_forward cut the work. The
+    document calls write their rows in place; the varlen part's rows are placed (they interleave with the
+    documents', so they are gathered for its call)."""
+    D = L.documents
+    dq, dk, dv = torch.empty_like(q_srv), torch.empty_like(k_u), torch.empty_like(v_u)
+    for call, handle in zip(D.calls, D.handles(backend, q_srv.device)):
+        q_rows, k_rows = call.q_rows, call.k_rows
+        backend.positions.backward(dout[q_rows], q_srv[q_rows], k_u[k_rows], v_u[k_rows], out[q_rows],
+                                   lse[:, q_rows], handle, scale=scale, into=(dq[q_rows], dk[k_rows], dv[k_rows]))
+    if D.varlen is not None:
+        V = D.varlen
+        args = (dout[V.q_rows], q_srv[V.q_rows], k_u[V.k_rows], v_u[V.k_rows], out[V.q_rows], lse[:, V.q_rows])
+        if D.varlen_groups and backend.splits_by_segment:
+            grads = backward_in_parts([(rows, backend) for rows in D.varlen_groups], *args, scale)
+        else:
+            grads = backend.backward(*args, V.cu_q, V.cu_k, V.max_q, V.max_k, scale=scale)
+        del args
+        dq[V.q_rows], dk[V.k_rows], dv[V.k_rows] = grads
+    return dq, dk, dv
 
 
 def _expanded(L: DispatchLayout, k_u: torch.Tensor, v_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,10 @@ sender and its receiver agree without talking:
   segment's keys are a slice of it, expanded only transiently for the kernel, and
   not at all where each served document is one segment (``kv_expand_identity``;
   ``Plan.kernel_segments``: adjacent tasks that continue each other are one segment).
+- Where the backend serves queries at given positions (``Backend.positions``), a served document with
+  several segments (shards that do not continue each other) is one call of its own over its unique
+  keys, and the documents with one segment one varlen call over theirs: no copies
+  (``DocumentServing``).
 - Outputs go back in the order the queries came.
 - The kernel's backward runs over groups of consecutive segments of at most
   ``BACKWARD_GROUP_KEYS`` key rows (``backward_groups``), one call each: FlashAttention-2's
@@ -25,6 +29,7 @@ sender and its receiver agree without talking:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -60,9 +65,12 @@ class SegmentRows:
     max_k: int
 
     @classmethod
-    def of(cls, q_len: np.ndarray, k_len: np.ndarray, keep: np.ndarray, device) -> "SegmentRows":
-        """``q_len``, ``k_len``: the full call's segments in call order; ``keep``: the subset's (bool)."""
-        q_start, k_start = np.cumsum(q_len) - q_len, np.cumsum(k_len) - k_len
+    def of(cls, q_len: np.ndarray, k_len: np.ndarray, keep: np.ndarray, device,
+           k_start: np.ndarray | None = None) -> "SegmentRows":
+        """``q_len``, ``k_len``: the full call's segments in call order; ``keep``: the subset's (bool);
+        ``k_start``: each segment's first key row where the keys are not the segments' own, in order."""
+        q_start = np.cumsum(q_len) - q_len
+        k_start = np.cumsum(k_len) - k_len if k_start is None else np.asarray(k_start)
         n, end = q_len[keep], k_len[keep]
         kept = np.flatnonzero(keep)
         dev = functools.partial(index_tensor, device=device)
@@ -163,6 +171,65 @@ class PrefixCopies:
         return total.to(d_expanded.dtype)
 
 
+@dataclass(frozen=True, eq=False)
+class DocumentCall:
+    """A served document with several kernel segments, as one PositionKernel call: its queries (consecutive
+    rows of the server's Q buffer) at their document positions, over its unique keys."""
+
+    q_rows: slice
+    k_rows: slice
+    positions: np.ndarray  # int64, one per query row
+
+
+@dataclass(frozen=True, eq=False)
+class DocumentServing:
+    """A server's kernel work without prefix copies, for a backend with a PositionKernel: the documents with
+    one segment in one varlen call over their unique rows (such a segment's keys are its document's whole
+    prefix as the buffer holds it), each document with several in a call of its own. The parts partition
+    the Q rows and the unique KV rows."""
+
+    varlen: SegmentRows | None  # rows in the Q and unique-KV buffers; None where every document has several
+    varlen_groups: tuple[SegmentRows, ...]  # the varlen part's backward groups (rows of the part); () for one
+    calls: tuple[DocumentCall, ...]
+    _handles: dict = dataclasses.field(default_factory=dict)
+
+    def handles(self, backend, device) -> tuple:
+        """The backend's PositionKernel handles of ``calls``, prepared on first use (host tables, once per
+        layout and backend)."""
+        if backend.name not in self._handles:
+            prepare = backend.positions.prepare
+            self._handles[backend.name] = tuple(prepare(c.positions, c.k_rows.stop - c.k_rows.start, device)
+                                                for c in self.calls)
+        return self._handles[backend.name]
+
+    @classmethod
+    def of(cls, seg_doc, seg_q, seg_k, seg_base, seg_start, device) -> "DocumentServing | None":
+        """From the server's kernel segments (document, query and key rows, first unique row, first query
+        position); None where no document has several."""
+        several = np.r_[False, seg_doc[1:] == seg_doc[:-1]]
+        several |= np.r_[several[1:], False]
+        if not several.any():
+            return None
+        q_start = np.cumsum(seg_q) - seg_q
+        calls = []
+        for doc_first in np.flatnonzero(several & np.r_[True, seg_doc[1:] != seg_doc[:-1]]):
+            segs = np.flatnonzero(seg_doc == seg_doc[doc_first])  # consecutive: tasks in (doc, start) order
+            first, last = segs[0], segs[-1]
+            calls.append(DocumentCall(slice(int(q_start[first]), int(q_start[last] + seg_q[last])),
+                                      slice(int(seg_base[first]), int(seg_base[first] + seg_k[segs].max())),
+                                      ranges(seg_start[segs], seg_q[segs])))
+        single = ~several
+        varlen = varlen_groups = None
+        if single.any():
+            varlen = SegmentRows.of(seg_q, seg_k, single, device, k_start=seg_base)
+            q, k = seg_q[single], seg_k[single]
+            groups = segment_groups(k, BACKWARD_GROUP_KEYS)
+            segs = np.arange(len(k))
+            varlen_groups = tuple(SegmentRows.of(q, k, (segs >= a) & (segs < b), device)
+                                  for a, b in groups) if len(groups) > 1 else ()
+        return cls(varlen, varlen_groups or (), tuple(calls))
+
+
 def segment_groups(seg_k: np.ndarray, max_keys: int) -> list[tuple[int, int]]:
     """[first, last) segment ranges, consecutive, each with at most ``max_keys`` keys in all
     (a segment with more is a group of its own)."""
@@ -211,6 +278,7 @@ class DispatchLayout:
     max_q: int
     max_k: int
     backward_groups: tuple[SegmentRows, ...]  # empty where one backward call covers every segment
+    documents: DocumentServing | None  # the same work without copies (Backend.positions); None: no copies anyway
 
     @classmethod
     def build(cls, plan: Plan, rank: int, device, withheld: np.ndarray | None = None) -> "DispatchLayout":
@@ -262,6 +330,7 @@ class DispatchLayout:
         num_unique_kv = int(x.length[seg].sum())
         seg_doc, seg_q, seg_k = plan.kernel_segments(rank)
         seg_base = group_base[np.searchsorted(group_doc, seg_doc)]
+        seg_start = seg_k - seg_q  # a segment's queries are the tail of its keys
         kv_expand = ranges(seg_base, seg_k)
         kv_expand_identity = bool(np.array_equal(kv_expand, np.arange(num_unique_kv)))
         cu_q = np.r_[0, np.cumsum(seg_q)]
@@ -286,4 +355,5 @@ class DispatchLayout:
             prefix_copies=None if kv_expand_identity else PrefixCopies.of(seg_base, seg_k, num_unique_kv, device),
             cu_q=dev(cu_q, torch.int32), cu_k=dev(cu_k, torch.int32),
             max_q=int(seg_q.max(initial=0)), max_k=int(seg_k.max(initial=0)), backward_groups=backward_groups,
+            documents=DocumentServing.of(seg_doc, seg_q, seg_k, seg_base, seg_start, device),
         )

@@ -54,6 +54,7 @@ from attnpool.comm import all_gather_flat, comm_stats, end_process, process_grou
 from attnpool.comm.watchdog import RANKS_DIR, RankRecords, is_collective_failure
 from attnpool.data import DocumentStream, GlobalBatch, RankTensors, make_source
 from attnpool.errors import ConfigError, TrainingError
+from attnpool.kernels import serves_positions
 from attnpool.kernels.sparse import device_problem as sparse_device_problem
 from attnpool.kernels.sparse import launch_problem as sparse_launch_problem
 from attnpool.model import ModelConfig, Transformer, apply_activation_checkpointing, model_config
@@ -211,7 +212,7 @@ def prepare(config: TrainConfig, device: torch.device | None = None, world: int 
                                              "or choose another --out")
     memory = None
     if device is not None and dims is not None and config.memory_check:
-        memory = check_memory(config, model_cfg, source, cost_model, sparse, dims, device)
+        memory = check_memory(config, model_cfg, source, cost_model, sparse, dims, device, backend)
     return Setup(model_cfg, source, cost_model, found if config.resume else None, sparse, memory, backend, hf)
 
 
@@ -347,13 +348,15 @@ def uses_bf16(config: TrainConfig, device_type: str) -> bool:
 
 def sample_row_ratios(config: TrainConfig, source, cost_model, dims: ParallelDims, model_cfg: ModelConfig,
                       sparse: SparseConfig | None, bf16: bool,
-                      batches: int = MEMORY_SAMPLE_BATCHES) -> dict:
+                      batches: int = MEMORY_SAMPLE_BATCHES, backend: str | None = None) -> dict:
     """Core attention's rows per token of tokens_per_rank, from the plans of the run's first ``batches``
     batches (with ping-pong, both nano-batches' rows; with a pooled pipeline, every tick's plan over all
     stages' ranks, of the first ``batches`` steps), as MemoryInputs fields: ``rows``, the largest of each
     count over the plans and dp ranks, and each plan's rank rows that no other matches in every count
     (memory.undominated): ``row_candidates``, or for a pooled pipeline, whose rank holds every tick's
-    rows at once, ``held_candidates``: each step's rank rows summed over its ticks."""
+    rows at once, ``held_candidates``: each step's rank rows summed over its ticks. ``backend``: the
+    resolved attention backend; prefix copies are counted unless it serves queries at given positions and
+    no layer is sparse (the sparse serving copies)."""
     pooled = dims.pp > 1 and config.pp_schedule == POOLED
     if dims.dp == 1 and not pooled:
         return {"rows": RowRatios()}
@@ -362,6 +365,7 @@ def sample_row_ratios(config: TrainConfig, source, cost_model, dims: ParallelDim
     shape = attention_shape(model_cfg, dims.tp, bf16)
     prior = SparsePrior(sparse, model_cfg.n_heads // dims.tp, model_cfg.head_dim, model_cfg.n_layers) if sparse else None
     names = ("home", "query", "returned", "unique_kv", "expanded_kv")
+    copies = sparse is not None or not serves_positions(backend)
     worst, candidates = np.zeros(len(names)), []
 
     def ratios(counts) -> RowRatios:
@@ -371,12 +375,12 @@ def sample_row_ratios(config: TrainConfig, source, cost_model, dims: ParallelDim
         if pooled:  # one unit per tick, each with its own plan's rows
             tables = [plan_batch(stream.next_batch(), config, world, cost_model, shape, prior, dims.tp,
                                  strategy="local").plan.pieces for _ in range(config.microbatches)]
-            units = [[AttentionRows.of(t.plan)] for t in plan_pooled_ticks(tables, dims.pp, config, cost_model, shape)]
+            units = [[AttentionRows.of(t.plan, copies)] for t in plan_pooled_ticks(tables, dims.pp, config, cost_model, shape)]
         else:
             batch = stream.next_batch()
             nanos = batch.split_documents(2) if config.pingpong else [batch]
-            units = [[AttentionRows.of(plan_batch(nano, config, world, cost_model, shape, prior, dims.tp).plan)
-                      for nano in nanos]]
+            units = [[AttentionRows.of(plan_batch(nano, config, world, cost_model, shape, prior, dims.tp).plan,
+                                       copies) for nano in nanos]]
         # (counts, ranks) of each unit; a pooled rank holds every tick's at once, the others one unit at a time
         per_unit = [np.array([np.sum([getattr(r, name) for r in rows], axis=0) for name in names]) for rows in units]
         worst = np.maximum(worst, np.max([counts.max(axis=1) for counts in per_unit], axis=0))
@@ -402,11 +406,13 @@ def memory_inputs(config: TrainConfig, model_cfg: ModelConfig, dims: ParallelDim
 
 
 def run_memory_inputs(config: TrainConfig, model_cfg: ModelConfig, source, cost_model, sparse: SparseConfig | None,
-                      dims: ParallelDims, gpu: bool, capacity: Capacity, calibration: Calibration) -> MemoryInputs:
+                      dims: ParallelDims, gpu: bool, capacity: Capacity, calibration: Calibration,
+                      backend: str | None = None) -> MemoryInputs:
     """The memory model's inputs for a run, core attention's rows from plans of its first batches (at most
     MEMORY_SAMPLE_BATCHES, and no more than the run trains on). Those are drawn only if, with the fewest
     rows core attention can hold (RowRatios(), a lower bound of the
-    busiest rank's), some memory setting fits: a batch far too large is refused before one is drawn."""
+    busiest rank's), some memory setting fits: a batch far too large is refused before one is drawn.
+    ``backend``: the resolved attention backend (sample_row_ratios)."""
     bf16 = uses_bf16(config, "cuda" if gpu else "cpu")
     x = memory_inputs(config, model_cfg, dims, bf16, gpu=gpu)
     if any(capacity.holds(estimate(s, calibration)) for s in settings(x, offloads=gpu)):
@@ -415,7 +421,7 @@ def run_memory_inputs(config: TrainConfig, model_cfg: ModelConfig, source, cost_
         steps = config.stop_at or config.steps
         run_batches = steps if dims.pp > 1 and config.pp_schedule == POOLED else steps * config.microbatches
         x = replace(x, **sample_row_ratios(config, source, cost_model, dims, model_cfg, sparse, bf16,
-                                           batches=min(MEMORY_SAMPLE_BATCHES, run_batches)))
+                                           batches=min(MEMORY_SAMPLE_BATCHES, run_batches), backend=backend))
     return x
 
 
@@ -428,7 +434,7 @@ def ranks_on_this_machine(config: TrainConfig, world: int) -> int:
 
 
 def check_memory(config: TrainConfig, model_cfg: ModelConfig, source, cost_model, sparse: SparseConfig | None,
-                 dims: ParallelDims, device: torch.device) -> MemoryEstimate:
+                 dims: ParallelDims, device: torch.device, backend: str | None = None) -> MemoryEstimate:
     """The predicted peak of a rank (attnpool.train.memory), refused with the field to change where it does
     not fit: on GPU the device's memory (with the packaged calibration) and, for offloaded state, this
     machine's memory shared by its ranks; on CPU that shared memory alone (the hand count alone)."""
@@ -442,7 +448,7 @@ def check_memory(config: TrainConfig, model_cfg: ModelConfig, source, cost_model
                             host)
     else:
         calibration, capacity = Calibration.none(), Capacity(host, "this machine's memory" + for_each)
-    x = run_memory_inputs(config, model_cfg, source, cost_model, sparse, dims, gpu, capacity, calibration)
+    x = run_memory_inputs(config, model_cfg, source, cost_model, sparse, dims, gpu, capacity, calibration, backend)
     predicted = estimate(x, calibration)
     if not capacity.holds(predicted):
         raise report(x, capacity, calibration, offloads=gpu).refusal()

@@ -159,8 +159,8 @@ def test_backward_in_groups_of_segments_matches_reference():
 
 
 def test_document_serving_partitions_the_servers_rows():
-    """DocumentServing's parts (the one-segment documents' varlen call, one call per document with several)
-    cover every query row and every unique KV row of the server exactly once, each document call's
+    """DocumentServing's parts (varlen calls over runs of one-segment documents, one call per document with
+    several) cover every query row and every unique KV row of the server exactly once, each document call's
     positions being its tasks' document positions."""
     from attnpool.runtime.dispatch import DispatchLayout
 
@@ -182,10 +182,12 @@ def test_document_serving_partitions_the_servers_rows():
                     seen += len(D.calls)
                     q_cover = sum(rows(c.q_rows, layout.num_server_q) for c in D.calls)
                     k_cover = sum(rows(c.k_rows, layout.num_unique_kv) for c in D.calls)
-                    if D.varlen is not None:
-                        q_cover += rows(D.varlen.q_rows, layout.num_server_q)
-                        k_cover += rows(D.varlen.k_rows, layout.num_unique_kv)
-                    assert (q_cover == 1).all() and (k_cover == 1).all()
+                    for parts in (D.varlen, D.varlen_groups):  # the forward's runs, the backward's groups
+                        q_part = q_cover + sum(rows(p.q_rows, layout.num_server_q) for p in parts)
+                        k_part = k_cover + sum(rows(p.k_rows, layout.num_unique_kv) for p in parts)
+                        assert (q_part == 1).all() and (k_part == 1).all()
+                        # every call reads slices of the server's buffers: no gathered copy
+                        assert all(isinstance(p.q_rows, slice) and isinstance(p.k_rows, slice) for p in parts)
                     tasks = plan.server_tasks(r)
                     task_pos = np.concatenate([np.arange(plan.task_start[t], plan.task_end[t]) for t in tasks])
                     for c in D.calls:

@@ -266,14 +266,14 @@ def _serves_documents(L: DispatchLayout, backend) -> bool:
 
 
 def _documents_forward(L: DispatchLayout, backend: Backend, q_srv, k_u, v_u, scale):
-    """(out, lse) of the server's tasks as dispatch.DocumentServing cuts them: the one-segment documents in
-    one varlen call, each other document in a PositionKernel call over its unique keys."""
+    """(out, lse) of the server's tasks as dispatch.DocumentServing cuts them: each run of one-segment
+    documents in a varlen call, each other document in a PositionKernel call over its unique keys."""
     D = L.documents
     out = torch.empty_like(q_srv)
     lse = None
-    parts = [(D.varlen.q_rows, lambda: backend.forward(
-        q_srv[D.varlen.q_rows], k_u[D.varlen.k_rows], v_u[D.varlen.k_rows], D.varlen.cu_q, D.varlen.cu_k,
-        D.varlen.max_q, D.varlen.max_k, scale=scale))] if D.varlen is not None else []
+    parts = [(rows.q_rows, lambda r=rows: backend.forward(q_srv[r.q_rows], k_u[r.k_rows], v_u[r.k_rows], r.cu_q,
+                                                          r.cu_k, r.max_q, r.max_k, scale=scale))
+             for rows in D.varlen]
     for call, handle in zip(D.calls, D.handles(backend, q_srv.device)):
         parts.append((call.q_rows, lambda c=call, h=handle: backend.positions.forward(
             q_srv[c.q_rows], k_u[c.k_rows], v_u[c.k_rows], h, scale=scale)))
@@ -287,24 +287,17 @@ def _documents_forward(L: DispatchLayout, backend: Backend, q_srv, k_u, v_u, sca
 
 
 def _documents_backward(L: DispatchLayout, backend: Backend, dout, q_srv, k_u, v_u, out, lse, scale):
-    """dQ of the server's queries and dK, dV of its unique KV rows, as _documents_forward cut the work. The
-    document calls write their rows in place; the varlen part's rows are placed (they interleave with the
-    documents', so they are gathered for its call)."""
+    """dQ of the server's queries and dK, dV of its unique KV rows, as _documents_forward cut the work, each
+    call's gradients written into its rows (backward_in_parts: the varlen runs in key-bounded groups; a
+    backend with a PositionKernel computes each segment on its own, splits_by_segment)."""
     D = L.documents
     dq, dk, dv = torch.empty_like(q_srv), torch.empty_like(k_u), torch.empty_like(v_u)
     for call, handle in zip(D.calls, D.handles(backend, q_srv.device)):
         q_rows, k_rows = call.q_rows, call.k_rows
         backend.positions.backward(dout[q_rows], q_srv[q_rows], k_u[k_rows], v_u[k_rows], out[q_rows],
                                    lse[:, q_rows], handle, scale=scale, into=(dq[q_rows], dk[k_rows], dv[k_rows]))
-    if D.varlen is not None:
-        V = D.varlen
-        args = (dout[V.q_rows], q_srv[V.q_rows], k_u[V.k_rows], v_u[V.k_rows], out[V.q_rows], lse[:, V.q_rows])
-        if D.varlen_groups and backend.splits_by_segment:
-            grads = backward_in_parts([(rows, backend) for rows in D.varlen_groups], *args, scale)
-        else:
-            grads = backend.backward(*args, V.cu_q, V.cu_k, V.max_q, V.max_k, scale=scale)
-        del args
-        dq[V.q_rows], dk[V.k_rows], dv[V.k_rows] = grads
+    backward_in_parts([(rows, backend) for rows in D.varlen_groups], dout, q_srv, k_u, v_u, out, lse, scale,
+                      into=(dq, dk, dv))
     return dq, dk, dv
 
 

@@ -84,13 +84,13 @@ class SegmentRows:
                    int(n.max(initial=0)), int(end.max(initial=0)))
 
 
-def backward_in_parts(parts, dout, q, k, v, out, lse, scale):
+def backward_in_parts(parts, dout, q, k, v, out, lse, scale, into=None):
     """A kernel call's backward as one call per part, ``parts`` being (SegmentRows, Backend) pairs that
-    partition the call's segments (every row in one part); each part's gradients land in its rows: written
-    there by the kernel where the backend can (``Backend.backward_into``) and the rows are a range, else
-    copied."""
+    partition the call's segments (every row in one part, or in ``into``'s rows that others write); each
+    part's gradients land in its rows of ``into`` (contiguous (dq, dk, dv); else new): written there by the
+    kernel where the backend can (``Backend.backward_into``) and the rows are a range, else copied."""
     # contiguous whatever the inputs' strides: a part's rows are then contiguous views the kernel can write
-    dq, dk, dv = (x.new_empty(x.shape) for x in (q, k, v))
+    dq, dk, dv = into if into is not None else (x.new_empty(x.shape) for x in (q, k, v))
     for rows, backend in parts:
         args = (dout[rows.q_rows], q[rows.q_rows], k[rows.k_rows], v[rows.k_rows], out[rows.q_rows],
                 lse[:, rows.q_rows].contiguous(), rows.cu_q, rows.cu_k, rows.max_q, rows.max_k)
@@ -183,13 +183,14 @@ class DocumentCall:
 
 @dataclass(frozen=True, eq=False)
 class DocumentServing:
-    """A server's kernel work without prefix copies, for a backend with a PositionKernel: the documents with
-    one segment in one varlen call over their unique rows (such a segment's keys are its document's whole
-    prefix as the buffer holds it), each document with several in a call of its own. The parts partition
-    the Q rows and the unique KV rows."""
+    """A server's kernel work without prefix copies, for a backend with a PositionKernel: each document with
+    several segments in a call of its own, and the documents with one segment in varlen calls over their
+    unique rows (such a segment's keys are its document's whole prefix as the buffer holds it), one per run
+    of them between the others, so that every call reads slices of the server's buffers, no gathered copy.
+    The parts partition the Q rows and the unique KV rows."""
 
-    varlen: SegmentRows | None  # rows in the Q and unique-KV buffers; None where every document has several
-    varlen_groups: tuple[SegmentRows, ...]  # the varlen part's backward groups (rows of the part); () for one
+    varlen: tuple[SegmentRows, ...]  # forward: each run of one-segment documents (rows of Q and unique KV)
+    varlen_groups: tuple[SegmentRows, ...]  # backward: the runs cut into groups of at most BACKWARD_GROUP_KEYS keys
     calls: tuple[DocumentCall, ...]
     _handles: dict = dataclasses.field(default_factory=dict)
 
@@ -218,16 +219,16 @@ class DocumentServing:
             calls.append(DocumentCall(slice(int(q_start[first]), int(q_start[last] + seg_q[last])),
                                       slice(int(seg_base[first]), int(seg_base[first] + seg_k[segs].max())),
                                       ranges(seg_start[segs], seg_q[segs])))
-        single = ~several
-        varlen = varlen_groups = None
-        if single.any():
-            varlen = SegmentRows.of(seg_q, seg_k, single, device, k_start=seg_base)
-            q, k = seg_q[single], seg_k[single]
-            groups = segment_groups(k, BACKWARD_GROUP_KEYS)
-            segs = np.arange(len(k))
-            varlen_groups = tuple(SegmentRows.of(q, k, (segs >= a) & (segs < b), device)
-                                  for a, b in groups) if len(groups) > 1 else ()
-        return cls(varlen, varlen_groups or (), tuple(calls))
+        # runs of one-segment documents: consecutive segments, so consecutive rows of both buffers
+        segs = np.arange(len(seg_doc))
+        run_first = np.flatnonzero(~several & np.r_[True, several[:-1]])
+        run_end = np.flatnonzero(~several & np.r_[several[1:], True]) + 1
+        varlen, varlen_groups = [], []
+        for a, b in zip(run_first, run_end):
+            varlen.append(SegmentRows.of(seg_q, seg_k, (segs >= a) & (segs < b), device, k_start=seg_base))
+            varlen_groups += [SegmentRows.of(seg_q, seg_k, (segs >= a + c) & (segs < a + d), device, k_start=seg_base)
+                              for c, d in segment_groups(seg_k[a:b], BACKWARD_GROUP_KEYS)]
+        return cls(tuple(varlen), tuple(varlen_groups), tuple(calls))
 
 
 def segment_groups(seg_k: np.ndarray, max_keys: int) -> list[tuple[int, int]]:

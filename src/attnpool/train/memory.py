@@ -255,7 +255,8 @@ def loss_transient(x: MemoryInputs, tokens: int) -> float:
 def attention_backward_transient(x: MemoryInputs, tokens: int) -> float:
     """Core attention's backward at its peak, inside the kernel's backward: the output and its gradient
     in server order (runtime.core_attention._ServerRows), the kernel's dQ, dK and dV over the expanded
-    keys, and FlashAttention's workspace over one call of at most BACKWARD_GROUP_KEYS keys: a float32 dQ
+    keys (the unique ones where the backend copies no prefixes: plan.metrics.AttentionRows), and
+    FlashAttention's workspace over one call of at most BACKWARD_GROUP_KEYS keys: a float32 dQ
     accumulator and, with GQA, dK and dV for every query head."""
     m, r = x.model, x.rows
     a = 2 if x.bf16 else 4

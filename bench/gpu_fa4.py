@@ -206,6 +206,33 @@ def check_position_case(name, spans, num_keys, n_q, n_kv, dim, device, backend: 
 
 # --- the CA-task benchmark ---
 
+def timed(row: dict, forward, forward_backward, fwd_flops: float, device, warmup: int, reps: int) -> dict:
+    """``row`` with the medians of ``forward`` and ``forward_backward`` and their TFLOP/s (forward+backward
+    counted 3.5 forwards), or the error they raised: an OOM of one path must not hide the others."""
+    try:
+        row["fwd_ms"] = 1e3 * median_s(forward, device, warmup, reps)
+        row["fwd_bwd_ms"] = 1e3 * median_s(forward_backward, device, warmup, reps)
+        row["fwd_tflops"] = fwd_flops / row["fwd_ms"] / 1e9
+        row["fwd_bwd_tflops"] = 3.5 * fwd_flops / row["fwd_bwd_ms"] / 1e9
+    except Exception as error:
+        row["error"] = repr(error)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def add_speedups_over_flash(rows: list[dict]) -> dict:
+    """Each fa4 row's speed-up over flash's row of the same path, in the row; returns the rows that ran by
+    (backend, path)."""
+    by = {(r["backend"], r["path"]): r for r in rows if "error" not in r}
+    for r in rows:
+        flash_row = by.get(("flash", r["path"]))
+        if r["backend"] == "fa4" and "error" not in r and flash_row:
+            r["fwd_bwd_speedup_over_flash"] = flash_row["fwd_bwd_ms"] / r["fwd_bwd_ms"]
+            r["fwd_speedup_over_flash"] = flash_row["fwd_ms"] / r["fwd_ms"]
+    return by
+
+
 def ca_tasks(doc_len: int, shard: int):
     """Query shards [a, a + shard) of one document with keys [0, a + shard): (q_len, k_len) per segment."""
     ends = np.arange(shard, doc_len + 1, shard)
@@ -288,23 +315,10 @@ def bench_layout(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, reps,
                        backward_group_keys=keys, backward_calls=calls)
             if path == "prefix copies" and path_vs_one_call:  # max |difference| / max |one call's|
                 row["grads_vs_one_call"] = path_vs_one_call
-            try:
-                row["fwd_ms"] = 1e3 * median_s(fwd, device, warmup, reps)
-                row["fwd_bwd_ms"] = 1e3 * median_s(fwd_bwd, device, warmup, reps)
-                row["fwd_tflops"] = fwd_flops / row["fwd_ms"] / 1e9
-                row["fwd_bwd_tflops"] = 3.5 * fwd_flops / row["fwd_bwd_ms"] / 1e9
-            except Exception as error:  # record and go on: an OOM of one path must not hide the others
-                row["error"] = repr(error)
-            rows.append(row)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            rows.append(timed(row, fwd, fwd_bwd, fwd_flops, device, warmup, reps))
         del k_exp, v_exp
-    by = {(r["backend"], r["path"]): r for r in rows if "error" not in r}
+    by = add_speedups_over_flash(rows)
     for r in rows:
-        flash_row = by.get(("flash", r["path"]))
-        if r["backend"] == "fa4" and "error" not in r and flash_row:
-            r["fwd_bwd_speedup_over_flash"] = flash_row["fwd_bwd_ms"] / r["fwd_bwd_ms"]
-            r["fwd_speedup_over_flash"] = flash_row["fwd_ms"] / r["fwd_ms"]
         flash_default = by.get(("flash", "prefix copies"))
         if r["backend"] == "fa4" and "error" not in r and flash_default and r["path"] != "one call":
             # what the runtime's default flash path gives: the A/B of a backend switch inside attnpool
@@ -374,23 +388,9 @@ def bench_server_step(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, 
                        expanded_kv_rows=int(k_len.sum()))
             if label == "fa4" and fa4_vs_flash:
                 row["grads_vs_flash"] = fa4_vs_flash
-            try:
-                row["fwd_ms"] = 1e3 * median_s(forward, device, warmup, reps)
-                row["fwd_bwd_ms"] = 1e3 * median_s(forward_backward, device, warmup, reps)
-                row["fwd_tflops"] = fwd_flops / row["fwd_ms"] / 1e9
-                row["fwd_bwd_tflops"] = 3.5 * fwd_flops / row["fwd_bwd_ms"] / 1e9
-            except Exception as error:  # record and go on
-                row["error"] = repr(error)
-            rows.append(row)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            rows.append(timed(row, forward, forward_backward, fwd_flops, device, warmup, reps))
         del q, dout, k, v
-    by = {(r["backend"], r["path"]): r for r in rows if "error" not in r}
-    for r in rows:
-        flash_row = by.get(("flash", r["path"]))
-        if r["backend"] == "fa4" and "error" not in r and flash_row:
-            r["fwd_bwd_speedup_over_flash"] = flash_row["fwd_bwd_ms"] / r["fwd_bwd_ms"]
-            r["fwd_speedup_over_flash"] = flash_row["fwd_ms"] / r["fwd_ms"]
+    add_speedups_over_flash(rows)
     return rows
 
 

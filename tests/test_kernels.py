@@ -284,27 +284,56 @@ def test_positions_are_checked():
     ([(1024, 2048), (3072, 4096)], 4096),
     ([(5, 6)], 300),
     ([(0, 129), (200, 457)], 4000),
+    ([(0, 3000)], 3000),
 ])
-def test_fa4_position_blocks_cover_exactly_the_visible_pairs(spans, num_keys):
-    """fa4's block-sparse tables (host NumPy, so checked here): a block is full only where every row sees
-    every key of it, and every block with a visible pair is full or partial, never both; the packed indices
-    list each row's blocks in ascending order."""
+def test_fa4_position_tables_cover_exactly_the_visible_pairs(spans, num_keys):
+    """fa4's block-sparse tables (built from ranges, so checked here on the CPU): forward, per query block,
+    the key blocks it sees in part and in full; backward, per key block, the query blocks. A block is full
+    only where every row sees every key of it, every block with a visible pair is full or partial, never
+    both, and each row lists its blocks ascending."""
     import numpy as np
 
     from attnpool.kernels import fa4
 
+    B = fa4.POSITION_BLOCK
     positions = np.concatenate([np.arange(a, b) for a, b in spans])
-    partial, full = fa4.position_blocks(positions, num_keys, block=128)
     visible = np.arange(num_keys)[None, :] <= positions[:, None]
-    B = 128
-    for m in range(partial.shape[0]):
-        for n in range(partial.shape[1]):
+    m_blocks, n_blocks = -(-len(positions) // B), -(-num_keys // B)
+    want_full = np.zeros((m_blocks, n_blocks), bool)
+    want_seen = np.zeros((m_blocks, n_blocks), bool)
+    for m in range(m_blocks):
+        for n in range(n_blocks):
             tile = visible[m * B:(m + 1) * B, n * B:(n + 1) * B]
-            assert not (partial[m, n] and full[m, n])
-            if full[m, n]:
-                assert tile.shape[1] == B and tile.all()
-            assert bool(partial[m, n] or full[m, n]) == bool(tile.any()), (m, n)
-    count, index = fa4._packed(partial)
-    assert count.shape == (1, 1, partial.shape[0]) and index.shape == (1, 1, *partial.shape)
-    for m in range(partial.shape[0]):
-        assert index[0, 0, m, :count[0, 0, m]].tolist() == np.flatnonzero(partial[m]).tolist()
+            want_full[m, n] = tile.shape[1] == B and tile.all()
+            want_seen[m, n] = tile.any()
+    full_end, seen_end, partial_start, full_start = fa4.position_block_ranges(positions, num_keys)
+
+    def listed(count, index):  # the (rows, cols) bool table a (count, index) pair lists, checking the order
+        count, index = count[0, 0].numpy(), index[0, 0].numpy()
+        table = np.zeros((len(count), index.shape[1]), bool)
+        for row, (c, columns) in enumerate(zip(count, index)):
+            assert list(columns[:c]) == sorted(set(columns[:c]))
+            table[row, columns[:c]] = True
+        return table
+
+    partial_fwd = listed(*fa4.range_table(full_end, seen_end, n_blocks, "cpu"))
+    full_fwd = listed(*fa4.range_table(np.zeros(m_blocks, dtype=np.int64), full_end, n_blocks, "cpu"))
+    partial_bwd = listed(*fa4.range_table(partial_start, full_start, m_blocks, "cpu"))
+    full_bwd = listed(*fa4.range_table(full_start, np.full(n_blocks, m_blocks), m_blocks, "cpu"))
+    assert np.array_equal(full_fwd, want_full) and np.array_equal(partial_fwd, want_seen & ~want_full)
+    assert np.array_equal(full_bwd, want_full.T) and np.array_equal(partial_bwd, (want_seen & ~want_full).T)
+
+
+def test_positions_must_increase():
+    with pytest.raises(ConfigError, match="increasing"):
+        reference.BACKEND.positions.prepare([0, 5, 5], 9, "cpu")
+
+
+def test_fa4_position_kernel_runs_only_where_checked():
+    """sm90 at head_dim <= 128 (where it was checked); elsewhere, the CPU included, the runtime copies."""
+    from attnpool.kernels import fa4, serves_positions
+
+    assert not fa4.supports_positions("cpu", 128) and not fa4.supports_positions(None, 128)
+    assert not serves_positions("fa4", "cpu", 128) and not serves_positions("fa4", None, 128)
+    assert serves_positions("reference", None, 256) and not serves_positions("flash", "cpu", 128)
+    assert not serves_positions("auto", "cpu", 128)

@@ -457,13 +457,14 @@ def test_training_with_offload_gives_the_same_losses(tmp_path):
 
 def test_prefix_copies_are_counted_only_where_the_backend_makes_them():
     """A server holding shards of one document that do not continue each other reads a prefix copy per shard
-    under flash, and under fa4 or the reference (which serve queries at given positions) the unique rows."""
+    under flash (and fa4 off sm90), and under a backend that serves queries at given positions (fa4 on
+    sm90, the reference) the unique rows."""
     from attnpool.kernels import serves_positions
     from attnpool.plan.documents import DocPiece, PieceTable
     from attnpool.plan.plan import make_plan
 
-    assert serves_positions("fa4") and serves_positions("reference")
-    assert not any(serves_positions(name) for name in ("flash", "auto", None))
+    assert serves_positions("reference", "cpu", 128)
+    assert not any(serves_positions(name, "cpu", 128) for name in ("fa4", "flash", "auto", None))
     pieces = PieceTable.from_pieces([[DocPiece(0, 4096, 0, 4096)], []])
     start = np.arange(8) * 512
     plan = make_plan("test", pieces, np.zeros(8), start, start + 512, np.zeros(8), np.arange(8) % 2, 512)

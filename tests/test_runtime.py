@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import zlib
 
 import numpy as np
@@ -153,9 +154,59 @@ def test_backward_in_groups_of_segments_matches_reference():
     with prefix copies (a backend without a PositionKernel, as flash), grouped the same way."""
     for copies in (False, True):
         results = run_distributed(worker, 2, "float32", 700, copies)
-        assert max(got["backward_groups"] for rank_results in results for got in rank_results.values()) >= 3
-        assert all(got["document_calls"] == 0 for rank_results in results for got in rank_results.values()) or not copies
+        got = [got for rank_results in results for got in rank_results.values()]
+        assert max(g["backward_groups"] for g in got) >= 3
+        assert (sum(g["document_calls"] for g in got) == 0) == copies
         assert_matches_reference(2, results, tolerance=1e-5)
+
+
+def test_server_step_without_copies_writes_every_row(monkeypatch):
+    """serve_forward/serve_backward as DocumentServing cuts the work, against the copies path, on every server
+    of the plans above that holds a split document: float64, every buffer allocated empty filled with NaN
+    first (a row left unwritten shows), backward groups of at most 300 keys, and beside the reference a
+    backend that writes its gradients in place (backward_into, as fa4 does)."""
+    import attnpool.runtime.dispatch as dispatch
+    from attnpool.runtime.core_attention import serve_backward, serve_forward
+    from attnpool.runtime.dispatch import DispatchLayout
+
+    monkeypatch.setattr(dispatch, "BACKWARD_GROUP_KEYS", 300)
+    empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda x, **kw: empty_like(x, **kw).fill_(float("nan")))
+    ref = reference_kernels.BACKEND
+
+    def backward_into(*args, scale=None, into=None):
+        grads = ref.backward(*args, scale=scale)
+        if into is None:
+            return grads
+        for target, grad in zip(into, grads):
+            target.copy_(grad)
+        return into
+
+    in_place = dataclasses.replace(ref, backward=backward_into, backward_into=True)
+    copies = dataclasses.replace(ref, positions=None)
+    servers = split_runs = mixed = 0
+    for world in (2, 4):
+        for (_, pieces), strategy in itertools.product(make_cases(world), STRATEGIES):
+            plan = plan_attention(pieces, strategy, cost_model="pairs", min_shard_tokens=32)
+            for r in range(world):
+                L = DispatchLayout.build(plan, r, "cpu")
+                if L.documents is None:
+                    continue
+                gen = torch.Generator().manual_seed(r)
+                q, dout = (torch.randn(L.num_server_q, 4, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+                k, v = (torch.randn(L.num_unique_kv, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+                want_out, want_lse = serve_forward(L, copies, q, k, v)
+                want = serve_backward(L, copies, dout, q, k, v, want_out, want_lse)
+                for backend in (ref, in_place):
+                    out, lse = serve_forward(L, backend, q, k, v)
+                    torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-10)
+                    torch.testing.assert_close(lse, want_lse, rtol=1e-10, atol=1e-10)
+                    for grad, wanted in zip(serve_backward(L, backend, dout, q, k, v, out, lse), want):
+                        torch.testing.assert_close(grad, wanted, rtol=1e-10, atol=1e-10)
+                servers += 1
+                split_runs += len(L.documents.varlen_groups) > len(L.documents.varlen)
+                mixed += bool(L.documents.varlen)
+    assert servers and split_runs and mixed
 
 
 def test_document_serving_partitions_the_servers_rows():

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from attnpool.cli.train_cmd import config_from_args
     from attnpool.train.memory import Calibration, report
     from attnpool.parallel import ParallelDims
-    from attnpool.train.loop import prepare, run_memory_inputs
+    from attnpool.train.loop import prefix_copies, prepare, run_memory_inputs
 
     config = config_from_args(args)
     capacity = _capacity(args, config.nproc)
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     calibration = Calibration.load()
     x = run_memory_inputs(config, setup.model_config, setup.source, setup.cost_model, setup.sparse,
                           ParallelDims.of(config.nproc, config.tp, config.pp), True, capacity, calibration,
-                          setup.attention_backend)
+                          prefix_copies(setup.attention_backend, None, setup.model_config))
     result = report(x, capacity, calibration)
     if args.json:
         print(json.dumps(_as_json(config, result, calibration), indent=1))

@@ -50,10 +50,12 @@ def resolve_backend_name(name: str | None, device, dtype: torch.dtype | None = N
     return name
 
 
-def serves_positions(name: str | None) -> bool:
-    """Whether backend ``name`` serves queries at given positions of a document (Backend.positions), so that
-    core attention copies no prefixes; False for flash, and for "auto" or None, which are not resolved."""
-    return name in _MODULES and _MODULES[name].BACKEND.positions is not None
+def serves_positions(name: str | None, device, head_dim: int) -> bool:
+    """Whether backend ``name`` serves queries at given positions of a document (Backend.positions) on
+    ``device`` at ``head_dim``, so that core attention copies no prefixes there; False for flash, for
+    "auto" or None (not resolved), and for fa4 where the device is not known (None)."""
+    kernel = _MODULES[name].BACKEND.positions if name in _MODULES else None
+    return kernel is not None and kernel.supports(device, head_dim)
 
 
 def get_backend(name: str | None, device, dtype: torch.dtype | None = None) -> Backend:

@@ -44,17 +44,19 @@ class PositionKernel:
     """Causal attention of one document's queries, given their positions in it, over the document's
     keys [0, num_keys): query row i sees keys 0 .. positions[i] (each position below num_keys).
 
-        handle = prepare(positions, num_keys, device)   # positions: int NumPy array; once per layout
+        handle = prepare(positions, num_keys, device)   # increasing int positions (NumPy); once per layout
         forward(q, k, v, handle, scale=None) -> (out, lse)
         backward(dout, q, k, v, out, lse, handle, scale=None, into=None) -> (dq, dk, dv)
+        supports(device, head_dim) -> bool              # where it runs; elsewhere the runtime copies
 
     q is (len(positions), H_q, D), k and v (num_keys, H_kv, D); out, lse and the gradients as in the
     varlen contract, ``into`` as ``Backend.backward_into``'s. ``handle`` is the backend's own (what its
-    kernel reads besides the tensors), built on the host once and reused by every layer."""
+    kernel reads besides the tensors), built once per layout and reused by every layer."""
 
     prepare: Callable[..., Any]
     forward: ForwardFn
     backward: BackwardFn
+    supports: Callable[..., bool] = lambda device, head_dim: True
 
 
 @dataclass(frozen=True)
@@ -120,10 +122,12 @@ def check_position_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num
 
 
 def check_positions(positions, num_keys: int):
-    """``positions`` as an int64 NumPy array, refused unless each is in [0, num_keys)."""
+    """``positions`` as an int64 NumPy array, refused unless they increase and each is in [0, num_keys)."""
     positions = np.asarray(positions, dtype=np.int64)
     if positions.ndim != 1:
         raise ConfigError("positions.shape", positions.shape, "expected one position per query row")
+    if len(positions) > 1 and not (np.diff(positions) > 0).all():
+        raise ConfigError("positions", "not increasing", "query rows must come in increasing document positions")
     if len(positions) and (positions.min() < 0 or positions.max() >= num_keys):
         raise ConfigError("positions", (int(positions.min()), int(positions.max())),
                           f"each query's position must lie in [0, num_keys={num_keys})")

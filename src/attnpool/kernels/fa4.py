@@ -118,39 +118,52 @@ def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None, into
 POSITION_BLOCK = 128
 
 
-def position_blocks(positions: np.ndarray, num_keys: int, block: int = POSITION_BLOCK):
-    """(partial, full): bool (query blocks, key blocks) tables of which key blocks a query block's rows see
-    in part (mask evaluated) and in full (every row every key). A key block is full only where it is
-    complete and its last key is at most the block's smallest position; it is seen at all where its first
-    key is at most the block's largest."""
+def position_block_ranges(positions: np.ndarray, num_keys: int, block: int = POSITION_BLOCK):
+    """The blocks each query block sees, for increasing positions, as ranges: query block m sees key blocks
+    [0, full_end[m]) in full (complete blocks whose last key is at most its first position) and
+    [full_end[m], seen_end[m]) in part; key block n is seen in part by query blocks
+    [partial_start[n], full_start[n]) and in full by [full_start[n], query blocks) (the positions
+    increase, so both per-block bounds do, and each set is a range). Returns (full_end, seen_end,
+    partial_start, full_start)."""
     m_blocks, n_blocks = -(-len(positions) // block), -(-num_keys // block)
-    padded = np.full(m_blocks * block, -1, dtype=np.int64)
-    padded[:len(positions)] = positions
-    rows = padded.reshape(m_blocks, block)
-    highest = rows.max(1)
-    lowest = np.where(rows >= 0, rows, np.iinfo(np.int64).max).min(1)
-    first = np.arange(n_blocks) * block
-    complete = first + block <= num_keys
-    full = (first + block - 1)[None, :] <= lowest[:, None]
-    full &= complete[None, :]
-    partial = (first[None, :] <= highest[:, None]) & ~full
-    return partial, full
+    first = positions[::block]
+    last = positions[np.minimum(np.arange(1, m_blocks + 1) * block, len(positions)) - 1]
+    full_end = np.minimum((first + 1) // block, num_keys // block)
+    seen_end = last // block + 1
+    keys = np.arange(n_blocks)
+    return (full_end, seen_end, np.searchsorted(seen_end, keys, side="right"),
+            np.searchsorted(full_end, keys, side="right"))
 
 
-def _packed(seen: np.ndarray):
-    """FA4's (count, index) pair of a bool (rows, cols) table: per row its count, and its columns in
-    ascending order packed to the left, shaped (1, 1, rows) and (1, 1, rows, cols) (batch, head broadcast)."""
-    count = seen.sum(1).astype(np.int32)
-    index = np.argsort(~seen, axis=1, kind="stable").astype(np.int32)
-    return count[None, None], index[None, None]
+def range_table(start: np.ndarray, end: np.ndarray, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """FA4's (count, index) pair for rows that each list the columns [start, end), ascending: counts
+    (1, 1, rows) and indices (1, 1, rows, width), built on ``device`` (entries past a row's count, unread,
+    are clamped to a valid column)."""
+    start_t = torch.as_tensor(np.asarray(start, dtype=np.int64), device=device).to(torch.int32)
+    count = torch.as_tensor(np.asarray(end, dtype=np.int64) - start, device=device).to(torch.int32)
+    columns = torch.arange(width, dtype=torch.int32, device=device)
+    index = (start_t[:, None] + columns[None, :]).clamp_(max=max(width - 1, 0))
+    return count[None, None].contiguous(), index[None, None].contiguous()
+
+
+def supports_positions(device, head_dim: int) -> bool:
+    """Where the position kernel runs as checked (bench/gpu_fa4.py, one H100 and one H200): sm90 with
+    head_dim <= 128. Elsewhere FA4 picks tiles the 128 x 128 tables do not fit (sm100's forward takes
+    256-row query blocks; sm90's backward at head_dim 192 and forward at 256 other key tiles), so the
+    runtime copies prefixes there. ``device`` None: not known, False."""
+    if device is None or torch.device(device).type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9 and head_dim <= 128
 
 
 @dataclass(frozen=True, eq=False)
 class PositionTables:
-    """fa4's PositionKernel handle: the positions (the mask's aux tensor) and the block-sparse tables,
-    forward (per query block) and backward (per key block), on the device."""
+    """fa4's PositionKernel handle: the positions (the mask's aux tensor, padded to whole query blocks with
+    the last position, as the kernel reads a block's padded rows too) and the block-sparse tables, forward
+    (per query block) and backward (per key block), on the device."""
 
     positions: torch.Tensor  # int32
+    num_queries: int
     num_keys: int
     forward_blocks: object  # flash_attn.cute.block_sparsity.BlockSparseTensorsTorch
     backward_blocks: object
@@ -162,15 +175,19 @@ def prepare_positions(positions, num_keys: int, device) -> PositionTables:
         raise ConfigError("num_keys", num_keys, "more keys than int32 positions hold")
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 
-    partial, full = position_blocks(positions, num_keys)
+    m_blocks, n_blocks = -(-len(positions) // POSITION_BLOCK), -(-num_keys // POSITION_BLOCK)
+    full_end, seen_end, partial_start, full_start = position_block_ranges(positions, num_keys)
 
     def tables(partial, full):
-        arrays = (*_packed(partial), *_packed(full))
-        return BlockSparseTensorsTorch(*(torch.as_tensor(np.ascontiguousarray(a), device=device) for a in arrays),
-                                       block_size=(POSITION_BLOCK, POSITION_BLOCK))
+        return BlockSparseTensorsTorch(*partial, *full, block_size=(POSITION_BLOCK, POSITION_BLOCK))
 
-    return PositionTables(torch.as_tensor(positions.astype(np.int32), device=device), int(num_keys),
-                          tables(partial, full), tables(partial.T, full.T))
+    zeros_m, ends_n = np.zeros(m_blocks, dtype=np.int64), np.full(n_blocks, m_blocks)
+    forward = tables(range_table(full_end, seen_end, n_blocks, device), range_table(zeros_m, full_end, n_blocks, device))
+    backward = tables(range_table(partial_start, full_start, m_blocks, device),
+                      range_table(full_start, ends_n, m_blocks, device))
+    padded = np.full(m_blocks * POSITION_BLOCK, positions[-1] if len(positions) else 0, dtype=np.int32)
+    padded[:len(positions)] = positions
+    return PositionTables(torch.as_tensor(padded, device=device), len(positions), int(num_keys), forward, backward)
 
 
 @functools.cache
@@ -190,7 +207,7 @@ def _position_mask():
 
 
 def _check_position_call(q, k, v, handle: PositionTables):
-    check_position_inputs(q, k, v, handle.positions.shape[0], handle.num_keys)
+    check_position_inputs(q, k, v, handle.num_queries, handle.num_keys)
     if q.dtype not in HALF_DTYPES:
         raise ConfigError("dtype", q.dtype, "the fa4 backend takes float16 or bfloat16")
 
@@ -221,4 +238,4 @@ def position_backward(dout, q, k, v, out, lse, handle: PositionTables, scale=Non
 
 
 BACKEND = Backend("fa4", forward, backward, splits_by_segment=True, backward_into=True,
-                  positions=PositionKernel(prepare_positions, position_forward, position_backward))
+                  positions=PositionKernel(prepare_positions, position_forward, position_backward, supports_positions))

@@ -24,8 +24,9 @@ output's gradient is assembled the same way, into one server-ordered buffer.
 KV prefixes are expanded (one per kernel segment, Plan.kernel_segments) only
 transiently around each kernel call, and not at all where each served document
 is one segment (DispatchLayout.kv_expand_identity) or the backend serves queries
-at given positions (Backend.positions): then a document with several segments is
-one call of its own over its unique keys (DispatchLayout.documents). The kernel's backward runs
+at given positions (Backend.positions; not the sparse serving): then a document
+with several segments is one call of its own over its unique keys
+(DispatchLayout.documents). The kernel's backward runs
 over groups of segments of bounded key rows (DispatchLayout.backward_groups): a
 FlashAttention-2 backward over a busy server's whole call was a step's peak memory.
 
@@ -238,14 +239,14 @@ class _Serve(torch.autograd.Function):
 def serve_forward(L: DispatchLayout, backend: Backend, q_srv, k_u, v_u, scale=None):
     """(out, lse) of every CA-task a server runs: its kernel calls over its Q (task order) and unique K, V
     buffers, the server step of core attention without its communication (bench/gpu_fa4.py times it)."""
-    if _serves_documents(L, backend):
+    if _serves_documents(L, backend, q_srv):
         return _documents_forward(L, backend, q_srv, k_u, v_u, scale)
     return backend.forward(q_srv, *_expanded(L, k_u, v_u), L.cu_q, L.cu_k, L.max_q, L.max_k, scale=scale)
 
 
 def serve_backward(L: DispatchLayout, backend: Backend, dout, q_srv, k_u, v_u, out, lse, scale=None):
     """dQ of the server's queries and dK, dV of its unique KV rows, from serve_forward's out and lse."""
-    if _serves_documents(L, backend):
+    if _serves_documents(L, backend, q_srv):
         return _documents_backward(L, backend, dout, q_srv, k_u, v_u, out, lse, scale)
     # Held in one tuple so that the output's reassembly and any expanded K/V go as soon as it does.
     args = (dout, q_srv, *_expanded(L, k_u, v_u), out, lse)
@@ -259,10 +260,13 @@ def serve_backward(L: DispatchLayout, backend: Backend, dout, q_srv, k_u, v_u, o
     return dq, dk, dv  # the copies' gradients go once summed
 
 
-def _serves_documents(L: DispatchLayout, backend) -> bool:
+def _serves_documents(L: DispatchLayout, backend, q_srv: torch.Tensor) -> bool:
     """Whether the server's work runs without prefix copies (dispatch.DocumentServing): some served document
-    has several segments and the backend serves queries at given positions."""
-    return L.documents is not None and isinstance(backend, Backend) and backend.positions is not None
+    has several segments and the backend serves queries at given positions, here (its PositionKernel
+    supports the device and head_dim) and segment by segment (its varlen runs are split into groups)."""
+    kernel = backend.positions if isinstance(backend, Backend) else None
+    return (L.documents is not None and kernel is not None and backend.splits_by_segment
+            and kernel.supports(q_srv.device, q_srv.shape[2]))
 
 
 def _documents_forward(L: DispatchLayout, backend: Backend, q_srv, k_u, v_u, scale):
@@ -288,8 +292,8 @@ def _documents_forward(L: DispatchLayout, backend: Backend, q_srv, k_u, v_u, sca
 
 def _documents_backward(L: DispatchLayout, backend: Backend, dout, q_srv, k_u, v_u, out, lse, scale):
     """dQ of the server's queries and dK, dV of its unique KV rows, as _documents_forward cut the work, each
-    call's gradients written into its rows (backward_in_parts: the varlen runs in key-bounded groups; a
-    backend with a PositionKernel computes each segment on its own, splits_by_segment)."""
+    call's gradients written into its rows (backward_in_parts: the varlen runs in key-bounded groups, as
+    the backend splits by segment: _serves_documents)."""
     D = L.documents
     dq, dk, dv = torch.empty_like(q_srv), torch.empty_like(k_u), torch.empty_like(v_u)
     for call, handle in zip(D.calls, D.handles(backend, q_srv.device)):

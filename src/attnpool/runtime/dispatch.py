@@ -15,10 +15,10 @@ sender and its receiver agree without talking:
   segment's keys are a slice of it, expanded only transiently for the kernel, and
   not at all where each served document is one segment (``kv_expand_identity``;
   ``Plan.kernel_segments``: adjacent tasks that continue each other are one segment).
-- Where the backend serves queries at given positions (``Backend.positions``), a served document with
-  several segments (shards that do not continue each other) is one call of its own over its unique
-  keys, and the documents with one segment one varlen call over theirs: no copies
-  (``DocumentServing``).
+- Where the backend serves queries at given positions (``Backend.positions``; not the sparse
+  serving, whose bound backend has none), a served document with several segments (shards that do
+  not continue each other) is one call of its own over its unique keys, and each run of documents
+  with one segment a varlen call over theirs: no copies (``DocumentServing``).
 - Outputs go back in the order the queries came.
 - The kernel's backward runs over groups of consecutive segments of at most
   ``BACKWARD_GROUP_KEYS`` key rows (``backward_groups``), one call each: FlashAttention-2's
@@ -271,15 +271,30 @@ class DispatchLayout:
     local_kv_pos: torch.Tensor  # ... and their positions in it
     recv_kv_pos: torch.Tensor  # position in the unique KV buffer of each received KV row
     num_unique_kv: int
-    kv_expand: torch.Tensor  # unique-KV row of each expanded key (one prefix per kernel segment)
     kv_expand_identity: bool  # expanded == unique (one segment per served document): no copy needed
-    prefix_copies: PrefixCopies | None  # the expanded keys' gradients summed back (None with the identity)
     cu_q: torch.Tensor  # int32
     cu_k: torch.Tensor  # int32
     max_q: int
     max_k: int
     backward_groups: tuple[SegmentRows, ...]  # empty where one backward call covers every segment
     documents: DocumentServing | None  # the same work without copies (Backend.positions); None: no copies anyway
+    # each kernel segment's first unique row and keys, and the device: kv_expand and prefix_copies, built on
+    # first use only (a backend that serves positions needs neither; they hold one entry per expanded row)
+    segment_base: np.ndarray
+    segment_keys: np.ndarray
+    device: torch.device
+
+    @functools.cached_property
+    def kv_expand(self) -> torch.Tensor:
+        """The unique-KV row of each expanded key (one prefix per kernel segment)."""
+        return index_tensor(ranges(self.segment_base, self.segment_keys), device=self.device)
+
+    @functools.cached_property
+    def prefix_copies(self) -> PrefixCopies | None:
+        """How the expanded keys' gradients sum back (None with the identity)."""
+        if self.kv_expand_identity:
+            return None
+        return PrefixCopies.of(self.segment_base, self.segment_keys, self.num_unique_kv, self.device)
 
     @classmethod
     def build(cls, plan: Plan, rank: int, device, withheld: np.ndarray | None = None) -> "DispatchLayout":
@@ -332,8 +347,9 @@ class DispatchLayout:
         seg_doc, seg_q, seg_k = plan.kernel_segments(rank)
         seg_base = group_base[np.searchsorted(group_doc, seg_doc)]
         seg_start = seg_k - seg_q  # a segment's queries are the tail of its keys
-        kv_expand = ranges(seg_base, seg_k)
-        kv_expand_identity = bool(np.array_equal(kv_expand, np.arange(num_unique_kv)))
+        # the segments read [0, N) in order, each its own rows: expanded == unique
+        kv_expand_identity = bool(np.array_equal(seg_base, np.cumsum(seg_k) - seg_k)
+                                  and int(seg_k.sum()) == num_unique_kv)
         cu_q = np.r_[0, np.cumsum(seg_q)]
         cu_k = np.r_[0, np.cumsum(seg_k)]
 
@@ -352,9 +368,9 @@ class DispatchLayout:
             num_server_q=int(n[mine].sum()),
             local_kv_rows=dev(local_kv_rows), local_kv_pos=dev(local_kv_pos), recv_kv_pos=dev(recv_kv_pos),
             num_unique_kv=num_unique_kv,
-            kv_expand=dev(kv_expand), kv_expand_identity=kv_expand_identity,
-            prefix_copies=None if kv_expand_identity else PrefixCopies.of(seg_base, seg_k, num_unique_kv, device),
+            kv_expand_identity=kv_expand_identity,
             cu_q=dev(cu_q, torch.int32), cu_k=dev(cu_k, torch.int32),
             max_q=int(seg_q.max(initial=0)), max_k=int(seg_k.max(initial=0)), backward_groups=backward_groups,
             documents=DocumentServing.of(seg_doc, seg_q, seg_k, seg_base, seg_start, device),
+            segment_base=seg_base, segment_keys=seg_k, device=torch.device(device),
         )

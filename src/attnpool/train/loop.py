@@ -348,15 +348,14 @@ def uses_bf16(config: TrainConfig, device_type: str) -> bool:
 
 def sample_row_ratios(config: TrainConfig, source, cost_model, dims: ParallelDims, model_cfg: ModelConfig,
                       sparse: SparseConfig | None, bf16: bool,
-                      batches: int = MEMORY_SAMPLE_BATCHES, backend: str | None = None) -> dict:
+                      batches: int = MEMORY_SAMPLE_BATCHES, copies: bool = True) -> dict:
     """Core attention's rows per token of tokens_per_rank, from the plans of the run's first ``batches``
     batches (with ping-pong, both nano-batches' rows; with a pooled pipeline, every tick's plan over all
     stages' ranks, of the first ``batches`` steps), as MemoryInputs fields: ``rows``, the largest of each
     count over the plans and dp ranks, and each plan's rank rows that no other matches in every count
     (memory.undominated): ``row_candidates``, or for a pooled pipeline, whose rank holds every tick's
-    rows at once, ``held_candidates``: each step's rank rows summed over its ticks. ``backend``: the
-    resolved attention backend; prefix copies are counted unless it serves queries at given positions and
-    no layer is sparse (the sparse serving copies)."""
+    rows at once, ``held_candidates``: each step's rank rows summed over its ticks. ``copies``: whether the
+    kernel copies prefixes (prefix_copies); counted anyway where a layer is sparse (the sparse serving does)."""
     pooled = dims.pp > 1 and config.pp_schedule == POOLED
     if dims.dp == 1 and not pooled:
         return {"rows": RowRatios()}
@@ -365,7 +364,7 @@ def sample_row_ratios(config: TrainConfig, source, cost_model, dims: ParallelDim
     shape = attention_shape(model_cfg, dims.tp, bf16)
     prior = SparsePrior(sparse, model_cfg.n_heads // dims.tp, model_cfg.head_dim, model_cfg.n_layers) if sparse else None
     names = ("home", "query", "returned", "unique_kv", "expanded_kv")
-    copies = sparse is not None or not serves_positions(backend)
+    copies = copies or sparse is not None
     worst, candidates = np.zeros(len(names)), []
 
     def ratios(counts) -> RowRatios:
@@ -407,12 +406,12 @@ def memory_inputs(config: TrainConfig, model_cfg: ModelConfig, dims: ParallelDim
 
 def run_memory_inputs(config: TrainConfig, model_cfg: ModelConfig, source, cost_model, sparse: SparseConfig | None,
                       dims: ParallelDims, gpu: bool, capacity: Capacity, calibration: Calibration,
-                      backend: str | None = None) -> MemoryInputs:
+                      copies: bool = True) -> MemoryInputs:
     """The memory model's inputs for a run, core attention's rows from plans of its first batches (at most
     MEMORY_SAMPLE_BATCHES, and no more than the run trains on). Those are drawn only if, with the fewest
     rows core attention can hold (RowRatios(), a lower bound of the
     busiest rank's), some memory setting fits: a batch far too large is refused before one is drawn.
-    ``backend``: the resolved attention backend (sample_row_ratios)."""
+    ``copies``: whether core attention copies prefixes (prefix_copies)."""
     bf16 = uses_bf16(config, "cuda" if gpu else "cpu")
     x = memory_inputs(config, model_cfg, dims, bf16, gpu=gpu)
     if any(capacity.holds(estimate(s, calibration)) for s in settings(x, offloads=gpu)):
@@ -421,7 +420,7 @@ def run_memory_inputs(config: TrainConfig, model_cfg: ModelConfig, source, cost_
         steps = config.stop_at or config.steps
         run_batches = steps if dims.pp > 1 and config.pp_schedule == POOLED else steps * config.microbatches
         x = replace(x, **sample_row_ratios(config, source, cost_model, dims, model_cfg, sparse, bf16,
-                                           batches=min(MEMORY_SAMPLE_BATCHES, run_batches), backend=backend))
+                                           batches=min(MEMORY_SAMPLE_BATCHES, run_batches), copies=copies))
     return x
 
 
@@ -431,6 +430,13 @@ def host_memory_bytes() -> int:
 
 def ranks_on_this_machine(config: TrainConfig, world: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world if _under_torchrun() else config.nproc))
+
+
+def prefix_copies(backend: str | None, device: torch.device | None, model_cfg: ModelConfig) -> bool:
+    """Whether core attention under ``backend`` copies each kernel segment's key prefix where a server holds
+    shards of one document that do not continue each other: unless the backend serves queries at given
+    positions on ``device`` (kernels.serves_positions; with no device known, fa4 is assumed to copy)."""
+    return not serves_positions(backend, device, model_cfg.head_dim)
 
 
 def check_memory(config: TrainConfig, model_cfg: ModelConfig, source, cost_model, sparse: SparseConfig | None,
@@ -448,7 +454,8 @@ def check_memory(config: TrainConfig, model_cfg: ModelConfig, source, cost_model
                             host)
     else:
         calibration, capacity = Calibration.none(), Capacity(host, "this machine's memory" + for_each)
-    x = run_memory_inputs(config, model_cfg, source, cost_model, sparse, dims, gpu, capacity, calibration, backend)
+    x = run_memory_inputs(config, model_cfg, source, cost_model, sparse, dims, gpu, capacity, calibration,
+                          prefix_copies(backend, device, model_cfg))
     predicted = estimate(x, calibration)
     if not capacity.holds(predicted):
         raise report(x, capacity, calibration, offloads=gpu).refusal()

@@ -176,6 +176,7 @@ def test_bad_layout_inputs():
        long_shards=st.sampled_from([0, 2, 3, 4]), min_shard=st.sampled_from([64, 256, 512]),
        cost=st.sampled_from(["pairs", "table"]))
 @example(lens=[13268], W=5, long_shards=0, min_shard=512, cost="table")  # balanced around a larger total than percp's
+@example(lens=[], W=5, long_shards=4, min_shard=64, cost="table")  # merging shards changed the greedy's costs
 def test_cad_never_loses_to_local_or_percp(lens, W, long_shards, min_shard, cost):
     """cad's busiest server carries no more work than under local or percp (plans over the same layout it
     could have copied), whatever the mix, including a long document first whose shards are as coarse as the

@@ -174,10 +174,9 @@ def kv_transfers(plan: Plan) -> KVTransfers:
     )
 
 
-def make_plan(strategy: str, pieces: PieceTable, doc, start, end, piece, server, min_shard_tokens: int,
-              options: dict | None = None, plan_seconds: float = 0.0) -> Plan:
-    """Build a Plan with tasks in canonical order (doc, start), merging contiguous tasks
-    of one piece that share a server (they are one shard)."""
+def canonical_tasks(doc, start, end, piece, server) -> tuple[np.ndarray, ...]:
+    """Tasks (doc, start, end, piece, server) in canonical order (doc, start), contiguous tasks of one piece
+    that share a server merged (they are one shard): the tasks a Plan holds, and so the ones costed."""
     doc, start, end, piece, server = (np.asarray(x, dtype=np.int64) for x in (doc, start, end, piece, server))
     order = np.lexsort((start, doc))
     doc, start, end, piece, server = doc[order], start[order], end[order], piece[order], server[order]
@@ -187,4 +186,12 @@ def make_plan(strategy: str, pieces: PieceTable, doc, start, end, piece, server,
         last = np.r_[head[1:], len(doc)] - 1
         doc, start, piece, server = doc[head], start[head], piece[head], server[head]
         end = end[last]
+    return doc, start, end, piece, server
+
+
+def make_plan(strategy: str, pieces: PieceTable, doc, start, end, piece, server, min_shard_tokens: int,
+              options: dict | None = None, plan_seconds: float = 0.0) -> Plan:
+    """Build a Plan with tasks in canonical order (doc, start), merging contiguous tasks
+    of one piece that share a server (they are one shard)."""
+    doc, start, end, piece, server = canonical_tasks(doc, start, end, piece, server)
     return Plan(strategy, pieces, doc, start, end, piece, server, int(min_shard_tokens), dict(options or {}), plan_seconds)

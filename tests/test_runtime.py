@@ -58,11 +58,13 @@ def local_rows(tensors, pieces, which):
 
 def worker(rank, world, dtype_name, backward_group_keys=None, copies=False):
     """``copies``: the reference backend without its PositionKernel, so that documents with several
-    segments on a server run as prefix copies (as under flash) rather than one call each."""
-    backend = dataclasses.replace(reference_kernels.BACKEND, positions=None) if copies else None
-    if backward_group_keys is not None:  # this process only: the harness runs every worker in its own
-        import attnpool.runtime.dispatch as dispatch
+    segments on a server run as prefix copies (as under flash) rather than one call each; without, every
+    such server runs without copies, however few they are (these documents are short)."""
+    import attnpool.runtime.dispatch as dispatch
 
+    dispatch.MIN_AVOIDED_KEYS_PER_CALL = 0  # this process only: the harness runs every worker in its own
+    backend = dataclasses.replace(reference_kernels.BACKEND, positions=None) if copies else None
+    if backward_group_keys is not None:
         dispatch.BACKWARD_GROUP_KEYS = backward_group_keys
     dtype = getattr(torch, dtype_name)
     results = {}
@@ -170,6 +172,7 @@ def test_server_step_without_copies_writes_every_row(monkeypatch):
     from attnpool.runtime.dispatch import DispatchLayout
 
     monkeypatch.setattr(dispatch, "BACKWARD_GROUP_KEYS", 300)
+    monkeypatch.setattr(dispatch, "MIN_AVOIDED_KEYS_PER_CALL", 0)
     empty_like = torch.empty_like
     monkeypatch.setattr(torch, "empty_like", lambda x, **kw: empty_like(x, **kw).fill_(float("nan")))
     ref = reference_kernels.BACKEND
@@ -209,11 +212,40 @@ def test_server_step_without_copies_writes_every_row(monkeypatch):
     assert servers and split_runs and mixed
 
 
-def test_document_serving_partitions_the_servers_rows():
+def test_few_copies_are_kept_rather_than_split_into_calls():
+    """A server whose split documents would avoid few copied rows per kernel call added keeps the copies."""
+    from attnpool.plan.documents import DocPiece, PieceTable
+    from attnpool.plan.plan import make_plan
+    from attnpool.runtime.dispatch import MIN_AVOIDED_KEYS_PER_CALL, DispatchLayout
+
+    def layout(doc_len, shard):  # rank 0 serves one document's odd shards: one call, its copies avoided
+        pieces = PieceTable.from_pieces([[DocPiece(0, doc_len, 0, doc_len)], []])
+        start = np.arange(doc_len // shard) * shard
+        plan = make_plan("test", pieces, np.zeros(len(start)), start, start + shard, np.zeros(len(start)),
+                         1 - np.arange(len(start)) % 2, shard)
+        return DispatchLayout.build(plan, 0, "cpu")
+
+    assert layout(8 * 1024, 1024).documents.calls  # 12K rows avoided, no call added: nothing to pay
+    small = layout(4096, 1024)
+    assert small.documents.calls  # 2 odd shards, one call
+    two_documents = PieceTable.from_pieces([[DocPiece(0, 4096, 0, 4096), DocPiece(1, 512, 0, 512),
+                                             DocPiece(2, 4096, 0, 4096)], []])
+    start = np.r_[np.arange(4) * 1024, 0, np.arange(4) * 1024]
+    plan = make_plan("test", two_documents, np.r_[[0] * 4, 1, [2] * 4], start,
+                     start + np.r_[[1024] * 4, 512, [1024] * 4], np.r_[[0] * 4, 1, [2] * 4],
+                     np.r_[1, 0, 1, 0, 0, 1, 0, 1, 0], 512)
+    # two split documents around a whole one: three calls where one did, avoiding 2 x 2K copied rows
+    assert 4096 < 2 * MIN_AVOIDED_KEYS_PER_CALL and DispatchLayout.build(plan, 0, "cpu").documents is None
+
+
+def test_document_serving_partitions_the_servers_rows(monkeypatch):
     """DocumentServing's parts (varlen calls over runs of one-segment documents, one call per document with
     several) cover every query row and every unique KV row of the server exactly once, each document call's
     positions being its tasks' document positions."""
+    import attnpool.runtime.dispatch as dispatch
     from attnpool.runtime.dispatch import DispatchLayout
+
+    monkeypatch.setattr(dispatch, "MIN_AVOIDED_KEYS_PER_CALL", 0)
 
     def rows(r, n):
         mask = np.zeros(n, dtype=int)

@@ -114,7 +114,8 @@ class AttentionRows:
     LSE), ``returned`` of them served for other ranks (their outputs, kept for backward),
     ``unique_kv`` rows it holds (each once) and ``expanded_kv`` rows its kernel call reads
     (one prefix per kernel segment, Plan.kernel_segments; with ``copies=False``, for a backend that
-    serves queries at given positions (kernels.serves_positions), the unique rows: it copies none)."""
+    serves queries at given positions (kernels.serves_positions), the unique rows: it copies none, but
+    where few (runtime.dispatch.MIN_AVOIDED_KEYS_PER_CALL), which this leaves uncounted)."""
 
     home: np.ndarray
     query: np.ndarray

@@ -171,6 +171,14 @@ class PrefixCopies:
         return total.to(d_expanded.dtype)
 
 
+# Copied key rows a server's work must avoid per kernel call it adds (its one call becoming several) to run
+# without copies: a call costs something of its own (FA4's host-side setup, a launch, a smaller grid). On
+# 2 x H200 (pretrain 64K, percp, bench/results/2026-11-27-h200-h100-fa4-positions.md) 1-9 document calls a
+# step, together avoiding about 16K copied rows, made the step 1.2% slower; one call avoiding 1M rows ran
+# the server step 2x faster. Between the two, not tuned.
+MIN_AVOIDED_KEYS_PER_CALL = 16 * 1024
+
+
 @dataclass(frozen=True, eq=False)
 class DocumentCall:
     """A served document with several kernel segments, as one PositionKernel call: its queries (consecutive
@@ -204,9 +212,10 @@ class DocumentServing:
         return self._handles[backend.name]
 
     @classmethod
-    def of(cls, seg_doc, seg_q, seg_k, seg_base, seg_start, device) -> "DocumentServing | None":
+    def of(cls, seg_doc, seg_q, seg_k, seg_base, seg_start, num_unique: int, device) -> "DocumentServing | None":
         """From the server's kernel segments (document, query and key rows, first unique row, first query
-        position); None where no document has several."""
+        position) and its unique KV rows; None where no document has several, or where the copies avoided
+        are fewer than MIN_AVOIDED_KEYS_PER_CALL per call added."""
         several = np.r_[False, seg_doc[1:] == seg_doc[:-1]]
         several |= np.r_[several[1:], False]
         if not several.any():
@@ -228,6 +237,8 @@ class DocumentServing:
             varlen.append(SegmentRows.of(seg_q, seg_k, (segs >= a) & (segs < b), device, k_start=seg_base))
             varlen_groups += [SegmentRows.of(seg_q, seg_k, (segs >= a + c) & (segs < a + d), device, k_start=seg_base)
                               for c, d in segment_groups(seg_k[a:b], BACKWARD_GROUP_KEYS)]
+        if int(seg_k.sum()) - num_unique < MIN_AVOIDED_KEYS_PER_CALL * (len(varlen) + len(calls) - 1):
+            return None
         return cls(tuple(varlen), tuple(varlen_groups), tuple(calls))
 
 
@@ -277,7 +288,7 @@ class DispatchLayout:
     max_q: int
     max_k: int
     backward_groups: tuple[SegmentRows, ...]  # empty where one backward call covers every segment
-    documents: DocumentServing | None  # the same work without copies (Backend.positions); None: no copies anyway
+    documents: DocumentServing | None  # the same work without copies (Backend.positions); None: none or few to avoid
     # each kernel segment's first unique row and keys, and the device: kv_expand and prefix_copies, built on
     # first use only (a backend that serves positions needs neither; they hold one entry per expanded row)
     segment_base: np.ndarray
@@ -371,6 +382,6 @@ class DispatchLayout:
             kv_expand_identity=kv_expand_identity,
             cu_q=dev(cu_q, torch.int32), cu_k=dev(cu_k, torch.int32),
             max_q=int(seg_q.max(initial=0)), max_k=int(seg_k.max(initial=0)), backward_groups=backward_groups,
-            documents=DocumentServing.of(seg_doc, seg_q, seg_k, seg_base, seg_start, device),
+            documents=DocumentServing.of(seg_doc, seg_q, seg_k, seg_base, seg_start, num_unique_kv, device),
             segment_base=seg_base, segment_keys=seg_k, device=torch.device(device),
         )

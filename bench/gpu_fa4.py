@@ -339,11 +339,18 @@ def server_layout(doc_len: int, shard: int, served, device):
 
 def server_layouts(doc_len: int, shard: int):
     count = doc_len // shard
+    quarter = max(1, count // 4)
     return {"all": range(count), "odd": range(1, count, 2), "every 4th": range(3, count, 4),
-            "first and last 8": [*range(min(8, count)), *range(max(8, count - 8), count)]}
+            "first and last 8": [*range(min(8, count)), *range(max(8, count - 8), count)],
+            # percp's rank 0 of 2: the head and tail quarters, one copy avoided
+            "first and last quarter": [*range(quarter), *range(count - quarter, count)]}
 
 
 def bench_server_step(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, reps) -> list[dict]:
+    """The server step on each layout with fa4, fa4 made to copy prefixes as flash does ("fa4 copies": where
+    one call beats the copies), and flash."""
+    backends = {"fa4": backends["fa4"], "fa4 copies": dataclasses.replace(backends["fa4"], positions=None),
+                "flash": backends["flash"]}
     gen = torch.Generator(device=device).manual_seed(1)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
@@ -506,13 +513,13 @@ def main(argv=None) -> int:
               + (f"  failed: {failed}" if failed else ""))
     print(f"\nCA-tasks: a {doc_len}-token document in {shard}-token query shards with their prefixes, "
           f"H_q/H_kv/D {heads[0]}/{heads[1]}/{heads[2]}; TFLOP/s from causal pairs, median of {reps}")
-    print(f"  {'backend':7s} {'path':40s} {'fwd ms':>8s} {'fwd':>6s} {'fwd+bwd ms':>11s} {'fwd+bwd':>8s} {'vs flash':>8s}")
+    print(f"  {'backend':10s} {'path':40s} {'fwd ms':>8s} {'fwd':>6s} {'fwd+bwd ms':>11s} {'fwd+bwd':>8s} {'vs flash':>8s}")
     for row in result["benchmark"]:
         if "error" in row:
-            print(f"  {row['backend']:7s} {row['path']:40s} ERROR {row['error'][:80]}")
+            print(f"  {row['backend']:10s} {row['path']:40s} ERROR {row['error'][:80]}")
             continue
         speedup = row.get("fwd_bwd_speedup_over_flash")
-        print(f"  {row['backend']:7s} {row['path']:40s} {row['fwd_ms']:8.2f} {row['fwd_tflops']:6.1f} "
+        print(f"  {row['backend']:10s} {row['path']:40s} {row['fwd_ms']:8.2f} {row['fwd_tflops']:6.1f} "
               f"{row['fwd_bwd_ms']:11.2f} {row['fwd_bwd_tflops']:8.1f} {f'{speedup:.2f}x' if speedup else '':>8s}"
               + (f" ({row['fwd_bwd_speedup_over_flash_default']:.2f}x flash's default)"
                  if "fwd_bwd_speedup_over_flash_default" in row and row["path"] != "prefix copies" else "")

@@ -455,12 +455,15 @@ def test_training_with_offload_gives_the_same_losses(tmp_path):
     assert all(offloaded > 0 for _, offloaded in results["activations"] + results["both"])
 
 
-def test_prefix_copies_are_counted_only_where_the_backend_makes_them():
+def test_prefix_copies_are_counted_only_where_the_backend_makes_them(monkeypatch):
     """A server holding shards of one document that do not continue each other reads a prefix copy per shard
     under flash (and fa4 off sm90), and under a backend that serves queries at given positions (fa4 on
     sm90, the reference) the unique rows."""
+    import attnpool.runtime.dispatch as dispatch
     from attnpool.kernels import serves_positions
     from attnpool.plan.documents import DocPiece, PieceTable
+
+    monkeypatch.setattr(dispatch, "MIN_AVOIDED_KEYS_PER_CALL", 4096)
     from attnpool.plan.plan import make_plan
 
     assert serves_positions("reference", "cpu", 128)
@@ -471,4 +474,4 @@ def test_prefix_copies_are_counted_only_where_the_backend_makes_them():
     copies, unique = AttentionRows.of(plan), AttentionRows.of(plan, copies=False)
     assert copies.expanded_kv[0] == 512 * (1 + 3 + 5 + 7) and copies.unique_kv[0] == 3584
     assert np.array_equal(unique.expanded_kv, copies.unique_kv)
-    assert DispatchLayout.build(plan, 0, "cpu").documents is not None
+    assert DispatchLayout.build(plan, 0, "cpu").documents is not None  # 4.5K rows avoided, over a quarter

@@ -62,7 +62,8 @@ def worker(rank, world, dtype_name, backward_group_keys=None, copies=False):
     such server runs without copies, however few they are (these documents are short)."""
     import attnpool.runtime.dispatch as dispatch
 
-    dispatch.MIN_AVOIDED_KEYS_PER_CALL = 0  # this process only: the harness runs every worker in its own
+    # this process only (the harness runs every worker in its own)
+    dispatch.MIN_AVOIDED_KEYS_PER_CALL = dispatch.MIN_AVOIDED_FRACTION = 0
     backend = dataclasses.replace(reference_kernels.BACKEND, positions=None) if copies else None
     if backward_group_keys is not None:
         dispatch.BACKWARD_GROUP_KEYS = backward_group_keys
@@ -173,6 +174,7 @@ def test_server_step_without_copies_writes_every_row(monkeypatch):
 
     monkeypatch.setattr(dispatch, "BACKWARD_GROUP_KEYS", 300)
     monkeypatch.setattr(dispatch, "MIN_AVOIDED_KEYS_PER_CALL", 0)
+    monkeypatch.setattr(dispatch, "MIN_AVOIDED_FRACTION", 0)
     empty_like = torch.empty_like
     monkeypatch.setattr(torch, "empty_like", lambda x, **kw: empty_like(x, **kw).fill_(float("nan")))
     ref = reference_kernels.BACKEND
@@ -213,29 +215,32 @@ def test_server_step_without_copies_writes_every_row(monkeypatch):
 
 
 def test_few_copies_are_kept_rather_than_split_into_calls():
-    """A server whose split documents would avoid few copied rows per kernel call added keeps the copies."""
+    """A server runs without copies only where it avoids many copied rows: per call it makes, and against its
+    unique rows."""
     from attnpool.plan.documents import DocPiece, PieceTable
     from attnpool.plan.plan import make_plan
-    from attnpool.runtime.dispatch import MIN_AVOIDED_KEYS_PER_CALL, DispatchLayout
+    from attnpool.runtime.dispatch import MIN_AVOIDED_FRACTION, MIN_AVOIDED_KEYS_PER_CALL, DispatchLayout
 
-    def layout(doc_len, shard):  # rank 0 serves one document's odd shards: one call, its copies avoided
-        pieces = PieceTable.from_pieces([[DocPiece(0, doc_len, 0, doc_len)], []])
-        start = np.arange(doc_len // shard) * shard
-        plan = make_plan("test", pieces, np.zeros(len(start)), start, start + shard, np.zeros(len(start)),
-                         1 - np.arange(len(start)) % 2, shard)
+    def layout(doc_lens, shard, server_of_shard):  # rank 0 holds every document; shards served as given
+        pieces = PieceTable.from_pieces([[DocPiece(d, n, 0, n) for d, n in enumerate(doc_lens)], []])
+        doc = np.concatenate([np.full(n // shard, d) for d, n in enumerate(doc_lens)])
+        start = np.concatenate([np.arange(n // shard) * shard for n in doc_lens])
+        plan = make_plan("test", pieces, doc, start, start + shard, doc, server_of_shard(doc, start // shard), shard)
         return DispatchLayout.build(plan, 0, "cpu")
 
-    assert layout(8 * 1024, 1024).documents.calls  # 12K rows avoided, no call added: nothing to pay
-    small = layout(4096, 1024)
-    assert small.documents.calls  # 2 odd shards, one call
-    two_documents = PieceTable.from_pieces([[DocPiece(0, 4096, 0, 4096), DocPiece(1, 512, 0, 512),
-                                             DocPiece(2, 4096, 0, 4096)], []])
-    start = np.r_[np.arange(4) * 1024, 0, np.arange(4) * 1024]
-    plan = make_plan("test", two_documents, np.r_[[0] * 4, 1, [2] * 4], start,
-                     start + np.r_[[1024] * 4, 512, [1024] * 4], np.r_[[0] * 4, 1, [2] * 4],
-                     np.r_[1, 0, 1, 0, 0, 1, 0, 1, 0], 512)
-    # two split documents around a whole one: three calls where one did, avoiding 2 x 2K copied rows
-    assert 4096 < 2 * MIN_AVOIDED_KEYS_PER_CALL and DispatchLayout.build(plan, 0, "cpu").documents is None
+    def odd(doc, i):  # rank 0 serves the odd shards
+        return 1 - i % 2
+
+    # one document's odd 8K shards of 4: 16K rows avoided in one call, half the unique ones
+    assert layout([32768], 8192, odd).documents.calls
+    # a document's first and last 1K of 16: 1K avoided, under both bounds
+    assert layout([16384], 1024, lambda doc, i: np.where((i == 0) | (i == 15), 0, 1)).documents is None
+    # two such documents around a whole one: 3 calls avoiding 32K rows, under 16K per call though above a
+    # quarter of the unique rows
+    L = layout([32768, 8192, 32768], 8192, lambda doc, i: np.where(doc == 1, 0, odd(doc, i)))
+    avoided = 2 * 16384
+    assert avoided < 3 * MIN_AVOIDED_KEYS_PER_CALL and avoided >= MIN_AVOIDED_FRACTION * L.num_unique_kv
+    assert L.documents is None
 
 
 def test_document_serving_partitions_the_servers_rows(monkeypatch):
@@ -246,6 +251,7 @@ def test_document_serving_partitions_the_servers_rows(monkeypatch):
     from attnpool.runtime.dispatch import DispatchLayout
 
     monkeypatch.setattr(dispatch, "MIN_AVOIDED_KEYS_PER_CALL", 0)
+    monkeypatch.setattr(dispatch, "MIN_AVOIDED_FRACTION", 0)
 
     def rows(r, n):
         mask = np.zeros(n, dtype=int)

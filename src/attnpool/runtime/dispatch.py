@@ -171,12 +171,16 @@ class PrefixCopies:
         return total.to(d_expanded.dtype)
 
 
-# Copied key rows a server's work must avoid per kernel call it adds (its one call becoming several) to run
-# without copies: a call costs something of its own (FA4's host-side setup, a launch, a smaller grid). On
-# 2 x H200 (pretrain 64K, percp, bench/results/2026-11-27-h200-h100-fa4-positions.md) 1-9 document calls a
-# step, together avoiding about 16K copied rows, made the step 1.2% slower; one call avoiding 1M rows ran
-# the server step 2x faster. Between the two, not tuned.
+# When a server's work runs without prefix copies: only where the copied key rows it avoids are at least
+# MIN_AVOIDED_KEYS_PER_CALL per kernel call it makes (a call costs something of its own: FA4's host-side
+# setup, a launch, a smaller grid) and MIN_AVOIDED_FRACTION of its unique KV rows (the position kernel runs
+# a few percent below a causal varlen call, which a few copies cost less than). Measured on one H200
+# (bench/results/2026-11-27-h200-h100-fa4-positions.md), fa4 without copies against fa4 with them: 1.28x and
+# 1.24x faster avoiding 16x and 8.5x the unique rows in one call, even at 25%, 1.7% slower at 12.5%; on
+# 2 x H200 (pretrain 64K, percp) 1-9 calls a step avoiding about 16K rows in all made steps 1.2% slower.
+# Thresholds between those points, not tuned.
 MIN_AVOIDED_KEYS_PER_CALL = 16 * 1024
+MIN_AVOIDED_FRACTION = 0.25
 
 
 @dataclass(frozen=True, eq=False)
@@ -215,7 +219,7 @@ class DocumentServing:
     def of(cls, seg_doc, seg_q, seg_k, seg_base, seg_start, num_unique: int, device) -> "DocumentServing | None":
         """From the server's kernel segments (document, query and key rows, first unique row, first query
         position) and its unique KV rows; None where no document has several, or where the copies avoided
-        are fewer than MIN_AVOIDED_KEYS_PER_CALL per call added."""
+        are too few (MIN_AVOIDED_KEYS_PER_CALL per call, MIN_AVOIDED_FRACTION of the unique rows)."""
         several = np.r_[False, seg_doc[1:] == seg_doc[:-1]]
         several |= np.r_[several[1:], False]
         if not several.any():
@@ -237,7 +241,8 @@ class DocumentServing:
             varlen.append(SegmentRows.of(seg_q, seg_k, (segs >= a) & (segs < b), device, k_start=seg_base))
             varlen_groups += [SegmentRows.of(seg_q, seg_k, (segs >= a + c) & (segs < a + d), device, k_start=seg_base)
                               for c, d in segment_groups(seg_k[a:b], BACKWARD_GROUP_KEYS)]
-        if int(seg_k.sum()) - num_unique < MIN_AVOIDED_KEYS_PER_CALL * (len(varlen) + len(calls) - 1):
+        avoided = int(seg_k.sum()) - num_unique
+        if avoided < max(MIN_AVOIDED_KEYS_PER_CALL * (len(varlen) + len(calls)), MIN_AVOIDED_FRACTION * num_unique):
             return None
         return cls(tuple(varlen), tuple(varlen_groups), tuple(calls))
 

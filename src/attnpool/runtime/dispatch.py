@@ -176,7 +176,7 @@ class PrefixCopies:
 # setup, a launch, a smaller grid) and MIN_AVOIDED_FRACTION of its unique KV rows (the position kernel runs
 # a few percent below a causal varlen call, which a few copies cost less than). Measured on one H200
 # (bench/results/2026-11-27-h200-h100-fa4-positions.md), fa4 without copies against fa4 with them: 1.28x and
-# 1.24x faster avoiding 16x and 8.5x the unique rows in one call, even at 25%, 1.7% slower at 12.5%; on
+# 1.24x faster avoiding 15.5x and 7.5x the unique rows in one call, 1.00x at 25%, 0.98x at 12.5%; on
 # 2 x H200 (pretrain 64K, percp) 1-9 calls a step avoiding about 16K rows in all made steps 1.2% slower.
 # Thresholds between those points, not tuned.
 MIN_AVOIDED_KEYS_PER_CALL = 16 * 1024
@@ -236,14 +236,14 @@ class DocumentServing:
         segs = np.arange(len(seg_doc))
         run_first = np.flatnonzero(~several & np.r_[True, several[:-1]])
         run_end = np.flatnonzero(~several & np.r_[several[1:], True]) + 1
+        avoided = int(seg_k.sum()) - num_unique
+        if avoided < max(MIN_AVOIDED_KEYS_PER_CALL * (len(run_first) + len(calls)), MIN_AVOIDED_FRACTION * num_unique):
+            return None
         varlen, varlen_groups = [], []
         for a, b in zip(run_first, run_end):
             varlen.append(SegmentRows.of(seg_q, seg_k, (segs >= a) & (segs < b), device, k_start=seg_base))
             varlen_groups += [SegmentRows.of(seg_q, seg_k, (segs >= a + c) & (segs < a + d), device, k_start=seg_base)
                               for c, d in segment_groups(seg_k[a:b], BACKWARD_GROUP_KEYS)]
-        avoided = int(seg_k.sum()) - num_unique
-        if avoided < max(MIN_AVOIDED_KEYS_PER_CALL * (len(varlen) + len(calls)), MIN_AVOIDED_FRACTION * num_unique):
-            return None
         return cls(tuple(varlen), tuple(varlen_groups), tuple(calls))
 
 

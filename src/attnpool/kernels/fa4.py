@@ -18,12 +18,13 @@ Installed by the ``hopper`` extra (``pip install 'attnpool[hopper]'``). Read aga
 - Queries at given positions of one document (``Backend.positions``) run the non-varlen
   ``_flash_attn_fwd`` / ``_flash_attn_bwd`` with one batch entry, ``causal=False``, a ``mask_mod``
   that reads each query's position from ``aux_tensors`` (key n visible to query row m where
-  n <= positions[m]), and ``block_sparse_tensors`` built on the host from the positions: per 128-row
-  query block, the 128-key blocks every row sees in full (no mask evaluated) and those it sees in
-  part; the rest are skipped, so the work is the visible pairs' as in a causal call. The backward
-  takes the same blocks transposed (per key block, its query blocks). Varlen block sparsity has no
-  backward in this version, hence one call per document. 128 is the block both directions use on
-  sm90 at head_dim 128 (forward tile 128 x 128; backward 64 x 128 with two query tiles per block).
+  n <= positions[m]), and ``block_sparse_tensors`` built from the (increasing) positions as ranges,
+  on the device, once per layout: per 128-row query block, the 128-key blocks every row sees in full
+  (no mask evaluated) and those it sees in part; the rest are skipped, so the work is the visible
+  pairs' as in a causal call. The backward takes the same blocks transposed (per key block, its query
+  blocks). Varlen block sparsity has no backward in this version, hence one call per document. 128 is
+  the block both directions use on sm90 at head_dim <= 128 (forward tile 128 x 128; backward 64 x 128
+  with two query tiles per block), the only place it runs (supports_positions).
 
 The kernels are compiled on their first call per configuration (dtype, head_dim, GQA ratio,
 tile choice; not the sequence lengths): seconds each, so time only after a warm-up.

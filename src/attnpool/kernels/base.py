@@ -111,9 +111,8 @@ def no_key_forward(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def check_position_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_positions: int,
                           num_keys: int) -> None:
-    """check_inputs' shape checks for a PositionKernel call: one query row per position, the handle's keys."""
-    empty = torch.zeros(1, dtype=torch.int32, device=q.device)
-    check_inputs(q, k, v, empty, empty)
+    """check_qkv, and for a PositionKernel call one query row per position and the handle's keys."""
+    check_qkv(q, k, v)
     if q.shape[0] != num_positions:
         raise ConfigError("q.shape[0]", q.shape[0], f"expected one query row per position ({num_positions})")
     if k.shape[0] != num_keys:
@@ -141,6 +140,18 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Only shapes and dtypes are checked: looking at the values of cu_q/cu_k
     would synchronise the device on every call.
     """
+    check_qkv(q, k, v)
+    for name, cu in (("cu_q", cu_q), ("cu_k", cu_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
+            raise ConfigError(name, (cu.dtype, tuple(cu.shape)),
+                              "expected a 1-D int32 tensor of segment boundaries")
+    if cu_q.numel() != cu_k.numel():
+        raise ConfigError("cu_k", (cu_q.numel(), cu_k.numel()),
+                          "cu_q and cu_k must describe the same number of segments")
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Refuse q, k, v whose shapes or dtypes break the contract (check_inputs without segments)."""
     if q.dim() != 3:
         raise ConfigError("q.shape", tuple(q.shape), "expected (tokens, heads, head_dim)")
     if k.dim() != 3 or k.shape != v.shape:
@@ -154,10 +165,3 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
         raise ConfigError("dtype", (q.dtype, k.dtype, v.dtype),
                           "q, k and v must share one floating-point dtype")
-    for name, cu in (("cu_q", cu_q), ("cu_k", cu_k)):
-        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
-            raise ConfigError(name, (cu.dtype, tuple(cu.shape)),
-                              "expected a 1-D int32 tensor of segment boundaries")
-    if cu_q.numel() != cu_k.numel():
-        raise ConfigError("cu_k", (cu_q.numel(), cu_k.numel()),
-                          "cu_q and cu_k must describe the same number of segments")

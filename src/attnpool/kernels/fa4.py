@@ -154,7 +154,13 @@ def supports_positions(device, head_dim: int) -> bool:
     runtime copies prefixes there. ``device`` None: not known, False."""
     if device is None or torch.device(device).type != "cuda":
         return False
-    return torch.cuda.get_device_capability(device)[0] == 9 and head_dim <= 128
+    return _capability(torch.device(device))[0] == 9 and head_dim <= 128
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The device's compute capability, asked once (supports_positions is asked at every layer's call)."""
+    return torch.cuda.get_device_capability(device)
 
 
 @dataclass(frozen=True, eq=False)

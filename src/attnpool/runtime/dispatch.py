@@ -220,18 +220,18 @@ class DocumentServing:
         """From the server's kernel segments (document, query and key rows, first unique row, first query
         position) and its unique KV rows; None where no document has several, or where the copies avoided
         are too few (MIN_AVOIDED_KEYS_PER_CALL per call, MIN_AVOIDED_FRACTION of the unique rows)."""
-        several = np.r_[False, seg_doc[1:] == seg_doc[:-1]]
-        several |= np.r_[several[1:], False]
-        if not several.any():
+        # each document's segments are consecutive (tasks in (doc, start) order): [doc_start, doc_end)
+        doc_start = np.flatnonzero(np.r_[True, seg_doc[1:] != seg_doc[:-1]])
+        doc_end = np.r_[doc_start[1:], len(seg_doc)]
+        split = doc_end - doc_start > 1
+        if not split.any():
             return None
+        several = np.repeat(split, doc_end - doc_start)
         q_start = np.cumsum(seg_q) - seg_q
-        calls = []
-        for doc_first in np.flatnonzero(several & np.r_[True, seg_doc[1:] != seg_doc[:-1]]):
-            segs = np.flatnonzero(seg_doc == seg_doc[doc_first])  # consecutive: tasks in (doc, start) order
-            first, last = segs[0], segs[-1]
-            calls.append(DocumentCall(slice(int(q_start[first]), int(q_start[last] + seg_q[last])),
-                                      slice(int(seg_base[first]), int(seg_base[first] + seg_k[segs].max())),
-                                      ranges(seg_start[segs], seg_q[segs])))
+        calls = [DocumentCall(slice(int(q_start[a]), int(q_start[b - 1] + seg_q[b - 1])),
+                              slice(int(seg_base[a]), int(seg_base[a] + seg_k[a:b].max())),
+                              ranges(seg_start[a:b], seg_q[a:b]))
+                 for a, b in zip(doc_start[split], doc_end[split])]
         # runs of one-segment documents: consecutive segments, so consecutive rows of both buffers
         segs = np.arange(len(seg_doc))
         run_first = np.flatnonzero(~several & np.r_[True, several[:-1]])

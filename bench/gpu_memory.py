@@ -50,7 +50,9 @@ from attnpool.model import model_config  # noqa: E402
 from attnpool.train import TrainConfig, train  # noqa: E402
 from attnpool.train.memory import (CHECKPOINTING_MODES, Calibration, GiB, MemoryInputs, estimate,  # noqa: E402
                                    saved_per_layer, step_inputs_per_token)
-from attnpool.train.loop import build_model, memory_inputs  # noqa: E402
+from attnpool.train.memory_check import memory_inputs  # noqa: E402
+from attnpool.train.runners import build_model  # noqa: E402
+from attnpool.train.spec import resolve_run_spec  # noqa: E402
 
 K = 1024
 SHORT_DOCS = [8192] * 64
@@ -124,8 +126,7 @@ def run_config(layers, tokens, mode, act_offload, opt_offload, out_dir, *, steps
 
 
 def predicted(config: TrainConfig, calibration: Calibration) -> dict:
-    model = model_config(config.model, **config.model_args)
-    est = estimate(memory_inputs(config, model, 1, True), calibration)
+    est = estimate(memory_inputs(resolve_run_spec(config, 1, device_type="cuda")), calibration)
     return {"peak_bytes": est.peak_bytes, "allocated_bytes": est.allocated_bytes, "phase": est.phase,
             "breakdown": est.breakdown}
 
@@ -149,7 +150,7 @@ def phase_saved(tmp) -> list[dict]:
         totals = []
         for layers in (1, 2):
             config = run_config(layers, tokens, mode, False, False, f"{tmp}/saved")
-            model = build_model(model_config("llama3-8b", n_layers=layers), config, torch.device("cuda"), bf16=True)
+            model = build_model(resolve_run_spec(config, 1, torch.device("cuda")))
             plan = plan_attention(linear_table(np.array([8192, 8192]), 1, tokens), "local")
             ids = torch.randint(0, 128256, (tokens,), device="cuda")
             positions = torch.arange(tokens, device="cuda") % 8192

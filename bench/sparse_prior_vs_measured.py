@@ -26,9 +26,9 @@ from attnpool.plan.metrics import imbalance
 from attnpool.runtime import CoreAttention
 from attnpool.sparse import estimate_vertical_slash
 from attnpool.sparse.cost import LayerMixCost, SparseCost, SparsePrior
-from attnpool.train.config import TrainConfig
+from attnpool.train.config import KEYS, TrainConfig
 from attnpool.train.export import read_checkpoint_model
-from attnpool.train.loop import build_source
+from attnpool.train.setup import build_source
 
 
 class Recorder:
@@ -53,23 +53,25 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="batches replayed from the run's first step")
     ap.add_argument("--out", help="write <date>-cpu-sparse-prior-vs-measured.{json,md} here")
     args = ap.parse_args()
-    model, model_cfg, settings, path, _ = read_checkpoint_model(run_dir=args.run)
-    config = TrainConfig(**{k: v for k, v in settings.items() if k in TrainConfig.__dataclass_fields__})
-    sparse = config.sparse_config()
+    model, spec, settings, path, _ = read_checkpoint_model(run_dir=args.run)
+    config = TrainConfig(**{k: v for k, v in settings.items() if k in KEYS})
+    model_cfg = spec.config
+    sparse = config.sparse.sparse_config()
     if sparse is None:
         raise SystemExit(f"{args.run} trained dense: give a run of --sparse vertical-slash")
-    W, tp = config.nproc, config.tp
-    dense_cost = load_cost_model(config.cost_model)
+    W, tp = config.run.nproc, config.parallel.tp
+    dense_cost = load_cost_model(config.attention.cost_model)
     prior = SparsePrior(sparse, model_cfg.n_heads, model_cfg.head_dim, model_cfg.n_layers)
-    stream = DocumentStream(build_source(config, model_cfg.vocab_size), W // tp, config.tokens_per_rank, config.seed,
-                            config.max_doc_len)
+    stream = DocumentStream(build_source(config, spec), W // tp, config.data.tokens_per_rank, config.data.seed,
+                            config.data.max_doc_len)
     model.eval()
     rows = []
     for step in range(1, args.steps + 1):
         batch = stream.next_batch()
         table = linear_table(batch.doc_lens, W // tp, batch.tokens_per_rank)
         predicted = prior.cost_model(table.doc_len, dense_cost)
-        plans = {s: plan_attention(table, s, cost_model=predicted, min_shard_tokens=config.min_shard, eps=config.eps)
+        plans = {s: plan_attention(table, s, cost_model=predicted, min_shard_tokens=config.attention.min_shard,
+                                   eps=config.attention.eps)
                  for s in ("local", "cad")}
         one = plan_attention(linear_table(batch.doc_lens, 1), "local", cost_model="pairs")
         recorder = Recorder(one)

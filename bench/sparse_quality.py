@@ -32,7 +32,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from attnpool.train import TrainConfig  # noqa: E402
-from attnpool.train.loop import run  # noqa: E402
+from attnpool.train.launch import run  # noqa: E402
 
 TOLERANCE = 0.02
 SPARSE = dict(sparse="vertical-slash", sparse_coverage=0.9, sparse_min_doc_len=256,
@@ -65,7 +65,7 @@ def main() -> None:
         cfg = config(os.path.join(work, name), args.steps, **extra)
         print(f"training {name} ({args.steps} steps) ...", flush=True)
         run(cfg)
-        runs[name] = read_rows(cfg.out)
+        runs[name] = read_rows(cfg.run.out)
     dense, sparse, forced = runs["dense"], runs["sparse"], runs["forced-only"]
     last = slice(-10, None)
     dense_end = statistics.mean(r["loss"] for r in dense[last])

@@ -76,7 +76,7 @@ def test_bench_sets_growable_segments_before_anything_starts_cuda(monkeypatch):
 
     def resolve(config, device):
         seen.append(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
-        raise ConfigError("attention_backend", config.attention_backend, "stop here")
+        raise ConfigError("attention_backend", config.attention.backend, "stop here")
 
     monkeypatch.setattr(e2e, "attention_backend", resolve)
     p = argparse.ArgumentParser()
@@ -89,7 +89,7 @@ def test_bench_sets_growable_segments_before_anything_starts_cuda(monkeypatch):
 
 
 def test_growable_segments_asked_for_too_late_are_warned_of(monkeypatch):
-    from attnpool.train.loop import use_growable_segments
+    from attnpool.train.launch import use_growable_segments
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)

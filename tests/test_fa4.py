@@ -18,8 +18,9 @@ from attnpool.kernels import (BACKENDS, attention, auto_backend_name, backend_pr
                               resolve_backend_name)
 from attnpool.runtime.dispatch import SegmentRows, backward_in_parts, segment_groups
 from attnpool.plan.cost import TableCost, backend_table, default_cost_model, load_cost_model
-from attnpool.train.config import ATTENTION_BACKENDS, TrainConfig, load_config, save_config
-from attnpool.train.loop import attention_backend
+from attnpool.train.config import TrainConfig, load_config, save_config
+from attnpool.train.sections import ATTENTION_BACKENDS
+from attnpool.train.spec import attention_backend
 from test_kernels import MIXED_SEGMENTS, make_inputs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -219,23 +220,23 @@ def test_fa4_in_the_autograd_wrapper(stand_in):
 # --- the config key ---
 
 def test_attention_backend_key_and_its_old_name(tmp_path):
-    assert TrainConfig().attention_backend == "auto"
+    assert TrainConfig().attention.backend == "auto"
     with pytest.raises(ConfigError) as err:
         TrainConfig(attention_backend="fa5")
     assert err.value.field == "attention_backend" and err.value.value == "fa5"
     old = tmp_path / "config.yaml"  # a run directory's config.yaml from before the rename
     old.write_text("kernel: null\nsteps: 3\n")
-    assert load_config(old).attention_backend == "auto"
+    assert load_config(old).attention.backend == "auto"
     old.write_text("kernel: flash\n")
-    assert load_config(old).attention_backend == "flash"
-    assert load_config(old, {"attention_backend": "fa4"}).attention_backend == "fa4"  # the flag wins
-    assert load_config(None, {"kernel": "reference"}).attention_backend == "reference"
+    assert load_config(old).attention.backend == "flash"
+    assert load_config(old, {"attention_backend": "fa4"}).attention.backend == "fa4"  # the flag wins
+    assert load_config(None, {"kernel": "reference"}).attention.backend == "reference"
     old.write_text("kernel: flash\nattention_backend: fa4\n")
     with pytest.raises(ConfigError, match="old name of attention_backend"):
         load_config(old)
     save_config(TrainConfig(attention_backend="fa4"), tmp_path / "new.yaml")
     assert not any(line.startswith("kernel:") for line in (tmp_path / "new.yaml").read_text().splitlines())
-    assert load_config(tmp_path / "new.yaml").attention_backend == "fa4"
+    assert load_config(tmp_path / "new.yaml").attention.backend == "fa4"
 
 
 def test_attention_backend_of_a_run():
@@ -257,10 +258,10 @@ def test_attention_backend_on_a_gpu(stand_in):
 
 def test_prepare_refuses_fa4_on_cpu():
     """prepare() runs in the launcher and on every rank (through agree) before any other collective."""
-    from attnpool.train.loop import prepare
+    from attnpool.train.setup import prepare
 
     with pytest.raises(ConfigError) as err:
-        prepare(load_config(ROOT / "configs/demo-cpu.yaml", {"attention_backend": "fa4", "device": "cpu"}))
+        prepare(load_config(ROOT / "configs/demo-cpu.yaml", {"attention_backend": "fa4", "device": "cpu"}), 4)
     assert err.value.field == "attention_backend" and "CUDA" in str(err.value)
 
 
@@ -360,7 +361,7 @@ def test_gpu_fa4_script_on_cpu(tmp_path, capsys, monkeypatch):
 
 
 def _resolve_per_rank(rank, world):
-    from attnpool.train.loop import same_attention_backend
+    from attnpool.train.spec import same_attention_backend
 
     try:
         same_attention_backend("fa4" if rank == 0 else "flash", "auto")

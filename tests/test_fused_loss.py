@@ -9,18 +9,19 @@ import pytest
 import torch
 
 import attnpool.model.fused_loss as fused_loss
+import attnpool.model.loss_kernels as loss_kernels
 from attnpool.errors import ConfigError
 from attnpool.model import Transformer, model_config
 from attnpool.model.llama import chunked_cross_entropy
-from attnpool.train.config import LOSS_KERNELS
-from attnpool.train.loop import train
+from attnpool.train import train
+from attnpool.train.sections import LOSS_KERNELS
 from attnpool.train.memory import MemoryInputs, loss_transient
 from dist_harness import run_distributed
 from test_train import rel_diff, tiny_config
 
 
 def test_config_names_the_kernels_the_module_has():
-    assert LOSS_KERNELS == fused_loss.LOSS_KERNELS
+    assert LOSS_KERNELS is loss_kernels.LOSS_KERNELS
     assert set(fused_loss.LOSS_FUNCTIONS) == set(LOSS_KERNELS) - {"auto"}
 
 
@@ -33,18 +34,18 @@ def test_bad_loss_kernels_are_refused_by_the_config(overrides):
 
 
 def test_auto_resolves_to_what_can_run(monkeypatch):
-    assert fused_loss.resolve_loss_kernel("auto", "cpu") == "chunked"
-    assert fused_loss.resolve_loss_kernel("chunked", "cuda") == "chunked"
-    monkeypatch.setattr(fused_loss.importlib.util, "find_spec", lambda name: None)
-    assert fused_loss.resolve_loss_kernel("auto", "cuda") == "chunked"
+    assert loss_kernels.resolve_loss_kernel("auto", "cpu") == "chunked"
+    assert loss_kernels.resolve_loss_kernel("chunked", "cuda") == "chunked"
+    monkeypatch.setattr(loss_kernels.importlib.util, "find_spec", lambda name: None)
+    assert loss_kernels.resolve_loss_kernel("auto", "cuda") == "chunked"
     with pytest.raises(ConfigError, match="not installed") as err:
-        fused_loss.resolve_loss_kernel("liger", "cuda")
+        loss_kernels.resolve_loss_kernel("liger", "cuda")
     assert err.value.field == "loss_kernel"
-    monkeypatch.setattr(fused_loss.importlib.util, "find_spec", lambda name: object())
-    assert fused_loss.resolve_loss_kernel("auto", "cuda") == "liger"
-    assert fused_loss.resolve_loss_kernel("auto", "cuda", tp=2) == "chunked"
+    monkeypatch.setattr(loss_kernels.importlib.util, "find_spec", lambda name: object())
+    assert loss_kernels.resolve_loss_kernel("auto", "cuda") == "liger"
+    assert loss_kernels.resolve_loss_kernel("auto", "cuda", tp=2) == "chunked"
     with pytest.raises(ConfigError, match="tensor parallelism"):
-        fused_loss.resolve_loss_kernel("liger", "cuda", tp=2)
+        loss_kernels.resolve_loss_kernel("liger", "cuda", tp=2)
 
 
 def test_the_model_computes_its_loss_with_the_kernel_set_on_it():
@@ -71,7 +72,7 @@ def _train_losses(rank, world, out, liger_stand_in):
             calls.append(h.shape[0])
             return chunked_cross_entropy(h, weight, labels)
 
-        fused_loss.liger_problem = lambda device_type, tp: None
+        loss_kernels.liger_problem = lambda device_type, tp: None
         fused_loss.LOSS_FUNCTIONS["liger"] = stand_in
     rows = train(tiny_config(out, steps=3)).rows
     return [r["loss"] for r in rows], len(calls)

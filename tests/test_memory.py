@@ -17,7 +17,10 @@ import torch
 
 import attnpool.model.llama as llama
 from attnpool.errors import ConfigError
-from attnpool.model import Transformer, apply_activation_checkpointing, model_config
+import attnpool.parallel.checkpointing as checkpointing
+from attnpool.model import Transformer, model_config
+from attnpool.parallel.checkpointing import apply_activation_checkpointing
+from attnpool.parallel.pingpong import apply_pingpong
 from attnpool.plan import linear_table, plan_attention
 from attnpool.plan.metrics import AttentionRows
 from attnpool.runtime import CoreAttention
@@ -36,8 +39,7 @@ DOCS = np.array([200, 300, 100])
 def small_model(layers: int, mode: str) -> Transformer:
     torch.manual_seed(0)
     model = Transformer(model_config("tiny", **{**SMALL, "n_layers": layers}))
-    if mode != "none":
-        apply_activation_checkpointing(model, recompute_attention=mode == "full")
+    apply_activation_checkpointing(model, mode)
     return model
 
 
@@ -293,7 +295,7 @@ def test_offload_and_chunked_recompute_keep_gradients_exact(mode, monkeypatch):
     """Every saved tensor through ActivationOffload (min_bytes=0), and keep_attention's linear parts
     recomputed 128 tokens at a time: the same loss and gradients, bit for bit, and the bytes offloaded
     per layer are the hand count's."""
-    monkeypatch.setattr(llama, "LINEAR_CHUNK_TOKENS", 128)
+    monkeypatch.setattr(checkpointing, "LINEAR_CHUNK_TOKENS", 128)
     tokens, positions, plan = batch()
     results = {}
     for offload in (False, True):
@@ -321,13 +323,14 @@ def test_offload_moves_the_same_per_layer_under_pingpong(mode, monkeypatch):
     """Two nano-batches interleaved (ping-pong) save what one batch of their tokens saves per layer, and
     offload moves all of it: a checkpoint keeps non-tensor arguments (a list of nano-batches) on the GPU,
     out of the offload's reach, so the layer must hand its tensors over one by one."""
-    monkeypatch.setattr(llama, "LINEAR_CHUNK_TOKENS", 128)
+    monkeypatch.setattr(checkpointing, "LINEAR_CHUNK_TOKENS", 128)
     tokens, positions, _ = batch()
     cut = int(DOCS[:2].sum())  # nano-batches of whole documents
     halves = [(tokens[:cut], positions[:cut], DOCS[:2]), (tokens[cut:], positions[cut:], DOCS[2:])]
     offloaded = {}
     for layers in (1, 2):
         model = small_model(layers, mode)
+        apply_pingpong(model)
         hooks = ActivationOffload("cpu", min_bytes=0)
         attentions = [CoreAttention(plan_attention(linear_table(d, 1, int(d.sum())), "local")) for _, _, d in halves]
         with hooks:
@@ -345,7 +348,7 @@ def test_chunked_recompute_matches_plain_backward(monkeypatch):
     tokens, positions, plan = batch()
     grads = {}
     for chunk in (10**9, 97):  # one chunk (a plain checkpoint), then uneven chunks
-        monkeypatch.setattr(llama, "LINEAR_CHUNK_TOKENS", chunk)
+        monkeypatch.setattr(checkpointing, "LINEAR_CHUNK_TOKENS", chunk)
         model = small_model(2, "keep_attention").double()
         model(tokens, positions, CoreAttention(plan), labels=tokens).backward()
         grads[chunk] = [p.grad for p in model.parameters()]

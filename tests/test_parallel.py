@@ -20,11 +20,13 @@ from attnpool.data.batch import GlobalBatch
 from attnpool.errors import ConfigError
 from attnpool.model import model_config
 from attnpool.parallel import ParallelDims, build_rank_mesh, tensor_parallel_problem
-from attnpool.plan import linear_table, load_cost_model, pad_ranks, plan_attention, wlb_table
+from attnpool.plan import linear_table, pad_ranks, plan_attention, wlb_table
 from attnpool.runtime import CoreAttention
 from attnpool.train import train
 from attnpool.train.memory import CHECKPOINTING_MODES, MemoryInputs, estimate, saved_per_layer
-from attnpool.train.loop import build_model, forward_backward, plan_batch, step_context
+from attnpool.train.planning import plan_batch
+from attnpool.train.runners import build_model, build_stages, forward_backward, step_context
+from attnpool.train.spec import resolve_run_spec
 from dist_harness import run_distributed
 from test_train import TINY, refused_config, rel_diff, tiny_config
 
@@ -63,12 +65,12 @@ def test_tp_alone_trains_as_one_process(tmp_path):
 
 
 def _first_step_gradients(rank, world, tp):
-    mcfg = model_config("tiny", **TINY)
     cfg = tiny_config("unused", attention="cad", tokens_per_rank=255, tp=tp)
-    mesh = build_rank_mesh(ParallelDims.of(world, tp), "cpu")
-    model = build_model(mcfg, cfg, torch.device("cpu"), mesh=mesh)
-    batch = DocumentStream(stdlib_corpus(), mesh.dims.dp, cfg.tokens_per_rank, cfg.seed).next_batch()
-    step = plan_batch(batch, cfg, mesh.dims.dp, load_cost_model("pairs"), tokens_multiple=tp)
+    spec = resolve_run_spec(cfg, world, torch.device("cpu"))
+    mesh = build_rank_mesh(spec.dims, "cpu")
+    model = build_model(spec, mesh)
+    batch = DocumentStream(stdlib_corpus(), mesh.dims.dp, cfg.data.tokens_per_rank, cfg.data.seed).next_batch()
+    step = plan_batch(batch, spec)
     tensors = step.batch.rank_batch(step.plan.pieces, mesh.dp_rank).to_torch()
     forward_backward(model, [tensors], [CoreAttention(step.plan, mesh.attention_group)], batch.num_label_tokens,
                      vocab_parallel=tp > 1)
@@ -85,9 +87,10 @@ def _saved_per_token_under_tp(rank, world, mode):
     for layers in (1, 2):
         args = {**TINY, "n_layers": layers}
         cfg = tiny_config("unused", model_args=args, tokens_per_rank=256, tp=world, activation_checkpointing=mode)
-        model = build_model(model_config("tiny", **args), cfg, torch.device("cpu"), mesh=mesh)
-        batch = DocumentStream(stdlib_corpus(), 1, cfg.tokens_per_rank, cfg.seed).next_batch()
-        step = plan_batch(batch, cfg, 1, load_cost_model("pairs"), tokens_multiple=world)
+        spec = resolve_run_spec(cfg, world, torch.device("cpu"))
+        model = build_model(spec, mesh)
+        batch = DocumentStream(stdlib_corpus(), 1, cfg.data.tokens_per_rank, cfg.data.seed).next_batch()
+        step = plan_batch(batch, spec)
         tensors = step.batch.rank_batch(step.plan.pieces, 0).to_torch()
         storages = {}
 
@@ -102,7 +105,7 @@ def _saved_per_token_under_tp(rank, world, mode):
             model(tensors.tokens, tensors.positions, CoreAttention(step.plan, mesh.attention_group),
                   labels=tensors.labels)
         saved[layers] = sum(storages.values())
-    return (saved[2] - saved[1]) / cfg.tokens_per_rank
+    return (saved[2] - saved[1]) / cfg.data.tokens_per_rank
 
 
 @pytest.mark.parametrize("mode", CHECKPOINTING_MODES)
@@ -132,17 +135,17 @@ def test_gradients_after_one_step_do_not_depend_on_tp():
 def _built_weights(rank, world, tp, pp, on_meta):
     """Every weight this rank holds, whole (DTensor shards gathered), as build_model or build_stages made it;
     ``on_meta``: built on the meta device and initialised after sharding, as models over 1B parameters are."""
-    import attnpool.train.loop as loop
+    import attnpool.model.llama_spec as llama_spec
 
     if on_meta:
-        loop.META_INIT_PARAMS = 0
-    mcfg = model_config("tiny", **TINY)
+        llama_spec.META_INIT_PARAMS = 0
     cfg = tiny_config("unused", tp=tp, pp=pp, microbatches=2, seed=7)
-    mesh = build_rank_mesh(ParallelDims.of(world, tp, pp), "cpu")
+    spec = resolve_run_spec(cfg, world, torch.device("cpu"))
+    mesh = build_rank_mesh(spec.dims, "cpu")
     if pp > 1:
-        models = loop.build_stages(mcfg, cfg, torch.device("cpu"), False, mesh)[1]
+        models = build_stages(spec, mesh)[1]
     else:
-        models = [build_model(mcfg, cfg, torch.device("cpu"), mesh=mesh)]
+        models = [build_model(spec, mesh)]
     return {n: p.full_tensor() for m in models for n, p in m.named_parameters()}
 
 

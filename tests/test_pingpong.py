@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from attnpool import plan_attention
-from attnpool.model import Transformer, apply_activation_checkpointing, model_config
+from attnpool.model import Transformer, model_config
+from attnpool.parallel.checkpointing import apply_activation_checkpointing
+from attnpool.parallel.pingpong import apply_pingpong
 from attnpool.plan import linear_layout
 from attnpool.runtime import CoreAttention
 from dist_harness import run_distributed
@@ -26,7 +28,8 @@ def nano_batch(lens, world, rank, seed):
 
 def worker(rank, world):
     torch.manual_seed(0)
-    model = Transformer(model_config("tiny", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)).double()
+    config = model_config("tiny", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    weights = Transformer(config).double().state_dict()
     batches = [nano_batch([300, 41, 700, 9], world, rank, 1), nano_batch([1000, 77, 120], world, rank, 2)]
     assert any(np.any(b[2].task_server != b[2].task_home) for b in batches)  # work really moves
 
@@ -34,14 +37,15 @@ def worker(rank, world):
         return sum(F.cross_entropy(lg[:-1], b[0][1:], reduction="sum") for lg, b in zip(logits_list, batches))
 
     results = {}
+    checkpointing = {"pingpong+recompute": "keep_attention",
+                     "pingpong+full-recompute": "full"}  # full: core attention and its exchanges run again in backward
     for mode in ("sequential", "pingpong", "pingpong+recompute", "pingpong+full-recompute"):
-        if mode == "pingpong+recompute":
-            apply_activation_checkpointing(model, recompute_attention=False)
-        if mode == "pingpong+full-recompute":  # core attention and its exchanges run again in backward
-            apply_activation_checkpointing(model, recompute_attention=True)
-        model.zero_grad()
+        model = Transformer(config).double()
+        model.load_state_dict(weights)
+        apply_activation_checkpointing(model, checkpointing.get(mode, "none"))
         attentions = [CoreAttention(b[2]) for b in batches]
         if mode.startswith("pingpong"):
+            apply_pingpong(model)
             logits = model([b[0] for b in batches], [b[1] for b in batches], attentions)
         else:
             logits = [model(b[0], b[1], a) for b, a in zip(batches, attentions)]

@@ -122,17 +122,18 @@ def test_memory_model_counts_the_first_ranks_layers():
     """The first pipeline rank holds more layers than n_layers / pp where the head's weight moves layers
     forward (llama3-8b x 8 on 2 stages: 5 and 3), and the memory check counts what it holds: its
     parameters, and activations in units of its largest stage (interleaved: two stages a rank)."""
-    from attnpool.parallel import ParallelDims
-    from attnpool.train.loop import memory_inputs
+    from attnpool.train.memory_check import memory_inputs
+    from attnpool.train.spec import resolve_run_spec
 
     m = model_config("llama3-8b", n_layers=8)
     assert rank_layers(m, "1f1b", 2) == [5] and rank_layers(m, "1f1b", 2, pp_rank=1) == [3]
     assert rank_layers(m, "pooled", 2) == [4] and rank_layers(m, "interleaved-1f1b", 2) == [3, 2]
     cfg = tiny_config("unused", model="llama3-8b", model_args=dict(n_layers=8), pp=2, microbatches=2)
-    x = memory_inputs(cfg, m, ParallelDims(dp=1, pp=2), bf16=True)
+    x = memory_inputs(resolve_run_spec(cfg, 2, device_type="cuda"))
+    assert x.bf16 and x.dp == 1 and x.pp == 2
     assert x.rank_layers == x.stage_layers == 5
     assert estimate(x).peak_bytes > estimate(replace(x, rank_layers=0, stage_layers=0)).peak_bytes  # 4, evenly
-    interleaved = memory_inputs(replace(cfg, pp_schedule="interleaved-1f1b"), m, ParallelDims(dp=1, pp=2), bf16=True)
+    interleaved = memory_inputs(resolve_run_spec(cfg.replace(pp_schedule="interleaved-1f1b"), 2, device_type="cuda"))
     assert (interleaved.rank_layers, interleaved.stage_layers, interleaved.in_flight) == (5, 3, 4)
     x = replace(interleaved, activation_offload=True)  # offloaded, what every layer saves is on the host
     one_layer = estimate(replace(x, in_flight=1, stage_layers=1)).host_bytes
@@ -142,21 +143,23 @@ def test_memory_model_counts_the_first_ranks_layers():
 def test_memory_model_counts_the_pooled_ticks():
     """A pooled rank keeps every tick's saved state (M + pp - 1 units) and serves other stages' rows, which
     the memory check samples from the ticks' plans even with one dp rank."""
-    from attnpool.parallel import ParallelDims
-    from attnpool.train.loop import build_source, sample_row_ratios
+    from attnpool.train.memory_check import sample_row_ratios
+    from attnpool.train.setup import build_source
+    from attnpool.train.spec import resolve_run_spec
 
     assert activations_in_flight("pooled", 2, 4) == 5 and activations_in_flight("gpipe", 2, 4) == 4
     cfg = tiny_config("unused", data="synthetic", data_args=dict(dist="pretrain"), attention="cad", pp=2,
                       microbatches=2, pp_schedule="pooled")
     tiny = model_config("tiny", **TINY)
-    sampled = sample_row_ratios(cfg, build_source(cfg, tiny.vocab_size), load_cost_model("pairs"),
-                                ParallelDims(dp=1, pp=2), tiny, None, False, batches=2)
+    spec = resolve_run_spec(cfg, 2)
+    assert spec.dims.dp == 1 and not spec.bf16
+    sampled = sample_row_ratios(spec, build_source(cfg, spec.model), batches=2)
     rows, held = sampled["rows"], sampled["held_candidates"]
     assert rows.batches == 2 and rows.query > 0  # the ramps' idle ranks serve the busy stage's queries
     # A rank holds every tick's rows at once: its own tokens in its 2 busy ticks (its micro-batches), and
     # what it served in every tick, the idle one included.
     assert held and max(r.home for r in held) == 2 and max(r.returned for r in held) > 0
-    x = MemoryInputs(tiny, cfg.tokens_per_rank, "keep_attention", pp=2, microbatches=2, in_flight=3, rows=rows)
+    x = MemoryInputs(tiny, cfg.data.tokens_per_rank, "keep_attention", pp=2, microbatches=2, in_flight=3, rows=rows)
     assert estimate(replace(x, held_candidates=held)).peak_bytes < estimate(x).peak_bytes  # 3 units at the bound
 
 

@@ -777,7 +777,7 @@ def greedy_reference(mass, forced, total, coverage, cap):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_select_matches_python_reference(seed):
-    from attnpool.sparse.pattern import _select, _slot_owner
+    from attnpool.sparse.pattern import _select, slot_owner
 
     g = torch.Generator().manual_seed(seed)
     lengths = [0, 5, 37, 1, 200, 0, 64, 130, 9]  # empty segments, segments shorter than the cap, long ones
@@ -791,7 +791,7 @@ def test_select_matches_python_reference(seed):
     mass = levels[torch.randint(0, 5, (H, T), generator=g)]
     mass = torch.where(torch.rand(H, T, generator=g) < 0.3, torch.rand(H, T, generator=g), mass).float()
     c = cu(lengths).long()
-    pos_seg = _slot_owner(c, T)
+    pos_seg = slot_owner(c, T)
     forced = (torch.arange(T) - c[pos_seg]) < n_forced
     seg_total = torch.zeros(H, len(lengths), dtype=torch.float64).index_add_(1, pos_seg, mass.double())
     total = torch.tensor([4.0, 3.0, 1.5, 1.0, 50.0, 0.0, 0.0, 40.0, 2.0], dtype=torch.float64)

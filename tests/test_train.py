@@ -22,10 +22,13 @@ import torch.distributed as dist
 from attnpool.data import DocumentStream, stdlib_corpus
 from attnpool.errors import ConfigError
 from attnpool.model import model_config
-from attnpool.plan import load_cost_model
 from attnpool.runtime import core_attention
 from attnpool.train import TrainConfig, load_config, train
-from attnpool.train.loop import agree, build_model, check_sparse, forward_backward, lr_factor, plan_batch
+from attnpool.comm import agree
+from attnpool.train.optim import lr_factor
+from attnpool.train.planning import plan_batch
+from attnpool.train.runners import build_model, forward_backward
+from attnpool.train.spec import check_sparse, resolve_run_spec
 from dist_harness import run_distributed
 
 TINY = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
@@ -176,16 +179,16 @@ def test_resume_equals_uninterrupted_run(tmp_path):
 
 def _loss_and_grads(rank, world, strategies, global_tokens):
     """Per strategy: the loss and full gradients at the initial weights on each of the first two batches."""
-    mcfg = model_config("tiny", **TINY)
     out = {}
     for strategy in strategies:
         cfg = tiny_config("unused", attention=strategy, tokens_per_rank=global_tokens // world)
-        model = build_model(mcfg, cfg, torch.device("cpu"))
-        stream = DocumentStream(stdlib_corpus(), world, cfg.tokens_per_rank, cfg.seed)
+        spec = resolve_run_spec(cfg, world, torch.device("cpu"))
+        model = build_model(spec)
+        stream = DocumentStream(stdlib_corpus(), world, cfg.data.tokens_per_rank, cfg.data.seed)
         steps = []
         for _ in range(2):
             batch = stream.next_batch()
-            step = plan_batch(batch, cfg, world, load_cost_model("pairs"))
+            step = plan_batch(batch, spec)
             tensors = batch.rank_batch(step.plan.pieces, rank).to_torch()
             loss_sum = forward_backward(model, [tensors], [functools.partial(core_attention, plan=step.plan)],
                                         batch.num_label_tokens)
@@ -239,8 +242,9 @@ def test_config_file_and_overrides(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("model: tiny\nmodel_args: {n_layers: 2, dim: 64}\nlr: 3e-3\ntokens_per_rank: 4K\nsteps: 20\n")
     cfg = load_config(path, {"steps": "50", "attention": "local", "model_args": {"n_layers": 3}})
-    assert cfg.steps == 50 and cfg.attention == "local" and cfg.lr == 3e-3 and cfg.tokens_per_rank == 4096
-    assert cfg.model_args == {"n_layers": 3, "dim": 64}
+    assert cfg.optim.steps == 50 and cfg.attention.strategy == "local" and cfg.optim.lr == 3e-3
+    assert cfg.data.tokens_per_rank == 4096
+    assert cfg.model.args == {"n_layers": 3, "dim": 64}
     with pytest.raises(ConfigError, match="unknown key"):
         load_config(None, {"stepz": 3})
 
@@ -345,38 +349,39 @@ def test_sparse_needs_triton_a_hopper_gpu_and_a_head_dim_it_can_tile_on_cuda(mon
     config = tiny_config(tmp_path, **SPARSE)
     rank_gpu = torch.device("cuda", 0)
     asked = []
-    monkeypatch.setattr(train_module, "resolve_device", lambda config: "cuda")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or (8, 0))
     monkeypatch.setattr(train_module.importlib.util, "find_spec", lambda name: object())
     with pytest.raises(ConfigError, match="sm_90 .*A100-SXM4-80GB is sm_80") as err:
-        train_module.check_sparse(config, model_config("tiny", **dict(TINY, dim=64)), rank_gpu)
+        train_module.check_sparse(config, model_config("tiny", **dict(TINY, dim=64)), rank_gpu, "cuda")
     assert err.value.field == "sparse" and asked == [rank_gpu]
-    train_module.check_sparse(config, model_config("tiny", **dict(TINY, dim=64)))  # a launcher: no device asked
+    train_module.check_sparse(config, model_config("tiny", **dict(TINY, dim=64)), None, "cuda")  # a launcher
     assert asked == [rank_gpu]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(train_module.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match="Triton") as err:
-        train_module.check_sparse(config, model_config("tiny", **TINY))
+        train_module.check_sparse(config, model_config("tiny", **TINY), None, "cuda")
     assert err.value.field == "sparse"
     monkeypatch.setattr(train_module.importlib.util, "find_spec", lambda name: object())
     with pytest.raises(ConfigError, match="head_dim"):
-        train_module.check_sparse(config, model_config("tiny", **TINY), rank_gpu)  # head_dim 8
+        train_module.check_sparse(config, model_config("tiny", **TINY), rank_gpu, "cuda")  # head_dim 8
     # head_dim 256: the forward and the dQ pass would not fit in Hopper's shared memory (refused before
     # training, where the first launch would fail inside every rank).
     with pytest.raises(ConfigError, match="head_dim=256: .* from 16 to 128 for 16-bit inputs"):
-        train_module.check_sparse(config, model_config("tiny", **dict(TINY, dim=1024)), rank_gpu)
-    train_module.check_sparse(config, model_config("tiny", **dict(TINY, dim=64)), rank_gpu)  # head_dim 16
-    train_module.check_sparse(config, model_config("tiny", **dict(TINY, dim=512)), rank_gpu)  # head_dim 128
+        train_module.check_sparse(config, model_config("tiny", **dict(TINY, dim=1024)), rank_gpu, "cuda")
+    train_module.check_sparse(config, model_config("tiny", **dict(TINY, dim=64)), rank_gpu, "cuda")  # head_dim 16
+    train_module.check_sparse(config, model_config("tiny", **dict(TINY, dim=512)), rank_gpu, "cuda")  # head_dim 128
     with pytest.raises(ConfigError, match="head_dim=128: .* from 16 to 64 for 32-bit inputs"):  # float32 rows
         train_module.check_sparse(tiny_config(tmp_path, precision="fp32", **SPARSE),
-                                  model_config("tiny", **dict(TINY, dim=512)), rank_gpu)
+                                  model_config("tiny", **dict(TINY, dim=512)), rank_gpu, "cuda")
     # A pattern block of 256 doubles the tiles: the forward would not fit either.
     wide = dict(SPARSE, sparse_args=dict(SPARSE["sparse_args"], block=256))
     with pytest.raises(ConfigError, match="sparse_block=256: .* at most 128") as err:
-        train_module.check_sparse(tiny_config(tmp_path, **wide), model_config("tiny", **dict(TINY, dim=512)), rank_gpu)
+        train_module.check_sparse(tiny_config(tmp_path, **wide), model_config("tiny", **dict(TINY, dim=512)), rank_gpu,
+                                  "cuda")
     assert err.value.field == "sparse"
     # And a vertical chunk of 256 the dQ pass.
     wide = dict(SPARSE, sparse_args=dict(SPARSE["sparse_args"], vertical_chunk=256))
     with pytest.raises(ConfigError, match="sparse_vertical_chunk=256: .* at most 128"):
-        train_module.check_sparse(tiny_config(tmp_path, **wide), model_config("tiny", **dict(TINY, dim=512)), rank_gpu)
+        train_module.check_sparse(tiny_config(tmp_path, **wide), model_config("tiny", **dict(TINY, dim=512)), rank_gpu,
+                                  "cuda")

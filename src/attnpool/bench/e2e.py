@@ -49,7 +49,9 @@ from attnpool.model import model_config
 from attnpool.sizes import parse_size
 from attnpool.train.config import TrainConfig
 from attnpool.train.metrics import attention_time
-from attnpool.train.loop import attention_backend, train, use_growable_segments
+from attnpool.train.launch import use_growable_segments
+from attnpool.train.loop import train
+from attnpool.train.spec import attention_backend
 from attnpool.train.offload import release_host_cache
 
 TRACE_STEPS = 2  # profiled after the measured steps: one warm-up step of the profiler, one recorded

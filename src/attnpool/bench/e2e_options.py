@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from attnpool.train.config import ATTENTION_BACKENDS, CHECKPOINTING
+from attnpool.train.sections import ATTENTION_BACKENDS, CHECKPOINTING
 
 STRATEGIES = {  # name -> (attention, pingpong, vertical-slash sparse attention: None or its kv_transfer)
     "local": ("local", False, None),

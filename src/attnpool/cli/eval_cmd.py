@@ -70,17 +70,16 @@ def run(args: argparse.Namespace) -> int:
     from attnpool.train.evaluate import evaluate_retrieval, format_table, sparse_config_of, write_results
     from attnpool.train.export import read_checkpoint_model
 
-    model, model_cfg, settings, path, skipped = read_checkpoint_model(run_dir=args.run, checkpoint=args.checkpoint)
-    if model_cfg is None:
-        raise ConfigError("run", args.run or args.checkpoint, f"trained {settings['model']}: attnpool eval runs "
-                                                              "attnpool's own models (--model tiny, llama3-8b, ...)")
+    model, spec, settings, path, skipped = read_checkpoint_model(run_dir=args.run, checkpoint=args.checkpoint)
+    if "eval" in spec.cannot:
+        raise ConfigError("run", args.run or args.checkpoint, f"trained {settings['model']}: {spec.cannot['eval']}")
     for bad, problem in skipped:
         print(f"skipping {bad}: {problem}")
     data_args = settings.get("data_args", {}) if settings.get("data") == "retrieval" else {}
     tasks = args.tasks or data_args.get("task", "passkey")
     sparse = sparse_config_of(settings, args.attention)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    print(f"attnpool eval: {path} ({settings['model']}, {model_cfg.num_params() / 1e6:.1f}M params), "
+    print(f"attnpool eval: {path} ({settings['model']}, {spec.num_params(model) / 1e6:.1f}M params), "
           f"{'sparse' if sparse else 'dense'} attention, {args.instances} instances per cell on {device}", flush=True)
     shape = {k: data_args[k] for k in ("key_len", "num_keys", "hops") if k in data_args}
     cells = evaluate_retrieval(model, tasks=tasks, contexts=contexts, depths=depths, instances=args.instances,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import replace
 
 from attnpool.errors import ConfigError
 
@@ -40,7 +39,7 @@ def add_parser(sub) -> None:
 
 def _capacity(args, ranks: int):
     from attnpool.train.memory import Capacity, parse_memory_size
-    from attnpool.train.loop import host_memory_bytes
+    from attnpool.train.memory_check import host_memory_bytes
 
     host = parse_memory_size("host_memory", args.host_memory) if args.host_memory is not None \
         else host_memory_bytes() // ranks
@@ -57,16 +56,16 @@ def _capacity(args, ranks: int):
 def run(args: argparse.Namespace) -> int:
     from attnpool.cli.train_cmd import config_from_args
     from attnpool.train.memory import Calibration, report
-    from attnpool.parallel import ParallelDims
-    from attnpool.train.loop import prefix_copies, prepare, run_memory_inputs
+    from attnpool.train.memory_check import run_memory_inputs
+    from attnpool.train.setup import prepare
 
     config = config_from_args(args)
-    capacity = _capacity(args, config.nproc)
-    setup = prepare(replace(config, resume=False, memory_check=False, out=os.devnull), world=config.nproc)
+    capacity = _capacity(args, config.run.nproc)
+    # The run resolved for GPUs (the kernels a GPU would run), with nothing of its run directory read.
+    setup = prepare(config.replace(resume=False, memory_check=False, out=os.devnull), config.run.nproc,
+                    device_type="cuda")
     calibration = Calibration.load()
-    x = run_memory_inputs(config, setup.model_config, setup.source, setup.cost_model, setup.sparse,
-                          ParallelDims.of(config.nproc, config.tp, config.pp), True, capacity, calibration,
-                          prefix_copies(setup.attention_backend, None, setup.model_config))
+    x = run_memory_inputs(setup.spec, setup.source, capacity, calibration)
     result = report(x, capacity, calibration)
     if args.json:
         print(json.dumps(_as_json(config, result, calibration), indent=1))
@@ -86,9 +85,9 @@ def _as_json(config, result, calibration) -> dict:
     configured = result.configured
     fitting = result.first_fitting()
     return {
-        "model": config.model, "ranks": config.nproc, "dp": configured.inputs.dp, "tp": configured.inputs.tp,
+        "model": config.model.name, "ranks": config.run.nproc, "dp": configured.inputs.dp, "tp": configured.inputs.tp,
         "pp": configured.inputs.pp, "microbatches": configured.inputs.microbatches,
-        "tokens_per_rank": config.tokens_per_rank,
+        "tokens_per_rank": config.data.tokens_per_rank,
         "device": result.capacity.device_name,
         "capacity_bytes": result.capacity.device_bytes,
         "host_capacity_bytes": result.capacity.host_bytes,
@@ -120,8 +119,9 @@ def _print_tables(config, result, calibration) -> None:
     x, est = result.configured.inputs, result.configured.estimate
     layout = f"pp {x.pp} x dp {x.dp} x tp {x.tp} ranks" if x.pp > 1 else f"dp {x.dp} x tp {x.tp} ranks" \
         if x.tp > 1 else f"{x.dp} ranks"
-    console.print(f"[bold]attnpool memory[/]: {config.model} ({x.model.num_params() / 1e9:.2f}B params), {layout}, "
-                  f"{format_tokens(x.tokens_per_rank)} tokens per dp rank, {'bf16' if x.bf16 else 'fp32'}, {config.attention} "
+    console.print(f"[bold]attnpool memory[/]: {config.model.name} ({x.model.num_params() / 1e9:.2f}B params), {layout}, "
+                  f"{format_tokens(x.tokens_per_rank)} tokens per dp rank, {'bf16' if x.bf16 else 'fp32'}, "
+                  f"{config.attention.strategy} "
                   f"attention; {format_bytes(result.capacity.device_bytes)} per GPU ({result.capacity.device_name}), "
                   f"{format_bytes(result.capacity.host_bytes)} of host memory per rank", highlight=False)
     rows = x.rows

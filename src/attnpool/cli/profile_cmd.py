@@ -11,11 +11,11 @@ from pathlib import Path
 
 from attnpool.bench.profile import ProfileOptions, run_profile
 from attnpool.errors import ConfigError
+from attnpool.kernels.names import GPU_BACKENDS
 from attnpool.model.config import MODEL_PRESETS
 
 PARTS = ("attention", "linear", "comm")
-# "auto" and the GPU kernels of attnpool.kernels.BACKENDS (this module starts without torch).
-PROFILED_BACKENDS = ("auto", "flash", "fa4")
+PROFILED_BACKENDS = ("auto", *GPU_BACKENDS)
 
 
 def add_parser(sub) -> None:

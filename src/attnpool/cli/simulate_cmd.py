@@ -11,12 +11,10 @@ from dataclasses import replace
 from attnpool.cli.common import parse_size
 from attnpool.data.lengths import DISTRIBUTIONS, check_length_list, read_json_file
 from attnpool.errors import ConfigError
+from attnpool.kernels.names import GPU_BACKENDS
 from attnpool.model.config import MODEL_PRESETS
 from attnpool.plan.cost import TOP_LEVEL_BACKEND
 from attnpool.sim.costs import DEFAULT_INTER, DEFAULT_INTRA, Link, load_sim_costs
-
-# The GPU kernels of attnpool.kernels.BACKENDS (this module starts without torch).
-SIMULATED_BACKENDS = ("flash", "fa4")
 from attnpool.sim.simulate import (DEFAULT_EPS_SWEEP, STRATEGY_GROUPS, SimConfig, assumptions, check_eps, expand,
                                    simulate_config, simulate_many)
 
@@ -68,7 +66,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-upsample", action="store_true", help="draw documents plainly instead of the paper's long-document up-sampling")
     p.add_argument("--batch-file", help="JSON list of batches (lists of document lengths) instead of sampling")
     p.add_argument("--profile", help="profile / cost-table JSON (default: the packaged H200 table + built-in assumptions)")
-    p.add_argument("--attention-backend", choices=SIMULATED_BACKENDS, default=TOP_LEVEL_BACKEND,
+    p.add_argument("--attention-backend", choices=GPU_BACKENDS, default=TOP_LEVEL_BACKEND,
                    help="the kernel whose table of the profile costs core attention (flash's stands in for one "
                         f"without a table; default {TOP_LEVEL_BACKEND})")
     p.add_argument("--linear-tflops", type=float, default=None, help="override linear-layer throughput per GPU, TFLOP/s")

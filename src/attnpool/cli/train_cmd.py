@@ -23,24 +23,33 @@ def add_parser(sub) -> None:
 
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
-    """--config and one flag per TrainConfig key (what ``attnpool train`` takes; ``attnpool memory`` too)."""
-    from attnpool.train.config import ALIASES, FIELDS, field_kind
+    """--config and one flag per TrainConfig key, grouped by the config's sections (what ``attnpool train``
+    takes; ``attnpool memory`` too)."""
+    from attnpool.train.config import ALIASES
+    from attnpool.train.sections import SECTIONS, field_kind
 
-    p.add_argument("--config", metavar="FILE.yaml", help="run config (a YAML mapping of the keys below)")
-    for name, f in FIELDS.items():
-        flags = ["--" + key.replace("_", "-") for key in (name, *(a for a, (k, _) in ALIASES.items() if k == name))]
-        kind = field_kind(f)
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        help_text = f.metadata.get("help", "")
-        if "(default:" not in help_text:  # some fields say what their None default means
-            help_text += f" (default: {default})"
-        if kind == "bool":
-            p.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        elif kind == "dict":
-            p.add_argument(*flags, dest=name, nargs="+", metavar="KEY=VALUE", default=None, help=help_text)
-        else:
-            # Kept as text: the config reads numbers (3e-4, 4K) and 'none' itself.
-            p.add_argument(*flags, dest=name, metavar=kind.upper(), default=None, help=help_text)
+    p.add_argument("--config", metavar="FILE.yaml", help="run config: a YAML mapping of the keys below, flat or in "
+                                                         "sections (section: {setting: value})")
+    for section, cls in SECTIONS.items():
+        group = p.add_argument_group(cls.TITLE if cls.TITLE == section else f"{cls.TITLE} (section {section})")
+        for f in dataclasses.fields(cls):
+            _add_key(group, f, ALIASES, field_kind(f))
+
+
+def _add_key(group, f, aliases: dict, kind: str) -> None:
+    name = f.metadata["key"]
+    flags = ["--" + key.replace("_", "-") for key in (name, *(a for a, (k, _) in aliases.items() if k == name))]
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    help_text = f.metadata.get("help", "")
+    if "(default:" not in help_text:  # some fields say what their None default means
+        help_text += f" (default: {default})"
+    if kind == "bool":
+        group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+    elif kind == "dict":
+        group.add_argument(*flags, dest=name, nargs="+", metavar="KEY=VALUE", default=None, help=help_text)
+    else:
+        # Kept as text: the config reads numbers (3e-4, 4K) and 'none' itself.
+        group.add_argument(*flags, dest=name, metavar=kind.upper(), default=None, help=help_text)
 
 
 def _key_values(field: str, items: list[str]) -> dict:
@@ -58,7 +67,8 @@ def _key_values(field: str, items: list[str]) -> dict:
 
 def config_from_args(args: argparse.Namespace):
     """The TrainConfig of --config with the flags applied on top."""
-    from attnpool.train.config import FIELDS, field_kind, load_config
+    from attnpool.train.config import FIELDS, load_config
+    from attnpool.train.sections import field_kind
 
     overrides = {}
     for name, f in FIELDS.items():
@@ -70,7 +80,7 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnpool.train.loop import run as run_training
+    from attnpool.train.launch import run as run_training
 
     # Under torchrun every rank holds the same (agreed) error and says it: torchrun stops the other
     # ranks as soon as one exits, so a rank that stayed silent could cut rank 0 off before it spoke.

@@ -1,12 +1,14 @@
-"""Make every rank agree on a plan before the first collective that depends on it.
+"""Make every rank agree before the first collective that depends on what it checked.
 
-Each rank contributes its plan fingerprint and the result of its own local checks
-(tensor shapes against the plan, world size). One all-gather of a fixed-size
-record, then every rank raises the same error if any rank failed or the plans
-differ: no rank is left waiting in a collective for another that errored.
+:func:`agree_on_plan`: each rank contributes its plan fingerprint and the result of its own local checks
+(tensor shapes against the plan, world size). One all-gather of a fixed-size record, then every rank raises
+the same error if any rank failed or the plans differ: no rank is left waiting in a collective for another
+that errored. :func:`agree` does the same for any check a rank runs on its own (a run's setup).
 """
 
 from __future__ import annotations
+
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -51,3 +53,31 @@ def agree_on_plan(fingerprint_hex: str, problem: str | None, group=None, device=
     if len(prints) > 1:
         raise ConfigError("plan", "fingerprints differ",
                           f"ranks hold {len(prints)} different {subject}; every rank must plan the same batch with the same options")
+
+
+def agree(build):
+    """``build()`` on every rank; if it raises ConfigError on any rank, the same error is raised on every rank."""
+    try:
+        result, problem = build(), None
+    except ConfigError as exc:
+        result, problem = None, portable(exc)
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    failed = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if failed:
+        r, (field, value, text) = failed[0]
+        if len(failed) < len(problems):
+            text = f"{text} (on rank {r}; {len(failed)} of {len(problems)} ranks failed)"
+        raise ConfigError(field, value, text)
+    return result
+
+
+def portable(exc: ConfigError) -> tuple:
+    """(field, value, problem) of ``exc``, the value replaced by its repr if it does not pickle: what another
+    process can raise again."""
+    value = exc.value
+    try:
+        pickle.dumps(value)
+    except Exception:
+        value = repr(value)
+    return exc.field, value, exc.problem

@@ -1,4 +1,4 @@
-"""A rank's process group, and how a rank's process ends.
+"""A rank's process group, whether torchrun started it, and how a rank's process ends.
 
 FSDP2 and DTensor leave references to the process group in PyTorch's own caches
 (sharding propagation, redistribute planners), so ``destroy_process_group()``
@@ -37,6 +37,11 @@ def process_group(backend: str, **kwargs):
         yield
     finally:
         dist.destroy_process_group()
+
+
+def under_torchrun() -> bool:
+    """Whether this process is one of torchrun's workers (torchrun sets its rank and world in the environment)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
 def opened_process_group() -> bool:

@@ -50,7 +50,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from attnpool.data.sources import DocumentSource, _check_seed
+from attnpool.data.sources import DocumentSource, check_seed
 from attnpool.errors import ConfigError
 from attnpool.sizes import parse_size
 
@@ -248,7 +248,7 @@ class RetrievalSource(DocumentSource):
         self.tasks = parse_tasks(task)
         self.shape = TaskShape(context, key_len, num_keys, hops, queries)
         self.num_docs = _int_option("num_docs", num_docs, 1)
-        self.seed = _check_seed("seed", seed)
+        self.seed = check_seed("seed", seed)
         self._lengths = np.full(self.num_docs, self.shape.context, dtype=np.int64)
         if min_context is not None:
             # (at least what the tasks need, at most the context)

@@ -19,7 +19,6 @@ cheaply as the source can. :class:`attnpool.data.batch.DocumentStream` needs onl
 from __future__ import annotations
 
 import glob
-import inspect
 import json
 import os
 import sysconfig
@@ -66,7 +65,7 @@ class DocumentSource:
         return i
 
 
-def _check_seed(field: str, seed) -> int:
+def check_seed(field: str, seed) -> int:
     if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
         raise ConfigError(field, seed, "must be a non-negative integer")
     return int(seed)
@@ -86,7 +85,7 @@ class SyntheticSource(DocumentSource):
                  options: SamplingOptions | dict = SamplingOptions()):
         if not isinstance(vocab_size, (int, np.integer)) or isinstance(vocab_size, bool) or vocab_size < 1:
             raise ConfigError("vocab_size", vocab_size, "must be a positive integer")
-        self.seed = _check_seed("seed", seed)
+        self.seed = check_seed("seed", seed)
         self.vocab_size = int(vocab_size)
         if isinstance(options, dict):  # from a YAML file or --data-args
             try:
@@ -351,34 +350,3 @@ def stdlib_corpus() -> TextFileSource:
     files differ between Python versions, so all ranks must run the same Python.
     """
     return TextFileSource(sysconfig.get_paths()["stdlib"], suffixes=(".py",), exclude_dirs=STDLIB_EXCLUDED_DIRS)
-
-
-SOURCES = {
-    "synthetic": SyntheticSource,
-    "text": TextFileSource,
-    "npy": NpySource,
-    "jsonl": JsonlSource,
-    "stdlib": stdlib_corpus,
-}
-
-
-def make_source(kind: str, **options) -> DocumentSource:
-    """Build a source by name (``synthetic``, ``text``, ``npy``, ``jsonl``, ``stdlib``, ``retrieval``, or ``hf``:
-    a ``datasets`` dataset, attnpool.data.hf_dataset) from keyword options."""
-    if kind == "hf":
-        from attnpool.data.hf_dataset import HFDatasetSource as build  # imports datasets only when used
-    elif kind not in SOURCES:
-        raise ConfigError("source", kind, f"unknown; choose one of {', '.join(SOURCES)}, hf")
-    else:
-        build = SOURCES[kind]
-    try:
-        inspect.signature(build).bind(**options)
-    except TypeError as exc:
-        raise ConfigError(f"source.{kind}", sorted(options), f"bad options: {exc}") from None
-    return build(**options)
-
-
-# Task sources build on DocumentSource above (and import it from here), so they register last.
-from attnpool.data.retrieval import RetrievalSource  # noqa: E402
-
-SOURCES["retrieval"] = RetrievalSource

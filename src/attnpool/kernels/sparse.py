@@ -31,7 +31,7 @@ import torch
 
 from attnpool.errors import ConfigError
 from attnpool.kernels.base import Backend, check_inputs, default_scale, last_dim_contiguous
-from attnpool.sparse.pattern import VerticalSlashPattern, _excl_cumsum, _slot_owner
+from attnpool.sparse.pattern import VerticalSlashPattern, exclusive_cumsum, slot_owner
 
 VERTICAL_CHUNK = 64  # vertical columns gathered per kernel step on GPUs
 DELTA_ROWS = 64  # query rows per program of the backward's rowsum(dout * out)
@@ -126,8 +126,8 @@ class SparseIndex:
         i1 = torch.where(q_len > 0, (k_len + B - 1) // B, i0).clamp(min=i0)
 
         def programs(count, bound):
-            off = _excl_cumsum(count)
-            seg = _slot_owner(off, bound)
+            off = exclusive_cumsum(count)
+            seg = slot_owner(off, bound)
             segc = seg.clamp(max=max(S - 1, 0))
             local = torch.arange(bound, device=dev) - off[segc]
             return seg, segc, local, seg < S

@@ -11,44 +11,16 @@ applied from outside the model, as ``compile`` and activation checkpointing are.
   backward only scales them. On one H200 (Llama 3's head, 128K tokens): 640 ms against 1150 ms forward +
   backward, and less memory (bench/results/2026-11-26-h200-fa4.md). CUDA only; not with tensor
   parallelism (the head's weight is then a vocabulary-split DTensor).
-- ``auto``: liger where it imports on a CUDA run with tp = 1, else chunked.
+- ``auto``: liger where it imports on a CUDA run with tp = 1, else chunked (attnpool.model.loss_kernels
+  chooses; it holds no torch, for the config).
 """
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 from torch import Tensor
 
-from attnpool.errors import ConfigError
 from attnpool.model.llama import IGNORE_INDEX, chunked_cross_entropy
-
-LOSS_KERNELS = ("auto", "liger", "chunked")
-
-
-def liger_problem(device_type: str, tp: int) -> str | None:
-    """Why Liger's fused loss cannot run here, or None."""
-    if device_type != "cuda":
-        return f"Liger-Kernel's Triton kernels run on CUDA GPUs, and this run is on {device_type}"
-    if tp > 1:
-        return f"with tensor parallelism (tp={tp}) the head's weight is split by vocabulary; use chunked"
-    if importlib.util.find_spec("liger_kernel") is None:
-        return "liger_kernel is not installed (pip install 'attnpool[hopper]', or pip install liger-kernel)"
-    return None
-
-
-def resolve_loss_kernel(name: str, device_type: str, tp: int = 1) -> str:
-    """``liger`` or ``chunked`` for the configured ``loss_kernel``; a ConfigError naming loss_kernel where
-    ``liger`` is asked for and cannot run."""
-    if name not in LOSS_KERNELS:
-        raise ConfigError("loss_kernel", name, f"choose one of {', '.join(LOSS_KERNELS)}")
-    problem = liger_problem(device_type, tp)
-    if name == "liger" and problem is not None:
-        raise ConfigError("loss_kernel", name, problem)
-    if name == "auto":
-        return "chunked" if problem is not None else "liger"
-    return name
 
 
 def liger_cross_entropy(h: Tensor, weight: Tensor, labels: Tensor) -> Tensor:

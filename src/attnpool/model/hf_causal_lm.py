@@ -20,19 +20,17 @@ window (``max_doc_len`` <= the window: then the window never cuts anything off).
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from attnpool.errors import ConfigError
 from attnpool.model.config import ModelConfig
 from attnpool.model.llama import chunked_cross_entropy
+from attnpool.model.spec import ADAPTER_CANNOT, HF_PREFIX, ModelSpec
 
-HF_MODEL_PREFIX = "hf:"
 ATTENTION_NAME = "attnpool"
 
 # model_type -> its family. Each was read in transformers 5.24's modeling code: between the embedding and
@@ -50,25 +48,53 @@ SUPPORTED_MODEL_TYPES = {
 }
 
 
-def hf_model_dir(model: str) -> str | None:
-    """DIR of a ``model`` setting ``hf:DIR``; None for attnpool's own presets."""
-    return model[len(HF_MODEL_PREFIX):] if model.startswith(HF_MODEL_PREFIX) else None
-
-
-@dataclass
-class HFModelSpec:
-    """A Hugging Face model directory, checked: its config, and attnpool's view of its shape."""
+@dataclass(frozen=True, eq=False)
+class HFAdapterSpec(ModelSpec):
+    """A Hugging Face model directory, checked, as the model spec of transformers' own model behind attnpool's
+    core attention: its config, and attnpool's view of its shape."""
 
     path: str
     hf_config: object  # transformers.PretrainedConfig
     # The shape the planner, the cost model and the memory model see (heads, head_dim, layers, widths):
     # a Llama-shaped approximation of the architecture, exact in the attention's shape.
-    model_config: ModelConfig
+    config: ModelConfig
     has_weights: bool  # *.safetensors in the directory: from_pretrained; else random weights from the config
+    cannot = ADAPTER_CANNOT
+    writes_hf_export = True
+
+    @property
+    def name(self) -> str:
+        return HF_PREFIX + self.path
+
+    @property
+    def tokenizer_dir(self) -> str:
+        return self.path
 
     @property
     def architecture(self) -> str:
         return _architecture(self.hf_config)
+
+    def build(self, device: torch.device | str) -> "HFCausalLM":
+        """Built whole on every rank from the directory's weights (or, without any, from the config with the
+        global RNG: seed before calling, and every rank starts from the same weights)."""
+        return build_hf_model(self, device)
+
+    def build_empty(self, device: torch.device | str) -> "HFCausalLM":
+        return build_hf_model(self, device)  # (its rotary embedding's buffers need their values)
+
+    def materialize(self, model: nn.Module, device: torch.device, seed: int, storage: torch.device | None = None):
+        """Nothing: the weights came with the build."""
+
+    def num_params(self, model: nn.Module | None = None) -> int:
+        return sum(p.numel() for p in (model if model is not None else meta_model(self)).parameters())
+
+    def state_shapes(self) -> dict[str, tuple]:
+        return hf_state_shapes(self)
+
+    def save_hf(self, model: "HFCausalLM", state: dict, directory: str, dtype: torch.dtype | None = None,
+                tokenizer_dir: str | None = None) -> None:
+        """``dtype`` None: the one config.json names (what the user brought), else float32."""
+        save_hf_export(model, state, directory, dtype or export_dtype(self), tokenizer_dir)
 
 
 def _architecture(hf_config) -> str:
@@ -76,11 +102,11 @@ def _architecture(hf_config) -> str:
     return architectures[0] if architectures else hf_config.__class__.__name__.replace("Config", "")
 
 
-def load_hf_spec(path: str, max_doc_len: int | None = None) -> HFModelSpec:
+def load_hf_spec(path: str, max_doc_len: int | None = None) -> HFAdapterSpec:
     """Read and check ``path``'s config.json (refused with ConfigError naming the model, the architecture and
     the feature attnpool cannot run). Nothing is downloaded: ``path`` is a local directory."""
     field = "model"
-    value = HF_MODEL_PREFIX + path
+    value = HF_PREFIX + path
     if not os.path.isdir(path):
         raise ConfigError(field, value, "no such directory (hf: takes a local model directory)")
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -98,7 +124,7 @@ def load_hf_spec(path: str, max_doc_len: int | None = None) -> HFModelSpec:
     if problem is not None:
         raise ConfigError(field, value, problem)
     has_weights = any(name.endswith(".safetensors") for name in os.listdir(path))
-    return HFModelSpec(path, hf_config, planning_config(hf_config), has_weights)
+    return HFAdapterSpec(path, hf_config, planning_config(hf_config), has_weights)
 
 
 def hf_model_problem(hf_config, max_doc_len: int | None = None) -> str | None:
@@ -243,15 +269,8 @@ class HFCausalLM(nn.Module):
             return hidden
         return self.hf.get_output_embeddings()(hidden)
 
-    def checkpoint_layers(self) -> None:
-        """Recompute each decoder layer in backward (activation checkpointing ``full``), through transformers'
-        own per-layer hook (GradientCheckpointingLayer), non-reentrant as attnpool's."""
-        for layer in self.hf.model.layers:
-            layer.gradient_checkpointing = True
-            layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
 
-
-def build_hf_model(spec: HFModelSpec, device: torch.device | str = "cpu") -> HFCausalLM:
+def build_hf_model(spec: HFAdapterSpec, device: torch.device | str = "cpu") -> HFCausalLM:
     """The model in float32 (the master weights; compute may run in bf16 under autocast and FSDP2's mixed
     precision), from the directory's safetensors or, without any, initialised from the config by
     transformers (seed before calling: every rank then starts from the same weights)."""
@@ -282,17 +301,20 @@ def _without_progress_bars():
             hf_logging.enable_progress_bar()
 
 
-def hf_state_shapes(spec: HFModelSpec) -> dict[str, tuple]:
-    """Name -> shape of every entry of the model's state dict (built on the meta device: nothing allocated),
-    to check a checkpoint against before loading it."""
+def meta_model(spec: HFAdapterSpec) -> HFCausalLM:
+    """The model built on the meta device from the config: its names and shapes, nothing allocated or read."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = HFCausalLM(AutoModelForCausalLM.from_config(spec.hf_config, dtype=torch.float32))
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        return HFCausalLM(AutoModelForCausalLM.from_config(spec.hf_config, dtype=torch.float32))
 
 
-def export_dtype(spec: HFModelSpec) -> torch.dtype:
+def hf_state_shapes(spec: HFAdapterSpec) -> dict[str, tuple]:
+    """Name -> shape of every entry of the model's state dict, to check a checkpoint against before loading it."""
+    return {name: tuple(t.shape) for name, t in meta_model(spec).state_dict().items()}
+
+
+def export_dtype(spec: HFAdapterSpec) -> torch.dtype:
     """The dtype of the export: the one config.json names (what the user brought), else float32."""
     dtype = getattr(spec.hf_config, "dtype", None) or getattr(spec.hf_config, "torch_dtype", None)
     if isinstance(dtype, str):

@@ -15,13 +15,17 @@ differently, e.g. keep the first ones dense under sparse attention), returning
 (T, H_q, D), causal within each document with scale ``D ** -0.5``. The model
 does not know who computes it, or where.
 
-Parallelism is applied from outside (TorchTitan style): ``model.layers`` maps each
-block's index (as a string) to the block, so FSDP2's ``fully_shard`` can wrap each
-block, ``apply_activation_checkpointing`` turns on recomputation per block, and a
-pipeline stage is this model with the blocks, embedding or head it does not run
-deleted (attnpool.parallel.pipeline): a model without an embedding takes hidden
-states as its input, one without a final norm returns them, and every weight keeps
-its name.
+Parallelisms and schedules are applied from outside (TorchTitan style,
+attnpool.parallel.parallelize): ``model.layers`` maps each block's index (as a
+string) to the block, so FSDP2's ``fully_shard`` can wrap each block; a block's two
+linear parts around core attention are methods of their own
+(``TransformerBlock.before_attention`` and ``after_attention``), which activation
+checkpointing recomputes, compile compiles and ping-pong interleaves
+(attnpool.parallel.pingpong) without this file knowing; ``prepare`` and ``head`` are
+the model's parts before and after its layers. A pipeline stage is this model with
+the blocks, embedding or head it does not run deleted (attnpool.parallel.pipeline):
+a model without an embedding takes hidden states as its input, one without a final
+norm returns them, and every weight keeps its name.
 """
 
 from __future__ import annotations
@@ -148,7 +152,10 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """x + attention(norm(x)), then h + mlp(norm(h)), with core attention passed in."""
+    """x + attention(norm(x)), then h + mlp(norm(h)), with core attention passed in.
+
+    ``forward`` is the plain order of the block's parts; whatever runs them otherwise (recomputed,
+    compiled, interleaved with another nano-batch's) calls the parts themselves."""
 
     def __init__(self, config: ModelConfig, layer_id: int = 0):
         super().__init__()
@@ -157,61 +164,18 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(config)
         self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
         self.mlp = FeedForward(config)
-        # None, "layer" (recompute everything) or "linear" (recompute all but
-        # core attention); set by apply_activation_checkpointing.
-        self.recompute: str | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, core_attention: CoreAttention) -> Tensor:
-        if isinstance(x, (list, tuple)):  # ping-pong: one list entry per nano-batch
-            if self.recompute == "layer":
-                # A checkpoint saves its tensor arguments through autograd, where activation offload sees
-                # them, but keeps any other argument (a list of tensors too) as it is, on the GPU: so the
-                # nano-batches' tensors go in one by one.
-                n = len(x)
-                return list(checkpoint(self._forward_interleaved_flat, n, core_attention, *x, *cos, *sin,
-                                       use_reentrant=False))
-            return self._forward_interleaved(x, cos, sin, core_attention)
-        if self.recompute == "layer":
-            return checkpoint(self._forward, x, cos, sin, core_attention, use_reentrant=False)
-        return self._forward(x, cos, sin, core_attention)
-
-    def _forward_interleaved_flat(self, n: int, attentions, *tensors):
-        return self._forward_interleaved(tensors[:n], tensors[n:2 * n], tensors[2 * n:], attentions)
-
-    def _linear(self, fn, *rows):
-        """Run a linear part; with recompute == "linear" keep only its inputs and redo it in
-        backward, ``LINEAR_CHUNK_TOKENS`` tokens at a time. Core attention between the linear
-        parts runs once either way."""
-        if self.recompute == "linear":
-            return recompute_in_chunks(fn, LINEAR_CHUNK_TOKENS, *rows)
-        return fn(*rows)
-
-    def _forward(self, x, cos, sin, core_attention):
-        q, k, v = self._linear(self._qkv, x, cos, sin)  # linear in tokens: stays on this rank
+        q, k, v = self.before_attention(x, cos, sin)  # linear in tokens: stays on this rank
         out = core_attention(q, k, v, layer=self.layer_id)  # quadratic in document length: runs wherever the plan says
-        return self._linear(self._output_and_mlp, x, out)  # linear again
+        return self.after_attention(x, out)  # linear again
 
-    def _forward_interleaved(self, xs, coss, sins, attentions):
-        """Several nano-batches, each with its own core attention in three phases.
-
-        While one nano-batch's Q/KV or outputs are on the wire, the next computes:
-        all QKV projections and dispatches first, then every kernel (each launching
-        its outputs back), then every output projection and MLP. Autograd runs the
-        mirror image in backward.
-        """
-        pending = []
-        for x, cos, sin, attention in zip(xs, coss, sins, attentions):
-            q, k, v = self._linear(self._qkv, x, cos, sin)
-            pending.append(attention.dispatch(q, k, v, layer=self.layer_id))
-        for attention, p in zip(attentions, pending):
-            attention.compute(p)
-        return [self._linear(self._output_and_mlp, x, attention.collect(p))
-                for x, attention, p in zip(xs, attentions, pending)]
-
-    def _qkv(self, x, cos, sin):
+    def before_attention(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The linear part before core attention: norm, Q/K/V projections, RoPE."""
         return self.attention(self.attention_norm(x), cos, sin)
 
-    def _output_and_mlp(self, x, attention_out):
+    def after_attention(self, x: Tensor, attention_out: Tensor) -> Tensor:
+        """The linear part after core attention: output projection, residual, norm, SwiGLU MLP, residual."""
         h = x + self.attention.o_proj(attention_out.flatten(1))
         return h + self.mlp(self.mlp_norm(h))
 
@@ -307,24 +271,35 @@ class Transformer(nn.Module):
         """Logits (T, vocab_size) for tokens (T,) at in-document positions (T,).
 
         ``attention(q, k, v)`` is core attention for this rank's tokens (see the
-        module docstring). With ``return_hidden=True`` the final normed hidden
-        states (T, dim) come back instead, so a loss can be computed in chunks
-        against ``output_weight`` without holding all T x vocab logits.
+        module docstring). With ``labels`` the summed token loss comes back instead, computed
+        by ``cross_entropy`` against ``output_weight`` (in chunks: never all T x vocab
+        logits at once); with ``return_hidden=True`` the final normed hidden states (T, dim).
         Without an embedding (a later pipeline stage) ``tokens`` are hidden
         states; without a final norm (an earlier one) the hidden states come back.
         """
+        h, cos, sin = self.prepare(tokens, positions)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, attention)
+        return self.head(h, labels=labels, return_hidden=return_hidden)
+
+    def prepare(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """What the layers take: the embedded tokens (hidden states as they are, without an embedding) and
+        every token's RoPE cos and sin, computed once per step and shared by every layer."""
         if isinstance(tokens, (list, tuple)):
-            return self._forward_nanobatches(tokens, positions, attention, return_hidden, labels)
+            raise ConfigError("tokens", f"a list of {len(tokens)}", "must be one flat sequence (T,); nano-batches run "
+                                                                   "through attnpool.parallel.pingpong.pingpong_forward")
         if self.embed is not None and tokens.dim() != 1:
             raise ConfigError("tokens", tuple(tokens.shape), "must be one flat sequence (T,)")
         if positions.dim() != 1 or (self.embed is not None and positions.shape != tokens.shape):
             raise ConfigError("positions", tuple(positions.shape), f"must match tokens' shape {tuple(tokens.shape)}")
         if positions.dtype.is_floating_point or positions.dtype == torch.bool:
             raise ConfigError("positions", positions.dtype, "must be integer positions within each document")
-        cos, sin = rope_cos_sin(positions, self.config)  # once per step, shared by every layer
-        h = self.embed(tokens) if self.embed is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, cos, sin, attention)
+        cos, sin = rope_cos_sin(positions, self.config)
+        return (self.embed(tokens) if self.embed is not None else tokens), cos, sin
+
+    def head(self, h: Tensor, *, labels: Tensor | None = None, return_hidden: bool = False) -> Tensor:
+        """After the layers: the final norm, then the summed loss of ``labels``, the normed hidden states, or the
+        logits (without a final norm, an earlier pipeline stage's, the hidden states as they are)."""
         if self.norm is None:
             return h
         h = self.norm(h)
@@ -335,29 +310,6 @@ class Transformer(nn.Module):
         return F.linear(h, self.output_weight)
 
 
-    def _forward_nanobatches(self, tokens, positions, attentions, return_hidden, labels):
-        """Ping-pong: lists of nano-batches (tokens, positions, core attention with phases)
-        interleaved layer by layer; returns a list of outputs (losses with ``labels``).
-        Same function as running each nano-batch alone."""
-        if not (len(tokens) == len(positions) == len(attentions)):
-            raise ConfigError("nano-batches", (len(tokens), len(positions), len(attentions)),
-                              "need one positions tensor and one core attention per nano-batch")
-        coss, sins = zip(*(rope_cos_sin(p, self.config) for p in positions))
-        hs = [self.embed(t) for t in tokens]
-        for layer in self.layers.values():
-            hs = layer(hs, coss, sins, attentions)
-        hs = [self.norm(h) for h in hs]
-        if labels is not None:
-            return [self.cross_entropy(h, self.output_weight, y) for h, y in zip(hs, labels)]
-        return hs if return_hidden else [F.linear(h, self.output_weight) for h in hs]
-
-
-# The linear parts of a layer act on each token alone, so their recompute (activation checkpointing's
-# keep_attention) can run a chunk of tokens at a time: what the recompute and its backward hold at once
-# (the MLP's four ffn_dim-wide intermediates and their gradients, RoPE's float32 copies) is then one
-# chunk's, not the whole sequence's: at 256K tokens of Llama-3-8B about 1.5 GiB instead of 45. The
-# chunk's matrix products stay large enough to run at full speed.
-LINEAR_CHUNK_TOKENS = 8192
 # The loss computes one chunk of logits at a time; a chunk's float32 logits take at most this many
 # bytes (its backward holds a few such buffers at once).
 LOSS_CHUNK_LOGIT_BYTES = 1 << 30
@@ -370,22 +322,6 @@ def loss_chunk_tokens(vocab_size: int) -> int:
     (2048 for Llama 3's vocabulary of 128256; at least 256)."""
     fits = LOSS_CHUNK_LOGIT_BYTES // (4 * vocab_size)
     return max(256, 1 << (fits.bit_length() - 1)) if fits else 256
-
-
-def recompute_in_chunks(fn, chunk_tokens: int, *rows: Tensor):
-    """``fn(*rows)`` for a function that treats each token (row) alone, run ``chunk_tokens`` rows at a
-    time under activation checkpointing: forward keeps only the inputs, backward recomputes and
-    differentiates one chunk at a time. ``fn`` returns a tensor or a tuple of tensors, concatenated
-    over the chunks. (``split``, not slicing: its backward assembles the input's gradient in one
-    copy, where each slice's would fill a zero tensor of the whole input.) Inputs of different lengths
-    (a sequence shard beside the whole sequence's RoPE angles, under sequence parallelism) cannot be
-    chunked alike: they run whole."""
-    if rows[0].shape[0] <= chunk_tokens or any(r.shape[0] != rows[0].shape[0] for r in rows):
-        return checkpoint(fn, *rows, use_reentrant=False)
-    parts = [checkpoint(fn, *chunk, use_reentrant=False) for chunk in zip(*(r.split(chunk_tokens) for r in rows))]
-    if isinstance(parts[0], tuple):
-        return tuple(torch.cat(outputs) for outputs in zip(*parts))
-    return torch.cat(parts)
 
 
 def _cross_entropy_sum(h: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
@@ -403,20 +339,3 @@ def chunked_cross_entropy(h: Tensor, weight: Tensor, labels: Tensor, chunk: int 
     chunk = chunk or loss_chunk_tokens(weight.shape[0])
     return sum(checkpoint(_cross_entropy_sum, h_chunk, weight, labels_chunk, use_reentrant=False)
                for h_chunk, labels_chunk in zip(h.split(chunk), labels.split(chunk)))
-
-
-def apply_activation_checkpointing(model: Transformer, recompute_attention: bool = True) -> None:
-    """Recompute each block's activations in backward instead of keeping them.
-
-    ``recompute_attention=True`` keeps only each block's input, and runs the
-    whole block again in backward, core attention and its communication
-    included. ``False`` keeps what core attention saves for its backward and
-    its output as well, and recomputes only the linear parts, a chunk of
-    ``LINEAR_CHUNK_TOKENS`` tokens at a time: more memory kept, but core
-    attention, the expensive and possibly remote part, runs once, and the
-    recompute never holds a whole sequence's MLP intermediates. Apply
-    before ``fully_shard`` or after; either way the checkpoint sits inside the
-    FSDP unit.
-    """
-    for layer in model.layers.values():
-        layer.recompute = "layer" if recompute_attention else "linear"

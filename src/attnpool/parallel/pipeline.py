@@ -1,8 +1,8 @@
 """Pipeline parallelism: the model cut into stages by layers, run by ``torch.distributed.pipelining``.
 
-A stage is the model with the other stages' layers deleted (``PipelineStageModel``, a Transformer: its
-weights keep their names, so checkpoints reshard across pipeline sizes); the first stage also holds the
-embedding, the last the final norm, the output projection and the loss. Stages are balanced by compute:
+A stage is the model with the other stages' layers deleted (:func:`as_stage`: its weights keep their names, so
+checkpoints reshard across pipeline sizes); the first stage also holds the embedding, the last the final norm,
+the output projection and the loss. Stages are balanced by compute:
 every layer counts one, the output projection and loss as many layers as their matrix products weigh
 against a layer's (``head_layers``), so the last stage gets fewer layers. Each pipeline rank holds one
 stage (``1f1b``, ``gpipe``) or two (``interleaved-1f1b``: stages r and r + pp). torch's zero-bubble
@@ -22,9 +22,9 @@ import copy
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from attnpool.model import ModelConfig, Transformer
+from attnpool.model import ModelConfig
 from attnpool.parallel.pooled_pipeline import POOLED
 
 # name -> (torch's name for the schedule, stages per pipeline rank)
@@ -111,27 +111,35 @@ def pipeline_problem(cfg: ModelConfig, pp: int, schedule: str, microbatches: int
     return None
 
 
-class PipelineStageModel(Transformer):
-    """One pipeline stage: a Transformer whose other stages' parts are deleted (``keep_stage``), called
-    the way the pipeline schedule calls it: hidden states (tokens on the first stage) as the argument,
-    the rest by keyword, one micro-batch at a time."""
+def as_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
+    """``model`` (attnpool's Transformer, not yet parallelized) as one pipeline stage, in place: the other stages'
+    blocks deleted, and the embedding (unless ``first``) or the final norm and output projection (unless ``last``);
+    called as torch's schedules call a stage (:class:`StageForward`)."""
+    for key in [k for k in model.layers if int(k) not in layers]:
+        del model.layers[key]
+    if not first:
+        model.embed = None
+    if not last:
+        model.norm = None
+        model.lm_head = None
+    model.forward = StageForward(model.forward, last)
+    return model
 
-    def keep_stage(self, layers: range, first: bool, last: bool) -> "PipelineStageModel":
-        for key in [k for k in self.layers if int(k) not in layers]:
-            del self.layers[key]
-        if not first:
-            self.embed = None
-        if not last:
-            self.norm = None
-            self.lm_head = None
-        return self
 
-    def forward(self, x: Tensor, *, positions: Tensor, microbatch: Tensor, attentions: tuple, labels: Tensor,
-                loss_scale: float) -> Tensor:
+class StageForward:
+    """A stage's forward the way the pipeline schedule calls it: hidden states (tokens on the first stage) as the
+    argument, the rest by keyword, one micro-batch at a time; the micro-batch's index picks its core attention.
+    The last stage returns the micro-batch's summed token loss times ``loss_scale``."""
+
+    def __init__(self, forward, last: bool):
+        self.forward, self.last = forward, last
+
+    def __call__(self, x: Tensor, *, positions: Tensor, microbatch: Tensor, attentions: tuple, labels: Tensor,
+                 loss_scale: float) -> Tensor:
         attention = attentions[int(microbatch)]
-        if self.norm is None:
-            return super().forward(x, positions, attention)
-        return super().forward(x, positions, attention, labels=labels) * loss_scale
+        if not self.last:
+            return self.forward(x, positions, attention)
+        return self.forward(x, positions, attention, labels=labels) * loss_scale
 
 
 def schedule_stage_layers(cfg: ModelConfig, schedule: str, pp: int) -> list[range]:
@@ -146,9 +154,8 @@ def rank_layers(cfg: ModelConfig, schedule: str, pp: int, pp_rank: int = 0) -> l
     return [len(ranges[s]) for s in rank_stages(schedule, pp, pp_rank)]
 
 
-def build_stage_models(model: PipelineStageModel, schedule: str, pp: int, pp_rank: int) -> tuple[list[int],
-                                                                                                 list[PipelineStageModel]]:
-    """This pipeline rank's stages of ``model`` (a whole model, not yet sharded): their indices and modules
+def build_stage_models(model: nn.Module, schedule: str, pp: int, pp_rank: int) -> tuple[list[int], list[nn.Module]]:
+    """This pipeline rank's stages of ``model`` (a whole model, not yet parallelized): their indices and modules
     (copies where the rank holds two)."""
     stage_ids = rank_stages(schedule, pp, pp_rank)
     num_stages = pp * stages_per_rank(schedule)
@@ -156,7 +163,7 @@ def build_stage_models(model: PipelineStageModel, schedule: str, pp: int, pp_ran
     models = []
     for i, s in enumerate(stage_ids):
         stage = model if i == len(stage_ids) - 1 else copy.deepcopy(model)
-        models.append(stage.keep_stage(ranges[s], s == 0, s == num_stages - 1))
+        models.append(as_stage(stage, ranges[s], s == 0, s == num_stages - 1))
     return stage_ids, models
 
 
@@ -169,7 +176,7 @@ class PipelineRunner:
     num_stages: int
 
     @classmethod
-    def build(cls, stage_ids: list[int], models: list[PipelineStageModel], schedule: str, microbatches: int,
+    def build(cls, stage_ids: list[int], models: list[nn.Module], schedule: str, microbatches: int,
               tokens: int, hidden: tuple[int, ...], hidden_dtype: torch.dtype, device: torch.device, group):
         """``tokens``: a dp rank's tokens per micro-batch (the first stage's input); ``hidden``: the shape of
         the hidden states a stage passes on (per tp rank)."""
@@ -218,13 +225,13 @@ class PipelineRunner:
         return total.full_tensor() if hasattr(total, "full_tensor") else total
 
 
-def merged_stages(models: list[Transformer]) -> torch.nn.Module:
+def merged_stages(models: list[nn.Module]) -> nn.Module:
     """A rank's stages as one module holding their parts under the whole model's names (for
     checkpoints and optimizers); the stage itself where the rank holds one."""
     if len(models) == 1:
         return models[0]
-    merged = torch.nn.Module()
-    merged.layers = torch.nn.ModuleDict({key: layer for m in models for key, layer in m.layers.items()})
+    merged = nn.Module()
+    merged.layers = nn.ModuleDict({key: layer for m in models for key, layer in m.layers.items()})
     for name in ("embed", "norm", "lm_head"):
         part = next((getattr(m, name) for m in models if getattr(m, name) is not None), None)
         if part is not None:

@@ -85,7 +85,7 @@ def pooled_table(tables: Sequence[PieceTable], tick: int, stages: int) -> PieceT
 class PooledPipelineRunner:
     """One pipeline rank's stage under the pooled schedule (see the module's docstring).
 
-    ``model``: the stage (a PipelineStageModel, sharded); ``slot_layers``: its layers' indices in order;
+    ``model``: the stage (attnpool.parallel.pipeline.as_stage, parallelized); ``slot_layers``: its layers' indices in order;
     ``stage``/``stages``: this rank's stage and how many there are; ``pp_peers``: the global ranks of this
     rank's (dp, tp) index on every stage, in stage order (where hidden states and their gradients go);
     ``hidden``/``hidden_dtype``: what a stage passes on; ``heads``: (query heads, KV heads, head dim) of

@@ -44,14 +44,14 @@ from attnpool.plan.documents import ranges
 from attnpool.sparse.config import SparseConfig
 
 
-def _excl_cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+def exclusive_cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Exclusive prefix sum with one more entry: out[..., i] = sum(x[..., :i])."""
     c = torch.cumsum(x, dim=dim)
     pad = [0, 0] * (x.dim() - 1 - (dim % x.dim())) + [1, 0]
     return torch.nn.functional.pad(c, pad)
 
 
-def _slot_owner(offsets: torch.Tensor, n_slots: int) -> torch.Tensor:
+def slot_owner(offsets: torch.Tensor, n_slots: int) -> torch.Tensor:
     """Which segment each of ``n_slots`` flat slots belongs to (len(offsets)-1 for unused ones)."""
     slots = torch.arange(n_slots, device=offsets.device, dtype=offsets.dtype)
     return torch.searchsorted(offsets[1:].contiguous(), slots, right=True)
@@ -79,11 +79,11 @@ class VerticalSlashPattern:
         H, nbt = self.slash.shape
         D = self.num_docs
         dev = self.slash.device
-        blk_doc = _slot_owner(self.blk_off, nbt)  # (NB_total,) in [0, D]
+        blk_doc = slot_owner(self.blk_off, nbt)  # (NB_total,) in [0, D]
         base = torch.cat([self.blk_off[:-1], self.blk_off[-1:]])[blk_doc]
         local = torch.arange(nbt, device=dev) - base  # Delta of each slot
         set_bits = self.slash.to(torch.int64)
-        excl = _excl_cumsum(set_bits, 1)  # (H, NB_total + 1)
+        excl = exclusive_cumsum(set_bits, 1)  # (H, NB_total + 1)
         n_slash = (excl[:, self.blk_off[1:]] - excl[:, self.blk_off[:-1]]).T  # (D, H)
         # Sorted list of each (doc, head)'s diagonals, compacted in its block slots.
         rank = excl[:, :-1] - excl[:, base]
@@ -96,7 +96,7 @@ class VerticalSlashPattern:
         run = torch.zeros(D + 1, H, dtype=torch.int64, device=dev).index_add_(0, blk_doc, in_run.T)[:D]
         # Verticals per key block, for prefix counts.
         nvt = self.vert.shape[1]
-        vert_doc = _slot_owner(self.vert_off, nvt)
+        vert_doc = slot_owner(self.vert_off, nvt)
         vdoc = vert_doc.clamp(max=max(D - 1, 0))
         vlocal = torch.arange(nvt, device=dev) - self.vert_off[vdoc]
         if D:
@@ -106,7 +106,7 @@ class VerticalSlashPattern:
             valid = torch.zeros(H, nvt, dtype=torch.bool, device=dev)
             slot = torch.full((H, nvt), nbt, dtype=torch.int64, device=dev)
         vhist = torch.zeros(H, nbt + 1, dtype=torch.int64, device=dev).scatter_add_(1, slot, valid.to(torch.int64))
-        vexcl = _excl_cumsum(vhist[:, :nbt], 1)
+        vexcl = exclusive_cumsum(vhist[:, :nbt], 1)
         for name, value in (("blk_doc", blk_doc), ("slash_excl", excl), ("n_slash", n_slash), ("slash_list", lst),
                             ("run", run), ("vert_excl", vexcl), ("vert_doc", vert_doc)):
             object.__setattr__(self, name, value)
@@ -176,11 +176,11 @@ class VerticalSlashPattern:
         blk = key // B
         lo = torch.minimum(torch.clamp(q_first // B - blk, min=0), nb)
         hi = torch.minimum(q_last // B - blk, nb - 1)
-        diag = _excl_cumsum(self.slash.any(0).to(torch.int64))  # union of the heads' diagonals
+        diag = exclusive_cumsum(self.slash.any(0).to(torch.int64))  # union of the heads' diagonals
         base = self.blk_off[doc]
         slash_hit = (hi >= lo) & (diag[base + hi + 1] - diag[base + lo] > 0)
         # Union of the heads' columns as a per-token table over the documents, end to end.
-        tok_off = _excl_cumsum(self.doc_len)
+        tok_off = exclusive_cumsum(self.doc_len)
         nvt = self.vert.shape[1]
         vdoc = self.vert_doc.clamp(max=max(D - 1, 0))
         slot = torch.arange(nvt, device=dev) - self.vert_off[vdoc]
@@ -330,9 +330,9 @@ class _Chunks:
         n_ch = (k_len + size - 1) // size
         if include is not None:
             n_ch = torch.where(include, n_ch, 0)
-        off = _excl_cumsum(n_ch)
+        off = exclusive_cumsum(n_ch)
         nch = T_k // size + S if num is None else num
-        seg = _slot_owner(off, nch)
+        seg = slot_owner(off, nch)
         seg_c = seg.clamp(max=max(S - 1, 0))
         start = (torch.arange(nch, device=dev) - off[seg_c]) * size
         pos = start[:, None] + torch.arange(size, device=dev)[None, :]
@@ -507,7 +507,7 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, cu_q: torch.Tensor
 
     # Greedy selection per (segment, head); dense documents take nothing.
     vmass, smass = vmass[:, :T_k], smass[:, :T_k]
-    pos_seg = _slot_owner(cu_k, T_k)  # segment of each flat key position
+    pos_seg = slot_owner(cu_k, T_k)  # segment of each flat key position
     local = torch.arange(T_k, device=dev) - cu_k[pos_seg.clamp(max=max(S - 1, 0))]
     total = n_last.double()
     v_sel = _select(vmass, (local < cfg.sink_tokens)[None, :].expand(H, -1), pos_seg, cu_k, total,
@@ -521,20 +521,20 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, cu_q: torch.Tensor
     # Verticals, compacted in position order into each segment's slots.
     vcap = torch.minimum(k_len, torch.full_like(k_len, max(cfg.vertical_cap, cfg.sink_tokens)))
     vcap = torch.where(dense, 0, vcap)
-    vert_off = _excl_cumsum(vcap)
+    vert_off = exclusive_cumsum(vcap)
     NVT = min(T_k, S * max(cfg.vertical_cap, cfg.sink_tokens))
     vsel_i = v_sel.to(torch.int64)
-    rank = torch.cumsum(vsel_i, 1) - vsel_i - _excl_cumsum(vsel_i, 1)[:, cu_k[pos_seg.clamp(max=max(S - 1, 0))]]
+    rank = torch.cumsum(vsel_i, 1) - vsel_i - exclusive_cumsum(vsel_i, 1)[:, cu_k[pos_seg.clamp(max=max(S - 1, 0))]]
     slot = torch.where(v_sel, vert_off[pos_seg.clamp(max=max(S - 1, 0))][None, :] + rank, NVT)
-    vert_doc = _slot_owner(vert_off, NVT)
+    vert_doc = slot_owner(vert_off, NVT)
     vert = k_len[vert_doc.clamp(max=max(S - 1, 0))][None, :].expand(H, -1).clone()
     vert = torch.cat([vert, vert[:, :1]], 1).scatter_(1, slot, local[None, :].expand(H, -1).contiguous())[:, :NVT]
-    vexcl = _excl_cumsum(vsel_i, 1)
+    vexcl = exclusive_cumsum(vsel_i, 1)
     n_vert = (vexcl[:, cu_k[1:]] - vexcl[:, cu_k[:-1]]).T.contiguous()
 
     # Slashes -> block diagonals; dense documents get every diagonal.
     nb = (k_len + B - 1) // B
-    blk_off = _excl_cumsum(nb)
+    blk_off = exclusive_cumsum(nb)
     NBT = T_k // B + S
     bm = torch.zeros(H, NBT + 1, dtype=torch.int64, device=dev)
     base = blk_off[pos_seg.clamp(max=max(S - 1, 0))][None, :]
@@ -544,7 +544,7 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor, cu_q: torch.Tensor
         ok = s_sel & (dg < nb_pos)[None, :]
         bm.scatter_add_(1, torch.where(ok, base + dg[None, :], NBT), ok.to(torch.int64))
     slash = bm[:, :NBT] > 0
-    blk_doc = _slot_owner(blk_off, NBT)
+    blk_doc = slot_owner(blk_off, NBT)
     slash |= (blk_doc < S)[None, :] & dense[blk_doc.clamp(max=max(S - 1, 0))][None, :]
     # Diagonal 0 always (it is in the local band unless local_window is 0 ... which config forbids).
     first = torch.zeros(NBT + 1, dtype=torch.bool, device=dev)

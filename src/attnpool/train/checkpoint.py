@@ -28,7 +28,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from attnpool.errors import ConfigError
-from attnpool.model import ModelConfig, Transformer
 from attnpool.train.config import load_config
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -172,19 +171,15 @@ def _rng_state(device: torch.device) -> dict:
     return state
 
 
-def check_compatible(path: str, model_config: ModelConfig, expected: dict[str, tuple] | None = None) -> None:
-    """Refuse a checkpoint whose model weights do not fit this model (names and shapes), before loading.
-    ``expected``: the model's weights' names and shapes, where it is not attnpool's Transformer of
-    ``model_config`` (an hf: model)."""
+def check_compatible(path: str, expected: dict[str, tuple]) -> None:
+    """Refuse a checkpoint whose model weights do not fit this model before loading it: ``expected``, the model's
+    weights' names and shapes (its spec's ``state_shapes()``)."""
     try:
         metadata = dcp.FileSystemReader(path).read_metadata()
     except Exception as exc:  # a corrupt or foreign directory
         raise ConfigError("resume", path, f"not a readable checkpoint ({type(exc).__name__}: {exc})") from None
     saved = {key[len("model."):]: tuple(meta.size) for key, meta in metadata.state_dict_metadata.items()
              if key.startswith("model.") and hasattr(meta, "size")}
-    if expected is None:
-        with torch.device("meta"):
-            expected = {k: tuple(v.shape) for k, v in Transformer(model_config).state_dict().items()}
     missing = sorted(set(expected) - set(saved))
     extra = sorted(set(saved) - set(expected))
     wrong = [k for k in expected if k in saved and saved[k] != expected[k]]

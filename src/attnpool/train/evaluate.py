@@ -42,15 +42,14 @@ class EvalCell:
 
 def sparse_config_of(settings: dict, attention: str):
     """The run's SparseConfig for ``attention`` (None: dense)."""
-    from attnpool.train.config import TrainConfig
+    from attnpool.train.config import KEYS, TrainConfig
 
     if attention not in ATTENTIONS:
         raise ConfigError("attention", attention, f"choose one of {', '.join(ATTENTIONS)}")
     if attention == "dense":
         return None
-    known = {k: v for k, v in settings.items() if k in TrainConfig.__dataclass_fields__}
-    config = TrainConfig(**known)
-    sparse = config.sparse_config()
+    config = TrainConfig(**{k: v for k, v in settings.items() if k in KEYS})
+    sparse = config.sparse.sparse_config()
     if attention == "sparse" and sparse is None:
         raise ConfigError("attention", attention, "the run trained with dense attention: give its sparse options "
                                                   "to train, or evaluate it dense")

@@ -1,31 +1,76 @@
-"""A checkpoint of ``attnpool train`` as a Hugging Face model directory (``attnpool export``).
+"""Models as Hugging Face directories: a run's trained model at its end (``OUT/hf``, and one per checkpoint with
+hf_export_checkpoints), and any checkpoint afterwards (``attnpool export``).
 
-Checkpoints keep the whole model's weight names under any layout (attnpool.train.checkpoint), so DCP
-reads every shard into one process's whole model, with no process group, whatever the ranks, tensor
-or pipeline stages that wrote it; the model's settings come from the checkpoint's manifest.
+Checkpoints keep the whole model's weight names under any layout (attnpool.train.checkpoint), so DCP reads
+every shard into one process's whole model, with no process group, whatever the ranks, tensor or pipeline
+stages that wrote it; the model's settings come from the checkpoint's manifest. The model's spec
+(attnpool.model.spec) writes it, under the names and in the config.json its family uses.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from attnpool.errors import ConfigError
-from attnpool.model import Transformer, model_config, save_hf_checkpoint
-from attnpool.model.hf_causal_lm import build_hf_model, hf_model_dir, load_hf_spec, save_hf_export
-from attnpool.train.checkpoint import checkpoint_config, select_checkpoint, verify_checkpoint
+from attnpool.model import ModelSpec, model_spec
+from attnpool.train.checkpoint import checkpoint_config, checkpoint_path, select_checkpoint, verify_checkpoint
+from attnpool.train.config import TrainConfig
+from attnpool.train.setup import tokenizer_path
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# Under the run directory: the model at the end of the run, as transformers reads it (where its spec writes one).
+HF_EXPORT_DIR = "hf"  # the end's export
+HF_CHECKPOINT_EXPORTS_DIR = "hf-exports"  # one per checkpoint (hf_export_checkpoints), named as the checkpoint
+
+
+def checkpoint_export_dir(out: str, step: int) -> str:
+    """Where hf_export_checkpoints puts the export of step ``step``'s checkpoint."""
+    return os.path.join(out, HF_CHECKPOINT_EXPORTS_DIR, os.path.basename(checkpoint_path(out, step)))
+
+
+def export_run_model(model: torch.nn.Module, spec: ModelSpec, config: TrainConfig, directory: str | None = None) -> str:
+    """``directory`` (default OUT/hf): the trained weights (gathered from every rank's shards; a collective) as
+    the model's spec writes them, with the tokenizer where there is one. Written beside it and renamed into
+    place, so a reader never finds half an export; per-checkpoint exports beyond the newest
+    ``keep_checkpoints`` are deleted, as their checkpoints are."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    directory = directory or os.path.join(config.run.out, HF_EXPORT_DIR)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        tokenizer = tokenizer_path(config, spec)
+        has_tokenizer = tokenizer is not None and any(
+            os.path.isfile(os.path.join(tokenizer, name)) for name in ("tokenizer.json", "tokenizer_config.json"))
+        partial, replaced = directory + ".partial", directory + ".replaced"
+        for stale in (partial, replaced):
+            shutil.rmtree(stale, ignore_errors=True)
+        spec.save_hf(model, full, partial, tokenizer_dir=tokenizer if has_tokenizer else None)
+        if os.path.isdir(directory):  # a resumed run's export of the same step, or the end's again
+            os.replace(directory, replaced)
+        os.replace(partial, directory)
+        shutil.rmtree(replaced, ignore_errors=True)
+        exports = os.path.dirname(directory)
+        keep = config.checkpoint.keep
+        if keep > 0 and os.path.basename(exports) == HF_CHECKPOINT_EXPORTS_DIR:
+            finished = sorted(name for name in os.listdir(exports) if re.fullmatch(r"step-\d+", name))
+            for name in finished[:-keep]:
+                shutil.rmtree(os.path.join(exports, name), ignore_errors=True)
+        print(f"hf export: {directory} (transformers: AutoModelForCausalLM.from_pretrained)", flush=True)
+    dist.barrier()
+    return directory
 
 
 def read_checkpoint_model(*, run_dir: str | None = None, checkpoint: str | None = None):
-    """``(model, model config, the run's settings, checkpoint path, skipped)``: the whole model on the CPU in
+    """``(model, model spec, the run's settings, checkpoint path, skipped)``: the whole model on the CPU in
     float32 from ``checkpoint``, or from the newest valid checkpoint of ``run_dir`` (``skipped``: (path,
-    problem) of newer damaged ones). Every file is checked against the manifest first. An ``hf:`` model is
-    transformers' own class, from the run's model directory, and its config None."""
+    problem) of newer damaged ones). Every file is checked against the manifest first."""
     skipped: list[tuple[str, str]] = []
     if checkpoint is not None:
         if not os.path.isdir(checkpoint):
@@ -45,20 +90,14 @@ def read_checkpoint_model(*, run_dir: str | None = None, checkpoint: str | None 
     if settings is None:
         raise ConfigError("checkpoint", path, "has no manifest and its run directory no config.yaml: the model's "
                                               "settings are unknown")
-    hf_dir = hf_model_dir(settings["model"])
-    if hf_dir is not None:  # an hf: model: transformers' own classes, from the run's model directory
-        model, model_cfg = build_hf_model(load_hf_spec(hf_dir, settings.get("max_doc_len"))), None
-    else:
-        model_cfg = model_config(settings["model"], **settings.get("model_args", {}))
-        with torch.device("meta"):
-            model = Transformer(model_cfg)
-        model.to_empty(device="cpu")
+    spec = model_spec(settings["model"], settings.get("model_args", {}), settings.get("max_doc_len"))
+    model = spec.build_empty("cpu")
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # one process on purpose: DCP's warning that it assumes so is noise here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load(state, checkpoint_id=path)  # only the model's entries: the optimizer's stay on disk
     model.load_state_dict(state["model"])
-    return model, model_cfg, settings, path, skipped
+    return model, spec, settings, path, skipped
 
 
 def export_hf(*, run_dir: str | None = None, checkpoint: str | None = None, out: str,
@@ -68,9 +107,6 @@ def export_hf(*, run_dir: str | None = None, checkpoint: str | None = None, out:
     skipped as damaged. Every file is checked against the manifest first."""
     if dtype not in DTYPES:
         raise ConfigError("dtype", dtype, f"choose one of {', '.join(DTYPES)}")
-    model, model_cfg, _, path, skipped = read_checkpoint_model(run_dir=run_dir, checkpoint=checkpoint)
-    if model_cfg is None:  # an hf: model
-        save_hf_export(model, model.state_dict(), out, DTYPES[dtype])
-    else:
-        save_hf_checkpoint(model.state_dict(), model_cfg, out, dtype=DTYPES[dtype])
+    model, spec, _, path, skipped = read_checkpoint_model(run_dir=run_dir, checkpoint=checkpoint)
+    spec.save_hf(model, model.state_dict(), out, DTYPES[dtype])
     return path, skipped

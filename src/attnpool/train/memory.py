@@ -27,7 +27,7 @@ pp 2 x tp 2, 1F1B and pooled at pp 2 x dp 2: within 9% of the measured peaks).
 
 Core attention's buffers depend on the plan: a server holds the Q rows it serves, the unique KV rows
 they need and, for backward, the outputs it returned to other ranks. :class:`RowRatios` gives these per
-home token for the busiest rank, from plans of sampled batches (``train.sample_row_ratios``).
+home token for the busiest rank, from plans of sampled batches (``train.memory_check.sample_row_ratios``).
 
 What the hand count misses (autograd's and the kernels' workspaces, allocator rounding) is a fitted
 residual per checkpointing mode, ``per_token * tokens + constant``, and the caching allocator's
@@ -46,7 +46,8 @@ from importlib import resources
 
 from attnpool.errors import ConfigError
 from attnpool.model.config import ModelConfig
-from attnpool.model.llama import LINEAR_CHUNK_TOKENS, loss_chunk_tokens
+from attnpool.model.llama import loss_chunk_tokens
+from attnpool.parallel.checkpointing import LINEAR_CHUNK_TOKENS
 from attnpool.runtime.dispatch import BACKWARD_GROUP_KEYS
 
 GiB = 1 << 30
@@ -60,7 +61,7 @@ PARAM_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
 class RowRatios:
     """Core attention's rows on a rank, per token of ``tokens_per_rank``: tokens held (wlb holds up to
     memory_cap), query rows served, of them served for other ranks, unique and expanded KV rows
-    (plan.metrics.AttentionRows). Sampled (``train.sample_row_ratios``): one rank's in one plan, or each
+    (plan.metrics.AttentionRows). Sampled (``train.memory_check.sample_row_ratios``): one rank's in one plan, or each
     count's largest over the ranks and plans, a bound."""
 
     home: float = 1.0

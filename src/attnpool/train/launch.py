@@ -1,0 +1,219 @@
+"""Launching a run: its ranks' processes, their process group, restarts, and SIGTERM.
+
+Under torchrun, this process is one rank (one per GPU), and torchrun restarts lost workers (``--max-restarts``):
+a restarted worker resumes from the latest valid checkpoint by itself. Otherwise :func:`run` starts ``nproc``
+processes here (gloo on CPU, NCCL on CUDA) and starts them all again from the latest valid checkpoint when one
+is lost, up to ``max_restarts`` times. Bad input is refused before any process starts (attnpool.train.setup);
+what can only be checked on a rank is checked on every rank and agreed on before the first collective that
+depends on it. A SIGTERM to the launcher reaches every worker, which finishes its step, checkpoints and leaves.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import tempfile
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from attnpool.comm import end_process, portable, process_group, under_torchrun
+from attnpool.comm.watchdog import RANKS_DIR
+from attnpool.errors import ConfigError, TrainingError
+from attnpool.train.checkpoint import checkpoint_root, finished_checkpoints, select_checkpoint
+from attnpool.train.config import TrainConfig
+from attnpool.train.loop import train
+from attnpool.train.setup import prepare
+from attnpool.train.signals import ForwardSigterm
+from attnpool.train.spec import configured_device_type, rank_device
+
+FINAL_ERROR = "final-error.txt"  # under OUT/ranks: a run's end that a restart cannot get past
+
+
+def run(config: TrainConfig) -> int:
+    """Train ``config``: under torchrun in this process (one of torchrun's); otherwise in ``nproc`` processes,
+    started again from the latest valid checkpoint up to ``max_restarts`` times when one is lost.
+
+    Returns 0; bad input raises ConfigError and a run that cannot go on TrainingError (in this process,
+    whichever rank found it).
+    """
+    use_growable_segments()
+    if under_torchrun():
+        return _run_under_torchrun(config)
+    nproc = config.run.nproc
+    if configured_device_type(config) == "cuda" and nproc > torch.cuda.device_count():
+        raise ConfigError("nproc", nproc, f"one process per GPU, and this machine has {torch.cuda.device_count()}")
+    prepare(config, nproc)  # refuse bad input before any process starts
+    if nproc == 1:
+        _run_rank(config, 0, 1, f"tcp://127.0.0.1:{_free_port()}")
+        return 0
+    restarts, max_restarts = 0, config.faults.max_restarts
+    while (lost := _launch(config)) is not None:
+        if restarts >= max_restarts:
+            raise TrainingError(f"{lost}; no restarts left (max_restarts={max_restarts})" if max_restarts else lost)
+        restarts += 1
+        path, _ = select_checkpoint(config.run.out, checksum=False, distributed=False)
+        if path is None and finished_checkpoints(config.run.out):
+            raise TrainingError(f"{lost}; no valid checkpoint to restart from in {checkpoint_root(config.run.out)}")
+        print(f"attnpool train: {lost}; restart {restarts} of {max_restarts}, resuming from "
+              f"{path or 'the first step (no checkpoint yet)'}", flush=True)
+        config = config.replace(resume=path is not None)
+    return 0
+
+
+def _run_under_torchrun(config: TrainConfig) -> int:
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    if config.run.nproc not in (1, world):
+        raise ConfigError("nproc", config.run.nproc, f"under torchrun the processes are torchrun's ({world}); "
+                                                     "leave nproc at 1")
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    final = os.path.join(config.run.out, RANKS_DIR, FINAL_ERROR)
+    if restart and os.path.isfile(final):  # what ended the last attempt would end this one too
+        with open(final) as fh:
+            raise TrainingError(f"{fh.read().strip()} (torchrun's restart {restart} would repeat it)")
+    if not restart and rank == 0 and os.path.isfile(final):
+        os.remove(final)  # an earlier run's
+    if restart and not config.checkpoint.resume:  # torchrun --max-restarts started this worker again
+        path, _ = select_checkpoint(config.run.out, checksum=False, distributed=False)
+        if path is not None:
+            if rank == 0:
+                print(f"attnpool train: torchrun's restart {restart}: resuming from {path}", flush=True)
+            config = config.replace(resume=True)
+    try:
+        _run_rank(config, rank, world, None)
+    except (ConfigError, TrainingError) as exc:  # bad input, or a run that cannot go on: final
+        if not getattr(exc, "restartable", False) and rank == 0:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            with open(final, "w") as fh:
+                fh.write(str(exc))
+        raise
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_rank(config: TrainConfig, rank: int, world: int, init_method: str | None) -> None:
+    device = rank_device(config)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=config.faults.collective_timeout_s)
+    store = _torchrun_attempt_store(world, timeout) if init_method is None else None
+    with process_group(backend, init_method=init_method, store=store, rank=rank, world_size=world, timeout=timeout,
+                       device_id=device if device.type == "cuda" else None):
+        train(config)
+
+
+def _torchrun_attempt_store(world: int, timeout: timedelta):
+    """Under torchrun, the agent's store with a prefix of this attempt (None where the agent hosts none).
+    The agent keeps one store across restarts, and the process group's keys of an attempt that died stay
+    in it: a restarted worker would read its dead peers' addresses and hang or fail connecting."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"attnpool/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+
+
+def _die_with_parent() -> None:
+    """Linux: a SIGTERM to this worker when its launcher dies (even by SIGKILL), so that no worker trains
+    on as an orphan; it checkpoints and leaves as on any SIGTERM."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _spawned(index: int, config: TrainConfig, world: int, init_method: str, errors_dir: str) -> None:
+    _die_with_parent()
+    os.environ["LOCAL_RANK"] = str(index)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        _run_rank(config, index, world, init_method)
+    except (ConfigError, TrainingError) as exc:
+        report = ("config", *portable(exc)) if isinstance(exc, ConfigError) else \
+            ("training", str(exc), exc.restartable)
+        with open(os.path.join(errors_dir, f"{index}.tmp"), "wb") as fh:
+            pickle.dump(report, fh)
+        os.replace(os.path.join(errors_dir, f"{index}.tmp"), os.path.join(errors_dir, f"{index}.err"))
+        end_process(2 if isinstance(exc, ConfigError) else 1)
+    end_process(0)  # see attnpool.comm.process: no interpreter teardown with a group still referenced
+
+
+def _reported_errors(errors_dir: str) -> dict[int, tuple]:
+    found = {}
+    for name in sorted(os.listdir(errors_dir)):
+        if name.endswith(".err"):
+            with open(os.path.join(errors_dir, name), "rb") as fh:
+                found[int(name[:-4])] = pickle.load(fh)
+    return found
+
+
+def use_growable_segments() -> None:
+    """Every step's shapes differ (documents are packed anew): growable segments keep the caching allocator
+    from fragmenting (attnpool.train.memory's calibration is measured with them). Takes effect where it
+    runs before CUDA starts in the process (the allocator reads its settings then); a user's own
+    PYTORCH_CUDA_ALLOC_CONF wins. Set after CUDA started, it would be silently off: warned of here."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+        return
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if torch.cuda.is_initialized():
+        warnings.warn("growable segments asked for after CUDA started in this process: the allocator keeps the "
+                      "settings it started with (call use_growable_segments() before anything touches the GPU)",
+                      stacklevel=2)
+
+
+def _launch(config: TrainConfig) -> str | None:
+    """One start of ``nproc`` workers. None when they all finished; bad input and runs that cannot go on are
+    raised; a worker lost (killed, crashed, or named by its peers as stopped) comes back as one line saying
+    which, for the caller to restart from."""
+    nproc = config.run.nproc
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    with tempfile.TemporaryDirectory() as errors_dir:
+        context = mp.start_processes(_spawned, args=(config, nproc, init_method, errors_dir), nprocs=nproc,
+                                     join=False, start_method="spawn")
+        try:
+            with ForwardSigterm(context.processes) as forward:
+                # On the first failure join() gives the others a grace period to leave on their own (agreed
+                # errors; their collectives with a lost rank fail), then kills what is left.
+                while not context.join(grace_period=10):
+                    pass
+            return None
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:  # exited with an error, or raised one
+            first = exc
+        finally:
+            for p in context.processes:
+                if p.is_alive():
+                    p.kill()  # a stopped (SIGSTOP) process never acts on SIGTERM
+                    p.join()
+        errors = _reported_errors(errors_dir)
+    return _lost_rank(errors, first, forward.forwarded)
+
+
+def _lost_rank(errors: dict[int, tuple], first: Exception, forwarded: bool) -> str:
+    """What ended a start that failed: bad input first, then a run that cannot go on (both raised); else the
+    rank that was lost, in one line."""
+    for kind, *said in errors.values():
+        if kind == "config":
+            raise ConfigError(*said) from None
+    for kind, *said in errors.values():
+        if kind == "training" and not said[1]:
+            raise TrainingError(said[0]) from None
+    if forwarded:  # stopped on request: no restart
+        raise TrainingError(f"stopped by SIGTERM, and rank {first.error_index} did not leave cleanly ({first})")
+    if getattr(first, "signal_name", None):
+        return f"rank {first.error_index} was killed by {first.signal_name}"
+    lost = [said[0] for kind, *said in errors.values() if kind == "training"]
+    if lost:
+        return lost[0]
+    return f"rank {first.error_index} failed: {str(first).strip().splitlines()[-1][:200]}"

@@ -1,0 +1,96 @@
+"""A step's plans: each micro-batch laid out over the dp ranks and its core attention planned (attnpool.plan),
+as the run spec says (strategy, cost model, shard size, heads, padding).
+
+Every rank plans the same batches the same way, so the plans agree (core attention compares their
+fingerprints before its first collective). ``StepPlan`` keeps the attention loads each rank would have had
+served at home beside those of the plan: the balance the metrics report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from attnpool.data import GlobalBatch
+from attnpool.parallel.pooled_pipeline import pooled_table, ticks
+from attnpool.plan import PieceTable, linear_table, pad_ranks, plan_attention, wlb_table
+from attnpool.plan.metrics import home_loads, imbalance, server_loads
+from attnpool.plan.plan import Plan
+from attnpool.sparse.cost import SparsePrior
+from attnpool.train.spec import RunSpec
+
+
+@dataclass
+class StepPlan:
+    plan: Plan | None  # its ``pieces`` are the layout (None for a step's combined nano-batches)
+    batch: GlobalBatch | None  # the batch the plan's pieces refer to (with any padding documents)
+    load_local: list[float]  # per rank: attention load if every rank served its own tokens of the linear layout
+    load_planned: list[float]  # per rank: attention load under the plan
+    imbalance_local: float  # max / mean of load_local
+    imbalance_planned: float  # max / mean of load_planned
+
+
+def plan_batch(batch: GlobalBatch, spec: RunSpec, sparse_prior: SparsePrior | None = None,
+               strategy: str | None = None) -> StepPlan:
+    """Lay out the batch over the dp ranks (linear, or wlb's re-packing) and plan its core attention for the
+    run's strategy (or ``strategy``: "local" where only the layout is wanted, as a pooled pipeline plans its ticks
+    itself).
+
+    With sparse attention the cost of a task is its expected sparse work (``sparse_prior``). Under tensor
+    parallelism every rank's tokens are padded to a multiple of tp by a padding document
+    (plan.layout.pad_ranks), which the returned ``batch`` holds."""
+    a, dp = spec.config.attention, spec.dims.dp
+    linear = linear_table(batch.doc_lens, dp, batch.tokens_per_rank)
+    table = wlb_table(batch.doc_lens, dp, batch.tokens_per_rank, a.memory_cap) if a.strategy == "wlb" else linear
+    if spec.tokens_multiple > 1:
+        table = pad_ranks(table, spec.tokens_multiple)
+        batch = batch.padded(table.doc_len[batch.num_docs:])
+    cost_model = spec.cost_model
+    if sparse_prior is not None:  # the tables number documents in batch order, padding last
+        cost_model = sparse_prior.cost_model(table.doc_len, cost_model)
+    plan = plan_attention(table, strategy or a.strategy, cost_model=cost_model, min_shard_tokens=a.min_shard,
+                          eps=a.eps, shape=spec.attention_shape)
+    local = home_loads(linear, cost_model)  # "before" is always plain packing served at home
+    planned = server_loads(plan, cost_model)
+    return StepPlan(plan, batch, local.tolist(), planned.tolist(), imbalance(local), imbalance(planned))
+
+
+def plan_microbatch(batch: GlobalBatch, spec: RunSpec, sparse_prior: SparsePrior | None = None,
+                    strategy: str | None = None) -> list[StepPlan]:
+    """A micro-batch's plans: one, or with ping-pong one per nano-batch (its documents split in two)."""
+    nanos = batch.split_documents(2) if spec.config.attention.pingpong else [batch]
+    return [plan_batch(nano, spec, sparse_prior, strategy) for nano in nanos]
+
+
+def plan_pooled_ticks(tables: list[PieceTable], spec: RunSpec) -> list[StepPlan]:
+    """Every tick's plan of a pooled pipeline step (attnpool.parallel.pooled_pipeline) over all stages' dp
+    ranks, with its loads divided by the number of stages: each micro-batch runs on every stage, a
+    stage's share of its layers, so the ticks' summed loads are then the step's attention work per layer,
+    as a step's plans count it without pooling."""
+    a, stages = spec.config.attention, spec.dims.pp
+    out = []
+    for tick in range(ticks(len(tables), stages)):
+        table = pooled_table(tables, tick, stages)
+        plan = plan_attention(table, a.strategy, cost_model=spec.cost_model, min_shard_tokens=a.min_shard, eps=a.eps,
+                              shape=spec.attention_shape)
+        local, planned = home_loads(table, spec.cost_model) / stages, server_loads(plan, spec.cost_model) / stages
+        out.append(StepPlan(plan, None, local.tolist(), planned.tolist(), imbalance(local), imbalance(planned)))
+    return out
+
+
+def combine_plans(plans: list[StepPlan], in_turn: bool = False) -> StepPlan:
+    """One step's balance over its nano-batches: per-rank loads summed (the plans themselves stay separate).
+    ``in_turn``: the plans run one after another, each as long as its busiest rank, so the step's imbalance is
+    the sum of their busiest ranks' loads over the sum of their means (a pooled pipeline's ticks)."""
+    if len(plans) == 1:
+        return plans[0]
+    local = np.sum([p.load_local for p in plans], axis=0).tolist()
+    planned = np.sum([p.load_planned for p in plans], axis=0).tolist()
+    if in_turn:
+        def step_imbalance(loads):
+            mean = sum(float(np.mean(x)) for x in loads)
+            return sum(max(x) for x in loads) / mean if mean > 0 else 1.0  # as imbalance(): 1.0 without work
+        return StepPlan(None, None, local, planned, step_imbalance([p.load_local for p in plans]),
+                        step_imbalance([p.load_planned for p in plans]))
+    return StepPlan(None, None, local, planned, imbalance(local), imbalance(planned))

@@ -1,0 +1,223 @@
+"""``RunSpec``: every decision a run makes once, before its first step, and never again.
+
+The config says what the user asked for; the run spec is what that resolves to on this rank's device: the
+model spec (attnpool.model.spec), the ranks' layout (``ParallelDims``), the core-attention kernel as an object
+(not a name asked about at every layer), the loss kernel, bf16 or float32, each tp rank's share of the
+attention heads, the token padding tensor parallelism needs, whether the kernel copies key prefixes, the cost
+model and the sparse options. The planner, the runtime, the memory model and ``parallelize`` read it; nothing
+resolves a name again. A training rank resolves it in ``prepare`` (attnpool.train.setup), and the ranks agree
+on it before any collective depends on it.
+
+Where no device is at hand (a launcher, which must not touch its GPUs, or ``attnpool memory`` planning for
+GPUs from anywhere) the spec is resolved for a device kind: "auto" kernels then stay "auto", and nothing is
+asked of a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from attnpool.errors import ConfigError
+from attnpool.kernels import Backend, get_backend, resolve_backend_name, serves_positions
+from attnpool.kernels.sparse import device_problem as sparse_device_problem
+from attnpool.kernels.sparse import launch_problem as sparse_launch_problem
+from attnpool.model import ModelConfig, ModelSpec, model_spec
+from attnpool.model.loss_kernels import resolve_loss_kernel
+from attnpool.parallel import ParallelDims, tensor_parallel_problem
+from attnpool.parallel.pipeline import pipeline_problem
+from attnpool.parallel.pooled_pipeline import POOLED, pooled_problem
+from attnpool.plan import AttentionShape, load_cost_model
+from attnpool.sparse import SparseConfig
+from attnpool.sparse.cost import SparsePrior
+from attnpool.train.config import TrainConfig
+
+
+@dataclass(frozen=True, eq=False)
+class RunSpec:
+    """A run, resolved (see the module docstring). Frozen: what it holds is decided once."""
+
+    config: TrainConfig  # the settings as given
+    model: ModelSpec
+    dims: ParallelDims
+    device_type: str  # "cuda" or "cpu": the kind of device the run computes on
+    device: torch.device | None  # this rank's; None where resolved without one
+    backend_name: str  # core attention's kernel; "auto" only where resolved without a device
+    backend: Backend | None  # the kernel object core attention calls; None where resolved without a device
+    loss_kernel: str  # chunked or liger
+    bf16: bool  # bf16 compute (FSDP2 mixed precision, autocast); float32 master weights either way
+    attention_shape: AttentionShape  # what a token's Q, K+V and O weigh in a tp rank's core attention
+    prefix_copies: bool  # whether core attention copies key prefixes (attnpool.kernels.serves_positions)
+    cost_model: object  # the planner's cost of a CA-task on a tp rank's heads
+    sparse: SparseConfig | None  # vertical-slash options (their cost coefficients read), None for dense
+
+    @property
+    def activation_checkpointing(self) -> str:
+        return self.config.memory.activation_checkpointing
+
+    @property
+    def compile(self) -> bool:
+        return self.config.model.compile
+
+    @property
+    def pingpong(self) -> bool:
+        return self.config.attention.pingpong
+
+    @property
+    def optimizer_offload(self) -> bool:
+        return self.config.memory.optimizer_offload
+
+    @property
+    def tokens_multiple(self) -> int:
+        """Every dp rank's tokens are padded to a multiple of this (tensor parallelism's sequence shards)."""
+        return self.dims.tp
+
+    @property
+    def padded_tokens(self) -> int:
+        """A dp rank's tokens per micro-batch after the padding (what pipeline stages exchange)."""
+        tokens = self.config.data.tokens_per_rank
+        return tokens + (-tokens) % self.tokens_multiple
+
+    @property
+    def pooled(self) -> bool:
+        """Pipeline stages whose core attention is pooled over every stage's ranks (pp_schedule: pooled)."""
+        return self.dims.pp > 1 and self.config.parallel.pp_schedule == POOLED
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float32
+
+    @property
+    def stage_hidden(self) -> tuple[int, int]:
+        """The hidden states a pipeline stage passes on, per tp rank: its sequence shard of a micro-batch."""
+        return self.padded_tokens // self.dims.tp, self.model.config.dim
+
+    def new_sparse_prior(self) -> SparsePrior | None:
+        """A fresh planning prior of the sparse work (a run keeps one and updates it every step); None for dense."""
+        if self.sparse is None:
+            return None
+        shape = self.attention_shape
+        return SparsePrior(self.sparse, shape.n_q_heads, shape.head_dim, self.model.config.n_layers)
+
+
+def resolve_run_spec(config: TrainConfig, world: int, device: torch.device | None = None,
+                     device_type: str | None = None) -> RunSpec:
+    """``config`` resolved for ``world`` ranks on ``device`` (a rank's), or without one for ``device_type``
+    (default: the configured device, or this machine's). Refused with a ConfigError naming the key where the
+    model's shape or the device cannot run it."""
+    model = model_spec(config.model.name, config.model.args, config.data.max_doc_len)
+    check_model_shape(config, model.config)
+    dims = ParallelDims.of(world, config.parallel.tp, config.parallel.pp)
+    device_type = device.type if device is not None else device_type or configured_device_type(config)
+    bf16 = uses_bf16(config, device_type)
+    backend_name = attention_backend(config, device, device_type)
+    backend = get_backend(backend_name, device, torch.bfloat16 if bf16 else torch.float32) \
+        if device is not None else None
+    loss_kernel = config.model.loss_kernel
+    if device is not None or loss_kernel == "auto":  # (without a device, liger's import is left to the ranks)
+        loss_kernel = resolve_loss_kernel(loss_kernel, device_type, dims.tp)
+    m = model.config
+    shape = AttentionShape(m.n_heads // dims.tp, m.n_kv_heads // dims.tp, m.head_dim, 2 if bf16 else 4)
+    cost_model = load_cost_model(config.attention.cost_model, backend=backend_name)
+    if dims.tp > 1 and hasattr(cost_model, "scaled_to"):  # a server's cost is its heads' share of a task's
+        cost_model = cost_model.scaled_to(shape.n_q_heads, shape.head_dim)
+    return RunSpec(config, model, dims, device_type, device, backend_name, backend, loss_kernel, bf16, shape,
+                   not serves_positions(backend_name, device, m.head_dim), cost_model,
+                   check_sparse(config, m, device, device_type))
+
+
+def check_model_shape(config: TrainConfig, m: ModelConfig) -> None:
+    """Refuse the parallel layout where the model's shape cannot take it: heads tp must divide, layers for
+    pipeline stages, what the pooled schedule needs."""
+    p = config.parallel
+    problem = tensor_parallel_problem(m, p.tp)
+    if problem is not None:
+        raise ConfigError("tp", p.tp, problem)
+    problem = pipeline_problem(m, p.pp, p.pp_schedule, p.microbatches)
+    if problem is not None:
+        raise ConfigError(*problem)
+    if p.pp > 1 and p.pp_schedule == POOLED:
+        problem = pooled_problem(m.n_layers, p.pp, config.memory.activation_checkpointing,
+                                 config.sparse.mode != "none")
+        if problem is not None:
+            raise ConfigError(*problem)
+
+
+def attention_backend(config: TrainConfig, device: torch.device | None = None, device_type: str | None = None) -> str:
+    """The kernel backend (attnpool.kernels) of this run's core attention, refused with a ConfigError naming
+    attention_backend where it cannot run: fa4 without flash_attn.cute or on a GPU older than sm90, fa4 or
+    flash on the CPU or in float32. ``device``: the rank's; None in a launcher, which must not touch its GPUs
+    and only refuses what the device kind and precision decide ("auto" then stays "auto"). ``device_type``:
+    the kind, where no device is given (default: the configured one, or this machine's)."""
+    name = config.attention.backend
+    device_type = device.type if device is not None else device_type or configured_device_type(config)
+    bf16 = uses_bf16(config, device_type)
+    if name in ("fa4", "flash") and device_type == "cuda" and not bf16:
+        raise ConfigError("attention_backend", name, f"the {name} kernels take bf16, and this run computes in float32 "
+                                                     f"(precision={config.model.precision}); use reference, or bf16")
+    if device is None and device_type == "cuda":
+        return name
+    # Attention inputs are bf16 on CUDA (autocast) unless precision is fp32; float32 on the CPU.
+    dtype = torch.bfloat16 if bf16 and device_type == "cuda" else torch.float32
+    return resolve_backend_name(name, device if device is not None else torch.device(device_type), dtype,
+                                field="attention_backend")
+
+
+def same_attention_backend(backend: str, requested: str) -> None:
+    """Refuse, on every rank, a run whose ranks resolved attention_backend to different kernels ("auto" on
+    GPUs where fa4 runs on some only): their cost tables, and so their plans, would differ."""
+    backends = [None] * dist.get_world_size()
+    dist.all_gather_object(backends, backend)
+    if len(set(backends)) > 1:
+        found = ", ".join(f"rank {r}: {b}" for r, b in enumerate(backends))
+        raise ConfigError("attention_backend", requested, f"the ranks run different kernels ({found}); name one "
+                                                          "that runs on every rank")
+
+
+def check_sparse(config: TrainConfig, model_cfg: ModelConfig, device: torch.device | None = None,
+                 device_type: str = "cpu") -> SparseConfig | None:
+    """The sparse options (None for dense attention), refused where this model or device cannot run them
+    (the CPU twin runs anything); the GPU's kind only when ``device`` is given (see prepare)."""
+    sparse = config.sparse.sparse_config()
+    if sparse is None:
+        return None
+    if sparse.dense_layers >= model_cfg.n_layers:
+        raise ConfigError("dense_layers", sparse.dense_layers, f"the model has {model_cfg.n_layers} layers, so none "
+                                                               "would be sparse; use --sparse none for dense attention")
+    if device_type == "cuda":
+        if importlib.util.find_spec("triton") is None:
+            raise ConfigError("sparse", sparse.mode, "the sparse kernels need Triton on CUDA, and it is not installed")
+        problem = sparse_device_problem(device) if device is not None and device.type == "cuda" else None
+        if problem is not None:
+            raise ConfigError("sparse", sparse.mode, str(problem))
+        # Attention runs in bf16 on CUDA unless --precision fp32 (see uses_bf16).
+        problem = sparse_launch_problem(model_cfg.head_dim, 4 if config.model.precision == "fp32" else 2, sparse.block,
+                                        sparse.vertical_chunk)
+        if problem is not None:
+            raise ConfigError("sparse", sparse.mode, str(problem))
+    return sparse
+
+
+def uses_bf16(config: TrainConfig, device_type: str) -> bool:
+    """bf16 compute (FSDP2 mixed precision, autocast): asked for, or by default on CUDA."""
+    return config.model.precision == "bf16" or (config.model.precision == "auto" and device_type == "cuda")
+
+
+def configured_device_type(config: TrainConfig) -> str:
+    """The configured device kind; for "auto", this machine's (CUDA where a GPU is visible)."""
+    if config.run.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if config.run.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", "cuda", "no CUDA device is available")
+    return config.run.device
+
+
+def rank_device(config: TrainConfig) -> torch.device:
+    """This rank's device: its local GPU (LOCAL_RANK), or the CPU."""
+    if configured_device_type(config) == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")

@@ -20,7 +20,8 @@ import pathlib
 import torch
 
 from attnpool.bench.timing import cuda_median_s
-from attnpool.model.fused_loss import LOSS_FUNCTIONS, liger_problem
+from attnpool.model.fused_loss import LOSS_FUNCTIONS
+from attnpool.model.loss_kernels import liger_problem
 from attnpool.sizes import parse_size
 
 DIM, VOCAB = 4096, 128256

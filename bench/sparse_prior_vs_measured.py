@@ -28,7 +28,7 @@ from attnpool.sparse import estimate_vertical_slash
 from attnpool.sparse.cost import LayerMixCost, SparseCost, SparsePrior
 from attnpool.train.config import KEYS, TrainConfig
 from attnpool.train.export import read_checkpoint_model
-from attnpool.train.setup import build_source
+from attnpool.train.data_source import build_source
 
 
 class Recorder:

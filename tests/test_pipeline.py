@@ -144,7 +144,7 @@ def test_memory_model_counts_the_pooled_ticks():
     """A pooled rank keeps every tick's saved state (M + pp - 1 units) and serves other stages' rows, which
     the memory check samples from the ticks' plans even with one dp rank."""
     from attnpool.train.memory_check import sample_row_ratios
-    from attnpool.train.setup import build_source
+    from attnpool.train.data_source import build_source
     from attnpool.train.spec import resolve_run_spec
 
     assert activations_in_flight("pooled", 2, 4) == 5 and activations_in_flight("gpipe", 2, 4) == 4

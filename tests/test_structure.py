@@ -1,6 +1,6 @@
-"""The code's shape, as docs/ARCHITECTURE.md states it: no import cycle in src/ (imports inside functions
-counted), the training and parallelism packages in files and functions one can read, and no module reaching into
-another's private names."""
+"""The code's shape, as docs/ARCHITECTURE.md states it: packages import only the layers below them, no import
+cycle in src/ (imports inside functions counted), the training and parallelism packages in files and functions one
+can read, and no module reaching into another's private names."""
 
 from __future__ import annotations
 
@@ -11,6 +11,14 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80
 SIZE_CHECKED = ("train", "parallel")
+# Package -> the packages of attnpool's it may import (docs/ARCHITECTURE.md's table).
+BASE = {"errors", "sizes"}
+LAYERS = {
+    "plan": BASE, "comm": BASE, "sparse": BASE | {"plan"}, "kernels": BASE | {"sparse"},
+    "runtime": BASE | {"plan", "comm", "kernels", "sparse"}, "model": BASE, "data": BASE | {"plan"},
+    "parallel": BASE | {"model", "plan"}, "sim": BASE | {"plan", "data", "model"},
+    "train": BASE | {"plan", "comm", "sparse", "kernels", "runtime", "model", "data", "parallel"},
+}
 
 
 def modules() -> dict[str, Path]:
@@ -109,6 +117,17 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycle_in_src():
     assert cycles(import_graph()) == []
+
+
+def test_packages_import_only_the_layers_below_them():
+    crossing = set()
+    for module, imported in import_graph().items():
+        package = module.split(".")[1] if module.count(".") else None
+        for other in imported:
+            target = other.split(".")[1] if other.count(".") else None
+            if package in LAYERS and target != package and target not in LAYERS[package]:
+                crossing.add(f"{module} -> {other}")
+    assert sorted(crossing) == []
 
 
 def test_the_cycle_check_finds_a_cycle():

@@ -24,6 +24,7 @@ from attnpool.errors import ConfigError
 from attnpool.model import model_config
 from attnpool.runtime import core_attention
 from attnpool.train import TrainConfig, load_config, train
+from attnpool.train.config import save_config
 from attnpool.comm import agree
 from attnpool.train.optim import lr_factor
 from attnpool.train.planning import plan_batch
@@ -247,6 +248,48 @@ def test_config_file_and_overrides(tmp_path):
     assert cfg.model.args == {"n_layers": 3, "dim": 64}
     with pytest.raises(ConfigError, match="unknown key"):
         load_config(None, {"stepz": 3})
+
+
+def test_config_in_sections_is_the_flat_config(tmp_path):
+    """The same run given flat (configs/demo-cpu.yaml) and in sections of short names; written back in sections
+    (a run's config.yaml), it reads as itself; what is unknown or given twice is refused by name."""
+    flat = load_config(Path(__file__).resolve().parents[1] / "configs" / "demo-cpu.yaml")
+    path = tmp_path / "sections.yaml"
+    path.write_text("model: {name: tiny}\ndata: {source: stdlib, tokens_per_rank: 256, seed: 2}\n"
+                    "attention: {strategy: cad, cost_model: pairs, min_shard: 64}\n"
+                    "optim: {steps: 150, lr: 3.0e-3, warmup_steps: 10, min_lr_ratio: 0.1, weight_decay: 0.1}\n"
+                    "run: {nproc: 4, device: cpu, out: runs/demo-cpu}\n")
+    assert load_config(path) == flat
+    assert (flat.data.seed, flat.attention.min_shard, flat.run.nproc) == (2, 64, 4)
+    assert TrainConfig(**flat.to_dict()) == flat == TrainConfig(**flat.to_sections())
+    save_config(flat, tmp_path / "written.yaml")
+    assert load_config(tmp_path / "written.yaml") == flat
+    assert "parallel:" in (tmp_path / "written.yaml").read_text()  # written in sections
+    mixed = load_config(path, {"tp": "2", "model_args": {"n_layers": 2}})  # flags on top of sections
+    assert mixed.parallel.tp == 2 and mixed.model.args == {"n_layers": 2} and mixed.model.name == "tiny"
+    assert flat.replace(resume=True).checkpoint.resume and flat.replace(resume=True).run.out == flat.run.out
+    with pytest.raises(ConfigError, match="unknown setting of section parallel") as err:
+        TrainConfig(parallel={"tpp": 2})
+    assert err.value.value == "parallel.tpp"
+    with pytest.raises(ConfigError, match="given twice"):
+        TrainConfig(steps=3, optim={"steps": 4})
+    with pytest.raises(ConfigError) as err:  # each section checks its own values, naming the key
+        TrainConfig(optim={"lr": -1})
+    assert err.value.field == "lr"
+
+
+def test_train_help_groups_the_flags_by_section(capsys):
+    from attnpool.cli.main import main
+    from attnpool.train.config import KEYS, SECTIONS
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    groups = [text.index(f"(section {name}):" if cls.TITLE != name else f"\n{name}:") for name, cls in SECTIONS.items()]
+    assert groups == sorted(groups)  # in the sections' order
+    assert text.index("\n  --tp INT") > text.index("(section parallel):") > text.index("\n  --steps INT")
+    assert all("--" + key.replace("_", "-") in text for key in KEYS) and "--kernel" in text  # every key, the alias
 
 
 def test_lr_schedule_warmup_then_cosine():

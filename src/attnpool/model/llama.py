@@ -286,8 +286,9 @@ class Transformer(nn.Module):
         """What the layers take: the embedded tokens (hidden states as they are, without an embedding) and
         every token's RoPE cos and sin, computed once per step and shared by every layer."""
         if isinstance(tokens, (list, tuple)):
-            raise ConfigError("tokens", f"a list of {len(tokens)}", "must be one flat sequence (T,); nano-batches run "
-                                                                   "through attnpool.parallel.pingpong.pingpong_forward")
+            raise ConfigError("tokens", f"a list of {len(tokens)}", "must be one flat sequence (T,); a model takes "
+                                                                   "nano-batches once attnpool.parallel.pingpong."
+                                                                   "apply_pingpong has been applied to it")
         if self.embed is not None and tokens.dim() != 1:
             raise ConfigError("tokens", tuple(tokens.shape), "must be one flat sequence (T,)")
         if positions.dim() != 1 or (self.embed is not None and positions.shape != tokens.shape):

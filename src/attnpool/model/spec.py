@@ -4,9 +4,12 @@ A spec says how to build the model (on the meta device where it is too large to 
 how its weights get their values once every parallelism has been applied (drawn, or read from the user's
 files), how many weights it has and under which names (a checkpoint is checked against them before it is
 loaded), how to write it as a Hugging Face model, and which features it can run. What a family cannot run is
-refused by name when the run starts, before any process group exists.
+refused by name when the run starts, before any process group exists. A spec is made checked
+(attnpool.model.families.model_spec): that core attention computes what every layer's attention needs, given
+the longest document the run feeds it (causal attention within each document; the adapter refuses soft-capped
+logits, and sliding windows a document could reach past).
 
-The families (attnpool.model.families picks one from the ``model`` setting):
+The families (attnpool.model.families picks one from the ``model`` setting, and says what it cannot run):
 
 - attnpool's Llama-family decoder, the presets (attnpool.model.llama_spec): every feature.
 - ``hf:DIR``, transformers' own model of that directory behind attnpool's core attention
@@ -27,11 +30,9 @@ if TYPE_CHECKING:
 
 HF_PREFIX = "hf:"  # ``model: hf:DIR`` is a Hugging Face model directory
 
-# The features a family may lack: the settings that ask for them (train.config maps each to its key), and
-# ``eval``, attnpool eval's retrieval probes.
-FEATURES = ("model_args", "tp", "pp", "pingpong", "keep_attention", "compile", "eval")
-
-# What transformers' modules behind the adapter cannot run, and why.
+# What transformers' modules behind the adapter cannot run, and why. A feature is a setting that asks for it
+# (model_args, tp, pp, pingpong, keep_attention, compile: train.config maps each to its key) or ``eval``
+# (attnpool eval's retrieval probes).
 ADAPTER_CANNOT = {
     "model_args": "an hf: model takes its settings from its config.json",
     "tp": "tensor parallelism splits attnpool's own layers only",
@@ -46,12 +47,6 @@ ADAPTER_CANNOT = {
 def hf_model_dir(model: str) -> str | None:
     """DIR of a ``model`` setting ``hf:DIR``; None for attnpool's own presets."""
     return model[len(HF_PREFIX):] if model.startswith(HF_PREFIX) else None
-
-
-def family_cannot(model: str) -> Mapping[str, str]:
-    """feature -> why, for what the family of a ``model`` setting cannot run. Nothing is read: the family is in
-    the setting (the spec itself, once built, says the same: ``ModelSpec.cannot``)."""
-    return ADAPTER_CANNOT if hf_model_dir(model) is not None else {}
 
 
 class ModelSpec:
@@ -70,7 +65,7 @@ class ModelSpec:
 
     name: str  # the ``model`` setting (a preset's name, or hf:DIR)
     config: "ModelConfig"  # the shape the planner, the cost model and the memory model see
-    cannot: Mapping[str, str] = {}  # feature (FEATURES) -> why this family cannot run it
+    cannot: Mapping[str, str] = {}  # feature -> why this family cannot run it (see ADAPTER_CANNOT)
     builds_on_meta: bool = False  # too large to build whole: built on the meta device, materialized per shard
     tokenizer_dir: str | None = None  # the tokenizer that comes with the model (hf: and jsonl data default to it)
     writes_hf_export: bool = False  # the end of a run (and hf_export_checkpoints) writes it as a Hugging Face model
@@ -85,9 +80,10 @@ class ModelSpec:
         family can skip them: a checkpoint is about to fill them (attnpool export, attnpool eval)."""
         raise NotImplementedError
 
-    def materialize(self, model: "nn.Module", device: "torch.device", seed: int) -> None:
+    def materialize(self, model: "nn.Module", device: "torch.device", seed: int,
+                    storage: "torch.device | None" = None) -> None:
         """Give a model built by :meth:`build` and parallelized its weights' values (and, built on the meta
-        device, their storage on ``device``)."""
+        device, their storage on ``storage``, default ``device``: the host where FSDP2 offloads the optimizer)."""
         raise NotImplementedError
 
     def num_params(self, model: "nn.Module | None" = None) -> int:
@@ -97,9 +93,9 @@ class ModelSpec:
         """Name -> shape of every entry of the model's state dict (nothing allocated)."""
         raise NotImplementedError
 
-    def save_hf(self, state: dict, directory: str, dtype: "torch.dtype | None" = None,
+    def save_hf(self, model: "nn.Module", state: dict, directory: str, dtype: "torch.dtype | None" = None,
                 tokenizer_dir: str | None = None) -> None:
-        """Write ``state`` (the whole model's tensors under this spec's names) as a Hugging Face model directory
-        transformers loads: config.json and safetensors, the tokenizer beside them where one is given; ``dtype``
-        None: the family's own choice."""
+        """Write ``state`` (the whole tensors of ``model``, the model this spec built, under its names) as a Hugging
+        Face model directory transformers loads: config.json and safetensors, the tokenizer beside them where one
+        is given; ``dtype`` None: the family's own choice."""
         raise NotImplementedError

@@ -39,7 +39,8 @@ from dataclasses import dataclass, fields
 import yaml
 
 from attnpool.errors import ConfigError
-from attnpool.model.spec import HF_PREFIX, family_cannot
+from attnpool.model.families import family_cannot
+from attnpool.model.spec import HF_PREFIX
 from attnpool.train.sections import (SECTIONS, AttentionSection, CheckpointSection, DataSection, FaultsSection,
                                      MemorySection, ModelSection, OptimSection, ParallelSection, RunSection, Section,
                                      SparseSection)
@@ -166,8 +167,13 @@ def _is_section(name: str, value) -> bool:
     return cls is not None and (isinstance(value, (dict, cls)) or name not in KEYS)
 
 
-def _by_section(values: dict) -> dict:
-    """section -> a section object, or a mapping of field names to values, from keys and sections mixed."""
+def _by_section(values: dict, where: str = "") -> dict:
+    """section -> a section object, or a mapping of field names to values, from keys and sections mixed. An
+    unknown key is refused (the first in sorted order), ``where`` saying where it was given ("in FILE")."""
+    unknown = sorted(name for name in values if name not in KEYS and name not in SECTIONS)
+    if unknown:
+        raise ConfigError("config", unknown[0], f"unknown key{' ' + where if where else ''}; known keys: "
+                                                f"{', '.join(KEYS)} (or the sections {', '.join(SECTIONS)})")
     given: dict = {section: {} for section in SECTIONS}
     for name, value in values.items():
         if _is_section(name, value):
@@ -185,12 +191,9 @@ def _by_section(values: dict) -> dict:
                     raise ConfigError("config", f"{name}.{short}", f"unknown setting of section {name}; its settings: "
                                                                    f"{known}")
                 _put(given, name, short, item, f"{name}.{short}")
-        elif name in KEYS:
+        else:
             section, short = KEYS[name]
             _put(given, section, short, value, name)
-        else:
-            raise ConfigError("config", name, f"unknown key; known keys: {', '.join(KEYS)} (or the sections "
-                                              f"{', '.join(SECTIONS)})")
     return given
 
 
@@ -202,10 +205,10 @@ def _put(given: dict, section: str, name: str, value, said: str) -> None:
     given[section][name] = value
 
 
-def _as_sections(values: dict) -> dict:
+def _as_sections(values: dict, where: str = "") -> dict:
     """Keys and sections, each as a section mapping of short names."""
     out: dict = {}
-    for section, value in _by_section(values).items():
+    for section, value in _by_section(values, where).items():
         if isinstance(value, Section):
             value = {name: getattr(value, name) for name in type(value).keys().values()}
         if value:
@@ -238,12 +241,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
     ``--model-args n_layers=2`` keeps the file's other model arguments.
     """
     where = f"in {path}" if path is not None else ""
-    try:
-        values = _as_sections(_renamed_aliases(read_yaml(path) if path is not None else {}, where))
-    except ConfigError as exc:
-        if exc.field == "config" and where and "unknown" in exc.problem:
-            raise ConfigError("config", exc.value, f"{exc.problem} ({where})") from None
-        raise
+    values = _as_sections(_renamed_aliases(read_yaml(path) if path is not None else {}, where), where)
     for section, mapping in _as_sections(_renamed_aliases(overrides or {}, "")).items():
         merged = values.setdefault(section, {})
         for name, value in mapping.items():

@@ -22,7 +22,7 @@ from attnpool.errors import ConfigError
 from attnpool.model import ModelSpec, model_spec
 from attnpool.train.checkpoint import checkpoint_config, checkpoint_path, select_checkpoint, verify_checkpoint
 from attnpool.train.config import TrainConfig
-from attnpool.train.setup import tokenizer_path
+from attnpool.train.data_source import tokenizer_path
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Under the run directory: the model at the end of the run, as transformers reads it (where its spec writes one).

@@ -197,10 +197,10 @@ def _launch(config: TrainConfig) -> str | None:
                     p.kill()  # a stopped (SIGSTOP) process never acts on SIGTERM
                     p.join()
         errors = _reported_errors(errors_dir)
-    return _lost_rank(errors, first, forward.forwarded)
+    return _lost_rank_or_raise(errors, first, forward.forwarded)
 
 
-def _lost_rank(errors: dict[int, tuple], first: Exception, forwarded: bool) -> str:
+def _lost_rank_or_raise(errors: dict[int, tuple], first: Exception, forwarded: bool) -> str:
     """What ended a start that failed: bad input first, then a run that cannot go on (both raised); else the
     rank that was lost, in one line."""
     for kind, *said in errors.values():

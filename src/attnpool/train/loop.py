@@ -51,6 +51,17 @@ from attnpool.train.spec import rank_device, same_attention_backend
 
 
 @dataclass
+class StepEnd:
+    """How a step ended: its metrics row, its attention balance, whether its loss and gradients were finite (else
+    it was skipped on every rank), and whether a SIGTERM asks every rank to stop after it."""
+
+    row: dict
+    balance: StepPlan
+    finite: bool
+    stop: bool
+
+
+@dataclass
 class TrainResult:
     rows: list[dict]  # metrics of every step of the run so far (earlier runs' rows included on resume)
     model: nn.Module
@@ -101,6 +112,8 @@ class Trainer:
                                         self.extra_state, self.device)
         self.start_step = self.step
         self.log = self._open_log()
+        self.nonfinite_total = sum(1 for r in self.log.rows if r.get("skipped_step"))  # resumed: the earlier steps'
+        self.nonfinite_in_a_row = 0
 
     def _open_log(self) -> MetricsLog:
         config, resumed = self.config, self.resume_from is not None
@@ -140,22 +153,22 @@ class Trainer:
     def fit(self, on_step, preemption: Preemption) -> TrainResult:
         """Every step up to the run's last (or a SIGTERM's), then the end's export and summary."""
         config, last_step = self.config, self.config.last_step
-        balance, wall0 = None, time.perf_counter()
-        self.nonfinite_total = sum(1 for r in self.log.rows if r.get("skipped_step"))
-        self.nonfinite_in_a_row = 0
+        end, wall0 = None, time.perf_counter()
         comm_stats.timing = True
         try:
             with Progress(self.rank == 0 and config.run.progress, last_step, self.step,
                           config.attention.strategy) as progress:
                 while self.step < last_step:
                     self.step += 1
-                    row, balance, finite, stop = self.train_step(preemption)
-                    self.log.append(row)
-                    progress.update(row)
+                    end = self.train_step(preemption)
+                    self.log.append(end.row)
+                    progress.update(end.row)
                     if on_step is not None:
                         on_step()
-                    self._after_step(finite, stop)
-                    if stop:
+                    self._checkpoint_if_due(end)
+                    self._refuse_nonfinite_steps()
+                    if end.stop:
+                        self._say_stopped(end)
                         break
         except (ConfigError, TrainingError):
             raise
@@ -170,12 +183,12 @@ class Trainer:
             self.log.close()
         if self.spec.model.writes_hf_export and self.step == last_step:
             export_run_model(self.model, self.spec.model, config)
+        balance = end.balance if end is not None else None
         summary = self._report(balance, time.perf_counter() - wall0) if self.rank == 0 else None
         return TrainResult(self.log.rows, self.model, summary, self.setup.memory)
 
-    def train_step(self, preemption: Preemption) -> tuple[dict, StepPlan, bool, bool]:
-        """One optimizer step: (its metrics row, its attention balance, whether it was finite, whether a SIGTERM
-        asks every rank to stop after it)."""
+    def train_step(self, preemption: Preemption) -> StepEnd:
+        """One optimizer step, on every rank."""
         self.records.step(self.step)
         t0 = time.perf_counter()
         reset_peak_memory(self.device)
@@ -210,10 +223,11 @@ class Trainer:
         sparse_sums = per_rank[:, 8:].sum(0)  # each document was estimated on one rank
         if self.prior is not None:
             self.prior.update(*sparse_sums[:3])
-        timing = {"step_time_s": time.perf_counter() - t0, "plan_time_s": plan_time, "lr": lr,
-                  "grad_norm": float(grad_norm), "timed": outcome.timed}
-        row = self._row(micro_batches, planned.balance, per_rank, sparse_sums, timing, finite, max(1, targets))
-        return row, planned.balance, finite, stop
+        values = {"step_time_s": time.perf_counter() - t0, "plan_time_s": plan_time, "lr": lr,
+                  "grad_norm": float(grad_norm)}
+        row = self._row(micro_batches, planned.balance, per_rank, sparse_sums, values, outcome.timed, finite,
+                        max(1, targets))
+        return StepEnd(row, planned.balance, finite, stop)
 
     def _gather_rank_values(self, outcome, stats: SparseStats, preemption: Preemption) -> np.ndarray:
         """(world, values): every rank's loss, attention and communication times, bytes, peaks, offloaded bytes,
@@ -225,22 +239,23 @@ class Trainer:
         out = all_gather_flat(torch.tensor(values, dtype=torch.float64, device=device))
         return out.cpu().numpy().reshape(dist.get_world_size(), len(values))
 
-    def _row(self, micro_batches, balance: StepPlan, per_rank: np.ndarray, sparse_sums: np.ndarray, timing: dict,
-             finite: bool, label_tokens: int) -> dict:
-        """The step's metrics row (attnpool.train.metrics says what each means)."""
+    def _row(self, micro_batches, balance: StepPlan, per_rank: np.ndarray, sparse_sums: np.ndarray, values: dict,
+             attention_timed: bool, finite: bool, label_tokens: int) -> dict:
+        """The step's metrics row (attnpool.train.metrics says what each means); ``values``: this rank's times,
+        learning rate and gradient norm."""
         step_tokens = sum(b.num_tokens for b in micro_batches)
         cuda, sparse = self.device.type == "cuda", self.spec.sparse is not None
         return {
             "step": self.step,
             # a dp rank's tp ranks agree on its loss; off the last pipeline stage ranks report none
             "loss": float(per_rank[:, 0].sum() / self.spec.dims.tp / label_tokens),
-            "lr": timing["lr"],
-            "grad_norm": timing["grad_norm"],
+            "lr": values["lr"],
+            "grad_norm": values["grad_norm"],
             "tokens": step_tokens,
-            "tokens_per_s": step_tokens / timing["step_time_s"],
-            "step_time_s": timing["step_time_s"],
-            "plan_time_s": timing["plan_time_s"],
-            "attention_time_s": float(per_rank[:, 1].max()) if timing["timed"] else None,
+            "tokens_per_s": step_tokens / values["step_time_s"],
+            "step_time_s": values["step_time_s"],
+            "plan_time_s": values["plan_time_s"],
+            "attention_time_s": float(per_rank[:, 1].max()) if attention_timed else None,
             "comm_time_s": float(per_rank[:, 2].max()),
             "comm_bytes": int(per_rank[:, 3].sum()),
             "peak_memory_bytes": int(per_rank[:, 4].max()),
@@ -256,26 +271,33 @@ class Trainer:
             "nonfinite_steps": self.nonfinite_total,
         }
 
-    def _after_step(self, finite: bool, stop: bool) -> None:
-        """Checkpoint where due (never a skipped step: a run that diverges leaves the last good one newest), and
-        end a run whose steps stopped being finite."""
+    def _checkpoint_if_due(self, end: StepEnd) -> None:
+        """A checkpoint every checkpoint_every steps, at the run's last step and where a SIGTERM stops it; never of a
+        skipped step (a run that diverges leaves the last good one newest)."""
         config, step = self.config, self.step
         every = config.checkpoint.every
-        if finite and every >= 0 and (step == config.last_step or stop or (every and step % every == 0)):
+        if end.finite and every >= 0 and (step == config.last_step or end.stop or (every and step % every == 0)):
             save_checkpoint(checkpoint_path(config.run.out, step), self.model, self.optimizer, self.scheduler,
                             self.stream, step, self.extra_state, self.device, config.to_dict(), config.checkpoint.keep)
             if config.checkpoint.hf_exports:
                 export_run_model(self.model, self.spec.model, config, checkpoint_export_dir(config.run.out, step))
-        limit = config.faults.max_nonfinite_steps
+
+    def _refuse_nonfinite_steps(self) -> None:
+        """End a run whose last max_nonfinite_steps steps were all skipped."""
+        limit = self.config.faults.max_nonfinite_steps
         if self.nonfinite_in_a_row >= limit:
-            raise TrainingError(f"step {step}: the loss or gradient norm was not finite in {self.nonfinite_in_a_row} "
-                                f"steps in a row (max_nonfinite_steps={limit}); their updates were skipped, so the "
-                                "weights are those of the last finite step. Lower --lr, or clip gradients "
-                                "(--grad-clip)")
-        if stop and self.rank == 0:
-            saved = f"checkpoint {checkpoint_path(config.run.out, step)} written" if finite and every >= 0 \
-                else "no checkpoint written (checkpoint_every=-1)" if every < 0 else "no checkpoint (a skipped step)"
-            print(f"SIGTERM: stopped after step {step}, {saved}; --resume continues", flush=True)
+            raise TrainingError(f"step {self.step}: the loss or gradient norm was not finite in "
+                                f"{self.nonfinite_in_a_row} steps in a row (max_nonfinite_steps={limit}); their "
+                                "updates were skipped, so the weights are those of the last finite step. Lower --lr, "
+                                "or clip gradients (--grad-clip)")
+
+    def _say_stopped(self, end: StepEnd) -> None:
+        if self.rank != 0:
+            return
+        config, every = self.config, self.config.checkpoint.every
+        saved = f"checkpoint {checkpoint_path(config.run.out, self.step)} written" if end.finite and every >= 0 \
+            else "no checkpoint written (checkpoint_every=-1)" if every < 0 else "no checkpoint (a skipped step)"
+        print(f"SIGTERM: stopped after step {self.step}, {saved}; --resume continues", flush=True)
 
     def _report(self, balance: StepPlan | None, wall_s: float) -> dict | None:
         """Rank 0 at the end: summary.json, summary.png and the printed summary."""

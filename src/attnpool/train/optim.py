@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from attnpool.train.config import OptimSection
+from attnpool.train.sections import OptimSection
 
 
 def build_optimizer(model: torch.nn.Module, optim: OptimSection, fused: bool = False) -> torch.optim.AdamW:

@@ -44,16 +44,17 @@ def refuse_damaged(out: str, skipped: list[tuple[str, str]]) -> None:
         raise ConfigError("resume", out, f"no valid checkpoint: {skipped[0][1]}{more}")
 
 
-def resume_candidate(config: TrainConfig, model: ModelSpec) -> str | None:
-    """Before any process group: the checkpoint a resume would continue from (sizes and manifests only; every
-    file's hash is checked once the ranks can share the work), checked against the model and the settings.
-    Without ``resume``, a run directory that holds checkpoints is refused: they are another run's."""
+def refuse_earlier_run(config: TrainConfig) -> None:
+    """Refuse a run without ``resume`` into a run directory that holds checkpoints: they are another run's."""
+    if finished_checkpoints(config.run.out):
+        raise ConfigError("out", config.run.out, "holds checkpoints of an earlier run: pass --resume to continue "
+                                                 "it, or choose another --out")
+
+
+def resume_candidate(config: TrainConfig, model: ModelSpec) -> str:
+    """Before any process group: the checkpoint a resume continues from (sizes and manifests only; every file's
+    hash is checked once the ranks can share the work), checked against the model and the settings."""
     out = config.run.out
-    if not config.checkpoint.resume:
-        if finished_checkpoints(out):
-            raise ConfigError("out", out, "holds checkpoints of an earlier run: pass --resume to continue it, "
-                                          "or choose another --out")
-        return None
     found, skipped = select_checkpoint(out, checksum=False, distributed=False)
     if found is None:
         refuse_damaged(out, skipped)

@@ -45,7 +45,7 @@ from attnpool.train.spec import RunSpec
 
 @dataclass
 class PlannedStep:
-    units: list[list[StepPlan]]  # per micro-batch, per nano-batch: the layouts (and plans) that run
+    microbatches: list[list[StepPlan]]  # per micro-batch, per nano-batch: the layouts (and plans) that run
     balance: StepPlan  # the step's per-rank attention loads, served at home against planned
     ticks: list[StepPlan] | None = None  # a pooled pipeline's tick plans
 
@@ -144,7 +144,7 @@ class StepRunner:
     def _tensors(self, planned: PlannedStep) -> list[list[RankTensors]]:
         """This dp rank's tokens, positions and labels of every unit, on the device."""
         return [[p.batch.rank_batch(p.plan.pieces, self.mesh.dp_rank).to_torch(self.device) for p in unit]
-                for unit in planned.units]
+                for unit in planned.microbatches]
 
     def _attentions(self, planned: PlannedStep, stats: SparseStats) -> list[list]:
         """Every unit's core attention over its dp ranks; timed where a micro-batch is one unit (ping-pong's
@@ -152,7 +152,7 @@ class StepRunner:
         s = self.spec
         attentions = [[CoreAttention(p.plan, self.mesh.attention_group, backend=s.backend, sparse=s.sparse,
                                      sparse_stats=stats, pattern_group=self.pattern_group) for p in unit]
-                      for unit in planned.units]
+                      for unit in planned.microbatches]
         if all(len(unit) == 1 for unit in attentions):
             return [[AttentionTimer(unit[0], self.device)] for unit in attentions]
         return attentions

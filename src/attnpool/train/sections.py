@@ -308,6 +308,8 @@ class RunSection(Section):
 SECTIONS = {"model": ModelSection, "data": DataSection, "attention": AttentionSection, "sparse": SparseSection,
             "optim": OptimSection, "parallel": ParallelSection, "memory": MemorySection,
             "checkpoint": CheckpointSection, "faults": FaultsSection, "run": RunSection}
+
+
 def _at_least(name: str, value, low: int, what: str | None = None):
     if value < low:
         raise ConfigError(name, value, f"{what + ' ' if what else ''}must be at least {low}")

@@ -55,21 +55,11 @@ class RunSpec:
     cost_model: object  # the planner's cost of a CA-task on a tp rank's heads
     sparse: SparseConfig | None  # vertical-slash options (their cost coefficients read), None for dense
 
-    @property
-    def activation_checkpointing(self) -> str:
-        return self.config.memory.activation_checkpointing
-
-    @property
-    def compile(self) -> bool:
-        return self.config.model.compile
-
-    @property
-    def pingpong(self) -> bool:
-        return self.config.attention.pingpong
-
-    @property
-    def optimizer_offload(self) -> bool:
-        return self.config.memory.optimizer_offload
+    # What parallelize reads besides (attnpool.parallel.parallelize.ParallelizeSpec), as the settings give it.
+    activation_checkpointing = property(lambda self: self.config.memory.activation_checkpointing)
+    compile = property(lambda self: self.config.model.compile)
+    pingpong = property(lambda self: self.config.attention.pingpong)
+    optimizer_offload = property(lambda self: self.config.memory.optimizer_offload)
 
     @property
     def tokens_multiple(self) -> int:
@@ -107,12 +97,14 @@ class RunSpec:
 def resolve_run_spec(config: TrainConfig, world: int, device: torch.device | None = None,
                      device_type: str | None = None) -> RunSpec:
     """``config`` resolved for ``world`` ranks on ``device`` (a rank's), or without one for ``device_type``
-    (default: the configured device, or this machine's). Refused with a ConfigError naming the key where the
+    (default: the configured device, or this machine's; given, the run is planned for another machine, whose
+    installed packages are not this one's to check). Refused with a ConfigError naming the key where the
     model's shape or the device cannot run it."""
     model = model_spec(config.model.name, config.model.args, config.data.max_doc_len)
     check_model_shape(config, model.config)
     dims = ParallelDims.of(world, config.parallel.tp, config.parallel.pp)
-    device_type = device.type if device is not None else device_type or configured_device_type(config)
+    here = device is not None or device_type is None
+    device_type = device_kind(config, device, device_type)
     bf16 = uses_bf16(config, device_type)
     backend_name = attention_backend(config, device, device_type)
     backend = get_backend(backend_name, device, torch.bfloat16 if bf16 else torch.float32) \
@@ -127,7 +119,7 @@ def resolve_run_spec(config: TrainConfig, world: int, device: torch.device | Non
         cost_model = cost_model.scaled_to(shape.n_q_heads, shape.head_dim)
     return RunSpec(config, model, dims, device_type, device, backend_name, backend, loss_kernel, bf16, shape,
                    not serves_positions(backend_name, device, m.head_dim), cost_model,
-                   check_sparse(config, m, device, device_type))
+                   check_sparse(config, m, device, device_type, here))
 
 
 def check_model_shape(config: TrainConfig, m: ModelConfig) -> None:
@@ -154,7 +146,7 @@ def attention_backend(config: TrainConfig, device: torch.device | None = None, d
     and only refuses what the device kind and precision decide ("auto" then stays "auto"). ``device_type``:
     the kind, where no device is given (default: the configured one, or this machine's)."""
     name = config.attention.backend
-    device_type = device.type if device is not None else device_type or configured_device_type(config)
+    device_type = device_kind(config, device, device_type)
     bf16 = uses_bf16(config, device_type)
     if name in ("fa4", "flash") and device_type == "cuda" and not bf16:
         raise ConfigError("attention_backend", name, f"the {name} kernels take bf16, and this run computes in float32 "
@@ -179,9 +171,10 @@ def same_attention_backend(backend: str, requested: str) -> None:
 
 
 def check_sparse(config: TrainConfig, model_cfg: ModelConfig, device: torch.device | None = None,
-                 device_type: str = "cpu") -> SparseConfig | None:
+                 device_type: str = "cpu", here: bool = True) -> SparseConfig | None:
     """The sparse options (None for dense attention), refused where this model or device cannot run them
-    (the CPU twin runs anything); the GPU's kind only when ``device`` is given (see prepare)."""
+    (the CPU twin runs anything); the GPU's kind only when ``device`` is given (see prepare), Triton's presence
+    only where the run is ``here`` (not planned for another machine)."""
     sparse = config.sparse.sparse_config()
     if sparse is None:
         return None
@@ -189,7 +182,7 @@ def check_sparse(config: TrainConfig, model_cfg: ModelConfig, device: torch.devi
         raise ConfigError("dense_layers", sparse.dense_layers, f"the model has {model_cfg.n_layers} layers, so none "
                                                                "would be sparse; use --sparse none for dense attention")
     if device_type == "cuda":
-        if importlib.util.find_spec("triton") is None:
+        if here and importlib.util.find_spec("triton") is None:
             raise ConfigError("sparse", sparse.mode, "the sparse kernels need Triton on CUDA, and it is not installed")
         problem = sparse_device_problem(device) if device is not None and device.type == "cuda" else None
         if problem is not None:
@@ -200,6 +193,11 @@ def check_sparse(config: TrainConfig, model_cfg: ModelConfig, device: torch.devi
         if problem is not None:
             raise ConfigError("sparse", sparse.mode, str(problem))
     return sparse
+
+
+def device_kind(config: TrainConfig, device: torch.device | None, device_type: str | None) -> str:
+    """The kind of device a run computes on: the rank's device's, else ``device_type``, else the configured one."""
+    return device.type if device is not None else device_type or configured_device_type(config)
 
 
 def uses_bf16(config: TrainConfig, device_type: str) -> bool:

@@ -1,0 +1,62 @@
+"""The document source a run's data settings name (attnpool.data), and the tokenizer its text is read with."""
+
+from __future__ import annotations
+
+import os
+
+from attnpool.data import make_source
+from attnpool.errors import ConfigError
+from attnpool.model import ModelSpec
+from attnpool.model.spec import HF_PREFIX
+from attnpool.train.config import TrainConfig
+from attnpool.train.sections import DATA_PATH_OPTION
+
+
+def tokenizer_path(config: TrainConfig, model: ModelSpec) -> str | None:
+    """The tokenizer of hf: and jsonl data: ``tokenizer``, else the one that comes with the model."""
+    return config.data.tokenizer or model.tokenizer_dir
+
+
+def _main_process() -> bool:
+    """The launcher, or rank 0 (of torchrun's or of the built-in launcher's ranks)."""
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0
+
+
+def build_source(config: TrainConfig, model: ModelSpec):
+    """The document source the data settings name, checked against the model's vocabulary. A ConfigError names
+    what the user typed: data, data_path, or data_args.KEY."""
+    d = config.data
+    options, kind = dict(d.args), d.source
+    if d.path is not None:
+        options[DATA_PATH_OPTION[d.source]] = d.path
+    tokenizer = tokenizer_path(config, model)
+    vocab_size = model.config.vocab_size
+    if d.source.startswith(HF_PREFIX):
+        kind, options["name"] = "hf", d.source[len(HF_PREFIX):]
+        if tokenizer is None:
+            raise ConfigError("tokenizer", None, f"--data {d.source} needs a tokenizer: set tokenizer: DIR (an hf: "
+                                                 "model's directory is the default)")
+        options["tokenizer"] = tokenizer
+        options.setdefault("progress", config.run.progress and _main_process())
+        options["model_vocab_size"] = vocab_size  # a tokenizer too large is refused before the data is read
+    if d.source == "jsonl" and tokenizer is not None:
+        options.setdefault("tokenizer_path", tokenizer)
+    if d.source == "synthetic":
+        options.setdefault("dist", "pretrain")
+        options.setdefault("vocab_size", vocab_size)
+        options.setdefault("seed", d.seed)
+    if d.source == "npy":
+        options.setdefault("vocab_size", vocab_size)  # token ids are then checked against the model
+    try:
+        source = make_source(kind, **options)
+    except ConfigError as exc:  # name what the user typed: --data-path, or --data-args KEY
+        path_option = DATA_PATH_OPTION.get(d.source)
+        if exc.field == path_option and d.path is not None:
+            raise ConfigError("data_path", exc.value, exc.problem) from None
+        if exc.field in d.args:
+            raise ConfigError(f"data_args.{exc.field}", exc.value, exc.problem) from None
+        raise
+    if source.vocab_size is not None and source.vocab_size > vocab_size:
+        raise ConfigError("data", d.source, f"has {source.vocab_size} token ids but the model's vocab_size is "
+                                            f"{vocab_size}; raise it with --model-args vocab_size=N")
+    return source

@@ -158,7 +158,8 @@ def _train_hf(rank, world, out, model_dir):
     runs = {"local": {}, "wlb": {}, "percp": {},
             "cad": dict(checkpoint_every=1, keep_checkpoints=2, hf_export_checkpoints=True),
             "cad-full-recompute": dict(activation_checkpointing="full"),
-            "cad-stopped": dict(stop_at=2), "local-sparse": SPARSE, "cad-sparse": SPARSE}
+            "cad-stopped": dict(stop_at=2), "local-sparse": SPARSE, "cad-sparse": SPARSE,
+            "cad-rope": dict(model_args=dict(rope_theta=1e6))}
     losses = {}
     for name, overrides in runs.items():
         strategy = name.split("-")[0]
@@ -196,6 +197,50 @@ def test_cad_trains_an_hf_model_as_local_does(hf_training):
     # Vertical-slash sparse attention runs in the model's layers too (the attention function passes the layer).
     assert rel_diff(losses["cad-sparse"], losses["local-sparse"]) <= 1e-4
     assert any(0.0 < d < 1.0 for d in losses["density"]), losses["density"]
+
+
+def test_model_args_change_an_hf_models_config(tmp_path, hf_training):
+    """--model-args for an hf: model: settings of its config.json, changed as transformers reads them (RoPE's base
+    and scaling, what context extension changes, live in rope_parameters). The model computes what transformers
+    computes with the config changed by hand, a run trains with it and exports it; what the checkpoint's weights
+    fix, or what the config lacks, is refused by name."""
+    directory = str(save_model(tmp_path / "llama", "llama"))
+    args = {"rope_theta": 500000.0, "max_position_embeddings": 4096, "num_hidden_layers": 1}
+    spec = load_hf_spec(directory, model_args=args)
+    assert spec.hf_config.rope_parameters == {"rope_theta": 500000.0, "rope_type": "default"}
+    assert spec.hf_config.max_position_embeddings == 4096 and spec.config.n_layers == 1
+    scaled = load_hf_spec(directory, model_args={"rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    assert scaled.hf_config.rope_parameters == {"rope_theta": 10000.0, "rope_type": "linear", "factor": 2.0}
+
+    config = transformers.AutoConfig.from_pretrained(directory)
+    config.rope_parameters, config.num_hidden_layers = {"rope_theta": 500000.0, "rope_type": "default"}, 1
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory, config=config, attn_implementation="eager")
+    docs = document_tokens()
+    with torch.no_grad():
+        want = torch.cat([reference.eval()(input_ids=doc[None]).logits[0] for doc in docs])
+        plan = plan_attention(linear_layout(DOC_LENS, 1), "local", cost_model="pairs")
+        got = build_hf_model(spec).eval()(torch.cat(docs), torch.cat([torch.arange(n) for n in DOC_LENS]),
+                                          CoreAttention(plan))
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    unchanged = reference_logits(directory, docs)
+    assert (want - unchanged).abs().max().item() > 1e-3 * unchanged.abs().max().item()  # the arguments took effect
+
+    root, _, losses, _ = hf_training  # a run with rope_theta=1e6: another training, written back in its export
+    assert rel_diff(losses["cad-rope"], losses["cad"]) > 1e-4
+    exported = json.loads((root / "cad-rope" / "hf" / "config.json").read_text())
+    assert exported["rope_parameters"]["rope_theta"] == 1e6
+
+    for bad, field in ((dict(hidden_size=64), "model_args.hidden_size"), (dict(num_hidden_layers=3), "model_args."
+                       "num_hidden_layers"), (dict(n_layers=2), "model_args.n_layers"),
+                       (dict(rope_scaling=2.0), "model_args.rope_scaling"),
+                       (dict(rope_scaling={"rope_type": "yarn"}), "model_args")):  # yarn needs its factor
+        with pytest.raises(ConfigError) as err:
+            load_hf_spec(directory, model_args=bad)
+        assert err.value.field == field, bad
+    gemma3 = str(save_model(tmp_path / "gemma3", "gemma3_text", randomize=False))
+    with pytest.raises(ConfigError, match="per layer type") as err:  # local and global layers: RoPE of their own
+        load_hf_spec(gemma3, max_doc_len=WINDOW, model_args={"rope_theta": 1e6})
+    assert err.value.field == "model_args.rope_theta"
 
 
 def test_export_loads_in_transformers_with_the_trained_weights(hf_training):
@@ -388,8 +433,6 @@ def test_hf_export_checkpoints_needs_an_hf_model():
 def test_hf_model_refuses_what_it_cannot_run():
     with pytest.raises(ConfigError, match="tp=2"):
         TrainConfig(model="hf:somewhere", tp=2, nproc=2)
-    with pytest.raises(ConfigError, match="model_args"):
-        TrainConfig(model="hf:somewhere", model_args=dict(n_layers=2))
     with pytest.raises(ConfigError, match="keep_attention"):
         TrainConfig(model="hf:somewhere", activation_checkpointing="keep_attention")
     with pytest.raises(ConfigError, match="logger='mlflow'"):

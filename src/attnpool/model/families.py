@@ -24,14 +24,14 @@ def family_cannot(model: str) -> Mapping[str, str]:
 
 
 def model_spec(model: str, model_args: dict | None = None, max_doc_len: int | None = None) -> ModelSpec:
-    """The spec of ``model`` with ``model_args`` applied (a preset's fields), checked: a ConfigError names what
-    is wrong (an unknown preset or field; a directory transformers cannot read, or an architecture or feature
+    """The spec of ``model`` with ``model_args`` applied (a preset's fields, or settings of an hf: model's
+    config.json), checked: a ConfigError names what is wrong (an unknown preset or field; a directory transformers cannot read, or an architecture or feature
     core attention cannot run). ``max_doc_len``: the longest document the run feeds it (a sliding window
     never reaching past it is plain causal attention)."""
     if family(model) == "hf":
         from attnpool.model.hf_causal_lm import load_hf_spec
 
-        return load_hf_spec(hf_model_dir(model), max_doc_len)
+        return load_hf_spec(hf_model_dir(model), max_doc_len, model_args)
     from attnpool.model.config import model_config
     from attnpool.model.llama_spec import LlamaSpec
 

@@ -102,9 +102,10 @@ def _architecture(hf_config) -> str:
     return architectures[0] if architectures else hf_config.__class__.__name__.replace("Config", "")
 
 
-def load_hf_spec(path: str, max_doc_len: int | None = None) -> HFAdapterSpec:
+def load_hf_spec(path: str, max_doc_len: int | None = None, model_args: dict | None = None) -> HFAdapterSpec:
     """Read and check ``path``'s config.json (refused with ConfigError naming the model, the architecture and
-    the feature attnpool cannot run). Nothing is downloaded: ``path`` is a local directory."""
+    the feature attnpool cannot run), with ``model_args`` changed in it (:func:`config_with_args`). Nothing is
+    downloaded: ``path`` is a local directory."""
     field = "model"
     value = HF_PREFIX + path
     if not os.path.isdir(path):
@@ -120,11 +121,56 @@ def load_hf_spec(path: str, max_doc_len: int | None = None) -> HFAdapterSpec:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(field, value, f"config.json is not a config transformers reads "
                                         f"({str(exc).splitlines()[0]})") from None
+    has_weights = any(name.endswith(".safetensors") for name in os.listdir(path))
+    if model_args:
+        hf_config = config_with_args(hf_config, model_args, has_weights)
     problem = hf_model_problem(hf_config, max_doc_len)
     if problem is not None:
         raise ConfigError(field, value, problem)
-    has_weights = any(name.endswith(".safetensors") for name in os.listdir(path))
     return HFAdapterSpec(path, hf_config, planning_config(hf_config), has_weights)
+
+
+# Settings a checkpoint's weights fix: changed, its tensors would not load.
+WEIGHT_SHAPE_SETTINGS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                         "head_dim")
+
+
+def config_with_args(hf_config, model_args: dict, has_weights: bool):
+    """``hf_config`` with ``model_args`` (``--model-args``) changed in it, and checked again as transformers checks
+    a config.json: any setting the config has (``max_position_embeddings``, ``num_hidden_layers``: fewer layers of a
+    checkpoint are taken, more are refused); ``rope_theta``, and ``rope_scaling`` (a mapping with ``rope_type`` and
+    its parameters: RoPE's base and scaling, which transformers keeps in ``rope_parameters``, what context extension
+    changes). Settings that fix the weights' shapes are refused where the directory has weights. The export writes
+    the changed config (what the run trained)."""
+    arch = _architecture(hf_config)
+    values = hf_config.to_dict()
+    rope = values.get("rope_parameters")
+    for key, value in model_args.items():
+        field = f"model_args.{key}"
+        if key in ("rope_theta", "rope_scaling"):
+            if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
+                raise ConfigError(field, value, f"{arch} sets RoPE per layer type ({', '.join(rope or {})}): give "
+                                                "rope_parameters, the whole mapping, instead")
+            if key == "rope_scaling" and not (isinstance(value, dict) and ("rope_type" in value or "type" in value)):
+                raise ConfigError(field, value, "a mapping with rope_type (linear, dynamic, yarn, llama3, ...) and its "
+                                                "parameters, e.g. {rope_type: yarn, factor: 4.0}")
+            rope = {**rope, "rope_theta": value} if key == "rope_theta" else {"rope_theta": rope.get("rope_theta"),
+                                                                               **value}
+            values["rope_parameters"] = rope
+        elif key not in values:
+            raise ConfigError(field, value, f"is not a setting of {arch}'s config.json")
+        elif has_weights and key in WEIGHT_SHAPE_SETTINGS and value != values[key]:
+            raise ConfigError(field, value, f"changes the shape of the checkpoint's weights ({key}={values[key]} in "
+                                            "config.json)")
+        elif has_weights and key == "num_hidden_layers" and value > values[key]:
+            raise ConfigError(field, value, f"the checkpoint has {values[key]} layers: fewer can be taken, not more")
+        else:
+            values[key] = value
+    try:
+        return type(hf_config)(**values)
+    except (ValueError, TypeError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError("model_args", model_args, f"transformers refuses {arch}'s config with them ({first})") from None
 
 
 def hf_model_problem(hf_config, max_doc_len: int | None = None) -> str | None:

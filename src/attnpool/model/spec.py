@@ -31,10 +31,9 @@ if TYPE_CHECKING:
 HF_PREFIX = "hf:"  # ``model: hf:DIR`` is a Hugging Face model directory
 
 # What transformers' modules behind the adapter cannot run, and why. A feature is a setting that asks for it
-# (model_args, tp, pp, pingpong, keep_attention, compile: train.config maps each to its key) or ``eval``
-# (attnpool eval's retrieval probes).
+# (tp, pp, pingpong, keep_attention, compile; model_args for a family that takes none: train.config maps each to
+# its key) or ``eval`` (attnpool eval's retrieval probes).
 ADAPTER_CANNOT = {
-    "model_args": "an hf: model takes its settings from its config.json",
     "tp": "tensor parallelism splits attnpool's own layers only",
     "pp": "pipeline stages split attnpool's own layers only",
     "pingpong": "ping-pong interleaves attnpool's own layers only",

@@ -56,7 +56,9 @@ class ModelSection(Section):
     TITLE = "model"
     name: str = _setting("model", "model preset (tiny, llama3-8b, llama-34b, qwen2.5-3b), or hf:DIR, a Hugging Face "
                                   "model directory (config.json, safetensors weights if any)", default="tiny")
-    args: dict = _setting("model_args", "model fields to override, e.g. n_layers=2 dim=64", default_factory=dict)
+    args: dict = _setting("model_args", "model fields to override, e.g. n_layers=2 dim=64; for hf:DIR, settings of its "
+                                        "config.json, e.g. rope_theta=500000 max_position_embeddings=131072 "
+                                        "rope_scaling='{rope_type: yarn, factor: 4.0}'", default_factory=dict)
     precision: str = _setting("precision", "auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32", default="auto")
     compile: bool = _setting("compile", "torch.compile every layer's linear parts (norms, projections, RoPE, SwiGLU), "
                                         "fusing the elementwise work between the matmuls; core attention stays eager. "

@@ -79,6 +79,12 @@ class Backend:
     # the runtime then copies each segment's prefix).
     positions: PositionKernel | None = None
 
+    def serves_positions(self, device, head_dim: int) -> bool:
+        """Whether core attention under this backend runs a server's shards of one document without prefix copies
+        on ``device`` at ``head_dim``: its PositionKernel supports them there, and its varlen runs split by
+        segment (the runtime's server step and the memory model both ask this)."""
+        return self.positions is not None and self.splits_by_segment and self.positions.supports(device, head_dim)
+
 
 def default_scale(head_dim: int) -> float:
     """Softmax scale when none is given: 1 / sqrt(head_dim)."""

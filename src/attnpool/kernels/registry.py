@@ -45,8 +45,7 @@ def serves_positions(name: str | None, device, head_dim: int) -> bool:
     """Whether backend ``name`` serves queries at given positions of a document (Backend.positions) on
     ``device`` at ``head_dim``, so that core attention copies no prefixes there; False for flash, for
     "auto" or None (not resolved), and for fa4 where the device is not known (None)."""
-    kernel = _MODULES[name].BACKEND.positions if name in _MODULES else None
-    return kernel is not None and kernel.supports(device, head_dim)
+    return name in _MODULES and _MODULES[name].BACKEND.serves_positions(device, head_dim)
 
 
 def get_backend(name: str | None, device, dtype: torch.dtype | None = None) -> Backend:

@@ -32,13 +32,14 @@ class LlamaSpec(ModelSpec):
         return self.config.num_params() > META_INIT_PARAMS
 
     def build(self, device: torch.device | str) -> Transformer:
-        with torch.device("meta" if self.builds_on_meta else device):
-            return Transformer(self.config)
+        return self._transformer("meta" if self.builds_on_meta else device)
 
     def build_empty(self, device: torch.device | str) -> Transformer:
-        with torch.device("meta"):
-            model = Transformer(self.config)
-        return model.to_empty(device=device)
+        return self._transformer("meta").to_empty(device=device)
+
+    def _transformer(self, device: torch.device | str) -> Transformer:
+        with torch.device(device):
+            return Transformer(self.config)
 
     def materialize(self, model: nn.Module, device: torch.device, seed: int, storage: torch.device | None = None):
         """Drawn per weight by name and seed, whole, each rank keeping its part (Transformer.init_weights). Built
@@ -52,8 +53,7 @@ class LlamaSpec(ModelSpec):
         return self.config.num_params()
 
     def state_shapes(self) -> dict[str, tuple]:
-        with torch.device("meta"):
-            return {name: tuple(t.shape) for name, t in Transformer(self.config).state_dict().items()}
+        return {name: tuple(t.shape) for name, t in self._transformer("meta").state_dict().items()}
 
     def save_hf(self, model: nn.Module, state: dict, directory: str, dtype: torch.dtype | None = None,
                 tokenizer_dir: str | None = None) -> None:

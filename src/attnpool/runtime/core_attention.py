@@ -262,11 +262,10 @@ def serve_backward(L: DispatchLayout, backend: Backend, dout, q_srv, k_u, v_u, o
 
 def _serves_documents(L: DispatchLayout, backend, q_srv: torch.Tensor) -> bool:
     """Whether the server's work runs without prefix copies (dispatch.DocumentServing): some served document
-    has several segments and the backend serves queries at given positions, here (its PositionKernel
-    supports the device and head_dim) and segment by segment (its varlen runs are split into groups)."""
-    kernel = backend.positions if isinstance(backend, Backend) else None
-    return (L.documents is not None and kernel is not None and backend.splits_by_segment
-            and kernel.supports(q_srv.device, q_srv.shape[2]))
+    has several segments and the backend serves queries at given positions here (Backend.serves_positions; a
+    SparseServing does not)."""
+    return (L.documents is not None and isinstance(backend, Backend)
+            and backend.serves_positions(q_srv.device, q_srv.shape[2]))
 
 
 def _documents_forward(L: DispatchLayout, backend: Backend, q_srv, k_u, v_u, scale):

@@ -100,6 +100,7 @@ class Trainer:
             if self.setup.resume_from is not None else None
         self.runner = build_runner(spec, self.mesh)
         self.model = self.runner.model
+        self.params = list(self.model.parameters())
         self.optimizer = build_optimizer(self.model, config.optim, fused=self.device.type == "cuda")
         self.scheduler = build_scheduler(self.optimizer, config.optim)
         self.stream = DocumentStream(self.setup.source, spec.dims.dp, config.data.tokens_per_rank, config.data.seed,
@@ -203,7 +204,7 @@ class Trainer:
         comm_stats.reset()
         stats = SparseStats()
         outcome = self.runner.run(planned, max(1, targets), stats)
-        grad_norm = clip_gradients(list(self.model.parameters()), self.config.optim.grad_clip or float("inf"),
+        grad_norm = clip_gradients(self.params, self.config.optim.grad_clip or float("inf"),
                                    self.mesh.pp_group if self.spec.dims.pp > 1 else None)
         lr = self.scheduler.get_last_lr()[0]
         # A step whose loss or gradient is not finite is skipped on every rank (its gradients dropped), and the

@@ -131,7 +131,7 @@ class StepRunner:
         if spec.config.memory.activation_offload:  # prefetch in backward: one layer's saved activations ahead
             self.offload = ActivationOffload(spec.device, prefetch_bytes=saved_bytes_per_layer(memory_inputs(spec)))
         # With ping-pong, the sparse exchanges get a communicator of their own (CoreAttention.pattern_group).
-        self.pattern_group = mesh.new_attention_group() if spec.sparse and spec.config.attention.pingpong else None
+        self.pattern_group = mesh.new_attention_group() if spec.sparse and spec.pingpong else None
 
     def plan(self, micro_batches: list[GlobalBatch], prior: SparsePrior | None = None) -> PlannedStep:
         """Every micro-batch's plans (a plan per nano-batch with ping-pong), made at the start of the step."""

@@ -51,7 +51,7 @@ class RunSpec:
     loss_kernel: str  # chunked or liger
     bf16: bool  # bf16 compute (FSDP2 mixed precision, autocast); float32 master weights either way
     attention_shape: AttentionShape  # what a token's Q, K+V and O weigh in a tp rank's core attention
-    prefix_copies: bool  # whether core attention copies key prefixes (attnpool.kernels.serves_positions)
+    prefix_copies: bool  # whether core attention copies key prefixes (Backend.serves_positions: the runtime's test)
     cost_model: object  # the planner's cost of a CA-task on a tp rank's heads
     sparse: SparseConfig | None  # vertical-slash options (their cost coefficients read), None for dense
 
@@ -107,8 +107,7 @@ def resolve_run_spec(config: TrainConfig, world: int, device: torch.device | Non
     device_type = device_kind(config, device, device_type)
     bf16 = uses_bf16(config, device_type)
     backend_name = attention_backend(config, device, device_type)
-    backend = get_backend(backend_name, device, torch.bfloat16 if bf16 else torch.float32) \
-        if device is not None else None
+    backend = get_backend(backend_name, device) if device is not None else None  # (a name, never "auto", here)
     loss_kernel = config.model.loss_kernel
     if device is not None or loss_kernel == "auto":  # (without a device, liger's import is left to the ranks)
         loss_kernel = resolve_loss_kernel(loss_kernel, device_type, dims.tp)

@@ -27,7 +27,8 @@ def test_compiled_linear_parts_train_as_eager(tmp_path):
     assert rel_diff(dp_compiled["keep"], dp_eager["keep"]) <= 1e-5
 
 
-@pytest.mark.parametrize("overrides", [dict(model="hf:/nonexistent", model_args={}), dict(tp=2)])
+@pytest.mark.parametrize("overrides", [dict(model="hf:/nonexistent", model_args={}, model_impl="transformers"),
+                                       dict(tp=2)])
 def test_compile_is_refused_where_it_is_not_exact(overrides):
     with pytest.raises(ConfigError) as err:
         tiny_config("unused", compile=True, **overrides)

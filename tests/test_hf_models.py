@@ -21,7 +21,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from attnpool.errors import ConfigError  # noqa: E402
-from attnpool.model.hf_causal_lm import build_hf_model, hf_model_problem, load_hf_spec  # noqa: E402
+from attnpool.model.hf_causal_lm import build_hf_model, load_hf_spec  # noqa: E402
+from attnpool.model.hf_config import hf_model_problem  # noqa: E402
 from attnpool.plan import plan_attention  # noqa: E402
 from attnpool.runtime import CoreAttention  # noqa: E402
 from attnpool.train import TrainConfig, train  # noqa: E402
@@ -145,9 +146,10 @@ def test_problems_name_architecture_and_feature():
 
 
 def hf_train_config(out, model_dir, **overrides) -> TrainConfig:
-    values = dict(model=f"hf:{model_dir}", data="synthetic", data_args=dict(dist="pretrain"), tokens_per_rank=192,
-                  steps=4, lr=3e-3, warmup_steps=1, cost_model="pairs", min_shard=16, device="cpu", progress=False,
-                  out=str(out))
+    # transformers' modules behind the adapter (attnpool's own model: tests/test_hf_checkpoints.py)
+    values = dict(model=f"hf:{model_dir}", model_impl="transformers", data="synthetic", data_args=dict(dist="pretrain"),
+                  tokens_per_rank=192, steps=4, lr=3e-3, warmup_steps=1, cost_model="pairs", min_shard=16, device="cpu",
+                  progress=False, out=str(out))
     values.update(overrides)
     return TrainConfig(**values)
 
@@ -431,9 +433,14 @@ def test_hf_export_checkpoints_needs_an_hf_model():
 
 
 def test_hf_model_refuses_what_it_cannot_run():
+    """transformers' modules (model_impl: transformers) run one layer whole: what splits or rearranges attnpool's
+    own layers is refused by name before anything is read; attnpool's own model runs them."""
     with pytest.raises(ConfigError, match="tp=2"):
-        TrainConfig(model="hf:somewhere", tp=2, nproc=2)
+        TrainConfig(model="hf:somewhere", tp=2, nproc=2, model_impl="transformers")
     with pytest.raises(ConfigError, match="keep_attention"):
-        TrainConfig(model="hf:somewhere", activation_checkpointing="keep_attention")
+        TrainConfig(model="hf:somewhere", activation_checkpointing="keep_attention", model_impl="transformers")
+    TrainConfig(model="hf:somewhere", tp=2, nproc=2, activation_checkpointing="keep_attention")
+    with pytest.raises(ConfigError, match="model_impl"):
+        TrainConfig(model="tiny", model_impl="transformers")
     with pytest.raises(ConfigError, match="logger='mlflow'"):
         TrainConfig(logger="mlflow")

@@ -36,9 +36,9 @@ SMALL = dict(n_layers=1, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96)
 DOCS = np.array([200, 300, 100])
 
 
-def small_model(layers: int, mode: str) -> Transformer:
+def small_model(layers: int, mode: str, **variant) -> Transformer:
     torch.manual_seed(0)
-    model = Transformer(model_config("tiny", **{**SMALL, "n_layers": layers}))
+    model = Transformer(model_config("tiny", **{**SMALL, "n_layers": layers, **variant}))
     apply_activation_checkpointing(model, mode)
     return model
 
@@ -95,15 +95,25 @@ def test_saved_per_layer_by_hand():
     assert cad == 2 * 64 + 2 * 64 * 2 + 2 * 2 * 32 * 3 + 4 * 4 * 2 + 2 * 64 + 2 * 64 * 1
 
 
+# The layer variants of the families Hugging Face checkpoints come from (attnpool.model.hf)
+VARIANTS = {"llama": {}, "qwen3": dict(qk_norm=True),
+            "gemma3": dict(qk_norm=True, sandwich_norms=True, activation="gelu_tanh", query_scale=0.2)}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("mode", CHECKPOINTING_MODES)
-def test_saved_per_layer_matches_what_autograd_keeps(mode):
+def test_saved_per_layer_matches_what_autograd_keeps(mode, variant):
     """The real model's saved tensors, counted by a hook over one and two layers (float32 on CPU)."""
     tokens, positions, plan = batch()
-    one, two = (saved_storage_bytes(small_model(n, mode), tokens, positions, plan) for n in (1, 2))
-    predicted = sum(saved_per_layer(MemoryInputs(model_config("tiny", **SMALL), len(tokens), mode, bf16=False)).values())
+    one, two = (saved_storage_bytes(small_model(n, mode, **VARIANTS[variant]), tokens, positions, plan)
+                for n in (1, 2))
+    config = model_config("tiny", **SMALL, **VARIANTS[variant])
+    predicted = sum(saved_per_layer(MemoryInputs(config, len(tokens), mode, bf16=False)).values())
     # CPU's rms_norm is composite and keeps its normalized input too (CUDA's fused kernel does not:
     # bench/results/2026-11-25-h200-memory.md counts the same hook on an H200 and matches exactly).
-    cpu_norm_outputs = 2 * 4 * 64 if mode == "none" else 0
+    heads = (config.n_heads + config.n_kv_heads) * config.head_dim
+    norm_widths = 2 * 64 + (2 * 64 if config.sandwich_norms else 0) + (heads if config.qk_norm else 0)
+    cpu_norm_outputs = 4 * norm_widths if mode == "none" else 0
     assert (two - one) / len(tokens) == predicted + cpu_norm_outputs
 
 

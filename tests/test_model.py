@@ -376,8 +376,9 @@ def test_checkpoint_with_extra_tensor_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("change,field", [
-    (dict(rope_scaling=dict(rope_type="yarn", factor=4.0)), "rope_scaling.rope_type"),
-    (dict(architectures=["MistralForCausalLM"]), "architectures"),
+    # frequencies that follow the sequence's length, with documents longer than the model's context
+    (dict(rope_scaling=dict(rope_type="dynamic", factor=4.0)), "rope_parameters.rope_type"),
+    (dict(architectures=["GPT2LMHeadModel"]), "architectures"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(attention_bias=True), "attention_bias"),
 ])

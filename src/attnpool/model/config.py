@@ -41,9 +41,24 @@ class RopeScaling:
             )
 
 
+@dataclass(frozen=True)
+class Rope:
+    """The RoPE of one kind of layer given whole, as a checkpoint's config defines it (transformers computes it
+    for every RoPE type it knows: linear, YaRN, Llama 3's, ...): the inverse frequencies of the head's D/2
+    rotated pairs, and the factor on cos and sin (YaRN's attention factor; 1 for the others)."""
+
+    inv_freq: tuple[float, ...]
+    attention_factor: float = 1.0
+
+
+ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's activation: SwiGLU (Llama, Qwen, Mistral), GeGLU (Gemma)
+
+
 @dataclass
 class ModelConfig:
-    """A Llama-family decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU."""
+    """A Llama-family decoder: RMSNorm, RoPE, grouped-query attention, a gated MLP; and the variations of the
+    families a Hugging Face checkpoint may come from (attnpool.model.hf): Qwen's biases and q/k norms, Gemma's
+    scaled embedding, (1 + w) norms, GeGLU, norms after attention and MLP, and its attention scale."""
 
     vocab_size: int
     dim: int
@@ -61,6 +76,16 @@ class ModelConfig:
     # and sin are computed from each step's positions); it is written to
     # Hugging Face's max_position_embeddings.
     max_position: int | None = None
+    # RoPE given whole, one per kind of layer (a checkpoint's RoPE settings); None: from rope_theta and
+    # rope_scaling. layer_ropes: each layer's index into ropes (None: every layer uses ropes[0]).
+    ropes: tuple[Rope, ...] | None = None
+    layer_ropes: tuple[int, ...] | None = None
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each query and key head before RoPE
+    sandwich_norms: bool = False  # Gemma 2 and 3: attention's and the MLP's outputs normed before the residual
+    norm_offset: float = 0.0  # the norms scale by norm_offset + weight (Gemma: 1, its weights start at 0)
+    activation: str = "silu"  # the gated MLP's (ACTIVATIONS)
+    scale_embeddings: bool = False  # Gemma: the embedding times sqrt(dim)
+    query_scale: float | None = None  # attention's score scale; None: head_dim ** -0.5 (Gemma 2, 3: their own)
 
     def __post_init__(self):
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
@@ -88,13 +113,39 @@ class ModelConfig:
             raise ConfigError("rope_scaling", self.rope_scaling, "must be a RopeScaling or None")
         if self.max_position is not None:
             _check_positive_int("max_position", self.max_position)
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError("activation", self.activation, f"choose one of {', '.join(ACTIVATIONS)}")
+        if self.query_scale is not None and not self.query_scale > 0:
+            raise ConfigError("query_scale", self.query_scale, "must be positive")
+        self._check_ropes()
+
+    def _check_ropes(self):
+        if self.ropes is None:
+            if self.layer_ropes is not None:
+                raise ConfigError("layer_ropes", self.layer_ropes, "needs ropes")
+            return
+        for rope in self.ropes:
+            if not isinstance(rope, Rope) or len(rope.inv_freq) != self.head_dim // 2:
+                raise ConfigError("ropes", rope, f"each must be a Rope of head_dim / 2 = {self.head_dim // 2} "
+                                                 "frequencies")
+        if self.layer_ropes is not None and (
+                len(self.layer_ropes) != self.n_layers or not all(0 <= i < len(self.ropes) for i in self.layer_ropes)):
+            raise ConfigError("layer_ropes", self.layer_ropes, f"must give each of the {self.n_layers} layers an "
+                                                               f"index into the {len(self.ropes)} ropes")
+
+    def layer_rope(self, layer: int) -> int:
+        """Which of the RoPE tables (:func:`attnpool.model.llama.rope_cos_sin`'s) layer ``layer`` uses."""
+        return 0 if self.layer_ropes is None else self.layer_ropes[layer]
 
     def layer_params(self) -> int:
-        """Weights of one decoder layer: attention projections (and biases), SwiGLU, two norms."""
+        """Weights of one decoder layer: attention projections (and biases, q/k norms), the gated MLP, the norms."""
         attention = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         if self.qkv_bias:
             attention += self.head_dim * (self.n_heads + 2 * self.n_kv_heads)
-        return attention + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        if self.qk_norm:
+            attention += 2 * self.head_dim
+        norms = (4 if self.sandwich_norms else 2) * self.dim
+        return attention + 3 * self.dim * self.ffn_dim + norms
 
     def num_params(self, include_embeddings: bool = True) -> int:
         """Number of weights (embedding and output counted once each; once if tied)."""

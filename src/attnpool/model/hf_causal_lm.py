@@ -11,16 +11,14 @@ it. Tokens are one packed sequence (batch 1); ``position_ids`` restart at each d
 positions within the document, and no attention mask is built: core attention is causal within each
 document by construction.
 
-What core attention cannot express is refused before anything is built (:func:`hf_model_problem`):
-architectures whose forward attnpool has not checked, soft-capped attention logits or output logits,
-non-causal attention, attention dropout, and sliding-window layers unless every document fits in the
-window (``max_doc_len`` <= the window: then the window never cuts anything off).
+The families attnpool's own model expresses (attnpool.model.hf) run there by default, with every feature; this
+adapter runs them with ``model_impl: transformers``, and runs the rest. What core attention cannot express is
+refused before anything is built (attnpool.model.hf_config.hf_model_problem).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 
 import torch
@@ -28,25 +26,12 @@ from torch import Tensor, nn
 
 from attnpool.errors import ConfigError
 from attnpool.model.config import ModelConfig
+from attnpool.model.hf import hf_config_dtype, save_tokenizer
+from attnpool.model.hf_config import architecture, has_weights, read_hf_config
 from attnpool.model.llama import chunked_cross_entropy
 from attnpool.model.spec import ADAPTER_CANNOT, HF_PREFIX, ModelSpec
 
 ATTENTION_NAME = "attnpool"
-
-# model_type -> its family. Each was read in transformers 5.24's modeling code: between the embedding and
-# the output projection tokens mix only in attention, the attention function gets q, k and v after RoPE
-# (and any q/k norm), and the output projection is a plain linear map (no bias, no scaling) of the final
-# norm's output, so the chunked loss may compute the logits itself.
-SUPPORTED_MODEL_TYPES = {
-    "llama": "Llama",
-    "mistral": "Mistral",
-    "qwen2": "Qwen2",
-    "qwen3": "Qwen3",
-    "gemma": "Gemma",
-    "gemma2": "Gemma 2",
-    "gemma3_text": "Gemma 3 (text)",
-}
-
 
 @dataclass(frozen=True, eq=False)
 class HFAdapterSpec(ModelSpec):
@@ -72,7 +57,7 @@ class HFAdapterSpec(ModelSpec):
 
     @property
     def architecture(self) -> str:
-        return _architecture(self.hf_config)
+        return architecture(self.hf_config)
 
     def build(self, device: torch.device | str) -> "HFCausalLM":
         """Built whole on every rank from the directory's weights (or, without any, from the config with the
@@ -94,122 +79,17 @@ class HFAdapterSpec(ModelSpec):
     def save_hf(self, model: "HFCausalLM", state: dict, directory: str, dtype: torch.dtype | None = None,
                 tokenizer_dir: str | None = None) -> None:
         """``dtype`` None: the one config.json names (what the user brought), else float32."""
-        save_hf_export(model, state, directory, dtype or export_dtype(self), tokenizer_dir)
-
-
-def _architecture(hf_config) -> str:
-    architectures = getattr(hf_config, "architectures", None) or []
-    return architectures[0] if architectures else hf_config.__class__.__name__.replace("Config", "")
+        save_hf_export(model, state, directory, dtype or hf_config_dtype(self.hf_config), tokenizer_dir)
 
 
 def load_hf_spec(path: str, max_doc_len: int | None = None, model_args: dict | None = None) -> HFAdapterSpec:
-    """Read and check ``path``'s config.json (refused with ConfigError naming the model, the architecture and
-    the feature attnpool cannot run), with ``model_args`` changed in it (:func:`config_with_args`). Nothing is
-    downloaded: ``path`` is a local directory."""
-    field = "model"
-    value = HF_PREFIX + path
-    if not os.path.isdir(path):
-        raise ConfigError(field, value, "no such directory (hf: takes a local model directory)")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(field, value, f"{path} has no config.json")
-    try:
-        from transformers import AutoConfig
-    except ImportError:
-        raise ConfigError(field, value, "hf: models need transformers: pip install 'attnpool[hf]'") from None
-    try:
-        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(field, value, f"config.json is not a config transformers reads "
-                                        f"({str(exc).splitlines()[0]})") from None
-    has_weights = any(name.endswith(".safetensors") for name in os.listdir(path))
-    if model_args:
-        hf_config = config_with_args(hf_config, model_args, has_weights)
-    problem = hf_model_problem(hf_config, max_doc_len)
-    if problem is not None:
-        raise ConfigError(field, value, problem)
-    return HFAdapterSpec(path, hf_config, planning_config(hf_config), has_weights)
+    """The adapter's spec of ``path`` (its config.json read and checked: attnpool.model.hf_config.read_hf_config)."""
+    return adapter_spec(path, read_hf_config(path, max_doc_len, model_args))
 
 
-# Settings a checkpoint's weights fix: changed, its tensors would not load.
-WEIGHT_SHAPE_SETTINGS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                         "head_dim")
-
-
-def config_with_args(hf_config, model_args: dict, has_weights: bool):
-    """``hf_config`` with ``model_args`` (``--model-args``) changed in it, and checked again as transformers checks
-    a config.json: any setting the config has (``max_position_embeddings``, ``num_hidden_layers``: fewer layers of a
-    checkpoint are taken, more are refused); ``rope_theta``, and ``rope_scaling`` (a mapping with ``rope_type`` and
-    its parameters: RoPE's base and scaling, which transformers keeps in ``rope_parameters``, what context extension
-    changes). Settings that fix the weights' shapes are refused where the directory has weights. The export writes
-    the changed config (what the run trained)."""
-    arch = _architecture(hf_config)
-    values = hf_config.to_dict()
-    rope = values.get("rope_parameters")
-    for key, value in model_args.items():
-        field = f"model_args.{key}"
-        if key in ("rope_theta", "rope_scaling"):
-            if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
-                raise ConfigError(field, value, f"{arch} sets RoPE per layer type ({', '.join(rope or {})}): give "
-                                                "rope_parameters, the whole mapping, instead")
-            if key == "rope_scaling" and not (isinstance(value, dict) and ("rope_type" in value or "type" in value)):
-                raise ConfigError(field, value, "a mapping with rope_type (linear, dynamic, yarn, llama3, ...) and its "
-                                                "parameters, e.g. {rope_type: yarn, factor: 4.0}")
-            rope = {**rope, "rope_theta": value} if key == "rope_theta" else {"rope_theta": rope.get("rope_theta"),
-                                                                               **value}
-            values["rope_parameters"] = rope
-        elif key not in values:
-            raise ConfigError(field, value, f"is not a setting of {arch}'s config.json")
-        elif has_weights and key in WEIGHT_SHAPE_SETTINGS and value != values[key]:
-            raise ConfigError(field, value, f"changes the shape of the checkpoint's weights ({key}={values[key]} in "
-                                            "config.json)")
-        elif has_weights and key == "num_hidden_layers" and value > values[key]:
-            raise ConfigError(field, value, f"the checkpoint has {values[key]} layers: fewer can be taken, not more")
-        else:
-            values[key] = value
-    try:
-        return type(hf_config)(**values)
-    except (ValueError, TypeError, KeyError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError("model_args", model_args, f"transformers refuses {arch}'s config with them ({first})") from None
-
-
-def hf_model_problem(hf_config, max_doc_len: int | None = None) -> str | None:
-    """Why attnpool cannot train this model with its core attention, naming architecture and feature; None
-    where it can."""
-    model_type = getattr(hf_config, "model_type", None)
-    arch = _architecture(hf_config)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        return (f"architecture {arch} (model_type {model_type!r}) is not supported; supported model types: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-    if getattr(hf_config, "attn_logit_softcapping", None) is not None:
-        return (f"{arch} soft-caps attention logits (attn_logit_softcapping="
-                f"{hf_config.attn_logit_softcapping}), which core attention's kernels do not compute")
-    if getattr(hf_config, "final_logit_softcapping", None) is not None:
-        return (f"{arch} soft-caps its output logits (final_logit_softcapping="
-                f"{hf_config.final_logit_softcapping}), which the chunked loss does not compute")
-    if getattr(hf_config, "use_bidirectional_attention", False) or getattr(hf_config, "is_causal", True) is False:
-        return f"{arch} is configured for non-causal (bidirectional) attention; core attention is causal"
-    if getattr(hf_config, "attention_dropout", 0.0):
-        return (f"{arch} has attention dropout (attention_dropout={hf_config.attention_dropout}), which core "
-                "attention does not apply; set it to 0.0 in config.json")
-    window = sliding_window(hf_config)
-    if window is not None and (max_doc_len is None or max_doc_len > window):
-        have = "no max_doc_len" if max_doc_len is None else f"max_doc_len={max_doc_len}"
-        return (f"{arch} has sliding-window attention layers (sliding_window={window}), which core attention "
-                f"does not compute; with --max-doc-len {window} or less no document reaches past the window, "
-                f"and they are plain causal attention ({have} now)")
-    return None
-
-
-def sliding_window(hf_config) -> int | None:
-    """The window of the model's sliding-window layers, or None where every layer attends to the whole prefix."""
-    window = getattr(hf_config, "sliding_window", None)
-    if window is None:
-        return None
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None  # a window in the config that no layer uses (Qwen's max_window_layers)
-    return int(window)
+def adapter_spec(path: str, hf_config) -> HFAdapterSpec:
+    """The adapter's spec of ``path`` with its config read and checked."""
+    return HFAdapterSpec(path, hf_config, planning_config(hf_config), has_weights(path))
 
 
 def planning_config(hf_config) -> ModelConfig:
@@ -245,7 +125,7 @@ def attnpool_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
                           "the model was called without core_attention; call it through HFCausalLM")
     if query.shape[0] != 1:
         raise ConfigError("batch", query.shape[0], "attnpool packs documents into one sequence: batch size 1")
-    # Checked at start too (hf_model_problem); here for a config changed after that.
+    # Checked at start too (hf_config.hf_model_problem); here for a config changed after that.
     if not getattr(module, "is_causal", True):
         raise ConfigError("is_causal", False, f"{type(module).__name__} is non-causal; core attention is causal")
     if kwargs.get("softcap") is not None:
@@ -360,14 +240,6 @@ def hf_state_shapes(spec: HFAdapterSpec) -> dict[str, tuple]:
     return {name: tuple(t.shape) for name, t in meta_model(spec).state_dict().items()}
 
 
-def export_dtype(spec: HFAdapterSpec) -> torch.dtype:
-    """The dtype of the export: the one config.json names (what the user brought), else float32."""
-    dtype = getattr(spec.hf_config, "dtype", None) or getattr(spec.hf_config, "torch_dtype", None)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
-    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
-
-
 def save_hf_export(model: HFCausalLM, full_state: dict[str, Tensor], directory: str, dtype: torch.dtype,
                    tokenizer_path: str | None = None) -> None:
     """Write ``full_state`` (whole tensors, names under ``hf.``) in ``dtype`` with ``save_pretrained``:
@@ -385,6 +257,4 @@ def save_hf_export(model: HFCausalLM, full_state: dict[str, Tensor], directory: 
     finally:
         config._attn_implementation = implementation
     if tokenizer_path is not None:
-        from transformers import AutoTokenizer
-
-        AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True).save_pretrained(directory)
+        save_tokenizer(tokenizer_path, directory)

@@ -24,12 +24,13 @@ checkpointing recomputes, compile compiles and ping-pong interleaves
 (attnpool.parallel.pingpong) without this file knowing; ``prepare`` and ``head`` are
 the model's parts before and after its layers. A pipeline stage is this model with
 the blocks, embedding or head it does not run deleted (attnpool.parallel.pipeline):
-a model without an embedding takes hidden states as its input, one without a final
-norm returns them, and every weight keeps its name.
+a later stage takes hidden states as its input (``embeds_tokens`` false), one without
+a final norm returns them, and every weight keeps its name.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from typing import Callable
@@ -47,20 +48,27 @@ CoreAttention = Callable[..., Tensor]  # (q, k, v, *, layer: int) -> out
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 (float64 for float64 inputs) and rounded once.
+    """x / rms(x) * (offset + weight), computed in float32 (float64 for float64 inputs) and rounded once.
 
-    PyTorch's ``rms_norm`` runs as one fused kernel forward and backward on CUDA, where the
-    expression it replaces took about eight elementwise kernels and fp32 copies of x
-    (bench/gpu_rmsnorm.py); on CPU it is the same math, composed.
+    ``offset`` is Gemma's 1: its norms keep w and scale by 1 + w (their weights start at 0), and a checkpoint's
+    values load as they are. PyTorch's ``rms_norm`` runs as one fused kernel forward and backward on CUDA, where
+    the expression it replaces took about eight elementwise kernels and fp32 copies of x (bench/gpu_rmsnorm.py);
+    on CPU it is the same math, composed.
     """
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.offset = offset
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        weight = self.weight + self.offset if self.offset else self.weight
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        self.weight.fill_(1.0 - self.offset)  # the identity scale
 
 
 # --- Rotary position embedding ------------------------------------------------
@@ -71,6 +79,7 @@ def rope_frequencies(config: ModelConfig, device=None) -> Tensor:
 
     With ``config.rope_scaling`` (Llama 3.1), long wavelengths are stretched by
     ``factor``, short ones kept, and the band between interpolated smoothly.
+    (``config.ropes``, RoPE given whole, is not computed here: see :func:`rope_cos_sin`.)
     """
     d = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
@@ -90,14 +99,27 @@ def rope_frequencies(config: ModelConfig, device=None) -> Tensor:
 
 
 def rope_cos_sin(positions: Tensor, config: ModelConfig) -> tuple[Tensor, Tensor]:
-    """cos and sin of every token's rotation angles, each (T, D/2) float32.
+    """cos and sin of every token's rotation angles, each (T, D/2) float32; with several RoPE tables
+    (``config.ropes``: one per kind of layer, Gemma 3's) (T, R, D/2), table r for the layers of
+    ``config.layer_rope(layer) == r``. Tokens come first, so whatever cuts a sequence (sequence parallelism,
+    chunked recompute) cuts these alike.
 
     The angle position * frequency is formed in float64: in float32 a position
     near 500K is off by up to 0.03 rad, and long documents are the point here.
     """
-    inv_freq = rope_frequencies(config, positions.device).double()
-    angles = positions.double()[:, None] * inv_freq[None, :]
-    return angles.cos().float(), angles.sin().float()
+    if config.ropes is None:
+        tables = [(rope_frequencies(config, positions.device).double(), 1.0)]
+    else:
+        tables = [(torch.tensor(rope.inv_freq, dtype=torch.float32, device=positions.device).double(),
+                   rope.attention_factor) for rope in config.ropes]
+    cos, sin = [], []
+    for inv_freq, factor in tables:
+        angles = positions.double()[:, None] * inv_freq[None, :]
+        cos.append(angles.cos().float() * factor if factor != 1.0 else angles.cos().float())
+        sin.append(angles.sin().float() * factor if factor != 1.0 else angles.sin().float())
+    if len(tables) == 1:
+        return cos[0], sin[0]
+    return torch.stack(cos, dim=1), torch.stack(sin, dim=1)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -119,7 +141,8 @@ class Attention(nn.Module):
 
     ``forward`` is the way in (q, k, v), ``o_proj`` the way out. Heads are counted from the
     projections' outputs, so a tensor-parallel split of them (attnpool.parallel.tensor) gives
-    each rank its own share without this class knowing."""
+    each rank its own share without this class knowing. Core attention scales scores by D^-1/2;
+    a model with a scale of its own (``config.query_scale``) has it folded into q."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -128,6 +151,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_offset) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_offset) if config.qk_norm else None
+        scale = config.query_scale
+        self.query_factor = None if scale is None or scale == self.head_dim ** -0.5 else scale * self.head_dim ** 0.5
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q (T, H_q, D), k and v (T, H_kv, D), with q and k rotated to each token's position."""
@@ -135,24 +162,34 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(T, -1, self.head_dim)
         k = self.k_proj(x).view(T, -1, self.head_dim)
         v = self.v_proj(x).view(T, -1, self.head_dim)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.query_factor is not None:
+            q = q * self.query_factor
+        return q, k, v
+
+
+ACTIVATION_FUNCTIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """The gated MLP: down(act(gate(x)) * up(x)); SwiGLU with silu, GeGLU with gelu_tanh."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.gate_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
         self.up_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
         self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
+        self.act = ACTIVATION_FUNCTIONS[config.activation]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class TransformerBlock(nn.Module):
-    """x + attention(norm(x)), then h + mlp(norm(h)), with core attention passed in.
+    """x + attention(norm(x)), then h + mlp(norm(h)), with core attention passed in (with sandwich norms,
+    Gemma 2's and 3's, each branch's output is normed too before it joins the residual).
 
     ``forward`` is the plain order of the block's parts; whatever runs them otherwise (recomputed,
     compiled, interleaved with another nano-batch's) calls the parts themselves."""
@@ -160,10 +197,14 @@ class TransformerBlock(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int = 0):
         super().__init__()
         self.layer_id = layer_id
-        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.rope_index = config.layer_rope(layer_id)
+        norm = functools.partial(RMSNorm, config.dim, config.norm_eps, config.norm_offset)
+        self.attention_norm = norm()
         self.attention = Attention(config)
-        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention_out_norm = norm() if config.sandwich_norms else None
+        self.mlp_norm = norm()
         self.mlp = FeedForward(config)
+        self.mlp_out_norm = norm() if config.sandwich_norms else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, core_attention: CoreAttention) -> Tensor:
         q, k, v = self.before_attention(x, cos, sin)  # linear in tokens: stays on this rank
@@ -171,13 +212,17 @@ class TransformerBlock(nn.Module):
         return self.after_attention(x, out)  # linear again
 
     def before_attention(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The linear part before core attention: norm, Q/K/V projections, RoPE."""
+        """The linear part before core attention: norm, Q/K/V projections (q/k norms), RoPE."""
+        if cos.dim() == 3:  # one table per kind of layer (rope_cos_sin): this layer's
+            cos, sin = cos[:, self.rope_index], sin[:, self.rope_index]
         return self.attention(self.attention_norm(x), cos, sin)
 
     def after_attention(self, x: Tensor, attention_out: Tensor) -> Tensor:
-        """The linear part after core attention: output projection, residual, norm, SwiGLU MLP, residual."""
-        h = x + self.attention.o_proj(attention_out.flatten(1))
-        return h + self.mlp(self.mlp_norm(h))
+        """The linear part after core attention: output projection, residual, norm, gated MLP, residual."""
+        out = self.attention.o_proj(attention_out.flatten(1))
+        h = x + (out if self.attention_out_norm is None else self.attention_out_norm(out))
+        out = self.mlp(self.mlp_norm(h))
+        return h + (out if self.mlp_out_norm is None else self.mlp_out_norm(out))
 
 
 def _normal_by_name_(param: Tensor, name: str, std: float, *, seed: int, device) -> None:
@@ -202,11 +247,14 @@ class Transformer(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config, i) for i in range(config.n_layers)})
-        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
         # Tied: the output projection is embed.weight itself, so there is one
         # parameter and no lm_head entry in the state dict (keep embed in the
         # root FSDP unit, since the root's forward uses it twice).
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
+        # False: a later pipeline stage, which takes hidden states (it may still hold ``embed``: tied, the last
+        # stage's output projection is its own copy of the embedding, attnpool.parallel.pipeline)
+        self.embeds_tokens = True
         # The loss of ``labels``: (h, weight, labels) -> summed cross-entropy (model.fused_loss picks it).
         self.cross_entropy = chunked_cross_entropy
         self.init_weights()
@@ -217,7 +265,7 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None, device: torch.device | str | None = None):
-        """Weights ~ N(0, 0.02); norms 1, biases 0.
+        """Weights ~ N(0, 0.02); norms the identity scale, biases 0.
 
         The two projections that write into the residual stream (o_proj,
         down_proj) get std 0.02 / sqrt(2 * n_layers), as in GPT-2, so the
@@ -254,10 +302,9 @@ class Transformer(nn.Module):
             for proj in (attention.q_proj, attention.k_proj, attention.v_proj):
                 if proj.bias is not None:
                     nn.init.zeros_(proj.bias)
-            nn.init.ones_(layer.attention_norm.weight)
-            nn.init.ones_(layer.mlp_norm.weight)
-        if self.norm is not None:
-            nn.init.ones_(self.norm.weight)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.reset_parameters()
 
     def forward(
         self,
@@ -274,7 +321,7 @@ class Transformer(nn.Module):
         module docstring). With ``labels`` the summed token loss comes back instead, computed
         by ``cross_entropy`` against ``output_weight`` (in chunks: never all T x vocab
         logits at once); with ``return_hidden=True`` the final normed hidden states (T, dim).
-        Without an embedding (a later pipeline stage) ``tokens`` are hidden
+        On a later pipeline stage (``embeds_tokens`` false) ``tokens`` are hidden
         states; without a final norm (an earlier one) the hidden states come back.
         """
         h, cos, sin = self.prepare(tokens, positions)
@@ -283,20 +330,25 @@ class Transformer(nn.Module):
         return self.head(h, labels=labels, return_hidden=return_hidden)
 
     def prepare(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """What the layers take: the embedded tokens (hidden states as they are, without an embedding) and
+        """What the layers take: the embedded tokens (hidden states as they are, on a later pipeline stage) and
         every token's RoPE cos and sin, computed once per step and shared by every layer."""
         if isinstance(tokens, (list, tuple)):
             raise ConfigError("tokens", f"a list of {len(tokens)}", "must be one flat sequence (T,); a model takes "
                                                                    "nano-batches once attnpool.parallel.pingpong."
                                                                    "apply_pingpong has been applied to it")
-        if self.embed is not None and tokens.dim() != 1:
+        if self.embeds_tokens and tokens.dim() != 1:
             raise ConfigError("tokens", tuple(tokens.shape), "must be one flat sequence (T,)")
-        if positions.dim() != 1 or (self.embed is not None and positions.shape != tokens.shape):
+        if positions.dim() != 1 or (self.embeds_tokens and positions.shape != tokens.shape):
             raise ConfigError("positions", tuple(positions.shape), f"must match tokens' shape {tuple(tokens.shape)}")
         if positions.dtype.is_floating_point or positions.dtype == torch.bool:
             raise ConfigError("positions", positions.dtype, "must be integer positions within each document")
         cos, sin = rope_cos_sin(positions, self.config)
-        return (self.embed(tokens) if self.embed is not None else tokens), cos, sin
+        if not self.embeds_tokens:
+            return tokens, cos, sin
+        h = self.embed(tokens)
+        if self.config.scale_embeddings:  # Gemma: times sqrt(dim), rounded to the embedding's dtype as it does
+            h = h * torch.tensor(self.config.dim ** 0.5, dtype=h.dtype)
+        return h, cos, sin
 
     def head(self, h: Tensor, *, labels: Tensor | None = None, return_hidden: bool = False) -> Tensor:
         """After the layers: the final norm, then the summed loss of ``labels``, the normed hidden states, or the

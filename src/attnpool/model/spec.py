@@ -9,11 +9,13 @@ refused by name when the run starts, before any process group exists. A spec is 
 the longest document the run feeds it (causal attention within each document; the adapter refuses soft-capped
 logits, and sliding windows a document could reach past).
 
-The families (attnpool.model.families picks one from the ``model`` setting, and says what it cannot run):
+The families (attnpool.model.families picks one from the ``model`` and ``model_impl`` settings, and says what it
+cannot run):
 
-- attnpool's Llama-family decoder, the presets (attnpool.model.llama_spec): every feature.
-- ``hf:DIR``, transformers' own model of that directory behind attnpool's core attention
-  (attnpool.model.hf_causal_lm): what :data:`ADAPTER_CANNOT` lists is refused.
+- attnpool's Llama-family decoder (attnpool.model.llama_spec), every feature: the presets, and ``hf:DIR`` of a
+  family it expresses (Llama, Mistral, Qwen2, Qwen3, Gemma 1-3: attnpool.model.hf reads the checkpoint into it).
+- ``hf:DIR`` with ``model_impl: transformers``: transformers' own model of that directory behind attnpool's core
+  attention (attnpool.model.hf_causal_lm): what :data:`ADAPTER_CANNOT` lists is refused.
 
 No torch here: the config checks the families' limits before anything imports it.
 """
@@ -29,6 +31,9 @@ if TYPE_CHECKING:
     from attnpool.model.config import ModelConfig
 
 HF_PREFIX = "hf:"  # ``model: hf:DIR`` is a Hugging Face model directory
+# How an hf: model runs (``model_impl``): auto (attnpool's own model where it expresses the family, else
+# transformers'), attnpool, or transformers (its modules behind the adapter).
+MODEL_IMPLS = ("auto", "attnpool", "transformers")
 
 # What transformers' modules behind the adapter cannot run, and why. A feature is a setting that asks for it
 # (tp, pp, pingpong, keep_attention, compile; model_args for a family that takes none: train.config maps each to

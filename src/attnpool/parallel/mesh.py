@@ -83,6 +83,19 @@ class RankMesh:
         d = self.dims
         return [(p * d.dp + self.dp_rank) * d.tp + self.tp_rank for p in range(d.pp)]
 
+    def tied_embedding_group(self):
+        """A communicator of this rank and its peer of the same dp and tp index on the other end of the pipeline
+        (first and last stage), for a tied embedding's gradients; None on the ranks between. A collective: every
+        rank calls it."""
+        d = self.dims
+        mine = None
+        for i in range(d.dp):
+            for t in range(d.tp):
+                group = dist.new_group([i * d.tp + t, ((d.pp - 1) * d.dp + i) * d.tp + t])
+                if (i, t) == (self.dp_rank, self.tp_rank) and self.pp_rank in (0, d.pp - 1):
+                    mine = group
+        return mine
+
     def pooled_attention_group(self):
         """A communicator over every stage's dp ranks of this tp index, in (stage, dp rank) order: core attention
         pooled across pipeline stages (attnpool.parallel.pooled_pipeline). A collective: every rank calls it."""

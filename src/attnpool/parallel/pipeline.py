@@ -99,8 +99,6 @@ def pipeline_problem(cfg: ModelConfig, pp: int, schedule: str, microbatches: int
     if stages > cfg.n_layers:
         return "pp", pp, (f"{stages} pipeline stages ({schedule}: {stages_per_rank(schedule)} per rank) need at least "
                           f"one layer each, and the model has {cfg.n_layers}")
-    if cfg.tie_embeddings:
-        return "pp", pp, "the model ties its output projection to its embedding, which pipeline stages cannot share"
     if schedule not in ("gpipe", POOLED) and microbatches < pp:
         return "microbatches", microbatches, f"{schedule} needs at least pp={pp} micro-batches"
     if schedule == "interleaved-1f1b":
@@ -114,11 +112,16 @@ def pipeline_problem(cfg: ModelConfig, pp: int, schedule: str, microbatches: int
 def as_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
     """``model`` (attnpool's Transformer, not yet parallelized) as one pipeline stage, in place: the other stages'
     blocks deleted, and the embedding (unless ``first``) or the final norm and output projection (unless ``last``);
-    called as torch's schedules call a stage (:class:`StageForward`)."""
+    called as torch's schedules call a stage (:class:`StageForward`). A model that ties its output projection to
+    its embedding keeps the embedding on the last stage too, as its output projection, under the same name: the
+    two copies start equal (read or drawn by name), their gradients are summed after every backward
+    (:func:`sum_tied_gradients`), so they stay equal, and a checkpoint holds one."""
     for key in [k for k in model.layers if int(k) not in layers]:
         del model.layers[key]
     if not first:
-        model.embed = None
+        model.embeds_tokens = False
+        if not (last and model.config.tie_embeddings):
+            model.embed = None
     if not last:
         model.norm = None
         model.lm_head = None
@@ -223,6 +226,18 @@ class PipelineRunner:
             return torch.zeros((), device=positions[0].device)
         total = sum(loss.detach() for loss in losses)
         return total.full_tensor() if hasattr(total, "full_tensor") else total
+
+
+def sum_tied_gradients(model: nn.Module, group) -> None:
+    """Sum the gradients of a tied embedding's two copies, the first stage's (the embedding's) and the last's (the
+    output projection's), over ``group`` (this rank and its peer of the same dp and tp index on the other end of
+    the pipeline: their shards are the same slices), in place: both copies then take the whole gradient."""
+    weight = model.embed.weight
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    grad = weight.grad
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    torch.distributed.all_reduce(local, group=group)
 
 
 def merged_stages(models: list[nn.Module]) -> nn.Module:

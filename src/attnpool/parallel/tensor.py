@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from attnpool.model import ModelConfig, Transformer
 
 SEQUENCE = 0  # the model's activations are (tokens, ...): no batch dimension
+HEADS = 1  # q, k and v are (tokens, heads, head_dim)
 
 
 def tensor_parallel_problem(model_cfg: ModelConfig, tp: int) -> str | None:
@@ -59,7 +60,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
                                                                     desired_output_layouts=Replicate(),
                                                                     use_local_output=False))
     for layer in model.layers.values():
-        parallelize_module(layer, tp_mesh, {
+        parallelize_module(layer, tp_mesh, {**_optional_norms(layer), 
             "attention_norm": SequenceParallel(sequence_dim=SEQUENCE),
             "attention": PrepareModuleInput(input_layouts=(Shard(SEQUENCE), None, None),
                                             desired_input_layouts=(Replicate(), None, None)),
@@ -73,3 +74,18 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
             "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(output_layouts=Shard(SEQUENCE)),
         })
+
+
+def _optional_norms(layer) -> dict:
+    """The plans of the norms some families add: q/k norms act on each head of this rank's share of the heads,
+    (tokens, heads, head_dim) split by heads; the norms of attention's and the MLP's outputs on the sequence shard
+    the row-parallel projections leave. Their weights are replicated, their gradients summed over the tp ranks;
+    what they return is a plain tensor, as what they take (the block adds it to the residual, RoPE rotates it)."""
+    plan = {}
+    if layer.attention.q_norm is not None:
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=HEADS, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=HEADS, use_local_output=True)
+    if layer.attention_out_norm is not None:
+        plan["attention_out_norm"] = SequenceParallel(sequence_dim=SEQUENCE, use_local_output=True)
+        plan["mlp_out_norm"] = SequenceParallel(sequence_dim=SEQUENCE, use_local_output=True)
+    return plan

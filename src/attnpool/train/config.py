@@ -96,10 +96,11 @@ class TrainConfig:
                    "keep_attention": ("activation_checkpointing",
                                       self.memory.activation_checkpointing == "keep_attention"),
                    "compile": ("compile", self.model.compile)}
-        cannot = family_cannot(self.model.name)
+        cannot = family_cannot(self.model.name, self.model.impl)
         for feature, (key, asked) in refused.items():
             if asked and feature in cannot:
-                raise ConfigError(key, self.value(key), f"not available with an hf: model: {cannot[feature]}")
+                raise ConfigError(key, self.value(key), f"not available where transformers' modules run an hf: model "
+                                                        f"(model_impl: {self.model.impl}): {cannot[feature]}")
         if self.model.compile and self.parallel.tp > 1:
             # Measured on CPU (torch 2.13, gloo): tp=2 with the DTensor projections inside the compiled graphs
             # trains 5e-3 away from one process after three steps (forward equal, gradients not).

@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 
 from attnpool.errors import ConfigError
 from attnpool.model import ModelSpec, model_spec
+from attnpool.model.spec import hf_model_dir
 from attnpool.train.checkpoint import checkpoint_config, checkpoint_path, select_checkpoint, verify_checkpoint
 from attnpool.train.config import TrainConfig
 from attnpool.train.data_source import tokenizer_path
@@ -35,15 +36,30 @@ def checkpoint_export_dir(out: str, step: int) -> str:
     return os.path.join(out, HF_CHECKPOINT_EXPORTS_DIR, os.path.basename(checkpoint_path(out, step)))
 
 
+def full_model_state(model: torch.nn.Module, pp: int) -> dict[str, torch.Tensor] | None:
+    """Every weight of the run's model whole, on the host of rank 0 (None on the others; a collective). A stage's
+    ranks gather its FSDP2 and tensor-parallel shards; with pipeline stages, each stage's first rank then sends its
+    stage's weights to rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    if pp == 1:
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    stage = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+             for name, t in model.state_dict().items()}
+    world, rank = dist.get_world_size(), dist.get_rank()
+    stages = [None] * world if rank == 0 else None
+    dist.gather_object(stage if rank % (world // pp) == 0 else {}, stages, dst=0)
+    return {name: t for part in stages for name, t in part.items()} if rank == 0 else None
+
+
 def export_run_model(model: torch.nn.Module, spec: ModelSpec, config: TrainConfig, directory: str | None = None) -> str:
     """``directory`` (default OUT/hf): the trained weights (gathered from every rank's shards; a collective) as
     the model's spec writes them, with the tokenizer where there is one. Written beside it and renamed into
     place, so a reader never finds half an export; per-checkpoint exports beyond the newest
     ``keep_checkpoints`` are deleted, as their checkpoints are."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     directory = directory or os.path.join(config.run.out, HF_EXPORT_DIR)
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = full_model_state(model, config.parallel.pp)
     if dist.get_rank() == 0:
         tokenizer = tokenizer_path(config, spec)
         has_tokenizer = tokenizer is not None and any(
@@ -90,7 +106,9 @@ def read_checkpoint_model(*, run_dir: str | None = None, checkpoint: str | None 
     if settings is None:
         raise ConfigError("checkpoint", path, "has no manifest and its run directory no config.yaml: the model's "
                                               "settings are unknown")
-    spec = model_spec(settings["model"], settings.get("model_args", {}), settings.get("max_doc_len"))
+    # Runs from before model_impl ran every hf: model through transformers' modules (their weights' names).
+    impl = settings.get("model_impl") or ("transformers" if hf_model_dir(settings["model"]) else "auto")
+    spec = model_spec(settings["model"], settings.get("model_args", {}), settings.get("max_doc_len"), impl)
     model = spec.build_empty("cpu")
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # one process on purpose: DCP's warning that it assumes so is noise here

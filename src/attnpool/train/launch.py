@@ -106,6 +106,9 @@ def _run_rank(config: TrainConfig, rank: int, world: int, init_method: str | Non
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda" and config.memory.optimizer_offload:
+        # FSDP2's host-resident gradients meet collectives too (tensor parallelism's gradient norm): gloo carries those
+        backend = "cuda:nccl,cpu:gloo"
     timeout = timedelta(seconds=config.faults.collective_timeout_s)
     store = _torchrun_attempt_store(world, timeout) if init_method is None else None
     with process_group(backend, init_method=init_method, store=store, rank=rank, world_size=world, timeout=timeout,

@@ -182,7 +182,7 @@ class Trainer:
         finally:
             comm_stats.timing = False
             self.log.close()
-        if self.spec.model.writes_hf_export and self.step == last_step:
+        if self.spec.model.writes_hf_export and config.checkpoint.hf_export and self.step == last_step:
             export_run_model(self.model, self.spec.model, config)
         balance = end.balance if end is not None else None
         summary = self._report(balance, time.perf_counter() - wall0) if self.rank == 0 else None
@@ -205,7 +205,7 @@ class Trainer:
         stats = SparseStats()
         outcome = self.runner.run(planned, max(1, targets), stats)
         grad_norm = clip_gradients(self.params, self.config.optim.grad_clip or float("inf"),
-                                   self.mesh.pp_group if self.spec.dims.pp > 1 else None)
+                                   self.mesh.pp_group if self.spec.dims.pp > 1 else None, self.runner.counted_params)
         lr = self.scheduler.get_last_lr()[0]
         # A step whose loss or gradient is not finite is skipped on every rank (its gradients dropped), and the
         # schedule goes on, so that step numbers keep their learning rates.

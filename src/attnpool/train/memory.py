@@ -189,10 +189,11 @@ class MemoryEstimate:
 # --- The hand count ------------------------------------------------------------------------------------
 
 
-def root_params(m: ModelConfig) -> tuple[int, int]:
+def root_params(m: ModelConfig, pp: int = 1) -> tuple[int, int]:
     """(first stage's, last stage's) parameters outside the layers: the embedding; the output
-    projection (unless tied) and final norm. With one stage, both on it."""
-    head = 0 if m.tie_embeddings else m.vocab_size * m.dim
+    projection (tied: the embedding itself, or under pipeline stages the last one's copy of it) and final
+    norm. With one stage, both on it."""
+    head = 0 if m.tie_embeddings and pp == 1 else m.vocab_size * m.dim
     return m.vocab_size * m.dim, head + m.dim
 
 
@@ -203,7 +204,8 @@ def saved_per_layer(x: MemoryInputs) -> dict[str, float]:
     attention saves: the server's Q rows and float32 LSE, its unique K and V rows, the rank's output,
     and the outputs it returned to other ranks. full: the layer's input alone. none: additionally
     each norm's input and float32 reciprocal RMS, each norm's output (the next projections' input),
-    the attention block's sum, and the MLP's four ffn_dim-wide intermediates.
+    the attention block's sum, and the MLP's four ffn_dim-wide intermediates; where the family has them, the
+    q/k norms' and the output norms' inputs and statistics (their outputs feed RoPE and the residual sum).
 
     Per token of the dp rank, before ``estimate`` divides by tp: under tensor parallelism every term is
     split over the tp ranks (by sequence or by heads) but the norms' outputs, which sequence parallelism
@@ -223,8 +225,13 @@ def saved_per_layer(x: MemoryInputs) -> dict[str, float]:
         return {"layer input": a * m.dim}
     if mode == "keep_attention":
         return {"layer input": a * m.dim, **attention}
-    return {"layer input": a * m.dim, "norm statistics": 2 * 4.0, "norm outputs": 2 * a * m.dim * x.tp,
+    kept = {"layer input": a * m.dim, "norm statistics": 2 * 4.0, "norm outputs": 2 * a * m.dim * x.tp,
             "attention sum": a * m.dim, **attention, "mlp intermediates": 4 * a * m.ffn_dim}
+    if m.qk_norm:  # (Qwen3, Gemma 3) each head's norm keeps its input and float32 reciprocal RMS
+        kept["q/k norm inputs"] = a * (q + kv) + 4.0 * (m.n_heads + m.n_kv_heads)
+    if m.sandwich_norms:  # (Gemma 2, 3) the norms of attention's and the MLP's outputs: their inputs, statistics
+        kept["output norm inputs"] = 2 * a * m.dim + 2 * 4.0
+    return kept
 
 
 def step_inputs_per_token(x: MemoryInputs, loss: bool = False) -> float:
@@ -312,7 +319,7 @@ def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryE
     tokens = x.tokens_per_rank
     home = tokens * x.rows.home
     layers = x.rank_layers or math.ceil(m.n_layers / x.pp)
-    first_root, last_root = root_params(m)
+    first_root, last_root = root_params(m, x.pp)
     root = first_root + last_root if x.pp == 1 else max(first_root, last_root)
     layer = m.layer_params() / x.tp
     root /= x.tp

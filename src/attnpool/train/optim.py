@@ -37,10 +37,11 @@ def build_scheduler(optimizer, optim: OptimSection) -> torch.optim.lr_scheduler.
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def clip_gradients(params: list, max_norm: float, pp_group=None) -> torch.Tensor:
+def clip_gradients(params: list, max_norm: float, pp_group=None, counted: list | None = None) -> torch.Tensor:
     """The gradients' total 2-norm over every rank's parameters (``pp_group``: also over the other
-    pipeline stages'), clipped to ``max_norm`` (inf: not clipped); returns the norm before clipping."""
-    grads = [p.grad for p in params if p.grad is not None]
+    pipeline stages'; ``counted``: the parameters it counts, default ``params``: a copy of another stage's
+    weight once), ``params`` clipped to ``max_norm`` (inf: not clipped); returns the norm before clipping."""
+    grads = [p.grad for p in (params if counted is None else counted) if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()

@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from attnpool.data import GlobalBatch, RankTensors
 from attnpool.parallel import RankMesh, parallelize
-from attnpool.parallel.pipeline import PipelineRunner, build_stage_models, merged_stages
+from attnpool.parallel.pipeline import PipelineRunner, build_stage_models, merged_stages, sum_tied_gradients
 from attnpool.parallel.pooled_pipeline import PooledPipelineRunner
 from attnpool.runtime import CoreAttention
 from attnpool.runtime.sparse import SparseStats
@@ -141,6 +141,11 @@ class StepRunner:
     def run(self, planned: PlannedStep, label_tokens: int, stats: SparseStats) -> StepOutcome:
         raise NotImplementedError
 
+    @property
+    def counted_params(self) -> list[nn.Parameter]:
+        """The parameters the gradient norm counts: every one this rank holds, a copy of another rank's once."""
+        return list(self.model.parameters())
+
     def _tensors(self, planned: PlannedStep) -> list[list[RankTensors]]:
         """This dp rank's tokens, positions and labels of every unit, on the device."""
         return [[p.batch.rank_batch(p.plan.pieces, self.mesh.dp_rank).to_torch(self.device) for p in unit]
@@ -190,14 +195,26 @@ class _StagedRunner(StepRunner):
         super().__init__(spec, mesh)
         self.stage_ids, self.stages = build_stages(spec, mesh)
         self.model = merged_stages(self.stages)
+        # A tied embedding has a copy on the last stage (parallel.pipeline.as_stage): their gradients are summed.
+        self.tied_group = mesh.tied_embedding_group() if spec.model.config.tie_embeddings else None
+
+    @property
+    def counted_params(self) -> list[nn.Parameter]:
+        params = list(self.model.parameters())
+        if self.tied_group is not None and 0 not in self.stage_ids:  # the last stage's copy of the embedding
+            params = [p for p in params if p is not self.model.embed.weight]
+        return params
 
     def _run_schedule(self, planned: PlannedStep, attentions, label_tokens: int) -> torch.Tensor:
         """The schedule's step over this dp rank's micro-batches: the loss shares of the step's mean, summed back
         into token losses for the log."""
         tensors = [unit[0] for unit in self._tensors(planned)]
         with self._step_context(), self.offload or nullcontext():
-            return self.pipeline.step([t.tokens for t in tensors], [t.positions for t in tensors],
+            loss = self.pipeline.step([t.tokens for t in tensors], [t.positions for t in tensors],
                                       [t.labels for t in tensors], attentions, 1.0 / label_tokens) * label_tokens
+        if self.tied_group is not None:
+            sum_tied_gradients(self.model, self.tied_group)
+        return loss
 
 
 class ScheduleRunner(_StagedRunner):

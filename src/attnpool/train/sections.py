@@ -10,7 +10,8 @@ from pathlib import Path
 from attnpool.errors import ConfigError
 from attnpool.kernels.names import BACKENDS
 from attnpool.model.loss_kernels import LOSS_KERNELS
-from attnpool.model.spec import HF_PREFIX
+from attnpool.model.hf_config import OWN_MODEL_TYPES
+from attnpool.model.spec import HF_PREFIX, MODEL_IMPLS
 from attnpool.plan import STRATEGIES
 from attnpool.sizes import parse_size
 from attnpool.sparse import SparseConfig
@@ -56,6 +57,11 @@ class ModelSection(Section):
     TITLE = "model"
     name: str = _setting("model", "model preset (tiny, llama3-8b, llama-34b, qwen2.5-3b), or hf:DIR, a Hugging Face "
                                   "model directory (config.json, safetensors weights if any)", default="tiny")
+    impl: str = _setting("model_impl", "how an hf: model runs: auto (attnpool's own model for the families it "
+                                       f"expresses, {', '.join(OWN_MODEL_TYPES)}, with every feature; transformers' "
+                                       "modules for others), attnpool (refused for other families) or transformers "
+                                       "(its modules behind attnpool's core attention: no tp, pp, ping-pong, "
+                                       "keep_attention or compile)", default="auto")
     args: dict = _setting("model_args", "model fields to override, e.g. n_layers=2 dim=64; for hf:DIR, settings of its "
                                         "config.json, e.g. rope_theta=500000 max_position_embeddings=131072 "
                                         "rope_scaling='{rope_type: yarn, factor: 4.0}'", default_factory=dict)
@@ -74,6 +80,9 @@ class ModelSection(Section):
             raise ConfigError("model", self.name, "name a model directory after hf:")
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("loss_kernel", self.loss_kernel, LOSS_KERNELS)
+        _one_of("model_impl", self.impl, MODEL_IMPLS)
+        if self.impl != "auto" and not self.name.startswith(HF_PREFIX):
+            raise ConfigError("model_impl", self.impl, f"chooses how an hf: model runs; {self.name} is attnpool's own")
 
 
 @dataclass(frozen=True)
@@ -257,6 +266,8 @@ class CheckpointSection(Section):
     allow_config_change: bool = _setting("allow_config_change", "resume although a setting that changes what the run "
                                                                 "computes (model, data, batch, schedule, optimizer, "
                                                                 "precision) differs from the checkpoint's", default=False)
+    hf_export: bool = _setting("hf_export", "hf: models: write the trained model to OUT/hf at the end of the run, as "
+                                            "transformers reads it", default=True)
     hf_exports: bool = _setting("hf_export_checkpoints", "hf: models: also write a Hugging Face export of every "
                                                          "checkpoint, OUT/hf-exports/step-NNNNNN (the end's is OUT/hf), "
                                                          "as many as keep_checkpoints", default=False)

@@ -100,7 +100,7 @@ def resolve_run_spec(config: TrainConfig, world: int, device: torch.device | Non
     (default: the configured device, or this machine's; given, the run is planned for another machine, whose
     installed packages are not this one's to check). Refused with a ConfigError naming the key where the
     model's shape or the device cannot run it."""
-    model = model_spec(config.model.name, config.model.args, config.data.max_doc_len)
+    model = model_spec(config.model.name, config.model.args, config.data.max_doc_len, config.model.impl)
     check_model_shape(config, model.config)
     dims = ParallelDims.of(world, config.parallel.tp, config.parallel.pp)
     here = device is not None or device_type is None

@@ -195,6 +195,15 @@ def test_export_of_a_trained_checkpoint_loads_in_transformers(trained, checkpoin
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
     assert (want - before).abs().max().item() > 1e-3 * before.abs().max().item()  # trained weights, not the start
 
+    # attnpool export: what OUT/hf holds, in the dtype config.json names (float32 here), and says so
+    from attnpool.train.export import export_hf
+
+    export_hf(run_dir=str(root / "gemma3_text-tp-cad"), out=str(root / "exported"))
+    assert json.loads((root / "exported" / "config.json").read_text())["dtype"] == "float32"
+    again = transformers.AutoModelForCausalLM.from_pretrained(root / "exported", attn_implementation="eager").eval()
+    for name, tensor in exported.state_dict().items():
+        assert torch.equal(again.state_dict()[name], tensor), name
+
 
 def test_sharded_export_writes_an_index_transformers_reads(checkpoints, tmp_path):
     directories, _ = checkpoints

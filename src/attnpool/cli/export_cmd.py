@@ -21,7 +21,9 @@ def add_parser(sub) -> None:
     source.add_argument("--run", metavar="DIR", help="a run directory: its newest valid checkpoint")
     source.add_argument("--checkpoint", metavar="DIR", help="one checkpoint directory (OUT/checkpoints/step-NNNNNN)")
     p.add_argument("--out", required=True, metavar="DIR", help="the Hugging Face model directory to write")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weights' dtype (default: bf16)")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="weights' dtype, written into config.json too (default auto: the model's own, the one an hf: "
+                        "model's config.json names; bf16 for a preset)")
     p.set_defaults(func=run)
 
 
@@ -31,5 +33,5 @@ def run(args: argparse.Namespace) -> int:
     path, skipped = export_hf(run_dir=args.run, checkpoint=args.checkpoint, out=args.out, dtype=args.dtype)
     for bad, problem in skipped:
         print(f"skipping {bad}: {problem}")
-    print(f"attnpool export: {path} -> {args.out} (config.json, model.safetensors, {args.dtype})")
+    print(f"attnpool export: {path} -> {args.out} (config.json, safetensors, {args.dtype})")
     return 0

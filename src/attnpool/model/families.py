@@ -50,11 +50,11 @@ def model_spec(model: str, model_args: dict | None = None, max_doc_len: int | No
         from attnpool.model.hf_config import read_hf_config
 
         hf_config = read_hf_config(path, max_doc_len, model_args)
-        if impl == "transformers" or (impl == "auto" and hf_config.model_type not in OWN_MODEL_TYPES):
+        if family(model, impl) == "hf":
             from attnpool.model.hf_causal_lm import adapter_spec
 
             return adapter_spec(path, hf_config)
-        if hf_config.model_type not in OWN_MODEL_TYPES:
+        if hf_config.model_type not in OWN_MODEL_TYPES:  # (model_impl: attnpool)
             raise ConfigError("model_impl", impl, f"attnpool's model expresses {', '.join(OWN_MODEL_TYPES)}, not "
                                                   f"{hf_config.model_type}: use auto or transformers")
         from attnpool.model.llama_spec import load_checkpoint_spec

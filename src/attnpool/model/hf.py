@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from attnpool.errors import ConfigError
 from attnpool.model.config import ModelConfig, Rope, RopeScaling
-from attnpool.model.hf_config import OWN_MODEL_TYPES, architecture
+from attnpool.model.hf_config import OWN_MODEL_TYPES, architecture, hf_model_problem
 from attnpool.model.llama import Transformer
 
 LLAMA = "LlamaForCausalLM"
@@ -54,6 +54,9 @@ _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh
 # RoPE types whose frequencies change with the length of the sequence at hand: the same as the default RoPE
 # while no document is longer than the model's original context (transformers' own dynamic update), refused past.
 _LENGTH_DEPENDENT_ROPE = ("dynamic",)
+
+# RoPE types attnpool's model computes (their frequencies as transformers computes them; dynamic: see above).
+ROPE_TYPES = ("default", "linear", "yarn", "llama3", "dynamic")
 
 # Tensors some checkpoints carry that a model does not need.
 _IGNORED_TENSORS = {"model.rotary_emb.inv_freq"}
@@ -115,13 +118,17 @@ def config_from_hf(hf, max_doc_len: int | None = None) -> ModelConfig:
     """attnpool's ModelConfig of a checkpoint's config (transformers' object, or config.json's content) of one of
     the families attnpool's model expresses (``OWN_MODEL_TYPES``).
 
-    Refuses, naming the field, what this model does not implement: other activations, MLP or output-projection
-    biases, partial rotary embeddings, and RoPE whose frequencies follow the sequence's length (``dynamic``) where
-    a document (``max_doc_len``; None: any) may be longer than the model's original context. (What core attention
-    cannot compute, soft-capping and sliding windows, attnpool.model.hf_config.hf_model_problem refuses.)
+    Refuses, naming the field, what core attention cannot compute (attnpool.model.hf_config.hf_model_problem:
+    soft-capping, sliding windows a document of ``max_doc_len`` reaches past, ...), and what this model does not
+    implement: other activations, MLP or output-projection biases, partial rotary embeddings, RoPE types other
+    than default, linear, yarn and llama3, and RoPE whose frequencies follow the sequence's length (``dynamic``)
+    where a document (``max_doc_len``; None: any) may be longer than the model's original context.
     """
     hf = as_transformers_config(hf)
     model_type = hf.model_type
+    problem = hf_model_problem(hf, max_doc_len)
+    if problem is not None:
+        raise ConfigError("config.json", architecture(hf), problem)
     if model_type not in OWN_MODEL_TYPES:
         raise ConfigError("model_type", model_type, f"attnpool's model expresses {', '.join(OWN_MODEL_TYPES)}; "
                                                     "transformers' modules run others (model_impl: transformers)")
@@ -210,9 +217,10 @@ def _rope(hf, head_dim: int, params: Mapping, layer_type: str | None, max_doc_le
     else:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "longrope":
+        if rope_type not in ROPE_TYPES:
             raise ConfigError("rope_parameters.rope_type", rope_type,
-                              "attnpool's model implements default, linear, dynamic, yarn and llama3 RoPE")
+                              f"attnpool's model implements {', '.join(ROPE_TYPES)} RoPE (model_impl: transformers "
+                              "runs the others)")
         inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu", layer_type=layer_type)
     return Rope(tuple(inv_freq.float().tolist()), float(factor))
 
@@ -294,8 +302,12 @@ def check_hf_weights(directory, config: ModelConfig) -> None:
     model ties it to the embedding."""
     directory = Path(directory)
     expected = hf_tensors(config)
+    files = safetensors_files(directory)
+    unlisted = sorted(set(directory.glob("*.safetensors")) - set(files))
+    if unlisted:  # the reader reads every file of the directory: one the index does not list could shadow a tensor
+        raise ConfigError(str(unlisted[0]), None, f"is not listed in {INDEX_FILE}; move it out of the model directory")
     found: set[str] = set()
-    for path in safetensors_files(directory):
+    for path in files:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 if name in _IGNORED_TENSORS or (name == "lm_head.weight" and config.tie_embeddings) \

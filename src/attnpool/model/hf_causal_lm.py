@@ -12,7 +12,8 @@ positions within the document, and no attention mask is built: core attention is
 document by construction.
 
 The families attnpool's own model expresses (attnpool.model.hf) run there by default, with every feature; this
-adapter runs them with ``model_impl: transformers``, and runs the rest. What core attention cannot express is
+adapter runs them with ``model_impl: transformers``, including what attnpool's model does not implement (attention
+or MLP biases, partial rotary embeddings, other RoPE types). What core attention cannot express is
 refused before anything is built (attnpool.model.hf_config.hf_model_problem).
 """
 
@@ -27,7 +28,7 @@ from torch import Tensor, nn
 from attnpool.errors import ConfigError
 from attnpool.model.config import ModelConfig
 from attnpool.model.hf import hf_config_dtype, save_tokenizer
-from attnpool.model.hf_config import architecture, has_weights, read_hf_config
+from attnpool.model.hf_config import architecture, has_safetensors, read_hf_config
 from attnpool.model.llama import chunked_cross_entropy
 from attnpool.model.spec import ADAPTER_CANNOT, HF_PREFIX, ModelSpec
 
@@ -89,7 +90,7 @@ def load_hf_spec(path: str, max_doc_len: int | None = None, model_args: dict | N
 
 def adapter_spec(path: str, hf_config) -> HFAdapterSpec:
     """The adapter's spec of ``path`` with its config read and checked."""
-    return HFAdapterSpec(path, hf_config, planning_config(hf_config), has_weights(path))
+    return HFAdapterSpec(path, hf_config, planning_config(hf_config), has_safetensors(path))
 
 
 def planning_config(hf_config) -> ModelConfig:
@@ -249,12 +250,13 @@ def save_hf_export(model: HFCausalLM, full_state: dict[str, Tensor], directory: 
     state = {name[len(prefix):]: t.to(dtype) if t.is_floating_point() else t
              for name, t in full_state.items() if name.startswith(prefix)}
     config = model.hf.config
-    implementation = config._attn_implementation
+    implementation, model_dtype = config._attn_implementation, config.dtype
     config._attn_implementation = "sdpa"  # what a later reader gets by default (attnpool's is registered here only)
+    config.dtype = dtype  # the weights' as written, not the float32 of the master weights
     try:
         with _without_progress_bars():
             model.hf.save_pretrained(directory, state_dict=state, safe_serialization=True)
     finally:
-        config._attn_implementation = implementation
+        config._attn_implementation, config.dtype = implementation, model_dtype
     if tokenizer_path is not None:
         save_tokenizer(tokenizer_path, directory)

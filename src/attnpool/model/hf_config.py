@@ -49,7 +49,7 @@ def model_type_of(path: str) -> str | None:
         return None
 
 
-def has_weights(path: str) -> bool:
+def has_safetensors(path: str) -> bool:
     """Whether the directory holds safetensors weights (else a model is initialised from its config)."""
     return any(name.endswith(".safetensors") for name in os.listdir(path))
 
@@ -74,7 +74,7 @@ def read_hf_config(path: str, max_doc_len: int | None = None, model_args: dict |
         raise ConfigError(field, value, f"config.json is not a config transformers reads "
                                         f"({str(exc).splitlines()[0]})") from None
     if model_args:
-        hf_config = config_with_args(hf_config, model_args, has_weights(path))
+        hf_config = config_with_args(hf_config, model_args, has_safetensors(path))
     problem = hf_model_problem(hf_config, max_doc_len)
     if problem is not None:
         raise ConfigError(field, value, problem)

@@ -63,8 +63,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
 
     def forward(self, x: Tensor) -> Tensor:
-        weight = self.weight + self.offset if self.offset else self.weight
-        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        if self.offset:  # as Gemma computes it: in float32, offset + weight not rounded to a bf16 weight's steps
+            weight = self.weight.float() + self.offset
+            return F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
     @torch.no_grad()
     def reset_parameters(self):

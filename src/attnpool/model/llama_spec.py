@@ -18,7 +18,7 @@ from attnpool.errors import ConfigError
 from attnpool.model.config import ModelConfig
 from attnpool.model.hf import (check_hf_weights, config_from_hf, hf_config_dtype, load_hf_weights, save_hf_checkpoint,
                               save_tokenizer)
-from attnpool.model.hf_config import has_weights, read_hf_config
+from attnpool.model.hf_config import has_safetensors, read_hf_config
 from attnpool.model.llama import Transformer
 from attnpool.model.spec import HF_PREFIX, ModelSpec
 
@@ -111,7 +111,7 @@ def load_checkpoint_spec(path: str, max_doc_len: int | None = None, model_args: 
         config = config_from_hf(hf_config, max_doc_len)
     except ConfigError as exc:
         raise ConfigError("model", HF_PREFIX + path, f"{exc.field}={exc.value!r}: {exc.problem}") from None
-    weights = has_weights(path)
+    weights = has_safetensors(path)
     if weights:
         check_hf_weights(path, config)
     return HFCheckpointSpec(HF_PREFIX + path, config, path=path, hf_config=hf_config, has_weights=weights)

@@ -60,7 +60,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
                                                                     desired_output_layouts=Replicate(),
                                                                     use_local_output=False))
     for layer in model.layers.values():
-        parallelize_module(layer, tp_mesh, {**_optional_norms(layer), 
+        parallelize_module(layer, tp_mesh, {**_optional_norms(layer),
             "attention_norm": SequenceParallel(sequence_dim=SEQUENCE),
             "attention": PrepareModuleInput(input_layouts=(Shard(SEQUENCE), None, None),
                                             desired_input_layouts=(Replicate(), None, None)),

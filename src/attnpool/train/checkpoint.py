@@ -25,9 +25,10 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from attnpool.errors import ConfigError
+from attnpool.model.spec import hf_model_dir
 from attnpool.train.config import load_config
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -93,9 +94,14 @@ def checkpoint_config(path: str, out: str) -> dict | None:
     manifests) the run directory's config.yaml."""
     manifest = read_manifest(path)
     if manifest is not None:
-        return manifest.get("config") or None
-    file = os.path.join(out, "config.yaml")
-    return load_config(file).to_dict() if os.path.isfile(file) else None
+        settings = manifest.get("config") or None
+    else:
+        file = os.path.join(out, "config.yaml")
+        settings = load_config(file).to_dict() if os.path.isfile(file) else None
+    if settings is not None and "model_impl" not in settings:
+        # Runs from before model_impl ran every hf: model through transformers' modules (their weights' names).
+        settings["model_impl"] = "transformers" if hf_model_dir(settings.get("model", "")) else "auto"
+    return settings
 
 
 def _file_problem(path: str, name: str, expected: dict, checksum: bool) -> str | None:
@@ -225,7 +231,7 @@ def save_checkpoint(path: str, model, optimizer, scheduler, stream, step: int, e
     optimizer offload keeps on the CPU). ``config``: the run's settings, kept in the manifest (a resume
     compares them with its own)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=FLAT_OPTIMIZER)
     device = device or next(model.parameters()).device
     state = {"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict(),
              "data": stream.state_dict(), "step": step, _rng_key(rank): _rng_state(device)}
@@ -273,6 +279,19 @@ def save_checkpoint(path: str, model, optimizer, scheduler, stream, step: int, e
     dist.barrier()  # no rank goes on (or ends the run) before the checkpoint is in place
 
 
+# The optimizer's state and its param groups' settings keyed by each parameter's name ("param_groups.<name>.lr"):
+# pipeline ranks hold different parameters, and param groups saved as lists (one per rank, under the same keys)
+# came back on another rank's parameters (a resume at the same pp failed in AdamW's step).
+FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _optimizer_options(keys) -> StateDictOptions | None:
+    """How the checkpoint with these keys holds its optimizer: by parameter name, or (checkpoints written before)
+    its param groups as lists."""
+    listed = any(k.startswith("optim.param_groups.") and k.split(".")[2].isdigit() for k in keys)
+    return None if listed else FLAT_OPTIMIZER
+
+
 def load_checkpoint(path: str, model, optimizer, scheduler, stream, extra: dict | None = None,
                     device: torch.device | None = None) -> int:
     """Restore everything :func:`save_checkpoint` wrote; returns the step it was taken after.
@@ -280,11 +299,12 @@ def load_checkpoint(path: str, model, optimizer, scheduler, stream, extra: dict 
     Each ``extra`` object the checkpoint holds state for gets ``load_state_dict``; one it
     holds none for (a checkpoint of a run without it) keeps its fresh state."""
     rank = dist.get_rank()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    options = _optimizer_options(keys)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
     device = device or next(model.parameters()).device
     state = {"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict(),
              "data": stream.state_dict(), "step": 0}
-    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     # The RNG state is per rank; a run resumed on more ranks than it was saved from
     # keeps its fresh seed on the new ones.
     has_rng = any(k.startswith(_rng_key(rank) + ".") for k in keys)
@@ -295,7 +315,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler, stream, extra: dict 
     dcp.load(state, checkpoint_id=path)
     for name, obj in saved_extra.items():
         obj.load_state_dict(state[name])
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     scheduler.load_state_dict(state["scheduler"])
     stream.load_state_dict(state["data"])
     if has_rng:

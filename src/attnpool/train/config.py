@@ -2,14 +2,15 @@
 
 A run's settings are ten sections, each a frozen dataclass that checks its own values::
 
-    model       model, model_args, precision, compile, loss_kernel
+    model       model, model_impl, model_args, precision, compile, loss_kernel
     data        data, data_path, data_args, tokenizer, tokens_per_rank, max_doc_len, seed
     attention   attention, cost_model, min_shard, eps, memory_cap, attention_backend, pingpong
     sparse      sparse, sparse_coverage, sparse_min_doc_len, dense_layers, sparse_args
     optim       steps, lr, min_lr_ratio, warmup_steps, weight_decay, beta1, beta2, grad_clip
     parallel    tp, pp, pp_schedule, microbatches
     memory      activation_checkpointing, activation_offload, optimizer_offload, memory_check
-    checkpoint  checkpoint_every, keep_checkpoints, resume, stop_at, allow_config_change, hf_export_checkpoints
+    checkpoint  checkpoint_every, keep_checkpoints, resume, stop_at, allow_config_change, hf_export,
+                hf_export_checkpoints
     faults      max_nonfinite_steps, max_restarts, collective_timeout_s
     run         out, nproc, device, progress, logger
 
@@ -57,7 +58,7 @@ FIELDS = {f.metadata["key"]: f for cls in SECTIONS.values() for f in fields(cls)
 # change freely: attention strategy, kernels and memory settings compute the same function, and a
 # resume on another layout (nproc, tp, pp) is what DCP's resharding is for (another dp changes the
 # global batch from there on, as any resume on more or fewer data-parallel ranks does).
-RUN_FIELDS = ("model", "model_args", "data", "data_path", "data_args", "tokenizer", "tokens_per_rank", "max_doc_len",
+RUN_FIELDS = ("model", "model_impl", "model_args", "data", "data_path", "data_args", "tokenizer", "tokens_per_rank", "max_doc_len",
               "seed", "sparse", "sparse_coverage", "sparse_min_doc_len", "dense_layers", "sparse_args", "steps", "lr",
               "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip", "precision",
               "microbatches")

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from attnpool.errors import ConfigError
+from attnpool.errors import ConfigError, TrainingError
 from attnpool.model import ModelSpec, model_spec
-from attnpool.model.spec import hf_model_dir
+from attnpool.parallel import RankMesh
 from attnpool.train.checkpoint import checkpoint_config, checkpoint_path, select_checkpoint, verify_checkpoint
 from attnpool.train.config import TrainConfig
 from attnpool.train.data_source import tokenizer_path
@@ -36,51 +36,89 @@ def checkpoint_export_dir(out: str, step: int) -> str:
     return os.path.join(out, HF_CHECKPOINT_EXPORTS_DIR, os.path.basename(checkpoint_path(out, step)))
 
 
-def full_model_state(model: torch.nn.Module, pp: int) -> dict[str, torch.Tensor] | None:
+def tokenizer_files(directory: str | None) -> str | None:
+    """``directory`` where it holds a tokenizer transformers reads (written beside an export), else None."""
+    if directory is None:
+        return None
+    names = ("tokenizer.json", "tokenizer_config.json")
+    return directory if any(os.path.isfile(os.path.join(directory, name)) for name in names) else None
+
+
+def full_model_state(model: torch.nn.Module, mesh: RankMesh) -> dict[str, torch.Tensor] | None:
     """Every weight of the run's model whole, on the host of rank 0 (None on the others; a collective). A stage's
-    ranks gather its FSDP2 and tensor-parallel shards; with pipeline stages, each stage's first rank then sends its
-    stage's weights to rank 0."""
+    ranks gather its FSDP2 and tensor-parallel shards; under pipeline parallelism one tensor at a time, each later
+    stage's first rank (dp and tp index 0) sending each to rank 0 as it is gathered, so that no rank holds more
+    than one whole tensor on its device, and only rank 0 the whole model on its host."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.tensor import DTensor
 
-    if pp == 1:
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    stage = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
-             for name, t in model.state_dict().items()}
-    world, rank = dist.get_world_size(), dist.get_rank()
-    stages = [None] * world if rank == 0 else None
-    dist.gather_object(stage if rank % (world // pp) == 0 else {}, stages, dst=0)
-    return {name: t for part in stages for name, t in part.items()} if rank == 0 else None
+    rank = dist.get_rank()
+    if mesh.dims.pp == 1:
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return full if rank == 0 else None
+
+    def whole(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    state = model.state_dict()
+    if rank == 0:
+        full = {name: whole(t).detach().cpu() for name, t in state.items()}
+        device = next(iter(state.values())).device
+        for peer in mesh.pp_peers()[1:]:  # each later stage's first rank, in stage order
+            shapes = [None]
+            dist.recv_object_list(shapes, src=peer)
+            for name, shape, dtype in shapes[0]:
+                buffer = torch.empty(shape, dtype=dtype, device=device)
+                dist.recv(buffer, src=peer)
+                full[name] = buffer.cpu()
+        return full
+    sender = mesh.pp_rank > 0 and mesh.dp_rank == 0 and mesh.tp_rank == 0
+    if sender:
+        dist.send_object_list([[(name, tuple(t.shape), t.dtype) for name, t in state.items()]], dst=0)
+    for t in state.values():
+        tensor = whole(t)  # (every rank of the stage takes part in gathering it)
+        if sender:
+            dist.send(tensor.detach().contiguous(), dst=0)
+    return None
 
 
-def export_run_model(model: torch.nn.Module, spec: ModelSpec, config: TrainConfig, directory: str | None = None) -> str:
+def export_run_model(model: torch.nn.Module, spec: ModelSpec, config: TrainConfig, mesh: RankMesh,
+                     directory: str | None = None) -> str:
     """``directory`` (default OUT/hf): the trained weights (gathered from every rank's shards; a collective) as
     the model's spec writes them, with the tokenizer where there is one. Written beside it and renamed into
     place, so a reader never finds half an export; per-checkpoint exports beyond the newest
-    ``keep_checkpoints`` are deleted, as their checkpoints are."""
+    ``keep_checkpoints`` are deleted, as their checkpoints are. Rank 0 writes; what stops it stops every rank
+    (none is left waiting for it)."""
     directory = directory or os.path.join(config.run.out, HF_EXPORT_DIR)
-    full = full_model_state(model, config.parallel.pp)
+    full = full_model_state(model, mesh)
+    failure = [None]
     if dist.get_rank() == 0:
-        tokenizer = tokenizer_path(config, spec)
-        has_tokenizer = tokenizer is not None and any(
-            os.path.isfile(os.path.join(tokenizer, name)) for name in ("tokenizer.json", "tokenizer_config.json"))
-        partial, replaced = directory + ".partial", directory + ".replaced"
-        for stale in (partial, replaced):
-            shutil.rmtree(stale, ignore_errors=True)
-        spec.save_hf(model, full, partial, tokenizer_dir=tokenizer if has_tokenizer else None)
-        if os.path.isdir(directory):  # a resumed run's export of the same step, or the end's again
-            os.replace(directory, replaced)
-        os.replace(partial, directory)
-        shutil.rmtree(replaced, ignore_errors=True)
-        exports = os.path.dirname(directory)
-        keep = config.checkpoint.keep
-        if keep > 0 and os.path.basename(exports) == HF_CHECKPOINT_EXPORTS_DIR:
-            finished = sorted(name for name in os.listdir(exports) if re.fullmatch(r"step-\d+", name))
-            for name in finished[:-keep]:
-                shutil.rmtree(os.path.join(exports, name), ignore_errors=True)
-        print(f"hf export: {directory} (transformers: AutoModelForCausalLM.from_pretrained)", flush=True)
-    dist.barrier()
+        try:
+            _write_export(model, spec, config, full, directory)
+        except (ConfigError, OSError) as exc:
+            failure = [f"the Hugging Face export to {directory} failed: {exc}"]
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise TrainingError(failure[0])
     return directory
+
+
+def _write_export(model: torch.nn.Module, spec: ModelSpec, config: TrainConfig, full: dict, directory: str) -> None:
+    partial, replaced = directory + ".partial", directory + ".replaced"
+    for stale in (partial, replaced):
+        shutil.rmtree(stale, ignore_errors=True)
+    spec.save_hf(model, full, partial, tokenizer_dir=tokenizer_files(tokenizer_path(config, spec)))
+    if os.path.isdir(directory):  # a resumed run's export of the same step, or the end's again
+        os.replace(directory, replaced)
+    os.replace(partial, directory)
+    shutil.rmtree(replaced, ignore_errors=True)
+    exports = os.path.dirname(directory)
+    keep = config.checkpoint.keep
+    if keep > 0 and os.path.basename(exports) == HF_CHECKPOINT_EXPORTS_DIR:
+        finished = sorted(name for name in os.listdir(exports) if re.fullmatch(r"step-\d+", name))
+        for name in finished[:-keep]:
+            shutil.rmtree(os.path.join(exports, name), ignore_errors=True)
+    print(f"hf export: {directory} (transformers: AutoModelForCausalLM.from_pretrained)", flush=True)
 
 
 def read_checkpoint_model(*, run_dir: str | None = None, checkpoint: str | None = None):
@@ -106,9 +144,8 @@ def read_checkpoint_model(*, run_dir: str | None = None, checkpoint: str | None 
     if settings is None:
         raise ConfigError("checkpoint", path, "has no manifest and its run directory no config.yaml: the model's "
                                               "settings are unknown")
-    # Runs from before model_impl ran every hf: model through transformers' modules (their weights' names).
-    impl = settings.get("model_impl") or ("transformers" if hf_model_dir(settings["model"]) else "auto")
-    spec = model_spec(settings["model"], settings.get("model_args", {}), settings.get("max_doc_len"), impl)
+    spec = model_spec(settings["model"], settings.get("model_args", {}), settings.get("max_doc_len"),
+                      settings["model_impl"])
     model = spec.build_empty("cpu")
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # one process on purpose: DCP's warning that it assumes so is noise here
@@ -119,12 +156,14 @@ def read_checkpoint_model(*, run_dir: str | None = None, checkpoint: str | None 
 
 
 def export_hf(*, run_dir: str | None = None, checkpoint: str | None = None, out: str,
-              dtype: str = "bf16") -> tuple[str, list[tuple[str, str]]]:
-    """Write the checkpoint (``checkpoint``, or the newest valid one of ``run_dir``) to ``out`` as
-    config.json and model.safetensors. Returns the checkpoint's path and the (path, problem) of newer ones
-    skipped as damaged. Every file is checked against the manifest first."""
-    if dtype not in DTYPES:
-        raise ConfigError("dtype", dtype, f"choose one of {', '.join(DTYPES)}")
-    model, spec, _, path, skipped = read_checkpoint_model(run_dir=run_dir, checkpoint=checkpoint)
-    spec.save_hf(model, model.state_dict(), out, DTYPES[dtype])
+              dtype: str = "auto") -> tuple[str, list[tuple[str, str]]]:
+    """Write the checkpoint (``checkpoint``, or the newest valid one of ``run_dir``) to ``out`` as the run's end
+    writes OUT/hf: config.json, safetensors, the tokenizer where the run had one. ``dtype`` auto: the model's own
+    (an hf: model's config.json's; bf16 for a preset). Returns the checkpoint's path and the (path, problem) of
+    newer ones skipped as damaged. Every file is checked against the manifest first."""
+    if dtype not in (*DTYPES, "auto"):
+        raise ConfigError("dtype", dtype, f"choose one of auto, {', '.join(DTYPES)}")
+    model, spec, settings, path, skipped = read_checkpoint_model(run_dir=run_dir, checkpoint=checkpoint)
+    tokenizer = tokenizer_files(settings.get("tokenizer") or spec.tokenizer_dir)
+    spec.save_hf(model, model.state_dict(), out, DTYPES.get(dtype), tokenizer_dir=tokenizer)
     return path, skipped

@@ -183,7 +183,7 @@ class Trainer:
             comm_stats.timing = False
             self.log.close()
         if self.spec.model.writes_hf_export and config.checkpoint.hf_export and self.step == last_step:
-            export_run_model(self.model, self.spec.model, config)
+            export_run_model(self.model, self.spec.model, config, self.mesh)
         balance = end.balance if end is not None else None
         summary = self._report(balance, time.perf_counter() - wall0) if self.rank == 0 else None
         return TrainResult(self.log.rows, self.model, summary, self.setup.memory)
@@ -281,7 +281,8 @@ class Trainer:
             save_checkpoint(checkpoint_path(config.run.out, step), self.model, self.optimizer, self.scheduler,
                             self.stream, step, self.extra_state, self.device, config.to_dict(), config.checkpoint.keep)
             if config.checkpoint.hf_exports:
-                export_run_model(self.model, self.spec.model, config, checkpoint_export_dir(config.run.out, step))
+                export_run_model(self.model, self.spec.model, config, self.mesh,
+                                 checkpoint_export_dir(config.run.out, step))
 
     def _refuse_nonfinite_steps(self) -> None:
         """End a run whose last max_nonfinite_steps steps were all skipped."""

@@ -225,21 +225,23 @@ def saved_per_layer(x: MemoryInputs) -> dict[str, float]:
         return {"layer input": a * m.dim}
     if mode == "keep_attention":
         return {"layer input": a * m.dim, **attention}
-    kept = {"layer input": a * m.dim, "norm statistics": 2 * 4.0, "norm outputs": 2 * a * m.dim * x.tp,
-            "attention sum": a * m.dim, **attention, "mlp intermediates": 4 * a * m.ffn_dim}
+    n = 4 if m.norm_offset else a  # Gemma's norms compute in float32: they keep float32 copies of their inputs
+    kept = {"layer input": n * m.dim, "norm statistics": 2 * 4.0, "norm outputs": 2 * a * m.dim * x.tp,
+            "attention sum": n * m.dim, **attention, "mlp intermediates": 4 * a * m.ffn_dim}
     if m.qk_norm:  # (Qwen3, Gemma 3) each head's norm keeps its input and float32 reciprocal RMS
-        kept["q/k norm inputs"] = a * (q + kv) + 4.0 * (m.n_heads + m.n_kv_heads)
+        kept["q/k norm inputs"] = n * (q + kv) + 4.0 * (m.n_heads + m.n_kv_heads)
     if m.sandwich_norms:  # (Gemma 2, 3) the norms of attention's and the MLP's outputs: their inputs, statistics
-        kept["output norm inputs"] = 2 * a * m.dim + 2 * 4.0
+        kept["output norm inputs"] = 2 * n * m.dim + 2 * 4.0
     return kept
 
 
 def step_inputs_per_token(x: MemoryInputs, loss: bool = False) -> float:
-    """Bytes per home token the step holds outside the layers: RoPE's float32 cos and sin, token ids,
-    positions and labels (int64); until the loss's backward (``loss``) also the final norm's input,
-    statistics and output (the loss's input)."""
+    """Bytes per home token the step holds outside the layers: RoPE's float32 cos and sin (a table per kind of
+    layer), token ids, positions and labels (int64); until the loss's backward (``loss``) also the final norm's
+    input, statistics and output (the loss's input)."""
     a = 2 if x.bf16 else 4
-    return 4 * x.model.head_dim + 3 * 8 + ((2 * a * x.model.dim + 4) if loss else 0)
+    tables = len(x.model.ropes) if x.model.ropes else 1
+    return 4 * x.model.head_dim * tables + 3 * 8 + ((2 * a * x.model.dim + 4) if loss else 0)
 
 
 def loss_transient(x: MemoryInputs, tokens: int) -> float:

@@ -57,11 +57,11 @@ class ModelSection(Section):
     TITLE = "model"
     name: str = _setting("model", "model preset (tiny, llama3-8b, llama-34b, qwen2.5-3b), or hf:DIR, a Hugging Face "
                                   "model directory (config.json, safetensors weights if any)", default="tiny")
-    impl: str = _setting("model_impl", "how an hf: model runs: auto (attnpool's own model for the families it "
-                                       f"expresses, {', '.join(OWN_MODEL_TYPES)}, with every feature; transformers' "
-                                       "modules for others), attnpool (refused for other families) or transformers "
-                                       "(its modules behind attnpool's core attention: no tp, pp, ping-pong, "
-                                       "keep_attention or compile)", default="auto")
+    impl: str = _setting("model_impl", "how an hf: model runs: auto or attnpool (attnpool's own model, every "
+                                       f"feature; families {', '.join(OWN_MODEL_TYPES)}) or transformers (its "
+                                       "modules behind attnpool's core attention, for what attnpool's model does "
+                                       "not implement, e.g. attention biases: no tp, pp, ping-pong, keep_attention "
+                                       "or compile)", default="auto")
     args: dict = _setting("model_args", "model fields to override, e.g. n_layers=2 dim=64; for hf:DIR, settings of its "
                                         "config.json, e.g. rope_theta=500000 max_position_embeddings=131072 "
                                         "rope_scaling='{rope_type: yarn, factor: 4.0}'", default_factory=dict)

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from attnpool.errors import ConfigError
 from attnpool.model.config import ModelConfig, Rope, RopeScaling
 from attnpool.model.hf_config import OWN_MODEL_TYPES, architecture, hf_model_problem
-from attnpool.model.llama import Transformer
+from attnpool.model.llama import Transformer, default_inv_freq
 
 LLAMA = "LlamaForCausalLM"
 QWEN2 = "Qwen2ForCausalLM"
@@ -212,8 +212,7 @@ def _as_default(hf, params: Mapping, max_doc_len: int | None) -> bool:
 def _rope(hf, head_dim: int, params: Mapping, layer_type: str | None, max_doc_len: int | None) -> Rope:
     rope_type = params.get("rope_type", "default")
     if rope_type == "default" or _as_default(hf, params, max_doc_len):
-        base = params.get("rope_theta", 10000.0)
-        inv_freq, factor = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
+        inv_freq, factor = default_inv_freq(params.get("rope_theta", 10000.0), head_dim), 1.0
     else:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -295,18 +294,18 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def check_hf_weights(directory, config: ModelConfig) -> None:
+def check_hf_weights(directory, config: ModelConfig) -> dict[str, Path]:
     """Check the checkpoint's tensors against a model with ``config``, reading the files' headers only: a
     missing, surplus or misshapen tensor is refused with a ConfigError naming it. Layers past ``config.n_layers``
     are left unread (a run may take fewer layers than the checkpoint has), and so is ``lm_head.weight`` where the
-    model ties it to the embedding."""
+    model ties it to the embedding. Returns the file of each tensor the model reads."""
     directory = Path(directory)
     expected = hf_tensors(config)
     files = safetensors_files(directory)
     unlisted = sorted(set(directory.glob("*.safetensors")) - set(files))
     if unlisted:  # the reader reads every file of the directory: one the index does not list could shadow a tensor
         raise ConfigError(str(unlisted[0]), None, f"is not listed in {INDEX_FILE}; move it out of the model directory")
-    found: set[str] = set()
+    found: dict[str, Path] = {}
     for path in files:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
@@ -318,10 +317,11 @@ def check_hf_weights(directory, config: ModelConfig) -> None:
                     raise ConfigError(name, shape, f"is in {path.name} but not in a model with this config.json")
                 if shape != tuple(expected[name][1]):
                     raise ConfigError(name, shape, f"expected shape {tuple(expected[name][1])} from config.json")
-                found.add(name)
+                found[name] = path
     missing = [name for name in expected if name not in found]
     if missing:
         raise ConfigError(missing[0], None, f"missing from the checkpoint ({len(missing)} tensors missing in all)")
+    return found
 
 
 def _layer_index(name: str) -> int:
@@ -359,24 +359,16 @@ def load_hf_checkpoint(directory, *, dtype: torch.dtype | None = None, device: t
     if not config_path.exists():
         raise ConfigError("directory", str(directory), "has no config.json")
     config = config_from_hf(json.loads(config_path.read_text()), max_doc_len)
-    check_hf_weights(directory, config)
+    files = check_hf_weights(directory, config)
     if dtype is None:
-        with safe_open(_file_of(directory, "model.embed_tokens.weight"), framework="pt") as f:
-            dtype = f.get_slice("model.embed_tokens.weight").get_dtype()
-            dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}[dtype]
+        embedding = "model.embed_tokens.weight"
+        with safe_open(files[embedding], framework="pt") as f:
+            dtype = f.get_slice(embedding)[:0].dtype  # (an empty slice: its dtype, nothing read)
     with torch.device("meta"):
         model = Transformer(config)
     model = model.to_empty(device=device).to(dtype)
     load_hf_weights(model, directory, config)
     return model, config
-
-
-def _file_of(directory: Path, name: str) -> Path:
-    for path in safetensors_files(directory):
-        with safe_open(path, framework="pt") as f:
-            if name in f.keys():
-                return path
-    raise ConfigError(name, None, "missing from the checkpoint")
 
 
 def save_hf_checkpoint(model: nn.Module | Mapping[str, Tensor], config: ModelConfig, directory, *,

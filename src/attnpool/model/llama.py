@@ -76,6 +76,11 @@ class RMSNorm(nn.Module):
 # --- Rotary position embedding ------------------------------------------------
 
 
+def default_inv_freq(theta: float, head_dim: int, device=None) -> Tensor:
+    """RoPE's base frequencies, theta^(-2i/D) for the D/2 rotated pairs, in float32 as checkpoints were trained."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+
+
 def rope_frequencies(config: ModelConfig, device=None) -> Tensor:
     """theta^(-2i/D) for the D/2 rotated pairs, in float32, as the checkpoints were trained.
 
@@ -83,8 +88,7 @@ def rope_frequencies(config: ModelConfig, device=None) -> Tensor:
     ``factor``, short ones kept, and the band between interpolated smoothly.
     (``config.ropes``, RoPE given whole, is not computed here: see :func:`rope_cos_sin`.)
     """
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    inv_freq = default_inv_freq(config.rope_theta, config.head_dim, device)
     s = config.rope_scaling
     if s is None:
         return inv_freq

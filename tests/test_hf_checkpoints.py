@@ -126,7 +126,12 @@ def test_every_family_loads_into_every_layout_as_transformers_computes(checkpoin
 
 
 def _train_layouts(rank, world, out, directories):
+    # Every family under tp and pp (Qwen2: biases, tied; Gemma: (1 + w) norms, GeGLU, scaled embedding, tied; Gemma 2:
+    # sandwich norms, query scale); Qwen3 and Gemma 3 below also with ping-pong, keep_attention and compile
+    plain = {(arch, layout): dict(tp=2) if layout == "tp" else dict(pp=2, microbatches=2)
+             for arch in ARCHITECTURES if arch not in ("qwen3", "gemma3_text") for layout in ("tp", "pp")}
     runs = {
+        **plain,
         # q/k norms (Qwen3): tp and pp, with ping-pong and keep_attention under tp
         ("qwen3", "tp"): dict(tp=2, pingpong=True, activation_checkpointing="keep_attention"),
         ("qwen3", "pp"): dict(pp=2, microbatches=2),

@@ -117,6 +117,54 @@ def test_saved_per_layer_matches_what_autograd_keeps(mode, variant):
     assert (two - one) / len(tokens) == predicted + cpu_norm_outputs
 
 
+# transformers' configs of the adapter's layer variants: Llama's norms; Qwen3's q/k norms; Gemma 3's sandwich norms, its
+# q/k norms and its (1 + w) norms computed in float32
+ADAPTER_VARIANTS = {"llama": ("LlamaConfig", {}), "qwen3": ("Qwen3Config", {}),
+                    "gemma3_text": ("Gemma3TextConfig", dict(query_pre_attn_scalar=16, sliding_window=4096))}
+
+
+def adapter_model(variant: str, layers: int, mode: str):
+    """transformers' model of the variant, in bf16 (as FSDP2's mixed precision computes), behind the adapter."""
+    transformers = pytest.importorskip("transformers")
+    from attnpool.model.hf_causal_lm import ATTENTION_NAME, HFCausalLM, register_attention
+
+    name, extra = ADAPTER_VARIANTS[variant]
+    config = getattr(transformers, name)(vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16, num_hidden_layers=layers, **extra)
+    register_attention()
+    torch.manual_seed(0)
+    model = HFCausalLM(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
+                                                                     attn_implementation=ATTENTION_NAME).train())
+    apply_activation_checkpointing(model, mode)
+    return model, config
+
+
+@pytest.mark.parametrize("variant", list(ADAPTER_VARIANTS))
+@pytest.mark.parametrize("mode", ("none", "full"))
+def test_saved_per_layer_of_transformers_layers(mode, variant):
+    """What the adapter's layers (transformers' modules) keep, counted by the hook over one and two layers in bf16:
+    their norms run in float32 as written in Python, on CPU as on CUDA."""
+    from attnpool.model.hf_causal_lm import planning_config
+
+    tokens, positions, plan = batch()
+    (one, config), (two, _) = ((saved_storage_bytes(model, tokens, positions, plan), config)
+                               for model, config in (adapter_model(variant, n, mode) for n in (1, 2)))
+    x = MemoryInputs(planning_config(config), len(tokens), mode, layer_modules="transformers")
+    per_token = (two - one) / len(tokens)
+    # Gemma's norms also keep 1 + w in float32: a few hundred bytes per layer, whatever the tokens
+    offset_weights = 4 * (4 * 64 + 2 * 16) / len(tokens) if variant == "gemma3_text" and mode == "none" else 0
+    assert per_token == pytest.approx(sum(saved_per_layer(x).values()) + offset_weights, abs=1e-9)
+    assert sum(saved_per_layer(x).values()) > sum(saved_per_layer(replace(x, layer_modules="attnpool")).values()) \
+        or mode == "full"
+
+
+def test_the_adapter_is_offered_only_the_checkpointing_it_runs():
+    x = MemoryInputs(model_config("tiny", **SMALL), 1024, "full", layer_modules="transformers")
+    assert {s.activation_checkpointing for s in settings(x)} == {"none", "full"}
+    own = replace(x, layer_modules="attnpool")
+    assert {s.activation_checkpointing for s in settings(own)} == set(CHECKPOINTING_MODES)
+
+
 def test_attention_rows_match_the_dispatch_layout():
     lens = np.array([5000, 300, 2200, 900, 4000, 64, 3000])
     table = linear_table(lens, 4, int(lens.sum()) // 4 + 1)

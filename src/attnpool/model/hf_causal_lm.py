@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from attnpool.errors import ConfigError
 from attnpool.model.config import ModelConfig
-from attnpool.model.hf import hf_config_dtype, save_tokenizer
+from attnpool.model.hf import GEMMA_TYPES, QK_NORM_TYPES, SANDWICH_NORM_TYPES, hf_config_dtype, save_tokenizer
 from attnpool.model.hf_config import architecture, has_safetensors, read_hf_config
 from attnpool.model.llama import chunked_cross_entropy
 from attnpool.model.spec import ADAPTER_CANNOT, HF_PREFIX, ModelSpec
@@ -46,6 +46,7 @@ class HFAdapterSpec(ModelSpec):
     config: ModelConfig
     has_weights: bool  # *.safetensors in the directory: from_pretrained; else random weights from the config
     cannot = ADAPTER_CANNOT
+    layer_modules = "transformers"
     writes_hf_export = True
 
     @property
@@ -94,8 +95,8 @@ def adapter_spec(path: str, hf_config) -> HFAdapterSpec:
 
 
 def planning_config(hf_config) -> ModelConfig:
-    """attnpool's ModelConfig of the same shape (heads, head_dim, layers, widths, vocabulary), for the planner's
-    per-head costs and the memory model."""
+    """attnpool's ModelConfig of the same shape (heads, head_dim, layers, widths, vocabulary, which norms), for the
+    planner's per-head costs and the memory model."""
     n_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_heads
     return ModelConfig(
@@ -109,6 +110,9 @@ def planning_config(hf_config) -> ModelConfig:
         norm_eps=getattr(hf_config, "rms_norm_eps", 1e-6),
         tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         qkv_bias=bool(getattr(hf_config, "attention_bias", False)) or hf_config.model_type == "qwen2",
+        qk_norm=hf_config.model_type in QK_NORM_TYPES,
+        sandwich_norms=hf_config.model_type in SANDWICH_NORM_TYPES,
+        norm_offset=1.0 if hf_config.model_type in GEMMA_TYPES else 0.0,
         max_position=getattr(hf_config, "max_position_embeddings", None),
     )
 

@@ -70,6 +70,9 @@ class ModelSpec:
     name: str  # the ``model`` setting (a preset's name, or hf:DIR)
     config: "ModelConfig"  # the shape the planner, the cost model and the memory model see
     cannot: Mapping[str, str] = {}  # feature -> why this family cannot run it (see ADAPTER_CANNOT)
+    # Whose modules compute the layers: "attnpool" (attnpool.model.llama) or "transformers" (the adapter); they
+    # keep different tensors for the backward (attnpool.train.memory.saved_per_layer).
+    layer_modules: str = "attnpool"
     builds_on_meta: bool = False  # too large to build whole: built on the meta device, materialized per shard
     tokenizer_dir: str | None = None  # the tokenizer that comes with the model (hf: and jsonl data default to it)
     writes_hf_export: bool = False  # the end of a run (and hf_export_checkpoints) writes it as a Hugging Face model

@@ -308,9 +308,13 @@ class Trainer:
             print(f"nothing to do: the checkpoint is at step {self.step}, the run stops there")
             return None
         memory = self.setup.memory
+        checked = memory is not None and self.device.type == "cuda"
         info = {"model": spec.model.name, "params": spec.model.num_params(self.model), "world": self.world,
                 "dp": dims.dp, "tp": dims.tp, "pp": dims.pp,
-                "predicted_peak_memory_bytes": memory.peak_bytes if memory and self.device.type == "cuda" else None,
+                # the memory model's allocated peak (beside the measured peak_memory_bytes, as attnpool bench gives
+                # it) and what the check compared with the GPU's memory: the reserved peak plus the CUDA context
+                "predicted_peak_memory_bytes": memory.allocated_bytes if checked else None,
+                "predicted_device_bytes": memory.peak_bytes if checked else None,
                 "tokens_per_rank": config.data.tokens_per_rank, "microbatches": config.parallel.microbatches,
                 "strategy": config.attention.strategy, "steps": config.optim.steps,
                 "start_step": self.start_step, "end_step": self.step, "wall_s": wall_s}

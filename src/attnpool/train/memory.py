@@ -52,6 +52,8 @@ from attnpool.runtime.dispatch import BACKWARD_GROUP_KEYS
 
 GiB = 1 << 30
 CHECKPOINTING_MODES = ("none", "keep_attention", "full")
+# The checkpointing modes each kind of layer module runs (keep_attention recomputes attnpool's own linear parts).
+LAYER_CHECKPOINTING = {"attnpool": CHECKPOINTING_MODES, "transformers": ("none", "full")}
 CALIBRATION_RESOURCE = "memory_calibration.json"
 # Bytes a parameter costs on its owner: float32 master weight, float32 gradient, AdamW's two moments.
 PARAM_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
@@ -113,11 +115,15 @@ class MemoryInputs:
     held_rows: RowRatios | None = None
     held_candidates: tuple[RowRatios, ...] = ()  # as row_candidates, for held_rows
     loss_kernel: str = "chunked"  # or liger (attnpool.model.fused_loss): the loss's transient memory differs
+    layer_modules: str = "attnpool"  # or transformers (the adapter's layers: ModelSpec.layer_modules)
 
     def __post_init__(self):
         if self.activation_checkpointing not in CHECKPOINTING_MODES:
             raise ConfigError("activation_checkpointing", self.activation_checkpointing,
                               f"choose one of {', '.join(CHECKPOINTING_MODES)}")
+        if self.layer_modules not in LAYER_CHECKPOINTING:
+            raise ConfigError("layer_modules", self.layer_modules,
+                              f"the memory model counts {', '.join(LAYER_CHECKPOINTING)} layers")
         if self.loss_kernel not in ("chunked", "liger"):  # (resolved: auto is the run's choice)
             raise ConfigError("loss_kernel", self.loss_kernel, "the memory model counts chunked or liger")
         for name in ("tokens_per_rank", "dp", "tp", "pp", "microbatches", "in_flight"):
@@ -206,6 +212,7 @@ def saved_per_layer(x: MemoryInputs) -> dict[str, float]:
     each norm's input and float32 reciprocal RMS, each norm's output (the next projections' input),
     the attention block's sum, and the MLP's four ffn_dim-wide intermediates; where the family has them, the
     q/k norms' and the output norms' inputs and statistics (their outputs feed RoPE and the residual sum).
+    transformers' layers (the adapter: ``layer_modules``) keep more in their norms (transformers_norms_kept).
 
     Per token of the dp rank, before ``estimate`` divides by tp: under tensor parallelism every term is
     split over the tp ranks (by sequence or by heads) but the norms' outputs, which sequence parallelism
@@ -225,6 +232,8 @@ def saved_per_layer(x: MemoryInputs) -> dict[str, float]:
         return {"layer input": a * m.dim}
     if mode == "keep_attention":
         return {"layer input": a * m.dim, **attention}
+    if x.layer_modules == "transformers":
+        return {**transformers_norms_kept(x), **attention, "mlp intermediates": 4 * a * m.ffn_dim}
     n = 4 if m.norm_offset else a  # Gemma's norms compute in float32: they keep float32 copies of their inputs
     kept = {"layer input": n * m.dim, "norm statistics": 2 * 4.0, "norm outputs": 2 * a * m.dim * x.tp,
             "attention sum": n * m.dim, **attention, "mlp intermediates": 4 * a * m.ffn_dim}
@@ -235,13 +244,35 @@ def saved_per_layer(x: MemoryInputs) -> dict[str, float]:
     return kept
 
 
+def transformers_norms_kept(x: MemoryInputs) -> dict[str, float]:
+    """What transformers' norms keep in one decoder layer (checkpointing none), per token: each RMSNorm computes in
+    float32 (x.float() * rsqrt(mean(x^2) + eps)) and keeps its float32 input, its statistic and its normalized
+    input, the latter cast back before the weight's product (Llama, Qwen) or still float32 for Gemma's (1 + w);
+    the projections keep the two pre-norms' outputs (the sandwich norms' outputs go to the residual sum, which
+    keeps nothing), and the q/k norms' outputs go to RoPE, which keeps only its cos and sin (the step's)."""
+    m = x.model
+    a = 2 if x.bf16 else 4
+    normalized = 4 if m.norm_offset else a
+    norms = 4 if m.sandwich_norms else 2
+    kept = {"norm inputs (float32)": norms * 4 * m.dim, "norm statistics": norms * 4.0,
+            "normalized norm inputs": norms * normalized * m.dim, "norm outputs": 2 * a * m.dim}
+    if m.qk_norm:
+        heads = (m.n_heads + m.n_kv_heads) * m.head_dim
+        kept["q/k norm inputs"] = (4 + normalized) * heads + 4.0 * (m.n_heads + m.n_kv_heads)
+    return kept
+
+
 def step_inputs_per_token(x: MemoryInputs, loss: bool = False) -> float:
     """Bytes per home token the step holds outside the layers: RoPE's float32 cos and sin (a table per kind of
     layer), token ids, positions and labels (int64); until the loss's backward (``loss``) also the final norm's
     input, statistics and output (the loss's input)."""
+    m = x.model
     a = 2 if x.bf16 else 4
-    tables = len(x.model.ropes) if x.model.ropes else 1
-    return 4 * x.model.head_dim * tables + 3 * 8 + ((2 * a * x.model.dim + 4) if loss else 0)
+    tables = len(m.ropes) if m.ropes else 1
+    if x.layer_modules == "transformers":  # cos and sin (T, head_dim) in the compute dtype; a transformers norm
+        final_norm = (4 + (4 if m.norm_offset else a) + a) * m.dim + 4
+        return 2 * a * m.head_dim * tables + 3 * 8 + (final_norm if loss else 0)
+    return 4 * m.head_dim * tables + 3 * 8 + ((2 * a * m.dim + 4) if loss else 0)
 
 
 def loss_transient(x: MemoryInputs, tokens: int) -> float:
@@ -426,10 +457,10 @@ SETTINGS_FASTEST_FIRST = (
 
 
 def settings(x: MemoryInputs, offloads: bool = True) -> list[MemoryInputs]:
-    """x under every memory setting, fastest first (``offloads=False``: checkpointing modes only)."""
+    """x under every memory setting its layers run, fastest first (``offloads=False``: checkpointing modes only)."""
     return [replace(x, activation_checkpointing=mode, activation_offload=activation, optimizer_offload=optimizer)
             for mode, activation, optimizer in SETTINGS_FASTEST_FIRST
-            if offloads or not (activation or optimizer)]
+            if (offloads or not (activation or optimizer)) and mode in LAYER_CHECKPOINTING[x.layer_modules]]
 
 
 def parse_memory_size(field_name: str, text) -> int:

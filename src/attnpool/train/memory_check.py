@@ -34,7 +34,8 @@ def memory_inputs(spec: RunSpec, rows: RowRatios = RowRatios()) -> MemoryInputs:
                         c.memory.activation_offload and gpu, c.memory.optimizer_offload and gpu, spec.bf16,
                         dp=dims.dp, tp=dims.tp, pp=dims.pp, microbatches=c.parallel.microbatches,
                         in_flight=activations_in_flight(c.parallel.pp_schedule, dims.pp, c.parallel.microbatches),
-                        rows=rows, rank_layers=sum(stages), stage_layers=max(stages), loss_kernel=spec.loss_kernel)
+                        rows=rows, rank_layers=sum(stages), stage_layers=max(stages), loss_kernel=spec.loss_kernel,
+                        layer_modules=spec.model.layer_modules)
 
 
 def sample_row_ratios(spec: RunSpec, source, batches: int = MEMORY_SAMPLE_BATCHES) -> dict:

@@ -386,7 +386,9 @@ def print_summary(summary: dict, files: list[str]) -> None:
         memory = (f"{s['peak_memory_bytes'] / 2**30:.1f} GiB allocated, {s['peak_reserved_bytes'] / 2**30:.1f} GiB "
                   f"reserved (largest rank)")
     if s.get("predicted_peak_memory_bytes"):
-        memory += f"; predicted {s['predicted_peak_memory_bytes'] / 2**30:.1f} GiB"
+        memory += f"; predicted {s['predicted_peak_memory_bytes'] / 2**30:.1f} GiB allocated"
+        if s.get("predicted_device_bytes"):
+            memory += f", {s['predicted_device_bytes'] / 2**30:.1f} GiB of the GPU with the CUDA context"
     table.add_row("peak memory", memory)
     table.add_row("files", "\n".join(files))
     console.print(table, highlight=False)

@@ -72,6 +72,28 @@ def test_other_commands_refuse_bad_input(args, needle):
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("command, args, needle", [
+    ("plan", ["--cost-model", "BINARY"], "cost_model='BINARY': not a JSON file (it is not text)"),
+    ("train", ["--cost-model", "BINARY"], "cost_model='BINARY': not a JSON file (it is not text)"),
+    ("train", ["--cost-model", "MALFORMED"], "cost_model='MALFORMED': not valid JSON (Expecting"),
+    ("train", ["--nproc", "2", "--pp", "3"], "pp=3: tp x pp = 3 must divide the number of ranks (2)"),
+    ("train", ["--max-doc-len", "1"], "max_doc_len=1: a piece with a token to predict must be at least 2"),
+    ("train", ["--out", "MALFORMED"], "out='MALFORMED': is a file, not a directory to write in"),
+    ("train", ["--out", "MALFORMED/run"], "out='MALFORMED/run': cannot be written: nothing can be created in "),
+])
+def test_bad_files_and_layouts_are_refused_in_one_line(tmp_path, capsys, command, args, needle):
+    """In one line, exit 2, before any worker starts (in this process: none is started)."""
+    (tmp_path / "BINARY").write_bytes(bytes(range(128, 256)) * 8)
+    (tmp_path / "MALFORMED").write_text('{"a": 1')
+    args = [str(tmp_path / a) if a.split("/")[0] in ("BINARY", "MALFORMED") else a for a in args]
+    out = [] if "--out" in args else ["--out", str(tmp_path / "run")]
+    extra = ["--model", "tiny", "--device", "cpu", *out] if command == "train" else []
+    assert main([command, *args, *extra]) == 2
+    err = capsys.readouterr().err.replace(str(tmp_path) + "/", "")
+    assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_cad_never_loses_to_a_baseline_on_one_long_document(tmp_path, capsys):
     """Issue 26: one 10M-token document over 4 servers x 1K tokens (a 4K slice of it, 512-token shards).
     The greedy from home reached 1.330 where percp's head-tail pairs reach 1.005."""
@@ -83,3 +105,17 @@ def test_cad_never_loses_to_a_baseline_on_one_long_document(tmp_path, capsys):
     assert out["percp"]["imbalance_after"] < 1.01  # the layout that cad must match
     for name, m in out.items():
         assert out["cad"]["imbalance_after"] <= m["imbalance_after"] + 1e-9, (name, out)
+
+
+def test_boolean_flags_take_the_values_a_yaml_config_writes():
+    import argparse
+
+    from attnpool.cli.train_cmd import add_config_arguments, config_from_args
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_config_arguments(parser)
+    for argv, want in ((["--progress", "false"], False), (["--progress", "YES"], True), (["--progress"], True),
+                       (["--no-progress"], False), (["--progress", "0"], False)):
+        assert config_from_args(parser.parse_args(argv)).run.progress is want, argv
+    with pytest.raises(argparse.ArgumentError, match="takes true or false"):
+        parser.parse_args(["--progress", "maybe"])

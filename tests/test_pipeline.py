@@ -285,7 +285,7 @@ def test_pooled_schedule_model():
     assert pooled_makespan(uneven, [0.0] * 8, 4) > makespan(uneven, 4, "gpipe") + 1.0
 
 
-def test_export_of_a_pipelined_run_matches_one_process_and_loads_in_transformers(tmp_path):
+def test_export_of_a_pipelined_run_matches_one_process_and_loads_in_transformers(tmp_path, capsys):
     """`attnpool export` of a pp=2 run and of one process trained on the same micro-batches: the same
     weights (float32, within the tolerance of the losses), and transformers loads the export."""
     from safetensors.torch import load_file
@@ -312,3 +312,17 @@ def test_export_of_a_pipelined_run_matches_one_process_and_loads_in_transformers
         torch.testing.assert_close(pp[key], one[key], rtol=1e-4, atol=1e-5, msg=key)
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf-pp"))
     assert model(torch.arange(16)[None]).logits.shape == (1, 16, 256)
+
+    # An --out with files in it is replaced only with --overwrite; a file is never
+    from attnpool.cli.main import main
+
+    (tmp_path / "a-file").write_text("mine")
+    for out, said in (("hf-one", "holds files already: pass --overwrite"), ("a-file", "is a file")):
+        assert main(["export", "--run", str(tmp_path / "pp"), "--out", str(tmp_path / out)]) == 2
+        assert said in capsys.readouterr().err
+    assert (tmp_path / "a-file").read_text() == "mine"
+    assert main(["export", "--run", str(tmp_path / "pp"), "--out", str(tmp_path / "hf-one"), "--dtype", "fp32",
+                 "--overwrite"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("hf-one")) == ["hf-one"]
+    for key, tensor in load_file(str(tmp_path / "hf-one" / "model.safetensors")).items():
+        assert torch.equal(tensor, pp[key]), key

@@ -24,13 +24,16 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="weights' dtype, written into config.json too (default auto: the model's own, the one an hf: "
                         "model's config.json names; bf16 for a preset)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace what --out holds (the new export is written beside it and renamed into place)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from attnpool.train.export import export_hf  # torch: only once the command runs
 
-    path, skipped = export_hf(run_dir=args.run, checkpoint=args.checkpoint, out=args.out, dtype=args.dtype)
+    path, skipped = export_hf(run_dir=args.run, checkpoint=args.checkpoint, out=args.out, dtype=args.dtype,
+                              overwrite=args.overwrite)
     for bad, problem in skipped:
         print(f"skipping {bad}: {problem}")
     print(f"attnpool export: {path} -> {args.out} (config.json, safetensors, {args.dtype})")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 from attnpool.errors import ConfigError
 
@@ -57,12 +56,12 @@ def run(args: argparse.Namespace) -> int:
     from attnpool.cli.train_cmd import config_from_args
     from attnpool.train.memory import Calibration, report
     from attnpool.train.memory_check import run_memory_inputs
-    from attnpool.train.setup import prepare
+    from attnpool.train.setup import NO_RUN_DIRECTORY, prepare
 
     config = config_from_args(args)
     capacity = _capacity(args, config.run.nproc)
     # The run resolved for GPUs (the kernels a GPU would run), with nothing of its run directory read.
-    setup = prepare(config.replace(resume=False, memory_check=False, out=os.devnull), config.run.nproc,
+    setup = prepare(config.replace(resume=False, memory_check=False, out=NO_RUN_DIRECTORY), config.run.nproc,
                     device_type="cuda")
     calibration = Calibration.load()
     x = run_memory_inputs(setup.spec, setup.source, capacity, calibration)

@@ -9,8 +9,8 @@ import sys
 from dataclasses import replace
 
 from attnpool.cli.common import parse_size
-from attnpool.data.lengths import DISTRIBUTIONS, check_length_list, read_json_file
-from attnpool.errors import ConfigError
+from attnpool.data.lengths import DISTRIBUTIONS, check_length_list
+from attnpool.errors import ConfigError, read_json_file
 from attnpool.kernels.names import GPU_BACKENDS
 from attnpool.model.config import MODEL_PRESETS
 from attnpool.plan.cost import TOP_LEVEL_BACKEND

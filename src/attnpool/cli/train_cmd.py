@@ -44,12 +44,27 @@ def _add_key(group, f, aliases: dict, kind: str) -> None:
     if "(default:" not in help_text:  # some fields say what their None default means
         help_text += f" (default: {default})"
     if kind == "bool":
-        group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        # --x, --x false (as YAML writes it) and --no-x
+        group.add_argument(*flags, dest=name, nargs="?", const=True, type=parse_bool, metavar="BOOL", default=None,
+                           help=help_text + f"; {flags[0]} alone: true, --no-{flags[0][2:]}: false")
+        group.add_argument(*("--no-" + flag[2:] for flag in flags), dest=name, action="store_false", default=None,
+                           help=argparse.SUPPRESS)
     elif kind == "dict":
         group.add_argument(*flags, dest=name, nargs="+", metavar="KEY=VALUE", default=None, help=help_text)
     else:
         # Kept as text: the config reads numbers (3e-4, 4K) and 'none' itself.
         group.add_argument(*flags, dest=name, metavar=kind.upper(), default=None, help=help_text)
+
+
+def parse_bool(text: str) -> bool:
+    """A boolean flag's value as a YAML config writes it: true/false, yes/no, on/off, 1/0."""
+    value = BOOLEAN_VALUES.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"takes true or false (or nothing), not {text!r}")
+    return value
+
+
+BOOLEAN_VALUES = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
 
 
 def _key_values(field: str, items: list[str]) -> dict:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from attnpool.errors import ConfigError
+from attnpool.errors import ConfigError, read_json_file
 
 DISTRIBUTIONS = ("pretrain", "prolong")
 
@@ -41,17 +41,6 @@ def load_lengths(name_or_path: str | Path) -> np.ndarray:
     data = read_json_file("dist", path)
     check_length_list("dist", name, data)
     return np.asarray(data, dtype=np.int64)
-
-
-def read_json_file(field: str, path: str | Path):
-    """The JSON value in ``path``, or ConfigError naming ``field``."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(field, str(path), "no such file")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(field, str(path), f"not valid JSON ({exc})") from None
 
 
 def check_length_list(field: str, where, data) -> None:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from attnpool.errors import ConfigError
+from attnpool.errors import ConfigError, read_json_file
 from attnpool.plan.documents import causal_pairs
 
 # Forward FLOPs per (query, key) pair and head: QK^T and PV, 2 FLOPs per multiply-add each.
@@ -284,14 +284,9 @@ def load_cost_model(spec: str | Path | None, phase: str = "fwd+bwd", backend: st
         return default_cost_model(phase, backend)
     if spec == "pairs":
         return PairsCost()
-    path = Path(spec)
-    if not path.is_file():
+    if not Path(spec).is_file():
         raise ConfigError("cost_model", str(spec), "not 'pairs', 'table' or an existing JSON file")
-    try:
-        obj = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError("cost_model", str(spec), f"not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    return TableCost.from_json(obj, phase, backend)
+    return TableCost.from_json(read_json_file("cost_model", spec), phase, backend)
 
 
 def default_min_shard_tokens(model=None, efficiency: float = 0.8, prefix: int = 32768) -> int:

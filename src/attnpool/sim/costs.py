@@ -30,11 +30,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from importlib import resources
-from pathlib import Path
 
 import numpy as np
 
-from attnpool.errors import ConfigError
+from attnpool.errors import ConfigError, read_json_file
 from attnpool.plan.cost import TOP_LEVEL_BACKEND, TableCost, backend_table, default_min_shard_tokens
 
 # Assumed effective throughput of a layer's linear part (GEMMs plus norms, RoPE,
@@ -122,13 +121,7 @@ def _load_profile(spec) -> tuple[dict, str]:
     if spec is None:
         text = resources.files("attnpool.resources").joinpath("cost_h200.json").read_text()
         return json.loads(text), "packaged resources/cost_h200.json"
-    path = Path(spec)
-    if not path.is_file():
-        raise ConfigError("profile", str(spec), "no such file")
-    try:
-        return json.loads(path.read_text()), str(path)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError("profile", str(spec), f"not valid JSON ({exc})") from None
+    return read_json_file("profile", spec), str(spec)
 
 
 def _tables(profile: dict, where: str, backend: str) -> tuple[TableCost, TableCost]:

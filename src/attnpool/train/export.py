@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from attnpool.errors import ConfigError, TrainingError
+from attnpool.errors import ConfigError, TrainingError, check_output_directory
 from attnpool.model import ModelSpec, model_spec
 from attnpool.parallel import RankMesh
 from attnpool.train.checkpoint import checkpoint_config, checkpoint_path, select_checkpoint, verify_checkpoint
@@ -103,15 +103,22 @@ def export_run_model(model: torch.nn.Module, spec: ModelSpec, config: TrainConfi
     return directory
 
 
-def _write_export(model: torch.nn.Module, spec: ModelSpec, config: TrainConfig, full: dict, directory: str) -> None:
+def write_directory_aside(directory: str, write) -> None:
+    """``write(path)`` a directory beside ``directory``, then rename it into place: what was there (a resumed run's
+    export of the same step, the end's again, an export replaced) goes only once the new one is whole."""
     partial, replaced = directory + ".partial", directory + ".replaced"
     for stale in (partial, replaced):
         shutil.rmtree(stale, ignore_errors=True)
-    spec.save_hf(model, full, partial, tokenizer_dir=tokenizer_files(tokenizer_path(config, spec)))
-    if os.path.isdir(directory):  # a resumed run's export of the same step, or the end's again
+    write(partial)
+    if os.path.isdir(directory):
         os.replace(directory, replaced)
     os.replace(partial, directory)
     shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _write_export(model: torch.nn.Module, spec: ModelSpec, config: TrainConfig, full: dict, directory: str) -> None:
+    tokenizer = tokenizer_files(tokenizer_path(config, spec))
+    write_directory_aside(directory, lambda path: spec.save_hf(model, full, path, tokenizer_dir=tokenizer))
     exports = os.path.dirname(directory)
     keep = config.checkpoint.keep
     if keep > 0 and os.path.basename(exports) == HF_CHECKPOINT_EXPORTS_DIR:
@@ -156,14 +163,25 @@ def read_checkpoint_model(*, run_dir: str | None = None, checkpoint: str | None 
 
 
 def export_hf(*, run_dir: str | None = None, checkpoint: str | None = None, out: str,
-              dtype: str = "auto") -> tuple[str, list[tuple[str, str]]]:
+              dtype: str = "auto", overwrite: bool = False) -> tuple[str, list[tuple[str, str]]]:
     """Write the checkpoint (``checkpoint``, or the newest valid one of ``run_dir``) to ``out`` as the run's end
     writes OUT/hf: config.json, safetensors, the tokenizer where the run had one. ``dtype`` auto: the model's own
-    (an hf: model's config.json's; bf16 for a preset). Returns the checkpoint's path and the (path, problem) of
+    (an hf: model's config.json's; bf16 for a preset). A directory ``out`` that holds files is replaced only with
+    ``overwrite``, and only once the new export is whole. Returns the checkpoint's path and the (path, problem) of
     newer ones skipped as damaged. Every file is checked against the manifest first."""
     if dtype not in (*DTYPES, "auto"):
         raise ConfigError("dtype", dtype, f"choose one of auto, {', '.join(DTYPES)}")
+    check_export_out(out, overwrite)
     model, spec, settings, path, skipped = read_checkpoint_model(run_dir=run_dir, checkpoint=checkpoint)
     tokenizer = tokenizer_files(settings.get("tokenizer") or spec.tokenizer_dir)
-    spec.save_hf(model, model.state_dict(), out, DTYPES.get(dtype), tokenizer_dir=tokenizer)
+    write_directory_aside(out, lambda partial: spec.save_hf(model, model.state_dict(), partial, DTYPES.get(dtype),
+                                                            tokenizer_dir=tokenizer))
     return path, skipped
+
+
+def check_export_out(out: str, overwrite: bool) -> None:
+    """Refuse an ``out`` the export cannot or should not write: a file, a directory with files in it (an earlier
+    export?) unless ``overwrite``, a place this process may not write."""
+    check_output_directory("out", out)
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise ConfigError("out", out, "holds files already: pass --overwrite to replace them, or choose another --out")

@@ -117,7 +117,8 @@ class DataSection(Section):
             raise ConfigError("data_path", None, f"the {self.source} source needs a path")
         _at_least("tokens_per_rank", self.tokens_per_rank, 1, "the token budget per rank")
         if self.max_doc_len is not None:
-            _at_least("max_doc_len", self.max_doc_len, 1)
+            # (a one-token piece has no next token within its document to predict: nothing would be trained)
+            _at_least("max_doc_len", self.max_doc_len, 2, "a piece with a token to predict")
         _at_least("seed", self.seed, 0)
 
 

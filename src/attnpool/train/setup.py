@@ -9,11 +9,13 @@ collective that depends on it.
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 
 import torch
 
-from attnpool.errors import ConfigError
+from attnpool.errors import ConfigError, check_output_directory
 from attnpool.train.config import TrainConfig
 from attnpool.train.data_source import build_source
 from attnpool.train.memory import MemoryEstimate
@@ -31,6 +33,10 @@ class Setup:
     memory: MemoryEstimate | None = None  # the predicted peak, where a rank's device was checked
 
 
+# ``out`` of a run resolved only to be planned (attnpool memory): no run directory is checked or read
+NO_RUN_DIRECTORY = os.devnull
+
+
 def prepare(config: TrainConfig, world: int, device: torch.device | None = None,
             device_type: str | None = None) -> Setup:
     """Check and resolve everything that needs no process group (see the module docstring) for ``world`` ranks.
@@ -43,6 +49,9 @@ def prepare(config: TrainConfig, world: int, device: torch.device | None = None,
         raise ConfigError("logger", config.run.logger, problem)
     spec = resolve_run_spec(config, world, device, device_type)
     source = build_source(config, spec.model)
-    resume_from = resume_candidate(config, spec.model) if config.checkpoint.resume else refuse_earlier_run(config)
+    resume_from = None
+    if config.run.out != NO_RUN_DIRECTORY:
+        check_output_directory("out", config.run.out)
+        resume_from = resume_candidate(config, spec.model) if config.checkpoint.resume else refuse_earlier_run(config)
     memory = check_memory(spec, source) if device is not None and config.memory.memory_check else None
     return Setup(spec, source, resume_from, memory)

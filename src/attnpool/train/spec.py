@@ -101,8 +101,8 @@ def resolve_run_spec(config: TrainConfig, world: int, device: torch.device | Non
     installed packages are not this one's to check). Refused with a ConfigError naming the key where the
     model's shape or the device cannot run it."""
     model = model_spec(config.model.name, config.model.args, config.data.max_doc_len, config.model.impl)
+    dims = ParallelDims.of(world, config.parallel.tp, config.parallel.pp)  # (first: a layout the ranks cannot take)
     check_model_shape(config, model.config)
-    dims = ParallelDims.of(world, config.parallel.tp, config.parallel.pp)
     here = device is not None or device_type is None
     device_type = device_kind(config, device, device_type)
     bf16 = uses_bf16(config, device_type)

@@ -80,12 +80,15 @@ def test_other_commands_refuse_bad_input(args, needle):
     ("train", ["--max-doc-len", "1"], "max_doc_len=1: a piece with a token to predict must be at least 2"),
     ("train", ["--out", "MALFORMED"], "out='MALFORMED': is a file, not a directory to write in"),
     ("train", ["--out", "MALFORMED/run"], "out='MALFORMED/run': cannot be written: nothing can be created in "),
+    ("train", ["--out", "EARLIER"], "out='EARLIER': holds an earlier run's metrics.jsonl: pass --overwrite"),
 ])
 def test_bad_files_and_layouts_are_refused_in_one_line(tmp_path, capsys, command, args, needle):
     """In one line, exit 2, before any worker starts (in this process: none is started)."""
     (tmp_path / "BINARY").write_bytes(bytes(range(128, 256)) * 8)
     (tmp_path / "MALFORMED").write_text('{"a": 1')
-    args = [str(tmp_path / a) if a.split("/")[0] in ("BINARY", "MALFORMED") else a for a in args]
+    (tmp_path / "EARLIER").mkdir()
+    (tmp_path / "EARLIER" / "metrics.jsonl").write_text('{"step": 1}\n')
+    args = [str(tmp_path / a) if a.split("/")[0] in ("BINARY", "MALFORMED", "EARLIER") else a for a in args]
     out = [] if "--out" in args else ["--out", str(tmp_path / "run")]
     extra = ["--model", "tiny", "--device", "cpu", *out] if command == "train" else []
     assert main([command, *args, *extra]) == 2

@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import time
 
 import pytest
 
-from attnpool.bench.faults import (damage, losses, metrics_rows, start_train, train_cli, wait_for_step, wait_gone,
-                                   workers)
+from attnpool.bench.faults import (TINY_RUN, damage, losses, metrics_rows, start_train, train_cli, wait_for_step,
+                                   wait_gone, workers)
+from attnpool.cli.main import main
 from attnpool.train.checkpoint import MANIFEST, finished_checkpoints, verify_checkpoint
 
 
@@ -58,17 +60,85 @@ def test_a_corrupted_checkpoint_is_skipped_and_the_run_continues_exactly(tmp_pat
     assert f"skipping {os.path.dirname(bad)}: {bad} does not match its SHA-256" in resumed.stdout
     assert "resumed from" in resumed.stdout and "step-000004" in resumed.stdout
     assert losses(out) == reference
+    # The run wrote step 6 again: the damaged one is kept aside, for a look
+    assert os.path.isdir(os.path.join(out, "checkpoints", "step-000006.damaged"))
+    assert verify_checkpoint(os.path.join(out, "checkpoints", "step-000006")) is None
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    """A run of 2 processes stopped at step 2 of 4, its one checkpoint at step 2: each test damages a copy."""
+    out = str(tmp_path_factory.mktemp("stopped") / "run")
+    done = train_cli("--nproc", "2", "--steps", "4", "--stop-at", "2", "--out", out)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def copy_of(run: str, tmp_path) -> tuple[str, str]:
+    out = str(tmp_path / "run")
+    shutil.copytree(run, out)
+    return out, os.path.join(out, "checkpoints", "step-000002")
+
+
+def resume_in_process(out: str, capsys, *more) -> tuple[int, str]:
+    """``attnpool train --resume`` in this process: what it refuses before starting any worker."""
+    code = main(["train", *TINY_RUN, "--nproc", "2", "--steps", "4", "--resume", "--out", out, *more])
+    return code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("how", ["overwrite", "truncate", "delete"])
-def test_the_only_checkpoint_damaged_is_refused_in_one_line_naming_the_file(tmp_path, how):
-    out = str(tmp_path / "run")
-    assert train_cli("--nproc", "2", "--steps", "4", "--stop-at", "2", "--out", out).returncode == 0
-    bad = damage(os.path.join(out, "checkpoints", "step-000002"), how)
-    resumed = train_cli("--nproc", "2", "--steps", "4", "--resume", "--out", out)
-    assert resumed.returncode == 2, resumed.stderr
-    assert "Traceback" not in resumed.stderr and len(resumed.stderr.strip().splitlines()) == 1, resumed.stderr
-    assert bad in resumed.stderr and "no valid checkpoint" in resumed.stderr
+def test_the_only_checkpoint_damaged_is_refused_in_one_line_naming_the_file(stopped_run, tmp_path, capsys, how):
+    out, checkpoint = copy_of(stopped_run, tmp_path)
+    bad = damage(checkpoint, how)
+    if how == "overwrite":  # found by the files' hashes, which the workers share
+        resumed = train_cli("--nproc", "2", "--steps", "4", "--resume", "--out", out)
+        code, err = resumed.returncode, resumed.stderr
+    else:  # found by the files' sizes, before any worker starts
+        code, err = resume_in_process(out, capsys)
+    assert code == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert bad in err and "no valid checkpoint" in err
+
+
+def test_damaged_dcp_metadata_is_named_as_a_hash_mismatch(stopped_run, tmp_path, capsys):
+    """Not as "another model shape": DCP's metadata is read to check the shape, after its hash."""
+    out, checkpoint = copy_of(stopped_run, tmp_path)
+    metadata = os.path.join(checkpoint, ".metadata")
+    with open(metadata, "r+b") as fh:
+        fh.seek(os.path.getsize(metadata) // 2)
+        fh.write(b"\x00" * 64)
+    code, err = resume_in_process(out, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"{metadata} does not match its SHA-256" in err and "model shape" not in err
+
+
+def test_a_checkpoint_without_manifest_resumes_only_when_allowed(stopped_run, tmp_path, capsys):
+    """Written before manifests, or its manifest lost: refused unless --allow-unverified; then its files' sizes are
+    checked against DCP's metadata, and files that do not read are refused in one line."""
+    out, checkpoint = copy_of(stopped_run, tmp_path)
+    os.remove(os.path.join(checkpoint, MANIFEST))
+    code, err = resume_in_process(out, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "has no manifest.json" in err and "--allow-unverified" in err
+    truncated = os.path.join(tmp_path, "truncated")
+    shutil.copytree(out, truncated)
+    bad = damage(os.path.join(truncated, "checkpoints", "step-000002"), "truncate")
+    code, err = resume_in_process(truncated, capsys, "--allow-unverified")
+    assert code == 2 and f"{bad} has " in err and "DCP's metadata needs" in err, err
+
+    resumed = train_cli("--nproc", "2", "--steps", "4", "--resume", "--allow-unverified", "--out", out)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout and max(losses(out)) == 4
+
+    shutil.rmtree(out)
+    out, checkpoint = copy_of(stopped_run, tmp_path)
+    os.remove(os.path.join(checkpoint, MANIFEST))
+    shard = sorted(n for n in os.listdir(checkpoint) if n.endswith(".distcp"))[0]
+    with open(os.path.join(checkpoint, shard), "r+b") as fh:  # its first bytes: the reader's unpickling fails
+        fh.write(os.urandom(1 << 16))
+    resumed = train_cli("--nproc", "2", "--steps", "4", "--resume", "--allow-unverified", "--out", out)
+    assert resumed.returncode == 1 and "Traceback" not in resumed.stderr, resumed.stderr
+    assert len(resumed.stderr.strip().splitlines()) == 1 and "the checkpoint's files do not read" in resumed.stderr
 
 
 # --- Non-finite losses ------------------------------------------------------------------------------------

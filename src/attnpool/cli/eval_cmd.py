@@ -40,6 +40,8 @@ def add_parser(sub) -> None:
                         "reach the asked value (needle_kept in eval.json)")
     p.add_argument("--seed", type=int, default=0, help="seed of the held-out instances (default 0)")
     p.add_argument("--out", metavar="DIR", help="where eval.json and eval.png go (default RUN/eval)")
+    p.add_argument("--allow-unverified", action="store_true",
+                   help="read a checkpoint without a manifest (its files' sizes are checked, their bytes cannot be)")
     p.set_defaults(func=run)
 
 
@@ -70,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     from attnpool.train.evaluate import evaluate_retrieval, format_table, sparse_config_of, write_results
     from attnpool.train.export import read_checkpoint_model
 
-    model, spec, settings, path, skipped = read_checkpoint_model(run_dir=args.run, checkpoint=args.checkpoint)
+    model, spec, settings, path, skipped = read_checkpoint_model(run_dir=args.run, checkpoint=args.checkpoint,
+                                                                 allow_unverified=args.allow_unverified)
     if "eval" in spec.cannot:
         raise ConfigError("run", args.run or args.checkpoint, f"trained {settings['model']}: {spec.cannot['eval']}")
     for bad, problem in skipped:

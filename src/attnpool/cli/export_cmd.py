@@ -26,6 +26,9 @@ def add_parser(sub) -> None:
                         "model's config.json names; bf16 for a preset)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace what --out holds (the new export is written beside it and renamed into place)")
+    p.add_argument("--allow-unverified", action="store_true",
+                   help="read a checkpoint without a manifest (written before manifests, or its manifest lost): its "
+                        "files' sizes are checked against DCP's metadata, their bytes cannot be")
     p.set_defaults(func=run)
 
 
@@ -33,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from attnpool.train.export import export_hf  # torch: only once the command runs
 
     path, skipped = export_hf(run_dir=args.run, checkpoint=args.checkpoint, out=args.out, dtype=args.dtype,
-                              overwrite=args.overwrite)
+                              overwrite=args.overwrite, allow_unverified=args.allow_unverified)
     for bad, problem in skipped:
         print(f"skipping {bad}: {problem}")
     print(f"attnpool export: {path} -> {args.out} (config.json, safetensors, {args.dtype})")

@@ -10,8 +10,9 @@ SHA-256. A directory without its manifest is an unfinished save and is not a che
 first checks every file against the manifest (the ranks share the hashing), so a truncated, corrupted
 or missing shard is found before any state is loaded, and named.
 
-Checkpoints written before manifests existed (a DCP ``.metadata`` and no manifest) still load, unverified:
-a directory that lost its manifest looks the same.
+Checkpoints written before manifests existed (a DCP ``.metadata`` and no manifest), and a directory that lost
+its manifest, which looks the same, are checked against the sizes DCP's metadata gives their files, and load
+only with ``allow_unverified``: their bytes cannot be checked.
 """
 
 from __future__ import annotations
@@ -25,14 +26,16 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from attnpool.errors import ConfigError
+from attnpool.errors import ConfigError, TrainingError
 from attnpool.model.spec import hf_model_dir
 from attnpool.train.config import load_config
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"
+DCP_METADATA = ".metadata"  # DCP's index of the tensors and where each is stored
 PARTIAL_SUFFIX = ".partial"
 DAMAGED_SUFFIX = ".damaged"
 _HASH_CHUNK = 16 << 20
@@ -56,7 +59,7 @@ def finished_checkpoints(out: str) -> list[tuple[int, str]]:
     for name in os.listdir(root):
         m = _STEP_DIR.match(name)
         path = os.path.join(root, name)
-        if m and (os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isfile(os.path.join(path, ".metadata"))):
+        if m and (os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isfile(os.path.join(path, DCP_METADATA))):
             found.append((int(m.group(1)), path))
     return sorted(found)
 
@@ -127,22 +130,48 @@ def _my_share(items: list, rank: int, world: int) -> list:
     return items[rank::world]
 
 
-def verify_checkpoint(path: str, checksum: bool = True, distributed: bool = True) -> str | None:
-    """What is wrong with the checkpoint at ``path`` (naming the file), or None. Sizes always; with
-    ``checksum`` each file's SHA-256 too. ``distributed`` (and a process group initialised): the files'
-    hashing is shared among the ranks, and every rank gets the same answer (a collective: call it on
-    every rank)."""
+def _unverified_problem(path: str, allow_unverified: bool) -> str | None:
+    """What is wrong with a checkpoint without a manifest (written before manifests, or its manifest lost): its
+    files against the sizes DCP's metadata gives them; then, unless ``allow_unverified``, that its bytes cannot be
+    checked."""
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as exc:  # (unpickling a damaged file raises anything)
+        return f"{os.path.join(path, DCP_METADATA)} cannot be read ({type(exc).__name__})"
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{file} is missing"
+        if os.path.getsize(file) < end:
+            return f"{file} has {os.path.getsize(file)} bytes, DCP's metadata needs {end} (truncated)"
+    if not allow_unverified:
+        return (f"{path} has no {MANIFEST} (written before manifests, or it was lost), so its bytes cannot be "
+                "checked; --allow-unverified reads it anyway")
+    return None
+
+
+def verify_checkpoint(path: str, checksum: bool = True, distributed: bool = True,
+                      allow_unverified: bool = False) -> str | None:
+    """What is wrong with the checkpoint at ``path`` (naming the file), or None. Sizes always, and the hash of
+    DCP's metadata (small, and read before the rest to check the model's shape); with ``checksum`` each file's
+    SHA-256 too. A checkpoint without a manifest: :func:`_unverified_problem`. ``distributed`` (and a process
+    group initialised): the files' hashing is shared among the ranks, and every rank gets the same answer (a
+    collective: call it on every rank)."""
     distributed = distributed and dist.is_available() and dist.is_initialized()
     try:
         manifest = read_manifest(path)
     except ConfigError as exc:
         manifest, problem = None, exc.problem
     else:
-        problem = None if manifest is not None or os.path.isfile(os.path.join(path, ".metadata")) else \
+        problem = None if manifest is not None else \
+            _unverified_problem(path, allow_unverified) if os.path.isfile(os.path.join(path, DCP_METADATA)) else \
             f"{path} has neither a manifest nor DCP metadata"
     files = sorted(manifest["files"].items()) if manifest else []
     if problem is None:
-        problem = next(filter(None, (_file_problem(path, n, e, False) for n, e in files)), None)
+        problem = next(filter(None, (_file_problem(path, n, e, n == DCP_METADATA) for n, e in files)), None)
     if problem is None and checksum:
         rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
         problem = next(filter(None, (_file_problem(path, n, e, True) for n, e in _my_share(files, rank, world))), None)
@@ -153,13 +182,13 @@ def verify_checkpoint(path: str, checksum: bool = True, distributed: bool = True
     return problem
 
 
-def select_checkpoint(out: str, checksum: bool = True,
-                      distributed: bool = True) -> tuple[str | None, list[tuple[str, str]]]:
+def select_checkpoint(out: str, checksum: bool = True, distributed: bool = True,
+                      allow_unverified: bool = False) -> tuple[str | None, list[tuple[str, str]]]:
     """The newest valid checkpoint of the run directory (None if there is none), and (path, problem) of
     each newer one skipped. Arguments as :func:`verify_checkpoint`'s."""
     skipped = []
     for _, path in reversed(finished_checkpoints(out)):
-        problem = verify_checkpoint(path, checksum, distributed)
+        problem = verify_checkpoint(path, checksum, distributed, allow_unverified)
         if problem is None:
             return path, skipped
         skipped.append((path, problem))
@@ -222,7 +251,7 @@ def save_checkpoint(path: str, model, optimizer, scheduler, stream, step: int, e
                     device: torch.device | None = None, config: dict | None = None, keep: int = 0) -> None:
     """Write a checkpoint from every rank (a collective: call it on all ranks), atomically: DCP writes
     into ``path.partial``, the ranks hash their share of the files, rank 0 writes the manifest and
-    renames the directory to ``path``; checkpoints of later steps (skipped by the resume as damaged) are
+    renames the directory to ``path``; checkpoints of this step or later (skipped by the resume as damaged) are
     renamed ``step-NNNNNN.damaged``.
     ``keep`` > 0: then delete all but the newest ``keep`` checkpoints, this one always among them.
 
@@ -257,22 +286,16 @@ def save_checkpoint(path: str, model, optimizer, scheduler, stream, step: int, e
         files = {name: entry for share in shares for name, entry in share.items()}
         _write_json_atomically(os.path.join(partial, MANIFEST),
                                {"format": 1, "step": step, "config": config or {}, "files": files})
-        # A checkpoint of this step already there (from a run that went on past it and was resumed
-        # before it) is moved aside before the new one takes its name, and deleted after.
-        replaced = path + ".replaced"
-        if os.path.isdir(path):
-            shutil.rmtree(replaced, ignore_errors=True)
-            os.replace(path, replaced)
+        # Checkpoints of this step or later are ones a resume skipped as damaged (it takes the newest valid
+        # one, and a run saves each step once): left as they are, later ones would stay the "newest" and outlive
+        # `keep`, and this step's would be lost under the new one. Kept aside, for a look.
+        out = os.path.dirname(root)
+        damaged = [later for later_step, later in finished_checkpoints(out) if later_step > step]
+        for old in damaged + ([path] if os.path.isdir(path) else []):
+            shutil.rmtree(old + DAMAGED_SUFFIX, ignore_errors=True)
+            os.replace(old, old + DAMAGED_SUFFIX)
         os.replace(partial, path)
         _fsync_dir(root)
-        shutil.rmtree(replaced, ignore_errors=True)
-        # Checkpoints of later steps are ones a resume skipped as damaged (it takes the newest valid one):
-        # left as they are they would stay the "newest" and outlive `keep`. Kept aside, for a look.
-        out = os.path.dirname(root)
-        for later_step, later in finished_checkpoints(out):
-            if later_step > step:
-                shutil.rmtree(later + DAMAGED_SUFFIX, ignore_errors=True)
-                os.replace(later, later + DAMAGED_SUFFIX)
         if keep > 0:
             for _, old in finished_checkpoints(out)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -283,6 +306,21 @@ def save_checkpoint(path: str, model, optimizer, scheduler, stream, step: int, e
 # pipeline ranks hold different parameters, and param groups saved as lists (one per rank, under the same keys)
 # came back on another rank's parameters (a resume at the same pp failed in AdamW's step).
 FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def read_dcp(state: dict, path: str) -> None:
+    """dcp.load of ``state`` from the checkpoint at ``path``; a file that does not read (a checkpoint without a
+    manifest, damaged: nothing checked its bytes) refused in one line, not DCP's traceback of every read."""
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except (Exception, CheckpointException) as exc:  # (DCP's gathers every rank's failure; a BaseException)
+        failures = getattr(exc, "failures", None) or {}
+        rank, inner = next(iter(failures.items()), (None, exc))
+        inner = inner[0] if isinstance(inner, tuple) else inner  # (DCP keeps each rank's with its traceback)
+        said = next((line for line in str(inner).splitlines() if line.strip()), "")
+        where = f" on rank {rank}" if rank is not None else ""
+        raise TrainingError(f"{path}: the checkpoint's files do not read{where} ({type(inner).__name__}: "
+                            f"{said[:160]}): damaged?") from None
 
 
 def _optimizer_options(keys) -> StateDictOptions | None:
@@ -312,7 +350,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler, stream, extra: dict 
         state[_rng_key(rank)] = _rng_state(device)
     saved_extra = {name: obj for name, obj in (extra or {}).items() if any(k.startswith(name + ".") for k in keys)}
     state.update({name: obj.state_dict() for name, obj in saved_extra.items()})
-    dcp.load(state, checkpoint_id=path)
+    read_dcp(state, path)
     for name, obj in saved_extra.items():
         obj.load_state_dict(state[name])
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)

@@ -9,10 +9,10 @@ A run's settings are ten sections, each a frozen dataclass that checks its own v
     optim       steps, lr, min_lr_ratio, warmup_steps, weight_decay, beta1, beta2, grad_clip
     parallel    tp, pp, pp_schedule, microbatches
     memory      activation_checkpointing, activation_offload, optimizer_offload, memory_check
-    checkpoint  checkpoint_every, keep_checkpoints, resume, stop_at, allow_config_change, hf_export,
-                hf_export_checkpoints
+    checkpoint  checkpoint_every, keep_checkpoints, resume, stop_at, allow_unverified, allow_config_change,
+                hf_export, hf_export_checkpoints
     faults      max_nonfinite_steps, max_restarts, collective_timeout_s
-    run         out, nproc, device, progress, logger
+    run         out, overwrite, nproc, device, progress, logger
 
 Every setting has one key (the names above: ``--model-args``, ``model_args:``), unique across sections. In
 code a section names its settings shortly: ``config.attention.strategy`` is the key ``attention``,

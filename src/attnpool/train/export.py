@@ -16,12 +16,12 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from attnpool.errors import ConfigError, TrainingError, check_output_directory
 from attnpool.model import ModelSpec, model_spec
 from attnpool.parallel import RankMesh
-from attnpool.train.checkpoint import checkpoint_config, checkpoint_path, select_checkpoint, verify_checkpoint
+from attnpool.train.checkpoint import (checkpoint_config, checkpoint_path, read_dcp, select_checkpoint,
+                                       verify_checkpoint)
 from attnpool.train.config import TrainConfig
 from attnpool.train.data_source import tokenizer_path
 
@@ -128,22 +128,24 @@ def _write_export(model: torch.nn.Module, spec: ModelSpec, config: TrainConfig, 
     print(f"hf export: {directory} (transformers: AutoModelForCausalLM.from_pretrained)", flush=True)
 
 
-def read_checkpoint_model(*, run_dir: str | None = None, checkpoint: str | None = None):
+def read_checkpoint_model(*, run_dir: str | None = None, checkpoint: str | None = None,
+                          allow_unverified: bool = False):
     """``(model, model spec, the run's settings, checkpoint path, skipped)``: the whole model on the CPU in
     float32 from ``checkpoint``, or from the newest valid checkpoint of ``run_dir`` (``skipped``: (path,
-    problem) of newer damaged ones). Every file is checked against the manifest first."""
+    problem) of newer damaged ones). Every file is checked against the manifest first (one without a manifest
+    is read only with ``allow_unverified``: attnpool.train.checkpoint.verify_checkpoint)."""
     skipped: list[tuple[str, str]] = []
     if checkpoint is not None:
         if not os.path.isdir(checkpoint):
             raise ConfigError("checkpoint", checkpoint, "no such directory")
-        problem = verify_checkpoint(checkpoint, distributed=False)
+        problem = verify_checkpoint(checkpoint, distributed=False, allow_unverified=allow_unverified)
         if problem is not None:
             raise ConfigError("checkpoint", checkpoint, problem)
         path, run_dir = checkpoint, os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))
     else:
         if run_dir is None or not os.path.isdir(run_dir):
             raise ConfigError("run", run_dir, "no such run directory")
-        path, skipped = select_checkpoint(run_dir, distributed=False)
+        path, skipped = select_checkpoint(run_dir, distributed=False, allow_unverified=allow_unverified)
         if path is None:
             why = f"no valid checkpoint: {skipped[0][1]}" if skipped else "holds no checkpoint"
             raise ConfigError("run", run_dir, why)
@@ -157,13 +159,14 @@ def read_checkpoint_model(*, run_dir: str | None = None, checkpoint: str | None 
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # one process on purpose: DCP's warning that it assumes so is noise here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(state, checkpoint_id=path)  # only the model's entries: the optimizer's stay on disk
+        read_dcp(state, path)  # only the model's entries: the optimizer's stay on disk
     model.load_state_dict(state["model"])
     return model, spec, settings, path, skipped
 
 
 def export_hf(*, run_dir: str | None = None, checkpoint: str | None = None, out: str,
-              dtype: str = "auto", overwrite: bool = False) -> tuple[str, list[tuple[str, str]]]:
+              dtype: str = "auto", overwrite: bool = False,
+              allow_unverified: bool = False) -> tuple[str, list[tuple[str, str]]]:
     """Write the checkpoint (``checkpoint``, or the newest valid one of ``run_dir``) to ``out`` as the run's end
     writes OUT/hf: config.json, safetensors, the tokenizer where the run had one. ``dtype`` auto: the model's own
     (an hf: model's config.json's; bf16 for a preset). A directory ``out`` that holds files is replaced only with
@@ -172,7 +175,8 @@ def export_hf(*, run_dir: str | None = None, checkpoint: str | None = None, out:
     if dtype not in (*DTYPES, "auto"):
         raise ConfigError("dtype", dtype, f"choose one of auto, {', '.join(DTYPES)}")
     check_export_out(out, overwrite)
-    model, spec, settings, path, skipped = read_checkpoint_model(run_dir=run_dir, checkpoint=checkpoint)
+    model, spec, settings, path, skipped = read_checkpoint_model(run_dir=run_dir, checkpoint=checkpoint,
+                                                                 allow_unverified=allow_unverified)
     tokenizer = tokenizer_files(settings.get("tokenizer") or spec.tokenizer_dir)
     write_directory_aside(out, lambda partial: spec.save_hf(model, model.state_dict(), partial, DTYPES.get(dtype),
                                                             tokenizer_dir=tokenizer))

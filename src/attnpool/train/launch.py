@@ -28,6 +28,7 @@ from attnpool.errors import ConfigError, TrainingError
 from attnpool.train.checkpoint import checkpoint_root, finished_checkpoints, select_checkpoint
 from attnpool.train.config import TrainConfig
 from attnpool.train.loop import train
+from attnpool.train.resume import refuse_overwriting_a_run
 from attnpool.train.setup import prepare
 from attnpool.train.signals import ForwardSigterm
 from attnpool.train.spec import configured_device_type, rank_device
@@ -48,6 +49,7 @@ def run(config: TrainConfig) -> int:
     nproc = config.run.nproc
     if configured_device_type(config) == "cuda" and nproc > torch.cuda.device_count():
         raise ConfigError("nproc", nproc, f"one process per GPU, and this machine has {torch.cuda.device_count()}")
+    refuse_overwriting_a_run(config)
     prepare(config, nproc)  # refuse bad input before any process starts
     if nproc == 1:
         _run_rank(config, 0, 1, f"tcp://127.0.0.1:{_free_port()}")
@@ -57,7 +59,8 @@ def run(config: TrainConfig) -> int:
         if restarts >= max_restarts:
             raise TrainingError(f"{lost}; no restarts left (max_restarts={max_restarts})" if max_restarts else lost)
         restarts += 1
-        path, _ = select_checkpoint(config.run.out, checksum=False, distributed=False)
+        path, _ = select_checkpoint(config.run.out, checksum=False, distributed=False,
+                                    allow_unverified=config.checkpoint.allow_unverified)
         if path is None and finished_checkpoints(config.run.out):
             raise TrainingError(f"{lost}; no valid checkpoint to restart from in {checkpoint_root(config.run.out)}")
         print(f"attnpool train: {lost}; restart {restarts} of {max_restarts}, resuming from "
@@ -76,10 +79,13 @@ def _run_under_torchrun(config: TrainConfig) -> int:
     if restart and os.path.isfile(final):  # what ended the last attempt would end this one too
         with open(final) as fh:
             raise TrainingError(f"{fh.read().strip()} (torchrun's restart {restart} would repeat it)")
+    if not restart:
+        refuse_overwriting_a_run(config)
     if not restart and rank == 0 and os.path.isfile(final):
         os.remove(final)  # an earlier run's
     if restart and not config.checkpoint.resume:  # torchrun --max-restarts started this worker again
-        path, _ = select_checkpoint(config.run.out, checksum=False, distributed=False)
+        path, _ = select_checkpoint(config.run.out, checksum=False, distributed=False,
+                                    allow_unverified=config.checkpoint.allow_unverified)
         if path is not None:
             if rank == 0:
                 print(f"attnpool train: torchrun's restart {restart}: resuming from {path}", flush=True)

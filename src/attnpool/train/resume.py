@@ -19,6 +19,7 @@ from attnpool.model import ModelSpec
 from attnpool.train.checkpoint import (check_compatible, checkpoint_config, checkpoint_root, finished_checkpoints,
                                        select_checkpoint)
 from attnpool.train.config import RUN_FIELDS, TrainConfig, load_config, save_config
+from attnpool.train.metrics import METRICS_FILE
 
 
 def config_changes(config: TrainConfig, checkpoint: str) -> list[tuple[str, object, object]]:
@@ -51,11 +52,23 @@ def refuse_earlier_run(config: TrainConfig) -> None:
                                                  "it, or choose another --out")
 
 
+def refuse_overwriting_a_run(config: TrainConfig) -> None:
+    """Refuse a new run (not resumed, not ``overwrite``) into a run directory that holds an earlier run's metrics:
+    they would be replaced. (With checkpoints, setup's refuse_earlier_run says so; a launcher asks this once,
+    before its first attempt: a restart's workers find the metrics of the attempt before.)"""
+    out = config.run.out
+    if config.checkpoint.resume or config.run.overwrite or not os.path.isfile(os.path.join(out, METRICS_FILE)):
+        return
+    raise ConfigError("out", out, "holds an earlier run's metrics.jsonl: pass --overwrite to replace them, or "
+                                  "choose another --out")
+
+
 def resume_candidate(config: TrainConfig, model: ModelSpec) -> str:
     """Before any process group: the checkpoint a resume continues from (sizes and manifests only; every file's
     hash is checked once the ranks can share the work), checked against the model and the settings."""
     out = config.run.out
-    found, skipped = select_checkpoint(out, checksum=False, distributed=False)
+    found, skipped = select_checkpoint(out, checksum=False, distributed=False,
+                                       allow_unverified=config.checkpoint.allow_unverified)
     if found is None:
         refuse_damaged(out, skipped)
         raise ConfigError("resume", out, f"no finished checkpoint in {checkpoint_root(out)}")
@@ -68,7 +81,7 @@ def verified_checkpoint(config: TrainConfig, model: ModelSpec, candidate: str) -
     """The newest checkpoint whose every file matches its manifest's hash (the ranks share the hashing and
     agree); rank 0 says which newer ones it skipped. Refused on every rank alike where none is valid; one
     other than ``candidate`` (which was checked before) is checked against the model and the settings."""
-    path, skipped = select_checkpoint(config.run.out)
+    path, skipped = select_checkpoint(config.run.out, allow_unverified=config.checkpoint.allow_unverified)
     if dist.get_rank() == 0:
         for bad, problem in skipped:
             print(f"skipping {bad}: {problem}", flush=True)

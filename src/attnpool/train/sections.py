@@ -264,6 +264,10 @@ class CheckpointSection(Section):
     resume: bool = _setting("resume", "continue from the latest checkpoint in OUT/checkpoints", default=False)
     stop_at: int | None = _setting("stop_at", "stop (and checkpoint) after this step without changing the schedule",
                                    default=None)
+    allow_unverified: bool = _setting("allow_unverified", "resume from a checkpoint without a manifest (written "
+                                                          "before manifests, or its manifest lost): its files' sizes "
+                                                          "are checked against DCP's metadata, their bytes cannot be",
+                                      default=False)
     allow_config_change: bool = _setting("allow_config_change", "resume although a setting that changes what the run "
                                                                 "computes (model, data, batch, schedule, optimizer, "
                                                                 "precision) differs from the checkpoint's", default=False)
@@ -303,6 +307,8 @@ class FaultsSection(Section):
 class RunSection(Section):
     TITLE = "run"
     out: str = _setting("out", "run directory: metrics.jsonl, checkpoints/, summary.png", default="runs/train")
+    overwrite: bool = _setting("overwrite", "start a new run in an out that holds an earlier run's metrics but no "
+                                            "checkpoint (they are replaced)", default=False)
     nproc: int = _setting("nproc", "processes to start on this machine (gloo on CPU, NCCL on GPUs, one per GPU; under "
                                    "torchrun leave at 1)", default=1)
     device: str = _setting("device", "auto, cpu or cuda", default="auto")

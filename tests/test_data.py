@@ -196,7 +196,7 @@ def test_text_file_source(tmp_path):
     (tmp_path / "b.py").write_text("print('héllo')\n")
     (tmp_path / "sub" / "a.md").write_text("# a\n")
     (tmp_path / "sub" / "empty.txt").write_text("")
-    (tmp_path / "skip.bin").write_bytes(b"\x00\x01")
+    (tmp_path / "skip.bin").write_bytes(b"ok\n")  # (text, but not a suffix the directory search takes)
     (tmp_path / ".hidden" / "c.py").write_text("x")
     src = TextFileSource(tmp_path)
     assert [p.rsplit("/", 1)[-1] for p in src.files] == ["b.py", "a.md"]  # sorted by path, empty skipped
@@ -220,6 +220,15 @@ def test_text_file_source_refuses_missing_and_empty(tmp_path):
         TextFileSource(tmp_path)
     with pytest.raises(ConfigError, match="matched no files"):
         TextFileSource(str(tmp_path / "*.rst"))
+
+
+def test_text_file_source_refuses_binary_files(tmp_path):
+    (tmp_path / "a.txt").write_text("plain text, and some UTF-8: é ü 字\n" * 50)
+    assert len(TextFileSource(tmp_path)) == 1
+    (tmp_path / "b.txt").write_bytes(np.random.default_rng(0).integers(0, 256, 20000, dtype=np.uint8).tobytes())
+    with pytest.raises(ConfigError, match="of its first bytes are not UTF-8 text") as refused:
+        TextFileSource(tmp_path)
+    assert refused.value.value == str(tmp_path / "b.txt")
 
 
 def test_stdlib_corpus_is_many_documents_of_uneven_length():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -425,6 +426,31 @@ def test_bad_input_exits_2_with_one_line(bad_runs, case):
     assert needle in stderr, stderr
     assert "Traceback" not in stderr
     assert len(stderr.strip().splitlines()) == 1, stderr
+
+
+@pytest.mark.parametrize("case", ["malformed jsonl", "malformed jsonl, streamed", "empty text file", "missing file",
+                                  "hub unreachable"])
+def test_unreadable_datasets_are_refused_naming_the_data(data_dir, tmp_path, capfd, monkeypatch, case):
+    """A file datasets cannot read, or none to read, in one ConfigError (one line, exit 2 from the CLI) and nothing
+    else printed: not Arrow's or datasets' tracebacks, not half a minute of retries against an unreachable Hub."""
+    pytest.importorskip("datasets")
+    from attnpool.data.hf_dataset import HFDatasetSource
+
+    (tmp_path / "bad.jsonl").write_text('{"body": "the cat"}\n{"body": oops}\n')
+    (tmp_path / "empty.txt").write_text("")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # (what a machine without a network answers, at once)
+    name, said = {"malformed jsonl": (tmp_path / "bad.jsonl", "datasets cannot read it (ArrowInvalid: JSON parse"),
+                  "malformed jsonl, streamed": (tmp_path / "bad.jsonl", "datasets cannot load it (ArrowInvalid"),
+                  "empty text file": (tmp_path / "empty.txt", "holds no records"),
+                  "missing file": ("corpus.jsonl", "no such file or directory"),
+                  "hub unreachable": ("someone/corpus", "the Hugging Face Hub (huggingface.co) cannot be reached"),
+                  }[case]
+    with pytest.raises(ConfigError, match=re.escape(said)) as refused:
+        HFDatasetSource(str(name), str(data_dir / "tokenizer"), text_field="body", streaming="streamed" in case,
+                        cache_dir=str(tmp_path / "cache"))
+    assert refused.value.field == "data" and refused.value.value == f"hf:{name}"
+    out, err = capfd.readouterr()
+    assert not err.strip() and not out.strip(), err
 
 
 def test_hf_export_checkpoints_needs_an_hf_model():

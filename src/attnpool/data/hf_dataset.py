@@ -15,6 +15,7 @@ and a second run starts at once.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -58,14 +59,15 @@ class HFDatasetSource(DocumentSource):
                                                                 f"vocabulary holds {model_vocab_size}: its ids would "
                                                                 "fall outside the embedding")
         dataset = open_dataset(name, split, subset, bool(streaming), progress)
-        _check_text_field(dataset, name, text_field)
-        key = _cache_key(dataset, name, split, subset, bool(streaming), text_field, documents,
-                         bool(add_special_tokens), self.tokenizer)
-        cache_entry = os.path.join(cache_dir or default_cache_dir(), key)
-        cached = _read_cache(cache_entry)
-        if cached is None:
-            cached = self._tokenize(dataset, documents, bool(add_special_tokens), progress)
-            _write_cache(cache_entry, *cached)
+        with reading_errors(f"hf:{name}"):  # (a stream is read, and may fail, only from here)
+            _check_text_field(dataset, name, text_field)
+            key = _cache_key(dataset, name, split, subset, bool(streaming), text_field, documents,
+                             bool(add_special_tokens), self.tokenizer)
+            cache_entry = os.path.join(cache_dir or default_cache_dir(), key)
+            cached = _read_cache(cache_entry)
+            if cached is None:
+                cached = self._tokenize(dataset, documents, bool(add_special_tokens), progress)
+                _write_cache(cache_entry, *cached)
         self.tokens, self.offsets = cached
         if len(self.offsets) < 2:
             raise ConfigError("data", f"hf:{name}", f"holds no non-empty '{text_field}' texts")
@@ -124,7 +126,7 @@ def open_dataset(name: str, split: str, subset: str | None, streaming: bool, pro
         datasets.disable_progress_bars()
     value = f"hf:{name}"
     path = Path(name)
-    try:
+    with reading_errors(value):
         if path.is_dir() and any((path / f).is_file() for f in ("dataset_info.json", "dataset_dict.json",
                                                                 "state.json")):
             dataset = datasets.load_from_disk(name)  # save_to_disk's memory-mapped Arrow: no need to stream
@@ -139,14 +141,59 @@ def open_dataset(name: str, split: str, subset: str | None, streaming: bool, pro
                 raise ConfigError("data", value, f"a file ending in {path.suffix or '(nothing)'}; datasets reads "
                                                  f"{', '.join(FILE_BUILDERS)} files")
             return datasets.load_dataset(builder, data_files=name, split=split, streaming=streaming)
-        if not path.exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
+        if not path.exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1
+                                  or path.suffix.lower() in FILE_BUILDERS):
             raise ConfigError("data", value, "no such file or directory")
+        if not hub_reachable():
+            raise ConfigError("data", value, "not a local file or directory, and the Hugging Face Hub "
+                                             f"({HUB_HOST}) cannot be reached from here to look for a dataset of "
+                                             "that name")
         return datasets.load_dataset(name, subset, split=split, streaming=streaming)
+
+
+HUB_HOST = "huggingface.co"
+
+
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the Hub's host answers a connection within ``timeout_s`` (HF_HUB_OFFLINE: no); asked before a
+    dataset name goes to ``datasets``, whose requests retry for half a minute where there is no network."""
+    import socket
+
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
+        return False
+    try:
+        socket.create_connection((HUB_HOST, 443), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def reading_errors(value: str):
+    """``datasets``' and Arrow's failures to read a dataset (while loading it, or while a stream is read) as one
+    ConfigError naming the data: a malformed file, an empty one, an unreachable Hub."""
+    import datasets
+
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # (its builders log the error this reports)
+    try:
+        yield
     except ConfigError:
         raise
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError("data", value, f"datasets cannot load it ({message})") from None
+    except datasets.exceptions.DatasetGenerationError as exc:  # (the builder's failure is its cause)
+        cause = exc.__cause__ or exc
+        if type(cause).__name__ == "SchemaInferenceError":
+            raise ConfigError("data", value, "holds no records") from None
+        raise ConfigError("data", value, f"datasets cannot read it ({_first_line(cause)})") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # (Arrow's parse errors are ValueErrors)
+        raise ConfigError("data", value, f"datasets cannot load it ({_first_line(exc)})") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
 
 
 def _check_text_field(dataset, name: str, text_field: str) -> None:

@@ -176,6 +176,7 @@ class TextFileSource(DocumentSource):
         keep = np.flatnonzero(sizes > 0)
         self.files = [ordered[i] for i in keep]
         self._lengths = sizes[keep]
+        _refuse_binary(self.files)
 
     def __len__(self) -> int:
         return len(self.files)
@@ -187,6 +188,29 @@ class TextFileSource(DocumentSource):
     def lengths(self) -> np.ndarray:
         """Byte sizes at construction (a byte is a token)."""
         return self._lengths.copy()
+
+
+# Text files as bytes: a sample of them must be mostly UTF-8 text, or the run would train on binary data.
+TEXT_SAMPLE_FILES, TEXT_SAMPLE_BYTES, MAX_NON_TEXT_SHARE = 64, 65536, 0.1
+
+
+def _refuse_binary(files: list[str]) -> None:
+    """Refuse files of which more than MAX_NON_TEXT_SHARE of the bytes are not text (invalid UTF-8, or control
+    characters other than tab, newline, carriage return and form feed), judged on the start of up to
+    TEXT_SAMPLE_FILES of them spread over the list; names the worst."""
+    picked = sorted({files[i] for i in np.linspace(0, len(files) - 1, min(len(files), TEXT_SAMPLE_FILES)).astype(int)})
+    worst, worst_share = None, 0.0
+    for file in picked:
+        with open(file, "rb") as fh:
+            head = fh.read(TEXT_SAMPLE_BYTES)
+        text = head.decode("utf-8", errors="replace")
+        bad = sum(1 for c in text if c == "\ufffd" or (ord(c) < 32 and c not in "\t\n\r\f"))
+        share = bad / max(1, len(text))
+        if share > worst_share:
+            worst, worst_share = file, share
+    if worst_share > MAX_NON_TEXT_SHARE:
+        raise ConfigError("data_path", worst, f"{worst_share:.0%} of its first bytes are not UTF-8 text: the text "
+                                              "source trains on text files' bytes (npy takes token ids)")
 
 
 def _load_npy(field: str, path: str | Path, mmap: bool) -> np.ndarray:

@@ -257,3 +257,16 @@ def test_needle_probe_reports_whether_the_patterns_keep_the_needle():
         assert cell.needle_kept == expected
     (dense,) = evaluate_retrieval(model, tasks="passkey", contexts=(256,), depths=(0.5,), instances=2)
     assert dense.needle_kept is None
+
+
+def test_eval_refuses_a_context_that_cannot_fit_in_memory():
+    """`attnpool eval --contexts 1G` grew to 22.7 GB before the kernel killed it: refused first, naming the context."""
+    from attnpool.model import model_config
+    from attnpool.train.evaluate import check_eval_fits, forward_peak_bytes
+
+    config = model_config("tiny")
+    check_eval_fits(config, [4096], 65536, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="--contexts=1073741824: a forward of 1073741824 tokens needs about"):
+        check_eval_fits(config, [4096, 1 << 30], 65536, torch.device("cpu"))
+    # A forward holds more the longer it is; bf16 halves the activations
+    assert forward_peak_bytes(config, 1 << 20, 1 << 20, False) > forward_peak_bytes(config, 1 << 20, 1 << 20, True)

@@ -69,9 +69,11 @@ def run(args: argparse.Namespace) -> int:
 
     import torch  # only once the command runs
 
-    from attnpool.train.evaluate import evaluate_retrieval, format_table, sparse_config_of, write_results
+    from attnpool.train.evaluate import (check_eval_fits, evaluate_retrieval, format_table, sparse_config_of,
+                                         write_results)
     from attnpool.train.export import read_checkpoint_model
 
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     model, spec, settings, path, skipped = read_checkpoint_model(run_dir=args.run, checkpoint=args.checkpoint,
                                                                  allow_unverified=args.allow_unverified)
     if "eval" in spec.cannot:
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     data_args = settings.get("data_args", {}) if settings.get("data") == "retrieval" else {}
     tasks = args.tasks or data_args.get("task", "passkey")
     sparse = sparse_config_of(settings, args.attention)
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    check_eval_fits(spec.config, contexts, args.batch_tokens, torch.device(device))
     print(f"attnpool eval: {path} ({settings['model']}, {spec.num_params(model) / 1e6:.1f}M params), "
           f"{'sparse' if sparse else 'dense'} attention, {args.instances} instances per cell on {device}", flush=True)
     shape = {k: data_args[k] for k in ("key_len", "num_keys", "hops") if k in data_args}

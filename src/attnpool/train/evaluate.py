@@ -22,6 +22,35 @@ from attnpool.data.retrieval import RETRIEVAL_VOCAB, TASKS, TaskShape, answer_co
 from attnpool.errors import ConfigError
 
 ATTENTIONS = ("trained", "dense", "sparse")
+# The reference kernel's score block: up to 2^24 float32 elements, and at least one query row over every key.
+REFERENCE_SCORE_ELEMENTS = 1 << 24
+
+
+def forward_peak_bytes(config, tokens: int, context: int, bf16: bool) -> int:
+    """About what one forward without gradients of ``tokens`` tokens (instances of ``context`` tokens) holds: the
+    weights, the token ids (generated, then on the device, with positions), and one layer's largest moment: the
+    residual stream and the norm's output beside q, k, v and attention's output, or beside the MLP's three
+    ffn_dim-wide intermediates; plus the reference kernel's score block of one chunk of query rows."""
+    a = 2 if bf16 else 4
+    q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    per_token = 3 * 8 + a * 2 * config.dim + max(a * (2 * q + 2 * kv) + 4 * config.n_heads, 3 * a * config.ffn_dim)
+    scores = 4 * max(REFERENCE_SCORE_ELEMENTS, config.n_heads * context)
+    return 4 * config.num_params() + per_token * tokens + scores
+
+
+def check_eval_fits(config, contexts, batch_tokens: int, device: torch.device) -> None:
+    """Refuse, naming the context, one whose forward does not fit the device's memory (a GPU's, or this machine's
+    for the CPU), before anything is generated."""
+    if device.type == "cuda":
+        capacity, where = torch.cuda.get_device_properties(device).total_memory, torch.cuda.get_device_name(device)
+    else:
+        capacity, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+    for context in contexts:
+        tokens = max(1, batch_tokens // context) * context
+        need = forward_peak_bytes(config, tokens, context, device.type == "cuda")
+        if need > capacity:
+            raise ConfigError("--contexts", context, f"a forward of {tokens} tokens needs about {need / 2**30:.1f} "
+                                                     f"GiB, more than the {capacity / 2**30:.1f} GiB of {where}")
 
 
 @dataclass(frozen=True)

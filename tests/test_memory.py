@@ -333,6 +333,20 @@ def test_memory_command_bad_input_exits_2(args, field):
     assert out.returncode == 2 and field in out.stderr and "Traceback" not in out.stderr
 
 
+def test_memory_command_predicts_a_cpu_run_for_the_cpu(capsys):
+    """device: cpu (the demo's config): what the run's own check compares, the hand count against each rank's share
+    of this machine's memory, and no offload setting (they move nothing on the CPU)."""
+    from attnpool.cli.main import main
+
+    assert main(["memory", "--config", "configs/demo-cpu.yaml", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["device"] == "this machine's memory for each of its 4 ranks" and data["fits"] is True
+    assert data["calibration"] == Calibration.none().source
+    assert {(s["activation_offload"], s["optimizer_offload"]) for s in data["settings"]} == {(False, False)}
+    assert main(["memory", "--config", "configs/demo-cpu.yaml", "--gpu-memory", "80GB"]) == 2
+    assert "gpu_memory='80GB': the config runs on the CPU" in capsys.readouterr().err
+
+
 def test_memory_command_needs_a_gpu_or_its_size():
     out = _cli("memory", "--model", "tiny")
     assert out.returncode == 2 and "gpu_memory" in out.stderr

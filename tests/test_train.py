@@ -332,7 +332,22 @@ def test_cli_run_writes_metrics_plot_and_summary(cli_run):
     assert (out / "summary.png").stat().st_size > 10_000
     assert (out / "checkpoints" / "step-000003" / ".metadata").is_file()
     assert "local would have had" in stdout and "cad reached" in stdout
-    assert json.loads((out / "summary.json").read_text())["end_step"] == 3
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["end_step"] == 3 and summary["steady_from_step"] == 3
+    assert summary["wall_s"] > summary["steps_time_s"] > 0  # (the wall time counts the start-up too)
+    assert "tokens/s steady (median of steps 3..3)" in stdout and " s of steps; the rest start-up" in stdout
+    assert max(map(len, stdout.splitlines())) > 80  # not wrapped at 80 columns where the output is not a terminal
+
+
+def test_progress_lines_mark_skipped_steps(capsys):
+    from attnpool.train.metrics import Progress
+
+    row = dict(imbalance_before=1.5, imbalance_after=1.0, tokens_per_s=1e3, loss=None, skipped_step=True)
+    with Progress(True, 100, 0, "cad") as progress:  # (no terminal here: a plain line about every 5%)
+        progress.update({**row, "step": 7})  # skipped: always a line
+        progress.update({**row, "step": 8, "loss": 2.0, "skipped_step": False})  # not a 5% step: none
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("step 7/100  loss skipped (not finite)"), lines
 
 
 @pytest.fixture(scope="module")
@@ -367,8 +382,8 @@ def bad_runs(tmp_path_factory, cli_run):
         "sparse cost file": (["--sparse", "vertical-slash", "--sparse-args", f"cost_coefficients={tmp / 'nope.json'}"],
                              "sparse_cost_coefficients="),
     }
-    procs = {name: cli(*args, "--out", str(tmp / "out")) if name not in ("other model shape", "earlier run")
-             else cli(*args) for name, (args, _) in cases.items()}
+    procs = {name: cli(*args, "--out", str(tmp / "out" / name.replace(" ", "-")))
+             if name not in ("other model shape", "earlier run") else cli(*args) for name, (args, _) in cases.items()}
     return {name: (p.wait(timeout=300), p.stderr.read(), cases[name][1]) for name, p in procs.items()}
 
 
@@ -428,3 +443,22 @@ def test_sparse_needs_triton_a_hopper_gpu_and_a_head_dim_it_can_tile_on_cuda(mon
     with pytest.raises(ConfigError, match="sparse_vertical_chunk=256: .* at most 128"):
         train_module.check_sparse(tiny_config(tmp_path, **wide), model_config("tiny", **dict(TINY, dim=512)), rank_gpu,
                                   "cuda")
+
+
+def test_third_party_warnings_a_user_cannot_act_on_are_quiet(monkeypatch):
+    import warnings
+
+    import torch
+
+    from attnpool.train.launch import quiet_warnings
+
+    monkeypatch.setenv("PYTHONWARNINGS", "default")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_warnings()
+        # what torch says where a skipped step left the optimizer's update out and the schedule's in
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0).step()
+        warnings.warn("something else")
+    assert [str(w.message) for w in caught] == ["something else"]
+    assert os.environ["PYTHONWARNINGS"] == "default,ignore:resource_tracker:UserWarning"

@@ -6,6 +6,7 @@ import argparse
 import sys
 import traceback
 
+from attnpool.console import mark_start
 from attnpool.errors import ConfigError, TrainingError
 
 
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    mark_start()
     parser = build_parser()
     args = parser.parse_args(argv)  # unknown flags: argparse prints usage and exits 2
     try:

@@ -1,4 +1,5 @@
-"""``attnpool memory``: will a training configuration fit the GPU, and with which memory setting?
+"""``attnpool memory``: will a training configuration fit the GPU (or, for ``device: cpu``, this machine), and with
+which memory setting?
 
     attnpool memory --config run.yaml
     attnpool memory --model llama3-8b --nproc 4 --tokens-per-rank 256K --data synthetic --gpu-memory 141GB --json
@@ -52,6 +53,16 @@ def _capacity(args, ranks: int):
     return Capacity(torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0), host)
 
 
+def _cpu_capacity(args, ranks: int):
+    from attnpool.train.memory import Capacity, parse_memory_size
+    from attnpool.train.memory_check import host_memory_bytes
+
+    if args.host_memory is not None:
+        return Capacity(parse_memory_size("host_memory", args.host_memory), f"--host-memory {args.host_memory}")
+    return Capacity(host_memory_bytes() // ranks, "this machine's memory" + (f" for each of its {ranks} ranks"
+                                                                             if ranks > 1 else ""))
+
+
 def run(args: argparse.Namespace) -> int:
     from attnpool.cli.train_cmd import config_from_args
     from attnpool.train.memory import Calibration, report
@@ -59,13 +70,19 @@ def run(args: argparse.Namespace) -> int:
     from attnpool.train.setup import NO_RUN_DIRECTORY, prepare
 
     config = config_from_args(args)
-    capacity = _capacity(args, config.run.nproc)
-    # The run resolved for GPUs (the kernels a GPU would run), with nothing of its run directory read.
+    cpu = config.run.device == "cpu"
+    if cpu:  # what the CPU run's own check compares: the hand count against its share of this machine's memory
+        if args.gpu_memory is not None:
+            raise ConfigError("gpu_memory", args.gpu_memory, "the config runs on the CPU (device: cpu); leave it "
+                                                             "out, or give --device cuda to plan for GPUs")
+        capacity, calibration = _cpu_capacity(args, config.run.nproc), Calibration.none()
+    else:
+        capacity, calibration = _capacity(args, config.run.nproc), Calibration.load()
+    # The run resolved for its device (the kernels it would run), with nothing of its run directory read.
     setup = prepare(config.replace(resume=False, memory_check=False, out=NO_RUN_DIRECTORY), config.run.nproc,
-                    device_type="cuda")
-    calibration = Calibration.load()
+                    device_type="cpu" if cpu else "cuda")
     x = run_memory_inputs(setup.spec, setup.source, capacity, calibration)
-    result = report(x, capacity, calibration)
+    result = report(x, capacity, calibration, offloads=not cpu)
     if args.json:
         print(json.dumps(_as_json(config, result, calibration), indent=1))
     else:
@@ -109,20 +126,25 @@ def _as_json(config, result, calibration) -> dict:
 
 
 def _print_tables(config, result, calibration) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from attnpool.console import text_console
     from attnpool.train.memory import format_bytes, format_tokens
 
-    console = Console()
+    console = text_console()
     x, est = result.configured.inputs, result.configured.estimate
+    gpu = result.capacity.host_bytes is not None  # (a CPU run's capacity is the machine's memory alone)
+    unit = "GPU" if gpu else "rank"
+    host = f", {format_bytes(result.capacity.host_bytes)} of host memory per rank" if gpu else ""
     layout = f"pp {x.pp} x dp {x.dp} x tp {x.tp} ranks" if x.pp > 1 else f"dp {x.dp} x tp {x.tp} ranks" \
         if x.tp > 1 else f"{x.dp} ranks"
-    console.print(f"[bold]attnpool memory[/]: {config.model.name} ({x.model.num_params() / 1e9:.2f}B params), {layout}, "
+    params = x.model.num_params()
+    size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
+    console.print(f"[bold]attnpool memory[/]: {config.model.name} ({size} params), {layout}, "
                   f"{format_tokens(x.tokens_per_rank)} tokens per dp rank, {'bf16' if x.bf16 else 'fp32'}, "
                   f"{config.attention.strategy} "
-                  f"attention; {format_bytes(result.capacity.device_bytes)} per GPU ({result.capacity.device_name}), "
-                  f"{format_bytes(result.capacity.host_bytes)} of host memory per rank", highlight=False)
+                  f"attention; {format_bytes(result.capacity.device_bytes)} per {unit} ({result.capacity.device_name})"
+                  f"{host}", highlight=False)
     rows = x.rows
     where = (f"the worst of the first {rows.batches} batches' plans" if rows.batches else
              "one dp rank: core attention runs on its own tokens" if x.dp == 1 else
@@ -132,7 +154,7 @@ def _print_tables(config, result, calibration) -> None:
                   f"held ({where})", highlight=False)
     table = Table(title=f"{x.setting}: peak at the {est.phase}", title_justify="left")
     table.add_column("term")
-    table.add_column("per GPU", justify="right")
+    table.add_column(f"per {unit}", justify="right")
     for term, value in est.breakdown.items():
         if value:
             table.add_row(term, format_bytes(value))
@@ -155,7 +177,9 @@ def _print_tables(config, result, calibration) -> None:
                          "yes" if fits else "no", format_tokens(s.largest_tokens),
                          format_bytes(s.estimate.host_bytes) if s.estimate.host_bytes else "-")
     console.print(settings)
-    console.print("a setting fits where the GPU holds its peak and the host its offloaded state", highlight=False)
+    console.print("a setting fits where the GPU holds its peak and the host its offloaded state" if gpu else
+                  "on the CPU a setting fits where the rank's share of this machine's memory holds its peak; the "
+                  "offloads move nothing there", highlight=False)
     fitting = result.first_fitting()
     if fitting is not None and not result.fits:
         console.print(f"[bold]fits with[/]: {fitting.inputs.setting} ({format_bytes(fitting.estimate.peak_bytes)})")

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_table(batch: dict, results: dict[str, PlanMetrics]) -> None:
-    from rich.console import Console
+    from attnpool.console import text_console
     from rich.table import Table
 
     servers = f"{batch['servers']} servers (TP groups of {batch['tp']}; bytes per GPU)" if batch["tp"] > 1 \
@@ -109,7 +109,7 @@ def print_table(batch: dict, results: dict[str, PlanMetrics]) -> None:
     ]
     for label, fmt in rows:
         table.add_row(label, *(fmt(m) for m in results.values()))
-    Console().print(table)
+    text_console().print(table)
 
 
 def plot_loads(results: dict[str, PlanMetrics], batch: dict, path: str) -> None:

@@ -9,6 +9,7 @@ import sys
 from dataclasses import replace
 
 from attnpool.cli.common import parse_size
+from attnpool.console import text_console
 from attnpool.data.lengths import DISTRIBUTIONS, check_length_list
 from attnpool.errors import ConfigError, read_json_file
 from attnpool.kernels.names import GPU_BACKENDS
@@ -200,12 +201,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_tables(results: list[dict], assumption: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
-    if not console.is_terminal:  # piped: do not squeeze the tables into 80 columns
-        console = Console(width=max(console.width, 132))
+    console = text_console()
     for r in results:
         wi = r.get("wlb_ideal")
         sp = r.get("speedup")

@@ -44,6 +44,7 @@ def run(config: TrainConfig) -> int:
     whichever rank found it).
     """
     use_growable_segments()
+    quiet_warnings()
     if under_torchrun():
         return _run_under_torchrun(config)
     nproc = config.run.nproc
@@ -107,7 +108,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Warnings that tell a user of attnpool nothing they can act on, by message (a regular expression of its start)
+QUIET_WARNINGS = (
+    # a step whose loss was not finite skips the optimizer's update, and on purpose not the schedule's
+    r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`",
+)
+# ... and in the processes multiprocessing starts beside the ranks (PYTHONWARNINGS): its resource tracker's count of
+# the semaphores torch's workers leave for it to clean up at exit
+QUIET_CHILD_WARNINGS = ("ignore:resource_tracker:UserWarning",)
+
+
+def quiet_warnings() -> None:
+    """Silence QUIET_WARNINGS here, and QUIET_CHILD_WARNINGS in the processes started from here."""
+    for message in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+    present = [w for w in os.environ.get("PYTHONWARNINGS", "").split(",") if w]
+    os.environ["PYTHONWARNINGS"] = ",".join(present + [w for w in QUIET_CHILD_WARNINGS if w not in present])
+
+
 def _run_rank(config: TrainConfig, rank: int, world: int, init_method: str | None) -> None:
+    quiet_warnings()
     device = rank_device(config)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -39,6 +39,7 @@ from attnpool.train.checkpoint import checkpoint_path, load_checkpoint, save_che
 from attnpool.train.config import TrainConfig
 from attnpool.train.export import checkpoint_export_dir, export_run_model
 from attnpool.train.memory import MemoryEstimate, format_bytes
+from attnpool.console import START_TIME_ENV
 from attnpool.train.metrics import (PLOT_FILE, SUMMARY_FILE, MetricsLog, Progress, open_logger, peak_memory_bytes,
                                     peak_reserved_bytes, plot_run, print_summary, reset_peak_memory, summarize)
 from attnpool.train.optim import agree_finite, build_optimizer, build_scheduler, clip_gradients
@@ -86,6 +87,8 @@ class Trainer:
     """One run on this rank: its components, built once, and the loop over its steps."""
 
     def __init__(self, config: TrainConfig):
+        # The run's wall time counts from the command's start (start-up, reading the model, compiling included)
+        self.started = float(os.environ.get(START_TIME_ENV, time.time()))
         self.config, self.rank, self.world = config, dist.get_rank(), dist.get_world_size()
         self.device = rank_device(config)
         self.setup = agree(lambda: prepare(config, self.world, self.device))
@@ -154,7 +157,7 @@ class Trainer:
     def fit(self, on_step, preemption: Preemption) -> TrainResult:
         """Every step up to the run's last (or a SIGTERM's), then the end's export and summary."""
         config, last_step = self.config, self.config.last_step
-        end, wall0 = None, time.perf_counter()
+        end = None
         comm_stats.timing = True
         try:
             with Progress(self.rank == 0 and config.run.progress, last_step, self.step,
@@ -185,7 +188,7 @@ class Trainer:
         if self.spec.model.writes_hf_export and config.checkpoint.hf_export and self.step == last_step:
             export_run_model(self.model, self.spec.model, config, self.mesh)
         balance = end.balance if end is not None else None
-        summary = self._report(balance, time.perf_counter() - wall0) if self.rank == 0 else None
+        summary = self._report(balance, time.time() - self.started) if self.rank == 0 else None
         return TrainResult(self.log.rows, self.model, summary, self.setup.memory)
 
     def train_step(self, preemption: Preemption) -> StepEnd:

@@ -38,6 +38,8 @@ import time
 import numpy as np
 import torch
 
+from attnpool.console import text_console
+
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "summary.png"
@@ -273,9 +275,7 @@ class Progress:
         self.bar = None
         if not enabled:
             return
-        from rich.console import Console
-
-        self.console = Console()
+        self.console = text_console()
         self.every = max(1, total // 20)
         if self.console.is_terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
@@ -300,11 +300,13 @@ class Progress:
         if not self.enabled:
             return
         balance = f"local {row['imbalance_before']:.2f} -> {self.strategy} {row['imbalance_after']:.2f}"
+        skipped = row.get("skipped_step")
+        loss = "skipped (not finite)" if skipped else f"{row['loss']:.3f}"
         if self.bar is not None:
-            self.bar.update(self.task, completed=row["step"], loss=f"{row['loss']:.3f}",
-                            rate=_fmt_rate(row["tokens_per_s"]), balance=balance)
-        elif row["step"] % self.every == 0 or row["step"] in (1, self.total):
-            self.console.print(f"step {row['step']}/{self.total}  loss {row['loss']:.3f}  "
+            self.bar.update(self.task, completed=row["step"], loss=loss, rate=_fmt_rate(row["tokens_per_s"]),
+                            balance=balance)
+        elif skipped or row["step"] % self.every == 0 or row["step"] in (1, self.total):
+            self.console.print(f"step {row['step']}/{self.total}  loss {loss}  "
                                f"{_fmt_rate(row['tokens_per_s'])} tok/s  attention max/mean {balance}",
                                highlight=False)
 
@@ -316,11 +318,16 @@ def attention_time(rows: list[dict], statistic) -> float | None:
     return None if any(t is None for t in times) else float(statistic(times))
 
 
+# Steps left out of the steady-state throughput (the first ones compile, warm the allocator and the kernels' caches)
+WARM_UP_STEPS = 2
+
+
 def summarize(rows: list[dict], last_loads: dict | None, info: dict) -> dict:
     """The run's summary: losses, throughput, and the attention balance local would have had vs the plan's."""
     loss = [r["loss"] for r in rows]
     tail = max(1, min(10, len(rows) // 10))
     times = [r["step_time_s"] for r in rows]
+    steady = WARM_UP_STEPS if len(rows) > WARM_UP_STEPS else 0
 
     def mean(key):
         values = [r[key] for r in rows if r[key] is not None]
@@ -334,6 +341,10 @@ def summarize(rows: list[dict], last_loads: dict | None, info: dict) -> dict:
         "last_loss_mean": float(np.mean(loss[-tail:])),
         "last_loss_steps": tail,
         "tokens_per_s": float(np.sum([r["tokens"] for r in rows]) / np.sum(times)),
+        # the median step's rate after the first WARM_UP_STEPS (where the run has more), what a longer run keeps
+        "steady_tokens_per_s": float(np.median([r["tokens"] / r["step_time_s"] for r in rows[steady:]])),
+        "steady_from_step": rows[steady]["step"],
+        "steps_time_s": float(np.sum(times)),
         "imbalance_local_mean": mean("imbalance_before"),
         "imbalance_planned_mean": mean("imbalance_after"),
         "imbalance_local_last": rows[-1]["imbalance_before"],
@@ -352,11 +363,10 @@ def summarize(rows: list[dict], last_loads: dict | None, info: dict) -> dict:
 
 
 def print_summary(summary: dict, files: list[str]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     s = summary
-    console = Console()
+    console = text_console()
     layout = (f"{s['world']} ranks (pp {s['pp']} x dp {s['dp']} x tp {s['tp']}), {s['dp']} dp ranks x"
               if s.get("pp", 1) > 1 else
               f"{s['world']} ranks (dp {s['dp']} x tp {s['tp']}), {s['dp']} dp ranks x" if s.get("tp", 1) > 1
@@ -366,11 +376,14 @@ def print_summary(summary: dict, files: list[str]) -> None:
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold")
     table.add_column()
-    table.add_row("steps", f"{s['start_step'] + 1}..{s['end_step']} of {s['steps']} in {s['wall_s']:.0f} s")
+    table.add_row("steps", f"{s['start_step'] + 1}..{s['end_step']} of {s['steps']} in {s['wall_s']:.0f} s "
+                           f"({s['steps_time_s']:.0f} s of steps; the rest start-up, compile and checkpoints)")
     last = s["end_step"]
     table.add_row("loss", f"{s['first_loss']:.3f} at step 1 -> {s['last_loss_mean']:.3f} mean of steps "
                           f"{last - s['last_loss_steps'] + 1}..{last} (step {last}: {s['last_loss']:.3f})")
-    table.add_row("throughput", f"{_fmt_rate(s['tokens_per_s'])} tokens/s, {s['step_time_s_mean']:.3f} s/step")
+    table.add_row("throughput", f"{_fmt_rate(s['steady_tokens_per_s'])} tokens/s steady (median of steps "
+                                f"{s['steady_from_step']}..{last}); {_fmt_rate(s['tokens_per_s'])} tokens/s over all, "
+                                f"{s['step_time_s_mean']:.3f} s/step")
     table.add_row("attention max/mean", f"local would have had {s['imbalance_local_mean']:.3f} (last step "
                                         f"{s['imbalance_local_last']:.3f}); {s['strategy']} reached "
                                         f"{s['imbalance_planned_mean']:.3f} (last step {s['imbalance_planned_last']:.3f})")

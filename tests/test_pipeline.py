@@ -192,7 +192,9 @@ def test_checkpoint_resumes_with_another_pipeline(tmp_path, first, then, schedul
 
 
 @pytest.mark.parametrize("overrides, field, text", [
-    (dict(pp=3), "pp", "need at least one layer each, and the model has 2"),
+    (dict(pp=3), "pp", "tp x pp = 3 must divide the number of ranks (2)"),  # (before the model's shape is asked)
+    (dict(pp=2, microbatches=2, model_args=dict(TINY, n_layers=1)), "pp",
+     "need at least one layer each, and the model has 1"),
     (dict(pp=2, microbatches=1), "microbatches", "1f1b needs at least pp=2 micro-batches"),
     (dict(pp=2, microbatches=2, pp_schedule="zbv-zero-bubble"), "pp_schedule", "zero-bubble"),
     (dict(pp=2, microbatches=2, attention="wlb"), "attention", "wlb"),

@@ -40,6 +40,7 @@ def _serve(rank: int, world: int, tasks, results) -> None:
     faulthandler.enable(all_threads=True)  # a native abort in a rank prints every thread's Python stack
     while (task := tasks.get()) is not None:
         port, fn, args, outdir = task
+        _forget_earlier_groups()
         os.environ["MASTER_PORT"] = str(port)
         # A short timeout turns a rank left waiting into a test failure instead of a hang.
         with process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60)):
@@ -51,6 +52,19 @@ def _serve(rank: int, world: int, tasks, results) -> None:
                 end_process(1)  # (the group may be broken: this process is not reused)
         results.put((rank, None))
     end_process(0)  # as the training processes do (attnpool.comm.process)
+
+
+def _forget_earlier_groups() -> None:
+    """DTensor's sharding propagation and redistribute planner cache their answers by mesh shape, and an answer holds
+    the mesh it was computed on: an earlier call's, whose process groups are gone ("Could not resolve the process
+    group registered under the name ..."). Cleared before every call (torch's own debug helpers, where it has them)."""
+    from torch.distributed.tensor import _redistribute, debug
+
+    for clear in (getattr(debug, "_clear_sharding_prop_cache", None),
+                  getattr(_redistribute, "clear_redistribute_planner_cache", None),
+                  getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None)):
+        if clear is not None:
+            clear()
 
 
 class _Ranks:

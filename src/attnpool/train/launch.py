@@ -15,7 +15,9 @@ import pickle
 import signal
 import socket
 import tempfile
+import time
 import warnings
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -213,23 +215,85 @@ def _launch(config: TrainConfig) -> str | None:
                                      join=False, start_method="spawn")
         try:
             with ForwardSigterm(context.processes) as forward:
-                # On the first failure join() gives the others a grace period to leave on their own (agreed
-                # errors; their collectives with a lost rank fail), then kills what is left.
-                while not context.join(grace_period=10):
-                    pass
-            return None
-        except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:  # exited with an error, or raised one
-            first = exc
+                failed = _wait_for_workers(context.processes, LEAVE_GRACE_S)
         finally:
             for p in context.processes:
                 if p.is_alive():
-                    p.kill()  # a stopped (SIGSTOP) process never acts on SIGTERM
+                    p.kill()
                     p.join()
+        if failed is None:
+            return None
         errors = _reported_errors(errors_dir)
+        first = WorkerFailure.of(failed, context.processes[failed].exitcode, context.error_files[failed])
     return _lost_rank_or_raise(errors, first, forward.forwarded)
 
 
-def _lost_rank_or_raise(errors: dict[int, tuple], first: Exception, forwarded: bool) -> str:
+# After a worker fails, how long the others have to leave on their own (their collectives with the lost rank fail,
+# and they agree on which rank stopped: comm.watchdog's SURVIVOR_GRACE_S), before they are killed.
+LEAVE_GRACE_S = 10.0
+
+
+def _wait_for_workers(processes, grace_s: float) -> int | None:
+    """Wait for the workers; None when every one exited with 0. Else the index of the first that failed, once the
+    others have left: on their own within ``grace_s``, but a process stopped by a signal (SIGSTOP: it never acts
+    on anything) is not waited for, and what is left then is killed."""
+    import multiprocessing.connection
+
+    failed = None
+    while failed is None:
+        running = [p for p in processes if p.exitcode is None]
+        if not running:
+            return None
+        multiprocessing.connection.wait([p.sentinel for p in running], timeout=1.0)
+        failed = next((i for i, p in enumerate(processes) if p.exitcode not in (None, 0)), None)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(p.is_alive() and not _stopped(p.pid) for p in processes):
+        time.sleep(0.1)
+    for p in processes:
+        if p.is_alive():
+            p.kill()  # (SIGKILL: a stopped process never acts on SIGTERM)
+        p.join()
+    return failed
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped by a signal (Linux: its state in /proc; elsewhere: not known, so no)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """The first worker that failed: its index, the signal that killed it (if one did), and what it raised."""
+
+    error_index: int
+    signal_name: str | None
+    said: str
+
+    @classmethod
+    def of(cls, index: int, exitcode: int, error_file: str) -> "WorkerFailure":
+        name = None
+        if exitcode is not None and exitcode < 0:
+            try:
+                name = signal.Signals(-exitcode).name
+            except ValueError:
+                name = f"signal {-exitcode}"
+        said = f"exit code {exitcode}"
+        try:  # what torch's spawn wrapper wrote where the worker raised: its traceback
+            with open(error_file, "rb") as fh:
+                said = str(pickle.load(fh))
+        except (OSError, EOFError, pickle.UnpicklingError):
+            pass
+        return cls(index, name, said)
+
+    def __str__(self) -> str:
+        return self.said
+
+
+def _lost_rank_or_raise(errors: dict[int, tuple], first: WorkerFailure, forwarded: bool) -> str:
     """What ended a start that failed: bad input first, then a run that cannot go on (both raised); else the
     rank that was lost, in one line."""
     for kind, *said in errors.values():

@@ -1,16 +1,15 @@
 """`attnpool plan`: outputs and exit code 2 on bad input, without a traceback."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from attnpool.cli.main import main
+from command import run_command
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "attnpool.cli.main", *args], capture_output=True, text=True)
+    return run_command(*args)  # (each refuses, or only plans: in this process, tests/command.py)
 
 
 def test_plan_json_all_strategies(capsys):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
-import types
 
 import numpy as np
 import pytest

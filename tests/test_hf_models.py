@@ -27,6 +27,7 @@ from attnpool.model.hf_config import hf_model_problem  # noqa: E402
 from attnpool.plan import plan_attention  # noqa: E402
 from attnpool.runtime import CoreAttention  # noqa: E402
 from attnpool.train import TrainConfig, train  # noqa: E402
+from command import run_command  # noqa: E402
 from dist_harness import run_distributed  # noqa: E402
 from layout_reference import linear_layout  # noqa: E402
 from test_train import SPARSE  # noqa: E402
@@ -414,8 +415,11 @@ def bad_runs(tmp_path_factory, data_dir):
         "no tokenizer": (["--data", f"hf:{data_dir / 'docs.jsonl'}"], "tokenizer=None"),
     }
     common = ["--device", "cpu", "--steps", "1", "--no-progress"]
-    procs = {name: cli(*args, *common, "--out", str(tmp / "out")) for name, (args, _) in cases.items()}
-    return {name: (p.wait(timeout=300), p.stderr.read(), cases[name][1]) for name, p in procs.items()}
+    results = {}
+    for name, (args, needle) in cases.items():  # refused before any worker: in this process (tests/command.py)
+        done = run_command("train", *args, *common, "--out", str(tmp / "out"))
+        results[name] = (done.returncode, done.stderr, needle)
+    return results
 
 
 @pytest.mark.parametrize("case", ["no config.json", "unsupported architecture", "unsupported feature",

@@ -6,9 +6,7 @@ The GPU side of the model (calibration, the check against measured peaks) is ben
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from dataclasses import replace
 
 import numpy as np
@@ -29,6 +27,7 @@ from attnpool.train.memory import (CHECKPOINTING_MODES, Calibration, Capacity, M
                                    format_tokens, largest_tokens, parse_memory_size, report, saved_per_layer,
                                    settings, undominated)
 from attnpool.train.offload import ActivationOffload, piece_sizes
+from command import run_command
 from dist_harness import run_distributed
 from test_train import tiny_config
 
@@ -278,10 +277,9 @@ def test_calibration_loads_and_a_foreign_file_is_refused(tmp_path):
         Calibration.load(str(bad))
 
 
-def _cli(*args, check_rc=None):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", COLUMNS="200")
-    out = subprocess.run([sys.executable, "-m", "attnpool.cli.main", *args], capture_output=True, text=True, env=env,
-                         timeout=300)
+def _cli(*args, check_rc=None) -> subprocess.CompletedProcess:
+    """These commands refuse or only plan: run in this process (tests/command.py)."""
+    out = run_command(*args)
     if check_rc is not None:
         assert out.returncode == check_rc, out.stderr
     return out

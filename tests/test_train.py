@@ -30,6 +30,7 @@ from attnpool.train.optim import lr_factor
 from attnpool.train.planning import plan_batch
 from attnpool.train.runners import build_model, forward_backward
 from attnpool.train.spec import check_sparse, resolve_run_spec
+from command import run_command
 from dist_harness import run_distributed
 
 TINY = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
@@ -382,9 +383,17 @@ def bad_runs(tmp_path_factory, cli_run):
         "sparse cost file": (["--sparse", "vertical-slash", "--sparse-args", f"cost_coefficients={tmp / 'nope.json'}"],
                              "sparse_cost_coefficients="),
     }
-    procs = {name: cli(*args, "--out", str(tmp / "out" / name.replace(" ", "-")))
-             if name not in ("other model shape", "earlier run") else cli(*args) for name, (args, _) in cases.items()}
-    return {name: (p.wait(timeout=300), p.stderr.read(), cases[name][1]) for name, p in procs.items()}
+    # Refused before any worker starts: in this process (tests/command.py); the token ids only in the ranks
+    in_ranks = "token id beyond vocab"
+    proc = cli(*cases[in_ranks][0], "--out", str(tmp / "out" / "token-id"))
+    results = {}
+    for name, (args, needle) in cases.items():
+        if name != in_ranks:
+            out = [] if name in ("other model shape", "earlier run") else ["--out", str(tmp / "out" / name)]
+            done = run_command("train", *args, *out)
+            results[name] = (done.returncode, done.stderr, needle)
+    results[in_ranks] = (proc.wait(timeout=300), proc.stderr.read(), cases[in_ranks][1])
+    return results
 
 
 @pytest.mark.parametrize("case", ["unknown key", "unknown flag", "heads", "token budget", "missing data path",

@@ -317,3 +317,18 @@ def test_torchrun_does_not_restart_a_run_that_would_fail_the_same_way(tmp_path):
     text = open(tmp_path / "log").read()
     assert rc != 0 and "max_nonfinite_steps" in text, text
     assert "torchrun's restart 1 would repeat it" in text and "resuming from" not in text, text
+
+
+def test_a_rank_aborted_by_nccls_watchdog_names_the_silent_one(tmp_path):
+    """On NCCL a survivor does not get to name its silent peer: the watchdog takes it down (SIGABRT) once its collective
+    waits past the timeout. The launcher names the ranks still there, silent, from their records; a rank killed from
+    outside is named as such (its peers then time out)."""
+    from attnpool.comm.watchdog import RankRecords
+    from attnpool.train.launch import WorkerFailure, _lost_rank_or_raise, silent_ranks
+
+    RankRecords(str(tmp_path), 1, 2).step(3)
+    silent = silent_ranks(str(tmp_path), [1])
+    assert silent == f"rank 1 (pid {os.getpid()} on {os.uname().nodename}, in step 3)"
+    said = _lost_rank_or_raise({}, WorkerFailure(0, "SIGABRT", ""), False, silent)
+    assert said.startswith(f"{silent} stopped responding: rank 0 was then ended by NCCL's watchdog"), said
+    assert _lost_rank_or_raise({}, WorkerFailure(1, "SIGKILL", ""), False, "rank 0") == "rank 1 was killed by SIGKILL"

@@ -328,3 +328,7 @@ def test_export_of_a_pipelined_run_matches_one_process_and_loads_in_transformers
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("hf-one")) == ["hf-one"]
     for key, tensor in load_file(str(tmp_path / "hf-one" / "model.safetensors")).items():
         assert torch.equal(tensor, pp[key]), key
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in (tmp_path / "hf-one").iterdir():  # as any file this user writes (safetensors made them 0600)
+        assert file.stat().st_mode & 0o777 == 0o666 & ~umask, file

@@ -89,11 +89,23 @@ class RankRecords:
         if not stopped:
             return (f"step {step}: a collective failed on rank {self.rank} ({what}), and every rank is still "
                     "running; see the other ranks' output")
-        names = []
-        for r, record in stopped:
-            if record is None:
-                names.append(f"rank {r}")
-            else:
-                names.append(f"rank {r} (pid {record['pid']} on {record['host']}, in step {record['step']})")
+        names = [describe_record(r, record) for r, record in stopped]
         return (f"step {step}: {', '.join(names)} stopped responding; rank {self.rank}'s collective failed "
                 f"({what}); a rank that is alive but silent is waited for collective_timeout_s={timeout_s:g} s")
+
+
+def describe_record(rank: int, record: dict | None) -> str:
+    """``rank N (pid P on HOST, in step S)``, or ``rank N`` where it left no record."""
+    if record is None:
+        return f"rank {rank}"
+    return f"rank {rank} (pid {record['pid']} on {record['host']}, in step {record['step']})"
+
+
+def describe_rank(out: str, rank: int) -> str:
+    """A rank named from its record in the run directory ``out`` (for the launcher, which holds no RankRecords)."""
+    try:
+        with open(os.path.join(out, RANKS_DIR, f"rank-{rank}.json")) as fh:
+            record = json.load(fh)
+    except (OSError, ValueError):
+        record = None
+    return describe_record(rank, record)

@@ -110,6 +110,11 @@ def write_directory_aside(directory: str, write) -> None:
     for stale in (partial, replaced):
         shutil.rmtree(stale, ignore_errors=True)
     write(partial)
+    # The files as any other file this user writes (safetensors creates its files 0600): others may read a model
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(partial):
+        os.chmod(os.path.join(partial, name), 0o666 & ~umask)
     if os.path.isdir(directory):
         os.replace(directory, replaced)
     os.replace(partial, directory)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from attnpool.comm import end_process, portable, process_group, under_torchrun
-from attnpool.comm.watchdog import RANKS_DIR
+from attnpool.comm.watchdog import RANKS_DIR, describe_rank
 from attnpool.errors import ConfigError, TrainingError
 from attnpool.train.checkpoint import checkpoint_root, finished_checkpoints, select_checkpoint
 from attnpool.train.config import TrainConfig
@@ -47,6 +47,8 @@ def run(config: TrainConfig) -> int:
     """
     use_growable_segments()
     quiet_warnings()
+    for key, value in NCCL_ENV.items():
+        os.environ.setdefault(key, value)
     if under_torchrun():
         return _run_under_torchrun(config)
     nproc = config.run.nproc
@@ -118,6 +120,12 @@ QUIET_WARNINGS = (
 # ... and in the processes multiprocessing starts beside the ranks (PYTHONWARNINGS): its resource tracker's count of
 # the semaphores torch's workers leave for it to clean up at exit
 QUIET_CHILD_WARNINGS = ("ignore:resource_tracker:UserWarning",)
+
+
+# NCCL's watchdog, when a collective waits past its timeout, sleeps four times TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC
+# (15 s by default) for the ranks' debug dumps before it takes the process down: a silent peer was named a minute
+# late (bench/results/2026-11-28-h100x2-gpu-faults.md). 4 s here; a user's own setting wins.
+NCCL_ENV = {"TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "1000"}
 
 
 def quiet_warnings() -> None:
@@ -215,17 +223,18 @@ def _launch(config: TrainConfig) -> str | None:
                                      join=False, start_method="spawn")
         try:
             with ForwardSigterm(context.processes) as forward:
-                failed = _wait_for_workers(context.processes, LEAVE_GRACE_S)
+                ended = _wait_for_workers(context.processes, LEAVE_GRACE_S)
         finally:
             for p in context.processes:
                 if p.is_alive():
                     p.kill()
                     p.join()
-        if failed is None:
+        if ended is None:
             return None
+        failed, silent = ended
         errors = _reported_errors(errors_dir)
         first = WorkerFailure.of(failed, context.processes[failed].exitcode, context.error_files[failed])
-    return _lost_rank_or_raise(errors, first, forward.forwarded)
+    return _lost_rank_or_raise(errors, first, forward.forwarded, silent_ranks(config.run.out, silent))
 
 
 # After a worker fails, how long the others have to leave on their own (their collectives with the lost rank fail,
@@ -233,10 +242,10 @@ def _launch(config: TrainConfig) -> str | None:
 LEAVE_GRACE_S = 10.0
 
 
-def _wait_for_workers(processes, grace_s: float) -> int | None:
-    """Wait for the workers; None when every one exited with 0. Else the index of the first that failed, once the
-    others have left: on their own within ``grace_s``, but a process stopped by a signal (SIGSTOP: it never acts
-    on anything) is not waited for, and what is left then is killed."""
+def _wait_for_workers(processes, grace_s: float) -> tuple[int, list[int]] | None:
+    """Wait for the workers; None when every one exited with 0. Else the index of the first that failed and those
+    of the silent ones, once the others have left: on their own within ``grace_s``, but a process stopped by a
+    signal (SIGSTOP: it never acts on anything) is not waited for; what is left then is silent, and killed."""
     import multiprocessing.connection
 
     failed = None
@@ -249,11 +258,12 @@ def _wait_for_workers(processes, grace_s: float) -> int | None:
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(p.is_alive() and not _stopped(p.pid) for p in processes):
         time.sleep(0.1)
+    silent = [i for i, p in enumerate(processes) if p.is_alive()]
     for p in processes:
         if p.is_alive():
             p.kill()  # (SIGKILL: a stopped process never acts on SIGTERM)
         p.join()
-    return failed
+    return failed, silent
 
 
 def _stopped(pid: int) -> bool:
@@ -293,9 +303,15 @@ class WorkerFailure:
         return self.said
 
 
-def _lost_rank_or_raise(errors: dict[int, tuple], first: WorkerFailure, forwarded: bool) -> str:
+def silent_ranks(out: str, ranks: list[int]) -> str:
+    """The silent ranks by name, pid, host and step, from their records (attnpool.comm.watchdog)."""
+    return ", ".join(describe_rank(out, r) for r in ranks)
+
+
+def _lost_rank_or_raise(errors: dict[int, tuple], first: WorkerFailure, forwarded: bool, silent: str = "") -> str:
     """What ended a start that failed: bad input first, then a run that cannot go on (both raised); else the
-    rank that was lost, in one line."""
+    rank that was lost, in one line: where the first to fail was aborted (NCCL's watchdog takes a rank down with
+    SIGABRT when its collective waits past the timeout) while others had fallen silent, the silent ones."""
     for kind, *said in errors.values():
         if kind == "config":
             raise ConfigError(*said) from None
@@ -304,7 +320,10 @@ def _lost_rank_or_raise(errors: dict[int, tuple], first: WorkerFailure, forwarde
             raise TrainingError(said[0]) from None
     if forwarded:  # stopped on request: no restart
         raise TrainingError(f"stopped by SIGTERM, and rank {first.error_index} did not leave cleanly ({first})")
-    if getattr(first, "signal_name", None):
+    if first.signal_name == "SIGABRT" and silent:  # (a rank killed from outside leaves its peers to time out)
+        return (f"{silent} stopped responding: rank {first.error_index} was then ended by NCCL's watchdog (SIGABRT), "
+                "its collective having waited collective_timeout_s")
+    if first.signal_name:
         return f"rank {first.error_index} was killed by {first.signal_name}"
     lost = [said[0] for kind, *said in errors.values() if kind == "training"]
     if lost:

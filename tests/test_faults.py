@@ -258,13 +258,9 @@ def test_a_stalled_worker_is_named_instead_of_a_silent_hang(tmp_path):
 
 
 def _cli(*args):
-    import subprocess
-    import sys
+    from command import run_command  # (each is refused before any worker: in this process)
 
-    from attnpool.bench.faults import cpu_env
-
-    return subprocess.run([sys.executable, "-m", "attnpool.cli.main", *args], capture_output=True, text=True,
-                          env=cpu_env(), timeout=120)
+    return run_command(*args)
 
 
 def test_the_command_line_starts_without_torch():

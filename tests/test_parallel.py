@@ -7,9 +7,6 @@ gradients after one step, checkpoints resumed across layouts, bad layouts refuse
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -27,6 +24,7 @@ from attnpool.train.memory import CHECKPOINTING_MODES, MemoryInputs, estimate, s
 from attnpool.train.planning import plan_batch
 from attnpool.train.runners import build_model, build_stages, forward_backward, step_context
 from attnpool.train.spec import resolve_run_spec
+from command import run_command
 from dist_harness import run_distributed
 from test_train import TINY, refused_config, rel_diff, tiny_config
 
@@ -190,12 +188,9 @@ def test_bad_tp_is_refused_on_every_rank():
 
 
 def test_cli_refuses_bad_tp_before_starting_processes(tmp_path):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     for args, text in ((["--nproc", "3", "--tp", "2"], "must divide the number of ranks (3)"),
                        (["--nproc", "4", "--tp", "4"], "n_kv_heads")):
-        out = subprocess.run([sys.executable, "-m", "attnpool.cli.main", "train", "--config", "configs/demo-cpu.yaml",
-                              "--out", str(tmp_path / "run"), *args], capture_output=True, text=True, env=env,
-                             timeout=120)
+        out = run_command("train", "--config", "configs/demo-cpu.yaml", "--out", str(tmp_path / "run"), *args)
         assert out.returncode == 2 and "tp=" in out.stderr and text in out.stderr and "Traceback" not in out.stderr
 
 
@@ -244,9 +239,9 @@ def test_padded_batch_adds_documents_without_labels():
 
 def test_plan_command_reports_bytes_per_gpu():
     def plan(tp):
-        out = subprocess.run([sys.executable, "-m", "attnpool.cli.main", "plan", "--servers", "8", "--tp", str(tp),
-                              "--tokens-per-server", "64K", "--strategy", "cad", "--json"],
-                             capture_output=True, text=True, check=True, timeout=120)
+        out = run_command("plan", "--servers", "8", "--tp", str(tp), "--tokens-per-server", "64K", "--strategy", "cad",
+                          "--json")
+        assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)["strategies"]["cad"]
     one, two = plan(1), plan(2)
     assert two["imbalance_after"] == one["imbalance_after"] and two["num_shards"] == one["num_shards"]

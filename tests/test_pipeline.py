@@ -25,6 +25,7 @@ from attnpool.plan.metrics import home_loads, server_loads
 from attnpool.sim.pipeline import makespan, pipeline_step, pooled_makespan, stage_order
 from attnpool.train import train
 from attnpool.train.memory import MemoryInputs, estimate
+from command import run_command
 from dist_harness import run_distributed
 from test_train import TINY, refused_config, rel_diff, tiny_config
 
@@ -210,9 +211,8 @@ def test_bad_pipelines_are_refused_on_every_rank(overrides, field, text):
 
 
 def test_cli_refuses_a_world_pp_does_not_divide(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "attnpool.cli.main", "train", "--config", "configs/demo-cpu.yaml",
-                          "--nproc", "3", "--pp", "2", "--microbatches", "2", "--out", str(tmp_path / "run")],
-                         capture_output=True, text=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), timeout=120)
+    out = run_command("train", "--config", "configs/demo-cpu.yaml", "--nproc", "3", "--pp", "2", "--microbatches", "2",
+                      "--out", str(tmp_path / "run"))
     assert out.returncode == 2 and "pp=2" in out.stderr and "must divide the number of ranks (3)" in out.stderr
 
 

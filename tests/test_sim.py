@@ -1,8 +1,6 @@
 """Cluster simulator (attnpool.sim) and the profiler's table assembly (attnpool.bench.profile), on CPU."""
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 
 import numpy as np
@@ -20,13 +18,14 @@ from attnpool.plan.layout import linear_table, wlb_pieces
 from attnpool.sim.report import paper_report
 from attnpool.sim.simulate import SimConfig, simulate_config
 from attnpool.sim.steptime import Cluster, StepModel
+from command import run_command
 
 CFG = model_config("llama3-8b")
 SMALL = SimConfig(gpus=32, tp=8, tokens_per_gpu=8192, max_doc_len=65536, batches=3, dist="prolong")
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "attnpool.cli.main", *args], capture_output=True, text=True)
+    return run_command(*args)  # (in this process: tests/command.py)
 
 
 @pytest.fixture(scope="module")

@@ -25,9 +25,9 @@ from attnpool.train.checkpoint import MANIFEST, finished_checkpoints, verify_che
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """An uninterrupted run on 4 processes: 10 steps, the losses every faulty run must reproduce."""
+    """An uninterrupted run on 2 processes: 10 steps, the losses every faulty run must reproduce."""
     out = str(tmp_path_factory.mktemp("faults") / "reference")
-    done = train_cli("--nproc", "4", "--steps", "10", "--checkpoint-every", "2", "--out", out)
+    done = train_cli("--nproc", "2", "--steps", "10", "--checkpoint-every", "2", "--out", out)
     assert done.returncode == 0, done.stderr
     return losses(out)
 
@@ -52,10 +52,10 @@ def test_a_corrupted_checkpoint_is_skipped_and_the_run_continues_exactly(tmp_pat
     """The newest checkpoint overwritten in its middle: resume says so, takes the one before, and the steps
     it then trains are the uninterrupted run's."""
     out = str(tmp_path / "run")
-    first = train_cli("--nproc", "4", "--steps", "10", "--stop-at", "6", "--checkpoint-every", "2", "--out", out)
+    first = train_cli("--nproc", "2", "--steps", "10", "--stop-at", "6", "--checkpoint-every", "2", "--out", out)
     assert first.returncode == 0, first.stderr
     bad = damage(os.path.join(out, "checkpoints", "step-000006"), "overwrite")
-    resumed = train_cli("--nproc", "4", "--steps", "10", "--checkpoint-every", "2", "--resume", "--out", out)
+    resumed = train_cli("--nproc", "2", "--steps", "10", "--checkpoint-every", "2", "--resume", "--out", out)
     assert resumed.returncode == 0, resumed.stderr
     assert f"skipping {os.path.dirname(bad)}: {bad} does not match its SHA-256" in resumed.stdout
     assert "resumed from" in resumed.stdout and "step-000004" in resumed.stdout
@@ -182,7 +182,7 @@ def test_resume_that_changes_the_run_asks_for_allow_config_change(tmp_path):
 def test_sigterm_checkpoints_the_step_and_resume_continues_exactly(tmp_path, reference):
     out = str(tmp_path / "run")
     with open(tmp_path / "log", "w") as log:
-        proc = start_train("--nproc", "4", "--steps", "10", "--checkpoint-every", "2", "--out", out, log=log)
+        proc = start_train("--nproc", "2", "--steps", "10", "--checkpoint-every", "2", "--out", out, log=log)
         wait_for_step(out, 3, proc)
         pids = workers(proc.pid)
         proc.send_signal(signal.SIGTERM)
@@ -191,7 +191,7 @@ def test_sigterm_checkpoints_the_step_and_resume_continues_exactly(tmp_path, ref
     stopped = max(losses(out))
     assert stopped < 10 and finished_checkpoints(out)[-1][0] == stopped
     assert "SIGTERM" in open(tmp_path / "log").read()
-    assert train_cli("--nproc", "4", "--steps", "10", "--checkpoint-every", "2", "--resume", "--out", out).returncode == 0
+    assert train_cli("--nproc", "2", "--steps", "10", "--checkpoint-every", "2", "--resume", "--out", out).returncode == 0
     assert losses(out) == reference
 
 
@@ -201,7 +201,7 @@ def test_killed_workers_restart_from_the_last_checkpoint_and_lose_nothing(tmp_pa
     out = str(tmp_path / "run")
     rng = random.Random(0)
     with open(tmp_path / "log", "w") as log:
-        proc = start_train("--nproc", "4", "--steps", "10", "--checkpoint-every", "2", "--max-restarts", "3", "--out", out,
+        proc = start_train("--nproc", "2", "--steps", "10", "--checkpoint-every", "2", "--max-restarts", "3", "--out", out,
                       log=log)
         for at in (rng.randint(2, 4), rng.randint(6, 8)):
             wait_for_step(out, at, proc)
@@ -215,16 +215,24 @@ def test_killed_workers_restart_from_the_last_checkpoint_and_lose_nothing(tmp_pa
     assert losses(out) == reference
 
 
+def torchrun_config(tmp_path) -> tuple[str, str]:
+    """The demo's config with nproc 1, as a run under torchrun takes it (its processes are torchrun's; a --nproc
+    flag after the script would be torchrun's own --nproc-per-node to its parser)."""
+    config = tmp_path / "torchrun.yaml"
+    config.write_text(open("configs/demo-cpu.yaml").read().replace("nproc: 4", "nproc: 1"))
+    return "--config", str(config)
+
+
 def test_torchrun_restarts_resume_by_themselves(tmp_path, reference):
     """Under torchrun --max-restarts, a killed worker: torchrun starts the workers again, and they resume
     from the latest checkpoint without being told."""
     out = str(tmp_path / "run")
     with open(tmp_path / "log", "w") as log:
-        proc = start_train("--steps", "10", "--checkpoint-every", "2", "--out", out, log=log,
-                           torchrun=("--standalone", "--nproc_per_node", "4", "--max-restarts", "1", "--monitor-interval", "0.5"))
+        proc = start_train(*torchrun_config(tmp_path), "--steps", "10", "--checkpoint-every", "2", "--out", out, log=log,
+                           torchrun=("--standalone", "--nproc_per_node", "2", "--max-restarts", "1", "--monitor-interval", "0.5"))
         wait_for_step(out, 3, proc)
         pids = workers(proc.pid)
-        assert len(pids) == 4
+        assert len(pids) == 2
         os.kill(random.Random(1).choice(pids), signal.SIGKILL)
         assert proc.wait(timeout=300) == 0, open(tmp_path / "log").read()
     assert "torchrun's restart 1: resuming from" in open(tmp_path / "log").read()
@@ -305,9 +313,9 @@ def test_torchrun_does_not_restart_a_run_that_would_fail_the_same_way(tmp_path):
     checkpoint (it would diverge the same way): the restarted workers stop at once, saying why."""
     out = str(tmp_path / "run")
     with open(tmp_path / "log", "w") as log:
-        proc = start_train("--steps", "12", "--lr", "1e6", "--warmup-steps", "0", "--grad-clip", "0",
+        proc = start_train(*torchrun_config(tmp_path), "--steps", "12", "--lr", "1e6", "--warmup-steps", "0", "--grad-clip", "0",
                            "--checkpoint-every", "1", "--out", out, log=log,
-                           torchrun=("--standalone", "--nproc_per_node", "4", "--max-restarts", "2",
+                           torchrun=("--standalone", "--nproc_per_node", "2", "--max-restarts", "2",
                                      "--monitor-interval", "0.5"))
         rc = proc.wait(timeout=300)
     text = open(tmp_path / "log").read()

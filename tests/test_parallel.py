@@ -110,7 +110,8 @@ def _saved_per_token_under_tp(rank, world, mode):
 def test_saved_per_layer_under_tp_is_the_memory_models(mode):
     """Under tp=2 a layer keeps its share of what one process keeps, but for the norms' outputs: sequence
     parallelism gathers them to the whole sequence before the projections, which save them whole."""
-    measured = run_distributed(_saved_per_token_under_tp, 2, mode)[0]
+    # (in processes of its own: a count of saved storages must not meet what earlier calls left cached)
+    measured = run_distributed(_saved_per_token_under_tp, 2, mode, fresh=True)[0]
     x = MemoryInputs(model_config("tiny", **TINY), 256, mode, bf16=False, tp=2)
     predicted = sum(saved_per_layer(x).values()) / 2
     if mode != "none":

@@ -146,7 +146,7 @@ def test_a_checkpoint_without_manifest_resumes_only_when_allowed(stopped_run, tm
 
 def test_nonfinite_losses_skip_the_step_then_end_the_run(tmp_path):
     out = str(tmp_path / "run")
-    done = train_cli("--nproc", "2", "--steps", "12", "--lr", "1e6", "--warmup-steps", "0", "--grad-clip", "0",
+    done = train_cli("--nproc", "2", "--steps", "12", "--lr", "1e9", "--warmup-steps", "0", "--grad-clip", "0",
                   "--checkpoint-every", "1", "--out", out)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert "not finite" in done.stderr and "max_nonfinite_steps" in done.stderr

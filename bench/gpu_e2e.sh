@@ -20,6 +20,16 @@ case "$PHASE" in
   smoke)  # the sparse path once on GPUs, a few seconds of steps
     bench smoke --configs prolong:32K --strategies local+sparse,cad+sparse --warmup 1 --steps 1 --budget-s 60 \
       --sparse-args min_doc_len=4096,slash_cap=192,vertical_cap=1024 ;;
+  baselines)  # issue 43: every baseline beside cad, the network's all-to-all bandwidth measured first
+    python3 -m torch.distributed.run --nproc_per_node "${NPROC:-4}" bench/a2a_probe.py --out "$OUT/probe-nvlink.json"
+    bench baselines --configs prolong:128K --strategies local,wlb,percp,ulysses,cad,cad+pingpong --warmup 2 \
+      --steps 4 --budget-s 480 ;;
+  baselines-emulated)  # the same over NCCL's socket transport on loopback (../shared/recipes/emulated-inter-node.md)
+    export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_NSOCKS_PERTHREAD=4 \
+      NCCL_SOCKET_NTHREADS=4
+    python3 -m torch.distributed.run --nproc_per_node "${NPROC:-4}" bench/a2a_probe.py --out "$OUT/probe-emulated.json"
+    bench baselines-emulated --configs prolong:128K --strategies local,wlb,percp,ulysses,cad,cad+pingpong --warmup 2 \
+      --steps 4 --budget-s 480 ;;
   prolong128)  # issue 6's headline configuration, every strategy, the overlap ablation, one profiled step
     bench prolong128 --configs prolong:128K --warmup 3 --steps 10 --ablation --trace cad+pingpong --budget-s 450 ;;
   prolong256)  # issue 8's end-to-end sparse run, next to dense cad and local

@@ -10,6 +10,11 @@ strategy were measured twice, the later record is used.
 
     python bench/sim_validation.py --out bench/results
     python bench/sim_validation.py --measured bench/results/2026-11-21-h200x4-e2e-short.json
+    python bench/sim_validation.py --measured bench/results/2026-11-28-h200x4-baselines.json --run 0 --name baselines
+
+A file of several runs (``runs``: each a run's ``meta`` and ``records``, as 2026-11-28-h200x4-baselines.json) is
+compared one run at a time (``--run K``); ``--intra-gibps`` sets the GPUs' link to the bandwidth that run measured
+(an emulated network: the simulator does not count FSDP's own traffic, which such a link slows as well).
 
 With ``--predict`` nothing is compared: it predicts the step times of benchmark runs still to be made
 (``attnpool bench --tp T`` on ``--gpus`` GPUs of one node: each GPU holds the configuration's tokens,
@@ -33,7 +38,7 @@ from attnpool.sim.simulate import SimConfig, simulate_config
 from attnpool.sizes import parse_size
 
 MEASURED = "bench/results/2026-11-22-h200x4-e2e.json"  # 3 + 10 steps
-# simulator strategy -> benchmark strategy
+# simulator strategy -> benchmark strategy (and ulysses-u{GPUs}: ulysses over every GPU, as the benchmark runs it)
 PAIRS = {"local": "local", "wlb": "wlb", "cad-serial": "cad", "cad": "cad+pingpong"}
 TARGET = 0.15
 
@@ -100,11 +105,24 @@ def main() -> int:
     parser.add_argument("--configs", default="prolong:256K", help="dist:tokens_per_gpu pairs (--predict)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--run", type=int, default=None, help="which run of a file of several (its runs list)")
+    parser.add_argument("--intra-gibps", type=float, default=None,
+                        help="the GPUs' all-to-all bandwidth, GiB/s per rank (default: the profile's)")
+    parser.add_argument("--name", default="", help="a suffix of the written files' names")
     args = parser.parse_args()
     if args.predict:
         return predict(args)
     data = json.load(open(args.measured))
+    if args.run is not None:
+        data = data["runs"][args.run]
     meta, records = data["meta"], data["records"]
+    costs = None
+    if args.intra_gibps is not None:
+        from attnpool.model.config import model_config
+        from attnpool.sim.costs import Link, load_sim_costs
+
+        costs = load_sim_costs(model_config("llama3-8b", n_layers=4), "llama3-8b",
+                               intra=Link(args.intra_gibps * 2**30, 10e-6, "measured in the run's call"))
     runs = {run["name"]: run for run in data.get("runs", [])}
     world = int(meta["machine"].split(" x ")[0])
     rows = []
@@ -116,10 +134,10 @@ def main() -> int:
             raise SystemExit(f"{dist} {tokens}: runs with different warm-up or step counts {sorted(steps)}")
         batches = bench_batches(dist, tokens, world, *steps.pop())
         config = SimConfig(model="llama3-8b", layers=4, gpus=world, tp=1, gpus_per_node=world, tokens_per_gpu=tokens,
-                           dist=dist, strategies=("local", "wlb", "cad"), batches=len(batches),
+                           dist=dist, strategies=("local", "wlb", "ulysses", "cad"), batches=len(batches),
                            recompute="linear")  # the benchmark's keep_attention checkpointing and chunked loss
-        sim = simulate_config(config, doc_batches=batches)["strategies"]
-        for sim_name, bench_name in PAIRS.items():
+        sim = simulate_config(config, costs, doc_batches=batches)["strategies"]
+        for sim_name, bench_name in {**PAIRS, f"ulysses-u{world}": "ulysses"}.items():
             if bench_name not in measured or sim_name not in sim:
                 continue
             pred = np.asarray(sim[sim_name]["per_batch_step_s"])
@@ -132,7 +150,8 @@ def main() -> int:
     lines = ["# Simulator against measured step times (issue 7 validation)", "",
              f"Date {datetime.date.today()}. Measured: `{args.measured}` ({meta['machine']}, {meta['model']}). "
              "Predicted: `attnpool.sim` with the shipped H200 profile, the same batches (regenerated from the "
-             f"benchmark's seed), {world} GPUs, TP 1, one node, recompute of the linear parts as the benchmark ran. Command: `python bench/sim_validation.py --out {args.out}`.", "",
+             f"benchmark's seed), {world} GPUs, TP 1, one node, recompute of the linear parts as the benchmark ran. Command: `python bench/sim_validation.py "
+             + " ".join(sys.argv[1:]) + "`.", "",
              "Error = predicted / measured - 1 over the total of the measured steps, and the mean absolute per-step error. "
              f"Target: |error| <= {TARGET:.0%}.", "",
              "| dist | tokens/GPU | strategy | measured (s) | predicted (s) | error (total) | per-step mean abs error |",
@@ -141,8 +160,9 @@ def main() -> int:
         lines.append(f"| {r['dist']} | {r['tokens_per_gpu'] // 1024}K | {r['strategy']} | {r['measured_total_s']:.2f} | "
                      f"{r['predicted_total_s']:.2f} | {r['error_total']:+.1%} | {r['error_per_step_mean_abs']:.1%} |")
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{datetime.date.today()}-sim-validation")
-    json.dump({"measured": args.measured, "target": TARGET, "rows": rows}, open(stem + ".json", "w"), indent=1)
+    stem = os.path.join(args.out, f"{datetime.date.today()}-sim-validation" + (f"-{args.name}" if args.name else ""))
+    json.dump({"measured": args.measured, "run": args.run, "intra_gibps": args.intra_gibps, "target": TARGET,
+               "rows": rows}, open(stem + ".json", "w"), indent=1)
     open(stem + ".md", "w").write("\n".join(lines) + "\n")
     print("\n".join(lines[-len(rows) - 2:]))
     return 0

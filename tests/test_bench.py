@@ -21,39 +21,39 @@ def _partial_results_are_written_quietly(tmp_path, records, capsys):
     p = argparse.ArgumentParser()
     add_arguments(p)
     args = p.parse_args(["--out", str(tmp_path / "partial"), "--device", "cpu", "--model", "tiny", "--layers", "1",
-                         "--configs", "prolong:1K", "--strategies", "local,cad"])
+                         "--configs", "prolong:1K", "--strategies", "local,ulysses"])
     args.resolved_attention_backend = "reference"  # (run() resolves it)
     capsys.readouterr()
     finish(records[:2], [], args, 2, model_config("tiny", n_layers=1), complete=False)
     assert capsys.readouterr().out == ""
     written = json.loads((tmp_path / "partial" / "e2e.json").read_text())
-    assert [r["strategy"] for r in written["records"]] == ["local", "cad"] and written["meta"]["complete"] is False
+    assert [r["strategy"] for r in written["records"]] == ["local", "ulysses"] and written["meta"]["complete"] is False
     assert "Partial: written after each strategy" in (tmp_path / "partial" / "e2e.md").read_text()
 
 
 def test_bench_runs_every_strategy_and_writes_results(tmp_path, capsys):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "attnpool.cli.main", "bench",
            "--device", "cpu", "--model", "tiny", "--layers", "1", "--configs", "prolong:1K", "--strategies",
-           "local,cad,cad+pingpong,local+sparse,cad+sparse,cad+sparse+readkv", "--warmup", "1", "--steps", "1", "--ablation",
+           "local,ulysses,cad,cad+pingpong,local+sparse,cad+sparse,cad+sparse+readkv", "--warmup", "1", "--steps", "1", "--ablation",
            "--trace", "cad", "--out", str(tmp_path)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     records = json.loads((tmp_path / "e2e.json").read_text())["records"]
     names = [rec["strategy"] for rec in records]
-    assert names == ["local", "cad", "cad+pingpong", "local+sparse", "cad+sparse", "cad+sparse+readkv",
+    assert names == ["local", "ulysses", "cad", "cad+pingpong", "local+sparse", "cad+sparse", "cad+sparse+readkv",
                      "cad+pingpong (1-element messages)"]
     for rec in records:
         for key in ("strategy", "dist", "tokens_per_gpu", "step_time_s", "tokens_per_s", "speedup_vs_local",
                     "speedup_vs_local_total", "total_time_s", "plan_time_s",
                     "efficiency", "efficiency_with_recompute", "mfu", "imbalance_after", "bytes_sent_per_gpu", "peak_memory_bytes"):
             assert key in rec
-    assert all(rec["loss_ok"] for rec in records[:6])  # same batches, same initial weights
+    assert all(rec["loss_ok"] for rec in records[:7])  # same batches, same initial weights
     assert json.loads((tmp_path / "e2e.json").read_text())["meta"]["complete"]
     assert "Partial" not in (tmp_path / "e2e.md").read_text()
     _partial_results_are_written_quietly(tmp_path, records, capsys)
     for rec in records:  # keep_attention recomputes the linear parts: a longer ideal, never a shorter one
         assert rec["ideal_step_with_recompute_s"] > rec["ideal_step_s"] > 0
-    assert records[0]["attention_density"] is None and 0 < records[4]["attention_density"] <= 1
+    assert records[0]["attention_density"] is None and 0 < records[5]["attention_density"] <= 1
     assert (tmp_path / "trace-prolong-1K-cad.txt").read_text().strip()  # the profiled extra step
     assert (tmp_path / "trace-prolong-1K-cad.json.gz").stat().st_size > 0
     assert "| prolong | 1K | cad |" in (tmp_path / "e2e.md").read_text()

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 from attnpool.errors import ConfigError
-from attnpool.plan import (STRATEGIES, DocPiece, PairsCost, PieceTable, causal_pairs, default_cost_model,
+from attnpool.plan import (STRATEGIES, AttentionShape, DocPiece, PairsCost, PieceTable, causal_pairs, default_cost_model,
                            default_min_shard_tokens, linear_layout, plan_attention, wlb_layout)
 from attnpool.plan.cost import build_h200_default_table
 from attnpool.plan.metrics import PlanMetrics
@@ -47,13 +47,14 @@ def check_plan(plan, min_shard):
        cost=st.sampled_from(["pairs", "table"]))
 def test_plan_properties(lens, W, layout, strategy, min_shard, cost):
     pieces = linear_layout(lens, W) if layout == "linear" else wlb_layout(lens, W)
-    plan = plan_attention(pieces, strategy, cost_model=cost, min_shard_tokens=min_shard)
+    shape = AttentionShape(60, 60, 64, 2)  # heads every W splits (ulysses)
+    plan = plan_attention(pieces, strategy, cost_model=cost, min_shard_tokens=min_shard, shape=shape)
     check_plan(plan, min_shard)
     # Total work is conserved (pair counts are additive over any cut).
     total = sum(causal_pairs(0, L) for L in lens)
     assert int(causal_pairs(plan.task_start, plan.task_end).sum()) == total
     # Deterministic.
-    again = plan_attention(pieces, strategy, cost_model=cost, min_shard_tokens=min_shard)
+    again = plan_attention(pieces, strategy, cost_model=cost, min_shard_tokens=min_shard, shape=shape)
     assert again.fingerprint() == plan.fingerprint()
 
 

@@ -27,14 +27,14 @@ def case_seed(case: str, heads: str) -> int:
     return zlib.crc32(f"{case}/{heads}".encode())  # hash() of a str differs between processes
 
 
-def make_cases(world: int):
+def make_cases(world: int, scale: int = 1):
     """(name, pieces_per_rank) with every required feature: a document over every rank,
-    a rank holding no tokens, odd lengths."""
+    a rank holding no tokens, odd lengths (``scale`` times shorter)."""
     rng = np.random.default_rng(world)
-    lens = rng.integers(1, 2500, size=3 * world).tolist()
-    lens.insert(len(lens) // 2, world * 700 + 13)  # spans every rank
+    lens = rng.integers(1, 2500 // scale, size=3 * world).tolist()
+    lens.insert(len(lens) // 2, world * 700 // scale + 13)  # spans every rank
     cases = [("linear", linear_layout(lens, world))]
-    short = rng.integers(1, 900, size=2 * world).tolist()
+    short = rng.integers(1, 900 // scale, size=2 * world).tolist()
     empty_rank = linear_layout(short, world - 1) + [[]]
     cases.append(("empty-rank", [empty_rank[-1]] + empty_rank[:-1]))  # rank 0 holds nothing
     return cases
@@ -166,13 +166,13 @@ def test_backward_in_groups_of_segments_matches_reference():
 def test_server_step_without_copies_writes_every_row(monkeypatch):
     """serve_forward/serve_backward as DocumentServing cuts the work, against the copies path, on every server
     of the plans above that holds a split document: float64, every buffer allocated empty filled with NaN
-    first (a row left unwritten shows), backward groups of at most 300 keys, and beside the reference a
+    first (a row left unwritten shows), backward groups of at most 75 keys, and beside the reference a
     backend that writes its gradients in place (backward_into, as fa4 does)."""
     import attnpool.runtime.dispatch as dispatch
     from attnpool.runtime.core_attention import serve_backward, serve_forward
     from attnpool.runtime.dispatch import DispatchLayout
 
-    monkeypatch.setattr(dispatch, "BACKWARD_GROUP_KEYS", 300)
+    monkeypatch.setattr(dispatch, "BACKWARD_GROUP_KEYS", 75)
     monkeypatch.setattr(dispatch, "MIN_AVOIDED_KEYS_PER_CALL", 0)
     monkeypatch.setattr(dispatch, "MIN_AVOIDED_FRACTION", 0)
     empty_like = torch.empty_like
@@ -191,8 +191,8 @@ def test_server_step_without_copies_writes_every_row(monkeypatch):
     copies = dataclasses.replace(ref, positions=None)
     servers = split_runs = mixed = 0
     for world in (2, 4):
-        for (_, pieces), strategy in itertools.product(make_cases(world), STRATEGIES):
-            plan = plan_attention(pieces, strategy, cost_model="pairs", min_shard_tokens=32)
+        for (_, pieces), strategy in itertools.product(make_cases(world, scale=4), STRATEGIES):
+            plan = plan_attention(pieces, strategy, cost_model="pairs", min_shard_tokens=8)
             for r in range(world):
                 L = DispatchLayout.build(plan, r, "cpu")
                 if L.documents is None:

@@ -148,14 +148,14 @@ def test_read_kv_transfer_withholds_where_documents_are_split(world_results):
 
 
 def long_document_worker(rank, world):
-    """One 4096-token document over the ranks, small caps: per strategy and transfer, output,
+    """One 2048-token document over the ranks, small caps: per strategy and transfer, output,
     gradients and bytes sent by tag."""
-    config = replace(CONFIG, vertical_cap=12, slash_cap=16, min_doc_len=1024)
-    pieces = linear_layout([4096, 300], world)
+    config = replace(CONFIG, vertical_cap=12, slash_cap=16, min_doc_len=512)
+    pieces = linear_layout([2048, 300], world)
     data = global_inputs(pieces)
     results = {}
     for strategy in ("percp", "cad"):
-        plan = plan_attention(pieces, strategy, cost_model="pairs", min_shard_tokens=256)
+        plan = plan_attention(pieces, strategy, cost_model="pairs", min_shard_tokens=128)
         for transfer in ("prefix", "read"):
             q, k, v, dout = (local_rows(data, pieces[rank], i).requires_grad_(i < 3) for i in range(4))
             comm_stats.reset()

@@ -49,7 +49,7 @@ from attnpool.model import model_config
 from attnpool.sizes import parse_size
 from attnpool.train.config import TrainConfig
 from attnpool.train.metrics import attention_time
-from attnpool.train.launch import use_growable_segments
+from attnpool.train.launch import quiet_warnings, use_growable_segments
 from attnpool.train.loop import train
 from attnpool.train.spec import attention_backend
 from attnpool.train.offload import release_host_cache
@@ -248,13 +248,15 @@ def run(args: argparse.Namespace) -> int:
     # its settings when CUDA starts, and the kernel's resolution below starts it (it asks for the GPU's
     # compute capability); set after that, growable segments were silently off (one H200, torch 2.11).
     use_growable_segments()
+    quiet_warnings()  # as attnpool train's (FA4's compilations and torch's scheduler order)
     # The kernel every run uses, for the record ("auto" takes fa4 where it imports, so one command measures
     # different kernels on different machines), refused here where it cannot run: every rank alike, before
     # any process group.
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     args.resolved_attention_backend = attention_backend(
-        TrainConfig(attention_backend=args.attention_backend, device=args.device, precision="bf16"),
-        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu"))
-    with process_group("nccl" if cuda else "gloo"):
+        TrainConfig(attention_backend=args.attention_backend, device=args.device, precision="bf16"), device)
+    # (the device named: NCCL's barriers otherwise guess it, and warn)
+    with process_group("nccl" if cuda else "gloo", **({"device_id": device} if cuda else {})):
         _run_all(args, configs, strategies, cuda)
     return 0
 

@@ -11,6 +11,7 @@ STRATEGIES = {  # name -> (attention, pingpong, vertical-slash sparse attention:
     "local": ("local", False, None),
     "wlb": ("wlb", False, None),
     "percp": ("percp", False, None),
+    "ulysses": ("ulysses", False, None),
     "cad": ("cad", False, None),
     "cad+pingpong": ("cad", True, None),
     "local+sparse": ("local", False, "prefix"),
@@ -18,7 +19,7 @@ STRATEGIES = {  # name -> (attention, pingpong, vertical-slash sparse attention:
     "cad+pingpong+sparse": ("cad", True, "prefix"),
     "cad+sparse+readkv": ("cad", False, "read"),  # servers receive only the KV their patterns read
 }
-DEFAULT_STRATEGIES = ("local", "wlb", "percp", "cad", "cad+pingpong")
+DEFAULT_STRATEGIES = ("local", "wlb", "percp", "ulysses", "cad", "cad+pingpong")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

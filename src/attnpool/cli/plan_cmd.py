@@ -12,6 +12,7 @@ from attnpool.cli.common import parse_size
 from attnpool.data.lengths import DISTRIBUTIONS, SamplingOptions, sample_batches
 from attnpool.errors import ConfigError
 from attnpool.plan import STRATEGIES, AttentionShape, linear_table, load_cost_model, plan_attention, wlb_table
+from attnpool.plan.ulysses import ulysses_problem
 from attnpool.plan.metrics import PlanMetrics, home_loads, imbalance
 
 
@@ -60,6 +61,11 @@ def run(args: argparse.Namespace) -> int:
         cost_model = cost_model.scaled_to(shape.n_q_heads, shape.head_dim)
     doc_lens = sample_batches(args.dist, args.servers * args.tokens_per_server, 1, args.seed, options)[0]
     strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
+    skipped = {}
+    if args.strategy == "all":  # ulysses only where the servers split the heads (a server per head at most)
+        problem = ulysses_problem(args.servers, shape.n_q_heads, shape.n_kv_heads)
+        if problem:
+            strategies, skipped = tuple(s for s in strategies if s != "ulysses"), {"ulysses": problem}
     linear = linear_table(doc_lens, args.servers, args.tokens_per_server)
     results = {}
     for strategy in strategies:
@@ -75,10 +81,13 @@ def run(args: argparse.Namespace) -> int:
              "num_docs": len(doc_lens), "max_doc_len": max(doc_lens), "cost_model": getattr(cost_model, "name", ""),
              "eps": args.eps}
     if args.json:
-        json.dump({"batch": batch, "strategies": {k: m.summary() for k, m in results.items()}}, sys.stdout, indent=1)
+        json.dump({"batch": batch, "strategies": {k: m.summary() for k, m in results.items()}, "skipped": skipped},
+                  sys.stdout, indent=1)
         print()
     else:
         print_table(batch, results)
+        for name, reason in skipped.items():
+            print(f"{name}: not planned: {reason}")
     if args.plot:
         plot_loads(results, batch, args.plot)
     return 0

@@ -54,7 +54,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-doc-len", type=_list(parse_size, "sizes"), default=None,
                    help="maximum document length(s), e.g. 128K,512K (default 512K)")
     p.add_argument("--strategies", type=_list(str, "strategies"), default=list(STRATEGY_GROUPS),
-                   help="any of local,wlb,percp,cad (default all; WLB-ideal needs wlb and/or percp)")
+                   help="any of local,wlb,percp,ulysses,cad (default all; WLB-ideal needs wlb and/or percp, "
+                        "the best baseline any of wlb, percp, ulysses)")
     p.add_argument("--batches", type=int, default=30, help="batches per configuration (default 30, as in the paper)")
     p.add_argument("--seed", type=int, default=0, help="batch sampling seed (default 0)")
     p.add_argument("--eps", type=float, default=0.02, help="cad's tolerance: max/mean server load <= 1 + eps (default 0.02)")
@@ -211,6 +212,8 @@ def print_tables(results: list[dict], assumption: dict) -> None:
                  f"{r['batches']} batches, ~{r['num_docs_mean']:.0f} docs/batch (longest {r['longest_doc']:,})")
         t = Table(title=title, caption=(f"WLB-ideal = {wi['strategy']} (DP {wi['dp']} x CP {wi['cp']}); " if wi else "")
                   + (f"speedup of cad over WLB-ideal: {sp:.3f}x" if sp else "no speedup (needs cad and wlb/percp)")
+                  + (f"; over the best baseline ({r['best_baseline']['strategy']}): "
+                     f"{r['speedup_vs_best_baseline']:.3f}x" if "speedup_vs_best_baseline" in r else "")
                   + f"; ideal step {r['ideal_step_s']:.2f} s")
         for col in ("strategy", "step (s)", "linear", "attention", "imbalance", "exposed comm", "attn max/mean",
                     "GiB moved/layer", "vs cad"):

@@ -11,17 +11,19 @@ from attnpool.plan.cost import default_min_shard_tokens, load_cost_model
 from attnpool.plan.documents import DocPiece, PieceTable
 from attnpool.plan.local import schedule_local
 from attnpool.plan.percp import schedule_percp
-from attnpool.plan.plan import AttentionShape, Plan, make_plan
+from attnpool.plan.plan import AttentionShape, Plan, Topology, make_plan
+from attnpool.plan.ulysses import schedule_ulysses, ulysses_problem
 
 # A strategy is a scheduler over a given layout. ``wlb`` is a layout (see layout.py)
-# served locally, so as a scheduler it is ``local``.
-SCHEDULERS = {"local": schedule_local, "wlb": schedule_local, "percp": schedule_percp, "cad": schedule_cad}
+# served locally, so as a scheduler it is ``local``. ``ulysses`` splits heads, not tasks (ulysses.py).
+SCHEDULERS = {"local": schedule_local, "wlb": schedule_local, "percp": schedule_percp, "cad": schedule_cad,
+              "ulysses": schedule_ulysses}
 STRATEGIES = tuple(SCHEDULERS)
 
 
 def plan_attention(pieces_per_rank: Sequence[Sequence[DocPiece]] | PieceTable, strategy: str = "cad", *,
                    cost_model=None, min_shard_tokens: int | None = None, eps: float = 0.02,
-                   shape: AttentionShape = AttentionShape()) -> Plan:
+                   shape: AttentionShape = AttentionShape(), topology: Topology | None = None) -> Plan:
     """Plan core attention for pieces already laid out on ranks.
 
     Deterministic: the same arguments give a byte-identical plan (see
@@ -33,6 +35,8 @@ def plan_attention(pieces_per_rank: Sequence[Sequence[DocPiece]] | PieceTable, s
       the cost table (512 for the H200 table).
     - ``eps``: ``cad`` leaves max/mean server load <= 1 + eps (it aims at 1 + eps/2, and
       stops early only where the minimum shard size makes the tolerance unreachable).
+    - ``topology``: which node each rank is on; ``cad`` then prices bytes between nodes higher and
+      prefers moves inside a node (None: every byte alike, as on one node).
     """
     if strategy not in SCHEDULERS:
         raise ConfigError("strategy", strategy, f"unknown; choose one of {', '.join(STRATEGIES)}")
@@ -44,8 +48,19 @@ def plan_attention(pieces_per_rank: Sequence[Sequence[DocPiece]] | PieceTable, s
         min_shard_tokens = default_min_shard_tokens(model)
     if min_shard_tokens < 1:
         raise ConfigError("min_shard_tokens", min_shard_tokens, "must be >= 1")
+    if topology is not None and len(topology.rank_node) != table.num_ranks:
+        raise ConfigError("topology", f"{len(topology.rank_node)} ranks", f"the layout has {table.num_ranks}")
+    if strategy == "ulysses":
+        problem = ulysses_problem(table.num_ranks, shape.n_q_heads, shape.n_kv_heads)
+        if problem:
+            raise ConfigError("strategy", strategy, problem)
     t0 = time.perf_counter()
-    tasks = SCHEDULERS[strategy](table, cost_model=model, min_shard_tokens=min_shard_tokens, eps=eps, shape=shape)
+    tasks = SCHEDULERS[strategy](table, cost_model=model, min_shard_tokens=min_shard_tokens, eps=eps, shape=shape,
+                                 topology=topology)
     seconds = time.perf_counter() - t0
     options = {"eps": eps, "cost_model": getattr(model, "name", type(model).__name__)}
+    if strategy == "ulysses":  # which heads each rank computes (plan.ulysses)
+        options["heads"] = (shape.n_q_heads, shape.n_kv_heads)
+    if topology is not None and topology.num_nodes > 1:
+        options["nodes"] = topology.num_nodes
     return make_plan(strategy, table, *tasks, min_shard_tokens=min_shard_tokens, options=options, plan_seconds=seconds)

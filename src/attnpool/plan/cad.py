@@ -6,7 +6,11 @@ whole task, or a prefix or suffix of one cut so that it carries just the work
 the pair needs (donor excess or receiver deficit, whichever is smaller). Among
 all candidate moves the one with the fewest bytes per unit of work wins: Q out
 and O back for the moved query tokens plus the KV prefix the receiver does not
-already hold (KV of a document it holds or already receives is free). Cuts never
+already hold (KV of a document it holds or already receives is free), each byte
+that crosses between nodes counted ``Topology.inter_node_byte_cost`` times (so a
+server's work goes to an underloaded server of its own node where one can take
+it: the least loaded of the node is a candidate receiver beside the least loaded
+of all). Cuts never
 make a shard below ``min_shard_tokens``; a piece shorter than that moves whole or
 not at all. Where the minimum shard carries more work than the deficits, a move
 overfills its receiver; the greedy keeps the best state it passed through, and
@@ -32,7 +36,7 @@ from attnpool.plan.cost import PairsCost, doc_costs
 from attnpool.plan.documents import PieceTable, causal_pairs
 from attnpool.plan.local import home_tasks
 from attnpool.plan.percp import schedule_percp
-from attnpool.plan.plan import AttentionShape, canonical_tasks
+from attnpool.plan.plan import AttentionShape, Topology, canonical_tasks
 
 
 def _suffix_cut(a, b, pairs):
@@ -80,7 +84,7 @@ WHOLE, SUFFIX, PREFIX = 0, 1, 2
 
 
 def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: float = 0.02,
-                 shape: AttentionShape = AttentionShape(), **_):
+                 shape: AttentionShape = AttentionShape(), topology: Topology | None = None, **_):
     """The greedy from every piece at home; where that misses the tolerance or its busiest server carries
     more than (1 + eps) x percp's, also the greedy from ``percp``'s plan, and of those two and the
     baselines' own plans the one whose busiest server carries the least work.
@@ -95,7 +99,7 @@ def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: floa
     cost, cost1 = doc_costs(cost_model)
     home = home_tasks(table)
     tasks, max_load, balanced = _greedy(table, home, cost, cost1, isinstance(cost_model, PairsCost),
-                                        min_shard_tokens, eps, shape)
+                                        min_shard_tokens, eps, shape, topology)
     if table.num_ranks == 1:
         return tasks
     percp = schedule_percp(table, min_shard_tokens)
@@ -105,7 +109,8 @@ def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: floa
     # ranks in 512-token shards: 3.7% more, found by tests/test_plan.py).
     if balanced and busiest(tasks) <= busiest(percp) * (1.0 + eps):
         return tasks
-    seeded, _, _ = _greedy(table, percp, cost, cost1, isinstance(cost_model, PairsCost), min_shard_tokens, eps, shape)
+    seeded, _, _ = _greedy(table, percp, cost, cost1, isinstance(cost_model, PairsCost), min_shard_tokens, eps, shape,
+                           topology)
     # The least busiest server among the two greedy results and the baselines themselves, costed as the plan
     # holds them (contiguous shards on one server merged, which under the table changes their cost, so a
     # greedy's best state can end above its start: a 1,280-token document over 5 ranks, 0.1%).
@@ -120,7 +125,7 @@ def _busiest_load(tasks, cost, num_ranks: int) -> float:
 
 
 def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_shard_tokens: int, eps: float,
-            shape: AttentionShape):
+            shape: AttentionShape, topology: Topology | None = None):
     """Moves from the busiest server, starting from ``start_tasks`` (doc, a, b, piece, server).
 
     Returns (tasks, busiest server's load, whether max/mean <= 1 + eps) of the state with the
@@ -156,6 +161,7 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
 
     qo_bytes = float(shape.q_bytes + shape.o_bytes)
     kv_bytes = float(shape.kv_bytes)
+    nodes = None if topology is None or topology.num_nodes == 1 else np.asarray(topology.rank_node, dtype=np.int64)
     tol = eps / 2.0
     stuck = np.zeros(W, dtype=bool)
     undo: list[tuple] = []  # per move: (item, server, a, b, cost, item count) before it
@@ -180,10 +186,17 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
             stuck[d] = True
             continue
         r0 = int(np.argmin(loads))
-        # Candidates (item, receiver): the most underloaded server for every item, plus
-        # every underloaded server that already holds KV of the item's document.
+        # Candidates (item, receiver): the most underloaded server for every item, the most
+        # underloaded of the donor's node (across nodes), and every underloaded server that
+        # already holds KV of the item's document.
         cand_item, cand_recv, cand_held = list(range(ids.size)), [r0] * ids.size, [0] * ids.size
         docs = items.doc[ids]
+        if nodes is not None and nodes[r0] != nodes[d]:
+            near = np.flatnonzero((nodes == nodes[d]) & (np.arange(W) != d))
+            if near.size and loads[near].min() < mean:
+                rn = int(near[np.argmin(loads[near])])
+                cand_item += list(range(ids.size)); cand_recv += [rn] * ids.size
+                cand_held += [kv_end.get((rn, int(g)), 0) for g in docs.tolist()]
         for k in np.flatnonzero(tracked[docs]).tolist():
             g = int(docs[k])
             hs = holders[g]
@@ -211,6 +224,9 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
         if fits.any():
             # Fewest bytes per unit of work: Q out + O back + KV the receiver lacks.
             nbytes = qo_bytes * (opt_b - opt_a) + kv_bytes * np.maximum(0, opt_b - np.tile(held, 3))
+            if nodes is not None:  # the item's Q (and, mostly, its KV) comes from its piece's rank
+                crossing = nodes[table.rank[np.tile(items.piece[it], 3)]] != nodes[receiver]
+                nbytes = np.where(crossing, nbytes * topology.inter_node_byte_cost, nbytes)
             best = int(np.argmin(np.where(fits, nbytes / np.where(fits, moved, 1.0), np.inf)))
         else:
             # Nothing fits: the donor's smallest cut is coarser than any remaining deficit

@@ -8,6 +8,7 @@ import numpy as np
 
 from attnpool.plan.cost import doc_costs
 from attnpool.plan.plan import AttentionShape, Plan
+from attnpool.plan.ulysses import ulysses_loads, ulysses_rows, ulysses_traffic
 
 SHARD_HISTOGRAM_EDGES = (1, 128, 256, 512, 1024, 4096, 16384, 65536, 2**62)
 
@@ -33,6 +34,8 @@ def home_loads(table, cost_model) -> np.ndarray:
 
 def server_loads(plan: Plan, cost_model) -> np.ndarray:
     """Per-server work under a plan."""
+    if plan.head_parallel:
+        return ulysses_loads(plan, cost_model)
     cost, _ = doc_costs(cost_model)
     return np.bincount(plan.task_server, weights=cost(plan.task_start, plan.task_end, plan.task_doc),
                        minlength=plan.num_ranks)
@@ -65,15 +68,19 @@ class PlanMetrics:
         W = plan.num_ranks
         t = plan.pieces
         before, after = home_loads(t, cost_model), server_loads(plan, cost_model)
-        remote = plan.task_server != plan.task_home
-        qlen = np.where(remote, plan.task_len, 0)
-        q_out = np.bincount(plan.task_home, weights=qlen, minlength=W).astype(np.int64) * shape.q_bytes
-        o_back = np.bincount(plan.task_server, weights=qlen, minlength=W).astype(np.int64) * shape.o_bytes
-        x = plan.kv_transfers()
-        sent = np.where(x.src != x.server, x.length, 0)
-        kv_out = np.bincount(x.src, weights=sent, minlength=W).astype(np.int64) * shape.kv_bytes
-        unique = np.bincount(x.group_server, weights=x.group_kv_end, minlength=W).astype(np.int64)
-        expanded = np.bincount(plan.task_server, weights=plan.task_end, minlength=W).astype(np.int64)
+        if plan.head_parallel:  # KV tokens: every token's, on the rank's share of the heads
+            q_out, kv_out, o_back = ulysses_traffic(plan, shape)
+            unique = expanded = np.full(W, int(t.tokens_per_rank.sum()), dtype=np.int64)
+        else:
+            remote = plan.task_server != plan.task_home
+            qlen = np.where(remote, plan.task_len, 0)
+            q_out = np.bincount(plan.task_home, weights=qlen, minlength=W).astype(np.int64) * shape.q_bytes
+            o_back = np.bincount(plan.task_server, weights=qlen, minlength=W).astype(np.int64) * shape.o_bytes
+            x = plan.kv_transfers()
+            sent = np.where(x.src != x.server, x.length, 0)
+            kv_out = np.bincount(x.src, weights=sent, minlength=W).astype(np.int64) * shape.kv_bytes
+            unique = np.bincount(x.group_server, weights=x.group_kv_end, minlength=W).astype(np.int64)
+            expanded = np.bincount(plan.task_server, weights=plan.task_end, minlength=W).astype(np.int64)
         return cls(
             strategy=plan.strategy, num_servers=W, cost_unit=getattr(cost_model, "unit", "work"),
             load_before=before.tolist(), load_after=after.tolist(),
@@ -125,6 +132,8 @@ class AttentionRows:
 
     @classmethod
     def of(cls, plan: Plan, copies: bool = True) -> "AttentionRows":
+        if plan.head_parallel:
+            return cls(**ulysses_rows(plan))
         W = plan.num_ranks
         remote = plan.task_server != plan.task_home
         x = plan.kv_transfers()

@@ -37,6 +37,29 @@ class AttentionShape:
         return self.q_bytes
 
 
+# A byte between nodes against one inside a node: NCCL's all-to-all at 260 GiB/s per rank over NVLink (2 x H200,
+# measured) against the 50 GB/s per GPU the DistCA paper assumes between nodes.
+INTER_NODE_BYTE_COST = 260 * 2**30 / 50e9
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Which node each rank of the group is on, and what a byte between nodes costs the planner against one
+    inside a node (the ratio of their bandwidths)."""
+
+    rank_node: tuple[int, ...]
+    inter_node_byte_cost: float = INTER_NODE_BYTE_COST
+
+    @classmethod
+    def of(cls, ranks: int, ranks_per_node: int, inter_node_byte_cost: float = INTER_NODE_BYTE_COST) -> "Topology":
+        """``ranks`` consecutive ranks, ``ranks_per_node`` to a node."""
+        return cls(tuple(r // ranks_per_node for r in range(ranks)), inter_node_byte_cost)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(set(self.rank_node))
+
+
 @dataclass(frozen=True, eq=False)
 class Plan:
     strategy: str
@@ -92,8 +115,16 @@ class Plan:
             self.runtime_cache["kv_transfers"] = kv_transfers(self)
         return self.runtime_cache["kv_transfers"]
 
+    @property
+    def head_parallel(self) -> bool:
+        """Whether every rank computes every document on a share of the heads (``ulysses``, plan.ulysses),
+        rather than each task whole on its server."""
+        return self.strategy == "ulysses"
+
     def is_fully_local(self) -> bool:
         """True when no token crosses the network: no Q, KV or O leaves its rank."""
+        if self.head_parallel:
+            return self.num_ranks == 1
         if np.any(self.task_server != self.task_home):
             return False
         x = self.kv_transfers()

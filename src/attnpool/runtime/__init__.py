@@ -1,6 +1,39 @@
 """Runtime: a plan turned into dispatch layouts and the distributed core-attention call."""
 
-from attnpool.runtime.core_attention import CoreAttention, core_attention, dispatch_layout
-from attnpool.runtime.dispatch import DispatchLayout
+from __future__ import annotations
 
-__all__ = ["CoreAttention", "core_attention", "dispatch_layout", "DispatchLayout"]
+import torch
+
+from attnpool.kernels.base import Backend
+from attnpool.plan.plan import Plan
+from attnpool.runtime.core_attention import CoreAttention, dispatch_layout
+from attnpool.runtime.dispatch import DispatchLayout
+from attnpool.runtime.ulysses import UlyssesAttention
+from attnpool.sparse import SparseConfig
+
+
+def attention_for(plan: Plan, group=None, *, backend: str | Backend | None = None, scale: float | None = None,
+                  sparse: SparseConfig | None = None, **options):
+    """The core attention that serves ``plan``: :class:`UlyssesAttention` for a head-parallel plan (dense only),
+    else :class:`CoreAttention` (``options``: its other keywords)."""
+    if plan.head_parallel:
+        if sparse is not None and sparse.enabled:
+            raise ValueError("ulysses serves dense attention (attnpool train refuses sparse with it)")
+        return UlyssesAttention(plan, group, backend=backend, scale=scale)
+    return CoreAttention(plan, group, backend=backend, scale=scale, sparse=sparse, **options)
+
+
+def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, group=None, *,
+                   backend: str | Backend | None = None, scale: float | None = None,
+                   sparse: SparseConfig | None = None, layer: int | None = None) -> torch.Tensor:
+    """Causal attention of every token over its own document's earlier tokens, wherever they live.
+
+    q (T_r, H_q, D), k and v (T_r, H_kv, D) hold this rank's tokens in the order of its
+    pieces in ``plan``; returns (T_r, H_q, D). Differentiable in q, k and v. Any strategy's plan.
+    ``sparse`` and ``layer``: vertical-slash sparse attention, as :class:`CoreAttention` takes them.
+    """
+    return attention_for(plan, group, backend=backend, scale=scale, sparse=sparse)(q, k, v, layer=layer)
+
+
+__all__ = ["CoreAttention", "UlyssesAttention", "attention_for", "core_attention", "dispatch_layout",
+           "DispatchLayout"]

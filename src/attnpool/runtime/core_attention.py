@@ -389,7 +389,7 @@ class _InFlight:
     dout_srv_rows: _ServerRows | None = None
 
 
-def _local_problem(q, k, v, plan: Plan, rank: int, world: int, group) -> str | None:
+def call_problem(q, k, v, plan: Plan, rank: int, world: int, group) -> str | None:
     """What is wrong with this rank's call, or None. Checked on every rank before any collective."""
     if plan.num_ranks != world:
         return f"plan.num_ranks={plan.num_ranks}: the plan was made for {plan.num_ranks} ranks but the group has {world}"
@@ -419,19 +419,14 @@ def default_backend(q: torch.Tensor) -> Backend:
     return get_backend("auto", q.device, q.dtype)
 
 
-def dispatch_layout(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
-                    read_kv: SparseConfig | None = None, sparse: SparseConfig | None = None) -> DispatchLayout:
-    """This rank's layout for ``plan``: checked and agreed on once, then cached on the plan.
-
-    ``read_kv``: the SparseConfig of a sparse layer with kv_transfer="read", whose layout withholds
-    KV that runtime.sparse_kv sends later. ``sparse``: the caller's sparse options, agreed on with
-    the plan (they size the sparse exchanges, and with kv_transfer="read" the dispatch)."""
+def agree_on_call(plan: Plan, q: torch.Tensor, problem: str | None, group=None,
+                  sparse: SparseConfig | None = None) -> None:
+    """On a plan's first use, every rank says what is wrong with its call (``problem``, or None) and compares
+    the plan's fingerprint (and the sparse options) before the first collective that depends on them, so that
+    a mismatch is a ConfigError on every rank, not a hang. A fully local plan launches none, so needs none."""
     rank, world = group_rank_size(group)
-    problem = _local_problem(q, k, v, plan, rank, world, group)
     agreed = ("agreed", rank, id(group))
     if agreed not in plan.runtime_cache:
-        # First use of this plan: every rank checks and compares fingerprints before the first
-        # collective that depends on the plan. A fully local plan launches none, so needs none.
         if not (plan.num_ranks == world and plan.is_fully_local()) or problem:
             device = q.device if world > 1 and dist.get_backend(group) == "nccl" else torch.device("cpu")
             # Cost coefficients only price the plan, whose fingerprint is compared: their file's path may
@@ -442,6 +437,17 @@ def dispatch_layout(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         plan.runtime_cache[agreed] = True
     if problem:
         raise ConfigError("core_attention", f"rank {rank}", problem)
+
+
+def dispatch_layout(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
+                    read_kv: SparseConfig | None = None, sparse: SparseConfig | None = None) -> DispatchLayout:
+    """This rank's layout for ``plan``: checked and agreed on once, then cached on the plan.
+
+    ``read_kv``: the SparseConfig of a sparse layer with kv_transfer="read", whose layout withholds
+    KV that runtime.sparse_kv sends later. ``sparse``: the caller's sparse options, agreed on with
+    the plan (they size the sparse exchanges, and with kv_transfer="read" the dispatch)."""
+    rank, world = group_rank_size(group)
+    agree_on_call(plan, q, call_problem(q, k, v, plan, rank, world, group), group, sparse)
     key = (rank, str(q.device), id(group), read_kv)
     if key not in plan.runtime_cache:
         withheld = None if read_kv is None else withheld_segments(plan, read_kv)
@@ -530,14 +536,3 @@ class CoreAttention:
         return _Collect.apply(p.out_srv, p.recv, p.layout, p.shapes, p.handle, self.group, p.out_srv_rows,
                               p.dout_srv_rows)
 
-
-def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, group=None, *,
-                   backend: str | Backend | None = None, scale: float | None = None,
-                   sparse: SparseConfig | None = None, layer: int | None = None) -> torch.Tensor:
-    """Causal attention of every token over its own document's earlier tokens, wherever they live.
-
-    q (T_r, H_q, D), k and v (T_r, H_kv, D) hold this rank's tokens in the order of its
-    pieces in ``plan``; returns (T_r, H_q, D). Differentiable in q, k and v.
-    ``sparse`` and ``layer``: vertical-slash sparse attention, as :class:`CoreAttention` takes them.
-    """
-    return CoreAttention(plan, group, backend=backend, scale=scale, sparse=sparse)(q, k, v, layer=layer)

@@ -8,12 +8,18 @@ For each batch of ``gpus x tokens_per_gpu`` tokens drawn with the paper's recipe
   context parallelism of degree c inside each (modelled analytically, see
   :meth:`StepModel.percp_step`: ``percp``'s planner is a Python loop over
   documents, too slow to run at every CP degree for every batch).
+- ``ulysses-u{u}``: WLB-LLM packing over ``servers / u`` DP groups and Ulysses (head-parallel
+  attention) of degree u inside each, for every u that splits the heads per server
+  (:meth:`StepModel.ulysses_step`).
 - ``cad``: the linear layout planned by the real ``cad`` scheduler, ping-pong
-  overlap; ``cad-serial`` is the same plan without overlap.
+  overlap; ``cad-serial`` is the same plan without overlap. The planner knows the
+  nodes: a byte between them costs it the intra/inter bandwidth ratio.
 - WLB-ideal: the best of ``wlb`` and every ``percp-cp{c}`` by total step time
   over the batches (one DP x CP for the whole run, as the paper sweeps it).
+- Best baseline: the best of those and every ``ulysses-u{u}``.
 
-``speedup`` = total step time of WLB-ideal / total step time of ``cad``.
+``speedup`` = total step time of WLB-ideal / total step time of ``cad`` (the paper's measure);
+``speedup_vs_best_baseline`` the same against the best baseline.
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ from attnpool.model.config import model_config
 from attnpool.plan.api import plan_attention
 from attnpool.sim.costs import SimCosts, load_sim_costs
 from attnpool.plan.layout import linear_table, wlb_pieces, wlb_table
+from attnpool.plan.plan import Topology
+from attnpool.plan.ulysses import ulysses_problem
 from attnpool.sim.steptime import Cluster, StepModel, StepTime
 
-STRATEGY_GROUPS = ("local", "wlb", "percp", "cad")
+STRATEGY_GROUPS = ("local", "wlb", "percp", "ulysses", "cad")
 # 0.005 stands in for 0: below about 0.001 the cad planner cannot reach its target with
 # shards of at least min_shard tokens and runs to its iteration bound (minutes at 64 servers).
 MIN_EPS = 0.001
@@ -173,10 +181,14 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
         if S % c:
             raise ConfigError("cp", c, f"must divide the number of servers {S}")
     want = set(config.strategies)
+    heads = (model.shape.n_q_heads // cluster.tp, model.shape.n_kv_heads // cluster.tp)
+    ulysses_degrees = [u for u in divisors(S) if u > 1 and ulysses_problem(u, *heads) is None]
     acc: dict[str, _Acc] = {}
     eps_acc: dict[float, _Acc] = {}
     ideal = []
     plan_kw = dict(cost_model=costs.attn_fwd_bwd, min_shard_tokens=costs.min_shard_tokens, shape=model.shape)
+    # cad prices a byte between nodes at the links' bandwidth ratio (plan.cad)
+    topology = Topology.of(S, cluster.servers_per_node, costs.intra.bandwidth / costs.inter.bandwidth)
 
     def add(st: StepTime):
         acc.setdefault(st.strategy, _Acc()).add(st)
@@ -193,12 +205,15 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
         if "percp" in want:
             for c in cps:
                 add(model.percp_step(wlb_pieces(lens, S // c, c * B, config.memory_cap), c))
+        if "ulysses" in want:
+            for u in ulysses_degrees:
+                add(model.ulysses_step(wlb_pieces(lens, S // u, u * B, config.memory_cap), u))
         if "cad" in want:
-            plan = plan_attention(lin, "cad", eps=config.eps, **plan_kw)
+            plan = plan_attention(lin, "cad", eps=config.eps, topology=topology, **plan_kw)
             add(model.plan_step(plan, overlap=True, name="cad"))
             add(model.plan_step(plan, overlap=False, name="cad-serial"))
             for e in eps_sweep or ():
-                p = plan if e == config.eps else plan_attention(lin, "cad", eps=e, **plan_kw)
+                p = plan if e == config.eps else plan_attention(lin, "cad", eps=e, topology=topology, **plan_kw)
                 eps_acc.setdefault(float(e), _Acc()).add(model.plan_step(p, overlap=True, name="cad"))
         if progress:
             progress(bi + 1, len(doc_batches))
@@ -225,6 +240,13 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
         result["wlb_ideal"] = {"strategy": best, "cp": cp, "dp": S // cp, "step_s": strategies[best]["step_s"]}
         per_batch_best = np.min([strategies[k]["per_batch_step_s"] for k in baselines], axis=0)
         result["wlb_ideal_per_batch_best_step_s"] = float(per_batch_best.mean())
+    every_baseline = baselines + [k for k in strategies if k.startswith("ulysses-u")]
+    if every_baseline:
+        best = min(every_baseline, key=lambda k: (sum(strategies[k]["per_batch_step_s"]), k))
+        result["best_baseline"] = {"strategy": best, "step_s": strategies[best]["step_s"]}
+        if "cad" in strategies:
+            result["speedup_vs_best_baseline"] = sum(strategies[best]["per_batch_step_s"]) / sum(
+                strategies["cad"]["per_batch_step_s"])
     if "cad" in strategies and baselines:
         cad = sum(strategies["cad"]["per_batch_step_s"])
         result["speedup"] = sum(strategies[result["wlb_ideal"]["strategy"]]["per_batch_step_s"]) / cad

@@ -54,6 +54,7 @@ import numpy as np
 
 from attnpool.errors import ConfigError
 from attnpool.plan.plan import AttentionShape, Plan
+from attnpool.plan.ulysses import kv_heads_per_rank, ulysses_problem
 from attnpool.sim.costs import SimCosts
 
 
@@ -303,6 +304,44 @@ class StepModel:
         total = gather_b + prefix_b
         return self._simulate(name or f"percp-cp{c}", tokens, attn_f, attn_b, (ag, none), (ag, ag),
                               group_size=c, nano=1, bytes_moved=int(total.sum()), max_bytes=int(total.max()))
+
+    def ulysses_step(self, group_pieces, degree: int, name: str | None = None) -> StepTime:
+        """WLB-LLM packing over DP groups + Ulysses of ``degree`` servers inside each group, analytically.
+
+        ``group_pieces`` as :meth:`percp_step` takes them. Every server of a group computes every document of
+        the group whole on 1/degree of its heads, so a group's attention (its documents' table time) is split
+        evenly; a document split across groups fetches its prefix, charged as inter-node traffic. Per layer,
+        forward: an all-to-all of Q and K/V out (the server's tokens, (degree - 1)/degree of its heads; K/V of
+        the KV heads each peer reads, replicated where degree > KV heads) and one of O back; backward the
+        reverse, as the runtime does (runtime.ulysses)."""
+        doc_len, grp, doc, start, length = group_pieces
+        S, u, sh = self.cluster.servers, int(degree), self.shape
+        if S % u:
+            raise ConfigError("ulysses degree", u, f"must divide the number of servers {S}")
+        problem = ulysses_problem(u, sh.n_q_heads // self.cluster.tp, sh.n_kv_heads // self.cluster.tp)
+        if problem:
+            raise ConfigError("ulysses degree", u, problem)
+        G = S // u
+        group_tokens = np.bincount(grp, weights=length, minlength=G)
+        tokens = np.repeat(group_tokens / u, u)
+        f, b = self.task_attention(start, start + length)
+        attn_f = np.repeat(np.bincount(grp, weights=f, minlength=G) / u, u)
+        attn_b = np.repeat(np.bincount(grp, weights=b, minlength=G) / u, u)
+        kv_row = 2 * kv_heads_per_rank(u, sh.n_kv_heads // self.cluster.tp) * sh.head_dim * sh.dtype_bytes
+        share = (u - 1) / u
+        out_bytes = tokens * share * (sh.q_bytes + kv_row * self.cluster.tp * u)
+        back_bytes = tokens * share * sh.o_bytes
+        prefix = np.repeat(np.bincount(grp, weights=start, minlength=G) / u, u) * sh.kv_bytes
+        first_server = np.arange(G) * u
+        spans = np.repeat(self.cluster.node(first_server) != self.cluster.node(first_server + u - 1), u)
+
+        def exchange(nbytes, extra=0.0):
+            return self._collective(np.where(spans, 0.0, nbytes), np.where(spans, nbytes, 0.0) + extra, u, G)
+
+        out, back = exchange(out_bytes, prefix), exchange(back_bytes)
+        moved = out_bytes + back_bytes + prefix
+        return self._simulate(name or f"ulysses-u{u}", tokens, attn_f, attn_b, (out, back), (back, out),
+                              group_size=u, nano=1, bytes_moved=int(moved.sum()), max_bytes=int(moved.max()))
 
     # --- the event simulation ---
 

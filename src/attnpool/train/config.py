@@ -119,6 +119,15 @@ class TrainConfig:
         if self.parallel.pp > 1 and self.attention.strategy == "wlb":
             raise ConfigError("attention", "wlb", "pipeline stages exchange hidden states of one shape, and wlb gives "
                                                   "ranks different numbers of tokens; use local, percp or cad with pp > 1")
+        if self.attention.strategy == "ulysses":
+            # Ulysses' exchanges are whole-batch all-to-alls around one kernel call: nothing of CAD's task layout
+            # (ping-pong's phases, the sparse serving, the pooled pipeline's idle servers) applies to them.
+            refused = {"pingpong": self.attention.pingpong, "sparse": self.sparse.mode != "none",
+                       "pp_schedule": self.parallel.pp > 1 and self.parallel.pp_schedule == "pooled"}
+            for key, asked in refused.items():
+                if asked:
+                    raise ConfigError(key, self.value(key), "not with ulysses attention, which runs every document "
+                                                            "on a share of the heads; use cad or percp for it")
         if self.parallel.pp > 1 and self.attention.pingpong:
             raise ConfigError("pingpong", True, "ping-pong's nano-batches differ in size, and pipeline stages exchange "
                                                 "hidden states of one shape; the pipeline's micro-batches overlap instead")

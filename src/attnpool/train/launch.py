@@ -116,6 +116,9 @@ def _free_port() -> int:
 QUIET_WARNINGS = (
     # a step whose loss was not finite skips the optimizer's update, and on purpose not the schedule's
     r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`",
+    # the CUTLASS DSL, on every compilation of FlashAttention-4's kernels (fa4): flash_attn.cute passes its
+    # auxiliary tensors as an object the DSL does not convert, and says so (text as vLLM's logs show it)
+    r"Argument aux_data \(position \d+\) cannot be converted to a JitArgument",
 )
 # ... and in the processes multiprocessing starts beside the ranks (PYTHONWARNINGS): its resource tracker's count of
 # the semaphores torch's workers leave for it to clean up at exit

@@ -116,6 +116,9 @@ class MemoryInputs:
     held_candidates: tuple[RowRatios, ...] = ()  # as row_candidates, for held_rows
     loss_kernel: str = "chunked"  # or liger (attnpool.model.fused_loss): the loss's transient memory differs
     layer_modules: str = "attnpool"  # or transformers (the adapter's layers: ModelSpec.layer_modules)
+    # Whether core attention's backward runs over all of a rank's keys in one kernel call (ulysses,
+    # runtime.ulysses), rather than in groups of at most BACKWARD_GROUP_KEYS (runtime.dispatch)
+    backward_in_one_call: bool = False
 
     def __post_init__(self):
         if self.activation_checkpointing not in CHECKPOINTING_MODES:
@@ -297,13 +300,14 @@ def attention_backward_transient(x: MemoryInputs, tokens: int) -> float:
     """Core attention's backward at its peak, inside the kernel's backward: the output and its gradient
     in server order (runtime.core_attention._ServerRows), the kernel's dQ, dK and dV over the expanded
     keys (the unique ones where the backend copies no prefixes: plan.metrics.AttentionRows), and
-    FlashAttention's workspace over one call of at most BACKWARD_GROUP_KEYS keys: a float32 dQ
+    FlashAttention's workspace over one call of at most BACKWARD_GROUP_KEYS keys (all of them under
+    ``backward_in_one_call``): a float32 dQ
     accumulator and, with GQA, dK and dV for every query head."""
     m, r = x.model, x.rows
     a = 2 if x.bf16 else 4
     q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
     query, expanded = tokens * r.query, tokens * r.expanded_kv
-    keys = min(expanded, BACKWARD_GROUP_KEYS)
+    keys = expanded if x.backward_in_one_call else min(expanded, BACKWARD_GROUP_KEYS)
     return 3 * a * q * query + 2 * a * kv * expanded + 4 * q * min(query, keys) + 2 * a * q * keys
 
 

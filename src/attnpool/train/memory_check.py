@@ -35,7 +35,8 @@ def memory_inputs(spec: RunSpec, rows: RowRatios = RowRatios()) -> MemoryInputs:
                         dp=dims.dp, tp=dims.tp, pp=dims.pp, microbatches=c.parallel.microbatches,
                         in_flight=activations_in_flight(c.parallel.pp_schedule, dims.pp, c.parallel.microbatches),
                         rows=rows, rank_layers=sum(stages), stage_layers=max(stages), loss_kernel=spec.loss_kernel,
-                        layer_modules=spec.model.layer_modules)
+                        layer_modules=spec.model.layer_modules,
+                        backward_in_one_call=c.attention.strategy == "ulysses")
 
 
 def sample_row_ratios(spec: RunSpec, source, batches: int = MEMORY_SAMPLE_BATCHES) -> dict:

@@ -50,7 +50,7 @@ def plan_batch(batch: GlobalBatch, spec: RunSpec, sparse_prior: SparsePrior | No
     if sparse_prior is not None:  # the tables number documents in batch order, padding last
         cost_model = sparse_prior.cost_model(table.doc_len, cost_model)
     plan = plan_attention(table, strategy or a.strategy, cost_model=cost_model, min_shard_tokens=a.min_shard,
-                          eps=a.eps, shape=spec.attention_shape)
+                          eps=a.eps, shape=spec.attention_shape, topology=spec.topology)
     local = home_loads(linear, cost_model)  # "before" is always plain packing served at home
     planned = server_loads(plan, cost_model)
     return StepPlan(plan, batch, local.tolist(), planned.tolist(), imbalance(local), imbalance(planned))

@@ -227,11 +227,15 @@ class ParallelSection(Section):
     microbatches: int = _setting("microbatches", "micro-batches of tokens_per_rank per dp rank in each step, gradients "
                                                  "accumulated over them (each planned on its own; one optimizer step)",
                                  default=1)
+    ranks_per_node: int = _setting("ranks_per_node", "ranks (GPUs) of one node, where bytes between nodes cost cad's "
+                                                     "planner more than bytes inside one (0: torchrun's "
+                                                     "LOCAL_WORLD_SIZE, else every rank on one node)", default=0)
 
     def check(self) -> None:
         _at_least("tp", self.tp, 1)
         _at_least("pp", self.pp, 1)
         _at_least("microbatches", self.microbatches, 1)
+        _at_least("ranks_per_node", self.ranks_per_node, 0)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,8 @@ from attnpool.parallel import ParallelDims, tensor_parallel_problem
 from attnpool.parallel.pipeline import pipeline_problem
 from attnpool.parallel.pooled_pipeline import POOLED, pooled_problem
 from attnpool.plan import AttentionShape, load_cost_model
+from attnpool.plan.plan import Topology
+from attnpool.plan.ulysses import ulysses_problem
 from attnpool.sparse import SparseConfig
 from attnpool.sparse.cost import SparsePrior
 from attnpool.train.config import TrainConfig
@@ -54,6 +56,7 @@ class RunSpec:
     prefix_copies: bool  # whether core attention copies key prefixes (Backend.serves_positions: the runtime's test)
     cost_model: object  # the planner's cost of a CA-task on a tp rank's heads
     sparse: SparseConfig | None  # vertical-slash options (their cost coefficients read), None for dense
+    topology: Topology | None = None  # the dp ranks' nodes, where they span several (attention_topology)
 
     # What parallelize reads besides (attnpool.parallel.parallelize.ParallelizeSpec), as the settings give it.
     activation_checkpointing = property(lambda self: self.config.memory.activation_checkpointing)
@@ -113,12 +116,28 @@ def resolve_run_spec(config: TrainConfig, world: int, device: torch.device | Non
         loss_kernel = resolve_loss_kernel(loss_kernel, device_type, dims.tp)
     m = model.config
     shape = AttentionShape(m.n_heads // dims.tp, m.n_kv_heads // dims.tp, m.head_dim, 2 if bf16 else 4)
+    if config.attention.strategy == "ulysses":
+        problem = ulysses_problem(dims.dp, shape.n_q_heads, shape.n_kv_heads)
+        if problem:
+            raise ConfigError("attention", "ulysses", problem)
     cost_model = load_cost_model(config.attention.cost_model, backend=backend_name)
     if dims.tp > 1 and hasattr(cost_model, "scaled_to"):  # a server's cost is its heads' share of a task's
         cost_model = cost_model.scaled_to(shape.n_q_heads, shape.head_dim)
     return RunSpec(config, model, dims, device_type, device, backend_name, backend, loss_kernel, bf16, shape,
                    not serves_positions(backend_name, device, m.head_dim), cost_model,
-                   check_sparse(config, m, device, device_type, here))
+                   check_sparse(config, m, device, device_type, here), attention_topology(config, dims, world))
+
+
+def attention_topology(config: TrainConfig, dims: ParallelDims, world: int) -> Topology | None:
+    """The nodes of a stage's dp ranks (each a tp group, inside one node), ``ranks_per_node`` to a node (0:
+    torchrun's LOCAL_WORLD_SIZE, else all on one), counted on the first stage's ranks (every stage's plans
+    alike); None where they are all on one node."""
+    per_node = config.parallel.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % per_node or per_node % dims.tp:
+        raise ConfigError("ranks_per_node", per_node, f"must divide the {world} ranks, and be a multiple of "
+                                                      f"tp={dims.tp} (a tp group stays inside a node)")
+    topology = Topology(tuple(i * dims.tp // per_node for i in range(dims.dp)))
+    return topology if topology.num_nodes > 1 else None
 
 
 def check_model_shape(config: TrainConfig, m: ModelConfig) -> None:

@@ -1,0 +1,95 @@
+"""Ulysses in the simulator, and nodes in the cad planner (plan.plan.Topology) and in a run's settings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attnpool.errors import ConfigError
+from attnpool.model.config import model_config
+from attnpool.plan import AttentionShape, PairsCost, linear_table, plan_attention
+from attnpool.plan.layout import wlb_pieces
+from attnpool.plan.metrics import imbalance, server_loads
+from attnpool.plan.plan import Topology
+from attnpool.sim.costs import load_sim_costs
+from attnpool.sim.simulate import SimConfig, simulate_config
+from attnpool.sim.steptime import Cluster, StepModel
+
+CFG = model_config("llama3-8b")
+SHAPE = AttentionShape(32, 8, 128, 2)
+
+
+@pytest.fixture(scope="module")
+def costs():
+    return load_sim_costs(CFG, "llama3-8b")
+
+
+def test_ulysses_step_balances_by_heads_and_moves_every_token(costs):
+    """4 servers of one GPU each: the group's attention split evenly whatever the documents, 3/4 of every token's
+    Q, K/V (8 KV heads over 4: two each) and O in each direction; more bytes than cad, none of its imbalance."""
+    B = 65536
+    model = StepModel(CFG, Cluster(gpus=4, tp=1, gpus_per_node=8, tokens_per_gpu=B), costs)
+    lens = [131072, 65536, 32768, 32768]
+    st = model.ulysses_step(wlb_pieces(lens, 1, 4 * B), 4)
+    assert st.attention_max_over_mean == pytest.approx(1.0) and st.max_tokens_per_server == B
+    per_token = 3 / 4 * (SHAPE.q_bytes + SHAPE.kv_bytes + SHAPE.o_bytes)
+    assert st.bytes_moved == pytest.approx(sum(lens) * per_token, rel=1e-9)
+    local = model.plan_step(plan_attention(linear_table(lens, 4, B), "local", cost_model=costs.attn_fwd_bwd))
+    assert st.attention == pytest.approx(local.attention, rel=0.05)  # the same work, spread (whole documents)
+    assert st.step < local.step
+
+
+def test_ulysses_degrees_in_the_grid_split_the_heads():
+    """tp=8 leaves 4 query heads and 1 KV head per server: degrees 2 and 4 (the KV head replicated), not 8."""
+    r = simulate_config(SimConfig(gpus=64, tp=8, tokens_per_gpu=8192, max_doc_len=65536, batches=2))
+    assert {k for k in r["strategies"] if k.startswith("ulysses")} == {"ulysses-u2", "ulysses-u4"}
+    assert r["best_baseline"]["strategy"] in {"wlb", "ulysses-u2", "ulysses-u4"} | \
+        {k for k in r["strategies"] if k.startswith("percp")}
+    best = sum(r["strategies"][r["best_baseline"]["strategy"]]["per_batch_step_s"])
+    assert r["speedup_vs_best_baseline"] == pytest.approx(best / sum(r["strategies"]["cad"]["per_batch_step_s"]))
+    with pytest.raises(ConfigError, match="ulysses degree"):
+        StepModel(CFG, Cluster(gpus=64, tp=8), load_sim_costs(CFG, "llama3-8b")).ulysses_step(
+            wlb_pieces([65536], 1, 8 * 65536), 8)
+
+
+def _crossing_bytes(plan, topology) -> float:
+    """Bytes of Q, O and KV that cross between nodes under a plan."""
+    node = np.asarray(topology.rank_node)
+    q = np.where(node[plan.task_home] != node[plan.task_server], plan.task_len, 0).sum()
+    x = plan.kv_transfers()
+    return float(q * (SHAPE.q_bytes + SHAPE.o_bytes)
+                 + np.where(node[x.src] != node[x.server], x.length, 0).sum() * SHAPE.kv_bytes)
+
+
+def test_cad_keeps_work_inside_a_node_where_it_can():
+    """2 nodes x 4 ranks: a long document on each node's first rank, short ones elsewhere. Aware of the nodes, cad
+    balances as well and sends fewer bytes between them."""
+    lens = [48_000] + [1000] * 16 + [40_000] + [1000] * 24
+    table = linear_table(lens, 8, sum(lens) // 8 + 1)
+    topology = Topology.of(8, 4)
+    flat = plan_attention(table, "cad", cost_model="pairs", shape=SHAPE, min_shard_tokens=256)
+    aware = plan_attention(table, "cad", cost_model="pairs", shape=SHAPE, min_shard_tokens=256, topology=topology)
+    for plan in (flat, aware):
+        assert imbalance(server_loads(plan, PairsCost())) <= 1.02
+    assert _crossing_bytes(aware, topology) < 0.7 * _crossing_bytes(flat, topology)  # 40% less (node 0 has more work)
+    assert aware.options["nodes"] == 2
+    with pytest.raises(ConfigError, match="topology"):
+        plan_attention(table, "cad", cost_model="pairs", topology=Topology.of(4, 2))
+
+
+def test_ranks_per_node_gives_the_dp_ranks_nodes(monkeypatch):
+    from attnpool.train import TrainConfig
+    from attnpool.train.spec import resolve_run_spec
+
+    def spec(world, **values):
+        config = TrainConfig(model="tiny", data="stdlib", tokens_per_rank=256, device="cpu", cost_model="pairs",
+                             attention="cad", **values)
+        return resolve_run_spec(config, world)
+
+    assert spec(8).topology is None  # every rank on one node
+    assert spec(8, ranks_per_node=4).topology.rank_node == (0, 0, 0, 0, 1, 1, 1, 1)
+    assert spec(8, ranks_per_node=4, tp=2).topology.rank_node == (0, 0, 1, 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert spec(4).topology.rank_node == (0, 0, 1, 1)
+    with pytest.raises(ConfigError, match="ranks_per_node=3"):
+        spec(8, ranks_per_node=3)

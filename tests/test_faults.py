@@ -21,6 +21,7 @@ from attnpool.bench.faults import (TINY_RUN, damage, losses, metrics_rows, start
                                    wait_gone, workers)
 from attnpool.cli.main import main
 from attnpool.train.checkpoint import MANIFEST, finished_checkpoints, verify_checkpoint
+from command import run_command
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +167,7 @@ def test_resume_that_changes_the_run_asks_for_allow_config_change(tmp_path):
     out = str(tmp_path / "run")
     assert train_cli("--nproc", "2", "--steps", "3", "--out", out).returncode == 0
     config = open(os.path.join(out, "config.yaml")).read()
-    refused = train_cli("--nproc", "2", "--steps", "5", "--resume", "--out", out)
+    refused = run_command("train", *TINY_RUN, "--nproc", "2", "--steps", "5", "--resume", "--out", out)
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert "steps" in refused.stderr and "--allow-config-change" in refused.stderr
     assert open(os.path.join(out, "config.yaml")).read() == config

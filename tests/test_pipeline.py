@@ -305,9 +305,12 @@ def test_export_of_a_pipelined_run_matches_one_process_and_loads_in_transformers
            "--microbatches", "2", "--steps", "3")
     cli("train", *run, "--nproc", "2", "--pp", "2", "--out", str(tmp_path / "pp"))
     cli("train", *run, "--nproc", "1", "--out", str(tmp_path / "one"))
-    for name in ("pp", "one"):
-        said = cli("export", "--run", str(tmp_path / name), "--out", str(tmp_path / f"hf-{name}"), "--dtype", "fp32")
-        assert "step-000003" in said.stdout
+    from attnpool.cli.main import main
+
+    for name in ("pp", "one"):  # (in this process: a checkpoint is read and written by one process)
+        assert main(["export", "--run", str(tmp_path / name), "--out", str(tmp_path / f"hf-{name}"),
+                     "--dtype", "fp32"]) == 0
+        assert "step-000003" in capsys.readouterr().out
     pp, one = (load_file(str(tmp_path / f"hf-{n}" / "model.safetensors")) for n in ("pp", "one"))
     assert set(pp) == set(one)
     for key in one:
@@ -316,8 +319,6 @@ def test_export_of_a_pipelined_run_matches_one_process_and_loads_in_transformers
     assert model(torch.arange(16)[None]).logits.shape == (1, 16, 256)
 
     # An --out with files in it is replaced only with --overwrite; a file is never
-    from attnpool.cli.main import main
-
     (tmp_path / "a-file").write_text("mine")
     for out, said in (("hf-one", "holds files already: pass --overwrite"), ("a-file", "is a file")):
         assert main(["export", "--run", str(tmp_path / "pp"), "--out", str(tmp_path / out)]) == 2

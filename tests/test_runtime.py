@@ -27,7 +27,7 @@ def case_seed(case: str, heads: str) -> int:
     return zlib.crc32(f"{case}/{heads}".encode())  # hash() of a str differs between processes
 
 
-def make_cases(world: int, scale: int = 1):
+def make_cases(world: int, scale: int = 2):
     """(name, pieces_per_rank) with every required feature: a document over every rank,
     a rank holding no tokens, odd lengths (``scale`` times shorter)."""
     rng = np.random.default_rng(world)
@@ -152,11 +152,11 @@ def test_documents_with_several_segments_run_as_one_call_each(world_results):
 
 
 def test_backward_in_groups_of_segments_matches_reference():
-    """With a bound of 700 key rows per backward call, servers run their backward in several calls
+    """With a bound of 350 key rows per backward call, servers run their backward in several calls
     (and segments longer than the bound alone); the gradients are those of one call. And the same
     with prefix copies (a backend without a PositionKernel, as flash), grouped the same way."""
     for copies in (False, True):
-        results = run_distributed(worker, 2, "float32", 700, copies)
+        results = run_distributed(worker, 2, "float32", 350, copies)
         got = [got for rank_results in results for got in rank_results.values()]
         assert max(g["backward_groups"] for g in got) >= 3
         assert (sum(g["document_calls"] for g in got) == 0) == copies

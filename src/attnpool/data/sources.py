@@ -204,8 +204,10 @@ def _refuse_binary(files: list[str]) -> None:
         with open(file, "rb") as fh:
             head = fh.read(TEXT_SAMPLE_BYTES)
         text = head.decode("utf-8", errors="replace")
-        bad = sum(1 for c in text if c == "\ufffd" or (ord(c) < 32 and c not in "\t\n\r\f"))
-        share = bad / max(1, len(text))
+        # control characters are the bytes below 32 (UTF-8 encodes nothing else with them)
+        codes = np.frombuffer(head, dtype=np.uint8)
+        control = int(np.count_nonzero((codes < 32) & ~np.isin(codes, (9, 10, 12, 13))))
+        share = (text.count("\ufffd") + control) / max(1, len(text))
         if share > worst_share:
             worst, worst_share = file, share
     if worst_share > MAX_NON_TEXT_SHARE:

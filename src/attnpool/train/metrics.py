@@ -443,6 +443,7 @@ def plot_run(rows: list[dict], last_loads: dict | None, strategy: str, path: str
         ax_load.set_ylabel("attention load / mean")
         ax_load.set_title(f"attention load per rank, step {rows[-1]['step']} ({last_loads['unit']})", fontsize=10)
         ax_load.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
+    # fixed margins: tight_layout drew the figure once more only to measure it (a third of a tiny run's time)
+    fig.subplots_adjust(left=0.06, right=0.99, bottom=0.13, top=0.92, wspace=0.2)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -174,6 +174,28 @@ def test_evaluate_reads_the_answer_positions():
     assert wrong[0].correct == 0
 
 
+def _retrieval_here(root, *args):
+    """bench/retrieval.py ARGS in this process, reported as a finished process would be."""
+    import contextlib
+    import importlib.util
+    import io
+    import subprocess
+    import sys
+    from unittest import mock
+
+    spec = importlib.util.spec_from_file_location("retrieval_bench", f"{root}/bench/retrieval.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), \
+            mock.patch.object(sys, "argv", ["retrieval.py", *args]):
+        try:
+            code = script.main()
+        except SystemExit as exc:
+            code = exc.code
+    return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
+
+
 def test_retrieval_bench_smoke_then_attnpool_eval(tmp_path, capsys):
     """bench/retrieval.py --device cpu: the tiny model through the curriculum's two stages (the second resumes the
     first; answer-only loss, so a step may hold no target), dense, and one sparse coverage branched from the dense
@@ -204,17 +226,15 @@ def test_retrieval_bench_smoke_then_attnpool_eval(tmp_path, capsys):
     assert [stage["rope_theta"] for stage in doc["curriculum"]] == [None, 500000.0]
     assert "rope_theta=500000.0" in md and md.count("rope_theta=500000.0") == md.count("--resume")
     # Called again with the same --work: nothing is trained or evaluated again, the same results are written.
-    again = subprocess.run([sys.executable, os.path.join(root, "bench", "retrieval.py"), "--out", str(out),
-                            "--work", str(tmp_path / "work"), "--device", "cpu", "--coverages", "0.95",
-                            "--tasks", "copy,passkey,multikey", "--mix-from", "128"],
-                           capture_output=True, text=True, timeout=600)
+    # (In this process: nothing starts a worker.)
+    again = _retrieval_here(root, "--out", str(out), "--work", str(tmp_path / "work"), "--device", "cpu",
+                            "--coverages", "0.95", "--tasks", "copy,passkey,multikey", "--mix-from", "128")
     assert again.returncode == 0 and "evaluated" not in again.stdout and "steps" not in again.stdout
     assert json.loads(result.read_text())["results"] == doc["results"]
     # With other training settings the same --work is refused before anything runs.
-    other = subprocess.run([sys.executable, os.path.join(root, "bench", "retrieval.py"), "--out", str(out),
-                            "--work", str(tmp_path / "work"), "--device", "cpu", "--coverages", "0.95",
-                            "--tasks", "copy,passkey,multikey", "--mix-from", "128", "--lr", "1e-3"],
-                           capture_output=True, text=True, timeout=600)
+    other = _retrieval_here(root, "--out", str(out), "--work", str(tmp_path / "work"), "--device", "cpu",
+                            "--coverages", "0.95", "--tasks", "copy,passkey,multikey", "--mix-from", "128",
+                            "--lr", "1e-3")
     assert other.returncode == 2 and "other settings (lr)" in other.stderr
     sparse_rows = [json.loads(line) for line in (tmp_path / "work" / "sparse-0.95" / "metrics.jsonl").read_text().splitlines()]
     dense_rows = [json.loads(line) for line in (tmp_path / "work" / "dense" / "metrics.jsonl").read_text().splitlines()]

@@ -127,7 +127,7 @@ def _train_local_and_ulysses(rank, world, out):
     for layout in (dict(), dict(tp=2), dict(pp=2, microbatches=2)):
         for strategy in ("local", "ulysses"):
             name = " ".join([strategy] + [f"{k}={v}" for k, v in layout.items()])
-            result = train(tiny_config(f"{out}/{name.replace(' ', '-')}", steps=4, attention=strategy, **layout))
+            result = train(tiny_config(f"{out}/{name.replace(' ', '-')}", steps=3, attention=strategy, **layout))
             results[name] = (result.rows, full_weights(result.model) if "pp" not in layout else None)
     return results
 

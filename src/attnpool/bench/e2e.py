@@ -48,6 +48,7 @@ from attnpool.kernels.sparse import device_problem as sparse_device_problem
 from attnpool.model import model_config
 from attnpool.sizes import parse_size
 from attnpool.train.config import TrainConfig
+from attnpool.train.flops import linear_weights
 from attnpool.train.metrics import attention_time
 from attnpool.train.launch import quiet_warnings, use_growable_segments
 from attnpool.train.loop import train
@@ -55,7 +56,6 @@ from attnpool.train.spec import attention_backend
 from attnpool.train.offload import release_host_cache
 
 TRACE_STEPS = 2  # profiled after the measured steps: one warm-up step of the profiler, one recorded
-H200_BF16_PEAK_TFLOPS = 989.0  # dense, datasheet: the MFU denominator
 LOSS_TOLERANCE = 0.02
 # Another process's memory on a GPU at start: a benchmark's timings and peaks would be another run's too.
 # (A CUDA context and NCCL's buffers of this process stay well under it.)
@@ -71,24 +71,13 @@ RECOMPUTED_SHARE = {"none": (0.0, 0.0), "keep_attention": (1 / 3, 0.0), "full": 
 
 
 
-def layer_weights(cfg) -> int:
-    """Weights of one decoder layer's linear parts (QKV, O, SwiGLU MLP)."""
-    return (cfg.dim * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + cfg.n_heads * cfg.head_dim * cfg.dim
-            + 3 * cfg.dim * cfg.ffn_dim)
-
-
-def model_flops_per_token(cfg) -> float:
-    """Forward+backward FLOPs per token of the linear layers and the output head (6 per weight)."""
-    return 6.0 * (cfg.n_layers * layer_weights(cfg) + cfg.dim * cfg.vocab_size)
-
-
 def linear_s_per_token(cfg) -> float:
     """Forward+backward time per token of every linear layer and the head on one GPU, from the shipped
     profile (measured on Llama-3-8B's shapes; other shapes scale by FLOPs)."""
     prof = json.loads(resources.files("attnpool.resources").joinpath("cost_h200.json").read_text())
     lin = prof["linear"]["models"]["llama3-8b"]
     ref = model_config("llama3-8b")
-    layers = cfg.n_layers * lin["fwd_bwd_s_per_token"] * layer_weights(cfg) / layer_weights(ref)
+    layers = cfg.n_layers * lin["fwd_bwd_s_per_token"] * linear_weights(cfg) / linear_weights(ref)
     head = lin["head_fwd_bwd_s_per_token"] * (cfg.dim * cfg.vocab_size) / (ref.dim * ref.vocab_size)
     return layers + head
 
@@ -166,7 +155,6 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg):
     measured = rows[args.warmup:]
     step = statistics.median(r["step_time_s"] for r in measured)
     global_tokens = rows[0]["tokens"]
-    flops = model_flops_per_token(cfg) * global_tokens
     linear_s = global_tokens * linear_s_per_token(cfg) / world
     # (the plan's loads are one tp rank's: its share of the heads)
     attention_s = statistics.median(r["attention_work_total"] for r in measured) * cfg.n_layers * args.tp / world
@@ -177,7 +165,8 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg):
         "step_time_s": step, "step_times_s": [r["step_time_s"] for r in measured],
         "total_time_s": sum(r["step_time_s"] for r in measured),
         "tokens_per_s": global_tokens / step,
-        "mfu": flops / (step * world * H200_BF16_PEAK_TFLOPS * 1e12),
+        # the model's FLOPs, linear and attention, over the GPUs' bf16 peak (attnpool.train.flops): the median step's
+        "mfu": statistics.median(r["mfu"] for r in measured) if measured[0].get("mfu") is not None else None,
         "imbalance_after": statistics.mean(r["imbalance_after"] for r in measured),
         "imbalance_before": statistics.mean(r["imbalance_before"] for r in measured),
         "bytes_sent_per_gpu": statistics.mean(r["comm_bytes"] for r in measured) / world,
@@ -349,6 +338,10 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.1f}"
 
 
+def _fixed(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def finish(records, skipped, args, world, cfg, complete: bool = True):
     """Writes e2e.json and e2e.md of the records so far (``complete``: all of them, and prints the table).
     ``args``: as run() completed them (``resolved_attention_backend``)."""
@@ -403,7 +396,7 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
         lv, density = r.get("loss_vs_local_max_rel"), r["attention_density"]
         vs, vs_total = (("-" if x is None else f"{x:.3f}") for x in (r["speedup_vs_local"], r["speedup_vs_local_total"]))
         lines.append(f"| {r['dist']} | {r['tokens_per_gpu'] // 1024}K | {r['strategy']} | {r['step_time_s']:.3f} | "
-                     f"{r['tokens_per_s'] / 1e3:.1f}K | {vs} | {vs_total} | {r['mfu']:.3f} | {r['efficiency']:.3f} | "
+                     f"{r['tokens_per_s'] / 1e3:.1f}K | {vs} | {vs_total} | {_fixed(r['mfu'])} | {r['efficiency']:.3f} | "
                      f"{r['efficiency_with_recompute']:.3f} | "
                      f"{r['imbalance_after']:.3f} | {r['bytes_sent_per_gpu'] / 2**20:.0f} | "
                      f"{r['peak_memory_bytes'] / 2**30:.1f} | {_gib(r['predicted_peak_memory_bytes'])} | "

@@ -38,6 +38,7 @@ from attnpool.runtime.sparse import SparseStats
 from attnpool.train.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from attnpool.train.config import TrainConfig
 from attnpool.train.export import checkpoint_export_dir, export_run_model
+from attnpool.train.flops import bf16_peak_flops, step_flops
 from attnpool.train.memory import MemoryEstimate, format_bytes
 from attnpool.console import START_TIME_ENV
 from attnpool.train.metrics import (PLOT_FILE, SUMMARY_FILE, MetricsLog, Progress, open_logger, peak_memory_bytes,
@@ -249,6 +250,8 @@ class Trainer:
         learning rate and gradient norm."""
         step_tokens = sum(b.num_tokens for b in micro_batches)
         cuda, sparse = self.device.type == "cuda", self.spec.sparse is not None
+        flops = sum(step_flops(self.spec.model.config, b.doc_lens) for b in micro_batches)
+        peak = bf16_peak_flops(self.device) if self.spec.bf16 else None
         return {
             "step": self.step,
             # a dp rank's tp ranks agree on its loss; off the last pipeline stage ranks report none
@@ -258,6 +261,8 @@ class Trainer:
             "tokens": step_tokens,
             "tokens_per_s": step_tokens / values["step_time_s"],
             "step_time_s": values["step_time_s"],
+            "model_flops": flops,
+            "mfu": flops / (values["step_time_s"] * self.world * peak) if peak else None,
             "plan_time_s": values["plan_time_s"],
             "attention_time_s": float(per_rank[:, 1].max()) if attention_timed else None,
             "comm_time_s": float(per_rank[:, 2].max()),

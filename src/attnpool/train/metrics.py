@@ -19,6 +19,10 @@ Times (all in seconds, per step):
   peak, allocated bytes plus what it caches, which is what the GPU must hold.
 - ``activation_offload_bytes`` (with ``activation_offload``): the bytes of saved
   activations the largest rank copied to host memory in the step.
+- ``model_flops``: the step's model FLOPs, linear layers and causal attention,
+  forward and backward (attnpool.train.flops); ``mfu`` those over the step's time
+  and every GPU's bf16 peak (null on the CPU, in float32, or on a GPU without a
+  known peak).
 
 With ``--sparse vertical-slash``, ``attention_density`` is the share of causal
 (query, key) pairs the step's patterns computed, over all documents (dense
@@ -344,6 +348,9 @@ def summarize(rows: list[dict], last_loads: dict | None, info: dict) -> dict:
         # the median step's rate after the first WARM_UP_STEPS (where the run has more), what a longer run keeps
         "steady_tokens_per_s": float(np.median([r["tokens"] / r["step_time_s"] for r in rows[steady:]])),
         "steady_from_step": rows[steady]["step"],
+        # the model's FLOPs over the GPUs' bf16 peak (attnpool.train.flops), median of the same steps; None on the
+        # CPU, in float32, or on a GPU without a known peak
+        "mfu": float(np.median([r["mfu"] for r in rows[steady:]])) if rows[-1].get("mfu") is not None else None,
         "steps_time_s": float(np.sum(times)),
         "imbalance_local_mean": mean("imbalance_before"),
         "imbalance_planned_mean": mean("imbalance_after"),
@@ -381,9 +388,10 @@ def print_summary(summary: dict, files: list[str]) -> None:
     last = s["end_step"]
     table.add_row("loss", f"{s['first_loss']:.3f} at step 1 -> {s['last_loss_mean']:.3f} mean of steps "
                           f"{last - s['last_loss_steps'] + 1}..{last} (step {last}: {s['last_loss']:.3f})")
+    mfu = "" if s.get("mfu") is None else f", MFU {s['mfu']:.3f}"
     table.add_row("throughput", f"{_fmt_rate(s['steady_tokens_per_s'])} tokens/s steady (median of steps "
-                                f"{s['steady_from_step']}..{last}); {_fmt_rate(s['tokens_per_s'])} tokens/s over all, "
-                                f"{s['step_time_s_mean']:.3f} s/step")
+                                f"{s['steady_from_step']}..{last}{mfu}); {_fmt_rate(s['tokens_per_s'])} tokens/s over "
+                                f"all, {s['step_time_s_mean']:.3f} s/step")
     table.add_row("attention max/mean", f"local would have had {s['imbalance_local_mean']:.3f} (last step "
                                         f"{s['imbalance_local_last']:.3f}); {s['strategy']} reached "
                                         f"{s['imbalance_planned_mean']:.3f} (last step {s['imbalance_planned_last']:.3f})")

@@ -1,0 +1,46 @@
+"""Model FLOPs utilisation (MFU): what a step's model computes, over what its GPUs could in bf16.
+
+A step's model FLOPs: 6 per matmul weight per token (forward and backward of the decoder layers' projections and
+the output head) and causal core attention's, 4 x head_dim x heads per (query, key) pair forward and 2.5 times
+that backward, over every document's causal pairs. Recomputed work (activation checkpointing) is not counted, nor
+is sparse attention's saving: a step's MFU is the model's work, whatever the run did to get it, so that runs compare.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from attnpool.plan.cost import attention_flops
+
+# Dense bf16 tensor-core peaks, TFLOP/s per GPU (the vendors' datasheets), by a part of the device's name; the
+# longest name that matches wins ("H100 PCIe" before "H100").
+BF16_DENSE_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "GH200": 989.4, "A100": 312.0}
+
+
+def linear_weights(cfg) -> int:
+    """Matmul weights of one decoder layer (QKV, O, the gated MLP)."""
+    return (cfg.dim * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + cfg.n_heads * cfg.head_dim * cfg.dim
+            + 3 * cfg.dim * cfg.ffn_dim)
+
+
+def linear_flops_per_token(cfg) -> float:
+    """Forward+backward FLOPs per token of the decoder layers' projections and the output head."""
+    return 6.0 * (cfg.n_layers * linear_weights(cfg) + cfg.dim * cfg.vocab_size)
+
+
+def step_flops(cfg, doc_lens) -> float:
+    """The model's forward+backward FLOPs over documents of these lengths (every token one of them)."""
+    lens = np.asarray(doc_lens, dtype=np.float64)
+    pairs = float(np.sum(lens * (lens + 1) / 2))
+    attention = cfg.n_layers * float(attention_flops(pairs, cfg.n_heads, cfg.head_dim, "fwd+bwd"))
+    return linear_flops_per_token(cfg) * float(lens.sum()) + attention
+
+
+def bf16_peak_flops(device: torch.device) -> float | None:
+    """FLOP/s of one GPU of ``device``'s kind in dense bf16; None on the CPU or for a GPU not in the table."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    known = [key for key in BF16_DENSE_PEAK_TFLOPS if key in name]
+    return BF16_DENSE_PEAK_TFLOPS[max(known, key=len)] * 1e12 if known else None

@@ -72,17 +72,20 @@ def schedule_names() -> tuple[str, ...]:
     return (*SCHEDULES, POOLED)
 
 
-def activations_in_flight(schedule: str, pp: int, microbatches: int) -> int:
-    """Micro-batches whose activations the busiest (first) pipeline rank holds at once, counted in
-    stage-sized units: GPipe keeps all of them; 1F1B-style schedules at most one per stage behind it; the
-    pooled schedule one per tick (an idle tick's served rows counted as a busy one's: an upper bound, which
-    the memory check replaces with the sampled ticks' rows summed, memory.MemoryInputs.held_rows)."""
+def activations_in_flight(schedule: str, pp: int, microbatches: int, pp_rank: int = 0) -> int:
+    """Micro-batches whose activations pipeline rank ``pp_rank`` holds at once (the first holds the most), counted
+    in stage-sized units: GPipe keeps all of them; 1F1B one per stage from it to the last (the last rank runs
+    each micro-batch's backward right after its forward); interleaved 1F1B the first rank's count on every rank
+    (a bound); the pooled schedule one per tick (an idle tick's served rows counted as a busy one's: an upper
+    bound, which the memory check replaces with the sampled ticks' rows summed, memory.MemoryInputs.held_rows)."""
     if pp == 1:
         return 1
     if schedule == POOLED:  # every tick's, idle ones included: they keep what serving saved for backward
         return microbatches + pp - 1
     if schedule == "gpipe":
         return microbatches
+    if schedule == "1f1b":
+        return min(microbatches, pp - pp_rank)
     return min(microbatches, pp) * SCHEDULES[schedule][1]
 
 

@@ -119,6 +119,13 @@ class MemoryInputs:
     # Whether core attention's backward runs over all of a rank's keys in one kernel call (ulysses,
     # runtime.ulysses), rather than in groups of at most BACKWARD_GROUP_KEYS (runtime.dispatch)
     backward_in_one_call: bool = False
+    # Under pipeline stages (not pooled): the last pipeline rank's layers, largest stage and micro-batches in flight
+    # (0 layers: no estimate of the ends apart, the first's activations with the last's loss, as for pooled), and
+    # which end of the pipeline an estimate is of ("": both, the larger of the two)
+    last_rank_layers: int = 0
+    last_stage_layers: int = 0
+    last_in_flight: int = 0
+    pipeline_end: str = ""
 
     def __post_init__(self):
         if self.activation_checkpointing not in CHECKPOINTING_MODES:
@@ -342,14 +349,28 @@ def layer_backward_transient(x: MemoryInputs, tokens: int) -> float:
 # --- The estimate --------------------------------------------------------------------------------------
 
 
+def pipeline_ends(x: MemoryInputs) -> tuple[MemoryInputs, MemoryInputs]:
+    """The inputs of the first and the last pipeline rank's estimates (MemoryInputs.last_rank_layers given)."""
+    last = replace(x, pipeline_end="last", rank_layers=x.last_rank_layers,
+                   stage_layers=x.last_stage_layers or x.last_rank_layers, in_flight=x.last_in_flight or x.in_flight)
+    return replace(x, pipeline_end="first"), last
+
+
+def _worst(each: list[MemoryEstimate]) -> MemoryEstimate:
+    """The device's peak of the worst rank, and the host memory of the worst (another rank's, maybe)."""
+    return replace(max(each, key=lambda e: e.peak_bytes), host_bytes=max(e.host_bytes for e in each))
+
+
 def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryEstimate:
-    """The predicted peak of one rank (the busiest: the first pipeline stage, the rank and sampled plan with
-    the largest attention rows)."""
+    """The predicted peak of one rank (the busiest: the rank and sampled plan with the largest attention rows;
+    under pipeline stages the larger of the first pipeline rank's, which holds the most micro-batches'
+    activations, and the last's, which holds the output projection, its gradient and the loss)."""
     if x.row_candidates or x.held_candidates:
-        each = [estimate(replace(x, rows=rows, row_candidates=()), calibration) for rows in x.row_candidates] or \
-            [estimate(replace(x, held_rows=rows, held_candidates=()), calibration) for rows in x.held_candidates]
-        # the device's peak of the worst rank, and the host memory of the worst (another rank's, maybe)
-        return replace(max(each, key=lambda e: e.peak_bytes), host_bytes=max(e.host_bytes for e in each))
+        return _worst([estimate(replace(x, rows=rows, row_candidates=()), calibration) for rows in x.row_candidates]
+                      or [estimate(replace(x, held_rows=rows, held_candidates=()), calibration)
+                          for rows in x.held_candidates])
+    if x.pp > 1 and not x.pipeline_end and x.last_rank_layers:  # (pooled: both ends' worst at once, below)
+        return _worst([estimate(end, calibration) for end in pipeline_ends(x)])
     cal = calibration or Calibration.none()
     m = x.model
     c = 2 if x.bf16 else 4  # compute copies of parameters and their gradients
@@ -357,7 +378,10 @@ def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryE
     home = tokens * x.rows.home
     layers = x.rank_layers or math.ceil(m.n_layers / x.pp)
     first_root, last_root = root_params(m, x.pp)
-    root = first_root + last_root if x.pp == 1 else max(first_root, last_root)
+    # the ends of a pipeline hold the embedding and the output projection (the pooled schedule: either)
+    root = {"": first_root + last_root if x.pp == 1 else max(first_root, last_root), "first": first_root,
+            "last": last_root}[x.pipeline_end]
+    has_loss = x.pipeline_end != "first"
     layer = m.layer_params() / x.tp
     root /= x.tp
     owned = (layers * layer + root) / x.dp  # this rank's shard
@@ -375,7 +399,7 @@ def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryE
     # arrive ahead of it (ActivationOffload's prefetch is one layer's worth).
     all_layers = min(saved_layers, 2) * per_layer if x.activation_offload else stage_layers * held_per_layer
     step_inputs = step_inputs_per_token(x) * held_home / x.tp
-    head_gradient = c * (last_root if x.pp == 1 else 0) / x.tp
+    head_gradient = c * (last_root if x.pp == 1 or x.pipeline_end == "last" else 0) / x.tp
 
     states = {} if x.optimizer_offload else {"parameters": PARAM_BYTES * owned, "optimizer states": ADAM_BYTES * owned}
     compute = {"root parameters (compute copy)": c * root, "layer parameters (compute copy)": c * layer}
@@ -383,9 +407,9 @@ def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryE
     # Sharded float32 gradients of the layers already differentiated, and the float32 copy of the last
     # one's that the reduce-scatter read, which FSDP2 frees at the next reduce-scatter.
     later_gradients = 0 if x.optimizer_offload else GRAD_BYTES * (layers - 1) * layer / x.dp
-    if x.microbatches > 1:  # accumulated unsharded until the step's last micro-batch
-        backward["accumulated gradients"] = GRAD_BYTES * (layers * layer + root)
-    phases = {
+    # accumulated unsharded until the step's last micro-batch
+    accumulated = {"accumulated gradients": GRAD_BYTES * (layers * layer + root)} if x.microbatches > 1 else {}
+    loss_phase = {
         # (Liger's fused loss makes its gradients in the forward, so its peak is there.)
         "loss (gradients in forward)" if x.loss_kernel == "liger" else "loss backward": {
             **states, **compute, "activations": all_layers,
@@ -393,12 +417,24 @@ def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryE
             "output projection gradient": head_gradient, "loss chunk": loss_transient(x, tokens),
             "hidden state gradient": (2 if x.bf16 else 4) * m.dim * home / x.tp,
         },
+    }
+    phases = {
+        **(loss_phase if has_loss else {}),
         "last layer backward": {**states, **compute, "activations": all_layers,
-                                "step inputs": step_inputs, **backward},
+                                "step inputs": step_inputs, **backward, **accumulated},
         "first layer backward": {**states, **compute, "activations": per_layer, "step inputs": step_inputs,
-                                 **backward, "gradients": later_gradients + (GRAD_BYTES * layer if layers > 1 else 0)},
+                                 **backward, **accumulated,
+                                 "gradients": later_gradients + (GRAD_BYTES * layer if layers > 1 else 0)},
         "optimizer step": {**states, "gradients": 0 if x.optimizer_offload else GRAD_BYTES * owned},
     }
+    if accumulated and x.pp > 1 and x.held_rows is None and not x.activation_offload:
+        # A pipeline rank accumulates gradients from its first micro-batch's backward on, when one micro-batch
+        # fewer is in flight: where all of them are at once (micro-batches <= stages), not both at their most.
+        fewer = min(in_flight, x.microbatches - 1)
+        phases["last layer backward"] = {**phases["last layer backward"], **accumulated, "accumulated gradients": 0}
+        phases["later micro-batches' last layer backward"] = {
+            **states, **compute, "activations": stage_layers * per_layer * fewer,
+            "step inputs": step_inputs_per_token(x) * home * fewer / x.tp, **backward, **accumulated}
     totals = {name: sum(terms.values()) for name, terms in phases.items()}
     phase = max(totals, key=totals.get)
     breakdown = dict(phases[phase])

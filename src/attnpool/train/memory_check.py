@@ -14,6 +14,7 @@ import torch
 from attnpool.comm import under_torchrun
 from attnpool.data import DocumentStream
 from attnpool.parallel.pipeline import activations_in_flight, rank_layers
+from attnpool.parallel.pooled_pipeline import POOLED
 from attnpool.plan.metrics import AttentionRows
 from attnpool.train.memory import Calibration, Capacity, MemoryEstimate, MemoryInputs, RowRatios, estimate, report, \
     settings, undominated
@@ -29,14 +30,18 @@ def memory_inputs(spec: RunSpec, rows: RowRatios = RowRatios()) -> MemoryInputs:
     """The memory model's view of a run (on CPU runs offload moves nothing, so it counts as off)."""
     c, m, dims = spec.config, spec.model.config, spec.dims
     gpu = spec.device_type == "cuda"
-    stages = rank_layers(m, c.parallel.pp_schedule, dims.pp) if dims.pp > 1 else [0]
+    schedule, pp, microbatches = c.parallel.pp_schedule, dims.pp, c.parallel.microbatches
+    stages = rank_layers(m, schedule, pp) if pp > 1 else [0]
+    last = rank_layers(m, schedule, pp, pp - 1) if pp > 1 and schedule != POOLED else [0]
     return MemoryInputs(m, c.data.tokens_per_rank, c.memory.activation_checkpointing,
                         c.memory.activation_offload and gpu, c.memory.optimizer_offload and gpu, spec.bf16,
-                        dp=dims.dp, tp=dims.tp, pp=dims.pp, microbatches=c.parallel.microbatches,
-                        in_flight=activations_in_flight(c.parallel.pp_schedule, dims.pp, c.parallel.microbatches),
+                        dp=dims.dp, tp=dims.tp, pp=pp, microbatches=microbatches,
+                        in_flight=activations_in_flight(schedule, pp, microbatches),
                         rows=rows, rank_layers=sum(stages), stage_layers=max(stages), loss_kernel=spec.loss_kernel,
                         layer_modules=spec.model.layer_modules,
-                        backward_in_one_call=c.attention.strategy == "ulysses")
+                        backward_in_one_call=c.attention.strategy == "ulysses",
+                        last_rank_layers=sum(last), last_stage_layers=max(last),
+                        last_in_flight=activations_in_flight(schedule, pp, microbatches, pp - 1) if pp > 1 else 0)
 
 
 def sample_row_ratios(spec: RunSpec, source, batches: int = MEMORY_SAMPLE_BATCHES) -> dict:

@@ -23,9 +23,9 @@ from attnpool.plan import linear_table, plan_attention
 from attnpool.plan.metrics import AttentionRows
 from attnpool.runtime import CoreAttention
 from attnpool.runtime.dispatch import DispatchLayout
+from attnpool.sizes import format_tokens, parse_memory_size
 from attnpool.train.memory import (CHECKPOINTING_MODES, Calibration, Capacity, MemoryInputs, RowRatios, estimate,
-                                   format_tokens, largest_tokens, parse_memory_size, report, saved_per_layer,
-                                   settings, undominated)
+                                   largest_tokens, report, saved_per_layer, settings, undominated)
 from attnpool.train.offload import ActivationOffload, piece_sizes
 from command import run_command
 from dist_harness import run_distributed

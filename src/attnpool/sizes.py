@@ -1,8 +1,12 @@
-"""Token counts written as sizes: '4096', '128K', '1M' (binary multiples, as context lengths are)."""
+"""Sizes as people write them: token counts ('4096', '128K', '1M': binary multiples, as context lengths are) and
+memory ('141GB', '139.8GiB', '80G')."""
 
 from __future__ import annotations
 
+import math
 import re
+
+from attnpool.errors import ConfigError
 
 _SIZE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*$")
 _MULTIPLIER = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
@@ -18,3 +22,33 @@ def parse_size(text) -> int:
     if value != int(value):
         raise ValueError(f"{text!r} is not a whole number of tokens")
     return int(value)
+
+
+def format_tokens(tokens: int) -> str:
+    """131072 -> '128K', 1572864 -> '1.5M', 1000 -> '1000'."""
+    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
+        if tokens >= size and tokens % (size // 4) == 0:
+            value = tokens / size
+            return f"{value:g}{unit}"
+    return str(tokens)
+
+
+def parse_memory_size(field_name: str, text) -> int:
+    """'141GB' (decimal), '139.8GiB' or '139.8G' (binary), '80000MiB', or plain bytes."""
+    units = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20,
+             "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+    s = str(text).strip().lower()
+    number = s.rstrip("abcdefghijklmnopqrstuvwxyz ")
+    unit = s[len(number):].strip()
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise ConfigError(field_name, text, "is not a memory size (e.g. 141GB, 139.8GiB, 80G, 81559MiB)") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(field_name, text, "must be a positive size")
+    return int(value)
+
+
+def format_bytes(n: float) -> str:
+    """2**31 -> '2.0 GiB', 3 * 2**20 -> '3 MiB'."""
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"

@@ -38,7 +38,8 @@ def add_parser(sub) -> None:
 
 
 def _capacity(args, ranks: int):
-    from attnpool.train.memory import Capacity, parse_memory_size
+    from attnpool.sizes import parse_memory_size
+    from attnpool.train.memory import Capacity
     from attnpool.train.memory_check import host_memory_bytes
 
     host = parse_memory_size("host_memory", args.host_memory) if args.host_memory is not None \
@@ -54,7 +55,8 @@ def _capacity(args, ranks: int):
 
 
 def _cpu_capacity(args, ranks: int):
-    from attnpool.train.memory import Capacity, parse_memory_size
+    from attnpool.sizes import parse_memory_size
+    from attnpool.train.memory import Capacity
     from attnpool.train.memory_check import host_memory_bytes
 
     if args.host_memory is not None:
@@ -129,7 +131,7 @@ def _print_tables(config, result, calibration) -> None:
     from rich.table import Table
 
     from attnpool.console import text_console
-    from attnpool.train.memory import format_bytes, format_tokens
+    from attnpool.sizes import format_bytes, format_tokens
 
     console = text_console()
     x, est = result.configured.inputs, result.configured.estimate

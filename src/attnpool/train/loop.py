@@ -39,7 +39,8 @@ from attnpool.train.checkpoint import checkpoint_path, load_checkpoint, save_che
 from attnpool.train.config import TrainConfig
 from attnpool.train.export import checkpoint_export_dir, export_run_model
 from attnpool.train.flops import bf16_peak_flops, step_flops
-from attnpool.train.memory import MemoryEstimate, format_bytes
+from attnpool.sizes import format_bytes
+from attnpool.train.memory import MemoryEstimate
 from attnpool.console import START_TIME_ENV
 from attnpool.train.metrics import (PLOT_FILE, SUMMARY_FILE, MetricsLog, Progress, open_logger, peak_memory_bytes,
                                     peak_reserved_bytes, plot_run, print_summary, reset_peak_memory, summarize)

@@ -49,6 +49,7 @@ from attnpool.model.config import ModelConfig
 from attnpool.model.llama import loss_chunk_tokens
 from attnpool.parallel.checkpointing import LINEAR_CHUNK_TOKENS
 from attnpool.runtime.dispatch import BACKWARD_GROUP_KEYS
+from attnpool.sizes import format_bytes, format_tokens
 
 GiB = 1 << 30
 CHECKPOINTING_MODES = ("none", "keep_attention", "full")
@@ -435,6 +436,15 @@ def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryE
         phases["later micro-batches' last layer backward"] = {
             **states, **compute, "activations": stage_layers * per_layer * fewer,
             "step inputs": step_inputs_per_token(x) * home * fewer / x.tp, **backward, **accumulated}
+    host = (PARAM_BYTES + GRAD_BYTES + ADAM_BYTES) * owned if x.optimizer_offload else 0
+    if x.activation_offload:
+        host += stage_layers * held_per_layer
+    return _peak_phase(x, phases, cal, home, host)
+
+
+def _peak_phase(x: MemoryInputs, phases: dict[str, dict], cal: Calibration, home: float, host: float) -> MemoryEstimate:
+    """The estimate at the phase that holds the most, with what the hand count misses (the calibration's
+    residual, the allocator's fragmentation, the CUDA context)."""
     totals = {name: sum(terms.values()) for name, terms in phases.items()}
     phase = max(totals, key=totals.get)
     breakdown = dict(phases[phase])
@@ -445,9 +455,6 @@ def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryE
     breakdown["allocator fragmentation"] = (cal.fragmentation - 1.0) * allocated
     breakdown["CUDA context"] = cal.cuda_context_bytes
     breakdown = {name: int(round(value)) for name, value in breakdown.items()}
-    host = (PARAM_BYTES + GRAD_BYTES + ADAM_BYTES) * owned if x.optimizer_offload else 0
-    if x.activation_offload:
-        host += stage_layers * held_per_layer
     return MemoryEstimate(x, phase, breakdown, int(round(allocated)), sum(breakdown.values()), int(host))
 
 
@@ -501,31 +508,6 @@ def settings(x: MemoryInputs, offloads: bool = True) -> list[MemoryInputs]:
     return [replace(x, activation_checkpointing=mode, activation_offload=activation, optimizer_offload=optimizer)
             for mode, activation, optimizer in SETTINGS_FASTEST_FIRST
             if (offloads or not (activation or optimizer)) and mode in LAYER_CHECKPOINTING[x.layer_modules]]
-
-
-def parse_memory_size(field_name: str, text) -> int:
-    """'141GB' (decimal), '139.8GiB' or '139.8G' (binary), '80000MiB', or plain bytes."""
-    units = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20,
-             "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
-    s = str(text).strip().lower()
-    number = s.rstrip("abcdefghijklmnopqrstuvwxyz ")
-    unit = s[len(number):].strip()
-    try:
-        value = float(number) * units[unit]
-    except (ValueError, KeyError):
-        raise ConfigError(field_name, text, "is not a memory size (e.g. 141GB, 139.8GiB, 80G, 81559MiB)") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigError(field_name, text, "must be a positive size")
-    return int(value)
-
-
-def format_tokens(tokens: int) -> str:
-    """131072 -> '128K', 1572864 -> '1.5M', 1000 -> '1000'."""
-    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
-        if tokens >= size and tokens % (size // 4) == 0:
-            value = tokens / size
-            return f"{value:g}{unit}"
-    return str(tokens)
 
 
 
@@ -597,10 +579,6 @@ def report(x: MemoryInputs, capacity: Capacity, calibration: Calibration | None 
         return SettingFit(inputs, e, capacity.holds(e), largest_tokens(inputs, capacity, calibration))
 
     return MemoryReport(fit(x), capacity, [fit(s) for s in settings(x, offloads)])
-
-
-def format_bytes(n: float) -> str:
-    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / (1 << 20):.0f} MiB"
 
 
 def saved_bytes_per_layer(x: MemoryInputs) -> int:

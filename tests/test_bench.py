@@ -232,3 +232,26 @@ def test_sparse_strategies_refused_before_any_run_on_a_gpu_older_than_hopper(mon
     with pytest.raises(ConfigError, match="sm_80") as err:
         check_arguments(args)
     assert err.value.field == "--strategies" and err.value.value == "cad+sparse"
+
+
+def test_ulysses_refused_before_any_run_where_the_ranks_cannot_split_the_heads(monkeypatch, capsys):
+    """3 ranks and Llama-3-8B's 32 query heads: named, ulysses is refused among the arguments; among the
+    defaults it is left out, and the bench says why."""
+    import pytest
+
+    from attnpool.bench.e2e import check_arguments
+    from attnpool.bench.e2e_options import DEFAULT_STRATEGIES, add_arguments
+    from attnpool.errors import ConfigError
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    with pytest.raises(ConfigError, match="3 ranks cannot split 32 query heads") as err:
+        check_arguments(p.parse_args(["--out", "x", "--device", "cpu", "--strategies", "local,ulysses"]))
+    assert err.value.field == "--strategies"
+    assert check_arguments(p.parse_args(["--out", "x", "--device", "cpu"]))[1] == \
+        [s for s in DEFAULT_STRATEGIES if s != "ulysses"]
+    assert "ulysses: not run: 3 ranks cannot split 32 query heads" in capsys.readouterr().out
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert "ulysses" in check_arguments(p.parse_args(["--out", "x", "--device", "cpu"]))[1]

@@ -38,7 +38,7 @@ from importlib import resources
 import torch
 import torch.distributed as dist
 
-from attnpool.bench.e2e_options import STRATEGIES
+from attnpool.bench.e2e_options import DEFAULT_STRATEGIES, STRATEGIES
 from attnpool.bench.memory import MemoryRecorder, breakdown_markdown
 from attnpool.comm import process_group
 from attnpool.comm.all_to_all import tiny_messages
@@ -46,6 +46,7 @@ from attnpool.data.lengths import DISTRIBUTIONS
 from attnpool.errors import ConfigError, TrainingError
 from attnpool.kernels.sparse import device_problem as sparse_device_problem
 from attnpool.model import model_config
+from attnpool.plan.ulysses import ulysses_problem
 from attnpool.sizes import parse_size
 from attnpool.train.config import TrainConfig
 from attnpool.train.flops import linear_weights
@@ -227,6 +228,16 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
     if args.steps < 1 or args.warmup < 0 or args.layers < 1:
         raise ConfigError("--steps/--warmup/--layers", (args.steps, args.warmup, args.layers),
                           "need at least 1 measured step, 0 or more warm-up steps and 1 or more layers")
+    if "ulysses" in strategies:  # here, not in its run: that would lose the strategies after it
+        cfg = model_config(args.model, n_layers=args.layers)
+        dp = int(os.environ["WORLD_SIZE"]) // (args.tp * args.pp)
+        problem = ulysses_problem(dp, cfg.n_heads // args.tp, cfg.n_kv_heads // args.tp)
+        if problem and args.strategies != ",".join(DEFAULT_STRATEGIES):
+            raise ConfigError("--strategies", "ulysses", problem)
+        if problem:  # among the defaults: left out, and said
+            strategies.remove("ulysses")
+            if int(os.environ["RANK"]) == 0:
+                print(f"ulysses: not run: {problem}", flush=True)
     return configs, strategies + (["ablation"] if args.ablation else [])
 
 

@@ -60,16 +60,20 @@ def ulysses_loads(plan: Plan, cost_model) -> np.ndarray:
     return np.full(plan.num_ranks, total / plan.num_ranks)
 
 
+def bytes_per_peer(degree: int, shape: AttentionShape) -> tuple[int, int, int]:
+    """Bytes of one token that one rank sends to each other rank of ``degree``: its Q on the peer's query heads,
+    K and V of the KV heads the peer reads, and (the way back) the output on the sender's query heads."""
+    kv = 2 * kv_heads_per_rank(degree, shape.n_kv_heads) * shape.head_dim * shape.dtype_bytes
+    return shape.q_bytes // degree, kv, shape.o_bytes // degree
+
+
 def ulysses_traffic(plan: Plan, shape: AttentionShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per rank, bytes of one call's forward: Q it sends to the other ranks, K and V it sends (replicated heads
     counted per receiver), and (as a server) the outputs it returns to the other ranks' tokens."""
     W = plan.num_ranks
     tokens = plan.pieces.tokens_per_rank.astype(np.int64)
-    kv_row = 2 * kv_heads_per_rank(W, shape.n_kv_heads) * shape.head_dim * shape.dtype_bytes
-    q_out = tokens * (W - 1) * shape.q_bytes // W
-    kv_out = tokens * (W - 1) * kv_row
-    o_back = (int(tokens.sum()) - tokens) * shape.o_bytes // W
-    return q_out, kv_out, o_back
+    q, kv, o = bytes_per_peer(W, shape)
+    return tokens * (W - 1) * q, tokens * (W - 1) * kv, (int(tokens.sum()) - tokens) * o
 
 
 def ulysses_rows(plan: Plan) -> dict[str, np.ndarray]:

@@ -54,7 +54,7 @@ import numpy as np
 
 from attnpool.errors import ConfigError
 from attnpool.plan.plan import AttentionShape, Plan
-from attnpool.plan.ulysses import kv_heads_per_rank, ulysses_problem
+from attnpool.plan.ulysses import bytes_per_peer, ulysses_problem
 from attnpool.sim.costs import SimCosts
 
 
@@ -318,7 +318,9 @@ class StepModel:
         S, u, sh = self.cluster.servers, int(degree), self.shape
         if S % u:
             raise ConfigError("ulysses degree", u, f"must divide the number of servers {S}")
-        problem = ulysses_problem(u, sh.n_q_heads // self.cluster.tp, sh.n_kv_heads // self.cluster.tp)
+        tp = self.cluster.tp
+        gpu_shape = AttentionShape(sh.n_q_heads // tp, sh.n_kv_heads // tp, sh.head_dim, sh.dtype_bytes)
+        problem = ulysses_problem(u, gpu_shape.n_q_heads, gpu_shape.n_kv_heads)
         if problem:
             raise ConfigError("ulysses degree", u, problem)
         G = S // u
@@ -327,10 +329,9 @@ class StepModel:
         f, b = self.task_attention(start, start + length)
         attn_f = np.repeat(np.bincount(grp, weights=f, minlength=G) / u, u)
         attn_b = np.repeat(np.bincount(grp, weights=b, minlength=G) / u, u)
-        kv_row = 2 * kv_heads_per_rank(u, sh.n_kv_heads // self.cluster.tp) * sh.head_dim * sh.dtype_bytes
-        share = (u - 1) / u
-        out_bytes = tokens * share * (sh.q_bytes + kv_row * self.cluster.tp * u)
-        back_bytes = tokens * share * sh.o_bytes
+        q, kv, o = bytes_per_peer(u, gpu_shape)  # each of the server's tp GPUs sends its heads' share
+        out_bytes = tokens * (u - 1) * (q + kv) * tp
+        back_bytes = tokens * (u - 1) * o * tp
         prefix = np.repeat(np.bincount(grp, weights=start, minlength=G) / u, u) * sh.kv_bytes
         first_server = np.arange(G) * u
         spans = np.repeat(self.cluster.node(first_server) != self.cluster.node(first_server + u - 1), u)

@@ -35,11 +35,11 @@ from attnpool.data import DocumentStream
 from attnpool.errors import ConfigError, TrainingError
 from attnpool.parallel import build_rank_mesh
 from attnpool.runtime.sparse import SparseStats
+from attnpool.sizes import format_bytes
 from attnpool.train.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from attnpool.train.config import TrainConfig
 from attnpool.train.export import checkpoint_export_dir, export_run_model
 from attnpool.train.flops import bf16_peak_flops, step_flops
-from attnpool.sizes import format_bytes
 from attnpool.train.memory import MemoryEstimate
 from attnpool.console import START_TIME_ENV
 from attnpool.train.metrics import (PLOT_FILE, SUMMARY_FILE, MetricsLog, Progress, open_logger, peak_memory_bytes,
@@ -101,6 +101,7 @@ class Trainer:
         # pipeline index (attnpool.parallel.mesh).
         self.mesh = build_rank_mesh(spec.dims, self.device.type)
         self.records = RankRecords(config.run.out, self.rank, self.world)
+        self.peak_flops = bf16_peak_flops(self.device) if spec.bf16 else None  # MFU's denominator, per GPU
         self.resume_from = verified_checkpoint(config, spec.model, self.setup.resume_from) \
             if self.setup.resume_from is not None else None
         self.runner = build_runner(spec, self.mesh)
@@ -252,7 +253,6 @@ class Trainer:
         step_tokens = sum(b.num_tokens for b in micro_batches)
         cuda, sparse = self.device.type == "cuda", self.spec.sparse is not None
         flops = sum(step_flops(self.spec.model.config, b.doc_lens) for b in micro_batches)
-        peak = bf16_peak_flops(self.device) if self.spec.bf16 else None
         return {
             "step": self.step,
             # a dp rank's tp ranks agree on its loss; off the last pipeline stage ranks report none
@@ -263,7 +263,7 @@ class Trainer:
             "tokens_per_s": step_tokens / values["step_time_s"],
             "step_time_s": values["step_time_s"],
             "model_flops": flops,
-            "mfu": flops / (values["step_time_s"] * self.world * peak) if peak else None,
+            "mfu": flops / (values["step_time_s"] * self.world * self.peak_flops) if self.peak_flops else None,
             "plan_time_s": values["plan_time_s"],
             "attention_time_s": float(per_rank[:, 1].max()) if attention_timed else None,
             "comm_time_s": float(per_rank[:, 2].max()),

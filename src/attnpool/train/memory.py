@@ -432,7 +432,7 @@ def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryE
         # A pipeline rank accumulates gradients from its first micro-batch's backward on, when one micro-batch
         # fewer is in flight: where all of them are at once (micro-batches <= stages), not both at their most.
         fewer = min(in_flight, x.microbatches - 1)
-        phases["last layer backward"] = {**phases["last layer backward"], **accumulated, "accumulated gradients": 0}
+        phases["last layer backward"]["accumulated gradients"] = 0  # the first micro-batch's backward: none yet
         phases["later micro-batches' last layer backward"] = {
             **states, **compute, "activations": stage_layers * per_layer * fewer,
             "step inputs": step_inputs_per_token(x) * home * fewer / x.tp, **backward, **accumulated}

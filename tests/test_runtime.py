@@ -447,8 +447,15 @@ def test_prefix_copies_sum_as_index_add_does():
         got = copies.sum(d.float())
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match="cover"):  # a document's rows past its longest segment
-        PrefixCopies.of(np.array([0, 4]), np.array([4, 2]), 8, "cpu")
+    # Sliding windows: overlapping segments of which none covers the rows (each its queries' window) are
+    # summed by an index_add_ over every expanded row.
+    seg_base, seg_k = np.array([0, 4, 5, 2]), np.array([4, 2, 3, 5])
+    copies = PrefixCopies.of(seg_base, seg_k, 8, "cpu")
+    kv_expand = torch.as_tensor(ranges(seg_base, seg_k))
+    d = torch.randn(len(kv_expand), 2, 3, dtype=torch.float64)
+    assert copies.spread is not None
+    torch.testing.assert_close(copies.sum(d.float()).double(),
+                               torch.zeros(8, 2, 3, dtype=torch.float64).index_add_(0, kv_expand, d), rtol=1e-6, atol=1e-6)
 
 
 def _prefix_sum_interpreted():

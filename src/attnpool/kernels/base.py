@@ -5,13 +5,16 @@ A backend is a pair of plain functions over packed variable-length segments:
     forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None) -> (out, lse)
     backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None)
         -> (dq, dk, dv)
-    (and, where ``Backend.backward_into``, a keyword ``into=(dq, dk, dv)`` to write them into)
+    (and, where ``Backend.backward_into``, a keyword ``into=(dq, dk, dv)`` to write them into;
+    where ``Backend.takes_window`` / ``takes_softcap``, keywords ``window`` and ``softcap``)
 
 q is (T_q, H_q, D), k and v are (T_k, H_kv, D) with H_q a multiple of H_kv
 (query head h reads kv head h // (H_q // H_kv)). cu_q and cu_k are int32
 segment boundaries of equal length S + 1, starting at 0. Segment i's queries
 are the tail of its keys: query j (0-based) sees keys 0 .. k_len - q_len + j,
-the causal mask aligned to the bottom right. lse is (H_q, T_q), float32
+the causal mask aligned to the bottom right. Under a sliding window of w keys it sees only the
+w keys ending there (k_len - q_len + j - w, k_len - q_len + j]; with a soft-cap c the scores
+s = q.k * scale become c * tanh(s / c) before the softmax (Gemma 2). lse is (H_q, T_q), float32
 (float64 from the reference backend for float64 inputs), natural log;
 a row that sees no key has lse = -inf, out = 0 and zero gradients.
 
@@ -26,6 +29,8 @@ segment.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -57,6 +62,8 @@ class PositionKernel:
     forward: ForwardFn
     backward: BackwardFn
     supports: Callable[..., bool] = lambda device, head_dim: True
+    takes_window: bool = False  # forward and backward take ``window`` (keys (position - w, position])
+    takes_softcap: bool = False  # ... and ``softcap``
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,34 @@ class Backend:
     # Queries at given positions of one document against its keys, with no copies (None: not offered;
     # the runtime then copies each segment's prefix).
     positions: PositionKernel | None = None
+    # Whether forward and backward take ``window`` (a sliding window's keys) and ``softcap``: see the contract.
+    takes_window: bool = False
+    takes_softcap: bool = False
+    # The window and soft-cap this backend's functions are bound to (for_kind): (None, None) for plain causal.
+    kind: tuple = (None, None)
+
+    def for_kind(self, window: int | None = None, softcap: float | None = None) -> "Backend":
+        """This backend computing attention under a sliding window of ``window`` keys and/or with scores
+        soft-capped at ``softcap`` (None: neither): its functions bound to them, so that callers call it as
+        any backend. A ConfigError names what the backend cannot compute. The position kernel goes with it
+        where it takes them too, else is left out (the runtime then copies each segment's keys)."""
+        if window is None and softcap is None:
+            return self
+        if window is not None and not self.takes_window:
+            raise ConfigError("window", window, f"the {self.name} backend does not compute sliding windows; "
+                                                "use flash, fa4 or reference")
+        if softcap is not None and not self.takes_softcap:
+            raise ConfigError("softcap", softcap, f"the {self.name} backend does not soft-cap attention scores; "
+                                                  "use fa4 or reference")
+        bound = {"window": window, "softcap": softcap}
+        positions = self.positions
+        if positions is not None:
+            fits = (window is None or positions.takes_window) and (softcap is None or positions.takes_softcap)
+            positions = dataclasses.replace(positions, forward=functools.partial(positions.forward, **bound),
+                                            backward=functools.partial(positions.backward, **bound)) if fits else None
+        return dataclasses.replace(self, forward=functools.partial(self.forward, **bound),
+                                   backward=functools.partial(self.backward, **bound), positions=positions,
+                                   kind=(window, softcap))
 
     def serves_positions(self, device, head_dim: int) -> bool:
         """Whether core attention under this backend runs a server's shards of one document without prefix copies

@@ -15,6 +15,12 @@ Installed by the ``hopper`` extra (``pip install 'attnpool[hopper]'``). Read aga
   -> ``(dq, dk, dv)``: the function the package's own autograd calls from the saved out and lse;
   there is no public one. Its preprocess reads lse = -inf rows as rows without keys.
 
+- A sliding window of w keys is ``window_size=(w - 1, 0)`` (forward) and ``window_size_left=w - 1,
+  window_size_right=0`` (backward), aligned bottom-right as the causal mask is; a soft-cap c is
+  ``softcap=c`` in both (FA4 turns it into its score_mod and that mod's backward). The position
+  kernel below takes neither (its block tables assume the whole prefix): with a window or a soft-cap
+  the runtime copies each segment's keys instead (Backend.for_kind leaves it out).
+
 - Queries at given positions of one document (``Backend.positions``) run the non-varlen
   ``_flash_attn_fwd`` / ``_flash_attn_bwd`` with one batch entry, ``causal=False``, a ``mask_mod``
   that reads each query's position from ``aux_tensors`` (key n visible to query row m where
@@ -82,8 +88,9 @@ def _loaded():
     return interface
 
 
-def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None):
-    """Causal varlen attention; returns (out, lse) per the kernels contract."""
+def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window=None, softcap=None):
+    """Causal varlen attention (under a sliding window, soft-capped, where given); returns (out, lse) per the
+    kernels contract."""
     check_half_inputs(q, k, v, cu_q, cu_k, "fa4")
     if q.shape[0] == 0 or k.shape[0] == 0:
         return no_key_forward(q)
@@ -91,11 +98,12 @@ def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None):
     interface = _loaded()
     out, lse = interface.flash_attn_varlen_func(
         q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=int(max_q), max_seqlen_k=int(max_k),
-        softmax_scale=scale, causal=True, return_lse=True)
+        softmax_scale=scale, causal=True, return_lse=True,
+        window_size=(None, None) if window is None else (int(window) - 1, 0), softcap=float(softcap or 0.0))
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None, into=None):
+def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None, into=None, window=None, softcap=None):
     """Gradients (dq, dk, dv) from the forward's out and lse; written into ``into`` (three contiguous
     tensors shaped and typed as q, k, v) where given."""
     check_half_inputs(q, k, v, cu_q, cu_k, "fa4")
@@ -110,7 +118,9 @@ def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None, into
     dq, dk, dv = into if into is not None else (None, None, None)
     return tuple(interface._flash_attn_bwd(
         q, k, v, out, dout, lse.float().contiguous(), softmax_scale=scale, causal=True,
-        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=int(max_q), max_seqlen_k=int(max_k), dq=dq, dk=dk, dv=dv)[:3])
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=int(max_q), max_seqlen_k=int(max_k), dq=dq, dk=dk, dv=dv,
+        softcap=float(softcap or 0.0), window_size_left=None if window is None else int(window) - 1,
+        window_size_right=None if window is None else 0)[:3])
 
 
 # --- queries at given positions of one document ---
@@ -245,4 +255,5 @@ def position_backward(dout, q, k, v, out, lse, handle: PositionTables, scale=Non
 
 
 BACKEND = Backend("fa4", forward, backward, splits_by_segment=True, backward_into=True,
-                  positions=PositionKernel(prepare_positions, position_forward, position_backward, supports_positions))
+                  positions=PositionKernel(prepare_positions, position_forward, position_backward, supports_positions),
+                  takes_window=True, takes_softcap=True)

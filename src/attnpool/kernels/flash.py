@@ -16,6 +16,10 @@ appends a defaulted ``backend`` argument, which we leave at its default. Where t
 missing or its arguments differ, the backward recomputes the forward under
 autograd and differentiates it: correct, but it pays one more forward.
 
+A sliding window of w keys is FA2's ``window_size`` (w - 1, 0), forward and backward (2.11+; 2.10's
+``is_causal`` has none, and a window is refused there). FA2 in torch has no soft-cap: the backend
+refuses it (Backend.for_kind), and fa4 or reference compute it.
+
 FA2 marks rows that see no key with lse = +inf; the contract wants -inf, so
 forward flips +inf to -inf. Backward flips it back, so the kernel reads the
 value it wrote itself (on 2.11 it gives the same gradients with -inf, checked
@@ -48,6 +52,7 @@ class _Varlen(NamedTuple):
     fixed_kwargs: dict
     has_enable_gqa: bool
     has_scale: bool
+    has_window: bool
 
 
 @functools.cache
@@ -64,7 +69,12 @@ def _varlen() -> _Varlen:
         fixed["window_size"] = _CAUSAL_WINDOW
     else:
         fixed["is_causal"] = True
-    return _Varlen(varlen.varlen_attn, fixed, "enable_gqa" in params, "scale" in params)
+    return _Varlen(varlen.varlen_attn, fixed, "enable_gqa" in params, "scale" in params, "window_size" in params)
+
+
+def _window_size(window: int | None) -> tuple[int, int]:
+    """FA2's (left, right) window: causal, or the ``window`` keys ending at each query."""
+    return _CAUSAL_WINDOW if window is None else (int(window) - 1, 0)
 
 
 @functools.cache
@@ -98,18 +108,22 @@ def problem(device) -> str | None:
     return None
 
 
-def _check_flash_inputs(q, k, v, cu_q, cu_k, scale) -> None:
+def _check_flash_inputs(q, k, v, cu_q, cu_k, scale, window=None) -> None:
     check_half_inputs(q, k, v, cu_q, cu_k, "flash")
     if not q.is_cuda:
         raise ConfigError("backend", "flash", f"needs CUDA tensors, got {q.device}")
     if scale is not None and not _varlen().has_scale:
         raise ConfigError("scale", scale, f"varlen_attn of torch {torch.__version__} has no scale")
+    if window is not None and not _varlen().has_window:
+        raise ConfigError("window", window, f"varlen_attn of torch {torch.__version__} has no window_size")
 
 
-def _run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+def _run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window=None):
     """varlen_attn's (out, lse) with FA2's +inf lse left as it is."""
     shim = _varlen()
     kwargs = dict(shim.fixed_kwargs)
+    if window is not None:
+        kwargs["window_size"] = _window_size(window)
     if scale is not None:
         kwargs["scale"] = scale
     if shim.has_enable_gqa and q.shape[1] != k.shape[1]:
@@ -121,39 +135,44 @@ def _run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     return shim.function(q, k, v, cu_q, cu_k, int(max_q), int(max_k), **kwargs)
 
 
-def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None):
-    """Causal varlen attention; returns (out, lse) per the kernels contract."""
-    _check_flash_inputs(q, k, v, cu_q, cu_k, scale)
+def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window=None, softcap=None):
+    """Causal varlen attention (under a sliding window where given); returns (out, lse) per the kernels
+    contract. ``softcap`` is refused (Backend.for_kind refuses it before any call)."""
+    _check_flash_inputs(q, k, v, cu_q, cu_k, scale, window)
+    if softcap is not None:
+        raise ConfigError("softcap", softcap, "the flash backend does not soft-cap attention scores")
     if q.shape[0] == 0 or k.shape[0] == 0:
         return no_key_forward(q)
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-    out, lse = _run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+    out, lse = _run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window)
     return out, lse.masked_fill(lse == float("inf"), float("-inf"))
 
 
-def _recompute_backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, scale):
+def _recompute_backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, scale, window=None):
     """Fallback: differentiate a fresh forward through varlen_attn's own autograd."""
     with torch.enable_grad():
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-        out, _ = _run_varlen(*leaves, cu_q, cu_k, max_q, max_k, scale)
+        out, _ = _run_varlen(*leaves, cu_q, cu_k, max_q, max_k, scale, window)
         return torch.autograd.grad(out, leaves, dout)
 
 
-def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None):
+def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None, window=None, softcap=None):
     """Gradients (dq, dk, dv) from the forward's out and lse."""
-    _check_flash_inputs(q, k, v, cu_q, cu_k, scale)
+    _check_flash_inputs(q, k, v, cu_q, cu_k, scale, window)
+    if softcap is not None:
+        raise ConfigError("softcap", softcap, "the flash backend does not soft-cap attention scores")
     if q.shape[0] == 0 or k.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     q, k, v, out, dout = (last_dim_contiguous(x) for x in (q, k, v, out, dout.to(q.dtype)))
     op = _backward_op()
     if op is None:
-        return tuple(_recompute_backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, scale))
+        return tuple(_recompute_backward(dout, q, k, v, cu_q, cu_k, max_q, max_k, scale, window))
     kernel_lse = lse.float().masked_fill(lse == float("-inf"), float("inf")).contiguous()
     # Dropout is off, so the kernel never reads the rng state; varlen_attn passes zeros too.
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
     dq, dk, dv = op(dout, q, k, v, out, kernel_lse, cu_q, cu_k, int(max_q), int(max_k),
-                    True, rng_state, scale, list(_CAUSAL_WINDOW))
+                    True, rng_state, scale, list(_window_size(window)))
     return dq, dk, dv
 
 
-BACKEND = Backend("flash", forward, backward, splits_by_segment=True)
+BACKEND = Backend("flash", forward, backward, splits_by_segment=True, takes_window=True)

@@ -62,26 +62,36 @@ def _token_major(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x.reshape(n_kv, -1, rows, dim).permute(2, 0, 1, 3).reshape(rows, -1, dim)
 
 
-def _probabilities(q_scaled: torch.Tensor, keys: torch.Tensor, row_lse: torch.Tensor | None, last_key: torch.Tensor):
+def _probabilities(q_scaled: torch.Tensor, keys: torch.Tensor, row_lse: torch.Tensor | None, last_key: torch.Tensor,
+                   window: int | None = None, softcap: float | None = None):
     """Masked scores of one chunk turned into probabilities.
 
     q_scaled is head-major (H_kv, group * rows, D), keys (H_kv, n_keys, D), ``last_key`` each row's last
-    visible key. With row_lse None it is computed here (forward); the backward passes the forward's.
-    Returns (P, row_lse), P of shape (H_kv, group * rows, n_keys).
+    visible key; under a sliding window a row sees the ``window`` keys ending there. ``softcap``: scores
+    become softcap * tanh(scores / softcap) before the mask. With row_lse None it is computed here
+    (forward); the backward passes the forward's. Returns (P, row_lse, tanh of the capped scores or None),
+    P of shape (H_kv, group * rows, n_keys).
     """
     n_kv, n_keys = keys.shape[0], keys.shape[1]
     scores = torch.bmm(q_scaled, keys.transpose(1, 2))
-    hidden = torch.arange(n_keys, device=keys.device)[None, :] > last_key[:, None]
+    capped = None
+    if softcap is not None:
+        capped = torch.tanh(scores / softcap)
+        scores = capped * softcap
+    key = torch.arange(n_keys, device=keys.device)[None, :]
+    hidden = key > last_key[:, None]
+    if window is not None:
+        hidden |= key <= (last_key - window)[:, None]
     scores.view(n_kv, -1, len(last_key), n_keys).masked_fill_(hidden, float("-inf"))
     if row_lse is None:
         row_lse = torch.logsumexp(scores, dim=-1)
     # Rows that see no key have lse = -inf; shifting them by 0 instead keeps
     # exp(-inf) = 0 rather than exp(nan).
     shift = row_lse.masked_fill(torch.isinf(row_lse), 0.0)
-    return torch.exp(scores - shift[..., None]), row_lse
+    return torch.exp(scores - shift[..., None]), row_lse, capped
 
 
-def _forward_rows(out, lse, q, k, v, chunks, scale):
+def _forward_rows(out, lse, q, k, v, chunks, scale, window=None, softcap=None):
     """out and lse of the query rows ``chunks`` names ((rows, n_keys, last key of each row), all over
     the keys ``k``, ``v``)."""
     acc = lse.dtype
@@ -89,12 +99,12 @@ def _forward_rows(out, lse, q, k, v, chunks, scale):
     keys, values = k.to(acc).transpose(0, 1), v.to(acc).transpose(0, 1)
     for rows, n_keys, last_key in chunks:
         q_scaled = _head_major(q[rows].to(acc) * scale, n_kv)
-        p, row_lse = _probabilities(q_scaled, keys[:, :n_keys], None, last_key)
+        p, row_lse, _ = _probabilities(q_scaled, keys[:, :n_keys], None, last_key, window, softcap)
         out[rows] = _token_major(torch.bmm(p, values[:, :n_keys]), len(last_key)).to(q.dtype)
         lse[:, rows] = row_lse.reshape(n_q, len(last_key))
 
 
-def _backward_rows(dq, dout, q, k, v, out, lse, chunks, scale):
+def _backward_rows(dq, dout, q, k, v, out, lse, chunks, scale, window=None, softcap=None):
     """dq of the rows ``chunks`` names (written into ``dq``), and the gradients of ``k``, ``v`` they give."""
     acc = _accumulation_dtype(q.dtype)
     n_kv = k.shape[1]
@@ -104,11 +114,13 @@ def _backward_rows(dq, dout, q, k, v, out, lse, chunks, scale):
         q_scaled = _head_major(q[rows].to(acc) * scale, n_kv)
         grad_out = _head_major(dout[rows].to(acc), n_kv)
         row_lse = lse[:, rows].to(acc).reshape(n_kv, -1)
-        p, _ = _probabilities(q_scaled, keys[:, :n_keys], row_lse, last_key)
+        p, _, capped = _probabilities(q_scaled, keys[:, :n_keys], row_lse, last_key, window, softcap)
         dp = torch.bmm(grad_out, values[:, :n_keys].transpose(1, 2))
         # D_i = rowsum(dout * out) = rowsum(P * dP): the softmax Jacobian's diagonal term.
         delta = (grad_out * _head_major(out[rows].to(acc), n_kv)).sum(-1, keepdim=True)
         ds = p * (dp - delta)
+        if capped is not None:  # d(c * tanh(s / c)) / ds = 1 - tanh^2
+            ds = ds * (1.0 - capped * capped)
         dq[rows] = _token_major(torch.bmm(ds, keys[:, :n_keys]) * scale, len(last_key)).to(q.dtype)
         # Stacking a kv head's query group along rows makes these matmuls
         # sum over the group, which is GQA's gradient for the shared head.
@@ -123,19 +135,20 @@ def _segment_chunks(q0, q_len, k_len, n_heads, device):
         yield slice(q0 + r0, q0 + r1), n_keys, torch.arange(r0, r1, device=device) + (k_len - q_len)
 
 
-def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None):
-    """Causal varlen attention; returns (out, lse) per the kernels contract."""
+def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window=None, softcap=None):
+    """Causal varlen attention (under a sliding window, with soft-capped scores, where given); returns
+    (out, lse) per the kernels contract."""
     check_inputs(q, k, v, cu_q, cu_k)
     scale = default_scale(q.shape[2]) if scale is None else scale
     out = torch.zeros_like(q)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_accumulation_dtype(q.dtype), device=q.device)
     for q0, q_len, k0, k_len in _segments(cu_q, cu_k):
         _forward_rows(out, lse, q, k[k0:k0 + k_len], v[k0:k0 + k_len],
-                      _segment_chunks(q0, q_len, k_len, q.shape[1], q.device), scale)
+                      _segment_chunks(q0, q_len, k_len, q.shape[1], q.device), scale, window, softcap)
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None):
+def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None, window=None, softcap=None):
     """Gradients (dq, dk, dv) of causal varlen attention, from the forward's out and lse."""
     check_inputs(q, k, v, cu_q, cu_k)
     scale = default_scale(q.shape[2]) if scale is None else scale
@@ -143,7 +156,7 @@ def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None):
     for q0, q_len, k0, k_len in _segments(cu_q, cu_k):
         dk[k0:k0 + k_len], dv[k0:k0 + k_len] = _backward_rows(
             dq, dout, q, k[k0:k0 + k_len], v[k0:k0 + k_len], out, lse,
-            _segment_chunks(q0, q_len, k_len, q.shape[1], q.device), scale)
+            _segment_chunks(q0, q_len, k_len, q.shape[1], q.device), scale, window, softcap)
     return dq, dk, dv
 
 
@@ -171,20 +184,20 @@ def _position_chunks(handle: Positions, n_heads: int):
         yield slice(r0, r1), int(handle.host[r0:r1].max()) + 1, handle.device[r0:r1]
 
 
-def position_forward(q, k, v, handle: Positions, scale=None):
+def position_forward(q, k, v, handle: Positions, scale=None, window=None, softcap=None):
     check_position_inputs(q, k, v, len(handle.host), handle.num_keys)
     scale = default_scale(q.shape[2]) if scale is None else scale
     out = torch.zeros_like(q)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_accumulation_dtype(q.dtype), device=q.device)
-    _forward_rows(out, lse, q, k, v, _position_chunks(handle, q.shape[1]), scale)
+    _forward_rows(out, lse, q, k, v, _position_chunks(handle, q.shape[1]), scale, window, softcap)
     return out, lse
 
 
-def position_backward(dout, q, k, v, out, lse, handle: Positions, scale=None, into=None):
+def position_backward(dout, q, k, v, out, lse, handle: Positions, scale=None, into=None, window=None, softcap=None):
     check_position_inputs(q, k, v, len(handle.host), handle.num_keys)
     scale = default_scale(q.shape[2]) if scale is None else scale
     dq = torch.zeros_like(q)
-    dk, dv = _backward_rows(dq, dout, q, k, v, out, lse, _position_chunks(handle, q.shape[1]), scale)
+    dk, dv = _backward_rows(dq, dout, q, k, v, out, lse, _position_chunks(handle, q.shape[1]), scale, window, softcap)
     if into is None:
         return dq, dk, dv
     for target, grad in zip(into, (dq, dk, dv)):
@@ -193,4 +206,6 @@ def position_backward(dout, q, k, v, out, lse, handle: Positions, scale=None, in
 
 
 BACKEND = Backend("reference", forward, backward, splits_by_segment=True,
-                  positions=PositionKernel(prepare_positions, position_forward, position_backward))
+                  positions=PositionKernel(prepare_positions, position_forward, position_backward, takes_window=True,
+                                           takes_softcap=True),
+                  takes_window=True, takes_softcap=True)

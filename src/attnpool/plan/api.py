@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
+import numpy as np
+
 from attnpool.errors import ConfigError
 from attnpool.plan.cad import schedule_cad
 from attnpool.plan.cost import default_min_shard_tokens, load_cost_model
@@ -23,7 +25,8 @@ STRATEGIES = tuple(SCHEDULERS)
 
 def plan_attention(pieces_per_rank: Sequence[Sequence[DocPiece]] | PieceTable, strategy: str = "cad", *,
                    cost_model=None, min_shard_tokens: int | None = None, eps: float = 0.02,
-                   shape: AttentionShape = AttentionShape(), topology: Topology | None = None) -> Plan:
+                   shape: AttentionShape = AttentionShape(), topology: Topology | None = None,
+                   window: int | None = None) -> Plan:
     """Plan core attention for pieces already laid out on ranks.
 
     Deterministic: the same arguments give a byte-identical plan (see
@@ -37,6 +40,8 @@ def plan_attention(pieces_per_rank: Sequence[Sequence[DocPiece]] | PieceTable, s
       stops early only where the minimum shard size makes the tolerance unreachable).
     - ``topology``: which node each rank is on; ``cad`` then prices bytes between nodes higher and
       prefers moves inside a node (None: every byte alike, as on one node).
+    - ``window``: the sliding window (keys) of the layers the plan serves (None: causal attention). Tasks
+      are priced by their windowed work and need only the window's KV (plan.plan).
     """
     if strategy not in SCHEDULERS:
         raise ConfigError("strategy", strategy, f"unknown; choose one of {', '.join(STRATEGIES)}")
@@ -46,6 +51,13 @@ def plan_attention(pieces_per_rank: Sequence[Sequence[DocPiece]] | PieceTable, s
     model = cost_model if hasattr(cost_model, "cost") else load_cost_model(cost_model)
     if min_shard_tokens is None:
         min_shard_tokens = default_min_shard_tokens(model)
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+            raise ConfigError("window", window, "a sliding window is a positive number of keys")
+        if not hasattr(model, "windowed"):
+            raise ConfigError("cost_model", getattr(model, "name", type(model).__name__),
+                              "prices causal tasks only; a windowed plan needs a model with windowed()")
+        model = model.windowed(int(window))
     if min_shard_tokens < 1:
         raise ConfigError("min_shard_tokens", min_shard_tokens, "must be >= 1")
     if topology is not None and len(topology.rank_node) != table.num_ranks:
@@ -63,4 +75,5 @@ def plan_attention(pieces_per_rank: Sequence[Sequence[DocPiece]] | PieceTable, s
         options["heads"] = (shape.n_q_heads, shape.n_kv_heads)
     if topology is not None and topology.num_nodes > 1:
         options["nodes"] = topology.num_nodes
-    return make_plan(strategy, table, *tasks, min_shard_tokens=min_shard_tokens, options=options, plan_seconds=seconds)
+    return make_plan(strategy, table, *tasks, min_shard_tokens=min_shard_tokens, options=options, plan_seconds=seconds,
+                     window=window)

@@ -28,26 +28,25 @@ are evaluated as NumPy arrays.
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 
 from attnpool.plan.cost import PairsCost, doc_costs
-from attnpool.plan.documents import PieceTable, causal_pairs
+from attnpool.plan.documents import PieceTable, key_start, prefix_pairs, prefix_pairs_inverse, window_pairs
 from attnpool.plan.local import home_tasks
 from attnpool.plan.percp import schedule_percp
 from attnpool.plan.plan import AttentionShape, Topology, canonical_tasks
 
 
-def _suffix_cut(a, b, pairs):
-    """Smallest c in [a, b] with causal_pairs(c, b) <= pairs (vectorised)."""
-    root = (-1.0 + np.sqrt(np.maximum(0.0, 1.0 + 4.0 * (b * b + b - 2.0 * pairs)))) / 2.0
+def _suffix_cut(a, b, pairs, window=None):
+    """Smallest c in [a, b] with window_pairs(c, b, window) <= pairs (vectorised)."""
+    root = prefix_pairs_inverse(prefix_pairs(np.asarray(b), window) - np.asarray(pairs, dtype=np.float64), window)
     return np.minimum(np.maximum(np.ceil(root - 1e-9), a), b).astype(np.int64)
 
 
-def _prefix_cut(a, b, pairs):
-    """Largest c in [a, b] with causal_pairs(a, c) <= pairs (vectorised)."""
-    root = (-1.0 + np.sqrt(1.0 + 4.0 * (a * a + a + 2.0 * pairs))) / 2.0
+def _prefix_cut(a, b, pairs, window=None):
+    """Largest c in [a, b] with window_pairs(a, c, window) <= pairs (vectorised)."""
+    root = prefix_pairs_inverse(prefix_pairs(np.asarray(a), window) + np.asarray(pairs, dtype=np.float64), window)
     return np.minimum(np.maximum(np.floor(root + 1e-9), a), b).astype(np.int64)
 
 
@@ -98,8 +97,9 @@ def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: floa
     """
     cost, cost1 = doc_costs(cost_model)
     home = home_tasks(table)
+    window = getattr(cost_model, "window", None)  # the layer kind's sliding window (plan.cost)
     tasks, max_load, balanced = _greedy(table, home, cost, cost1, isinstance(cost_model, PairsCost),
-                                        min_shard_tokens, eps, shape, topology)
+                                        min_shard_tokens, eps, shape, topology, window)
     if table.num_ranks == 1:
         return tasks
     percp = schedule_percp(table, min_shard_tokens)
@@ -110,7 +110,7 @@ def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: floa
     if balanced and busiest(tasks) <= busiest(percp) * (1.0 + eps):
         return tasks
     seeded, _, _ = _greedy(table, percp, cost, cost1, isinstance(cost_model, PairsCost), min_shard_tokens, eps, shape,
-                           topology)
+                           topology, window)
     # The least busiest server among the two greedy results and the baselines themselves, costed as the plan
     # holds them (contiguous shards on one server merged, which under the table changes their cost, so a
     # greedy's best state can end above its start: a 1,280-token document over 5 ranks, 0.1%).
@@ -125,8 +125,9 @@ def _busiest_load(tasks, cost, num_ranks: int) -> float:
 
 
 def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_shard_tokens: int, eps: float,
-            shape: AttentionShape, topology: Topology | None = None):
-    """Moves from the busiest server, starting from ``start_tasks`` (doc, a, b, piece, server).
+            shape: AttentionShape, topology: Topology | None = None, window: int | None = None):
+    """Moves from the busiest server, starting from ``start_tasks`` (doc, a, b, piece, server); ``window``: the
+    tasks' sliding window (their keys start at key_start(a, window)), None for causal attention.
 
     Returns (tasks, busiest server's load, whether max/mean <= 1 + eps) of the state with the
     least loaded busiest server seen: where the minimum shard carries more work than the
@@ -146,7 +147,7 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
     movable = [by_server[bounds[r]:bounds[r + 1]].tolist() for r in range(W)]
 
     # KV a server already holds for a document: [0, kv_end) for the largest task end of that
-    # doc on that server. Only documents on more than one server can have it on a receiver,
+    # doc on that server (under a window, counted as if it held from the moved part's first key). Only documents on more than one server can have it on a receiver,
     # so only those are tracked until a move puts a doc on a new server.
     kv_end: dict[tuple[int, int], int] = {}
     holders: dict[int, list[int]] = {}
@@ -211,9 +212,9 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
         delta = np.minimum(loads[d] - mean, mean - loads[cr])
         # Cut by pair count at the item's own pairs-per-cost; the chosen cut is refined
         # below for a table model, whose rate depends on the shard size.
-        target = delta * causal_pairs(a, b) / w
-        cs = np.minimum(_suffix_cut(a, b, target), b - min_shard_tokens)
-        cp = np.maximum(_prefix_cut(a, b, target), a + min_shard_tokens)
+        target = delta * window_pairs(a, b, window) / w
+        cs = np.minimum(_suffix_cut(a, b, target, window), b - min_shard_tokens)
+        cp = np.maximum(_prefix_cut(a, b, target, window), a + min_shard_tokens)
         opt_a = np.concatenate([a, cs, a])
         opt_b = np.concatenate([b, b, cp])
         valid = np.concatenate([np.ones(a.size, bool), cs - a >= min_shard_tokens, b - cp >= min_shard_tokens])
@@ -223,7 +224,8 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
         fits = valid & (after <= mean * (1.0 + tol))
         if fits.any():
             # Fewest bytes per unit of work: Q out + O back + KV the receiver lacks.
-            nbytes = qo_bytes * (opt_b - opt_a) + kv_bytes * np.maximum(0, opt_b - np.tile(held, 3))
+            first_key = key_start(opt_a, window)
+            nbytes = qo_bytes * (opt_b - opt_a) + kv_bytes * np.maximum(0, opt_b - np.maximum(first_key, np.tile(held, 3)))
             if nodes is not None:  # the item's Q (and, mostly, its KV) comes from its piece's rank
                 crossing = nodes[table.rank[np.tile(items.piece[it], 3)]] != nodes[receiver]
                 nbytes = np.where(crossing, nbytes * topology.inter_node_byte_cost, nbytes)
@@ -245,7 +247,7 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
         ma, mb, mcost = int(opt_a[best]), int(opt_b[best]), float(moved[best])
         if kind != WHOLE and not exact_cost:
             ma, mb, mcost = _refine_cut(lambda x, y: cost1(x, y, g), kind, int(a[c]), int(b[c]), ma, mb, float(delta[c]),
-                                        mean * (1.0 + tol) - loads[r], min_shard_tokens, mcost)
+                                        mean * (1.0 + tol) - loads[r], min_shard_tokens, mcost, window)
         undo.append((i, int(items.server[i]), int(items.a[i]), int(items.b[i]), float(items.cost[i]), items.n))
         if kind == WHOLE:
             items.server[i] = r
@@ -271,7 +273,7 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
     return items.tasks(), best_load, best_load <= best_mean * (1.0 + eps)
 
 
-def _refine_cut(cost1, kind, a, b, ma, mb, delta, room, min_shard, mcost):
+def _refine_cut(cost1, kind, a, b, ma, mb, delta, room, min_shard, mcost, window=None):
     """Move the chosen cut so the moved part carries ``delta`` under a non-additive cost.
 
     A few fixed-point steps on the moved part's own pairs-per-cost, in plain Python
@@ -280,14 +282,14 @@ def _refine_cut(cost1, kind, a, b, ma, mb, delta, room, min_shard, mcost):
     """
     best = (ma, mb, mcost)
     for _ in range(3):
-        target = delta * ((mb - ma) * (ma + mb + 1) / 2) / max(mcost, 1e-300)
+        target = delta * window_pairs(ma, mb, window) / max(mcost, 1e-300)
         if kind == SUFFIX:  # smallest c with pairs(c, b) <= target
-            ma = math.ceil((-1.0 + math.sqrt(max(0.0, 1.0 + 4.0 * (b * b + b - 2.0 * target)))) / 2.0 - 1e-9)
+            ma = int(_suffix_cut(a, b, target, window))
             ma = min(max(ma, a), b - min_shard)
             if ma - a < min_shard:
                 break
         else:  # largest c with pairs(a, c) <= target
-            mb = math.floor((-1.0 + math.sqrt(1.0 + 4.0 * (a * a + a + 2.0 * target))) / 2.0 + 1e-9)
+            mb = int(_prefix_cut(a, b, target, window))
             mb = max(min(mb, b), a + min_shard)
             if b - mb < min_shard:
                 break

@@ -1,5 +1,9 @@
 """Cost models of CA-tasks: how long a query shard [a, b) with KV prefix [0, b) takes.
 
+Under a sliding window of w keys (``windowed(w)``: a model of the same kernel for a layer kind with a
+window) a task's keys are [max(0, a - w + 1), b) and its work ``window_pairs(a, b, w)``: about
+min(w, position) keys per query, not the whole prefix.
+
 Two models, one interface (``cost(a, b) -> float64 array``, vectorised):
 
 - :class:`PairsCost`: the number of causal (query, key) pairs. Additive: cutting a
@@ -25,6 +29,8 @@ bench/results/2026-11-26-h200-fa4.md) under ``backends.fa4``.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -35,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from attnpool.errors import ConfigError, read_json_file
-from attnpool.plan.documents import causal_pairs
+from attnpool.plan.documents import key_start, window_pairs
 
 # Forward FLOPs per (query, key) pair and head: QK^T and PV, 2 FLOPs per multiply-add each.
 FWD_FLOPS_PER_PAIR_PER_HEAD_DIM = 4.0
@@ -86,26 +92,41 @@ def doc_costs(cost_model):
     return (lambda a, b, doc: cost_model.cost(a, b)), (lambda a, b, doc: cost_model.cost1(a, b))
 
 
+def for_window(cost_model, window: int | None):
+    """``cost_model`` pricing tasks under a sliding window of ``window`` keys (None: causal), where the model
+    prices windows (``windowed``); a model that does not (sparse patterns, which refuse windows) as it is."""
+    if hasattr(cost_model, "windowed") and getattr(cost_model, "window", None) != window:
+        return cost_model.windowed(window)
+    return cost_model
+
+
 def attention_flops(pairs, n_q_heads: int, head_dim: int, phase: str = "fwd+bwd"):
     """FLOPs of core attention over ``pairs`` causal pairs."""
     fwd = FWD_FLOPS_PER_PAIR_PER_HEAD_DIM * head_dim * n_q_heads * np.asarray(pairs, dtype=np.float64)
     return fwd * (1.0 + BWD_TO_FWD_FLOPS) if phase == "fwd+bwd" else fwd
 
 
+@dataclass(frozen=True)
 class PairsCost:
-    """Work = causal pairs. Exact, additive, device-independent."""
+    """Work = (query, key) pairs. Exact, additive, device-independent."""
+
+    window: int | None = None  # a sliding window's keys; None: causal over the whole prefix
 
     name = "pairs"
     unit = "pairs"
 
+    def windowed(self, window: int | None) -> "PairsCost":
+        """The same model for tasks under a sliding window of ``window`` keys (None: causal)."""
+        return PairsCost(window)
+
     def cost1(self, a: int, b: int) -> float:
         """cost() of one task in plain Python (the scheduler's scalar path)."""
-        return float((b - a) * (a + b + 1) // 2)
+        return float(window_pairs(a, b, self.window))
 
     def cost(self, a, b) -> np.ndarray:
         a = np.asarray(a, dtype=np.int64)
         b = np.asarray(b, dtype=np.int64)
-        return causal_pairs(a, b).astype(np.float64)
+        return window_pairs(a, b, self.window).astype(np.float64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,6 +141,7 @@ class TableCost:
     phase: str = "fwd+bwd"
     source: str = ""
     backend: str = TOP_LEVEL_BACKEND  # the kernel backend whose measurements these are
+    window: int | None = None  # a sliding window's keys; None: causal over the whole prefix
 
     name = "table"
     unit = "s"
@@ -162,12 +184,20 @@ class TableCost:
         # np.minimum/maximum, not np.clip: clip's per-call overhead dominates on small arrays.
         return fine[np.minimum(np.maximum(iq, 0), fine.shape[0] - 1), np.minimum(np.maximum(ik, 0), fine.shape[1] - 1)]
 
+    def windowed(self, window: int | None) -> "TableCost":
+        """The same kernel's table for tasks under a sliding window of ``window`` keys (None: causal): a task's
+        work is its windowed pairs, at the rate of its query length over the keys it reads."""
+        table = copy.copy(self)  # the fine grid goes with it: the rate curve is the same
+        object.__setattr__(table, "window", window)
+        return table
+
     def cost1(self, a: int, b: int) -> float:
         """cost() of one task in plain Python (the scheduler's scalar path)."""
         fine, s = self._fine, self.STEPS_PER_OCTAVE
         iq = min(max(round((math.log2(max(b - a, 1)) - self._origin[0]) * s), 0), fine.shape[0] - 1)
-        ik = min(max(round((math.log2(max(b, 1)) - self._origin[1]) * s), 0), fine.shape[1] - 1)
-        pairs = (b - a) * (a + b + 1) // 2
+        keys = b - key_start(a, self.window)
+        ik = min(max(round((math.log2(max(keys, 1)) - self._origin[1]) * s), 0), fine.shape[1] - 1)
+        pairs = window_pairs(a, b, self.window)
         flops = FWD_FLOPS_PER_PAIR_PER_HEAD_DIM * self.head_dim * self.n_q_heads * pairs
         if self.phase == "fwd+bwd":
             flops *= 1.0 + BWD_TO_FWD_FLOPS
@@ -176,8 +206,8 @@ class TableCost:
     def cost(self, a, b) -> np.ndarray:
         a = np.asarray(a, dtype=np.int64)
         b = np.asarray(b, dtype=np.int64)
-        flops = attention_flops(causal_pairs(a, b), self.n_q_heads, self.head_dim, self.phase)
-        return flops / (self.rate(b - a, b) * 1e12)
+        flops = attention_flops(window_pairs(a, b, self.window), self.n_q_heads, self.head_dim, self.phase)
+        return flops / (self.rate(b - a, b - key_start(a, self.window)) * 1e12)
 
     def to_json(self) -> dict:
         return {
@@ -232,8 +262,7 @@ class TableCost:
 
     def scaled_to(self, n_q_heads: int, head_dim: int) -> "TableCost":
         """The same throughput for another head configuration (FLOPs scale; rate is kept)."""
-        return TableCost(self.q_grid, self.k_grid, self.tflops, n_q_heads, head_dim, self.phase, self.source,
-                         self.backend)
+        return dataclasses.replace(self, n_q_heads=n_q_heads, head_dim=head_dim)
 
 
 # Measured on one H200, FlashAttention-2 varlen (PyTorch), bf16, 32 query / 8 KV heads of 128.

@@ -48,6 +48,42 @@ def causal_pairs(a, b):
     return (b - a) * (a + b + 1) // 2
 
 
+def key_start(a, window: int | None):
+    """The first key query tokens [a, ...) see: 0 for causal attention, ``max(0, a - window + 1)`` under a
+    sliding window of ``window`` keys (query i sees keys (i - window, i]). Works on ints and arrays."""
+    if window is None:
+        return a * 0
+    return np.maximum(a - window + 1, 0) if isinstance(a, np.ndarray) else max(a - window + 1, 0)
+
+
+def prefix_pairs(x, window: int | None):
+    """(query, key) pairs of query tokens [0, x): ``sum_{i<x} min(i + 1, window)`` (causal without a window).
+    Works on ints and arrays (exact integers)."""
+    if window is None:
+        return x * (x + 1) // 2
+    inside = np.minimum(x, window) if isinstance(x, np.ndarray) else min(x, window)
+    return inside * (inside + 1) // 2 + (x - inside) * window
+
+
+def window_pairs(a, b, window: int | None):
+    """(query, key) pairs of query tokens [a, b) of a document under a sliding window of ``window`` keys
+    (:func:`causal_pairs` where ``window`` is None): the work of a windowed CA-task."""
+    if window is None:
+        return causal_pairs(a, b)
+    return prefix_pairs(b, window) - prefix_pairs(a, window)
+
+
+def prefix_pairs_inverse(pairs, window: int | None):
+    """The real x with prefix_pairs(x, window) = pairs (vectorised, float64): where to cut a document so that
+    the queries before the cut carry ``pairs``."""
+    pairs = np.asarray(pairs, dtype=np.float64)
+    causal = (-1.0 + np.sqrt(np.maximum(0.0, 1.0 + 8.0 * pairs))) / 2.0
+    if window is None:
+        return causal
+    full = window * (window + 1) / 2.0
+    return np.where(pairs <= full, causal, window + (pairs - full) / window)
+
+
 @dataclass(frozen=True, eq=False)
 class PieceTable:
     """All pieces of a layout as flat arrays, in rank-major order.

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from attnpool.plan.cost import doc_costs
+from attnpool.plan.cost import doc_costs, for_window
 from attnpool.plan.plan import AttentionShape, Plan
 from attnpool.plan.ulysses import ulysses_loads, ulysses_rows, ulysses_traffic
 
@@ -26,17 +26,18 @@ def imbalance(loads) -> float:
     return float(loads.max() / mean) if mean > 0 else 1.0
 
 
-def home_loads(table, cost_model) -> np.ndarray:
-    """Per-rank work if every piece were served at home (the `local` strategy)."""
-    cost, _ = doc_costs(cost_model)
+def home_loads(table, cost_model, window: int | None = None) -> np.ndarray:
+    """Per-rank work if every piece were served at home (the `local` strategy), under a sliding window of
+    ``window`` keys where one is given."""
+    cost, _ = doc_costs(for_window(cost_model, window))
     return np.bincount(table.rank, weights=cost(table.start, table.end, table.doc), minlength=table.num_ranks)
 
 
 def server_loads(plan: Plan, cost_model) -> np.ndarray:
     """Per-server work under a plan."""
     if plan.head_parallel:
-        return ulysses_loads(plan, cost_model)
-    cost, _ = doc_costs(cost_model)
+        return ulysses_loads(plan, for_window(cost_model, plan.window))
+    cost, _ = doc_costs(for_window(cost_model, plan.window))
     return np.bincount(plan.task_server, weights=cost(plan.task_start, plan.task_end, plan.task_doc),
                        minlength=plan.num_ranks)
 
@@ -67,7 +68,7 @@ class PlanMetrics:
     def of(cls, plan: Plan, cost_model, shape: AttentionShape = AttentionShape()) -> "PlanMetrics":
         W = plan.num_ranks
         t = plan.pieces
-        before, after = home_loads(t, cost_model), server_loads(plan, cost_model)
+        before, after = home_loads(t, cost_model, plan.window), server_loads(plan, cost_model)
         if plan.head_parallel:  # KV tokens: every token's, on the rank's share of the heads
             q_out, kv_out, o_back = ulysses_traffic(plan, shape)
             unique = expanded = np.full(W, int(t.tokens_per_rank.sum()), dtype=np.int64)
@@ -79,8 +80,9 @@ class PlanMetrics:
             x = plan.kv_transfers()
             sent = np.where(x.src != x.server, x.length, 0)
             kv_out = np.bincount(x.src, weights=sent, minlength=W).astype(np.int64) * shape.kv_bytes
-            unique = np.bincount(x.group_server, weights=x.group_kv_end, minlength=W).astype(np.int64)
-            expanded = np.bincount(plan.task_server, weights=plan.task_end, minlength=W).astype(np.int64)
+            unique = np.bincount(x.group_server, weights=x.group_len, minlength=W).astype(np.int64)
+            expanded = np.bincount(plan.task_server, weights=plan.task_end - plan.task_key_start,
+                                   minlength=W).astype(np.int64)
         return cls(
             strategy=plan.strategy, num_servers=W, cost_unit=getattr(cost_model, "unit", "work"),
             load_before=before.tolist(), load_after=after.tolist(),

@@ -2,7 +2,9 @@
 
 A CA-task is query tokens [start, end) of one document, inside one piece (so its
 query tokens live contiguously on one home rank), served by ``server`` over the
-document's causal KV prefix [0, end). Every scheduler returns this one type.
+document's causal KV prefix [0, end), or under a sliding window of w keys (a plan of a
+windowed layer kind, ``Plan.window``) over keys [max(0, start - w + 1), end): the window's
+KV, not the whole prefix. Every scheduler returns this one type.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from attnpool.plan.documents import PieceTable
+from attnpool.plan.documents import PieceTable, key_start
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class Plan:
     min_shard_tokens: int
     options: dict = field(default_factory=dict)
     plan_seconds: float = 0.0
+    window: int | None = None  # the sliding window (keys) of the layers this plan serves; None: causal
     # Derived from the plan and kept with it (not part of its content): the KV transfers, and
     # the per-rank dispatch layouts the runtime builds.
     runtime_cache: dict = field(default_factory=dict, repr=False)
@@ -93,6 +96,11 @@ class Plan:
         return self.pieces.rank[self.task_piece]
 
     @property
+    def task_key_start(self) -> np.ndarray:
+        """The first key of each task: 0, or under a sliding window the window's first."""
+        return key_start(self.task_start, self.window)
+
+    @property
     def task_home_offset(self) -> np.ndarray:
         """Offset of the task's first query token in its home rank's buffer."""
         p = self.task_piece
@@ -101,7 +109,7 @@ class Plan:
     def fingerprint(self) -> str:
         """SHA-256 of the plan's content; equal on every rank iff the plans are identical."""
         h = hashlib.sha256()
-        h.update(f"{self.strategy}|{self.num_ranks}|{self.min_shard_tokens}|".encode())
+        h.update(f"{self.strategy}|{self.num_ranks}|{self.min_shard_tokens}|{self.window}|".encode())
         t = self.pieces
         for arr in (t.doc_ids, t.doc_len, t.rank, t.doc, t.start, t.length,
                     self.task_doc, self.task_start, self.task_end, self.task_piece, self.task_server):
@@ -140,26 +148,35 @@ class Plan:
         A segment is a CA-task, or a run of tasks adjacent in the server's canonical order where each
         starts at the document position the previous one ends (shards of different pieces that the
         planner put on one server): their queries are consecutive rows of the server's Q buffer and
-        consecutive positions [a, e), so one causal segment over keys [0, e) computes them all and
-        their shared prefix is expanded once, not once per task (bench/kv_expansion.py)."""
+        consecutive positions [a, e), so one causal segment over keys [0, e) (under a window, from the
+        window's first key of a) computes them all and their shared keys are expanded once, not once per
+        task (bench/kv_expansion.py)."""
+        doc, start, end = self.kernel_spans(server)
+        return doc, end - start, end - key_start(start, self.window)
+
+    def kernel_spans(self, server: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(document, first query, one past the last query) of each segment of the server's kernel call
+        (:meth:`kernel_segments`), in task order."""
         mine = self.server_tasks(server)
         if not len(mine):
             return (np.zeros(0, dtype=np.int64),) * 3
         doc, start, end = self.task_doc[mine], self.task_start[mine], self.task_end[mine]
         first = np.flatnonzero(np.r_[True, (doc[1:] != doc[:-1]) | (start[1:] != end[:-1])])
         last = np.r_[first[1:], len(mine)] - 1
-        return doc[first], end[last] - start[first], end[last]
+        return doc[first], start[first], end[last]
 
 
 @dataclass(frozen=True, eq=False)
 class KVTransfers:
     """The unique KV each server needs, as segments of pieces.
 
-    For every (server, doc) the server needs KV [0, kv_end), where kv_end is the
-    largest task end of that doc on that server; each piece overlapping it gives
-    one segment [start, start + length) (document coordinates) sent from the
-    piece's rank ``src`` (no transfer when ``src == server``). Sorted by
-    (server, doc, start): this is the order of the server's unique KV buffer.
+    A server needs, of each document it serves, the keys of its tasks there: [0, kv_end) for causal
+    attention, kv_end the largest task end of that doc on that server. Under a sliding window each task
+    needs [key_start, end) only, and those ranges, merged where they overlap or touch, may be several
+    per document (a document's head and tail on one server): one group per (server, doc, range),
+    [group_kv_start, group_kv_end). Each piece overlapping a group's range gives one segment
+    [start, start + length) (document coordinates) sent from the piece's rank ``src`` (no transfer when
+    ``src == server``). Sorted by (server, doc, start): this is the order of the server's unique KV buffer.
     """
 
     server: np.ndarray
@@ -169,39 +186,52 @@ class KVTransfers:
     start: np.ndarray
     length: np.ndarray
     src_row: np.ndarray  # the segment's first row in its source rank's tokens
-    # per (server, doc) group:
+    # per (server, doc, range) group, sorted by (server, doc, start):
     group_server: np.ndarray
     group_doc: np.ndarray
+    group_kv_start: np.ndarray
     group_kv_end: np.ndarray
+
+    @property
+    def group_len(self) -> np.ndarray:
+        """Each group's KV rows in the server's unique buffer."""
+        return self.group_kv_end - self.group_kv_start
 
 
 def kv_transfers(plan: Plan) -> KVTransfers:
     t = plan.pieces
     D = t.num_docs
-    # Largest task end per (server, doc): groups sorted by server then doc.
-    key = plan.task_server * D + plan.task_doc
-    ukey, inv = np.unique(key, return_inverse=True)
-    kv_end = np.zeros(len(ukey), dtype=np.int64)
-    np.maximum.at(kv_end, inv, plan.task_end)
-    g_server, g_doc = ukey // D, ukey % D
+    # Every task's key range, sorted by (server, doc, start); ranges of one (server, doc) that overlap or
+    # touch merge into one group (a task's range starts where the running end of its block's ranges is).
+    ks = plan.task_key_start
+    order = np.lexsort((ks, plan.task_doc, plan.task_server))
+    block = (plan.task_server * D + plan.task_doc)[order]
+    start, end = ks[order], plan.task_end[order]
+    span = int(end.max(initial=0)) + 1
+    running_end = np.maximum.accumulate(block * span + end) - block * span  # within its block: the key offsets
+    new_block = np.r_[True, block[1:] != block[:-1]]
+    first = np.flatnonzero(new_block | np.r_[False, start[1:] > running_end[:-1]])
+    last = np.r_[first[1:], len(order)] - 1
+    g_server, g_doc = block[first] // max(D, 1), block[first] % max(D, 1)
+    kv_start, kv_end = start[first], running_end[last]
     # Pieces sorted by (doc, start); each doc's pieces are a contiguous range.
     porder = np.lexsort((t.start, t.doc))
     pdoc = t.doc[porder]
-    first = np.searchsorted(pdoc, np.arange(D), side="left")
-    count = np.searchsorted(pdoc, np.arange(D), side="right") - first
+    doc_first = np.searchsorted(pdoc, np.arange(D), side="left")
+    count = np.searchsorted(pdoc, np.arange(D), side="right") - doc_first
     # Expand every group to all pieces of its doc, then keep the overlapping ones.
     n = count[g_doc]
-    grp = np.repeat(np.arange(len(ukey)), n)
+    grp = np.repeat(np.arange(len(first)), n)
     within = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)
-    piece = porder[first[g_doc][grp] + within]
-    seg_start = t.start[piece]
+    piece = porder[doc_first[g_doc][grp] + within]
+    seg_start = np.maximum(t.start[piece], kv_start[grp])
     seg_end = np.minimum(t.start[piece] + t.length[piece], kv_end[grp])
     keep = seg_end > seg_start
     grp, piece, seg_start, seg_end = grp[keep], piece[keep], seg_start[keep], seg_end[keep]
     return KVTransfers(
         server=g_server[grp], doc=g_doc[grp], piece=piece, src=t.rank[piece],
         start=seg_start, length=seg_end - seg_start, src_row=t.offset[piece] + (seg_start - t.start[piece]),
-        group_server=g_server, group_doc=g_doc, group_kv_end=kv_end,
+        group_server=g_server, group_doc=g_doc, group_kv_start=kv_start, group_kv_end=kv_end,
     )
 
 
@@ -221,8 +251,9 @@ def canonical_tasks(doc, start, end, piece, server) -> tuple[np.ndarray, ...]:
 
 
 def make_plan(strategy: str, pieces: PieceTable, doc, start, end, piece, server, min_shard_tokens: int,
-              options: dict | None = None, plan_seconds: float = 0.0) -> Plan:
+              options: dict | None = None, plan_seconds: float = 0.0, window: int | None = None) -> Plan:
     """Build a Plan with tasks in canonical order (doc, start), merging contiguous tasks
     of one piece that share a server (they are one shard)."""
     doc, start, end, piece, server = canonical_tasks(doc, start, end, piece, server)
-    return Plan(strategy, pieces, doc, start, end, piece, server, int(min_shard_tokens), dict(options or {}), plan_seconds)
+    return Plan(strategy, pieces, doc, start, end, piece, server, int(min_shard_tokens), dict(options or {}), plan_seconds,
+                None if window is None else int(window))

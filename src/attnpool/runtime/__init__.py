@@ -13,26 +13,30 @@ from attnpool.sparse import SparseConfig
 
 
 def attention_for(plan: Plan, group=None, *, backend: str | Backend | None = None, scale: float | None = None,
-                  sparse: SparseConfig | None = None, **options):
+                  sparse: SparseConfig | None = None, softcap: float | None = None, **options):
     """The core attention that serves ``plan``: :class:`UlyssesAttention` for a head-parallel plan (dense only),
-    else :class:`CoreAttention` (``options``: its other keywords)."""
+    else :class:`CoreAttention` (``options``: its other keywords). ``softcap``: the layer kind's soft-cap."""
     if plan.head_parallel:
         if sparse is not None and sparse.enabled:
             raise ValueError("ulysses serves dense attention (attnpool train refuses sparse with it)")
-        return UlyssesAttention(plan, group, backend=backend, scale=scale)
-    return CoreAttention(plan, group, backend=backend, scale=scale, sparse=sparse, **options)
+        return UlyssesAttention(plan, group, backend=backend, scale=scale, softcap=softcap)
+    return CoreAttention(plan, group, backend=backend, scale=scale, sparse=sparse, softcap=softcap, **options)
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, group=None, *,
                    backend: str | Backend | None = None, scale: float | None = None,
-                   sparse: SparseConfig | None = None, layer: int | None = None) -> torch.Tensor:
+                   sparse: SparseConfig | None = None, layer: int | None = None,
+                   softcap: float | None = None) -> torch.Tensor:
     """Causal attention of every token over its own document's earlier tokens, wherever they live.
 
     q (T_r, H_q, D), k and v (T_r, H_kv, D) hold this rank's tokens in the order of its
-    pieces in ``plan``; returns (T_r, H_q, D). Differentiable in q, k and v. Any strategy's plan.
-    ``sparse`` and ``layer``: vertical-slash sparse attention, as :class:`CoreAttention` takes them.
+    pieces in ``plan``; returns (T_r, H_q, D). Differentiable in q, k and v. Any strategy's plan; a plan
+    made for a sliding window (``plan_attention(..., window=w)``) computes each token over the ``w`` keys
+    ending at it. ``softcap``: scores soft-capped (c * tanh(s / c)). ``sparse`` and ``layer``:
+    vertical-slash sparse attention, as :class:`CoreAttention` takes them.
     """
-    return attention_for(plan, group, backend=backend, scale=scale, sparse=sparse)(q, k, v, layer=layer)
+    return attention_for(plan, group, backend=backend, scale=scale, sparse=sparse, softcap=softcap)(q, k, v,
+                                                                                                   layer=layer)
 
 
 __all__ = ["CoreAttention", "UlyssesAttention", "attention_for", "core_attention", "dispatch_layout",

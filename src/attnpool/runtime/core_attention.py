@@ -419,6 +419,19 @@ def default_backend(q: torch.Tensor) -> Backend:
     return get_backend("auto", q.device, q.dtype)
 
 
+def kernel_backend(backend: str | Backend | None, q: torch.Tensor, window: int | None = None,
+                   softcap: float | None = None) -> Backend:
+    """The dense backend a call runs: ``backend`` (a name, an object, or None for the "auto" one for q), bound to
+    the layer kind's sliding window and soft-cap (Backend.for_kind: a ConfigError names what it cannot do)."""
+    if backend is None:
+        dense = default_backend(q)
+    elif not isinstance(backend, Backend):
+        dense = get_backend(backend, q.device, q.dtype)
+    else:
+        dense = backend
+    return dense.for_kind(window, softcap)
+
+
 def agree_on_call(plan: Plan, q: torch.Tensor, problem: str | None, group=None,
                   sparse: SparseConfig | None = None) -> None:
     """On a plan's first use, every rank says what is wrong with its call (``problem``, or None) and compares
@@ -472,12 +485,19 @@ class CoreAttention:
     so make one CoreAttention per forward and backward pass, as the training loop does.
     ``pattern_group``: the group (of the same ranks, in the same order) for the sparse
     exchanges; with ping-pong give them one of their own (see __init__).
+
+    A plan made for a sliding window (``plan.window``) computes windowed attention; ``softcap`` soft-caps
+    the scores (the layer kind's, attnpool.plan.kinds). Neither goes with sparse attention.
     """
 
     def __init__(self, plan: Plan, group=None, *, backend: str | Backend | None = None, scale: float | None = None,
-                 sparse: SparseConfig | None = None, sparse_stats: SparseStats | None = None, pattern_group=None):
-        self.plan, self.group, self.backend, self.scale = plan, group, backend, scale
+                 sparse: SparseConfig | None = None, sparse_stats: SparseStats | None = None, pattern_group=None,
+                 softcap: float | None = None):
+        self.plan, self.group, self.backend, self.scale, self.softcap = plan, group, backend, scale, softcap
         self.sparse = sparse if sparse is not None and sparse.enabled else None
+        if self.sparse is not None and (plan.window is not None or softcap is not None):
+            raise ConfigError("sparse", "enabled", f"sparse attention computes causal attention without a window "
+                                                   f"or soft-cap (window={plan.window}, softcap={softcap})")
         self.sparse_stats = sparse_stats
         # The sparse exchanges (a few queries, packed patterns) happen inside compute. On the
         # group of the Q/KV/O traffic they would queue behind the other nano-batch's dispatch
@@ -500,12 +520,7 @@ class CoreAttention:
         return p
 
     def _backend(self, q, layer):
-        if self.backend is None:
-            dense = default_backend(q)
-        elif not isinstance(self.backend, Backend):
-            dense = get_backend(self.backend, q.device, q.dtype)
-        else:
-            dense = self.backend
+        dense = kernel_backend(self.backend, q, self.plan.window, self.softcap)
         if self._sparse_layer(layer):
             serving = self._serving.get(layer)
             if serving is None:

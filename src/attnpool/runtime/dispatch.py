@@ -11,7 +11,8 @@ sender and its receiver agree without talking:
 - KV sent to server s: the plan's KV segments for s whose source is me, in
   (doc, start) order; received grouped by source.
 - On the server, tasks run in canonical order; its unique KV buffer holds each
-  served document's prefix [0, kv_end) once, in (doc, start) order. Each kernel
+  served document's prefix [0, kv_end) once (under a sliding window, each merged range of
+  its tasks' windows: plan.KVTransfers), in (doc, start) order. Each kernel
   segment's keys are a slice of it, expanded only transiently for the kernel, and
   not at all where each served document is one segment (``kv_expand_identity``;
   ``Plan.kernel_segments``: adjacent tasks that continue each other are one segment).
@@ -115,7 +116,11 @@ class PrefixCopies:
     against 26 ms per tensor, max error 2.9e-3 of the largest value against 2.3e-2;
     bench/results/2026-11-26-h200-fa4.md). On CUDA below float64, ``sum`` runs kernels.prefix_sum instead: every
     expanded row read once and every unique row written once, 12.6-14.5 ms faster than the slices on that layout
-    (bench/results/2026-11-27-h200-fa4-prefix-sum.md)."""
+    (bench/results/2026-11-27-h200-fa4-prefix-sum.md).
+
+    Under a sliding window no segment need cover its group's rows (each reads the window of its own queries):
+    then every expanded row is added into its unique row at once (``spread``: the unique row of each expanded
+    row, index_add_ in float32)."""
 
     num_unique: int
     first: slice | torch.Tensor  # expanded row of each unique row, in its document's longest segment
@@ -124,6 +129,7 @@ class PrefixCopies:
     # row, where its copies start in the two lists below and how many it has; every copy's first expanded
     # row and length, each document's longest first.
     tables: tuple[torch.Tensor, ...] = ()
+    spread: torch.Tensor | None = None  # where the fast path does not apply: each expanded row's unique row
 
     @classmethod
     def of(cls, seg_base: np.ndarray, seg_k: np.ndarray, num_unique: int, device) -> "PrefixCopies":
@@ -135,7 +141,8 @@ class PrefixCopies:
         is_first = np.r_[True, seg_base[order][1:] != seg_base[order][:-1]] if len(order) else np.zeros(0, bool)
         longest, others = order[is_first], np.sort(order[~is_first])
         if not np.array_equal(np.r_[seg_base[longest], num_unique], np.r_[0, np.cumsum(seg_k[longest])]):
-            raise ValueError("the longest segment of each document must cover its unique rows, in order")
+            # windows: no one segment per base covering the unique rows in order
+            return cls(num_unique, slice(0, 0), (), spread=index_tensor(ranges(seg_base, seg_k), device=device))
         if len(longest) == 1:
             first = slice(int(exp_start[longest[0]]), int(exp_start[longest[0]] + seg_k[longest[0]]))
         else:
@@ -155,6 +162,10 @@ class PrefixCopies:
         ``impl``: "triton" (kernels.prefix_sum, one pass; "auto" on CUDA below float64) or "torch"."""
         if impl not in ("auto", "triton", "torch"):
             raise ValueError(f"impl={impl!r}: choose auto, triton or torch")
+        if self.spread is not None:
+            dtype = torch.promote_types(d_expanded.dtype, torch.float32)
+            total = torch.zeros((self.num_unique, *d_expanded.shape[1:]), dtype=dtype, device=d_expanded.device)
+            return total.index_add_(0, self.spread, d_expanded.to(dtype)).to(d_expanded.dtype)
         if impl == "auto":
             impl = "triton" if d_expanded.is_cuda and d_expanded.dtype != torch.float64 else "torch"
         if impl == "triton":
@@ -216,24 +227,27 @@ class DocumentServing:
         return self._handles[backend.name]
 
     @classmethod
-    def of(cls, seg_doc, seg_q, seg_k, seg_base, seg_start, num_unique: int, device) -> "DocumentServing | None":
-        """From the server's kernel segments (document, query and key rows, first unique row, first query
-        position) and its unique KV rows; None where no document has several, or where the copies avoided
-        are too few (MIN_AVOIDED_KEYS_PER_CALL per call, MIN_AVOIDED_FRACTION of the unique rows)."""
-        # each document's segments are consecutive (tasks in (doc, start) order): [doc_start, doc_end)
-        doc_start = np.flatnonzero(np.r_[True, seg_doc[1:] != seg_doc[:-1]])
-        doc_end = np.r_[doc_start[1:], len(seg_doc)]
+    def of(cls, seg_group, seg_q, seg_k, seg_base, group_rows, num_unique: int, device) -> "DocumentServing | None":
+        """From the server's kernel segments (KV group: its document, or under a window its range of it; query
+        and key rows; first unique row) and each segment's group's unique rows (first, count) and its unique KV
+        rows; None where no group has several segments, or where the copies avoided are too few
+        (MIN_AVOIDED_KEYS_PER_CALL per call, MIN_AVOIDED_FRACTION of the unique rows)."""
+        # each group's segments are consecutive (tasks in (doc, start) order): [doc_start, doc_end)
+        doc_start = np.flatnonzero(np.r_[True, seg_group[1:] != seg_group[:-1]])
+        doc_end = np.r_[doc_start[1:], len(seg_group)]
         split = doc_end - doc_start > 1
         if not split.any():
             return None
         several = np.repeat(split, doc_end - doc_start)
         q_start = np.cumsum(seg_q) - seg_q
+        # a segment's queries are the tail of its keys: positions counted from its group's first unique row
+        seg_start = seg_base - group_rows[0] + (seg_k - seg_q)
         calls = [DocumentCall(slice(int(q_start[a]), int(q_start[b - 1] + seg_q[b - 1])),
-                              slice(int(seg_base[a]), int(seg_base[a] + seg_k[a:b].max())),
+                              slice(int(group_rows[0][a]), int(group_rows[0][a] + group_rows[1][a])),
                               ranges(seg_start[a:b], seg_q[a:b]))
                  for a, b in zip(doc_start[split], doc_end[split])]
         # runs of one-segment documents: consecutive segments, so consecutive rows of both buffers
-        segs = np.arange(len(seg_doc))
+        segs = np.arange(len(seg_group))
         run_first = np.flatnonzero(~several & np.r_[True, several[:-1]])
         run_end = np.flatnonzero(~several & np.r_[several[1:], True]) + 1
         avoided = int(seg_k.sum()) - num_unique
@@ -354,15 +368,18 @@ class DispatchLayout:
         recv_kv_pos = ranges(seg_pos[seg_remote], x.length[seg[seg_remote]])
         kv_recv_splits = _splits(x.src[seg[seg_remote]], x.length[seg[seg_remote]], W)
 
-        # Each served doc's prefix starts where its first segment does (segments of a
-        # (server, doc) group tile [0, kv_end) in order).
+        # Each KV group's rows start where its first segment does (segments of a (server, doc, range) group
+        # tile [kv_start, kv_end) in order); a kernel segment's keys start at its first key's row of its group.
         my_groups = np.flatnonzero(x.group_server == rank)
-        group_doc = x.group_doc[my_groups]
-        group_base = np.cumsum(x.group_kv_end[my_groups]) - x.group_kv_end[my_groups]
+        group_len = x.group_len[my_groups]
+        group_base = np.cumsum(group_len) - group_len
         num_unique_kv = int(x.length[seg].sum())
         seg_doc, seg_q, seg_k = plan.kernel_segments(rank)
-        seg_base = group_base[np.searchsorted(group_doc, seg_doc)]
-        seg_start = seg_k - seg_q  # a segment's queries are the tail of its keys
+        seg_key = plan.kernel_spans(rank)[2] - seg_k  # each segment's first key (document position)
+        span = int(x.group_kv_end.max(initial=0)) + 1
+        seg_group = np.searchsorted(x.group_doc[my_groups] * span + x.group_kv_start[my_groups],
+                                    seg_doc * span + seg_key, side="right") - 1
+        seg_base = group_base[seg_group] + (seg_key - x.group_kv_start[my_groups][seg_group])
         # the segments read [0, N) in order, each its own rows: expanded == unique
         kv_expand_identity = bool(np.array_equal(seg_base, np.cumsum(seg_k) - seg_k)
                                   and int(seg_k.sum()) == num_unique_kv)
@@ -387,6 +404,7 @@ class DispatchLayout:
             kv_expand_identity=kv_expand_identity,
             cu_q=dev(cu_q, torch.int32), cu_k=dev(cu_k, torch.int32),
             max_q=int(seg_q.max(initial=0)), max_k=int(seg_k.max(initial=0)), backward_groups=backward_groups,
-            documents=DocumentServing.of(seg_doc, seg_q, seg_k, seg_base, seg_start, num_unique_kv, device),
+            documents=DocumentServing.of(seg_group, seg_q, seg_k, seg_base,
+                                         (group_base[seg_group], group_len[seg_group]), num_unique_kv, device),
             segment_base=seg_base, segment_keys=seg_k, device=torch.device(device),
         )

@@ -87,7 +87,7 @@ class PatternRoutes:
         g_server, g_doc = x.group_server, x.group_doc
         mine = np.flatnonzero(server == rank)
         my_all = np.flatnonzero(g_server == rank)
-        group_base = (np.cumsum(x.group_kv_end[my_all]) - x.group_kv_end[my_all])[sparse_doc[g_doc[my_all]]]
+        group_base = (np.cumsum(x.group_len[my_all]) - x.group_len[my_all])[sparse_doc[g_doc[my_all]]]
         my_groups = my_all[sparse_doc[g_doc[my_all]]]  # only sparse documents are estimated and exchanged
         served = g_doc[my_groups]
         task_pos = np.cumsum(n[mine]) - n[mine]  # first row of each served task in the server's Q buffer

@@ -24,13 +24,12 @@ import numpy as np
 import torch
 
 from attnpool.comm import all_to_all_flat, group_rank_size
-from attnpool.kernels import get_backend
 from attnpool.kernels.base import Backend
 from attnpool.kernels.registry import attention
 from attnpool.plan.documents import ranges
 from attnpool.plan.plan import Plan
 from attnpool.plan.ulysses import heads_of
-from attnpool.runtime.core_attention import agree_on_call, call_problem, default_backend
+from attnpool.runtime.core_attention import agree_on_call, call_problem, kernel_backend
 
 
 @dataclass(frozen=True)
@@ -114,11 +113,13 @@ def _heads_problem(plan: Plan, q, k, world: int) -> str | None:
 
 class UlyssesAttention:
     """Core attention of one batch under a ulysses plan: ``attention(q, k, v)`` with this rank's tokens (in
-    the order of its pieces), as :class:`CoreAttention` takes them; returns this rank's output."""
+    the order of its pieces), as :class:`CoreAttention` takes them; returns this rank's output. Every document
+    runs whole, so a plan's sliding window (``plan.window``) and ``softcap`` go straight to the kernel."""
 
-    def __init__(self, plan: Plan, group=None, *, backend: str | Backend | None = None, scale: float | None = None):
+    def __init__(self, plan: Plan, group=None, *, backend: str | Backend | None = None, scale: float | None = None,
+                 softcap: float | None = None):
         assert plan.head_parallel, f"a {plan.strategy} plan is served by CoreAttention"
-        self.plan, self.group, self.backend, self.scale = plan, group, backend, scale
+        self.plan, self.group, self.backend, self.scale, self.softcap = plan, group, backend, scale, softcap
 
     def layout(self, q, k, v) -> UlyssesLayout:
         rank, world = group_rank_size(self.group)
@@ -140,11 +141,7 @@ class UlyssesAttention:
             qh, kh, vh = _Exchange.apply(L, self.group, True, q, k, v)
         if L.order is not None:  # the kernel takes each document's tokens together, in order
             qh, kh, vh = qh[L.order], kh[L.order], vh[L.order]
-        backend = self.backend
-        if backend is None:
-            backend = default_backend(q)
-        elif not isinstance(backend, Backend):
-            backend = get_backend(backend, q.device, q.dtype)
+        backend = kernel_backend(self.backend, q, self.plan.window, self.softcap)
         out, _ = attention(qh, kh, vh, L.cu_seqlens, L.cu_seqlens, L.max_seqlen, L.max_seqlen, backend=backend,
                            scale=self.scale)
         if L.inverse is not None:

@@ -22,14 +22,13 @@ from attnpool.errors import ConfigError  # noqa: E402
 from attnpool.model.families import model_spec  # noqa: E402
 from attnpool.model.hf import INDEX_FILE, hf_name, save_hf_checkpoint  # noqa: E402
 from attnpool.parallel import build_rank_mesh  # noqa: E402
-from attnpool.plan import plan_attention  # noqa: E402
-from attnpool.runtime import CoreAttention  # noqa: E402
+from attnpool.runtime import plan_layer_kinds  # noqa: E402
 from attnpool.train import TrainConfig, train  # noqa: E402
 from attnpool.train.runners import build_model, build_stages  # noqa: E402
 from attnpool.train.spec import resolve_run_spec  # noqa: E402
 from dist_harness import run_distributed  # noqa: E402
 from layout_reference import linear_layout  # noqa: E402
-from test_hf_models import (ARCHITECTURES, DOC_LENS, WINDOW, document_tokens, reference_logits,  # noqa: E402
+from test_hf_models import (ARCHITECTURES, DOC_LENS, MAX_DOC_LEN, document_tokens, reference_logits,  # noqa: E402
                             save_model)
 
 SHARDED = "llama"  # saved in several files with an index
@@ -70,17 +69,18 @@ def _layout_logits(rank, world, tp, pp, directories):
         read.clear()
         dp = world // (tp * pp)
         cfg = TrainConfig(model=f"hf:{directory}", tp=tp, pp=pp, microbatches=pp, nproc=world, device="cpu",
-                          attention="local", tokens_per_rank=sum(DOC_LENS) // dp, max_doc_len=WINDOW, progress=False)
+                          attention="local", tokens_per_rank=sum(DOC_LENS) // dp, max_doc_len=MAX_DOC_LEN,
+                          progress=False)
         spec = resolve_run_spec(cfg, world, torch.device("cpu"))
         mesh = build_rank_mesh(spec.dims, "cpu")
         pieces = linear_layout(DOC_LENS, dp)
-        plan = plan_attention(pieces, "local", cost_model="pairs", min_shard_tokens=8)
         docs, starts = document_tokens(), np.r_[0, np.cumsum(DOC_LENS)]
         mine = pieces[mesh.dp_rank]
         tokens = torch.cat([docs[p.doc_id][p.start:p.end] for p in mine])
         positions = torch.cat([torch.arange(p.start, p.end) for p in mine])
         rows = torch.cat([torch.arange(starts[p.doc_id] + p.start, starts[p.doc_id] + p.end) for p in mine])
-        attention = CoreAttention(plan, mesh.attention_group)
+        attention = plan_layer_kinds(spec.layer_kinds, pieces, "local", mesh.attention_group, cost_model="pairs",
+                                     min_shard_tokens=8)
         with torch.no_grad():
             if pp == 1:
                 model = build_model(spec, mesh)
@@ -148,7 +148,7 @@ def _train_layouts(rank, world, out, directories):
             # the export test reads one run's checkpoint and export; the others need neither
             kept = (arch, layout, strategy) == ("gemma3_text", "tp", "cad")
             config = TrainConfig(model=f"hf:{directories[arch]}", data="synthetic", data_args=dict(dist="pretrain"),
-                                 tokens_per_rank=192 if layout != "tp" else 384, max_doc_len=WINDOW, steps=3, lr=3e-3,
+                                 tokens_per_rank=192 if layout != "tp" else 384, max_doc_len=MAX_DOC_LEN, steps=3, lr=3e-3,
                                  warmup_steps=1, cost_model="pairs", min_shard=16, device="cpu", progress=False,
                                  attention=strategy, nproc=world, out=f"{out}/{arch}-{layout}-{strategy}",
                                  checkpoint_every=0 if kept else -1, hf_export=kept, **overrides)
@@ -195,9 +195,9 @@ def test_export_of_a_trained_checkpoint_loads_in_transformers(trained, checkpoin
 
     model, spec, _, _, _ = read_checkpoint_model(run_dir=str(root / "gemma3_text-tp-cad"))
     docs = document_tokens()
-    plan = plan_attention(linear_layout(DOC_LENS, 1), "local", cost_model="pairs")
+    attention = plan_layer_kinds(spec.config.layer_kinds(), linear_layout(DOC_LENS, 1), "local", cost_model="pairs")
     with torch.no_grad():
-        got = model.eval()(torch.cat(docs), torch.cat([torch.arange(n) for n in DOC_LENS]), CoreAttention(plan))
+        got = model.eval()(torch.cat(docs), torch.cat([torch.arange(n) for n in DOC_LENS]), attention)
         want = torch.cat([exported(input_ids=doc[None]).logits[0] for doc in docs])
         before = reference_logits(directories["gemma3_text"], docs)
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()

@@ -25,7 +25,7 @@ from attnpool.errors import ConfigError  # noqa: E402
 from attnpool.model.hf_causal_lm import build_hf_model, load_hf_spec  # noqa: E402
 from attnpool.model.hf_config import hf_model_problem  # noqa: E402
 from attnpool.plan import plan_attention  # noqa: E402
-from attnpool.runtime import CoreAttention  # noqa: E402
+from attnpool.runtime import CoreAttention, plan_layer_kinds  # noqa: E402
 from attnpool.train import TrainConfig, train  # noqa: E402
 from command import run_command  # noqa: E402
 from dist_harness import run_distributed  # noqa: E402
@@ -35,16 +35,18 @@ from test_train import SPARSE  # noqa: E402
 VOCAB = 97
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=256, dtype="float32")
-# Windows longer than any document here: those layers are plain causal attention (see hf_model_problem).
-WINDOW = 128
+# Windows shorter than the documents (several windows long): the sliding layers' windows cut (attnpool.plan.kinds).
+WINDOW = 16
+MAX_DOC_LEN = 128
 ARCHITECTURES = {
     "llama": (transformers.LlamaConfig, dict(rope_theta=10000.0)),
-    "mistral": (transformers.MistralConfig, dict(sliding_window=None)),
-    "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=WINDOW)),  # every layer windowed
+    "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True, use_sliding_window=True, sliding_window=WINDOW,
+                                             max_window_layers=1)),  # the first layer full, the second windowed
     "qwen3": (transformers.Qwen3Config, dict()),  # q/k norms
     "gemma": (transformers.GemmaConfig, dict()),  # scaled embedding, (1 + w) norms, GeLU MLP
-    "gemma2": (transformers.Gemma2Config, dict(attn_logit_softcapping=None, final_logit_softcapping=None,
-                                               query_pre_attn_scalar=16, sliding_window=WINDOW)),
+    # soft-capped attention (50) and output (30) logits, alternating windowed and full layers
+    "gemma2": (transformers.Gemma2Config, dict(query_pre_attn_scalar=16, sliding_window=WINDOW)),
     "gemma3_text": (transformers.Gemma3TextConfig, dict(query_pre_attn_scalar=16, sliding_window=WINDOW,
                                                         layer_types=["sliding_attention", "full_attention"])),
 }
@@ -90,7 +92,6 @@ def reference_logits(directory: Path, docs: list[torch.Tensor]) -> torch.Tensor:
 def _logits_under_core_attention(rank, world, directories, strategy):
     """Each architecture's logits for this rank's tokens of the packed documents, and the rows they are."""
     pieces = linear_layout(DOC_LENS, world)
-    plan = plan_attention(pieces, strategy, cost_model="pairs", min_shard_tokens=8)
     docs, starts = document_tokens(), np.r_[0, np.cumsum(DOC_LENS)]
     mine = pieces[rank]
     tokens = torch.cat([docs[p.doc_id][p.start:p.end] for p in mine])
@@ -98,13 +99,16 @@ def _logits_under_core_attention(rank, world, directories, strategy):
     rows = torch.cat([torch.arange(starts[p.doc_id] + p.start, starts[p.doc_id] + p.end) for p in mine])
     results, autocast = {}, {}
     for arch, directory in directories.items():
-        model = build_hf_model(load_hf_spec(directory, max_doc_len=WINDOW)).eval()
+        spec = load_hf_spec(directory, max_doc_len=MAX_DOC_LEN)
+        model = build_hf_model(spec).eval()
+        attention = plan_layer_kinds(spec.config.layer_kinds(), pieces, strategy, cost_model="pairs",
+                                     min_shard_tokens=8)
         with torch.no_grad():
-            results[arch] = model(tokens, positions, CoreAttention(plan))
+            results[arch] = model(tokens, positions, attention)
             # bf16 autocast over float32 weights, as a GPU run without FSDP's bf16 parameters: RoPE's and q/k
             # norms' float32 factors must not leave q, k and v in different dtypes.
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                autocast[arch] = model(tokens, positions, CoreAttention(plan)).float()
+                autocast[arch] = model(tokens, positions, attention).float()
     return rows, results, autocast
 
 
@@ -129,19 +133,35 @@ def test_logits_equal_transformers_own_attention(saved_architectures, world, str
 
 
 def test_problems_name_architecture_and_feature():
-    gemma2 = transformers.Gemma2Config(**SHAPE)
-    assert "attn_logit_softcapping=50.0" in hf_model_problem(gemma2)
-    no_attention_cap = transformers.Gemma2Config(**SHAPE, attn_logit_softcapping=None)
-    assert "final_logit_softcapping=30.0" in hf_model_problem(no_attention_cap)
-    mistral = transformers.MistralConfig(**SHAPE, sliding_window=64)
-    assert "sliding_window=64" in hf_model_problem(mistral)
-    assert hf_model_problem(mistral, max_doc_len=64) is None  # no document reaches past the window
-    assert "sliding_window=64" in hf_model_problem(mistral, max_doc_len=65)
     bidirectional = transformers.Gemma3TextConfig(**SHAPE, use_bidirectional_attention=True)
     assert "non-causal" in hf_model_problem(bidirectional, max_doc_len=16)
     assert "attention_dropout=0.1" in hf_model_problem(transformers.LlamaConfig(**SHAPE, attention_dropout=0.1))
     assert "GPT2" in hf_model_problem(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4))
     assert hf_model_problem(transformers.Qwen3Config(**SHAPE)) is None
+    # windows and soft-caps are attention kinds now, not problems
+    assert hf_model_problem(transformers.Gemma2Config(**SHAPE)) is None
+    assert hf_model_problem(transformers.MistralConfig(**SHAPE, sliding_window=64), max_doc_len=65) is None
+
+
+def test_layer_kinds_are_read_from_the_config():
+    from attnpool.model.hf_causal_lm import planning_config
+
+    kinds = planning_config(transformers.Gemma2Config(**SHAPE, sliding_window=WINDOW)).layer_kinds()
+    assert [k.describe() for k in kinds] == ["window 16, soft-cap 50", "causal, soft-cap 50"]
+    assert planning_config(transformers.Gemma2Config(**SHAPE)).final_softcap == 30.0
+    mistral = planning_config(transformers.MistralConfig(**SHAPE, sliding_window=WINDOW)).layer_kinds()
+    assert [k.window for k in mistral] == [WINDOW, WINDOW]
+    assert all(k.causal for k in planning_config(transformers.MistralConfig(**SHAPE, sliding_window=None)).layer_kinds())
+    gemma3 = transformers.Gemma3TextConfig(**{**SHAPE, "num_hidden_layers": 6}, sliding_window=WINDOW)
+    assert [k.window for k in planning_config(gemma3).layer_kinds()] == [WINDOW] * 5 + [None]
+
+
+def test_a_windowed_layer_refuses_a_causal_core_attention(saved_architectures):
+    directories, _ = saved_architectures
+    model = build_hf_model(load_hf_spec(directories["mistral"], max_doc_len=MAX_DOC_LEN)).eval()
+    plan = plan_attention(linear_layout(DOC_LENS, 1), "local", cost_model="pairs")
+    with pytest.raises(ConfigError, match="layer 0 needs it, but the core attention it was given computes causal"):
+        model(torch.cat(document_tokens()), torch.cat([torch.arange(n) for n in DOC_LENS]), CoreAttention(plan))
 
 
 # --- Training: strategies agree, checkpointing and resume, the export ----------------------------
@@ -402,13 +422,13 @@ def bad_runs(tmp_path_factory, data_dir):
     small = save_model(tmp / "small-vocab", "llama", randomize=False, vocab_size=32)
     gpt2 = tmp / "gpt2"
     transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4).save_pretrained(gpt2)
-    gemma2 = tmp / "gemma2"
-    transformers.Gemma2Config(**SHAPE).save_pretrained(gemma2)
+    dropout = tmp / "dropout"
+    transformers.LlamaConfig(**SHAPE, attention_dropout=0.1).save_pretrained(dropout)
     data = ["--data", f"hf:{data_dir / 'docs.jsonl'}", "--tokenizer", str(data_dir / "tokenizer")]
     cases = {
         "no config.json": (["--model", f"hf:{tmp / 'no-config'}"], "has no config.json"),
         "unsupported architecture": (["--model", f"hf:{gpt2}"], "model_type 'gpt2'"),
-        "unsupported feature": (["--model", f"hf:{gemma2}"], "attn_logit_softcapping=50.0"),
+        "unsupported feature": (["--model", f"hf:{dropout}"], "attention_dropout=0.1"),
         "missing text field": (["--model", f"hf:{llama}", *data, "--data-args", "text_field=content",
                                 f"cache_dir={tmp / 'cache'}"], "text_field='content'"),
         "tokenizer vocab": (["--model", f"hf:{small}", *data], "tokenizer="),

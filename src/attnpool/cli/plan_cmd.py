@@ -34,6 +34,8 @@ def add_parser(sub) -> None:
     p.add_argument("--no-upsample", action="store_true", help="draw documents plainly instead of the paper's long-document up-sampling")
     p.add_argument("--elongate", type=float, default=1.0, help="multiply every document length by this factor (paper: context / 64K)")
     p.add_argument("--max-doc-len", type=parse_size, default=None, help="cut longer documents into pieces of this length")
+    p.add_argument("--window", type=parse_size, default=None, help="plan the layers of a sliding window of this many "
+                                                                   "keys, e.g. 4K (default: causal over the whole prefix)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="draw per-server load for each strategy")
     p.set_defaults(func=run)
@@ -51,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--seed", args.seed, "must be >= 0")
     if not (math.isfinite(args.memory_cap) and args.memory_cap >= 1.0):
         raise ConfigError("--memory-cap", args.memory_cap, "must be a finite number >= 1.0")
+    if args.window is not None and args.window < 1:
+        raise ConfigError("--window", args.window, "a sliding window is a positive number of keys")
     if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
         raise ConfigError("--plot", args.plot, "its directory does not exist")
     options = SamplingOptions(upsample=not args.no_upsample, elongate=args.elongate, max_doc_len=args.max_doc_len)
@@ -70,16 +74,17 @@ def run(args: argparse.Namespace) -> int:
     results = {}
     for strategy in strategies:
         table = wlb_table(doc_lens, args.servers, args.tokens_per_server, args.memory_cap) if strategy == "wlb" else linear
-        plan = plan_attention(table, strategy, cost_model=cost_model, min_shard_tokens=args.min_shard, eps=args.eps, shape=shape)
+        plan = plan_attention(table, strategy, cost_model=cost_model, min_shard_tokens=args.min_shard, eps=args.eps,
+                              shape=shape, window=args.window)
         metrics = PlanMetrics.of(plan, cost_model, shape)
         if strategy == "wlb":  # "before" is the linear layout served locally, as for the others
-            before = home_loads(linear, cost_model)
+            before = home_loads(linear, cost_model, args.window)
             metrics.load_before, metrics.imbalance_before = before.tolist(), imbalance(before)
         results[strategy] = metrics
     batch = {"dist": args.dist, "servers": args.servers, "tp": args.tp, "tokens_per_server": args.tokens_per_server,
              "seed": args.seed,
              "num_docs": len(doc_lens), "max_doc_len": max(doc_lens), "cost_model": getattr(cost_model, "name", ""),
-             "eps": args.eps}
+             "eps": args.eps, "window": args.window}
     if args.json:
         json.dump({"batch": batch, "strategies": {k: m.summary() for k, m in results.items()}, "skipped": skipped},
                   sys.stdout, indent=1)
@@ -99,8 +104,9 @@ def print_table(batch: dict, results: dict[str, PlanMetrics]) -> None:
 
     servers = f"{batch['servers']} servers (TP groups of {batch['tp']}; bytes per GPU)" if batch["tp"] > 1 \
         else f"{batch['servers']} servers"
+    window = "" if batch.get("window") is None else f", window {batch['window']}"
     title = (f"{batch['dist']}: {servers} x {batch['tokens_per_server']} tokens, "
-             f"{batch['num_docs']} documents (longest {batch['max_doc_len']}), seed {batch['seed']}")
+             f"{batch['num_docs']} documents (longest {batch['max_doc_len']}), seed {batch['seed']}{window}")
     table = Table(title=title)
     table.add_column("")
     for name in results:

@@ -8,7 +8,8 @@
 
 from attnpool.kernels.names import BACKENDS, GPU_BACKENDS
 
-__all__ = ["BACKENDS", "GPU_BACKENDS", "Backend", "attention", "auto_backend_name", "backend_problem", "get_backend",
+__all__ = ["BACKENDS", "GPU_BACKENDS", "Backend", "attention", "auto_backend_name", "backend_named", "backend_problem",
+           "get_backend",
            "resolve_backend_name", "serves_positions"]
 
 

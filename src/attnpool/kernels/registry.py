@@ -48,6 +48,12 @@ def serves_positions(name: str | None, device, head_dim: int) -> bool:
     return name in _MODULES and _MODULES[name].BACKEND.serves_positions(device, head_dim)
 
 
+def backend_named(name: str) -> Backend:
+    """The backend object called ``name`` (one of BACKENDS), unchecked against any device: what it can compute
+    (Backend.for_kind) is known without one."""
+    return _MODULES[name].BACKEND
+
+
 def get_backend(name: str | None, device, dtype: torch.dtype | None = None) -> Backend:
     """The backend called `name`, checked to run on `device`; None or "auto" picks as auto_backend_name."""
     return _MODULES[resolve_backend_name(name, device, dtype)].BACKEND

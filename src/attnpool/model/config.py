@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from attnpool.errors import ConfigError
+from attnpool.plan.kinds import AttentionKind, expand_layer_types, layer_kinds
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,14 @@ class ModelConfig:
     activation: str = "silu"  # the gated MLP's (ACTIVATIONS)
     scale_embeddings: bool = False  # Gemma: the embedding times sqrt(dim)
     query_scale: float | None = None  # attention's score scale; None: head_dim ** -0.5 (Gemma 2, 3: their own)
+    # Attention kinds (attnpool.plan.kinds): a sliding window of this many keys in the layers ``layer_types``
+    # marks "sliding_attention" (None: in every layer; Mistral), the others "full_attention" (Gemma 2 and 3;
+    # a pattern "S:F" repeats S sliding layers and F full ones: Gemma 3 is "5:1");
+    # scores soft-capped at attn_softcap in every layer, the output logits at final_softcap (Gemma 2).
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
@@ -118,6 +127,15 @@ class ModelConfig:
         if self.query_scale is not None and not self.query_scale > 0:
             raise ConfigError("query_scale", self.query_scale, "must be positive")
         self._check_ropes()
+        if self.layer_types is not None:
+            self.layer_types = expand_layer_types(self.n_layers, self.layer_types)
+        if self.final_softcap is not None and not self.final_softcap > 0:
+            raise ConfigError("final_softcap", self.final_softcap, "must be positive")
+        self.layer_kinds()  # checked here: a window, the layer types and the soft-cap
+
+    def layer_kinds(self) -> tuple[AttentionKind, ...]:
+        """Each layer's attention kind (causal, windowed, soft-capped: attnpool.plan.kinds)."""
+        return layer_kinds(self.n_layers, self.sliding_window, self.layer_types, self.attn_softcap)
 
     def _check_ropes(self):
         if self.ropes is None:

@@ -23,16 +23,17 @@ from torch import Tensor
 from attnpool.model.llama import IGNORE_INDEX, chunked_cross_entropy
 
 
-def liger_cross_entropy(h: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
-    """Summed cross-entropy of ``h @ weight.T`` against ``labels`` (-100 ignored), as chunked_cross_entropy
-    returns it, by Liger-Kernel's fused linear cross-entropy (weight gradient accumulated in float32)."""
+def liger_cross_entropy(h: Tensor, weight: Tensor, labels: Tensor, softcap: float | None = None) -> Tensor:
+    """Summed cross-entropy of ``h @ weight.T`` (soft-capped at ``softcap`` where given) against ``labels``
+    (-100 ignored), as chunked_cross_entropy returns it, by Liger-Kernel's fused linear cross-entropy (weight
+    gradient accumulated in float32; its soft-cap is the same tanh, in the kernel)."""
     if h.shape[0] == 0:  # (an empty shard: Liger sizes its chunks from the token count)
-        return chunked_cross_entropy(h, weight, labels)
+        return chunked_cross_entropy(h, weight, labels, softcap=softcap)
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     # Under autocast the final norm's output may be float32; the kernel takes the weight's dtype.
     return liger_fused_linear_cross_entropy(h.to(weight.dtype), weight, labels, ignore_index=IGNORE_INDEX,
-                                            reduction="sum", accum_dtype=torch.float32)
+                                            reduction="sum", accum_dtype=torch.float32, softcap=softcap)
 
 
 LOSS_FUNCTIONS = {"chunked": chunked_cross_entropy, "liger": liger_cross_entropy}

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from attnpool.errors import ConfigError
 from attnpool.model.config import ModelConfig, Rope, RopeScaling
-from attnpool.model.hf_config import OWN_MODEL_TYPES, architecture, hf_model_problem
+from attnpool.model.hf_config import OWN_MODEL_TYPES, architecture, attention_settings, hf_model_problem
 from attnpool.model.llama import Transformer, default_inv_freq
 
 LLAMA = "LlamaForCausalLM"
@@ -119,7 +119,7 @@ def config_from_hf(hf, max_doc_len: int | None = None) -> ModelConfig:
     the families attnpool's model expresses (``OWN_MODEL_TYPES``).
 
     Refuses, naming the field, what core attention cannot compute (attnpool.model.hf_config.hf_model_problem:
-    soft-capping, sliding windows a document of ``max_doc_len`` reaches past, ...), and what this model does not
+    non-causal attention, attention dropout, ...), and what this model does not
     implement: other activations, MLP or output-projection biases, partial rotary embeddings, RoPE types other
     than default, linear, yarn and llama3, and RoPE whose frequencies follow the sequence's length (``dynamic``)
     where a document (``max_doc_len``; None: any) may be longer than the model's original context.
@@ -163,6 +163,7 @@ def config_from_hf(hf, max_doc_len: int | None = None) -> ModelConfig:
         scale_embeddings=gemma,
         query_scale=None if pre_attn_scalar is None else pre_attn_scalar ** -0.5,
         max_position=getattr(hf, "max_position_embeddings", None),
+        **attention_settings(hf),
     )
 
 

@@ -28,9 +28,11 @@ from torch import Tensor, nn
 from attnpool.errors import ConfigError
 from attnpool.model.config import ModelConfig
 from attnpool.model.hf import GEMMA_TYPES, QK_NORM_TYPES, SANDWICH_NORM_TYPES, hf_config_dtype, save_tokenizer
-from attnpool.model.hf_config import architecture, has_safetensors, read_hf_config
-from attnpool.model.llama import chunked_cross_entropy
+from attnpool.model.hf_config import architecture, attention_settings, has_safetensors, read_hf_config
+from attnpool.model.llama import chunked_cross_entropy, soft_capped
 from attnpool.model.spec import ADAPTER_CANNOT, HF_PREFIX, ModelSpec
+from attnpool.plan.kinds import AttentionKind
+from attnpool.runtime.layer_kinds import check_layer_kind
 
 ATTENTION_NAME = "attnpool"
 
@@ -114,6 +116,7 @@ def planning_config(hf_config) -> ModelConfig:
         sandwich_norms=hf_config.model_type in SANDWICH_NORM_TYPES,
         norm_offset=1.0 if hf_config.model_type in GEMMA_TYPES else 0.0,
         max_position=getattr(hf_config, "max_position_embeddings", None),
+        **attention_settings(hf_config),
     )
 
 
@@ -133,8 +136,8 @@ def attnpool_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     # Checked at start too (hf_config.hf_model_problem); here for a config changed after that.
     if not getattr(module, "is_causal", True):
         raise ConfigError("is_causal", False, f"{type(module).__name__} is non-causal; core attention is causal")
-    if kwargs.get("softcap") is not None:
-        raise ConfigError("softcap", kwargs["softcap"], "core attention does not soft-cap attention logits")
+    # what the module asks for (a window, a soft-cap) must be what core attention computes for its layer
+    check_layer_kind(core_attention, module.layer_idx, AttentionKind(kwargs.get("sliding_window"), kwargs.get("softcap")))
     if dropout:
         raise ConfigError("attention_dropout", dropout, "core attention does not apply attention dropout")
     # (T, H, D), attnpool's layout, in one dtype: under autocast v comes from a linear layer in the compute
@@ -194,11 +197,12 @@ class HFCausalLM(nn.Module):
                                                              f"same shape, not {tuple(positions.shape)}")
         hidden = self.hf.model(input_ids=tokens[None], position_ids=positions[None], core_attention=attention,
                                use_cache=False).last_hidden_state[0]
+        softcap = getattr(self.config, "final_logit_softcapping", None)  # Gemma 2's
         if labels is not None:
-            return self.cross_entropy(hidden, self.output_weight, labels)
+            return self.cross_entropy(hidden, self.output_weight, labels, softcap=softcap)
         if return_hidden:
             return hidden
-        return self.hf.get_output_embeddings()(hidden)
+        return soft_capped(self.hf.get_output_embeddings()(hidden), softcap)
 
 
 def build_hf_model(spec: HFAdapterSpec, device: torch.device | str = "cpu") -> HFCausalLM:

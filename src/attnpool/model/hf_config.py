@@ -3,9 +3,9 @@ model built from it, attnpool.model.hf; transformers' modules behind the adapter
 
 transformers reads the file (its config classes fill in each architecture's defaults and check the values), the
 run's ``--model-args`` are changed in it, and what core attention cannot compute is refused, naming the
-architecture and the feature: architectures whose forward attnpool has not checked, soft-capped attention logits or
-output logits, non-causal attention, attention dropout, and sliding-window layers unless every document fits in the
-window (``max_doc_len`` <= the window: then the window never cuts anything off). Nothing is downloaded.
+architecture and the feature: architectures whose forward attnpool has not checked, non-causal attention and
+attention dropout. Sliding windows, per-layer attention types and soft-capped logits are read as the model's attention
+kinds (:func:`attention_settings`, attnpool.plan.kinds), which core attention computes. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -139,24 +139,22 @@ def hf_model_problem(hf_config, max_doc_len: int | None = None) -> str | None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         return (f"architecture {arch} (model_type {model_type!r}) is not supported; supported model types: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-    if getattr(hf_config, "attn_logit_softcapping", None) is not None:
-        return (f"{arch} soft-caps attention logits (attn_logit_softcapping="
-                f"{hf_config.attn_logit_softcapping}), which core attention's kernels do not compute")
-    if getattr(hf_config, "final_logit_softcapping", None) is not None:
-        return (f"{arch} soft-caps its output logits (final_logit_softcapping="
-                f"{hf_config.final_logit_softcapping}), which the chunked loss does not compute")
     if getattr(hf_config, "use_bidirectional_attention", False) or getattr(hf_config, "is_causal", True) is False:
         return f"{arch} is configured for non-causal (bidirectional) attention; core attention is causal"
     if getattr(hf_config, "attention_dropout", 0.0):
         return (f"{arch} has attention dropout (attention_dropout={hf_config.attention_dropout}), which core "
                 "attention does not apply; set it to 0.0 in config.json")
-    window = sliding_window(hf_config)
-    if window is not None and (max_doc_len is None or max_doc_len > window):
-        have = "no max_doc_len" if max_doc_len is None else f"max_doc_len={max_doc_len}"
-        return (f"{arch} has sliding-window attention layers (sliding_window={window}), which core attention "
-                f"does not compute; with --max-doc-len {window} or less no document reaches past the window, "
-                f"and they are plain causal attention ({have} now)")
     return None
+
+
+def attention_settings(hf_config) -> dict:
+    """The attention kinds of a checkpoint's config as attnpool's ModelConfig fields (attnpool.plan.kinds): its
+    sliding window and which layers use it, and its attention and output logits' soft-caps (Gemma 2)."""
+    window = sliding_window(hf_config)
+    layer_types = getattr(hf_config, "layer_types", None)
+    return dict(sliding_window=window, layer_types=None if window is None or layer_types is None else tuple(layer_types),
+                attn_softcap=getattr(hf_config, "attn_logit_softcapping", None),
+                final_softcap=getattr(hf_config, "final_logit_softcapping", None))
 
 
 def sliding_window(hf_config) -> int | None:

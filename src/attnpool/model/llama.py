@@ -43,6 +43,7 @@ from torch.utils.checkpoint import checkpoint
 
 from attnpool.errors import ConfigError
 from attnpool.model.config import ModelConfig
+from attnpool.runtime.layer_kinds import check_layer_kind
 
 CoreAttention = Callable[..., Tensor]  # (q, k, v, *, layer: int) -> out
 
@@ -203,6 +204,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int = 0):
         super().__init__()
         self.layer_id = layer_id
+        self.kind = config.layer_kinds()[layer_id]  # what core attention must compute for this layer
         self.rope_index = config.layer_rope(layer_id)
         norm = functools.partial(RMSNorm, config.dim, config.norm_eps, config.norm_offset)
         self.attention_norm = norm()
@@ -214,6 +216,7 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, core_attention: CoreAttention) -> Tensor:
         q, k, v = self.before_attention(x, cos, sin)  # linear in tokens: stays on this rank
+        check_layer_kind(core_attention, self.layer_id, self.kind)
         out = core_attention(q, k, v, layer=self.layer_id)  # quadratic in document length: runs wherever the plan says
         return self.after_attention(x, out)  # linear again
 
@@ -363,10 +366,10 @@ class Transformer(nn.Module):
             return h
         h = self.norm(h)
         if labels is not None:
-            return self.cross_entropy(h, self.output_weight, labels)
+            return self.cross_entropy(h, self.output_weight, labels, softcap=self.config.final_softcap)
         if return_hidden:
             return h
-        return F.linear(h, self.output_weight)
+        return soft_capped(F.linear(h, self.output_weight), self.config.final_softcap)
 
 
 # The loss computes one chunk of logits at a time; a chunk's float32 logits take at most this many
@@ -383,18 +386,24 @@ def loss_chunk_tokens(vocab_size: int) -> int:
     return max(256, 1 << (fits.bit_length() - 1)) if fits else 256
 
 
-def _cross_entropy_sum(h: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
+def soft_capped(logits: Tensor, softcap: float | None) -> Tensor:
+    """``softcap * tanh(logits / softcap)`` (Gemma 2's final logits), or the logits as they are."""
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+
+def _cross_entropy_sum(h: Tensor, weight: Tensor, labels: Tensor, softcap: float | None = None) -> Tensor:
     logits = F.linear(h, weight)
     if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()  # softmax over a large vocabulary in float32
-    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(soft_capped(logits, softcap), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def chunked_cross_entropy(h: Tensor, weight: Tensor, labels: Tensor, chunk: int | None = None) -> Tensor:
-    """Summed cross-entropy of ``h @ weight.T`` against ``labels`` (-100 ignored), ``chunk`` tokens
-    at a time (default :func:`loss_chunk_tokens`), each chunk's logits recomputed in backward: never
-    more than one chunk's (chunk x vocab) logits in memory, where full logits of a long sequence
-    would not fit."""
+def chunked_cross_entropy(h: Tensor, weight: Tensor, labels: Tensor, chunk: int | None = None,
+                          softcap: float | None = None) -> Tensor:
+    """Summed cross-entropy of ``h @ weight.T`` (soft-capped at ``softcap`` where given) against ``labels``
+    (-100 ignored), ``chunk`` tokens at a time (default :func:`loss_chunk_tokens`), each chunk's logits
+    recomputed in backward: never more than one chunk's (chunk x vocab) logits in memory, where full logits
+    of a long sequence would not fit."""
     chunk = chunk or loss_chunk_tokens(weight.shape[0])
-    return sum(checkpoint(_cross_entropy_sum, h_chunk, weight, labels_chunk, use_reentrant=False)
+    return sum(checkpoint(_cross_entropy_sum, h_chunk, weight, labels_chunk, softcap, use_reentrant=False)
                for h_chunk, labels_chunk in zip(h.split(chunk), labels.split(chunk)))

@@ -8,6 +8,7 @@ from attnpool.kernels.base import Backend
 from attnpool.plan.plan import Plan
 from attnpool.runtime.core_attention import CoreAttention, dispatch_layout
 from attnpool.runtime.dispatch import DispatchLayout
+from attnpool.runtime.layer_kinds import LayerKinds, plan_layer_kinds
 from attnpool.runtime.ulysses import UlyssesAttention
 from attnpool.sparse import SparseConfig
 
@@ -39,5 +40,5 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan
                                                                                                    layer=layer)
 
 
-__all__ = ["CoreAttention", "UlyssesAttention", "attention_for", "core_attention", "dispatch_layout",
+__all__ = ["CoreAttention", "LayerKinds", "UlyssesAttention", "attention_for", "core_attention", "dispatch_layout", "plan_layer_kinds",
            "DispatchLayout"]

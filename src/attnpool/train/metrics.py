@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from attnpool.console import text_console
+from attnpool.plan.kinds import CAUSAL
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -117,6 +118,11 @@ class AttentionTimer:
         if out.requires_grad:
             (out,) = _Mark.apply(self.clock.start, out)
         return out
+
+    def kind_of(self, layer: int):
+        """The layer's attention kind, as the attention it wraps says (runtime.LayerKinds; causal otherwise)."""
+        kind_of = getattr(self.attention, "kind_of", None)
+        return kind_of(layer) if kind_of is not None else CAUSAL
 
     def seconds(self) -> float:
         return self.clock.seconds()

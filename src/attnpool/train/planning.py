@@ -3,11 +3,13 @@ as the run spec says (strategy, cost model, shard size, heads, padding).
 
 Every rank plans the same batches the same way, so the plans agree (core attention compares their
 fingerprints before its first collective). ``StepPlan`` keeps the attention loads each rank would have had
-served at home beside those of the plan: the balance the metrics report.
+served at home beside those of the plan: the balance the metrics report. A model whose layers differ in kind
+(sliding windows: attnpool.plan.kinds) gets one plan per window, and the loads are the layers' mean.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,12 +25,13 @@ from attnpool.train.spec import RunSpec
 
 @dataclass
 class StepPlan:
-    plan: Plan | None  # its ``pieces`` are the layout (None for a step's combined nano-batches)
+    plan: Plan | None  # its ``pieces`` are the layout (None for a step's combined nano-batches); the first kind's
     batch: GlobalBatch | None  # the batch the plan's pieces refer to (with any padding documents)
     load_local: list[float]  # per rank: attention load if every rank served its own tokens of the linear layout
     load_planned: list[float]  # per rank: attention load under the plan
     imbalance_local: float  # max / mean of load_local
     imbalance_planned: float  # max / mean of load_planned
+    plans: dict | None = None  # window -> the plan of the layers with that window (RunSpec.plan_windows)
 
 
 def plan_batch(batch: GlobalBatch, spec: RunSpec, sparse_prior: SparsePrior | None = None,
@@ -49,11 +52,30 @@ def plan_batch(batch: GlobalBatch, spec: RunSpec, sparse_prior: SparsePrior | No
     cost_model = spec.cost_model
     if sparse_prior is not None:  # the tables number documents in batch order, padding last
         cost_model = sparse_prior.cost_model(table.doc_len, cost_model)
-    plan = plan_attention(table, strategy or a.strategy, cost_model=cost_model, min_shard_tokens=a.min_shard,
-                          eps=a.eps, shape=spec.attention_shape, topology=spec.topology)
-    local = home_loads(linear, cost_model)  # "before" is always plain packing served at home
-    planned = server_loads(plan, cost_model)
-    return StepPlan(plan, batch, local.tolist(), planned.tolist(), imbalance(local), imbalance(planned))
+    longest = int(table.doc_len.max(initial=0))
+    plans = {}
+    for window in spec.plan_windows:
+        # a window no document reaches past computes causal attention: planned (and served) as such
+        planned_window = window if window is not None and window < longest else None
+        same = next((p for p in plans.values() if p.window == planned_window), None)
+        plans[window] = same or plan_attention(table, strategy or a.strategy, cost_model=cost_model,
+                                               min_shard_tokens=a.min_shard, eps=a.eps, shape=spec.attention_shape,
+                                               topology=spec.topology, window=planned_window)
+    # "before" is always plain packing served at home; the loads are the layers' mean over their kinds
+    weights = layer_shares(spec)
+    local = sum(w * home_loads(linear, cost_model, plans[window].window) for window, w in weights.items())
+    planned = sum(w * server_loads(plans[window], cost_model) for window, w in weights.items())
+    plan = plans[spec.plan_windows[0]]
+    return StepPlan(plan, batch, local.tolist(), planned.tolist(), imbalance(local), imbalance(planned), plans)
+
+
+def layer_shares(spec: RunSpec) -> dict:
+    """window -> the share of the model's layers with that window (one entry, 1.0, without kinds)."""
+    kinds = spec.layer_kinds
+    if not kinds:
+        return {None: 1.0}
+    counts = Counter(kind.window for kind in kinds)
+    return {window: counts[window] / len(kinds) for window in spec.plan_windows}
 
 
 def plan_microbatch(batch: GlobalBatch, spec: RunSpec, sparse_prior: SparsePrior | None = None,

@@ -32,7 +32,7 @@ from attnpool.data import GlobalBatch, RankTensors
 from attnpool.parallel import RankMesh, parallelize
 from attnpool.parallel.pipeline import PipelineRunner, build_stage_models, merged_stages, sum_tied_gradients
 from attnpool.parallel.pooled_pipeline import PooledPipelineRunner
-from attnpool.runtime import CoreAttention, attention_for
+from attnpool.runtime import CoreAttention, LayerKinds, attention_for
 from attnpool.runtime.sparse import SparseStats
 from attnpool.sparse.cost import SparsePrior
 from attnpool.train.memory import saved_bytes_per_layer
@@ -155,9 +155,16 @@ class StepRunner:
         """Every unit's core attention over its dp ranks; timed where a micro-batch is one unit (ping-pong's
         interleaved phases leave core attention no wall time of its own)."""
         s = self.spec
-        attentions = [[attention_for(p.plan, self.mesh.attention_group, backend=s.backend, sparse=s.sparse,
-                                     sparse_stats=stats, pattern_group=self.pattern_group) for p in unit]
-                      for unit in planned.microbatches]
+
+        def attention(plan, softcap=None):
+            return attention_for(plan, self.mesh.attention_group, backend=s.backend, sparse=s.sparse,
+                                 sparse_stats=stats, pattern_group=self.pattern_group, softcap=softcap)
+
+        if s.mixed_kinds:  # each layer runs its kind's plan
+            attentions = [[LayerKinds(s.layer_kinds, p.plans, attention) for p in unit]
+                          for unit in planned.microbatches]
+        else:
+            attentions = [[attention(p.plan) for p in unit] for unit in planned.microbatches]
         if all(len(unit) == 1 for unit in attentions):
             return [[AttentionTimer(unit[0], self.device)] for unit in attentions]
         return attentions

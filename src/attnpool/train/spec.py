@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from attnpool.errors import ConfigError
-from attnpool.kernels import Backend, get_backend, resolve_backend_name, serves_positions
+from attnpool.kernels import Backend, backend_named, get_backend, resolve_backend_name, serves_positions
 from attnpool.kernels.sparse import device_problem as sparse_device_problem
 from attnpool.kernels.sparse import launch_problem as sparse_launch_problem
 from attnpool.model import ModelConfig, ModelSpec, model_spec
@@ -32,6 +32,7 @@ from attnpool.parallel import ParallelDims, tensor_parallel_problem
 from attnpool.parallel.pipeline import pipeline_problem
 from attnpool.parallel.pooled_pipeline import POOLED, pooled_problem
 from attnpool.plan import AttentionShape, load_cost_model
+from attnpool.plan.kinds import AttentionKind, plan_windows
 from attnpool.plan.plan import Topology
 from attnpool.plan.ulysses import ulysses_problem
 from attnpool.sparse import SparseConfig
@@ -57,6 +58,7 @@ class RunSpec:
     cost_model: object  # the planner's cost of a CA-task on a tp rank's heads
     sparse: SparseConfig | None  # vertical-slash options (their cost coefficients read), None for dense
     topology: Topology | None = None  # the dp ranks' nodes, where they span several (attention_topology)
+    layer_kinds: tuple[AttentionKind, ...] = ()  # each layer's attention kind (the model's; attnpool.plan.kinds)
 
     # What parallelize reads besides (attnpool.parallel.parallelize.ParallelizeSpec), as the settings give it.
     activation_checkpointing = property(lambda self: self.config.memory.activation_checkpointing)
@@ -88,6 +90,16 @@ class RunSpec:
     def stage_hidden(self) -> tuple[int, int]:
         """The hidden states a pipeline stage passes on, per tp rank: its sequence shard of a micro-batch."""
         return self.padded_tokens // self.dims.tp, self.model.config.dim
+
+    @property
+    def plan_windows(self) -> tuple[int | None, ...]:
+        """The windows a micro-batch is planned for: one plan each (attnpool.plan.kinds.plan_windows)."""
+        return plan_windows(self.layer_kinds) or (None,)
+
+    @property
+    def mixed_kinds(self) -> bool:
+        """Whether core attention runs per layer kind (runtime.LayerKinds): some layer is not plain causal."""
+        return any(not kind.causal for kind in self.layer_kinds)
 
     def new_sparse_prior(self) -> SparsePrior | None:
         """A fresh planning prior of the sparse work (a run keeps one and updates it every step); None for dense."""
@@ -123,9 +135,36 @@ def resolve_run_spec(config: TrainConfig, world: int, device: torch.device | Non
     cost_model = load_cost_model(config.attention.cost_model, backend=backend_name)
     if dims.tp > 1 and hasattr(cost_model, "scaled_to"):  # a server's cost is its heads' share of a task's
         cost_model = cost_model.scaled_to(shape.n_q_heads, shape.head_dim)
+    kinds = check_layer_kinds(config, m, dims, backend_name, backend)
     return RunSpec(config, model, dims, device_type, device, backend_name, backend, loss_kernel, bf16, shape,
                    not serves_positions(backend_name, device, m.head_dim), cost_model,
-                   check_sparse(config, m, device, device_type, here), attention_topology(config, dims, world))
+                   check_sparse(config, m, device, device_type, here), attention_topology(config, dims, world), kinds)
+
+
+def check_layer_kinds(config: TrainConfig, m: ModelConfig, dims: ParallelDims, backend_name: str,
+                      backend: Backend | None) -> tuple[AttentionKind, ...]:
+    """The model's layer kinds, refused by name where the run cannot compute them: sparse attention and the
+    pooled pipeline plan causal attention only, and the kernel backend must compute each kind (Backend.for_kind;
+    "auto" picks a backend that does on every device, so only a named one is asked)."""
+    kinds = m.layer_kinds()
+    other = sorted({kind.describe() for kind in kinds if not kind.causal})
+    if not other:
+        return kinds
+    if config.sparse.mode != "none":
+        raise ConfigError("sparse", config.sparse.mode, f"sparse attention computes causal attention only; the model's "
+                                                        f"layers have {'; '.join(other)}")
+    if dims.pp > 1 and config.parallel.pp_schedule == POOLED:
+        raise ConfigError("pp_schedule", POOLED, f"the pooled pipeline plans causal attention only; the model's "
+                                                 f"layers have {'; '.join(other)} (use 1f1b)")
+    if backend_name != "auto":  # (resolved without a device: the ranks resolve it)
+        chosen = backend if backend is not None else backend_named(backend_name)
+        for kind in dict.fromkeys(kinds):
+            try:
+                chosen.for_kind(kind.window, kind.softcap)
+            except ConfigError as error:
+                raise ConfigError("attention_backend", backend_name, f"{error.problem} (the model's layers have "
+                                                                     f"{kind.describe()})") from None
+    return kinds
 
 
 def attention_topology(config: TrainConfig, dims: ParallelDims, world: int) -> Topology | None:

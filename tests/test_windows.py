@@ -221,7 +221,7 @@ def test_core_attention_under_windows_matches_dense_per_document(world=4):
 # --- training: a model whose layers differ in kind ---
 
 # Gemma-3-like in small: two windowed layers to one global, soft-capped scores and output logits
-KINDED = dict(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, sliding_window=24, layer_types="2:1",
+KINDED = dict(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, sliding_window=24, layer_types="2/1",
               attn_softcap=20.0, final_softcap=15.0)
 
 

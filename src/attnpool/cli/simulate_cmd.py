@@ -41,6 +41,10 @@ def add_parser(sub) -> None:
     p.add_argument("--model", type=_list(str, "model presets"), default=None,
                    help=f"model preset(s): {', '.join(k for k in MODEL_PRESETS if k != 'tiny')} (default llama3-8b)")
     p.add_argument("--layers", type=int, default=None, help="override the preset's number of layers (reduced-depth runs)")
+    p.add_argument("--sliding-window", type=parse_size, default=None,
+                   help="a sliding window of this many keys, e.g. 4K, in every layer or those --layer-types marks")
+    p.add_argument("--layer-types", default=None, help='which layers slide: a pattern "S/F" of S sliding layers then F '
+                                                       'full ones, repeated (Gemma 3: 5/1; default: every layer)')
     p.add_argument("--recompute", default="none", choices=("none", "linear", "full"),
                    help="linear: activation checkpointing of the linear parts, as attnpool train's keep_attention; "
                         "full: of whole layers (core attention's forward runs again too), as its full")
@@ -115,7 +119,8 @@ def _base(args) -> SimConfig:
     for name in ("tp", "gpus_per_node", "batches"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), "must be positive")
-    return SimConfig(layers=args.layers, recompute=args.recompute, tp=args.tp, gpus_per_node=args.gpus_per_node, tokens_per_gpu=args.tokens_per_gpu,
+    return SimConfig(layers=args.layers, sliding_window=args.sliding_window, layer_types=args.layer_types,
+                     recompute=args.recompute, tp=args.tp, gpus_per_node=args.gpus_per_node, tokens_per_gpu=args.tokens_per_gpu,
                      batches=args.batches, seed=args.seed, eps=args.eps, strategies=tuple(dict.fromkeys(args.strategies)),
                      memory_cap=args.memory_cap, elongate=elongate, upsample=not args.no_upsample,
                      cp_degrees=tuple(args.cp) if args.cp else None,

@@ -89,7 +89,7 @@ class ModelConfig:
     query_scale: float | None = None  # attention's score scale; None: head_dim ** -0.5 (Gemma 2, 3: their own)
     # Attention kinds (attnpool.plan.kinds): a sliding window of this many keys in the layers ``layer_types``
     # marks "sliding_attention" (None: in every layer; Mistral), the others "full_attention" (Gemma 2 and 3;
-    # a pattern "S:F" repeats S sliding layers and F full ones: Gemma 3 is "5:1");
+    # a pattern "S/F" repeats S sliding layers and F full ones: Gemma 3 is "5/1");
     # scores soft-capped at attn_softcap in every layer, the output logits at final_softcap (Gemma 2).
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None

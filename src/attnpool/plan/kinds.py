@@ -62,14 +62,15 @@ def layer_kinds(n_layers: int, sliding_window: int | None = None, layer_types=No
 
 
 def expand_layer_types(n_layers: int, layer_types):
-    """``layer_types`` as a tuple of names, from a list of them or from a pattern "S:F": S sliding layers then F
-    full ones, repeated over the layers (Gemma 3 is "5:1", Gemma 2 "1:1")."""
-    if not isinstance(layer_types, str):
+    """``layer_types`` as a tuple of names, from a list of them or from a pattern "S/F" (or "S:F"): S sliding layers
+    then F full ones, repeated over the layers (Gemma 3 is "5/1", Gemma 2 "1/1")."""
+    if isinstance(layer_types, (list, tuple)):
         return tuple(layer_types)
-    match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", layer_types)
+    match = re.fullmatch(r"\s*(\d+)\s*[:/]\s*(\d+)\s*", layer_types) if isinstance(layer_types, str) else None
     if not match or int(match[1]) + int(match[2]) == 0:
         raise ConfigError("layer_types", layer_types, 'a list of sliding_attention / full_attention per layer, or a '
-                                                      'pattern "S:F" (S sliding layers then F full ones, repeated)')
+                                                      'pattern "S/F" (S sliding layers then F full ones, repeated; '
+                                                      'YAML reads an unquoted 5:1 as the number 301)')
     cycle = (SLIDING,) * int(match[1]) + (FULL,) * int(match[2])
     return tuple(cycle[i % len(cycle)] for i in range(n_layers))
 

@@ -34,7 +34,7 @@ from importlib import resources
 import numpy as np
 
 from attnpool.errors import ConfigError, read_json_file
-from attnpool.plan.cost import TOP_LEVEL_BACKEND, TableCost, backend_table, default_min_shard_tokens
+from attnpool.plan.cost import TOP_LEVEL_BACKEND, TableCost, backend_table, default_min_shard_tokens, for_window
 
 # Assumed effective throughput of a layer's linear part (GEMMs plus norms, RoPE,
 # SwiGLU) on one H200 in bf16, forward and backward. About 60% of 989 TFLOP/s.
@@ -110,10 +110,11 @@ class SimCosts:
     min_shard_tokens: int
     sources: dict = field(default_factory=dict)
 
-    def attention(self, a, b) -> tuple[np.ndarray, np.ndarray]:
-        """(forward, backward) seconds of CA-tasks [a, b) with prefix [0, b), all heads, one GPU."""
-        f = self.attn_fwd.cost(a, b)
-        fb = self.attn_fwd_bwd.cost(a, b)
+    def attention(self, a, b, window: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward) seconds of CA-tasks [a, b) with prefix [0, b) (under a sliding window, the window's
+        keys), all heads, one GPU."""
+        f = for_window(self.attn_fwd, window).cost(a, b)
+        fb = for_window(self.attn_fwd_bwd, window).cost(a, b)
         return f, np.maximum(fb - f, 0.0)
 
 

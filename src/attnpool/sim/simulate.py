@@ -66,9 +66,15 @@ class SimConfig:
     upsample: bool = True
     cp_degrees: tuple | None = None  # None: every divisor of the number of servers
     recompute: str = "none"  # "linear": linear forwards and head logits run again in backward; "full": attention too
+    # attention kinds (attnpool.plan.kinds): a sliding window in the layers layer_types marks sliding (None: all)
+    sliding_window: int | None = None
+    layer_types: str | None = None
 
     def model_config(self):
-        return model_config(self.model, **({"n_layers": self.layers} if self.layers is not None else {}))
+        fields = {"n_layers": self.layers} if self.layers is not None else {}
+        if self.sliding_window is not None:
+            fields.update(sliding_window=self.sliding_window, layer_types=self.layer_types)
+        return model_config(self.model, **fields)
 
     def label(self) -> str:
         return f"{self.model}/{self.dist}/{_size(self.max_doc_len)}/{self.gpus}gpu"
@@ -83,6 +89,9 @@ class SimConfig:
     def check(self) -> None:
         if self.layers is not None and self.layers < 1:
             raise ConfigError("layers", self.layers, "must be >= 1")
+        if self.layer_types is not None and self.sliding_window is None:
+            raise ConfigError("layer_types", self.layer_types, "gives which layers slide; give --sliding-window too")
+        self.model_config()  # the window and layer types checked
         if self.seed < 0:
             raise ConfigError("seed", self.seed, "must be >= 0")
         for s in self.strategies:
@@ -193,15 +202,17 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
     def add(st: StepTime):
         acc.setdefault(st.strategy, _Acc()).add(st)
 
+    def plan(table, strategy, **kw) -> dict:  # one plan per distinct window of the model's layers
+        return {w: plan_attention(table, strategy, window=w, **plan_kw, **kw) for w in dict.fromkeys(model.layer_windows)}
+
     for bi, lens in enumerate(doc_batches):
         ideal.append(model.ideal(lens))
         if "local" in want or "cad" in want:
             lin = linear_table(lens, S, B)
         if "local" in want:
-            add(model.plan_step(plan_attention(lin, "local", **plan_kw), overlap=False))
+            add(model.plan_step(plan(lin, "local"), overlap=False))
         if "wlb" in want:
-            add(model.plan_step(plan_attention(wlb_table(lens, S, B, config.memory_cap), "local", **plan_kw),
-                                overlap=False, name="wlb"))
+            add(model.plan_step(plan(wlb_table(lens, S, B, config.memory_cap), "local"), overlap=False, name="wlb"))
         if "percp" in want:
             for c in cps:
                 add(model.percp_step(wlb_pieces(lens, S // c, c * B, config.memory_cap), c))
@@ -209,11 +220,11 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
             for u in ulysses_degrees:
                 add(model.ulysses_step(wlb_pieces(lens, S // u, u * B, config.memory_cap), u))
         if "cad" in want:
-            plan = plan_attention(lin, "cad", eps=config.eps, topology=topology, **plan_kw)
-            add(model.plan_step(plan, overlap=True, name="cad"))
-            add(model.plan_step(plan, overlap=False, name="cad-serial"))
+            cad = plan(lin, "cad", eps=config.eps, topology=topology)
+            add(model.plan_step(cad, overlap=True, name="cad"))
+            add(model.plan_step(cad, overlap=False, name="cad-serial"))
             for e in eps_sweep or ():
-                p = plan if e == config.eps else plan_attention(lin, "cad", eps=e, topology=topology, **plan_kw)
+                p = cad if e == config.eps else plan(lin, "cad", eps=e, topology=topology)
                 eps_acc.setdefault(float(e), _Acc()).add(model.plan_step(p, overlap=True, name="cad"))
         if progress:
             progress(bi + 1, len(doc_batches))

@@ -48,6 +48,7 @@ Not modelled: pipeline parallelism, the gradient all-reduce and optimizer step
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -176,18 +177,32 @@ class StepModel:
         per_layer = self.tok_fwd_pre + self.tok_fwd_post + self.tok_bwd_pre + self.tok_bwd_post
         return self.cfg.n_layers * per_layer + self.tok_head_fwd + self.tok_head_bwd
 
-    def task_attention(self, a, b) -> tuple[np.ndarray, np.ndarray]:
-        """Per-GPU (fwd, bwd) seconds of tasks on a server of tp GPUs (each GPU runs n_heads / tp)."""
-        f, b_ = self.costs.attention(a, b)
+    def task_attention(self, a, b, window: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Per-GPU (fwd, bwd) seconds of tasks on a server of tp GPUs (each GPU runs n_heads / tp), under a
+        sliding window of ``window`` keys where given."""
+        f, b_ = self.costs.attention(a, b, window)
         return f / self.cluster.tp, (b_ + f if self.attention_again else b_) / self.cluster.tp
 
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: causal): the model's attention kinds (attnpool.plan.kinds)."""
+        kinds = self.cfg.layer_kinds() if hasattr(self.cfg, "layer_kinds") else ()
+        return [kind.window for kind in kinds] or [None] * self.cfg.n_layers
+
     def ideal(self, doc_lens) -> float:
-        """Perfect balance, no communication: mean linear + mean attention (whole documents)."""
+        """Perfect balance, no communication: mean linear + mean attention (whole documents, each layer its kind)."""
         lens = np.asarray(doc_lens, dtype=np.int64)
         S = self.cluster.servers
-        f, b = self.task_attention(np.zeros_like(lens), lens)
-        attn = self.cfg.n_layers * float(f.sum() + b.sum()) / S
+        attn = 0.0
+        for window, layers in Counter(self.layer_windows).items():
+            f, b = self.task_attention(np.zeros_like(lens), lens, window)
+            attn += layers * float(f.sum() + b.sum()) / S
         return float(lens.sum()) / S * self.linear_per_token_step() + attn
+
+    def _per_layer(self, layer_of_window) -> list:
+        """Each layer's entry, ``layer_of_window(window)`` computed once per distinct window of the model."""
+        by_window = {window: layer_of_window(window) for window in dict.fromkeys(self.layer_windows)}
+        return [by_window[window] for window in self.layer_windows]
 
     def _a2a(self, src, dst, nbytes, group_size: int) -> Collective:
         """One all-to-all over groups of ``group_size`` consecutive servers (bytes src -> dst)."""
@@ -212,19 +227,31 @@ class StepModel:
 
     # --- strategies ---
 
-    def plan_step(self, plan: Plan, overlap: bool = False, name: str | None = None,
+    def plan_step(self, plan: Plan | dict, overlap: bool = False, name: str | None = None,
                   task_seconds: tuple[np.ndarray, np.ndarray] | None = None) -> StepTime:
-        """Step time of a plan from the real planner (local, wlb, cad): all-to-alls over all servers.
+        """Step time of a plan from the real planner (local, wlb, cad): all-to-alls over all servers. For a model
+        whose layers differ in kind, ``plan`` maps each window to its plan (plan_attention(..., window=w)) and
+        each layer runs its window's.
 
         ``task_seconds``: per-GPU (fwd, bwd) seconds of each of the plan's tasks, where the dense table does
         not price them (sparse attention: bench/sim_sparse.py)."""
+        plans = plan if isinstance(plan, dict) else {window: plan for window in set(self.layer_windows)}
+        layers = self._per_layer(lambda window: self._plan_layer(plans[window], task_seconds))
+        first = next(iter(plans.values()))
+        # bytes of one layer (the layers' mean where their kinds move different amounts)
+        return self._simulate(name or first.strategy, first.pieces.tokens_per_rank.astype(np.float64),
+                              [layer[:4] for layer in layers], group_size=self.cluster.servers,
+                              nano=2 if overlap else 1, bytes_moved=int(np.mean([layer[4] for layer in layers])),
+                              max_bytes=int(max(layer[5] for layer in layers)))
+
+    def _plan_layer(self, plan: Plan, task_seconds=None) -> tuple:
+        """One layer under ``plan``: (attention fwd, bwd per server, forward and backward exchanges, bytes moved,
+        the most one server moves)."""
         S = self.cluster.servers
         if plan.num_ranks != S:
             raise ConfigError("plan.num_ranks", plan.num_ranks, f"the cluster has {S} servers")
-        t = plan.pieces
-        tokens = t.tokens_per_rank.astype(np.float64)
         if task_seconds is None:
-            f, b = self.task_attention(plan.task_start, plan.task_end)
+            f, b = self.task_attention(plan.task_start, plan.task_end, plan.window)
         else:
             f, b = task_seconds[0], task_seconds[1] + (task_seconds[0] if self.attention_again else 0)
         attn_f = np.bincount(plan.task_server, weights=f, minlength=S)
@@ -240,9 +267,7 @@ class StepModel:
         moved = np.where(src != dst, nbytes, 0)
         o_moved = np.where(srv != home, ln * sh.o_bytes, 0)
         per_server = (np.bincount(src, weights=moved, minlength=S) + np.bincount(srv, weights=o_moved, minlength=S))
-        return self._simulate(name or plan.strategy, tokens, attn_f, attn_b, (out, back), (back, out),
-                              group_size=S, nano=2 if overlap else 1,
-                              bytes_moved=int(moved.sum() + o_moved.sum()), max_bytes=int(per_server.max()))
+        return attn_f, attn_b, (out, back), (back, out), moved.sum() + o_moved.sum(), per_server.max()
 
     def percp_step(self, group_pieces, cp: int, name: str | None = None) -> StepTime:
         """WLB-LLM packing over DP groups + per-document CP of degree ``cp`` inside each group, analytically.
@@ -279,9 +304,11 @@ class StepModel:
         rank = np.where(nn == 2 * c, pair, (first[piece] + pair) % c)
         server = grp[piece] * c + rank
         tokens = np.bincount(server, weights=b - a, minlength=S)
-        f, bw = self.task_attention(a, b)
-        attn_f = np.bincount(server, weights=f, minlength=S)
-        attn_b = np.bincount(server, weights=bw, minlength=S)
+
+        def layer_attention(window):
+            f, bw = self.task_attention(a, b, window)
+            return np.bincount(server, weights=f, minlength=S), np.bincount(server, weights=bw, minlength=S)
+
         # KV each (piece, rank) receives: the rest of the piece if split, and a remote prefix.
         key = piece * c + rank
         ukey, inv = np.unique(key, return_inverse=True)
@@ -302,8 +329,9 @@ class StepModel:
         ag = self._collective(intra, inter, c, G)
         none = Collective(np.zeros(G), np.zeros(G))
         total = gather_b + prefix_b
-        return self._simulate(name or f"percp-cp{c}", tokens, attn_f, attn_b, (ag, none), (ag, ag),
-                              group_size=c, nano=1, bytes_moved=int(total.sum()), max_bytes=int(total.max()))
+        layers = [(*attention, (ag, none), (ag, ag)) for attention in self._per_layer(layer_attention)]
+        return self._simulate(name or f"percp-cp{c}", tokens, layers, group_size=c, nano=1,
+                              bytes_moved=int(total.sum()), max_bytes=int(total.max()))
 
     def ulysses_step(self, group_pieces, degree: int, name: str | None = None) -> StepTime:
         """WLB-LLM packing over DP groups + Ulysses of ``degree`` servers inside each group, analytically.
@@ -326,9 +354,11 @@ class StepModel:
         G = S // u
         group_tokens = np.bincount(grp, weights=length, minlength=G)
         tokens = np.repeat(group_tokens / u, u)
-        f, b = self.task_attention(start, start + length)
-        attn_f = np.repeat(np.bincount(grp, weights=f, minlength=G) / u, u)
-        attn_b = np.repeat(np.bincount(grp, weights=b, minlength=G) / u, u)
+        def layer_attention(window):
+            f, b = self.task_attention(start, start + length, window)
+            return (np.repeat(np.bincount(grp, weights=f, minlength=G) / u, u),
+                    np.repeat(np.bincount(grp, weights=b, minlength=G) / u, u))
+
         q, kv, o = bytes_per_peer(u, gpu_shape)  # each of the server's tp GPUs sends its heads' share
         out_bytes = tokens * (u - 1) * (q + kv) * tp
         back_bytes = tokens * (u - 1) * o * tp
@@ -341,16 +371,17 @@ class StepModel:
 
         out, back = exchange(out_bytes, prefix), exchange(back_bytes)
         moved = out_bytes + back_bytes + prefix
-        return self._simulate(name or f"ulysses-u{u}", tokens, attn_f, attn_b, (out, back), (back, out),
-                              group_size=u, nano=1, bytes_moved=int(moved.sum()), max_bytes=int(moved.max()))
+        layers = [(*attention, (out, back), (back, out)) for attention in self._per_layer(layer_attention)]
+        return self._simulate(name or f"ulysses-u{u}", tokens, layers, group_size=u, nano=1,
+                              bytes_moved=int(moved.sum()), max_bytes=int(moved.max()))
 
     # --- the event simulation ---
 
-    def _simulate(self, name, tokens, attn_f, attn_b, fwd_comm, bwd_comm, group_size, nano,
-                  bytes_moved, max_bytes) -> StepTime:
+    def _simulate(self, name, tokens, layers, group_size, nano, bytes_moved, max_bytes) -> StepTime:
+        """``layers``: per layer, (attention forward and backward seconds per server, the forward's exchanges
+        (before, after core attention), the backward's); backward runs the layers in reverse."""
         S, c = self.cluster.servers, group_size
         G = S // c
-        L = self.cfg.n_layers
         m = nano
         fwd_pre, fwd_post = tokens * self.tok_fwd_pre, tokens * self.tok_fwd_post
         bwd_pre, bwd_post = tokens * self.tok_bwd_pre, tokens * self.tok_bwd_post
@@ -358,29 +389,33 @@ class StepModel:
         cf = np.zeros(S)
         mf = np.zeros(G)
         comm_total = np.zeros(G)
-        if self.attention_again:  # the recomputed forward's exchanges precede the backward's own
-            bwd_comm = (Collective.serial(*fwd_comm, bwd_comm[0]), bwd_comm[1])
+        forward = [(attn_f, fwd_comm) for attn_f, _, fwd_comm, _ in layers]
+        backward = []
+        for attn_f, attn_b, fwd_comm, bwd_comm in reversed(layers):
+            if self.attention_again:  # the recomputed forward's exchanges precede the backward's own
+                bwd_comm = (Collective.serial(*fwd_comm, bwd_comm[0]), bwd_comm[1])
+            backward.append((attn_b, bwd_comm))
         passes = (
-            (fwd_pre, fwd_post + fwd_pre, fwd_post + head_f, attn_f, fwd_comm),
-            (head_b + bwd_post, bwd_post + bwd_pre, bwd_pre, attn_b, bwd_comm),
+            (fwd_pre, fwd_post + fwd_pre, fwd_post + head_f, forward),
+            (head_b + bwd_post, bwd_post + bwd_pre, bwd_pre, backward),
         )
-        for first, mid, last, attn, (before, after) in passes:
-            first, mid, last, attn = first / m, mid / m, last / m, attn / m
-            d_before, d_after = before.duration(m), after.duration(m)
-            on_before, on_after = before.active, after.active
+        for first, mid, last, pass_layers in passes:
+            first, mid, last = first / m, mid / m, last / m
             ready = [None] * m  # per nano-batch: when its previous 'after' collective ends (G,)
-            for layer in range(L):
+            for layer, (attn, (before, after)) in enumerate(pass_layers):
+                attn = attn / m
+                d_before, d_after = before.duration(m), after.duration(m)
                 pre = first if layer == 0 else mid
                 dispatched = [None] * m
                 for x in range(m):
                     cf = cf + pre if ready[x] is None else np.maximum(cf, np.repeat(ready[x], c)) + pre
-                    if on_before:
+                    if before.active:
                         mf = np.maximum(mf, cf.reshape(G, c).max(1)) + d_before
                         comm_total += d_before
                         dispatched[x] = mf
                 for x in range(m):
                     cf = cf + attn if dispatched[x] is None else np.maximum(cf, np.repeat(dispatched[x], c)) + attn
-                    if on_after:
+                    if after.active:
                         mf = np.maximum(mf, cf.reshape(G, c).max(1)) + d_after
                         comm_total += d_after
                         ready[x] = mf
@@ -390,7 +425,7 @@ class StepModel:
                 cf = cf + last if ready[x] is None else np.maximum(cf, np.repeat(ready[x], c)) + last
         step = float(cf.max())
         lin = tokens * self.linear_per_token_step()
-        attn = L * (attn_f + attn_b)
+        attn = sum(attn_f + attn_b for attn_f, attn_b, _, _ in layers)
         compute = lin + attn
         mean_attn = float(attn.mean())
         return StepTime(

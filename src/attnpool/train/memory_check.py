@@ -18,7 +18,7 @@ from attnpool.parallel.pooled_pipeline import POOLED
 from attnpool.plan.metrics import AttentionRows
 from attnpool.train.memory import Calibration, Capacity, MemoryEstimate, MemoryInputs, RowRatios, estimate, report, \
     settings, undominated
-from attnpool.train.planning import plan_batch, plan_microbatch, plan_pooled_ticks
+from attnpool.train.planning import StepPlan, layer_shares, plan_batch, plan_microbatch, plan_pooled_ticks
 from attnpool.train.spec import RunSpec
 
 # Batches whose plans bound core attention's buffers in the memory check (the run's first ones).
@@ -70,7 +70,7 @@ def sample_row_ratios(spec: RunSpec, source, batches: int = MEMORY_SAMPLE_BATCHE
                       for _ in range(c.parallel.microbatches)]
             units = [[AttentionRows.of(t.plan, copies)] for t in plan_pooled_ticks(tables, spec)]
         else:
-            units = [[AttentionRows.of(p.plan, copies) for p in plan_microbatch(stream.next_batch(), spec, prior)]]
+            units = [[layer_mean_rows(p, spec, copies) for p in plan_microbatch(stream.next_batch(), spec, prior)]]
         # (counts, ranks) of each unit; a pooled rank holds every tick's at once, the others one unit at a time
         per_unit = [np.array([np.sum([getattr(r, name) for r in rows], axis=0) for name in ROW_NAMES])
                     for rows in units]
@@ -78,6 +78,17 @@ def sample_row_ratios(spec: RunSpec, source, batches: int = MEMORY_SAMPLE_BATCHE
         for counts in [sum(per_unit)] if spec.pooled else per_unit:
             candidates += [ratios(rank) for rank in counts.T]
     return {"rows": ratios(worst), "held_candidates" if spec.pooled else "row_candidates": undominated(candidates)}
+
+
+def layer_mean_rows(step: StepPlan, spec: RunSpec, copies: bool) -> AttentionRows:
+    """Core attention's rows of a micro-batch's plans, a layer's on average: each window's plan's (one per
+    layer kind, attnpool.plan.kinds) weighted by its share of the layers, since each layer saves its own kind's
+    rows for backward (a windowed layer's server holds only the windows' keys)."""
+    if not step.plans or len(step.plans) == 1:
+        return AttentionRows.of(step.plan, copies)
+    shares = layer_shares(spec)
+    rows = {window: AttentionRows.of(plan, copies) for window, plan in step.plans.items()}
+    return AttentionRows(*(sum(shares[w] * getattr(r, name) for w, r in rows.items()) for name in ROW_NAMES))
 
 
 def run_memory_inputs(spec: RunSpec, source, capacity: Capacity, calibration: Calibration) -> MemoryInputs:

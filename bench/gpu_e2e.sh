@@ -30,6 +30,11 @@ case "$PHASE" in
     python3 -m torch.distributed.run --nproc_per_node "${NPROC:-4}" bench/a2a_probe.py --out "$OUT/probe-emulated.json"
     bench baselines-emulated --configs prolong:128K --strategies local,wlb,percp,ulysses,cad,cad+pingpong --warmup 2 \
       --steps 4 --budget-s 480 ;;
+  windows)  # issue 42: a Gemma-3-like model (five layers of a 1K-key sliding window to one global), cad against
+    # local, and the same depth with every layer causal
+    bench windows --layers 6 --sliding-window 1024 --layer-types 5/1 --configs prolong:128K \
+      --strategies local,cad,cad+pingpong --warmup 2 --steps 4 --budget-s 330
+    bench windows-causal --layers 6 --configs prolong:128K --strategies local,cad --warmup 2 --steps 4 --budget-s 200 ;;
   prolong128)  # issue 6's headline configuration, every strategy, the overlap ablation, one profiled step
     bench prolong128 --configs prolong:128K --warmup 3 --steps 10 --ablation --trace cad+pingpong --budget-s 450 ;;
   prolong256)  # issue 8's end-to-end sparse run, next to dense cad and local

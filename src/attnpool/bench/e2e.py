@@ -83,6 +83,14 @@ def linear_s_per_token(cfg) -> float:
     return layers + head
 
 
+def model_fields(args) -> dict:
+    """The model preset's fields the arguments change: its depth, and its layers' attention kinds."""
+    fields = {"n_layers": args.layers}
+    if args.sliding_window is not None:
+        fields.update(sliding_window=args.sliding_window, layer_types=args.layer_types)
+    return fields
+
+
 def run_one(name, dist_name, tokens, args, out_dir, trace=False):
     attention, pingpong, kv_transfer = STRATEGIES[name]
     sparse = {}
@@ -94,7 +102,7 @@ def run_one(name, dist_name, tokens, args, out_dir, trace=False):
         # (a micro-batch's global batch: every GPU's tokens, a pipeline's stages sharing theirs)
         elongate["options"] = {"elongate": max(1.0, tokens * dist.get_world_size() / args.pp / 65536)}
     config = TrainConfig(
-        model=args.model, model_args={"n_layers": args.layers}, data="synthetic", data_args=elongate,
+        model=args.model, model_args=model_fields(args), data="synthetic", data_args=elongate,
         # Every run's schedule is as long as a traced run's, so that tracing changes no learning rate;
         # the others stop before the traced steps.
         tokens_per_rank=tokens * args.tp, tp=args.tp, pp=args.pp, pp_schedule=args.pp_schedule,
@@ -229,7 +237,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
         raise ConfigError("--steps/--warmup/--layers", (args.steps, args.warmup, args.layers),
                           "need at least 1 measured step, 0 or more warm-up steps and 1 or more layers")
     if "ulysses" in strategies:  # here, not in its run: that would lose the strategies after it
-        cfg = model_config(args.model, n_layers=args.layers)
+        cfg = model_config(args.model, **model_fields(args))
         dp = int(os.environ["WORLD_SIZE"]) // (args.tp * args.pp)
         problem = ulysses_problem(dp, cfg.n_heads // args.tp, cfg.n_kv_heads // args.tp)
         if problem and args.strategies != ",".join(DEFAULT_STRATEGIES):
@@ -266,7 +274,7 @@ def _run_all(args: argparse.Namespace, configs: list, strategies: list, cuda: bo
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         wait_for_idle_gpus()
-    cfg = model_config(args.model, n_layers=args.layers)
+    cfg = model_config(args.model, **model_fields(args))
     t0 = time.perf_counter()
     records, skipped = [], []
     work_dir = tempfile.mkdtemp(prefix="attnpool-bench-")
@@ -376,11 +384,15 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
     os.makedirs(args.out, exist_ok=True)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU process (gloo)"
     meta = {"date": str(datetime.date.today()), "machine": f"{world} x {device}",
-            "torch": torch.__version__, "model": f"{args.model} x {args.layers} layers",
+            "torch": torch.__version__, "model": f"{args.model} x {args.layers} layers" + (
+                f", sliding window {args.sliding_window} ({args.layer_types or 'every layer'})"
+                if args.sliding_window is not None else ""),
             "attention_backend": args.resolved_attention_backend, "warmup": args.warmup,
             "measured_steps": args.steps, "skipped": skipped, "complete": complete,
             "command": f"torchrun --nproc-per-node {world} -m attnpool.cli.main bench --model {args.model} "
                        f"--layers {args.layers} --configs {args.configs} "
+                       + (f"--sliding-window {args.sliding_window} " if args.sliding_window is not None else "")
+                       + (f"--layer-types {args.layer_types} " if args.layer_types else "") +
                        f"--strategies {args.strategies} --warmup {args.warmup} --steps {args.steps} "
                        f"--attention-backend {args.resolved_attention_backend}"  # as run, where "auto" was asked
                        + (" --ablation" if args.ablation else "") + (f" --trace {args.trace}" if args.trace else "")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from attnpool.sizes import parse_size
 from attnpool.train.sections import ATTENTION_BACKENDS, CHECKPOINTING
 
 STRATEGIES = {  # name -> (attention, pingpong, vertical-slash sparse attention: None or its kv_transfer)
@@ -27,6 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: gloo, a smoke test of the benchmark itself")
     p.add_argument("--model", default="llama3-8b")
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--sliding-window", type=parse_size, default=None,
+                   help="a sliding window of this many keys in every layer, or in those --layer-types marks")
+    p.add_argument("--layer-types", default=None, help='which layers slide: "S/F", S sliding layers then F full ones, '
+                                                       'repeated (Gemma 3: 5/1)')
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (torchrun's world = pp x dp x tp)")
     p.add_argument("--pp-schedule", default="1f1b", help="pipeline schedule (attnpool train's pp_schedule)")
     p.add_argument("--microbatches", type=int, default=1, help="micro-batches per step, of the configuration's tokens")

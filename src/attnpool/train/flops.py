@@ -1,8 +1,8 @@
 """Model FLOPs utilisation (MFU): what a step's model computes, over what its GPUs could in bf16.
 
 A step's model FLOPs: 6 per matmul weight per token (forward and backward of the decoder layers' projections and
-the output head) and causal core attention's, 4 x head_dim x heads per (query, key) pair forward and 2.5 times
-that backward, over every document's causal pairs. Recomputed work (activation checkpointing) is not counted, nor
+the output head) and core attention's, 4 x head_dim x heads per (query, key) pair forward and 2.5 times that
+backward, over every document's causal pairs (in a sliding-window layer, its window's pairs: attnpool.plan.kinds). Recomputed work (activation checkpointing) is not counted, nor
 is sparse attention's saving: a step's MFU is the model's work, whatever the run did to get it, so that runs compare.
 """
 
@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from attnpool.plan.cost import attention_flops
+from attnpool.plan.documents import window_pairs
 
 # Dense bf16 tensor-core peaks, TFLOP/s per GPU (the vendors' datasheets), by a part of the device's name; the
 # longest name that matches wins ("H100 PCIe" before "H100").
@@ -31,9 +32,11 @@ def linear_flops_per_token(cfg) -> float:
 
 def step_flops(cfg, doc_lens) -> float:
     """The model's forward+backward FLOPs over documents of these lengths (every token one of them)."""
-    lens = np.asarray(doc_lens, dtype=np.float64)
-    pairs = float(np.sum(lens * (lens + 1) / 2))
-    attention = cfg.n_layers * float(attention_flops(pairs, cfg.n_heads, cfg.head_dim, "fwd+bwd"))
+    lens = np.asarray(doc_lens, dtype=np.int64)
+    kinds = cfg.layer_kinds() if hasattr(cfg, "layer_kinds") else ()
+    windows = [kind.window for kind in kinds] or [None] * cfg.n_layers
+    pairs = sum(float(np.sum(window_pairs(0 * lens, lens, window))) for window in windows)
+    attention = float(attention_flops(pairs, cfg.n_heads, cfg.head_dim, "fwd+bwd"))
     return linear_flops_per_token(cfg) * float(lens.sum()) + attention
 
 

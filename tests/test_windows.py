@@ -259,3 +259,18 @@ def test_cad_trains_a_model_of_mixed_kinds_as_local_does():
         assert np.max(np.abs(losses[name] - losses[ref]) / losses[ref]) <= 1e-4, (name, losses[name], losses[ref])
     assert np.max(np.abs(losses["causal"] - losses["local"])) > 1e-3
     assert all(r["comm_bytes"] > 0 for r in results["cad"])
+
+
+def test_the_chunked_loss_soft_caps_the_logits_as_gemma_2_does():
+    import torch.nn.functional as F
+
+    from attnpool.model.llama import chunked_cross_entropy
+
+    g = torch.Generator().manual_seed(3)
+    h, weight = torch.randn(37, 16, generator=g, dtype=torch.float64), torch.randn(50, 16, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 50, (37,), generator=g)
+    labels[5] = -100
+    logits = 3.0 * torch.tanh(h @ weight.T / 3.0)
+    want = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+    torch.testing.assert_close(chunked_cross_entropy(h, weight, labels, chunk=8, softcap=3.0), want)
+    assert not torch.allclose(chunked_cross_entropy(h, weight, labels, chunk=8), want)

@@ -29,7 +29,7 @@ from attnpool.errors import ConfigError
 from attnpool.model.config import ModelConfig
 from attnpool.model.hf import GEMMA_TYPES, QK_NORM_TYPES, SANDWICH_NORM_TYPES, hf_config_dtype, save_tokenizer
 from attnpool.model.hf_config import architecture, attention_settings, has_safetensors, read_hf_config
-from attnpool.model.llama import chunked_cross_entropy, soft_capped
+from attnpool.model.llama import chunked_cross_entropy, soft_capped, summed_loss
 from attnpool.model.spec import ADAPTER_CANNOT, HF_PREFIX, ModelSpec
 from attnpool.plan.kinds import AttentionKind
 from attnpool.runtime.layer_kinds import check_layer_kind
@@ -199,7 +199,7 @@ class HFCausalLM(nn.Module):
                                use_cache=False).last_hidden_state[0]
         softcap = getattr(self.config, "final_logit_softcapping", None)  # Gemma 2's
         if labels is not None:
-            return self.cross_entropy(hidden, self.output_weight, labels, softcap=softcap)
+            return summed_loss(self.cross_entropy, hidden, self.output_weight, labels, softcap)
         if return_hidden:
             return hidden
         return soft_capped(self.hf.get_output_embeddings()(hidden), softcap)

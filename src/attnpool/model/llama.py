@@ -366,7 +366,7 @@ class Transformer(nn.Module):
             return h
         h = self.norm(h)
         if labels is not None:
-            return self.cross_entropy(h, self.output_weight, labels, softcap=self.config.final_softcap)
+            return summed_loss(self.cross_entropy, h, self.output_weight, labels, self.config.final_softcap)
         if return_hidden:
             return h
         return soft_capped(F.linear(h, self.output_weight), self.config.final_softcap)
@@ -384,6 +384,15 @@ def loss_chunk_tokens(vocab_size: int) -> int:
     (2048 for Llama 3's vocabulary of 128256; at least 256)."""
     fits = LOSS_CHUNK_LOGIT_BYTES // (4 * vocab_size)
     return max(256, 1 << (fits.bit_length() - 1)) if fits else 256
+
+
+def summed_loss(cross_entropy, h: Tensor, weight: Tensor, labels: Tensor, softcap: float | None) -> Tensor:
+    """``cross_entropy`` (a model's loss-kernel slot: attnpool.model.fused_loss) of the head's logits, soft-capped
+    where the model caps them (the slot's functions take ``softcap``; one that a user sets need not, unless the
+    model caps)."""
+    if softcap is None:
+        return cross_entropy(h, weight, labels)
+    return cross_entropy(h, weight, labels, softcap=softcap)
 
 
 def soft_capped(logits: Tensor, softcap: float | None) -> Tensor:

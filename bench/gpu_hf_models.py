@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 SHAPE = dict(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, head_dim=64, max_position_embeddings=8192, dtype="float32")
-DOC_LENS = [3000, 700, 1900, 64, 2500]  # under the Gemma windows below: those layers are plain causal attention
+DOC_LENS = [3000, 700, 1900, 64, 2500]  # under the Gemma windows below (then planned as causal attention)
 WINDOW = 4096
 
 
@@ -57,24 +57,26 @@ def compare_logits(root: str) -> dict:
 
     from attnpool.comm import process_group
     from attnpool.model.hf_causal_lm import build_hf_model, load_hf_spec
-    from attnpool.plan import DocPiece, plan_attention
-    from attnpool.runtime import CoreAttention
+    from attnpool.plan import DocPiece
+    from attnpool.runtime import plan_layer_kinds
 
     device = torch.device("cuda", 0)
     gen = torch.Generator().manual_seed(1)
     docs = [torch.randint(0, SHAPE["vocab_size"], (n,), generator=gen) for n in DOC_LENS]
     tokens = torch.cat(docs).to(device)
     positions = torch.cat([torch.arange(n) for n in DOC_LENS]).to(device)
-    plan = plan_attention([[DocPiece(d, n, 0, n) for d, n in enumerate(DOC_LENS)]], "local")
+    pieces = [[DocPiece(d, n, 0, n) for d, n in enumerate(DOC_LENS)]]
     results = {}
     with process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
                        timeout=timedelta(seconds=120), device_id=device):
         for arch, config in architectures().items():
             directory = os.path.join(root, arch)
             randomize_(transformers.AutoModelForCausalLM.from_config(config)).save_pretrained(directory)
-            model = build_hf_model(load_hf_spec(directory, max_doc_len=WINDOW), device).eval()
+            spec = load_hf_spec(directory)
+            model = build_hf_model(spec, device).eval()
+            attention = plan_layer_kinds(spec.config.layer_kinds(), pieces, "local")  # a plan per window
             with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-                ours = model(tokens, positions, CoreAttention(plan)).float()
+                ours = model(tokens, positions, attention).float()
             reference = {}
             for dtype in (torch.bfloat16, torch.float32):
                 hf = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager",

@@ -35,7 +35,7 @@ from test_train import SPARSE  # noqa: E402
 VOCAB = 97
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=256, dtype="float32")
-# Windows shorter than the documents (several windows long): the sliding layers' windows cut (attnpool.plan.kinds).
+# Windows shorter than the documents (several windows long): the sliding layers' windows cut (attnpool.kinds).
 WINDOW = 16
 MAX_DOC_LEN = 128
 ARCHITECTURES = {
@@ -99,7 +99,7 @@ def _logits_under_core_attention(rank, world, directories, strategy):
     rows = torch.cat([torch.arange(starts[p.doc_id] + p.start, starts[p.doc_id] + p.end) for p in mine])
     results, autocast = {}, {}
     for arch, directory in directories.items():
-        spec = load_hf_spec(directory, max_doc_len=MAX_DOC_LEN)
+        spec = load_hf_spec(directory)
         model = build_hf_model(spec).eval()
         attention = plan_layer_kinds(spec.config.layer_kinds(), pieces, strategy, cost_model="pairs",
                                      min_shard_tokens=8)
@@ -134,13 +134,13 @@ def test_logits_equal_transformers_own_attention(saved_architectures, world, str
 
 def test_problems_name_architecture_and_feature():
     bidirectional = transformers.Gemma3TextConfig(**SHAPE, use_bidirectional_attention=True)
-    assert "non-causal" in hf_model_problem(bidirectional, max_doc_len=16)
+    assert "non-causal" in hf_model_problem(bidirectional)
     assert "attention_dropout=0.1" in hf_model_problem(transformers.LlamaConfig(**SHAPE, attention_dropout=0.1))
     assert "GPT2" in hf_model_problem(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4))
     assert hf_model_problem(transformers.Qwen3Config(**SHAPE)) is None
     # windows and soft-caps are attention kinds now, not problems
     assert hf_model_problem(transformers.Gemma2Config(**SHAPE)) is None
-    assert hf_model_problem(transformers.MistralConfig(**SHAPE, sliding_window=64), max_doc_len=65) is None
+    assert hf_model_problem(transformers.MistralConfig(**SHAPE, sliding_window=64)) is None
 
 
 def test_layer_kinds_are_read_from_the_config():
@@ -158,7 +158,7 @@ def test_layer_kinds_are_read_from_the_config():
 
 def test_a_windowed_layer_refuses_a_causal_core_attention(saved_architectures):
     directories, _ = saved_architectures
-    model = build_hf_model(load_hf_spec(directories["mistral"], max_doc_len=MAX_DOC_LEN)).eval()
+    model = build_hf_model(load_hf_spec(directories["mistral"])).eval()
     plan = plan_attention(linear_layout(DOC_LENS, 1), "local", cost_model="pairs")
     with pytest.raises(ConfigError, match="layer 0 needs it, but the core attention it was given computes causal"):
         model(torch.cat(document_tokens()), torch.cat([torch.arange(n) for n in DOC_LENS]), CoreAttention(plan))
@@ -263,7 +263,7 @@ def test_model_args_change_an_hf_models_config(tmp_path, hf_training):
         assert err.value.field == field, bad
     gemma3 = str(save_model(tmp_path / "gemma3", "gemma3_text", randomize=False))
     with pytest.raises(ConfigError, match="per layer type") as err:  # local and global layers: RoPE of their own
-        load_hf_spec(gemma3, max_doc_len=WINDOW, model_args={"rope_theta": 1e6})
+        load_hf_spec(gemma3, model_args={"rope_theta": 1e6})
     assert err.value.field == "model_args.rope_theta"
 
 

@@ -21,7 +21,7 @@ from attnpool.parallel.checkpointing import apply_activation_checkpointing
 from attnpool.parallel.pingpong import apply_pingpong
 from attnpool.plan import linear_table, plan_attention
 from attnpool.plan.metrics import AttentionRows
-from attnpool.runtime import CoreAttention
+from attnpool.runtime import CoreAttention, LayerKinds
 from attnpool.runtime.dispatch import DispatchLayout
 from attnpool.sizes import format_tokens, parse_memory_size
 from attnpool.train.memory import (CHECKPOINTING_MODES, Calibration, Capacity, MemoryInputs, RowRatios, estimate,
@@ -49,8 +49,9 @@ def batch():
     return tokens, positions, plan
 
 
-def saved_storage_bytes(model, tokens, positions, plan) -> int:
-    """Bytes of every storage autograd keeps for backward (parameters aside), each storage once."""
+def saved_storage_bytes(model, tokens, positions, plan, kinds=()) -> int:
+    """Bytes of every storage autograd keeps for backward (parameters aside), each storage once. ``kinds``: the
+    model's layer kinds, where it has windows (every one longer than these documents: the plan serves them all)."""
     storages = {}
 
     def pack(t):
@@ -59,7 +60,9 @@ def saved_storage_bytes(model, tokens, positions, plan) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(tokens, positions, CoreAttention(plan), labels=tokens)
+        attention = LayerKinds(kinds, {kind.window: plan for kind in kinds}, lambda p, cap: CoreAttention(p, softcap=cap)) \
+            if kinds else CoreAttention(plan)
+        model(tokens, positions, attention, labels=tokens)
     return sum(storages.values())
 
 
@@ -146,7 +149,8 @@ def test_saved_per_layer_of_transformers_layers(mode, variant):
     from attnpool.model.hf_causal_lm import planning_config
 
     tokens, positions, plan = batch()
-    (one, config), (two, _) = ((saved_storage_bytes(model, tokens, positions, plan), config)
+    (one, config), (two, _) = ((saved_storage_bytes(model, tokens, positions, plan,
+                                                    planning_config(config).layer_kinds()), config)
                                for model, config in (adapter_model(variant, n, mode) for n in (1, 2)))
     x = MemoryInputs(planning_config(config), len(tokens), mode, layer_modules="transformers")
     per_token = (two - one) / len(tokens)
@@ -420,7 +424,9 @@ def test_chunked_recompute_matches_plain_backward(monkeypatch):
     for chunk in (10**9, 97):  # one chunk (a plain checkpoint), then uneven chunks
         monkeypatch.setattr(checkpointing, "LINEAR_CHUNK_TOKENS", chunk)
         model = small_model(2, "keep_attention").double()
-        model(tokens, positions, CoreAttention(plan), labels=tokens).backward()
+        attention = LayerKinds(kinds, {kind.window: plan for kind in kinds}, lambda p, cap: CoreAttention(p, softcap=cap)) \
+            if kinds else CoreAttention(plan)
+        model(tokens, positions, attention, labels=tokens).backward()
         grads[chunk] = [p.grad for p in model.parameters()]
     for a, b in zip(grads[10**9], grads[97]):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

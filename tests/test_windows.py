@@ -274,3 +274,33 @@ def test_the_chunked_loss_soft_caps_the_logits_as_gemma_2_does():
     want = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
     torch.testing.assert_close(chunked_cross_entropy(h, weight, labels, chunk=8, softcap=3.0), want)
     assert not torch.allclose(chunked_cross_entropy(h, weight, labels, chunk=8), want)
+
+
+def test_a_preset_with_a_window_in_every_layer_exports_as_mistral(tmp_path):
+    """The export of a windowed preset loads in transformers and computes attnpool's logits (float32, documents
+    several windows long); a preset whose layers mix kinds has no transformers architecture and is refused."""
+    transformers = pytest.importorskip("transformers")
+    from attnpool.model.config import model_config
+    from attnpool.model.hf import config_to_hf, save_hf_checkpoint
+    from attnpool.model.llama import Transformer
+    from attnpool.runtime import plan_layer_kinds
+
+    config = model_config("tiny", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=97,
+                          sliding_window=8)
+    torch.manual_seed(0)
+    model = Transformer(config).double()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    save_hf_checkpoint(model, config, tmp_path / "m", dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation="eager").double().eval()
+    assert hf.config.model_type == "mistral" and hf.config.sliding_window == 8
+    docs = [torch.randint(0, 97, (n,)) for n in (30, 5, 17)]
+    pieces = linear_layout([len(d) for d in docs], 1)
+    with torch.no_grad():
+        got = model(torch.cat(docs), torch.cat([torch.arange(len(d)) for d in docs]),
+                    plan_layer_kinds(config.layer_kinds(), pieces, "local", cost_model="pairs"))
+        want = torch.cat([hf(input_ids=d[None]).logits[0] for d in docs])
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()  # (the export's float32 weights)
+    mixed = model_config("tiny", n_layers=2, sliding_window=8, layer_types="1/1")
+    with pytest.raises(ConfigError, match="attention kinds"):
+        config_to_hf(mixed)

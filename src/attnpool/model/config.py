@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from attnpool.errors import ConfigError
-from attnpool.plan.kinds import AttentionKind, expand_layer_types, layer_kinds
+from attnpool.kinds import AttentionKind, expand_layer_types, layer_kinds
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class ModelConfig:
     activation: str = "silu"  # the gated MLP's (ACTIVATIONS)
     scale_embeddings: bool = False  # Gemma: the embedding times sqrt(dim)
     query_scale: float | None = None  # attention's score scale; None: head_dim ** -0.5 (Gemma 2, 3: their own)
-    # Attention kinds (attnpool.plan.kinds): a sliding window of this many keys in the layers ``layer_types``
+    # Attention kinds (attnpool.kinds): a sliding window of this many keys in the layers ``layer_types``
     # marks "sliding_attention" (None: in every layer; Mistral), the others "full_attention" (Gemma 2 and 3;
     # a pattern "S/F" repeats S sliding layers and F full ones: Gemma 3 is "5/1");
     # scores soft-capped at attn_softcap in every layer, the output logits at final_softcap (Gemma 2).
@@ -134,7 +134,7 @@ class ModelConfig:
         self.layer_kinds()  # checked here: a window, the layer types and the soft-cap
 
     def layer_kinds(self) -> tuple[AttentionKind, ...]:
-        """Each layer's attention kind (causal, windowed, soft-capped: attnpool.plan.kinds)."""
+        """Each layer's attention kind (causal, windowed, soft-capped: attnpool.kinds)."""
         return layer_kinds(self.n_layers, self.sliding_window, self.layer_types, self.attn_softcap)
 
     def _check_ropes(self):

@@ -43,13 +43,13 @@ def model_spec(model: str, model_args: dict | None = None, max_doc_len: int | No
     """The spec of ``model`` with ``model_args`` applied (a preset's fields, or settings of an hf: model's
     config.json), run as ``impl``, checked: a ConfigError names what is wrong (an unknown preset or field; a
     directory transformers cannot read, an architecture or feature core attention cannot run, a checkpoint whose
-    tensors do not match its config). ``max_doc_len``: the longest document the run feeds it (a sliding window
-    never reaching past it is plain causal attention)."""
+    tensors do not match its config). ``max_doc_len``: the longest document the run feeds it (a RoPE whose
+    frequencies follow the sequence's length is refused where a document may pass the original context)."""
     path = hf_model_dir(model)
     if path is not None:
         from attnpool.model.hf_config import read_hf_config
 
-        hf_config = read_hf_config(path, max_doc_len, model_args)
+        hf_config = read_hf_config(path, model_args)
         if family(model, impl) == "hf":
             from attnpool.model.hf_causal_lm import adapter_spec
 

@@ -43,7 +43,8 @@ from attnpool.model.llama import Transformer, default_inv_freq
 
 LLAMA = "LlamaForCausalLM"
 QWEN2 = "Qwen2ForCausalLM"
-_ARCHITECTURE_TYPES = {LLAMA: "llama", QWEN2: "qwen2", "MistralForCausalLM": "mistral",
+MISTRAL = "MistralForCausalLM"
+_ARCHITECTURE_TYPES = {LLAMA: "llama", QWEN2: "qwen2", MISTRAL: "mistral",
                        "Qwen3ForCausalLM": "qwen3", "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
                        "Gemma3ForCausalLM": "gemma3_text"}
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -126,7 +127,7 @@ def config_from_hf(hf, max_doc_len: int | None = None) -> ModelConfig:
     """
     hf = as_transformers_config(hf)
     model_type = hf.model_type
-    problem = hf_model_problem(hf, max_doc_len)
+    problem = hf_model_problem(hf)
     if problem is not None:
         raise ConfigError("config.json", architecture(hf), problem)
     if model_type not in OWN_MODEL_TYPES:
@@ -234,8 +235,10 @@ def hf_config_dtype(hf_config) -> torch.dtype:
 
 
 def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
-    """``config.json`` for transformers of one of attnpool's presets: Qwen2ForCausalLM when q/k/v have biases, else
-    LlamaForCausalLM. (A model read from a checkpoint writes the checkpoint's own config back: save_hf_checkpoint.)
+    """``config.json`` for transformers of one of attnpool's presets: Qwen2ForCausalLM when q/k/v have biases,
+    MistralForCausalLM when every layer slides a window, else LlamaForCausalLM. (A model read from a checkpoint writes
+    the checkpoint's own config back: save_hf_checkpoint.) Other attention kinds (some layers windowed, soft-caps)
+    have no transformers architecture with a preset's weights, and are refused.
 
     Written in transformers 4.x's form (``rope_theta`` and ``rope_scaling``),
     which 5.x reads as well.
@@ -244,7 +247,13 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
             or config.activation != "silu" or config.scale_embeddings or config.query_scale is not None:
         raise ConfigError("config", "a checkpoint's family", "give the checkpoint's config (save_hf_checkpoint's "
                                                              "hf_config): only the presets' is written from scratch")
-    arch = QWEN2 if config.qkv_bias else LLAMA
+    kinds = set(config.layer_kinds())
+    windowed = len(kinds) == 1 and next(iter(kinds)).window is not None and next(iter(kinds)).softcap is None
+    if any(not kind.causal for kind in kinds) and not (windowed and not config.qkv_bias):
+        raise ConfigError("attention kinds", "; ".join(sorted(kind.describe() for kind in kinds)),
+                          "no transformers architecture holds a preset's weights with these layers (a window in every "
+                          "layer is MistralForCausalLM's; mixed layers and soft-caps are Gemma's, with other weights)")
+    arch = QWEN2 if config.qkv_bias else MISTRAL if windowed else LLAMA
     hf = {
         "architectures": [arch],
         "model_type": _ARCHITECTURE_TYPES[arch],
@@ -275,6 +284,8 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
         }
     if arch == LLAMA:
         hf.update(attention_bias=False, mlp_bias=False)
+    elif arch == MISTRAL:
+        hf.update(sliding_window=config.sliding_window)
     else:
         hf.update(use_sliding_window=False)
     return hf

@@ -31,8 +31,8 @@ from attnpool.model.hf import GEMMA_TYPES, QK_NORM_TYPES, SANDWICH_NORM_TYPES, h
 from attnpool.model.hf_config import architecture, attention_settings, has_safetensors, read_hf_config
 from attnpool.model.llama import chunked_cross_entropy, soft_capped, summed_loss
 from attnpool.model.spec import ADAPTER_CANNOT, HF_PREFIX, ModelSpec
-from attnpool.plan.kinds import AttentionKind
-from attnpool.runtime.layer_kinds import check_layer_kind
+from attnpool.kinds import AttentionKind
+from attnpool.kinds import check_layer_kind
 
 ATTENTION_NAME = "attnpool"
 
@@ -86,9 +86,9 @@ class HFAdapterSpec(ModelSpec):
         save_hf_export(model, state, directory, dtype or hf_config_dtype(self.hf_config), tokenizer_dir)
 
 
-def load_hf_spec(path: str, max_doc_len: int | None = None, model_args: dict | None = None) -> HFAdapterSpec:
+def load_hf_spec(path: str, model_args: dict | None = None) -> HFAdapterSpec:
     """The adapter's spec of ``path`` (its config.json read and checked: attnpool.model.hf_config.read_hf_config)."""
-    return adapter_spec(path, read_hf_config(path, max_doc_len, model_args))
+    return adapter_spec(path, read_hf_config(path, model_args))
 
 
 def adapter_spec(path: str, hf_config) -> HFAdapterSpec:

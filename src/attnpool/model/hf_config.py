@@ -5,7 +5,7 @@ transformers reads the file (its config classes fill in each architecture's defa
 run's ``--model-args`` are changed in it, and what core attention cannot compute is refused, naming the
 architecture and the feature: architectures whose forward attnpool has not checked, non-causal attention and
 attention dropout. Sliding windows, per-layer attention types and soft-capped logits are read as the model's attention
-kinds (:func:`attention_settings`, attnpool.plan.kinds), which core attention computes. Nothing is downloaded.
+kinds (:func:`attention_settings`, attnpool.kinds), which core attention computes. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def has_safetensors(path: str) -> bool:
     return any(name.endswith(".safetensors") for name in os.listdir(path))
 
 
-def read_hf_config(path: str, max_doc_len: int | None = None, model_args: dict | None = None):
+def read_hf_config(path: str, model_args: dict | None = None):
     """``path``'s config.json as transformers reads it, with ``model_args`` changed in it (:func:`config_with_args`),
     checked (:func:`hf_model_problem`): a ConfigError names the model, the architecture and what attnpool cannot
     run."""
@@ -75,7 +75,7 @@ def read_hf_config(path: str, max_doc_len: int | None = None, model_args: dict |
                                         f"({str(exc).splitlines()[0]})") from None
     if model_args:
         hf_config = config_with_args(hf_config, model_args, has_safetensors(path))
-    problem = hf_model_problem(hf_config, max_doc_len)
+    problem = hf_model_problem(hf_config)
     if problem is not None:
         raise ConfigError(field, value, problem)
     return hf_config
@@ -131,7 +131,7 @@ def config_with_args(hf_config, model_args: dict, has_weights: bool):
                           f"transformers refuses {arch}'s config with them ({first})") from None
 
 
-def hf_model_problem(hf_config, max_doc_len: int | None = None) -> str | None:
+def hf_model_problem(hf_config) -> str | None:
     """Why attnpool cannot train this model with its core attention, naming architecture and feature; None
     where it can."""
     model_type = getattr(hf_config, "model_type", None)
@@ -148,7 +148,7 @@ def hf_model_problem(hf_config, max_doc_len: int | None = None) -> str | None:
 
 
 def attention_settings(hf_config) -> dict:
-    """The attention kinds of a checkpoint's config as attnpool's ModelConfig fields (attnpool.plan.kinds): its
+    """The attention kinds of a checkpoint's config as attnpool's ModelConfig fields (attnpool.kinds): its
     sliding window and which layers use it, and its attention and output logits' soft-caps (Gemma 2)."""
     window = sliding_window(hf_config)
     layer_types = getattr(hf_config, "layer_types", None)

@@ -43,7 +43,7 @@ from torch.utils.checkpoint import checkpoint
 
 from attnpool.errors import ConfigError
 from attnpool.model.config import ModelConfig
-from attnpool.runtime.layer_kinds import check_layer_kind
+from attnpool.kinds import check_layer_kind
 
 CoreAttention = Callable[..., Tensor]  # (q, k, v, *, layer: int) -> out
 

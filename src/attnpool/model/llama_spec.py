@@ -106,7 +106,7 @@ def load_checkpoint_spec(path: str, max_doc_len: int | None = None, model_args: 
     """The spec of the checkpoint in ``path`` as attnpool's model: its config.json read and checked
     (attnpool.model.hf_config.read_hf_config, or ``hf_config`` already read so), its tensors' names and shapes
     checked against it (headers only; a ConfigError names a missing, surplus or misshapen tensor)."""
-    hf_config = hf_config if hf_config is not None else read_hf_config(path, max_doc_len, model_args)
+    hf_config = hf_config if hf_config is not None else read_hf_config(path, model_args)
     try:
         config = config_from_hf(hf_config, max_doc_len)
     except ConfigError as exc:

@@ -5,9 +5,8 @@ how its weights get their values once every parallelism has been applied (drawn,
 files), how many weights it has and under which names (a checkpoint is checked against them before it is
 loaded), how to write it as a Hugging Face model, and which features it can run. What a family cannot run is
 refused by name when the run starts, before any process group exists. A spec is made checked
-(attnpool.model.families.model_spec): that core attention computes what every layer's attention needs, given
-the longest document the run feeds it (causal attention within each document; the adapter refuses soft-capped
-logits, and sliding windows a document could reach past).
+(attnpool.model.families.model_spec): that core attention computes what every layer's attention needs (causal
+attention within each document, under each layer's sliding window and soft-cap: its attention kind).
 
 The families (attnpool.model.families picks one from the ``model`` and ``model_impl`` settings, and says what it
 cannot run):

@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 
 from attnpool.kernels.base import Backend
+from attnpool.kinds import plan_windows
+from attnpool.plan import plan_attention
 from attnpool.plan.plan import Plan
 from attnpool.runtime.core_attention import CoreAttention, dispatch_layout
 from attnpool.runtime.dispatch import DispatchLayout
-from attnpool.runtime.layer_kinds import LayerKinds, plan_layer_kinds
+from attnpool.runtime.layer_kinds import LayerKinds
 from attnpool.runtime.ulysses import UlyssesAttention
 from attnpool.sparse import SparseConfig
 
@@ -38,6 +40,16 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan
     """
     return attention_for(plan, group, backend=backend, scale=scale, sparse=sparse, softcap=softcap)(q, k, v,
                                                                                                    layer=layer)
+
+
+def plan_layer_kinds(kinds, pieces, strategy: str = "cad", group=None, *, backend=None, scale: float | None = None,
+                     **plan_options) -> LayerKinds:
+    """Core attention for a model with layer ``kinds`` over one batch's ``pieces`` (per rank, or a PieceTable):
+    each distinct window planned with ``strategy`` (plan_attention's other options in ``plan_options``) and a
+    :class:`LayerKinds` over the plans, the attention a model's forward takes. Every rank must call it alike."""
+    plans = {window: plan_attention(pieces, strategy, window=window, **plan_options) for window in plan_windows(kinds)}
+    return LayerKinds(kinds, plans, lambda plan, softcap: attention_for(plan, group, backend=backend, scale=scale,
+                                                                        softcap=softcap))
 
 
 __all__ = ["CoreAttention", "LayerKinds", "UlyssesAttention", "attention_for", "core_attention", "dispatch_layout", "plan_layer_kinds",

@@ -487,7 +487,7 @@ class CoreAttention:
     exchanges; with ping-pong give them one of their own (see __init__).
 
     A plan made for a sliding window (``plan.window``) computes windowed attention; ``softcap`` soft-caps
-    the scores (the layer kind's, attnpool.plan.kinds). Neither goes with sparse attention.
+    the scores (the layer kind's, attnpool.kinds). Neither goes with sparse attention.
     """
 
     def __init__(self, plan: Plan, group=None, *, backend: str | Backend | None = None, scale: float | None = None,

@@ -1,4 +1,4 @@
-"""Core attention of a model whose layers differ in attention kind (attnpool.plan.kinds).
+"""Core attention of a model whose layers differ in attention kind (attnpool.kinds).
 
 A micro-batch has one plan per distinct window (local and global layers balance differently, and a windowed
 plan moves only its windows' KV); :class:`LayerKinds` holds one core attention per kind of layer, each over its
@@ -11,21 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from attnpool.errors import ConfigError
-from attnpool.plan.kinds import CAUSAL, AttentionKind
+from attnpool.kinds import AttentionKind
 from attnpool.plan.plan import Plan
-
-
-def check_layer_kind(attention, layer: int, kind: AttentionKind) -> None:
-    """Refuse a call of ``attention`` for ``layer`` where it would not compute the layer's ``kind`` (the model's):
-    a :class:`LayerKinds` (or anything with ``kind_of``) says what it runs for each layer; any other core attention
-    computes plain causal attention. Cheap: a comparison per layer call."""
-    kind_of = getattr(attention, "kind_of", None)
-    runs = kind_of(layer) if kind_of is not None else CAUSAL
-    if runs != kind:
-        raise ConfigError("attention kind", kind.describe(), f"layer {layer} needs it, but the core attention it was "
-                                                            f"given computes {runs.describe()} (build it with "
-                                                            "runtime.LayerKinds for the model's layer kinds)")
 
 
 @dataclass
@@ -67,16 +54,3 @@ class LayerKinds:
     def collect(self, p: _Pending):
         return p.attention.collect(p.pending)
 
-
-def plan_layer_kinds(kinds, pieces, strategy: str = "cad", group=None, *, backend=None, scale: float | None = None,
-                     **plan_options) -> LayerKinds:
-    """Core attention for a model with layer ``kinds`` over one batch's ``pieces`` (per rank, or a PieceTable):
-    each distinct window planned with ``strategy`` (plan_attention's other options in ``plan_options``) and a
-    :class:`LayerKinds` over the plans, the attention a model's forward takes. Every rank must call it alike."""
-    from attnpool.plan import plan_attention
-    from attnpool.plan.kinds import plan_windows
-    from attnpool.runtime import attention_for
-
-    plans = {window: plan_attention(pieces, strategy, window=window, **plan_options) for window in plan_windows(kinds)}
-    return LayerKinds(kinds, plans, lambda plan, softcap: attention_for(plan, group, backend=backend, scale=scale,
-                                                                        softcap=softcap))

@@ -66,7 +66,7 @@ class SimConfig:
     upsample: bool = True
     cp_degrees: tuple | None = None  # None: every divisor of the number of servers
     recompute: str = "none"  # "linear": linear forwards and head logits run again in backward; "full": attention too
-    # attention kinds (attnpool.plan.kinds): a sliding window in the layers layer_types marks sliding (None: all)
+    # attention kinds (attnpool.kinds): a sliding window in the layers layer_types marks sliding (None: all)
     sliding_window: int | None = None
     layer_types: str | None = None
 

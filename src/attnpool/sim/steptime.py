@@ -185,7 +185,7 @@ class StepModel:
 
     @property
     def layer_windows(self) -> list[int | None]:
-        """Each layer's sliding window (None: causal): the model's attention kinds (attnpool.plan.kinds)."""
+        """Each layer's sliding window (None: causal): the model's attention kinds (attnpool.kinds)."""
         kinds = self.cfg.layer_kinds() if hasattr(self.cfg, "layer_kinds") else ()
         return [kind.window for kind in kinds] or [None] * self.cfg.n_layers
 

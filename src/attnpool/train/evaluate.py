@@ -126,7 +126,7 @@ def evaluate_retrieval(model, *, tasks=TASKS, contexts=(4096,), depths=(0.0, 0.2
     """Accuracy per (task, context, depth) over ``instances`` held-out instances each; with sparse attention and
     ``needle_probe``, also how often the patterns keep the needle (:class:`NeedleProbe`)."""
     from attnpool.plan import linear_table, plan_attention
-    from attnpool.runtime import CoreAttention
+    from attnpool.runtime import CoreAttention, plan_layer_kinds
 
     device = torch.device(device)
     tasks = parse_tasks(tasks)
@@ -152,7 +152,10 @@ def evaluate_retrieval(model, *, tasks=TASKS, contexts=(4096,), depths=(0.0, 0.2
                     tokens = torch.from_numpy(np.concatenate([g.tokens for g in group])).to(device)
                     positions = torch.arange(shape.context, device=device).repeat(len(group))
                     table = linear_table([shape.context] * len(group), 1)
-                    attention = CoreAttention(plan_attention(table, "local", cost_model="pairs"), None, sparse=sparse)
+                    if any(not kind.causal for kind in model.config.layer_kinds()):  # each layer its kind's plan
+                        attention = plan_layer_kinds(model.config.layer_kinds(), table, "local", cost_model="pairs")
+                    else:
+                        attention = CoreAttention(plan_attention(table, "local", cost_model="pairs"), None, sparse=sparse)
                     probe = NeedleProbe(attention, sparse, group) if needle_probe and sparse is not None else None
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                         hidden = model(tokens, positions, probe or attention, return_hidden=True)

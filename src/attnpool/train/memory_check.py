@@ -82,7 +82,7 @@ def sample_row_ratios(spec: RunSpec, source, batches: int = MEMORY_SAMPLE_BATCHE
 
 def layer_mean_rows(step: StepPlan, spec: RunSpec, copies: bool) -> AttentionRows:
     """Core attention's rows of a micro-batch's plans, a layer's on average: each window's plan's (one per
-    layer kind, attnpool.plan.kinds) weighted by its share of the layers, since each layer saves its own kind's
+    layer kind, attnpool.kinds) weighted by its share of the layers, since each layer saves its own kind's
     rows for backward (a windowed layer's server holds only the windows' keys)."""
     if not step.plans or len(step.plans) == 1:
         return AttentionRows.of(step.plan, copies)

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from attnpool.console import text_console
-from attnpool.plan.kinds import CAUSAL
+from attnpool.kinds import CAUSAL
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"

@@ -4,7 +4,7 @@ as the run spec says (strategy, cost model, shard size, heads, padding).
 Every rank plans the same batches the same way, so the plans agree (core attention compares their
 fingerprints before its first collective). ``StepPlan`` keeps the attention loads each rank would have had
 served at home beside those of the plan: the balance the metrics report. A model whose layers differ in kind
-(sliding windows: attnpool.plan.kinds) gets one plan per window, and the loads are the layers' mean.
+(sliding windows: attnpool.kinds) gets one plan per window, and the loads are the layers' mean.
 """
 
 from __future__ import annotations

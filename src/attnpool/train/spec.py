@@ -32,7 +32,7 @@ from attnpool.parallel import ParallelDims, tensor_parallel_problem
 from attnpool.parallel.pipeline import pipeline_problem
 from attnpool.parallel.pooled_pipeline import POOLED, pooled_problem
 from attnpool.plan import AttentionShape, load_cost_model
-from attnpool.plan.kinds import AttentionKind, plan_windows
+from attnpool.kinds import AttentionKind, plan_windows
 from attnpool.plan.plan import Topology
 from attnpool.plan.ulysses import ulysses_problem
 from attnpool.sparse import SparseConfig
@@ -58,7 +58,7 @@ class RunSpec:
     cost_model: object  # the planner's cost of a CA-task on a tp rank's heads
     sparse: SparseConfig | None  # vertical-slash options (their cost coefficients read), None for dense
     topology: Topology | None = None  # the dp ranks' nodes, where they span several (attention_topology)
-    layer_kinds: tuple[AttentionKind, ...] = ()  # each layer's attention kind (the model's; attnpool.plan.kinds)
+    layer_kinds: tuple[AttentionKind, ...] = ()  # each layer's attention kind (the model's; attnpool.kinds)
 
     # What parallelize reads besides (attnpool.parallel.parallelize.ParallelizeSpec), as the settings give it.
     activation_checkpointing = property(lambda self: self.config.memory.activation_checkpointing)
@@ -93,7 +93,7 @@ class RunSpec:
 
     @property
     def plan_windows(self) -> tuple[int | None, ...]:
-        """The windows a micro-batch is planned for: one plan each (attnpool.plan.kinds.plan_windows)."""
+        """The windows a micro-batch is planned for: one plan each (attnpool.kinds.plan_windows)."""
         return plan_windows(self.layer_kinds) or (None,)
 
     @property

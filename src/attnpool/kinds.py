@@ -1,4 +1,5 @@
-"""Attention kinds: what one layer's core attention computes over a document.
+"""Attention kinds: what one layer's core attention computes over a document (no torch: the planner, the
+runtime, the models and the config share them).
 
 A kind is causal attention, optionally under a sliding window of ``window`` keys (query i sees keys
 (i - window, i]) and optionally with its scores soft-capped at ``softcap`` (s -> softcap * tanh(s / softcap),
@@ -78,3 +79,15 @@ def expand_layer_types(n_layers: int, layer_types):
 def plan_windows(kinds) -> tuple[int | None, ...]:
     """The distinct windows of ``kinds`` in the order the layers first use them: one plan each per micro-batch."""
     return tuple(dict.fromkeys(kind.window for kind in kinds))
+
+
+def check_layer_kind(attention, layer: int, kind: AttentionKind) -> None:
+    """Refuse a call of ``attention`` for ``layer`` where it would not compute the layer's ``kind`` (the model's):
+    attnpool.runtime.LayerKinds (or anything with ``kind_of``) says what it runs for each layer; any other core
+    attention computes plain causal attention. Cheap: a comparison per layer call."""
+    kind_of = getattr(attention, "kind_of", None)
+    runs = kind_of(layer) if kind_of is not None else CAUSAL
+    if runs != kind:
+        raise ConfigError("attention kind", kind.describe(), f"layer {layer} needs it, but the core attention it was "
+                                                            f"given computes {runs.describe()} (build it with "
+                                                            "attnpool.runtime.LayerKinds for the model's layer kinds)")

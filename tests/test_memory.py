@@ -60,8 +60,8 @@ def saved_storage_bytes(model, tokens, positions, plan, kinds=()) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        attention = LayerKinds(kinds, {kind.window: plan for kind in kinds}, lambda p, cap: CoreAttention(p, softcap=cap)) \
-            if kinds else CoreAttention(plan)
+        attention = CoreAttention(plan) if not kinds else LayerKinds(
+            kinds, {kind.window: plan for kind in kinds}, lambda p, cap: CoreAttention(p, softcap=cap))
         model(tokens, positions, attention, labels=tokens)
     return sum(storages.values())
 
@@ -424,9 +424,7 @@ def test_chunked_recompute_matches_plain_backward(monkeypatch):
     for chunk in (10**9, 97):  # one chunk (a plain checkpoint), then uneven chunks
         monkeypatch.setattr(checkpointing, "LINEAR_CHUNK_TOKENS", chunk)
         model = small_model(2, "keep_attention").double()
-        attention = LayerKinds(kinds, {kind.window: plan for kind in kinds}, lambda p, cap: CoreAttention(p, softcap=cap)) \
-            if kinds else CoreAttention(plan)
-        model(tokens, positions, attention, labels=tokens).backward()
+        model(tokens, positions, CoreAttention(plan), labels=tokens).backward()
         grads[chunk] = [p.grad for p in model.parameters()]
     for a, b in zip(grads[10**9], grads[97]):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

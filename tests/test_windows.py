@@ -131,10 +131,10 @@ def test_a_windowed_plans_kv_is_each_tasks_window_merged_per_server():
         assert plan.window == 1000 and np.all(plan.task_key_start == key_start(plan.task_start, 1000))
         for r in range(4):
             mine = plan.server_tasks(r)
-            needed = {(int(d), p) for d, s, e in zip(plan.task_doc[mine], plan.task_key_start[mine], plan.task_end[mine])
-                      for p in range(s, e)}
-            held = [(int(d), p) for d, s, n in zip(x.doc[x.server == r], x.start[x.server == r], x.length[x.server == r])
-                    for p in range(s, s + n)]
+            starts, ends = plan.task_key_start[mine], plan.task_end[mine]
+            needed = {(int(d), p) for d, s, e in zip(plan.task_doc[mine], starts, ends) for p in range(s, e)}
+            at = x.server == r
+            held = [(int(d), p) for d, s, n in zip(x.doc[at], x.start[at], x.length[at]) for p in range(s, s + n)]
             assert len(held) == len(set(held)) and set(held) == needed, (strategy, r)
         causal = plan_attention(table, strategy, cost_model="pairs", min_shard_tokens=128)
         xc = causal.kv_transfers()
@@ -187,7 +187,8 @@ def _window_worker(rank, world):
                                   shape=AttentionShape(4, 2, 8, 8))
             g = torch.Generator().manual_seed(11)
             tensors = {}
-            for p in sorted({p.doc_id: p for rank_pieces in pieces for p in rank_pieces}.values(), key=lambda p: p.doc_id):
+            docs = {p.doc_id: p for rank_pieces in pieces for p in rank_pieces}
+            for p in sorted(docs.values(), key=lambda p: p.doc_id):
                 tensors[p.doc_id] = [torch.randn(p.doc_len, h, 8, generator=g, dtype=torch.float64)
                                      for h in (4, 2, 2, 4)]
             q, k, v, dout = (torch.cat([tensors[p.doc_id][i][p.start:p.end] for p in pieces[rank]]) for i in range(4))
@@ -255,7 +256,8 @@ def test_cad_trains_a_model_of_mixed_kinds_as_local_does():
     with tempfile.TemporaryDirectory() as out:
         results = run_distributed(_train_kinds, 2, out)[0]
     losses = {name: np.array([r["loss"] for r in rows]) for name, rows in results.items()}
-    for name, ref in (("cad", "local"), ("ulysses", "local"), ("pp", "pp-local"), ("cad-pingpong", "local-pingpong-ref")):
+    for name, ref in (("cad", "local"), ("ulysses", "local"), ("pp", "pp-local"),
+                      ("cad-pingpong", "local-pingpong-ref")):
         assert np.max(np.abs(losses[name] - losses[ref]) / losses[ref]) <= 1e-4, (name, losses[name], losses[ref])
     assert np.max(np.abs(losses["causal"] - losses["local"])) > 1e-3
     assert all(r["comm_bytes"] > 0 for r in results["cad"])
@@ -267,7 +269,8 @@ def test_the_chunked_loss_soft_caps_the_logits_as_gemma_2_does():
     from attnpool.model.llama import chunked_cross_entropy
 
     g = torch.Generator().manual_seed(3)
-    h, weight = torch.randn(37, 16, generator=g, dtype=torch.float64), torch.randn(50, 16, generator=g, dtype=torch.float64)
+    h = torch.randn(37, 16, generator=g, dtype=torch.float64)
+    weight = torch.randn(50, 16, generator=g, dtype=torch.float64)
     labels = torch.randint(0, 50, (37,), generator=g)
     labels[5] = -100
     logits = 3.0 * torch.tanh(h @ weight.T / 3.0)
@@ -304,3 +307,49 @@ def test_a_preset_with_a_window_in_every_layer_exports_as_mistral(tmp_path):
     mixed = model_config("tiny", n_layers=2, sliding_window=8, layer_types="1/1")
     with pytest.raises(ConfigError, match="attention kinds"):
         config_to_hf(mixed)
+
+
+def test_a_layer_refuses_a_core_attention_of_another_kind():
+    """A causal layer given a windowed or soft-capped core attention is refused, as a windowed one given a causal
+    core attention is; one of its own kind runs."""
+    from attnpool.model import Transformer
+    from attnpool.model.config import model_config
+    from attnpool.runtime import CoreAttention
+
+    pieces = linear_layout([40, 30], 1)
+    tokens, positions = torch.randint(0, 256, (70,)), torch.cat([torch.arange(40), torch.arange(30)])
+    causal = Transformer(model_config("tiny", **{**TINY_SHAPE, "n_layers": 1}))
+    windowed = Transformer(model_config("tiny", **{**TINY_SHAPE, "n_layers": 1, "sliding_window": 8}))
+    window_plan = plan_attention(pieces, "local", cost_model="pairs", window=8)
+    causal_plan = plan_attention(pieces, "local", cost_model="pairs")
+    for model, attention in ((causal, CoreAttention(window_plan)), (causal, CoreAttention(causal_plan, softcap=5.0)),
+                             (windowed, CoreAttention(causal_plan))):
+        with pytest.raises(ConfigError, match="attention kind"):
+            model(tokens, positions, attention)
+    with torch.no_grad():
+        windowed(tokens, positions, CoreAttention(window_plan))
+
+
+TINY_SHAPE = dict(dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64)
+
+
+def test_memory_rows_average_what_layers_save_and_take_the_largest_call():
+    """Over a 2/1 model's kinds: the unique KV a layer saves is the layers' mean, the keys one call reads the
+    largest kind's (the global layers')."""
+    from attnpool.data import DocumentStream, stdlib_corpus
+    from attnpool.plan.metrics import AttentionRows
+    from attnpool.train import TrainConfig
+    from attnpool.train.memory_check import layer_mean_rows
+    from attnpool.train.planning import plan_microbatch
+    from attnpool.train.spec import resolve_run_spec
+
+    config = TrainConfig(model="tiny", model_args=dict(KINDED), data="stdlib", tokens_per_rank=1024, device="cpu",
+                         attention="cad", cost_model="pairs", min_shard=16, nproc=4, progress=False)
+    spec = resolve_run_spec(config, 4, torch.device("cpu"))
+    stream = DocumentStream(stdlib_corpus(), 4, 1024, 0, None)
+    (step,) = plan_microbatch(stream.next_batch(), spec)
+    rows = layer_mean_rows(step, spec, copies=True)
+    window, causal = (AttentionRows.of(step.plans[w], True) for w in (KINDED["sliding_window"], None))
+    np.testing.assert_allclose(rows.unique_kv, (2 * window.unique_kv + causal.unique_kv) / 3)
+    np.testing.assert_array_equal(rows.expanded_kv, np.maximum(window.expanded_kv, causal.expanded_kv))
+    assert (window.unique_kv < causal.unique_kv).any()

@@ -83,8 +83,9 @@ def plan_windows(kinds) -> tuple[int | None, ...]:
 
 def check_layer_kind(attention, layer: int, kind: AttentionKind) -> None:
     """Refuse a call of ``attention`` for ``layer`` where it would not compute the layer's ``kind`` (the model's):
-    attnpool.runtime.LayerKinds (or anything with ``kind_of``) says what it runs for each layer; any other core
-    attention computes plain causal attention. Cheap: a comparison per layer call."""
+    attnpool.runtime's core attentions say what they run for each layer (``kind_of``: a LayerKinds its layer's kind,
+    a CoreAttention its plan's window and its soft-cap); any other callable counts as plain causal attention.
+    Cheap: a comparison per layer call."""
     kind_of = getattr(attention, "kind_of", None)
     runs = kind_of(layer) if kind_of is not None else CAUSAL
     if runs != kind:

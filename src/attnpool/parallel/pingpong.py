@@ -26,6 +26,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from attnpool.errors import ConfigError
+from attnpool.kinds import check_layer_kind
 from attnpool.parallel.checkpointing import run_layer
 
 
@@ -81,6 +82,7 @@ def _interleave(block: nn.Module, n: int, attentions: list, *tensors: Tensor) ->
     pending = []
     for x, cos, sin, attention in zip(xs, coss, sins, attentions):
         q, k, v = block.before_attention(x, cos, sin)
+        check_layer_kind(attention, block.layer_id, block.kind)
         pending.append(attention.dispatch(q, k, v, layer=block.layer_id))
     for attention, p in zip(attentions, pending):
         attention.compute(p)

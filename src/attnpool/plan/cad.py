@@ -146,19 +146,25 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
     bounds = np.searchsorted(server0[by_server], np.arange(W + 1))
     movable = [by_server[bounds[r]:bounds[r + 1]].tolist() for r in range(W)]
 
-    # KV a server already holds for a document: [0, kv_end) for the largest task end of that
-    # doc on that server (under a window, counted as if it held from the moved part's first key). Only documents on more than one server can have it on a receiver,
-    # so only those are tracked until a move puts a doc on a new server.
-    kv_end: dict[tuple[int, int], int] = {}
+    # KV a server already holds for a document: keys [start, end) from its tasks' first key (0 for causal
+    # attention, the window's first under a window) to the largest task end of that doc on that server (the hull
+    # of its tasks' keys). Only documents on more than one server can have it on a receiver, so only those are
+    # tracked until a move puts a doc on a new server.
+    kv_held: dict[tuple[int, int], tuple[int, int]] = {}
     holders: dict[int, list[int]] = {}
     pair = np.unique(server0 * table.num_docs + doc0)
     servers_per_doc = np.bincount(pair % table.num_docs, minlength=table.num_docs)
     split = np.flatnonzero(servers_per_doc[doc0] > 1)
     tracked = servers_per_doc > 1  # docs with an entry in holders
-    for g, r, e in zip(doc0[split].tolist(), server0[split].tolist(), b0[split].tolist()):
-        if (r, g) not in kv_end:
+
+    def hold(r: int, g: int, a: int, e: int) -> None:
+        start, end = kv_held.get((r, g), (key_start(a, window), e))
+        kv_held[(r, g)] = (min(start, key_start(a, window)), max(end, e))
+
+    for g, r, a, e in zip(doc0[split].tolist(), server0[split].tolist(), a0[split].tolist(), b0[split].tolist()):
+        if (r, g) not in kv_held:
             holders.setdefault(g, []).append(r)
-        kv_end[(r, g)] = max(kv_end.get((r, g), 0), e)
+        hold(r, g, a, e)
 
     qo_bytes = float(shape.q_bytes + shape.o_bytes)
     kv_bytes = float(shape.kv_bytes)
@@ -190,24 +196,24 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
         # Candidates (item, receiver): the most underloaded server for every item, the most
         # underloaded of the donor's node (across nodes), and every underloaded server that
         # already holds KV of the item's document.
-        cand_item, cand_recv, cand_held = list(range(ids.size)), [r0] * ids.size, [0] * ids.size
+        cand_item, cand_recv, cand_held = list(range(ids.size)), [r0] * ids.size, [(0, 0)] * ids.size
         docs = items.doc[ids]
         if nodes is not None and nodes[r0] != nodes[d]:
             near = np.flatnonzero((nodes == nodes[d]) & (np.arange(W) != d))
             if near.size and loads[near].min() < mean:
                 rn = int(near[np.argmin(loads[near])])
                 cand_item += list(range(ids.size)); cand_recv += [rn] * ids.size
-                cand_held += [kv_end.get((rn, int(g)), 0) for g in docs.tolist()]
+                cand_held += [kv_held.get((rn, int(g)), (0, 0)) for g in docs.tolist()]
         for k in np.flatnonzero(tracked[docs]).tolist():
             g = int(docs[k])
             hs = holders[g]
-            cand_held[k] = kv_end.get((r0, g), 0)
+            cand_held[k] = kv_held.get((r0, g), (0, 0))
             for h in hs:
                 if h != d and h != r0 and loads[h] < mean:
-                    cand_item.append(k); cand_recv.append(h); cand_held.append(kv_end[(h, g)])
+                    cand_item.append(k); cand_recv.append(h); cand_held.append(kv_held[(h, g)])
         it = ids[np.asarray(cand_item)]
         cr = np.asarray(cand_recv, dtype=np.int64)
-        held = np.asarray(cand_held, dtype=np.int64)
+        held = np.asarray(cand_held, dtype=np.int64).reshape(-1, 2)
         a, b, w = items.a[it], items.b[it], items.cost[it]
         delta = np.minimum(loads[d] - mean, mean - loads[cr])
         # Cut by pair count at the item's own pairs-per-cost; the chosen cut is refined
@@ -224,8 +230,11 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
         fits = valid & (after <= mean * (1.0 + tol))
         if fits.any():
             # Fewest bytes per unit of work: Q out + O back + KV the receiver lacks.
+            # KV the receiver lacks: the part's keys [first key, b) less what it holds of them
             first_key = key_start(opt_a, window)
-            nbytes = qo_bytes * (opt_b - opt_a) + kv_bytes * np.maximum(0, opt_b - np.maximum(first_key, np.tile(held, 3)))
+            held_start, held_end = np.tile(held[:, 0], 3), np.tile(held[:, 1], 3)
+            overlap = np.maximum(0, np.minimum(opt_b, held_end) - np.maximum(first_key, held_start))
+            nbytes = qo_bytes * (opt_b - opt_a) + kv_bytes * (opt_b - first_key - overlap)
             if nodes is not None:  # the item's Q (and, mostly, its KV) comes from its piece's rank
                 crossing = nodes[table.rank[np.tile(items.piece[it], 3)]] != nodes[receiver]
                 nbytes = np.where(crossing, nbytes * topology.inter_node_byte_cost, nbytes)
@@ -262,11 +271,12 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
         loads[r] += mcost
         if loads.max() < best_load * (1.0 - 1e-12):
             best_load, best_moves = float(loads.max()), len(undo)
-        if (r, g) not in kv_end:
-            holders.setdefault(g, [] if (d, g) in kv_end else [d]).append(r)
+        if (r, g) not in kv_held:
+            holders.setdefault(g, [] if (d, g) in kv_held else [d]).append(r)
             tracked[g] = True
-            kv_end.setdefault((d, g), 0 if kind == WHOLE else int(items.b[i]))
-        kv_end[(r, g)] = max(kv_end.get((r, g), 0), mb)
+            if (d, g) not in kv_held:  # the donor keeps what it kept of the item's keys (nothing of a whole one)
+                kv_held[(d, g)] = (0, 0) if kind == WHOLE else (key_start(int(items.a[i]), window), int(items.b[i]))
+        hold(r, g, ma, mb)
     for i, server, ia, ib, icost, n in reversed(undo[best_moves:]):
         items.server[i], items.a[i], items.b[i], items.cost[i], items.n = server, ia, ib, icost, n
     best_mean = items.cost[: items.n].sum() / W

@@ -52,5 +52,5 @@ def plan_layer_kinds(kinds, pieces, strategy: str = "cad", group=None, *, backen
                                                                         softcap=softcap))
 
 
-__all__ = ["CoreAttention", "LayerKinds", "UlyssesAttention", "attention_for", "core_attention", "dispatch_layout", "plan_layer_kinds",
-           "DispatchLayout"]
+__all__ = ["CoreAttention", "LayerKinds", "UlyssesAttention", "attention_for", "core_attention", "dispatch_layout",
+           "plan_layer_kinds", "DispatchLayout"]

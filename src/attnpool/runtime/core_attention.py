@@ -48,6 +48,7 @@ from attnpool.comm import agree_on_plan, all_to_all_flat, group_rank_size
 from attnpool.errors import ConfigError
 from attnpool.kernels import get_backend
 from attnpool.kernels.base import Backend
+from attnpool.kinds import AttentionKind
 from attnpool.plan.plan import Plan
 from attnpool.runtime.dispatch import DispatchLayout, backward_in_parts
 from attnpool.runtime.sparse import SparseServing, SparseStats
@@ -504,6 +505,10 @@ class CoreAttention:
         # (one NCCL communicator runs in order); a group of the same ranks of their own does not.
         self.pattern_group = group if pattern_group is None else pattern_group
         self._serving = {}  # layer -> its SparseServing, whose patterns a recompute reuses
+
+    def kind_of(self, layer: int | None = None) -> AttentionKind:
+        """What it computes for any layer: its plan's window, its soft-cap (attnpool.kinds.check_layer_kind)."""
+        return AttentionKind(self.plan.window, self.softcap)
 
     def __call__(self, q, k, v, *, layer: int | None = None):
         pending = self.dispatch(q, k, v, layer=layer)

@@ -25,6 +25,7 @@ import torch
 
 from attnpool.comm import all_to_all_flat, group_rank_size
 from attnpool.kernels.base import Backend
+from attnpool.kinds import AttentionKind
 from attnpool.kernels.registry import attention
 from attnpool.plan.documents import ranges
 from attnpool.plan.plan import Plan
@@ -120,6 +121,10 @@ class UlyssesAttention:
                  softcap: float | None = None):
         assert plan.head_parallel, f"a {plan.strategy} plan is served by CoreAttention"
         self.plan, self.group, self.backend, self.scale, self.softcap = plan, group, backend, scale, softcap
+
+    def kind_of(self, layer: int | None = None) -> AttentionKind:
+        """What it computes for any layer: its plan's window, its soft-cap (attnpool.kinds.check_layer_kind)."""
+        return AttentionKind(self.plan.window, self.softcap)
 
     def layout(self, q, k, v) -> UlyssesLayout:
         rank, world = group_rank_size(self.group)

@@ -316,22 +316,25 @@ class StepModel:
         upiece, urank = ukey // c, ukey % c
         nranks = np.bincount(upiece, minlength=len(length))[upiece]
         gather = np.where(nranks > 1, length[upiece] - own, 0.0)
-        prefix = start[upiece].astype(np.float64)
         userver = grp[upiece] * c + urank
         kvb = self.shape.kv_bytes
         gather_b = np.bincount(userver, weights=gather, minlength=S) * kvb
-        prefix_b = np.bincount(userver, weights=prefix, minlength=S) * kvb
         # A CP group of consecutive servers that crosses a node boundary gathers over the inter-node network.
         first_server = np.arange(G) * c
         spans = np.repeat(self.cluster.node(first_server) != self.cluster.node(first_server + c - 1), c)
-        intra = np.where(spans, 0.0, gather_b)
-        inter = np.where(spans, gather_b, 0.0) + prefix_b
-        ag = self._collective(intra, inter, c, G)
         none = Collective(np.zeros(G), np.zeros(G))
-        total = gather_b + prefix_b
-        layers = [(*attention, (ag, none), (ag, ag)) for attention in self._per_layer(layer_attention)]
-        return self._simulate(name or f"percp-cp{c}", tokens, layers, group_size=c, nano=1,
-                              bytes_moved=int(total.sum()), max_bytes=int(total.max()))
+
+        def layer(window):  # a remote prefix is fetched whole, or under a window its last window - 1 keys
+            prefix = start[upiece] if window is None else np.minimum(start[upiece], window - 1)
+            prefix_b = np.bincount(userver, weights=prefix.astype(np.float64), minlength=S) * kvb
+            ag = self._collective(np.where(spans, 0.0, gather_b), np.where(spans, gather_b, 0.0) + prefix_b, c, G)
+            return (*layer_attention(window), (ag, none), (ag, ag)), gather_b + prefix_b
+
+        layers = self._per_layer(layer)
+        moved = [total for _, total in layers]
+        return self._simulate(name or f"percp-cp{c}", tokens, [entry for entry, _ in layers], group_size=c, nano=1,
+                              bytes_moved=int(np.mean([total.sum() for total in moved])),
+                              max_bytes=int(max(total.max() for total in moved)))
 
     def ulysses_step(self, group_pieces, degree: int, name: str | None = None) -> StepTime:
         """WLB-LLM packing over DP groups + Ulysses of ``degree`` servers inside each group, analytically.

@@ -139,6 +139,12 @@ def evaluate_retrieval(model, *, tasks=TASKS, contexts=(4096,), depths=(0.0, 0.2
         raise ConfigError("model", f"vocab_size={model.output_weight.shape[0]}",
                           f"the retrieval tasks use token ids below {RETRIEVAL_VOCAB}")
     model = model.to(device).eval()
+    config = getattr(model, "config", None)  # (a stand-in model without one computes causal attention)
+    kinds = config.layer_kinds() if hasattr(config, "layer_kinds") else ()
+    kinds_differ = any(not kind.causal for kind in kinds)
+    if kinds_differ and sparse is not None:
+        raise ConfigError("sparse", "enabled", "sparse attention computes causal attention only; the model's layers "
+                                               "have sliding windows or soft-caps")
     bf16 = device.type == "cuda"
     cells = []
     for context in contexts:
@@ -152,8 +158,8 @@ def evaluate_retrieval(model, *, tasks=TASKS, contexts=(4096,), depths=(0.0, 0.2
                     tokens = torch.from_numpy(np.concatenate([g.tokens for g in group])).to(device)
                     positions = torch.arange(shape.context, device=device).repeat(len(group))
                     table = linear_table([shape.context] * len(group), 1)
-                    if any(not kind.causal for kind in model.config.layer_kinds()):  # each layer its kind's plan
-                        attention = plan_layer_kinds(model.config.layer_kinds(), table, "local", cost_model="pairs")
+                    if kinds_differ:  # each layer its kind's plan (sparse attention refused with kinds, above)
+                        attention = plan_layer_kinds(kinds, table, "local", cost_model="pairs")
                     else:
                         attention = CoreAttention(plan_attention(table, "local", cost_model="pairs"), None, sparse=sparse)
                     probe = NeedleProbe(attention, sparse, group) if needle_probe and sparse is not None else None

@@ -2,8 +2,9 @@
 
 A step's model FLOPs: 6 per matmul weight per token (forward and backward of the decoder layers' projections and
 the output head) and core attention's, 4 x head_dim x heads per (query, key) pair forward and 2.5 times that
-backward, over every document's causal pairs (in a sliding-window layer, its window's pairs: attnpool.kinds). Recomputed work (activation checkpointing) is not counted, nor
-is sparse attention's saving: a step's MFU is the model's work, whatever the run did to get it, so that runs compare.
+backward, over every document's causal pairs (in a sliding-window layer, its window's pairs: attnpool.kinds).
+Recomputed work (activation checkpointing) is not counted, nor is sparse attention's saving: a step's MFU is the
+model's work, whatever the run did to get it, so that runs compare.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ same prediction, from the same spec, so what it says and what a run checks canno
 
 from __future__ import annotations
 
+from collections import Counter
+
 import os
 from dataclasses import replace
 
@@ -18,7 +20,7 @@ from attnpool.parallel.pooled_pipeline import POOLED
 from attnpool.plan.metrics import AttentionRows
 from attnpool.train.memory import Calibration, Capacity, MemoryEstimate, MemoryInputs, RowRatios, estimate, report, \
     settings, undominated
-from attnpool.train.planning import StepPlan, layer_shares, plan_batch, plan_microbatch, plan_pooled_ticks
+from attnpool.train.planning import StepPlan, plan_batch, plan_microbatch, plan_pooled_ticks
 from attnpool.train.spec import RunSpec
 
 # Batches whose plans bound core attention's buffers in the memory check (the run's first ones).
@@ -81,14 +83,25 @@ def sample_row_ratios(spec: RunSpec, source, batches: int = MEMORY_SAMPLE_BATCHE
 
 
 def layer_mean_rows(step: StepPlan, spec: RunSpec, copies: bool) -> AttentionRows:
-    """Core attention's rows of a micro-batch's plans, a layer's on average: each window's plan's (one per
-    layer kind, attnpool.kinds) weighted by its share of the layers, since each layer saves its own kind's
-    rows for backward (a windowed layer's server holds only the windows' keys)."""
-    if not step.plans or len(step.plans) == 1:
+    """Core attention's rows of a micro-batch's plans, one per layer kind (attnpool.kinds), as one layer's: the
+    rows a layer saves for backward (its tokens, outputs returned, unique KV) averaged over the layers, each kind's
+    weighted by its share of them; the rows one kernel call holds at once (queries served, the keys it reads,
+    copied where the kind's kernel copies prefixes: RunSpec.prefix_copies_of) the largest kind's, as the memory
+    model's transients are a call's peak."""
+    kinds = Counter(spec.layer_kinds)
+    if not step.plans or not kinds:
         return AttentionRows.of(step.plan, copies)
-    shares = layer_shares(spec)
-    rows = {window: AttentionRows.of(plan, copies) for window, plan in step.plans.items()}
-    return AttentionRows(*(sum(shares[w] * getattr(r, name) for w, r in rows.items()) for name in ROW_NAMES))
+    rows = {kind: AttentionRows.of(step.plans[kind.window], copies or spec.prefix_copies_of(kind)) for kind in kinds}
+    total = sum(kinds.values())
+
+    def mean(name):
+        return sum(kinds[kind] / total * getattr(r, name) for kind, r in rows.items())
+
+    def largest(name):
+        return np.max([getattr(r, name) for r in rows.values()], axis=0)
+
+    return AttentionRows(home=mean("home"), query=largest("query"), returned=mean("returned"),
+                         unique_kv=mean("unique_kv"), expanded_kv=largest("expanded_kv"))
 
 
 def run_memory_inputs(spec: RunSpec, source, capacity: Capacity, calibration: Calibration) -> MemoryInputs:

@@ -96,6 +96,14 @@ class RunSpec:
         """The windows a micro-batch is planned for: one plan each (attnpool.kinds.plan_windows)."""
         return plan_windows(self.layer_kinds) or (None,)
 
+    def prefix_copies_of(self, kind: AttentionKind) -> bool:
+        """Whether core attention copies key prefixes in the layers of ``kind``: where the backend always does
+        (``prefix_copies``), and where its position kernel does not take the kind's window or soft-cap (fa4's:
+        Backend.for_kind leaves it out)."""
+        if self.prefix_copies or kind.causal:
+            return self.prefix_copies
+        return backend_named(self.backend_name).for_kind(kind.window, kind.softcap).positions is None
+
     @property
     def mixed_kinds(self) -> bool:
         """Whether core attention runs per layer kind (runtime.LayerKinds): some layer is not plain causal."""
@@ -144,8 +152,8 @@ def resolve_run_spec(config: TrainConfig, world: int, device: torch.device | Non
 def check_layer_kinds(config: TrainConfig, m: ModelConfig, dims: ParallelDims, backend_name: str,
                       backend: Backend | None) -> tuple[AttentionKind, ...]:
     """The model's layer kinds, refused by name where the run cannot compute them: sparse attention and the
-    pooled pipeline plan causal attention only, and the kernel backend must compute each kind (Backend.for_kind;
-    "auto" picks a backend that does on every device, so only a named one is asked)."""
+    pooled pipeline plan causal attention only, and the kernel backend must compute each kind (Backend.for_kind; a
+    rank resolves "auto" to a backend before this, so only a spec made without a device leaves it unasked)."""
     kinds = m.layer_kinds()
     other = sorted({kind.describe() for kind in kinds if not kind.causal})
     if not other:

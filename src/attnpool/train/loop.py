@@ -19,6 +19,8 @@ it. Launching, restarts and signals are attnpool.train.launch's.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import json
 import os
 import time
@@ -147,6 +149,10 @@ class Trainer:
               f"{self.world} x {self.device.type}{layout}, {config.attention.strategy} attention ({spec.backend_name} "
               f"kernel), {dims.dp} x {microbatches * config.data.tokens_per_rank} tokens per step{micro}, steps "
               f"{self.step + 1}..{config.last_step} of {config.optim.steps}{resumed} -> {config.run.out}", flush=True)
+        if spec.mixed_kinds:  # each kind of layer planned and served on its own (attnpool.kinds)
+            counts = Counter(kind.describe() for kind in spec.layer_kinds)
+            print("attention kinds: " + "; ".join(f"{n} x {what}" for what, n in counts.items())
+                  + f" ({len(spec.plan_windows)} plans per micro-batch)", flush=True)
         if getattr(spec.cost_model, "backend", spec.backend_name) != spec.backend_name and self.device.type == "cuda":
             print(f"cost model: {spec.cost_model.source}", flush=True)  # a stand-in table plans this kernel
         memory = self.setup.memory

@@ -1,7 +1,9 @@
 """``parallelize``: every parallelism and wrapper a run applies to its model, from outside, in one order.
 
+0. float8 (attnpool.parallel.float8), where asked for: the decoder layers' linear layers become torchao's float8
+   modules, first, so that what follows wraps and shards those.
 1. Tensor parallelism (attnpool.parallel.tensor), where tp > 1: DTensor plans on the linear layers, sequence
-   parallelism between them. First, so that what follows sees the model's tensor-parallel modules.
+   parallelism between them. So that what follows sees the model's tensor-parallel modules.
 2. Compile (attnpool.parallel.compile): each block's linear parts.
 3. Activation checkpointing (attnpool.parallel.checkpointing): after compile, so that a recompute runs the
    compiled parts again (the checkpoint around compiled code, never compiled code around a checkpoint).
@@ -27,6 +29,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from attnpool.model.fused_loss import use_loss_kernel
 from attnpool.parallel.checkpointing import apply_activation_checkpointing
 from attnpool.parallel.compile import compile_linear_parts
+from attnpool.parallel.float8 import apply_float8
 from attnpool.parallel.mesh import RankMesh
 from attnpool.parallel.pingpong import apply_pingpong
 from attnpool.parallel.tensor import apply_tensor_parallel
@@ -37,6 +40,7 @@ class ParallelizeSpec(Protocol):
 
     activation_checkpointing: str  # none, full or keep_attention
     compile: bool
+    float8: str | None  # the float8 recipe (tensorwise or rowwise), None for bf16 linear layers
     pingpong: bool  # nano-batches interleaved layer by layer
     loss_kernel: str  # resolved: chunked or liger
     bf16: bool  # bf16 compute, float32 master weights and gradient reduction
@@ -47,6 +51,8 @@ class ParallelizeSpec(Protocol):
 def parallelize(model: nn.Module, spec: ParallelizeSpec, mesh: RankMesh | None = None) -> nn.Module:
     """``model`` (or a pipeline stage of it) with everything in the module docstring applied, in place, over
     ``mesh``'s "tp" and "dp" ranks (None: every rank is a dp rank)."""
+    if spec.float8:
+        apply_float8(model, spec.float8)
     if mesh is not None and mesh.dims.tp > 1:
         apply_tensor_parallel(model, mesh.tp_mesh)
     if spec.compile:

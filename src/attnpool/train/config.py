@@ -2,7 +2,7 @@
 
 A run's settings are ten sections, each a frozen dataclass that checks its own values::
 
-    model       model, model_impl, model_args, precision, compile, loss_kernel
+    model       model, model_impl, model_args, precision, compile, float8, float8_recipe, loss_kernel
     data        data, data_path, data_args, tokenizer, tokens_per_rank, max_doc_len, seed
     attention   attention, cost_model, min_shard, eps, memory_cap, attention_backend, pingpong
     sparse      sparse, sparse_coverage, sparse_min_doc_len, dense_layers, sparse_args
@@ -41,6 +41,7 @@ import yaml
 
 from attnpool.errors import ConfigError
 from attnpool.model.families import family_cannot
+from attnpool.model.float8_options import float8_problem
 from attnpool.model.spec import HF_PREFIX
 from attnpool.train.sections import (SECTIONS, AttentionSection, CheckpointSection, DataSection, FaultsSection,
                                      MemorySection, ModelSection, OptimSection, ParallelSection, RunSection, Section,
@@ -107,6 +108,10 @@ class TrainConfig:
             # trains 5e-3 away from one process after three steps (forward equal, gradients not).
             raise ConfigError("compile", True, f"not with tensor parallelism (tp={self.parallel.tp}): the compiled "
                                                "backward of the tensor-parallel projections is not exact; use tp=1")
+        if self.model.float8 and (self.parallel.tp > 1 or self.run.device == "cpu"):
+            raise ConfigError("float8", True, f"not with tensor parallelism (tp={self.parallel.tp}): its plans here are "
+                                              "bf16's; use tp=1" if self.parallel.tp > 1 else
+                                              float8_problem(self.run.device))
         if self.model.loss_kernel == "liger" and (self.parallel.tp > 1 or self.run.device == "cpu"):
             raise ConfigError("loss_kernel", "liger", f"not with tp={self.parallel.tp}: the head's weight is split by "
                                                       "vocabulary; use chunked" if self.parallel.tp > 1 else

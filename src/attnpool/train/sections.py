@@ -9,6 +9,7 @@ from pathlib import Path
 
 from attnpool.errors import ConfigError
 from attnpool.kernels.names import BACKENDS
+from attnpool.model.float8_options import RECIPES as FLOAT8_RECIPES
 from attnpool.model.loss_kernels import LOSS_KERNELS
 from attnpool.model.hf_config import OWN_MODEL_TYPES
 from attnpool.model.spec import HF_PREFIX, MODEL_IMPLS
@@ -69,6 +70,11 @@ class ModelSection(Section):
     compile: bool = _setting("compile", "torch.compile every layer's linear parts (norms, projections, RoPE, SwiGLU), "
                                         "fusing the elementwise work between the matmuls; core attention stays eager. "
                                         "The first steps compile", default=False)
+    float8: bool = _setting("float8", "the decoder layers' linear layers in float8 through torchao (GPUs of compute "
+                                      "capability 8.9+; pip install 'attnpool[float8]'); attention, norms, embedding "
+                                      "and the LM head stay bf16", default=False)
+    float8_recipe: str = _setting("float8_recipe", "float8's scaling: tensorwise (one scale per tensor) or rowwise "
+                                                   "(one per row)", default="tensorwise")
     loss_kernel: str = _setting("loss_kernel", "the LM head's loss (projection and cross-entropy): auto (liger where "
                                                "liger_kernel imports on a CUDA run with tp=1, else chunked), liger "
                                                "(Liger-Kernel's fused linear cross-entropy: gradients made in the forward, "
@@ -81,6 +87,7 @@ class ModelSection(Section):
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("loss_kernel", self.loss_kernel, LOSS_KERNELS)
         _one_of("model_impl", self.impl, MODEL_IMPLS)
+        _one_of("float8_recipe", self.float8_recipe, FLOAT8_RECIPES)
         if self.impl != "auto" and not self.name.startswith(HF_PREFIX):
             raise ConfigError("model_impl", self.impl, f"chooses how an hf: model runs; {self.name} is attnpool's own")
 

@@ -27,6 +27,7 @@ from attnpool.kernels import Backend, backend_named, get_backend, resolve_backen
 from attnpool.kernels.sparse import device_problem as sparse_device_problem
 from attnpool.kernels.sparse import launch_problem as sparse_launch_problem
 from attnpool.model import ModelConfig, ModelSpec, model_spec
+from attnpool.model.float8_options import float8_problem
 from attnpool.model.loss_kernels import resolve_loss_kernel
 from attnpool.parallel import ParallelDims, tensor_parallel_problem
 from attnpool.parallel.pipeline import pipeline_problem
@@ -63,6 +64,8 @@ class RunSpec:
     # What parallelize reads besides (attnpool.parallel.parallelize.ParallelizeSpec), as the settings give it.
     activation_checkpointing = property(lambda self: self.config.memory.activation_checkpointing)
     compile = property(lambda self: self.config.model.compile)
+    # float8's recipe where the linear layers run in float8 (attnpool.parallel.float8), else None
+    float8 = property(lambda self: self.config.model.float8_recipe if self.config.model.float8 else None)
     pingpong = property(lambda self: self.config.attention.pingpong)
     optimizer_offload = property(lambda self: self.config.memory.optimizer_offload)
 
@@ -131,6 +134,12 @@ def resolve_run_spec(config: TrainConfig, world: int, device: torch.device | Non
     bf16 = uses_bf16(config, device_type)
     backend_name = attention_backend(config, device, device_type)
     backend = get_backend(backend_name, device) if device is not None else None  # (a name, never "auto", here)
+    if config.model.float8:  # (without a device the GPU's capability and torchao's import are left to the ranks)
+        gpu = device is not None and device.type == "cuda"
+        problem = float8_problem(device_type, torch.cuda.get_device_capability(device) if gpu else None) \
+            if device is not None or device_type != "cuda" else None
+        if problem:
+            raise ConfigError("float8", True, problem)
     loss_kernel = config.model.loss_kernel
     if device is not None or loss_kernel == "auto":  # (without a device, liger's import is left to the ranks)
         loss_kernel = resolve_loss_kernel(loss_kernel, device_type, dims.tp)

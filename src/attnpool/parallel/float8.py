@@ -1,0 +1,50 @@
+"""``float8``: the decoder layers' linear layers in float8 through torchao's float8 training, applied from outside.
+
+torchao (the ``float8`` extra) swaps each ``nn.Linear`` of every block of ``model.layers`` for its ``Float8Linear``:
+the forward's and backward's three matmuls run in float8 with dynamic scales, ``tensorwise`` (one scale per tensor,
+e4m3 and e5m2 for gradients: the fastest) or ``rowwise`` (one per row, e4m3 throughout: closer to bf16), and
+the master weights, optimizer and everything else stay as they were: core attention's kernels, the norms, the
+embedding and the LM head (its logits feed a softmax over the whole vocabulary) keep bf16. A linear layer whose
+dimensions are not multiples of 16 (float8 matmuls need them) keeps bf16 too.
+
+Applied first, before compile and activation checkpointing, so that they see the float8 modules; FSDP2 shards
+them as it shards any module (its all-gathers stay bf16). float8 matmuls need a GPU of compute capability 8.9
+or newer (Ada, Hopper): the run's settings refuse it elsewhere, and with tensor parallelism, whose plans here
+are bf16's. ``emulate`` (tests on CPU): torchao rounds to float8 and multiplies in higher precision.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from attnpool.model.float8_options import RECIPES
+
+
+def float8_linears(model: nn.Module) -> list[str]:
+    """The names (within ``model``) of the linear layers float8 converts: every block's, with dimensions in
+    multiples of 16."""
+    names = []
+    for block_name, block in model.layers.items():
+        for name, module in block.named_modules():
+            if isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0:
+                names.append(f"layers.{block_name}.{name}")
+    return names
+
+
+def apply_float8(model: nn.Module, recipe: str, emulate: bool = False) -> list[str]:
+    """Convert the decoder layers' linear layers of ``model`` (attnpool's Transformer, a pipeline stage of it, or a
+    transformers model behind the adapter) to torchao's float8 training in place; returns the converted names."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe={recipe!r}: choose one of {', '.join(RECIPES)}")
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if emulate:
+        config = Float8LinearConfig(**{**config.__dict__, "emulate": True})
+    converted = float8_linears(model)
+    wanted = set(converted)
+    for block_name, block in model.layers.items():
+        prefix = f"layers.{block_name}."
+        convert_to_float8_training(block, config=config, module_filter_fn=lambda module, fqn, p=prefix:
+                                   p + fqn in wanted)
+    return converted

@@ -98,6 +98,12 @@ class Backend:
         where it takes them too, else is left out (the runtime then copies each segment's keys)."""
         if window is None and softcap is None:
             return self
+        bound = self.__dict__.setdefault("_bound", {})  # (window, softcap) -> bound backend, made once, not per call
+        if (window, softcap) not in bound:
+            bound[window, softcap] = self._bind(window, softcap)
+        return bound[window, softcap]
+
+    def _bind(self, window: int | None, softcap: float | None) -> "Backend":
         if window is not None and not self.takes_window:
             raise ConfigError("window", window, f"the {self.name} backend does not compute sliding windows; "
                                                 "use flash, fa4 or reference")

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from attnpool.plan.documents import ranges
+from attnpool.plan.documents import key_start, ranges
 from attnpool.plan.plan import Plan
 
 
@@ -374,8 +374,9 @@ class DispatchLayout:
         group_len = x.group_len[my_groups]
         group_base = np.cumsum(group_len) - group_len
         num_unique_kv = int(x.length[seg].sum())
-        seg_doc, seg_q, seg_k = plan.kernel_segments(rank)
-        seg_key = plan.kernel_spans(rank)[2] - seg_k  # each segment's first key (document position)
+        seg_doc, seg_start, seg_end = plan.kernel_spans(rank)
+        seg_key = key_start(seg_start, plan.window)  # each segment's first key (document position)
+        seg_q, seg_k = seg_end - seg_start, seg_end - seg_key  # as Plan.kernel_segments gives them
         span = int(x.group_kv_end.max(initial=0)) + 1
         seg_group = np.searchsorted(x.group_doc[my_groups] * span + x.group_kv_start[my_groups],
                                     seg_doc * span + seg_key, side="right") - 1

@@ -186,8 +186,7 @@ class StepModel:
     @property
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window (None: causal): the model's attention kinds (attnpool.kinds)."""
-        kinds = self.cfg.layer_kinds() if hasattr(self.cfg, "layer_kinds") else ()
-        return [kind.window for kind in kinds] or [None] * self.cfg.n_layers
+        return [kind.window for kind in self.cfg.layer_kinds()]
 
     def ideal(self, doc_lens) -> float:
         """Perfect balance, no communication: mean linear + mean attention (whole documents, each layer its kind)."""

@@ -34,9 +34,7 @@ def linear_flops_per_token(cfg) -> float:
 def step_flops(cfg, doc_lens) -> float:
     """The model's forward+backward FLOPs over documents of these lengths (every token one of them)."""
     lens = np.asarray(doc_lens, dtype=np.int64)
-    kinds = cfg.layer_kinds() if hasattr(cfg, "layer_kinds") else ()
-    windows = [kind.window for kind in kinds] or [None] * cfg.n_layers
-    pairs = sum(float(np.sum(window_pairs(0 * lens, lens, window))) for window in windows)
+    pairs = sum(float(np.sum(window_pairs(0 * lens, lens, kind.window))) for kind in cfg.layer_kinds())
     attention = float(attention_flops(pairs, cfg.n_heads, cfg.head_dim, "fwd+bwd"))
     return linear_flops_per_token(cfg) * float(lens.sum()) + attention
 

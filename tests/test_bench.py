@@ -111,16 +111,20 @@ def test_bench_refuses_a_kernel_that_cannot_run_before_any_process_group(tmp_pat
     assert not (tmp_path / "e2e.json").exists()
 
 
-def test_bench_without_activation_checkpointing_says_so(tmp_path):
+def test_bench_with_auto_checkpointing_says_what_each_run_chose(tmp_path):
+    """auto on the CPU, whose memory holds everything: no layer recomputes, and every record says so."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "attnpool.cli.main", "bench",
-           "--device", "cpu", "--model", "tiny", "--layers", "1", "--configs", "prolong:1K", "--strategies", "local,cad",
-           "--warmup", "0", "--steps", "1", "--activation-checkpointing", "none", "--out", str(tmp_path)]
+           "--device", "cpu", "--model", "tiny", "--layers", "2", "--configs", "prolong:1K", "--strategies", "local,cad",
+           "--warmup", "0", "--steps", "1", "--activation-checkpointing", "auto", "--out", str(tmp_path)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     meta = json.loads((tmp_path / "e2e.json").read_text())["meta"]
-    assert meta["command"].endswith("--attention-backend reference --activation-checkpointing none")  # as run
-    assert "activation checkpointing off" in (tmp_path / "e2e.md").read_text()
+    assert meta["command"].endswith("--attention-backend reference --activation-checkpointing auto")  # as run
+    assert "activation checkpointing per layer as the memory model chose" in (tmp_path / "e2e.md").read_text()
+    assert "auto's choice: prolong 1K local: all 2 layers none; prolong 1K cad: all 2 layers none." in \
+        (tmp_path / "e2e.md").read_text()
     for rec in json.loads((tmp_path / "e2e.json").read_text())["records"]:  # nothing is recomputed
+        assert rec["layer_checkpointing"] == "all 2 layers none"
         assert rec["efficiency_with_recompute"] == rec["efficiency"]
 
 
@@ -137,9 +141,11 @@ def test_summary_of_ping_pong_steps_with_one_document():
 
     args = argparse.Namespace(warmup=1, tp=1, pp=1, microbatches=1, activation_checkpointing="keep_attention")
     cfg = model_config("tiny", n_layers=1)
-    mixed = summarize("cad+pingpong", "pretrain", 2048, [row(None), row(0.3), row(None), row(0.2)], args, 2, cfg)
+    mixed = summarize("cad+pingpong", "pretrain", 2048, [row(None), row(0.3), row(None), row(0.2)], args, 2, cfg,
+                      ("keep_attention",))
     assert mixed["attention_time_s"] is None
-    timed = summarize("cad", "pretrain", 2048, [row(0.5), row(0.1), row(0.2), row(0.3)], args, 2, cfg)
+    timed = summarize("cad", "pretrain", 2048, [row(0.5), row(0.1), row(0.2), row(0.3)], args, 2, cfg,
+                      ("keep_attention",))
     assert timed["attention_time_s"] == 0.2
 
 

@@ -24,8 +24,9 @@ from attnpool.plan.metrics import AttentionRows
 from attnpool.runtime import CoreAttention, LayerKinds
 from attnpool.runtime.dispatch import DispatchLayout
 from attnpool.sizes import format_tokens, parse_memory_size
-from attnpool.train.memory import (CHECKPOINTING_MODES, Calibration, Capacity, MemoryInputs, RowRatios, estimate,
-                                   largest_tokens, report, saved_per_layer, settings, undominated)
+from attnpool.train.memory import (CHECKPOINTING_MODES, Calibration, MemoryInputs, RowRatios, estimate, saved_per_layer,
+                                   undominated)
+from attnpool.train.memory_fit import Capacity, largest_tokens, report, settings
 from attnpool.train.offload import ActivationOffload, piece_sizes
 from command import run_command
 from dist_harness import run_distributed

@@ -6,7 +6,8 @@ which memory setting?
 
 Takes the same --config and flags as ``attnpool train`` (``nproc`` is the number of ranks that shard the
 model) and predicts the peak memory per GPU with attnpool.train.memory: a breakdown at the configured
-setting, then for every setting (checkpointing mode, activation and optimizer offload) the peak, the host
+setting (for ``activation_checkpointing: auto``, each layer's mode as the run would choose it for this
+capacity), then for every setting (checkpointing mode, activation and optimizer offload) the peak, the host
 memory the offloads need, and the largest tokens_per_rank that fits both. Core attention's buffers come
 from plans of the run's first batches. Exits 2 where no setting fits the configured tokens_per_rank.
 """
@@ -39,7 +40,7 @@ def add_parser(sub) -> None:
 
 def _capacity(args, ranks: int):
     from attnpool.sizes import parse_memory_size
-    from attnpool.train.memory import Capacity
+    from attnpool.train.memory_fit import Capacity
     from attnpool.train.memory_check import host_memory_bytes
 
     host = parse_memory_size("host_memory", args.host_memory) if args.host_memory is not None \
@@ -56,7 +57,7 @@ def _capacity(args, ranks: int):
 
 def _cpu_capacity(args, ranks: int):
     from attnpool.sizes import parse_memory_size
-    from attnpool.train.memory import Capacity
+    from attnpool.train.memory_fit import Capacity
     from attnpool.train.memory_check import host_memory_bytes
 
     if args.host_memory is not None:
@@ -67,8 +68,9 @@ def _cpu_capacity(args, ranks: int):
 
 def run(args: argparse.Namespace) -> int:
     from attnpool.cli.train_cmd import config_from_args
-    from attnpool.train.memory import Calibration, report
-    from attnpool.train.memory_check import run_memory_inputs
+    from attnpool.train.memory import AUTO, Calibration
+    from attnpool.train.memory_fit import report
+    from attnpool.train.memory_check import choose_checkpointing, run_memory_inputs
     from attnpool.train.setup import NO_RUN_DIRECTORY, prepare
 
     config = config_from_args(args)
@@ -84,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
     setup = prepare(config.replace(resume=False, memory_check=False, out=NO_RUN_DIRECTORY), config.run.nproc,
                     device_type="cpu" if cpu else "cuda")
     x = run_memory_inputs(setup.spec, setup.source, capacity, calibration)
+    if x.activation_checkpointing == AUTO:  # each layer's mode, as the run would choose them for this capacity
+        x = choose_checkpointing(setup.spec, x, setup.source, capacity, calibration)
     result = report(x, capacity, calibration, offloads=not cpu)
     if args.json:
         print(json.dumps(_as_json(config, result, calibration), indent=1))
@@ -95,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _setting_keys(x) -> dict:
-    return {"activation_checkpointing": x.activation_checkpointing, "activation_offload": x.activation_offload,
+    return {"activation_checkpointing": x.activation_checkpointing, "layer_checkpointing": list(x.layer_modes) or None,
+            "activation_offload": x.activation_offload,
             "optimizer_offload": x.optimizer_offload}
 
 

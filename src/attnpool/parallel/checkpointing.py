@@ -11,6 +11,9 @@ what it computes again instead.
   possibly remote part runs once, and the recompute never holds a whole sequence's MLP intermediates.
 - ``none``: every block as it is.
 
+Each block can take its own mode: ``activation_checkpointing: auto`` (attnpool.train.memory_fit.auto_checkpointing)
+recomputes only as many layers, and only as much of each, as the device's memory requires.
+
 The wrappers replace the block's methods on the block itself (its class, modules and weights' names stay as
 they are, so tensor parallelism's plans, FSDP2 and checkpoints see the same model). They wrap whatever the
 methods are when applied: attnpool.parallel.parallelize compiles the parts first, so that a recompute runs the
@@ -19,6 +22,8 @@ before.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -71,21 +76,34 @@ class RecomputedInChunks(_Wrapper):
         return recompute_in_chunks(self.wrapped, LINEAR_CHUNK_TOKENS, *rows)
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+MODES = ("none", "full", "keep_attention")
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str | Sequence[str]) -> None:
     """Checkpoint every block of ``model.layers`` as ``mode`` says (see the module docstring), replacing the mode
-    applied before. ``keep_attention`` needs blocks split at core attention (``SPLIT_PARTS``)."""
-    if mode not in ("none", "full", "keep_attention"):
-        raise ValueError(f"activation checkpointing mode {mode!r}: choose none, full or keep_attention")
-    for block in model.layers.values():
+    applied before: one mode for every block, or each block's, by its layer index (the key in ``model.layers``; a
+    pipeline stage's blocks keep the whole model's). ``keep_attention`` needs blocks split at core attention
+    (``SPLIT_PARTS``)."""
+    modes = [mode] if isinstance(mode, str) else list(mode)
+    for name in modes:
+        if name not in MODES:
+            raise ValueError(f"activation checkpointing mode {name!r}: choose none, full or keep_attention")
+    for index, block in model.layers.items():
+        if isinstance(mode, str):
+            layer_mode = mode
+        elif int(index) < len(modes):
+            layer_mode = modes[int(index)]
+        else:
+            raise ValueError(f"activation checkpointing modes for {len(modes)} layers, but the model has layer {index}")
         wrapped = vars(block).get("forward")
         if wrapped is not None and not isinstance(wrapped, _Wrapper):
             raise ValueError(f"block {type(block).__name__}'s forward is wrapped by {type(wrapped).__name__}: apply "
                              "activation checkpointing first (attnpool.parallel.parallelize's order)")
         for name in ("forward", *SPLIT_PARTS):
             _unwrap(block, name)
-        if mode == "full":
+        if layer_mode == "full":
             block.forward = RecomputedLayer(block.forward)
-        elif mode == "keep_attention":
+        elif layer_mode == "keep_attention":
             for name in SPLIT_PARTS:
                 setattr(block, name, RecomputedInChunks(getattr(block, name)))
 

@@ -38,7 +38,7 @@ from attnpool.parallel.tensor import apply_tensor_parallel
 class ParallelizeSpec(Protocol):
     """What parallelize reads of a run's resolved settings (attnpool.train.spec.RunSpec)."""
 
-    activation_checkpointing: str  # none, full or keep_attention
+    activation_checkpointing: str | tuple[str, ...]  # none, full or keep_attention; or each layer's, by index
     compile: bool
     float8: str | None  # the float8 recipe (tensorwise or rowwise), None for bf16 linear layers
     pingpong: bool  # nano-batches interleaved layer by layer

@@ -42,7 +42,7 @@ from attnpool.train.checkpoint import checkpoint_path, load_checkpoint, save_che
 from attnpool.train.config import TrainConfig
 from attnpool.train.export import checkpoint_export_dir, export_run_model
 from attnpool.train.flops import bf16_peak_flops, step_flops
-from attnpool.train.memory import MemoryEstimate
+from attnpool.train.memory import MemoryEstimate, auto_choice
 from attnpool.console import START_TIME_ENV
 from attnpool.train.metrics import (PLOT_FILE, SUMMARY_FILE, MetricsLog, Progress, open_logger, peak_memory_bytes,
                                     peak_reserved_bytes, plot_run, print_summary, reset_peak_memory, summarize)
@@ -72,6 +72,7 @@ class TrainResult:
     model: nn.Module
     summary: dict | None  # rank 0 only
     memory: MemoryEstimate | None = None  # this rank's predicted peak, where its device was checked
+    layer_checkpointing: tuple[str, ...] = ()  # each layer's checkpointing mode as it ran (auto's choice, resolved)
 
     @property
     def losses(self) -> list[float]:
@@ -155,6 +156,9 @@ class Trainer:
                   + f" ({len(spec.plan_windows)} plans per micro-batch)", flush=True)
         if getattr(spec.cost_model, "backend", spec.backend_name) != spec.backend_name and self.device.type == "cuda":
             print(f"cost model: {spec.cost_model.source}", flush=True)  # a stand-in table plans this kernel
+        if spec.layer_checkpointing:
+            print(f"activation checkpointing auto: {auto_choice(spec.layer_checkpointing, spec.activation_offload)}",
+                  flush=True)
         memory = self.setup.memory
         if memory is not None and self.device.type == "cuda":
             capacity = torch.cuda.get_device_properties(self.device).total_memory
@@ -198,7 +202,9 @@ class Trainer:
             export_run_model(self.model, self.spec.model, config, self.mesh)
         balance = end.balance if end is not None else None
         summary = self._report(balance, time.time() - self.started) if self.rank == 0 else None
-        return TrainResult(self.log.rows, self.model, summary, self.setup.memory)
+        modes = self.spec.layer_checkpointing or (self.config.memory.activation_checkpointing,) * \
+            self.spec.model.config.n_layers
+        return TrainResult(self.log.rows, self.model, summary, self.setup.memory, tuple(modes))
 
     def train_step(self, preemption: Preemption) -> StepEnd:
         """One optimizer step, on every rank."""
@@ -332,6 +338,10 @@ class Trainer:
                 "predicted_device_bytes": memory.peak_bytes if checked else None,
                 "tokens_per_rank": config.data.tokens_per_rank, "microbatches": config.parallel.microbatches,
                 "strategy": config.attention.strategy, "steps": config.optim.steps,
+                # what the memory settings resolved to: auto's choice of each layer's mode, and of activation offload
+                "activation_checkpointing": config.memory.activation_checkpointing,
+                "layer_checkpointing": list(spec.layer_checkpointing) or None,
+                "activation_offload": spec.activation_offload,
                 "start_step": self.start_step, "end_step": self.step, "wall_s": wall_s}
         loads = {"local": balance.load_local, "planned": balance.load_planned,
                  "unit": getattr(spec.cost_model, "unit", "work")}

@@ -49,10 +49,11 @@ from attnpool.model.config import ModelConfig
 from attnpool.model.llama import loss_chunk_tokens
 from attnpool.parallel.checkpointing import LINEAR_CHUNK_TOKENS
 from attnpool.runtime.dispatch import BACKWARD_GROUP_KEYS
-from attnpool.sizes import format_bytes, format_tokens
 
 GiB = 1 << 30
 CHECKPOINTING_MODES = ("none", "keep_attention", "full")
+# activation_checkpointing: auto, each layer's mode chosen by the memory model (memory_fit.auto_checkpointing)
+AUTO = "auto"
 # The checkpointing modes each kind of layer module runs (keep_attention recomputes attnpool's own linear parts).
 LAYER_CHECKPOINTING = {"attnpool": CHECKPOINTING_MODES, "transformers": ("none", "full")}
 CALIBRATION_RESOURCE = "memory_calibration.json"
@@ -95,7 +96,7 @@ class MemoryInputs:
 
     model: ModelConfig
     tokens_per_rank: int
-    activation_checkpointing: str = "none"
+    activation_checkpointing: str = "none"  # one of CHECKPOINTING_MODES for every layer, or AUTO: layer_modes
     activation_offload: bool = False
     optimizer_offload: bool = False
     bf16: bool = True  # bf16 compute (FSDP2 mixed precision, autocast); False: float32 throughout
@@ -127,11 +128,21 @@ class MemoryInputs:
     last_stage_layers: int = 0
     last_in_flight: int = 0
     pipeline_end: str = ""
+    # Under AUTO, each of the rank's layers' mode in forward order (auto_checkpointing's choice; layers that differ
+    # only without pipeline stages). Empty for any other setting, or for AUTO not chosen yet (nothing to estimate).
+    layer_modes: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if self.activation_checkpointing not in CHECKPOINTING_MODES:
+        if self.activation_checkpointing not in (*CHECKPOINTING_MODES, AUTO):
             raise ConfigError("activation_checkpointing", self.activation_checkpointing,
-                              f"choose one of {', '.join(CHECKPOINTING_MODES)}")
+                              f"choose one of {', '.join(CHECKPOINTING_MODES)} or {AUTO}")
+        if self.layer_modes and self.activation_checkpointing != AUTO:
+            raise ValueError(f"layer_modes are {AUTO}'s choice, not {self.activation_checkpointing}'s")
+        if any(mode not in LAYER_CHECKPOINTING.get(self.layer_modules, ()) for mode in self.layer_modes):
+            raise ValueError(f"layer_modes {self.layer_modes}: {self.layer_modules} layers run "
+                             f"{', '.join(LAYER_CHECKPOINTING.get(self.layer_modules, ()))}")
+        if len(set(self.layer_modes)) > 1 and self.pp > 1:
+            raise ValueError("layers with different checkpointing modes are counted without pipeline stages only")
         if self.layer_modules not in LAYER_CHECKPOINTING:
             raise ConfigError("layer_modules", self.layer_modules,
                               f"the memory model counts {', '.join(LAYER_CHECKPOINTING)} layers")
@@ -143,8 +154,9 @@ class MemoryInputs:
 
     @property
     def setting(self) -> str:
-        """The memory-relevant choices, as config keys."""
-        parts = [f"activation_checkpointing={self.activation_checkpointing}"]
+        """The memory-relevant choices, as config keys (auto's choice after it)."""
+        auto = f" ({describe_layer_modes(self.layer_modes)})" if self.layer_modes else ""
+        parts = [f"activation_checkpointing={self.activation_checkpointing}{auto}"]
         parts += [f"{name}=true" for name in ("activation_offload", "optimizer_offload") if getattr(self, name)]
         return " ".join(parts)
 
@@ -214,8 +226,9 @@ def root_params(m: ModelConfig, pp: int = 1) -> tuple[int, int]:
     return m.vocab_size * m.dim, head + m.dim
 
 
-def saved_per_layer(x: MemoryInputs) -> dict[str, float]:
-    """Bytes one layer keeps from its forward to its backward, per home token, by what holds them.
+def saved_per_layer(x: MemoryInputs, mode: str | None = None) -> dict[str, float]:
+    """Bytes one layer keeps from its forward to its backward, per home token, by what holds them, under checkpointing
+    ``mode`` (None: x's, one for every layer).
 
     keep_attention: the layer's input (the linear parts' checkpoints keep it, as views) and what core
     attention saves: the server's Q rows and float32 LSE, its unique K and V rows, the rank's output,
@@ -238,7 +251,7 @@ def saved_per_layer(x: MemoryInputs) -> dict[str, float]:
         "attention output": a * q,
         "attention returned output": a * q * r.returned / r.home,
     }
-    mode = x.activation_checkpointing
+    mode = mode or x.activation_checkpointing
     if mode == "full":
         return {"layer input": a * m.dim}
     if mode == "keep_attention":
@@ -319,7 +332,7 @@ def attention_backward_transient(x: MemoryInputs, tokens: int) -> float:
     return 3 * a * q * query + 2 * a * kv * expanded + 4 * q * min(query, keys) + 2 * a * q * keys
 
 
-def layer_backward_transient(x: MemoryInputs, tokens: int) -> float:
+def layer_backward_transient(x: MemoryInputs, tokens: int, mode: str | None = None) -> float:
     """What the backward of one layer adds at its peak, besides the activations kept for it: the gradient
     arriving at the layer, the MLP's weight gradients (computed before core attention's backward), and
     the larger of core attention's backward and the MLP's: under keep_attention a chunk of
@@ -335,15 +348,16 @@ def layer_backward_transient(x: MemoryInputs, tokens: int) -> float:
     incoming = a * m.dim * home
     weight_gradients = c * 3 * m.dim * m.ffn_dim
     attention = attention_backward_transient(x, tokens)
-    if x.activation_checkpointing == "keep_attention":
+    mode = mode or x.activation_checkpointing
+    if mode == "keep_attention":
         chunk = home if x.tp > 1 else min(LINEAR_CHUNK_TOKENS, home)  # (then ffn_dim / tp wide)
         mlp = 7 * a * m.ffn_dim * chunk + a * q * home
         recomputed = 0.0
     else:
         mlp = 3 * a * m.ffn_dim * home
         recomputed = 0.0
-        if x.activation_checkpointing == "full":
-            recomputed = (sum(saved_per_layer(replace(x, activation_checkpointing="none")).values()) - a * m.dim) * home
+        if mode == "full":
+            recomputed = (sum(saved_per_layer(x, "none").values()) - a * m.dim) * home
     return (incoming + weight_gradients + recomputed + max(attention, mlp)) / x.tp
 
 
@@ -370,9 +384,19 @@ def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryE
         return _worst([estimate(replace(x, rows=rows, row_candidates=()), calibration) for rows in x.row_candidates]
                       or [estimate(replace(x, held_rows=rows, held_candidates=()), calibration)
                           for rows in x.held_candidates])
+    if x.activation_checkpointing == AUTO:
+        if not x.layer_modes:
+            raise ValueError("activation_checkpointing auto: estimate its choice (auto_checkpointing), not the key")
+        if len(set(x.layer_modes)) == 1:  # one mode for every layer: that mode's estimate
+            return replace(estimate(replace(x, activation_checkpointing=x.layer_modes[0], layer_modes=()),
+                                    calibration), inputs=x)
     if x.pp > 1 and not x.pipeline_end and x.last_rank_layers:  # (pooled: both ends' worst at once, below)
         return _worst([estimate(end, calibration) for end in pipeline_ends(x)])
-    cal = calibration or Calibration.none()
+    return _rank_estimate(x, calibration or Calibration.none())
+
+
+def _rank_estimate(x: MemoryInputs, cal: Calibration) -> MemoryEstimate:
+    """estimate() of one rank, one row count, one end of a pipeline."""
     m = x.model
     c = 2 if x.bf16 else 4  # compute copies of parameters and their gradients
     tokens = x.tokens_per_rank
@@ -437,18 +461,52 @@ def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryE
             **states, **compute, "activations": stage_layers * per_layer * fewer,
             "step inputs": step_inputs_per_token(x) * home * fewer / x.tp, **backward, **accumulated}
     host = (PARAM_BYTES + GRAD_BYTES + ADAM_BYTES) * owned if x.optimizer_offload else 0
+    if x.layer_modes:  # layers of different modes (no pipeline stages: one unit in flight, held_rows None)
+        saved = [sum(saved_per_layer(x, mode).values()) * home / x.tp for mode in x.layer_modes]
+        for terms in loss_phase.values():
+            terms["activations"] = max(map(sum, zip(saved, saved[1:]))) if x.activation_offload else sum(saved)
+        layer_phases = _mixed_layer_phases(x, saved, {**states, **compute, "step inputs": step_inputs, **accumulated},
+                                           backward, GRAD_BYTES * layer, layer / x.dp)
+        return _peak_phase(x, {**loss_phase, **layer_phases, "optimizer step": phases["optimizer step"]}, cal, home,
+                           host + (sum(saved) if x.activation_offload else 0),
+                           {name: mode for name, (_, mode) in layer_phases.items()})
     if x.activation_offload:
         host += stage_layers * held_per_layer
     return _peak_phase(x, phases, cal, home, host)
 
 
-def _peak_phase(x: MemoryInputs, phases: dict[str, dict], cal: Calibration, home: float, host: float) -> MemoryEstimate:
+def _mixed_layer_phases(x: MemoryInputs, saved: list[float], held: dict, backward: dict, layer_gradient: float,
+                        layer_shard: float) -> dict[str, tuple[dict, str]]:
+    """The backward phases of layers whose checkpointing modes differ (``saved``: each layer's kept bytes, forward
+    order): a layer's backward holds the activations of the layers before it (offloaded: its own and the one before,
+    prefetched), its mode's transient, and the gradients of the layers after it (sharded; the last one's float32
+    copy besides). Within a run of layers of one mode the first of them in backward, the last in forward, holds
+    the most, so only those and the first layer are phases. Each phase's terms, with its layer's mode."""
+    modes, last = x.layer_modes, len(x.layer_modes) - 1
+    ends = sorted({0, *(i for i in range(last + 1) if i == last or modes[i + 1] != modes[i])})
+    phases = {}
+    for i in ends:
+        activations = saved[i] + (saved[i - 1] if i else 0) if x.activation_offload else sum(saved[:i + 1])
+        later = 0 if x.optimizer_offload else GRAD_BYTES * (last - i) * layer_shard
+        terms = {**held, "activations": activations, **backward,
+                 "layer backward": layer_backward_transient(x, x.tokens_per_rank, modes[i])}
+        if i < last:
+            terms["gradients"] = later + layer_gradient
+        phases[f"layer {i} backward ({modes[i]})"] = (terms, modes[i])
+    return phases
+
+
+def _peak_phase(x: MemoryInputs, phases: dict[str, dict], cal: Calibration, home: float, host: float,
+                modes: dict[str, str] | None = None) -> MemoryEstimate:
     """The estimate at the phase that holds the most, with what the hand count misses (the calibration's
-    residual, the allocator's fragmentation, the CUDA context)."""
+    residual, the allocator's fragmentation, the CUDA context). ``modes``: where layers' modes differ, each layer
+    phase's (its terms and mode, as _mixed_layer_phases gives them); the others' residual is the last layer's."""
+    modes = modes or {}
+    phases = {name: terms[0] if name in modes else terms for name, terms in phases.items()}
     totals = {name: sum(terms.values()) for name, terms in phases.items()}
     phase = max(totals, key=totals.get)
     breakdown = dict(phases[phase])
-    mode = x.activation_checkpointing
+    mode = modes.get(phase) or (x.layer_modes[-1] if x.layer_modes else x.activation_checkpointing)
     if phase != "optimizer step":
         breakdown["calibrated residual"] = cal.residual_per_token[mode] * home + cal.residual_constant[mode]
     allocated = sum(breakdown.values())
@@ -458,129 +516,25 @@ def _peak_phase(x: MemoryInputs, phases: dict[str, dict], cal: Calibration, home
     return MemoryEstimate(x, phase, breakdown, int(round(allocated)), sum(breakdown.values()), int(host))
 
 
-@dataclass(frozen=True)
-class Capacity:
-    """What one rank may use: its device's memory and, for what the offloads keep there, host memory
-    (None: not checked)."""
-
-    device_bytes: int
-    device_name: str
-    host_bytes: int | None = None
-
-    def holds(self, e: MemoryEstimate) -> bool:
-        return e.peak_bytes <= self.device_bytes and (self.host_bytes is None or e.host_bytes <= self.host_bytes)
-
-
-def largest_tokens(x: MemoryInputs, capacity: Capacity, calibration: Calibration | None = None,
-                   granularity: int = 1024) -> int:
-    """The largest tokens_per_rank, a multiple of ``granularity``, whose predicted peak the capacity holds
-    (0 if none). The row ratios are taken as they are at x.tokens_per_rank."""
-    def fits(tokens):
-        return capacity.holds(estimate(replace(x, tokens_per_rank=tokens), calibration))
-
-    if not fits(granularity):
-        return 0
-    low, high = 1, 2
-    while fits(high * granularity):
-        low, high = high, high * 2
-        if high > 1 << 30:
-            return high * granularity  # no limit in sight: memory does not grow with tokens here
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid * granularity) else (low, mid)
-    return low * granularity
-
-
-# Memory settings, fastest first, as measured on one H200 (bench/results/2026-11-25-h200-memory.md):
-# keep_attention recomputes the linear parts, full also core attention; offloading keep_attention's
-# or full's activations cost 0.6-1.8% of the step, offloading everything none keeps 61% (the PCIe link
-# is the bound); an offloaded optimizer steps on the CPU.
-SETTINGS_FASTEST_FIRST = (
-    ("none", False, False), ("keep_attention", False, False), ("keep_attention", True, False),
-    ("full", False, False), ("full", True, False), ("none", True, False),
-    ("keep_attention", False, True), ("keep_attention", True, True), ("full", False, True), ("full", True, True),
-    ("none", False, True), ("none", True, True),
-)
-
-
-def settings(x: MemoryInputs, offloads: bool = True) -> list[MemoryInputs]:
-    """x under every memory setting its layers run, fastest first (``offloads=False``: checkpointing modes only)."""
-    return [replace(x, activation_checkpointing=mode, activation_offload=activation, optimizer_offload=optimizer)
-            for mode, activation, optimizer in SETTINGS_FASTEST_FIRST
-            if (offloads or not (activation or optimizer)) and mode in LAYER_CHECKPOINTING[x.layer_modules]]
-
-
-
-
-# --- Verdicts --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class SettingFit:
-    """One memory setting at the configured tokens: its estimate, whether the capacity holds it, and the
-    largest tokens_per_rank it holds."""
-
-    inputs: MemoryInputs
-    estimate: MemoryEstimate
-    fits: bool
-    largest_tokens: int
-
-
-@dataclass
-class MemoryReport:
-    configured: SettingFit
-    capacity: Capacity
-    settings: list[SettingFit]  # every setting, fastest first (see settings())
-
-    @property
-    def fits(self) -> bool:
-        return self.configured.fits
-
-    def first_fitting(self) -> SettingFit | None:
-        """The fastest setting that fits the configured tokens."""
-        return next((s for s in self.settings if s.fits), None)
-
-    def refusal(self) -> ConfigError:
-        """Why the configuration cannot run, naming the field to change and the largest value that fits."""
-        x, e, cap = self.configured.inputs, self.configured.estimate, self.capacity
-        if e.peak_bytes > cap.device_bytes:
-            said = (f"predicted peak {format_bytes(e.peak_bytes)} per rank with {x.setting} is more than the "
-                    f"{format_bytes(cap.device_bytes)} of {cap.device_name}")
-        else:
-            said = (f"with {x.setting} the offloaded state needs {format_bytes(e.host_bytes)} of host memory per "
-                    f"rank, more than the {format_bytes(cap.host_bytes)} this machine has for each")
-        hint = "; `attnpool memory` with the same flags shows the breakdown, --no-memory-check skips this check"
-        alternative = self.first_fitting()
-        other = f"; {alternative.inputs.setting} fits it ({format_bytes(alternative.estimate.peak_bytes)})" \
-            if alternative is not None else ""
-        if self.configured.largest_tokens > 0:
-            return ConfigError("tokens_per_rank", x.tokens_per_rank,
-                               f"{said}: the largest tokens_per_rank that fits is "
-                               f"{format_tokens(self.configured.largest_tokens)}{other}{hint}")
-        if alternative is not None:
-            field_name = next(name for name in ("optimizer_offload", "activation_offload", "activation_checkpointing")
-                              if getattr(alternative.inputs, name) != getattr(x, name))
-            return ConfigError(field_name, getattr(x, field_name),
-                               f"{said}, and no tokens_per_rank fits with these settings{other}{hint}")
-        best = max(self.settings, key=lambda s: s.largest_tokens)
-        if best.largest_tokens > 0:
-            return ConfigError("tokens_per_rank", x.tokens_per_rank,
-                               f"{said}, and no memory setting holds that many tokens per rank: the most any holds "
-                               f"is {format_tokens(best.largest_tokens)}, with {best.inputs.setting}{hint}")
-        return ConfigError("nproc", x.dp, f"{said}, and no memory setting fits even one token per rank: shard the "
-                                          f"model over more ranks{hint}")
-
-
-def report(x: MemoryInputs, capacity: Capacity, calibration: Calibration | None = None,
-           offloads: bool = True) -> MemoryReport:
-    """x and every other memory setting (``offloads``: the offload ones too) against the capacity."""
-    def fit(inputs):
-        e = estimate(inputs, calibration)
-        return SettingFit(inputs, e, capacity.holds(e), largest_tokens(inputs, capacity, calibration))
-
-    return MemoryReport(fit(x), capacity, [fit(s) for s in settings(x, offloads)])
-
-
 def saved_bytes_per_layer(x: MemoryInputs) -> int:
-    """Bytes one layer keeps for its backward on this rank (its share of the busiest rank's rows)."""
-    return int(sum(saved_per_layer(x).values()) * x.tokens_per_rank * x.rows.home / x.tp)
+    """Bytes one layer keeps for its backward on this rank (its share of the busiest rank's rows; where layers'
+    modes differ, the layer that keeps the most)."""
+    per_token = max(sum(saved_per_layer(x, mode).values()) for mode in x.layer_modes or (x.activation_checkpointing,))
+    return int(per_token * x.tokens_per_rank * x.rows.home / x.tp)
+
+
+def auto_choice(modes, activation_offload: bool) -> str:
+    """What ``activation_checkpointing: auto`` chose, in words."""
+    return describe_layer_modes(modes) + (", with activation offload" if activation_offload else "")
+
+
+def describe_layer_modes(modes) -> str:
+    """Layers' checkpointing modes in runs: "layers 0-3 full, 4-31 keep_attention" (one mode: "all 32 layers full")."""
+    if len(set(modes)) == 1:
+        return f"all {len(modes)} layers {modes[0]}"
+    runs, start = [], 0
+    for i in range(1, len(modes) + 1):
+        if i == len(modes) or modes[i] != modes[start]:
+            runs.append(f"{start}-{i - 1} {modes[start]}" if i - 1 > start else f"{start} {modes[start]}")
+            start = i
+    return "layers " + ", ".join(runs)

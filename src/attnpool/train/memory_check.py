@@ -18,8 +18,11 @@ from attnpool.data import DocumentStream
 from attnpool.parallel.pipeline import activations_in_flight, rank_layers
 from attnpool.parallel.pooled_pipeline import POOLED
 from attnpool.plan.metrics import AttentionRows
-from attnpool.train.memory import Calibration, Capacity, MemoryEstimate, MemoryInputs, RowRatios, estimate, report, \
-    settings, undominated
+from attnpool.plan.cost import attention_flops
+from attnpool.plan.documents import window_pairs
+from attnpool.train.flops import linear_weights
+from attnpool.train.memory import AUTO, Calibration, MemoryEstimate, MemoryInputs, RowRatios, estimate, undominated
+from attnpool.train.memory_fit import Capacity, auto_checkpointing, report, settings
 from attnpool.train.planning import StepPlan, plan_batch, plan_microbatch, plan_pooled_ticks
 from attnpool.train.spec import RunSpec
 
@@ -35,15 +38,18 @@ def memory_inputs(spec: RunSpec, rows: RowRatios = RowRatios()) -> MemoryInputs:
     schedule, pp, microbatches = c.parallel.pp_schedule, dims.pp, c.parallel.microbatches
     stages = rank_layers(m, schedule, pp) if pp > 1 else [0]
     last = rank_layers(m, schedule, pp, pp - 1) if pp > 1 and schedule != POOLED else [0]
+    layers = sum(stages) or m.n_layers
     return MemoryInputs(m, c.data.tokens_per_rank, c.memory.activation_checkpointing,
-                        c.memory.activation_offload and gpu, c.memory.optimizer_offload and gpu, spec.bf16,
+                        spec.activation_offload and gpu, c.memory.optimizer_offload and gpu, spec.bf16,
                         dp=dims.dp, tp=dims.tp, pp=pp, microbatches=microbatches,
                         in_flight=activations_in_flight(schedule, pp, microbatches),
                         rows=rows, rank_layers=sum(stages), stage_layers=max(stages), loss_kernel=spec.loss_kernel,
                         layer_modules=spec.model.layer_modules,
                         backward_in_one_call=c.attention.strategy == "ulysses",
                         last_rank_layers=sum(last), last_stage_layers=max(last),
-                        last_in_flight=activations_in_flight(schedule, pp, microbatches, pp - 1) if pp > 1 else 0)
+                        last_in_flight=activations_in_flight(schedule, pp, microbatches, pp - 1) if pp > 1 else 0,
+                        # auto's choice (one mode for every layer under pipeline stages: the first rank's count)
+                        layer_modes=spec.layer_checkpointing[:layers])
 
 
 def sample_row_ratios(spec: RunSpec, source, batches: int = MEMORY_SAMPLE_BATCHES) -> dict:
@@ -104,6 +110,55 @@ def layer_mean_rows(step: StepPlan, spec: RunSpec, copies: bool) -> AttentionRow
                          unique_kv=mean("unique_kv"), expanded_kv=largest("expanded_kv"))
 
 
+def sampled_batches(spec: RunSpec) -> int:
+    """How many of the run's first batches the memory model samples: MEMORY_SAMPLE_BATCHES, and no more than the run
+    draws (from the stream's start, also when it resumes later on; a pooled pipeline's sample is of steps, the
+    others' of micro-batches)."""
+    steps = spec.config.last_step
+    return min(MEMORY_SAMPLE_BATCHES, steps if spec.pooled else steps * spec.config.parallel.microbatches)
+
+
+def attention_share(spec: RunSpec, source) -> float:
+    """Core attention's forward FLOPs over the linear parts' in one layer (the mean over the model's layer kinds),
+    over the run's first batches: what recomputing a layer whole costs beyond recomputing its linear parts
+    (memory_fit.auto_checkpointing). Dense attention's: a sparse layer's recompute costs less."""
+    c, m = spec.config, spec.model.config
+    stream = DocumentStream(source, spec.dims.dp, c.data.tokens_per_rank, c.data.seed, c.data.max_doc_len)
+    lens = np.concatenate([stream.next_batch().doc_lens for _ in range(sampled_batches(spec))])
+    kinds = m.layer_kinds()
+    pairs = sum(float(np.sum(window_pairs(0 * lens, lens, kind.window))) for kind in kinds) / len(kinds)
+    return float(attention_flops(pairs, m.n_heads, m.head_dim, "fwd")) / (2.0 * linear_weights(m) * float(lens.sum()))
+
+
+def choose_checkpointing(spec: RunSpec, x: MemoryInputs, source, capacity: Capacity,
+                         calibration: Calibration) -> MemoryInputs:
+    """The run's memory inputs ``x`` (run_memory_inputs) with what ``activation_checkpointing: auto`` chooses for
+    ``capacity``: each layer's mode and, on a GPU, activation offload where it costs less than recompute
+    (memory_fit.auto_checkpointing). Refused with the field to change where even the most recompute does not fit."""
+    gpu = spec.device_type == "cuda"
+    runs = ("none", "keep_attention") if spec.pooled else None  # (a pooled schedule recomputes no core attention)
+    chosen = auto_checkpointing(x, capacity, calibration, attention_share(spec, source), offload=gpu, runs=runs,
+                                headroom=spec.config.memory.auto_headroom)
+    if chosen is None:
+        slowest = replace(x, activation_checkpointing="keep_attention" if spec.pooled else "full")
+        raise report(slowest, capacity, calibration, offloads=gpu).refusal()
+    return chosen
+
+
+def resolve_auto_checkpointing(spec: RunSpec, source, capacity: Capacity, calibration: Calibration) -> RunSpec:
+    """``spec`` with ``activation_checkpointing: auto`` resolved for this rank's capacity (choose_checkpointing):
+    each layer's mode, by layer index, and whether activation offload is turned on. A spec that names one mode is
+    returned as it is."""
+    if spec.config.memory.activation_checkpointing != AUTO or spec.layer_checkpointing:
+        return spec
+    chosen = choose_checkpointing(spec, run_memory_inputs(spec, source, capacity, calibration), source, capacity,
+                                  calibration)
+    n_layers = spec.model.config.n_layers
+    modes = chosen.layer_modes if spec.dims.pp == 1 else chosen.layer_modes[:1] * n_layers
+    return replace(spec, layer_checkpointing=tuple(modes),
+                   auto_offload=chosen.activation_offload and not spec.config.memory.activation_offload)
+
+
 def run_memory_inputs(spec: RunSpec, source, capacity: Capacity, calibration: Calibration) -> MemoryInputs:
     """The memory model's inputs for a run, core attention's rows from plans of its first batches (at most
     MEMORY_SAMPLE_BATCHES, and no more than the run trains on). Those are drawn only if, with the fewest
@@ -111,11 +166,7 @@ def run_memory_inputs(spec: RunSpec, source, capacity: Capacity, calibration: Ca
     a batch far too large is refused before one is drawn."""
     x = memory_inputs(spec)
     if any(capacity.holds(estimate(s, calibration)) for s in settings(x, offloads=spec.device_type == "cuda")):
-        # A run shorter than the sample plans no more batches than it draws (from the stream's start, also
-        # when it resumes later on); a pooled pipeline's sample is of steps, the others' of micro-batches.
-        steps = spec.config.last_step
-        run_batches = steps if spec.pooled else steps * spec.config.parallel.microbatches
-        x = replace(x, **sample_row_ratios(spec, source, batches=min(MEMORY_SAMPLE_BATCHES, run_batches)))
+        x = replace(x, **sample_row_ratios(spec, source, batches=sampled_batches(spec)))
     return x
 
 
@@ -129,21 +180,28 @@ def ranks_on_this_machine(spec: RunSpec) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", spec.dims.world if under_torchrun() else spec.config.run.nproc))
 
 
-def check_memory(spec: RunSpec, source) -> MemoryEstimate:
-    """The predicted peak of this rank (attnpool.train.memory), refused with the field to change where it does
-    not fit: on GPU the device's memory (with the packaged calibration) and, for offloaded state, this
-    machine's memory shared by its ranks; on CPU that shared memory alone (the hand count alone)."""
-    device, gpu = spec.device, spec.device_type == "cuda"
+def rank_capacity(spec: RunSpec) -> tuple[Capacity, Calibration]:
+    """What this rank may use and the calibration its prediction takes: on GPU the device's memory (with the
+    packaged calibration) and, for offloaded state, this machine's memory shared by its ranks; on CPU that shared
+    memory alone (the hand count alone)."""
     local_ranks = ranks_on_this_machine(spec)
     host = host_memory_bytes() // local_ranks
     for_each = f" for each of its {local_ranks} ranks" if local_ranks > 1 else ""
-    if gpu:
-        calibration = Calibration.load()
-        capacity = Capacity(torch.cuda.get_device_properties(device).total_memory, torch.cuda.get_device_name(device),
-                            host)
-    else:
-        calibration, capacity = Calibration.none(), Capacity(host, "this machine's memory" + for_each)
+    if spec.device_type == "cuda":
+        device = spec.device
+        return Capacity(torch.cuda.get_device_properties(device).total_memory, torch.cuda.get_device_name(device),
+                        host), Calibration.load()
+    return Capacity(host, "this machine's memory" + for_each), Calibration.none()
+
+
+def check_memory(spec: RunSpec, source) -> MemoryEstimate:
+    """The predicted peak of this rank (attnpool.train.memory), refused with the field to change where it does
+    not fit its capacity (rank_capacity)."""
+    capacity, calibration = rank_capacity(spec)
+    gpu = spec.device_type == "cuda"
     x = run_memory_inputs(spec, source, capacity, calibration)
+    if x.activation_checkpointing == AUTO and not x.layer_modes:  # (setup.prepare resolves a rank's spec first)
+        raise ValueError("activation_checkpointing auto: resolve the run spec (resolve_auto_checkpointing) first")
     predicted = estimate(x, calibration)
     if not capacity.holds(predicted):
         raise report(x, capacity, calibration, offloads=gpu).refusal()

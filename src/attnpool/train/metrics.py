@@ -44,6 +44,7 @@ import torch
 
 from attnpool.console import text_console
 from attnpool.kinds import CAUSAL
+from attnpool.train.memory import auto_choice
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -392,6 +393,8 @@ def print_summary(summary: dict, files: list[str]) -> None:
     table.add_row("steps", f"{s['start_step'] + 1}..{s['end_step']} of {s['steps']} in {s['wall_s']:.0f} s "
                            f"({s['steps_time_s']:.0f} s of steps; the rest start-up, compile and checkpoints)")
     last = s["end_step"]
+    if s.get("layer_checkpointing"):
+        table.add_row("checkpointing", "auto: " + auto_choice(s["layer_checkpointing"], s["activation_offload"]))
     table.add_row("loss", f"{s['first_loss']:.3f} at step 1 -> {s['last_loss_mean']:.3f} mean of steps "
                           f"{last - s['last_loss_steps'] + 1}..{last} (step {last}: {s['last_loss']:.3f})")
     mfu = "" if s.get("mfu") is None else f", MFU {s['mfu']:.3f}"

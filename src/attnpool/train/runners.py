@@ -128,7 +128,7 @@ class StepRunner:
     def __init__(self, spec: RunSpec, mesh: RankMesh):
         self.spec, self.mesh, self.device = spec, mesh, spec.device
         self.offload = None
-        if spec.config.memory.activation_offload:  # prefetch in backward: one layer's saved activations ahead
+        if spec.activation_offload:  # prefetch in backward: one layer's saved activations ahead
             self.offload = ActivationOffload(spec.device, prefetch_bytes=saved_bytes_per_layer(memory_inputs(spec)))
         # With ping-pong, the sparse exchanges get a communicator of their own (CoreAttention.pattern_group).
         self.pattern_group = mesh.new_attention_group() if spec.sparse and spec.pingpong else None

@@ -18,7 +18,12 @@ from attnpool.sizes import parse_size
 from attnpool.sparse import SparseConfig
 
 PRECISIONS = ("auto", "bf16", "fp32")
-CHECKPOINTING = ("none", "full", "keep_attention")
+CHECKPOINTING = ("none", "full", "keep_attention", "auto")
+# The share of the device's memory auto's choice leaves free (the default of auto_headroom). The full 8B on 2 x H200
+# (bench/results/2026-11-28-h200x2-auto-checkpointing.md): the allocated peaks were predicted within 1-8%, but the
+# allocator reserved 1.16-1.27x its allocated peak, not the calibration's 1.008x; with 5% left, auto's choice ran at
+# 98% of the device and 6% slower than full; with 15%, 2.8% faster, and with 25%, 1.7%.
+AUTO_HEADROOM = 0.15
 DEVICES = ("auto", "cpu", "cuda")
 DATA_KINDS = ("stdlib", "synthetic", "text", "npy", "jsonl", "retrieval")
 LOGGERS = ("none", "tensorboard", "wandb")
@@ -248,9 +253,12 @@ class ParallelSection(Section):
 @dataclass(frozen=True)
 class MemorySection(Section):
     TITLE = "memory"
-    activation_checkpointing: str = _setting("activation_checkpointing", "none, full (recompute each layer) or "
+    activation_checkpointing: str = _setting("activation_checkpointing", "none, full (recompute each layer), "
                                                                          "keep_attention (recompute all but core "
-                                                                         "attention)", default="none")
+                                                                         "attention) or auto (each layer's mode, the "
+                                                                         "least recompute the memory model says fits; "
+                                                                         "on a GPU also activation offload where it "
+                                                                         "costs less)", default="none")
     activation_offload: bool = _setting("activation_offload", "keep the activations saved for backward in pinned host "
                                                               "memory, copied on a side stream while compute goes on "
                                                               "(on CPU runs the same function, nothing saved)",
@@ -258,12 +266,17 @@ class MemorySection(Section):
     optimizer_offload: bool = _setting("optimizer_offload", "keep parameters, gradients and optimizer states in host "
                                                             "memory and step the optimizer there (FSDP2's "
                                                             "CPUOffloadPolicy)", default=False)
+    auto_headroom: float = _setting("auto_headroom", "activation_checkpointing auto: the share of the device's (and "
+                                                    "host's) memory its choice leaves free of the predicted peak",
+                                    default=AUTO_HEADROOM)
     memory_check: bool = _setting("memory_check", "refuse, before anything is allocated, a configuration whose "
                                                   "predicted peak memory exceeds the device's (attnpool memory shows "
                                                   "the prediction)", default=True)
 
     def check(self) -> None:
         _one_of("activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)
+        if not 0.0 <= self.auto_headroom < 1.0:
+            raise ConfigError("auto_headroom", self.auto_headroom, "must be in [0, 1)")
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,11 @@
 
 ``prepare`` resolves the run spec (attnpool.train.spec), builds the document source
 (attnpool.train.data_source), finds the checkpoint a resume continues from (attnpool.train.resume), and (on a
-rank, with ``memory_check``) refuses a configuration whose predicted peak does not fit the device. A launcher calls it before starting any process, so bad input is refused once; each
-rank calls it again on its own device, and the ranks agree on the outcome (attnpool.comm.agree) before any
-collective that depends on it.
+rank) resolves ``activation_checkpointing: auto`` for the rank's device and, with ``memory_check``, refuses a
+configuration whose predicted peak does not fit the device. A launcher calls it before starting any process, so
+bad input is refused once; each rank calls it again on its own device, and the ranks agree on the outcome
+(attnpool.comm.agree) before any collective that depends on it. (Ranks whose devices differ may checkpoint their
+layers differently: that changes what a rank recomputes, not what it computes or exchanges.)
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from attnpool.errors import ConfigError, check_output_directory
 from attnpool.train.config import TrainConfig
 from attnpool.train.data_source import build_source
 from attnpool.train.memory import MemoryEstimate
-from attnpool.train.memory_check import check_memory
+from attnpool.train.memory_check import check_memory, rank_capacity, resolve_auto_checkpointing
 from attnpool.train.metrics import logger_problem
 from attnpool.train.resume import refuse_earlier_run, resume_candidate
 from attnpool.train.spec import RunSpec, resolve_run_spec
@@ -53,5 +55,8 @@ def prepare(config: TrainConfig, world: int, device: torch.device | None = None,
     if config.run.out != NO_RUN_DIRECTORY:
         check_output_directory("out", config.run.out)
         resume_from = resume_candidate(config, spec.model) if config.checkpoint.resume else refuse_earlier_run(config)
-    memory = check_memory(spec, source) if device is not None and config.memory.memory_check else None
+    memory = None
+    if device is not None:
+        spec = resolve_auto_checkpointing(spec, source, *rank_capacity(spec))
+        memory = check_memory(spec, source) if config.memory.memory_check else None
     return Setup(spec, source, resume_from, memory)

@@ -60,9 +60,21 @@ class RunSpec:
     sparse: SparseConfig | None  # vertical-slash options (their cost coefficients read), None for dense
     topology: Topology | None = None  # the dp ranks' nodes, where they span several (attention_topology)
     layer_kinds: tuple[AttentionKind, ...] = ()  # each layer's attention kind (the model's; attnpool.kinds)
+    # activation_checkpointing auto, resolved on a rank (train.memory_check.resolve_auto_checkpointing): each layer's
+    # mode, by layer index, and whether it turned activation offload on. Empty where the config names one mode.
+    layer_checkpointing: tuple[str, ...] = ()
+    auto_offload: bool = False
 
     # What parallelize reads besides (attnpool.parallel.parallelize.ParallelizeSpec), as the settings give it.
-    activation_checkpointing = property(lambda self: self.config.memory.activation_checkpointing)
+    @property
+    def activation_checkpointing(self) -> str | tuple[str, ...]:
+        """The checkpointing mode of every layer, or auto's choice: each layer's mode, by layer index."""
+        return self.layer_checkpointing or self.config.memory.activation_checkpointing
+
+    @property
+    def activation_offload(self) -> bool:
+        return self.config.memory.activation_offload or self.auto_offload
+
     compile = property(lambda self: self.config.model.compile)
     # float8's recipe where the linear layers run in float8 (attnpool.parallel.float8), else None
     float8 = property(lambda self: self.config.model.float8_recipe if self.config.model.float8 else None)

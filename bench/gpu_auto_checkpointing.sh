@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# activation_checkpointing auto against full (issue 47): the full 32-layer Llama-3-8B, cad+pingpong, prolong, the same
+# batches, on NPROC GPUs of one host; each run's step times, losses, chosen layer modes, and predicted against
+# measured peak memory. FA4 where its unpacked wheels are on PYTHONPATH (KERNEL=fa4), else flash.
+#   NPROC=2 TOKENS=128K bash bench/gpu_auto_checkpointing.sh full auto+compile     (results under $OUT)
+# A run is a checkpointing mode, with "@H" for auto's headroom H (auto_headroom) and "+compile" for compiled linear
+# parts: auto@0.15+compile.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-bench-out} NPROC=${NPROC:-2} TOKENS=${TOKENS:-128K} KERNEL=${KERNEL:-flash} STEPS=${STEPS:-5}
+mkdir -p "$OUT"
+for run in "$@"; do
+  mode=${run%%+*} flags=()
+  [[ "$run" == *+compile ]] && flags=(--compile)
+  [[ "$mode" == *@* ]] && flags+=(--auto-headroom "${mode#*@}") && mode=${mode%@*}
+  name="$TOKENS-$(echo "$run" | tr '+@' '-h')"  # ("+" and "@" do not survive the device's file transfer)
+  python3 -m attnpool.cli.main train --model llama3-8b --nproc "$NPROC" --attention cad --pingpong \
+    --attention-backend "$KERNEL" --data synthetic --data-args dist=prolong --tokens-per-rank "$TOKENS" \
+    --steps "$STEPS" --warmup-steps 1 --activation-checkpointing "$mode" --no-progress --checkpoint-every -1 \
+    --out "$OUT/$name" "${flags[@]}" 2>&1 | grep -v "^\[rank\|Warning\|warn(" | tail -14 > "$OUT/$name.log"
+done
+python3 - "$OUT" "$TOKENS" "$@" <<'PY'
+import json, statistics, sys
+out, tokens, runs = sys.argv[1], sys.argv[2], sys.argv[3:]
+base = None
+print(f"{'run':22s} {'step s':>7s} {'tok/s':>8s} {'MFU':>6s} {'vs first':>8s} {'peak GiB':>8s} {'pred GiB':>8s} "
+      f"{'error':>6s} {'max loss diff':>13s}  layers")
+for run in runs:
+    try:
+        name = f"{tokens}-{run.replace('+', '-').replace('@', 'h')}"
+        rows = [json.loads(line) for line in open(f"{out}/{name}/metrics.jsonl")]
+        summary = json.load(open(f"{out}/{name}/summary.json"))
+    except OSError as exc:
+        print(f"{run:22s} no result ({exc.strerror}); see {name}.log")
+        continue
+    step = statistics.median(r["step_time_s"] for r in rows[2:])
+    base = base or (step, [r["loss"] for r in rows])
+    peak = max(r["peak_memory_bytes"] for r in rows) / 2**30
+    predicted = (summary["predicted_peak_memory_bytes"] or 0) / 2**30
+    loss = max(abs(r["loss"] - b) / b for r, b in zip(rows, base[1]))
+    modes = summary.get("layer_checkpointing")
+    chosen = ",".join(f"{modes.count(m)} {m}" for m in ("full", "keep_attention", "none") if m in modes) if modes \
+        else summary["activation_checkpointing"]
+    print(f"{run:22s} {step:7.2f} {rows[0]['tokens'] / step:8.0f} {summary['mfu'] or 0:6.3f} {base[0] / step:8.3f} "
+          f"{peak:8.1f} {predicted:8.1f} {(predicted - peak) / peak:+6.1%} {loss:13.4f}  {chosen}"
+          + (" +offload" if summary.get("activation_offload") else ""))
+PY

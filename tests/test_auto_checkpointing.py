@@ -1,0 +1,198 @@
+"""``activation_checkpointing: auto``: each layer's mode, the least recompute the memory model says fits.
+
+Against brute force over every way of splitting the layers into full, keep_attention and none; a model whose layers
+are checkpointed differently against the same model checkpointed whole (float64, exact); and a training run whose
+capacity forces a mix, against the same run with ``full``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+from attnpool.model import model_config
+from attnpool.model.llama import Transformer
+from attnpool.parallel.checkpointing import apply_activation_checkpointing
+from attnpool.runtime import CoreAttention
+from attnpool.train.memory import AUTO, Calibration, MemoryInputs, describe_layer_modes, estimate
+from attnpool.train.memory_fit import OFFLOAD_STEP_SHARE, Capacity, auto_checkpointing
+from attnpool.train.sections import AUTO_HEADROOM
+
+from dist_harness import run_distributed
+from test_memory import SMALL, batch
+from test_train import tiny_config
+
+GiB = 1 << 30
+SHARE = 0.4  # core attention's forward FLOPs over the linear parts'
+
+
+def inputs(layers=6, tokens=64 * 1024, **fields) -> MemoryInputs:
+    return MemoryInputs(model_config("llama3-8b", n_layers=layers), tokens, **{"activation_checkpointing": "full",
+                                                                              "dp": 4, **fields})
+
+
+def modes(full, keep, none):
+    return ("full",) * full + ("keep_attention",) * keep + ("none",) * none
+
+
+def cost(full, keep, offloaded, layers):
+    step = layers * (3 + 3.5 * SHARE)
+    return keep + full * (1 + SHARE) + (OFFLOAD_STEP_SHARE * step if offloaded else 0.0)
+
+
+def peak(x, chosen, offloaded=False, cal=None):
+    return estimate(replace(x, activation_checkpointing=AUTO, layer_modes=chosen, activation_offload=offloaded),
+                    cal).peak_bytes
+
+
+def test_one_mode_for_every_layer_is_that_mode():
+    x = inputs()
+    for mode in ("none", "keep_attention", "full"):
+        uniform = estimate(replace(x, activation_checkpointing=mode))
+        auto = estimate(replace(x, activation_checkpointing=AUTO, layer_modes=(mode,) * 6))
+        assert auto.peak_bytes == uniform.peak_bytes and auto.phase == uniform.phase
+        assert auto.inputs.layer_modes == (mode,) * 6
+
+
+def test_each_layer_recomputed_instead_of_kept_lowers_the_peak():
+    """Full first, keep_attention, then none: turning a none layer into keep_attention, or a keep_attention layer
+    into full, never raises the peak (what auto's bisection relies on), and a mix lies between its ends."""
+    x, layers = inputs(), 6
+    for full in range(layers + 1):
+        peaks = [peak(x, modes(full, keep, layers - full - keep)) for keep in range(layers - full + 1)]
+        assert peaks == sorted(peaks, reverse=True), full
+    assert peak(x, modes(6, 0, 0)) < peak(x, modes(2, 2, 2)) < peak(x, modes(0, 0, 6))
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_auto_picks_the_least_recompute_that_fits(offload):
+    x, layers = inputs(), 6
+    cal = Calibration.load()
+    host = 64 * GiB
+    ends = [peak(x, modes(*split), cal=cal) for split in ((6, 0, 0), (0, 0, 6))]
+    for device in [ends[0] * 0.9] + [ends[0] + (ends[1] - ends[0]) * f for f in (0.02, 0.1, 0.3, 0.6, 1.0)]:
+        capacity = Capacity(int(device / (1 - AUTO_HEADROOM)), "test", int(host / (1 - AUTO_HEADROOM)))
+        chosen = auto_checkpointing(x, capacity, cal, SHARE, offload=offload)
+        device = int(capacity.device_bytes * (1 - AUTO_HEADROOM))  # what auto holds the peak to
+        host = int(capacity.host_bytes * (1 - AUTO_HEADROOM))
+        fitting = []
+        for offloaded in (False, True) if offload else (False,):
+            for full in range(layers + 1):
+                for keep in range(layers - full + 1):
+                    if offloaded and full + keep < layers:
+                        continue  # (none's activations are never offloaded by auto)
+                    split = modes(full, keep, layers - full - keep)
+                    e = estimate(replace(x, activation_checkpointing=AUTO, layer_modes=split,
+                                         activation_offload=offloaded), cal)
+                    if e.peak_bytes <= device and e.host_bytes <= host:
+                        fitting.append((cost(full, keep, offloaded, layers), split, offloaded))
+        if not fitting:
+            assert chosen is None
+            continue
+        best = min(c for c, _, _ in fitting)
+        assert chosen is not None
+        picked = next(c for c, split, offloaded in fitting
+                      if split == chosen.layer_modes and offloaded == chosen.activation_offload)
+        assert picked == pytest.approx(best)
+    assert auto_checkpointing(x, Capacity(10 * GiB, "small"), cal, SHARE) is None
+    roomy = auto_checkpointing(x, Capacity(1 << 50, "roomy"), cal, SHARE, offload=offload)
+    assert roomy.layer_modes == ("none",) * 6 and not roomy.activation_offload
+
+
+def test_a_mix_is_found_where_neither_end_is_best():
+    x = inputs()
+    middle = (peak(x, modes(6, 0, 0)) + peak(x, modes(0, 0, 6))) // 2
+    chosen = auto_checkpointing(x, Capacity(int(middle / (1 - AUTO_HEADROOM)), "test"), None, SHARE)
+    assert len(set(chosen.layer_modes)) > 1
+    assert list(chosen.layer_modes) == sorted(chosen.layer_modes, key=["full", "keep_attention", "none"].index)
+    assert describe_layer_modes(("full", "keep_attention", "keep_attention", "none")) == \
+        "layers 0 full, 1-2 keep_attention, 3 none"
+    assert describe_layer_modes(("full",) * 4) == "all 4 layers full"
+    assert "activation_checkpointing=auto (layers" in chosen.setting
+
+
+def test_what_auto_may_choose():
+    """Under pipeline stages one mode for every layer; transformers' layers run none or full; ``runs`` narrows."""
+    x = inputs(pp=2, rank_layers=3, stage_layers=3)
+    middle = (peak(x, modes(3, 0, 0)) + peak(x, modes(0, 0, 3))) // 2
+    chosen = auto_checkpointing(x, Capacity(middle, "test"), None, SHARE)
+    assert len(set(chosen.layer_modes)) == 1
+    hf = inputs(layer_modules="transformers")
+    for capacity in (peak(hf, modes(6, 0, 0)) * 1.2, peak(hf, modes(0, 0, 6)) * 0.8):
+        chosen = auto_checkpointing(hf, Capacity(int(capacity), "test"), None, SHARE)
+        assert chosen is not None and "keep_attention" not in chosen.layer_modes
+    x = inputs()
+    narrow = auto_checkpointing(x, Capacity(peak(x, modes(0, 6, 0)) * 2, "test"), None, SHARE,
+                                runs=("none", "keep_attention"))
+    assert "full" not in narrow.layer_modes
+    with pytest.raises(ValueError, match="pipeline stages"):
+        inputs(pp=2, activation_checkpointing=AUTO, layer_modes=modes(1, 1, 0))
+
+
+def test_layers_checkpointed_differently_compute_what_full_computes():
+    tokens, positions, plan = batch()
+    grads = {}
+    for name, mode in (("full", "full"), ("none", "none"), ("mixed", ("full", "keep_attention", "none"))):
+        torch.manual_seed(0)
+        model = Transformer(model_config("tiny", **{**SMALL, "n_layers": 3})).double()
+        apply_activation_checkpointing(model, mode)
+        loss = model(tokens, positions, CoreAttention(plan), labels=tokens)
+        loss.backward()
+        grads[name] = [loss.detach()] + [p.grad for p in model.parameters()]
+    for name in ("none", "mixed"):
+        for a, b in zip(grads[name], grads["full"]):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    model = Transformer(model_config("tiny", **{**SMALL, "n_layers": 3}))
+    with pytest.raises(ValueError, match="modes for 2 layers"):
+        apply_activation_checkpointing(model, ("full", "none"))
+    with pytest.raises(ValueError, match="'most'"):
+        apply_activation_checkpointing(model, ("full", "none", "most"))
+
+
+# --- A training run ------------------------------------------------------------------------------------------
+
+MODEL = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128)
+
+
+def _train_auto_and_full(rank, world, out):
+    """Trains with auto under a capacity halfway between full's and none's predicted peaks (this CPU's memory would
+    hold none: every layer's), and with full; what auto chose, as `attnpool memory`'s path chooses it."""
+    import attnpool.train.setup as setup
+    from attnpool.train import train
+    from attnpool.train.memory_check import choose_checkpointing, run_memory_inputs
+    from attnpool.train.setup import NO_RUN_DIRECTORY, prepare
+
+    config = tiny_config(f"{out}/auto", steps=3, attention="cad", tokens_per_rank=512, model_args=MODEL,
+                         activation_checkpointing=AUTO)
+    planned = prepare(config.replace(out=NO_RUN_DIRECTORY, memory_check=False), world, device_type="cpu")
+    x = run_memory_inputs(planned.spec, planned.source, Capacity(1 << 50, "roomy"), Calibration.none())
+    ends = [peak(x, (mode,) * 4) for mode in ("full", "none")]
+    capacity = Capacity(int((ends[0] + ends[1]) / 2 / (1 - AUTO_HEADROOM)), "half of none")
+    setup.rank_capacity = lambda spec: (capacity, Calibration.none())
+    expected = choose_checkpointing(planned.spec, x, planned.source, capacity, Calibration.none())
+    auto = train(config)
+    full = train(tiny_config(f"{out}/full", steps=3, attention="cad", tokens_per_rank=512, model_args=MODEL,
+                             activation_checkpointing="full"))
+    return auto.layer_checkpointing, expected.layer_modes, auto.losses, full.losses
+
+
+def test_training_with_auto_takes_the_memory_models_choice_and_computes_what_full_does(tmp_path):
+    chosen, expected, auto, full = run_distributed(_train_auto_and_full, 2, str(tmp_path))[0]
+    assert chosen == expected and len(set(chosen)) > 1, chosen
+    torch.testing.assert_close(torch.tensor(auto), torch.tensor(full), rtol=1e-6, atol=0)
+    with open(os.path.join(tmp_path, "auto", "summary.json")) as fh:
+        summary = json.load(fh)
+    assert summary["activation_checkpointing"] == AUTO and tuple(summary["layer_checkpointing"]) == chosen
+
+
+def test_a_headroom_outside_zero_to_one_is_refused():
+    from attnpool.errors import ConfigError
+    from attnpool.train.config import TrainConfig
+
+    for value in (1.0, -0.1):
+        with pytest.raises(ConfigError, match="auto_headroom"):
+            TrainConfig(model="tiny", data="stdlib", device="cpu", auto_headroom=value)

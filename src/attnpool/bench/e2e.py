@@ -53,7 +53,7 @@ from attnpool.train.flops import linear_weights
 from attnpool.train.metrics import attention_time
 from attnpool.train.launch import quiet_warnings, use_growable_segments
 from attnpool.train.loop import train
-from attnpool.train.memory import describe_layer_modes
+from attnpool.train.memory import auto_choice
 from attnpool.train.spec import attention_backend
 from attnpool.train.offload import release_host_cache
 
@@ -122,16 +122,17 @@ def run_one(name, dist_name, tokens, args, out_dir, trace=False):
     schedule = torch.profiler.schedule(skip_first=args.warmup + args.steps, wait=0, warmup=1, active=1, repeat=1)
     with torch.profiler.profile(activities=activities, schedule=schedule,
                                 on_trace_ready=functools.partial(_write_trace, args.out, tag, args.device)) as prof:
-        rows, predicted, modes = _with_prediction(train(config, on_step=prof.step))
-    return rows[:args.warmup + args.steps], predicted, modes
+        rows, predicted, settings = _with_prediction(train(config, on_step=prof.step))
+    return rows[:args.warmup + args.steps], predicted, settings
 
 
-def _with_prediction(result) -> tuple[list, int | None, tuple[str, ...]]:
-    """The run's rows, the memory model's allocated peak of its busiest rank (None where unchecked), and each
-    layer's checkpointing mode as it ran (rank 0's)."""
+def _with_prediction(result) -> tuple[list, int | None, tuple[tuple[str, ...], bool]]:
+    """The run's rows, the memory model's allocated peak of its busiest rank (None where unchecked), and its memory
+    settings as it ran: each layer's checkpointing mode and activation offload (auto chooses them)."""
     predicted = [None] * dist.get_world_size()
     dist.all_gather_object(predicted, result.memory.allocated_bytes if result.memory else None)
-    return result.rows, max((p for p in predicted if p is not None), default=None), result.layer_checkpointing
+    return (result.rows, max((p for p in predicted if p is not None), default=None),
+            (result.layer_checkpointing, result.activation_offload))
 
 
 def sparse_options(text: str) -> dict:
@@ -163,14 +164,14 @@ def _write_trace(out, tag, device, prof):
     os.remove(path)
 
 
-def summarize(name, dist_name, tokens, rows, args, world, cfg, modes):
+def summarize(name, dist_name, tokens, rows, args, world, cfg, memory_settings):
     measured = rows[args.warmup:]
     step = statistics.median(r["step_time_s"] for r in measured)
     global_tokens = rows[0]["tokens"]
     linear_s = global_tokens * linear_s_per_token(cfg) / world
     # (the plan's loads are one tp rank's: its share of the heads)
     attention_s = statistics.median(r["attention_work_total"] for r in measured) * cfg.n_layers * args.tp / world
-    # (each layer's mode as it ran: auto's choice differs by layer)
+    modes, offload = memory_settings  # (each layer's mode as it ran: auto's choice differs by layer)
     linear_again, attention_again = (statistics.mean(RECOMPUTED_SHARE[mode][i] for mode in modes) for i in (0, 1))
     rec = {
         "strategy": name, "dist": dist_name, "tokens_per_gpu": tokens, "gpus": world, "tp": args.tp, "pp": args.pp,
@@ -198,7 +199,7 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg, modes):
         "attention_density": None if measured[0].get("attention_density") is None
         else statistics.mean(r["attention_density"] for r in measured),
         "longest_doc": max(r["longest_doc"] for r in rows),
-        "layer_checkpointing": describe_layer_modes(modes),
+        "layer_checkpointing": auto_choice(modes, offload),
     }
     rec["efficiency"] = rec["ideal_step_s"] / step
     rec["efficiency_with_recompute"] = rec["ideal_step_with_recompute_s"] / step
@@ -294,12 +295,12 @@ def _run_all(args: argparse.Namespace, configs: list, strategies: list, cuda: bo
             with MemoryRecorder(args.memory_breakdown) as recorder:
                 if name == "ablation":
                     with tiny_messages():
-                        rows, predicted, modes = run_one("cad+pingpong", dist_name, tokens, args, work_dir)
+                        rows, predicted, settings = run_one("cad+pingpong", dist_name, tokens, args, work_dir)
                 else:
                     trace = name == args.trace and (dist_name, tokens) == configs[0]
-                    rows, predicted, modes = run_one(name, dist_name, tokens, args, work_dir, trace)
+                    rows, predicted, settings = run_one(name, dist_name, tokens, args, work_dir, trace)
             label = "cad+pingpong (1-element messages)" if name == "ablation" else name
-            rec = summarize(label, dist_name, tokens, rows, args, world, cfg, modes)
+            rec = summarize(label, dist_name, tokens, rows, args, world, cfg, settings)
             rec["predicted_peak_memory_bytes"] = predicted  # the memory model's, of the allocator's peak
             rec["attention_backend"] = args.resolved_attention_backend
             if args.memory_breakdown:

@@ -42,7 +42,8 @@ from attnpool.train.checkpoint import checkpoint_path, load_checkpoint, save_che
 from attnpool.train.config import TrainConfig
 from attnpool.train.export import checkpoint_export_dir, export_run_model
 from attnpool.train.flops import bf16_peak_flops, step_flops
-from attnpool.train.memory import MemoryEstimate, auto_choice
+from attnpool.train.memory import AUTO, MemoryEstimate, auto_choice
+from attnpool.train.memory_check import smallest_capacity
 from attnpool.console import START_TIME_ENV
 from attnpool.train.metrics import (PLOT_FILE, SUMMARY_FILE, MetricsLog, Progress, open_logger, peak_memory_bytes,
                                     peak_reserved_bytes, plot_run, print_summary, reset_peak_memory, summarize)
@@ -73,6 +74,7 @@ class TrainResult:
     summary: dict | None  # rank 0 only
     memory: MemoryEstimate | None = None  # this rank's predicted peak, where its device was checked
     layer_checkpointing: tuple[str, ...] = ()  # each layer's checkpointing mode as it ran (auto's choice, resolved)
+    activation_offload: bool = False  # as it ran (auto may turn it on)
 
     @property
     def losses(self) -> list[float]:
@@ -96,7 +98,10 @@ class Trainer:
         self.started = float(os.environ.get(START_TIME_ENV, time.time()))
         self.config, self.rank, self.world = config, dist.get_rank(), dist.get_world_size()
         self.device = rank_device(config)
-        self.setup = agree(lambda: prepare(config, self.world, self.device))
+        # auto's choice of each layer's checkpointing must be every rank's: made for the smallest rank's memory
+        auto_capacity = smallest_capacity(config, self.world, self.device) \
+            if config.memory.activation_checkpointing == AUTO else None
+        self.setup = agree(lambda: prepare(config, self.world, self.device, auto_capacity=auto_capacity))
         spec = self.spec = self.setup.spec
         same_attention_backend(spec.backend_name, config.attention.backend)
         # The plan is made over the dp ranks; this rank holds its dp rank's tokens and runs core attention
@@ -204,7 +209,8 @@ class Trainer:
         summary = self._report(balance, time.time() - self.started) if self.rank == 0 else None
         modes = self.spec.layer_checkpointing or (self.config.memory.activation_checkpointing,) * \
             self.spec.model.config.n_layers
-        return TrainResult(self.log.rows, self.model, summary, self.setup.memory, tuple(modes))
+        return TrainResult(self.log.rows, self.model, summary, self.setup.memory, tuple(modes),
+                           self.spec.activation_offload)
 
     def train_step(self, preemption: Preemption) -> StepEnd:
         """One optimizer step, on every rank."""

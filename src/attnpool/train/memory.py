@@ -43,6 +43,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
+from itertools import accumulate
 
 from attnpool.errors import ConfigError
 from attnpool.model.config import ModelConfig
@@ -468,47 +469,45 @@ def _rank_estimate(x: MemoryInputs, cal: Calibration) -> MemoryEstimate:
         layer_phases = _mixed_layer_phases(x, saved, {**states, **compute, "step inputs": step_inputs, **accumulated},
                                            backward, GRAD_BYTES * layer, layer / x.dp)
         return _peak_phase(x, {**loss_phase, **layer_phases, "optimizer step": phases["optimizer step"]}, cal, home,
-                           host + (sum(saved) if x.activation_offload else 0),
-                           {name: mode for name, (_, mode) in layer_phases.items()})
+                           host + (sum(saved) if x.activation_offload else 0))
     if x.activation_offload:
         host += stage_layers * held_per_layer
     return _peak_phase(x, phases, cal, home, host)
 
 
 def _mixed_layer_phases(x: MemoryInputs, saved: list[float], held: dict, backward: dict, layer_gradient: float,
-                        layer_shard: float) -> dict[str, tuple[dict, str]]:
-    """The backward phases of layers whose checkpointing modes differ (``saved``: each layer's kept bytes, forward
-    order): a layer's backward holds the activations of the layers before it (offloaded: its own and the one before,
-    prefetched), its mode's transient, and the gradients of the layers after it (sharded; the last one's float32
-    copy besides). Within a run of layers of one mode the first of them in backward, the last in forward, holds
-    the most, so only those and the first layer are phases. Each phase's terms, with its layer's mode."""
+                        layer_shard: float) -> dict[str, dict]:
+    """The backward phase of each layer, where layers' checkpointing modes differ (``saved``: each layer's kept
+    bytes, forward order): a layer's backward holds the activations of the layers before it (offloaded: its own and
+    the one before, prefetched), its mode's transient, and the gradients of the layers after it (sharded; the last
+    one's float32 copy besides). Every layer is a phase: activations grow with the index, gradients shrink."""
     modes, last = x.layer_modes, len(x.layer_modes) - 1
-    ends = sorted({0, *(i for i in range(last + 1) if i == last or modes[i + 1] != modes[i])})
+    transient = {mode: layer_backward_transient(x, x.tokens_per_rank, mode) for mode in set(modes)}
+    held_before = list(accumulate(saved))
     phases = {}
-    for i in ends:
-        activations = saved[i] + (saved[i - 1] if i else 0) if x.activation_offload else sum(saved[:i + 1])
+    for i in range(last + 1):
+        activations = saved[i] + (saved[i - 1] if i else 0) if x.activation_offload else held_before[i]
         later = 0 if x.optimizer_offload else GRAD_BYTES * (last - i) * layer_shard
         terms = {**held, "activations": activations, **backward,
-                 "layer backward": layer_backward_transient(x, x.tokens_per_rank, modes[i])}
+                 "layer backward": transient[modes[i]]}
         if i < last:
             terms["gradients"] = later + layer_gradient
-        phases[f"layer {i} backward ({modes[i]})"] = (terms, modes[i])
+        phases[f"layer {i} backward ({modes[i]})"] = terms
     return phases
 
 
-def _peak_phase(x: MemoryInputs, phases: dict[str, dict], cal: Calibration, home: float, host: float,
-                modes: dict[str, str] | None = None) -> MemoryEstimate:
+def _peak_phase(x: MemoryInputs, phases: dict[str, dict], cal: Calibration, home: float, host: float) -> MemoryEstimate:
     """The estimate at the phase that holds the most, with what the hand count misses (the calibration's
-    residual, the allocator's fragmentation, the CUDA context). ``modes``: where layers' modes differ, each layer
-    phase's (its terms and mode, as _mixed_layer_phases gives them); the others' residual is the last layer's."""
-    modes = modes or {}
-    phases = {name: terms[0] if name in modes else terms for name, terms in phases.items()}
+    residual, the allocator's fragmentation, the CUDA context). The residual is fitted per mode on runs of one
+    mode; where layers' modes differ, each mode's weighs by its share of the layers (so that a layer recomputed
+    more never raises the prediction by a jump of residuals)."""
     totals = {name: sum(terms.values()) for name, terms in phases.items()}
     phase = max(totals, key=totals.get)
     breakdown = dict(phases[phase])
-    mode = modes.get(phase) or (x.layer_modes[-1] if x.layer_modes else x.activation_checkpointing)
+    modes = x.layer_modes or (x.activation_checkpointing,)
     if phase != "optimizer step":
-        breakdown["calibrated residual"] = cal.residual_per_token[mode] * home + cal.residual_constant[mode]
+        breakdown["calibrated residual"] = sum(cal.residual_per_token[m] * home + cal.residual_constant[m]
+                                               for m in modes) / len(modes)
     allocated = sum(breakdown.values())
     breakdown["allocator fragmentation"] = (cal.fragmentation - 1.0) * allocated
     breakdown["CUDA context"] = cal.cuda_context_bytes

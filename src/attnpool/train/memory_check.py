@@ -12,18 +12,22 @@ from dataclasses import replace
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from attnpool.comm import under_torchrun
+from attnpool.errors import ConfigError
 from attnpool.data import DocumentStream
 from attnpool.parallel.pipeline import activations_in_flight, rank_layers
 from attnpool.parallel.pooled_pipeline import POOLED
 from attnpool.plan.metrics import AttentionRows
 from attnpool.plan.cost import attention_flops
 from attnpool.plan.documents import window_pairs
+from attnpool.sizes import format_bytes
 from attnpool.train.flops import linear_weights
 from attnpool.train.memory import AUTO, Calibration, MemoryEstimate, MemoryInputs, RowRatios, estimate, undominated
 from attnpool.train.memory_fit import Capacity, auto_checkpointing, report, settings
 from attnpool.train.planning import StepPlan, plan_batch, plan_microbatch, plan_pooled_ticks
+from attnpool.train.config import TrainConfig
 from attnpool.train.spec import RunSpec
 
 # Batches whose plans bound core attention's buffers in the memory check (the run's first ones).
@@ -135,14 +139,21 @@ def choose_checkpointing(spec: RunSpec, x: MemoryInputs, source, capacity: Capac
     """The run's memory inputs ``x`` (run_memory_inputs) with what ``activation_checkpointing: auto`` chooses for
     ``capacity``: each layer's mode and, on a GPU, activation offload where it costs less than recompute
     (memory_fit.auto_checkpointing). Refused with the field to change where even the most recompute does not fit."""
-    gpu = spec.device_type == "cuda"
+    gpu, headroom = spec.device_type == "cuda", spec.config.memory.auto_headroom
     runs = ("none", "keep_attention") if spec.pooled else None  # (a pooled schedule recomputes no core attention)
     chosen = auto_checkpointing(x, capacity, calibration, attention_share(spec, source), offload=gpu, runs=runs,
-                                headroom=spec.config.memory.auto_headroom)
-    if chosen is None:
-        slowest = replace(x, activation_checkpointing="keep_attention" if spec.pooled else "full")
-        raise report(slowest, capacity, calibration, offloads=gpu).refusal()
-    return chosen
+                                headroom=headroom)
+    if chosen is not None:
+        return chosen
+    slowest = report(replace(x, activation_checkpointing="keep_attention" if spec.pooled else "full"), capacity,
+                     calibration, offloads=gpu)
+    if not slowest.fits:
+        raise slowest.refusal()
+    raise ConfigError("auto_headroom", headroom, f"no choice of layers leaves {headroom:.0%} of the "
+                                                 f"{format_bytes(capacity.device_bytes)} of {capacity.device_name} "
+                                                 f"free: {slowest.configured.inputs.setting} would hold "
+                                                 f"{format_bytes(slowest.configured.estimate.peak_bytes)}; lower "
+                                                 "auto_headroom, or name that mode")
 
 
 def resolve_auto_checkpointing(spec: RunSpec, source, capacity: Capacity, calibration: Calibration) -> RunSpec:
@@ -174,30 +185,40 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def ranks_on_this_machine(spec: RunSpec) -> int:
-    """The ranks sharing this machine's memory: torchrun's LOCAL_WORLD_SIZE, else all of them under torchrun, else
+def ranks_on_this_machine(config: TrainConfig, world: int) -> int:
+    """The ranks sharing this machine's memory: torchrun's LOCAL_WORLD_SIZE, else all ``world`` under torchrun, else
     the processes the built-in launcher starts."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", spec.dims.world if under_torchrun() else spec.config.run.nproc))
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world if under_torchrun() else config.run.nproc))
 
 
-def rank_capacity(spec: RunSpec) -> tuple[Capacity, Calibration]:
-    """What this rank may use and the calibration its prediction takes: on GPU the device's memory (with the
-    packaged calibration) and, for offloaded state, this machine's memory shared by its ranks; on CPU that shared
-    memory alone (the hand count alone)."""
-    local_ranks = ranks_on_this_machine(spec)
+def rank_capacity(device: torch.device, local_ranks: int) -> tuple[Capacity, Calibration]:
+    """What a rank on ``device`` may use, with ``local_ranks`` ranks on its machine, and the calibration its
+    prediction takes: on GPU the device's memory (with the packaged calibration) and, for offloaded state, this
+    machine's memory shared by its ranks; on CPU that shared memory alone (the hand count alone)."""
     host = host_memory_bytes() // local_ranks
     for_each = f" for each of its {local_ranks} ranks" if local_ranks > 1 else ""
-    if spec.device_type == "cuda":
-        device = spec.device
+    if device.type == "cuda":
         return Capacity(torch.cuda.get_device_properties(device).total_memory, torch.cuda.get_device_name(device),
                         host), Calibration.load()
     return Capacity(host, "this machine's memory" + for_each), Calibration.none()
 
 
+def smallest_capacity(config: TrainConfig, world: int, device: torch.device) -> Capacity:
+    """The smallest of every rank's capacity (rank_capacity; device and host memory apart): what
+    ``activation_checkpointing: auto`` chooses for, so that every rank checkpoints its layers alike. (A rank that
+    recomputes a layer whole runs core attention's exchanges again in backward, which the other ranks must join.)
+    A collective over the default process group: every rank calls it, before anything it could refuse."""
+    mine, _ = rank_capacity(device, ranks_on_this_machine(config, world))
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    hosts = [c.host_bytes for c in everyone if c.host_bytes is not None]
+    return replace(min(everyone, key=lambda c: c.device_bytes), host_bytes=min(hosts) if hosts else None)
+
+
 def check_memory(spec: RunSpec, source) -> MemoryEstimate:
     """The predicted peak of this rank (attnpool.train.memory), refused with the field to change where it does
     not fit its capacity (rank_capacity)."""
-    capacity, calibration = rank_capacity(spec)
+    capacity, calibration = rank_capacity(spec.device, ranks_on_this_machine(spec.config, spec.dims.world))
     gpu = spec.device_type == "cuda"
     x = run_memory_inputs(spec, source, capacity, calibration)
     if x.activation_checkpointing == AUTO and not x.layer_modes:  # (setup.prepare resolves a rank's spec first)

@@ -85,7 +85,8 @@ def auto_checkpointing(x: MemoryInputs, capacity: Capacity, calibration: Calibra
     that recompute most come first: their backward runs last, when the later layers' activations are freed. Under
     pipeline stages every layer takes one mode (the memory model counts stages of one mode). ``offload``: activation
     offload may be turned on (GPU runs), at a cost of OFFLOAD_STEP_SHARE of the step, and then only for layers that
-    recompute (offloading everything ``none`` keeps measured 61% slower); x's own activation_offload keeps it on.
+    recompute (offloading everything ``none`` keeps measured 61% slower); x's own activation_offload keeps it on,
+    and then no layer is ``none``.
     ``runs``: the modes it may choose (default: all the layers run). The predicted peak leaves ``headroom`` of the
     device's memory free, and the offloaded state as much of the host's (default: the config's default
     auto_headroom, and why it is that: attnpool.train.sections)."""
@@ -105,24 +106,22 @@ def auto_checkpointing(x: MemoryInputs, capacity: Capacity, calibration: Calibra
     def cost(full: int, keep: int, offloaded: bool) -> float:
         return keep + full * (1 + attention_share) + (OFFLOAD_STEP_SHARE * step if offloaded else 0.0)
 
-    choices = []
+    best = None  # (cost, full, keep, offloaded)
     for offloaded in (False, True) if offload and not x.activation_offload else (x.activation_offload,):
         for full in ((0, layers) if x.pp > 1 else range(layers + 1)) if "full" in runs else (0,):
-            left = layers - full
-            keeps = (0, left) if x.pp > 1 else range(left + 1)
-            keeps = [k for k in keeps if (k == 0 or "keep_attention" in runs) and (not offloaded or full + k == layers)]
-            # more layers keeping attention instead of everything hold less: the fewest that fit, by bisection
-            low, high = 0, len(keeps) - 1
-            if not keeps or not fits(full, keeps[high], offloaded):
-                continue
-            while low < high:
-                mid = (low + high) // 2
-                low, high = (low, mid) if fits(full, keeps[mid], offloaded) else (mid + 1, high)
-            choices.append((cost(full, keeps[low], offloaded), full, keeps[low], offloaded))
-    if not choices:
-        return None
-    _, full, keep, offloaded = min(choices)
-    return inputs(full, keep, offloaded)
+            keeps = (0, layers - full) if x.pp > 1 else range(layers - full + 1)
+            # The cheapest split with this many full layers: the fewest keep_attention layers that fit, found in
+            # order (the peak need not fall with each: a keep_attention layer's chunked recompute can hold more
+            # than a none layer's backward at short contexts); none cheaper than the best so far is left unseen.
+            for keep in keeps:
+                if (keep and "keep_attention" not in runs) or (offloaded and full + keep < layers):
+                    continue
+                if best is not None and cost(full, keep, offloaded) >= best[0]:
+                    break
+                if fits(full, keep, offloaded):
+                    best = (cost(full, keep, offloaded), full, keep, offloaded)
+                    break
+    return None if best is None else inputs(*best[1:])
 
 
 # --- Verdicts --------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ PRECISIONS = ("auto", "bf16", "fp32")
 CHECKPOINTING = ("none", "full", "keep_attention", "auto")
 # The share of the device's memory auto's choice leaves free (the default of auto_headroom). The full 8B on 2 x H200
 # (bench/results/2026-11-28-h200x2-auto-checkpointing.md): the allocated peaks were predicted within 1-8%, but the
-# allocator reserved 1.16-1.27x its allocated peak, not the calibration's 1.008x; with 5% left, auto's choice ran at
+# allocator reserved 1.07-1.25x its allocated peak, not the calibration's 1.008x; with 5% left, auto's choice ran at
 # 98% of the device and 6% slower than full; with 15%, 2.8% faster, and with 25%, 1.7%.
 AUTO_HEADROOM = 0.15
 DEVICES = ("auto", "cpu", "cuda")

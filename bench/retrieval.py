@@ -22,7 +22,8 @@ A run of the script ended by its budget goes on where it stopped when called aga
 experiment can span several shorter calls.
 
 Writes to ``--out``: ``<date>-<gpu>-retrieval.json`` (``results``: a list of ``{"attention", "coverage",
-"context", "accuracy"}``, passkey accuracy over all depths; ``details``: every task and depth), a
+"context", "accuracy", "density"}``, passkey accuracy over all depths and the sparse patterns' measured density
+there, 1.0 dense; ``details``: every task and depth), a
 Markdown file of the same name with the commands, the model, the loss curves and the accuracy heat maps
 (PNGs next to it). Runs and checkpoints go to ``--work`` (a temporary directory by default).
 
@@ -120,7 +121,8 @@ def train_command(run_dir: str, attention: str, coverage: float | None, stage: S
            "--model-args", *[f"{k}={v}" for k, v in model_args.items()],
            "--data", "retrieval", "--data-args", f"task={stage.tasks}", f"context={stage.context}",
            *([f"min_context={args.mix_from}"] if args.mix_from and stage.context > args.mix_from else []),
-           *stage.data_args, f"num_docs={args.num_docs}", f"ordinary={args.ordinary}",
+           *stage.data_args, f"num_docs={args.num_docs}", f"ordinary={args.ordinary}", f"filler={args.filler}",
+           f"loss={args.loss}",
            "--tokens-per-rank", str(stage.tokens), "--seed", str(args.seed),
            "--attention", "local", "--device", args.device, "--steps", str(steps), "--stop-at", str(stop_at),
            "--lr", str(setup["lr"]), "--warmup-steps", str(setup["warmup_steps"]), "--out", run_dir,
@@ -217,6 +219,11 @@ def main() -> int:
     ap.add_argument("--long-rope-theta", type=float, default=None, metavar="BASE",
                     help="RoPE base of the stages that raise it (default theirs, 5e5; the model's 1e4 keeps the "
                          "first stage's base throughout, the ablation of the raise)")
+    ap.add_argument("--filler", choices=("random", "text"), default="random",
+                    help="the documents' filler: random words, or the standard library's text (data filler; "
+                         "attention concentrates over text once the model is trained on it: --loss all)")
+    ap.add_argument("--loss", choices=("answer", "all"), default="answer",
+                    help="train on the answers' tokens only, or on every token (data loss)")
     ap.add_argument("--mix-from", type=int, default=None, metavar="N",
                     help="mix document lengths from N tokens up to each later stage's context (data min_context; "
                          "default: every document of the stage's length)")
@@ -269,7 +276,8 @@ def main() -> int:
     # same (finished stages are skipped by their step, finished evaluations read back), never mixing two setups.
     training = {"device": args.device, "model": model, "seed": args.seed, "lr": setup["lr"],
                 "warmup_steps": setup["warmup_steps"], "num_docs": args.num_docs, "ordinary": args.ordinary,
-                "mix_from": args.mix_from, "activation_checkpointing": args.activation_checkpointing,
+                "mix_from": args.mix_from, "filler": args.filler, "loss": args.loss,
+                "activation_checkpointing": args.activation_checkpointing,
                 "sparse_min_doc_len": setup["sparse_min_doc_len"], "sparse_args": setup["sparse_args"],
                 "curriculum": [stage._asdict() for stage in curriculum]}
     training = json.loads(json.dumps(training))  # (tuples as lists, as read back)
@@ -353,7 +361,7 @@ def main() -> int:
     tasks = ",".join(eval_tasks)
     # What an evaluation is of: a run evaluated by an earlier call of this script with the same --work (its
     # RUN/retrieval-eval.json) is read back when these match.
-    eval_key = {"tasks": tasks, "contexts": eval_contexts, "depths": list(setup["eval_depths"]),
+    eval_key = {"tasks": tasks, "filler": args.filler, "contexts": eval_contexts, "depths": list(setup["eval_depths"]),
                 "instances": setup["eval_instances"], "seed": args.seed + 1, "step": total_steps}
     results, details, runs, heatmaps = [], [], {}, {}
     for attention, coverage in variants:
@@ -375,6 +383,7 @@ def main() -> int:
             t0 = time.perf_counter()
             cells = evaluate_retrieval(model_obj, tasks=tasks, contexts=eval_contexts, depths=setup["eval_depths"],
                                        instances=setup["eval_instances"], seed=args.seed + 1, sparse=sparse,
+                                       filler=args.filler,
                                        device="cuda" if gpu else "cpu",
                                        batch_tokens=max(stage.tokens for stage in curriculum), needle_probe=True)
             print(f"[{time.perf_counter() - t_start:6.0f} s] evaluated {name} in {time.perf_counter() - t0:.0f} s",
@@ -386,10 +395,13 @@ def main() -> int:
         for context in eval_contexts:
             mine = [c for c in cells if c.task == "passkey" and c.context == context]
             if mine:
+                # density: the sparse patterns' share of causal pairs, measured on these instances (1.0 dense)
                 results.append({"attention": attention, "coverage": coverage, "context": context,
-                                "accuracy": sum(c.correct for c in mine) / sum(c.total for c in mine)})
+                                "accuracy": sum(c.correct for c in mine) / sum(c.total for c in mine),
+                                "density": sum(c.density * c.total for c in mine) / sum(c.total for c in mine)})
         details += [{"attention": attention, "coverage": coverage, "task": c.task, "context": c.context,
-                     "depth": c.depth, "accuracy": c.accuracy, "instances": c.total, "needle_kept": c.needle_kept}
+                     "depth": c.depth, "accuracy": c.accuracy, "instances": c.total, "needle_kept": c.needle_kept,
+                     "density": c.density}
                     for c in cells]
         heatmaps[name] = cells
 
@@ -410,7 +422,8 @@ def main() -> int:
     params = model_config("tiny", **model).num_params()
     doc = {"date": str(datetime.date.today()), "device": gpu_name, "command": " ".join(["python", *sys.argv]),
            "model": {"preset": "tiny", "model_args": model, "params": params}, "curriculum": training["curriculum"],
-           "tasks": tasks, "mix_from": args.mix_from, "sparse_min_doc_len": setup["sparse_min_doc_len"],
+           "tasks": tasks, "mix_from": args.mix_from, "filler": args.filler, "loss": args.loss,
+           "sparse_min_doc_len": setup["sparse_min_doc_len"],
            "sparse_args": setup["sparse_args"], "eval": {"depths": list(setup["eval_depths"]),
                                                         "instances": setup["eval_instances"], "contexts": eval_contexts},
            "results": results, "details": details, "unfinished": unfinished,
@@ -434,11 +447,13 @@ def write_markdown(path: str, doc: dict, loss_png: str, heatmap_pngs: list[str])
     contexts = doc["eval"]["contexts"]
     variants = list(dict.fromkeys((r["attention"], r["coverage"]) for r in doc["results"]))
     acc = {(r["attention"], r["coverage"], r["context"]): r["accuracy"] for r in doc["results"]}
+    density = {(r["attention"], r["coverage"], r["context"]): r["density"] for r in doc["results"]}
     lines = [
         "# Long-range retrieval: dense and vertical-slash training from the same start (issue 26)", "",
         f"{doc['device']}, {doc['date']}. Command: `{doc['command']}` ({doc['wall_s']:.0f} s).", "",
         f"Model: `--model tiny --model-args {' '.join(f'{k}={v}' for k, v in m['model_args'].items())}` "
-        f"({m['params'] / 1e6:.2f}M parameters); `--data retrieval`, answer-only loss; evaluated: `{doc['tasks']}`. "
+        f"({m['params'] / 1e6:.2f}M parameters); `--data retrieval`, {doc['filler']} filler, "
+        f"{'answer-only loss' if doc['loss'] == 'answer' else 'loss on every token'}; evaluated: `{doc['tasks']}`. "
         f"Curriculum (context x steps, tokens per step, tasks, and where it changes, RoPE's base): "
         f"{', '.join(stage_text(stage) for stage in doc['curriculum'])}"
         + (f", documents of each later stage from {tokens_text(doc['mix_from'])} tokens up to its context" if doc["mix_from"]
@@ -447,13 +462,16 @@ def write_markdown(path: str, doc: dict, loss_png: str, heatmap_pngs: list[str])
         + (f", `--sparse-args {' '.join(f'{k}={v}' for k, v in doc['sparse_args'].items())}`" if doc["sparse_args"] else "")
         + ".", "",
         f"Passkey accuracy over needle depths {', '.join(f'{d:g}' for d in doc['eval']['depths'])} "
-        f"({doc['eval']['instances']} held-out instances per depth):", "",
+        f"({doc['eval']['instances']} held-out instances per depth), and in brackets the attention's density (the "
+        "share of causal (query, key) pairs the sparse patterns computed on those instances; 1 dense):", "",
         "| attention | coverage | " + " | ".join(tokens_text(n) for n in contexts) + " |",
         "|---|---|" + "---|" * len(contexts),
     ]
     for attention, coverage in variants:
         lines.append(f"| {attention} | {'-' if coverage is None else coverage} | "
-                     + " | ".join(f"{acc.get((attention, coverage, n), float('nan')):.3f}" for n in contexts) + " |")
+                     + " | ".join(f"{acc.get((attention, coverage, n), float('nan')):.3f} "
+                                  f"({density.get((attention, coverage, n), float('nan')):.2f})" for n in contexts)
+                     + " |")
     probed = [d for d in doc["details"] if d["needle_kept"] is not None and d["task"] == "passkey"]
     if probed:
         lines += ["", "How often a sparse run's patterns let the answer's first query reach the passkey's first value "

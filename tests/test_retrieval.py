@@ -8,8 +8,8 @@ import torch
 
 from attnpool.data import DocumentStream, GlobalBatch, make_source
 from attnpool.data.batch import IGNORE_INDEX
-from attnpool.data.retrieval import (ASSIGN, BOS, END, KEY, QUERY, RETRIEVAL_VOCAB, TASKS, VALUES, TaskShape,
-                                     eval_instance, make_instance)
+from attnpool.data.retrieval import (ASSIGN, BOS, END, FILLERS, KEY, QUERY, RETRIEVAL_VOCAB, TASKS, VALUES, TaskShape,
+                                     eval_instance, filler_text, filler_words, make_instance)
 from attnpool.errors import ConfigError
 
 
@@ -24,9 +24,10 @@ def statement_value(tokens, name, k):
     raise AssertionError(f"no statement for name {name}")
 
 
+@pytest.mark.parametrize("filler", FILLERS)
 @pytest.mark.parametrize("task", [t for t in TASKS if t != "copy"])
-def test_instances_hold_the_answer_to_their_question(task):
-    shape = TaskShape(512, key_len=4, num_keys=4, hops=3)
+def test_instances_hold_the_answer_to_their_question(task, filler):
+    shape = TaskShape(512, key_len=4, num_keys=4, hops=3, filler=filler)
     positions = []
     for depth in (0.0, 0.3, 0.7, 1.0):
         inst = make_instance(task, shape, depth, np.random.default_rng(5))
@@ -131,6 +132,24 @@ def test_min_context_mixes_lengths_log_uniformly_and_leaves_fixed_lengths_as_the
     assert batch.doc_lens.sum() == 4096 and len(batch.doc_lens) > 2
 
 
+def test_text_filler_is_a_stretch_of_the_standard_library():
+    """filler=text: each document's filler words are the corpus's bytes (as filler ids) from some place on, and they
+    repeat as text does (far fewer distinct pairs of neighbours than random words)."""
+    text = filler_text()
+    source = make_source("retrieval", context=2048, filler="text", ordinary=0.999, num_docs=4)
+    tokens = source[1]
+    words = tokens[1:201]
+    assert words.min() >= 64 and words.max() < RETRIEVAL_VOCAB
+    starts = np.flatnonzero(text[:len(text) - 200] == words[0])
+    assert any(np.array_equal(text[i:i + 200], words) for i in starts)
+    rng = np.random.default_rng(0)
+    pairs = {len(set(zip(w[:-1].tolist(), w[1:].tolist())))
+             for w in (filler_words(TaskShape(4096, filler=f), 4096, rng) for f in FILLERS)}
+    assert min(pairs) < max(pairs) / 2
+    assert np.array_equal(source[1], make_source("retrieval", context=2048, filler="text", ordinary=0.999,
+                                                 num_docs=4)[1])
+
+
 @pytest.mark.parametrize("options, field", [
     (dict(task="nope"), "task"),
     (dict(min_context=4096, context=2048), "min_context"),
@@ -140,6 +159,7 @@ def test_min_context_mixes_lengths_log_uniformly_and_leaves_fixed_lengths_as_the
     (dict(depth=1.5), "depth"),
     (dict(ordinary=1.0), "ordinary"),
     (dict(loss="most"), "loss"),
+    (dict(filler="prose"), "filler"),
     (dict(key_len=0), "key_len"),
     (dict(colour="red"), "source.retrieval"),
 ])
@@ -209,15 +229,19 @@ def test_retrieval_bench_smoke_then_attnpool_eval(tmp_path, capsys):
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, os.path.join(root, "bench", "retrieval.py"), "--out", str(out),
                            "--work", str(tmp_path / "work"), "--device", "cpu", "--coverages", "0.95",
-                           "--tasks", "copy,passkey,multikey", "--mix-from", "128"],
+                           "--tasks", "copy,passkey,multikey", "--mix-from", "128", "--filler", "text", "--loss", "all"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     (result,) = out.glob("*-cpu-retrieval.json")
     doc = json.loads(result.read_text())
     assert {(r["attention"], r["coverage"], r["context"]) for r in doc["results"]} == {
         ("dense", None, 256), ("sparse", 0.95, 256)}
-    assert all(set(r) == {"attention", "coverage", "context", "accuracy"} and 0 <= r["accuracy"] <= 1
+    assert all(set(r) == {"attention", "coverage", "context", "accuracy", "density"} and 0 <= r["accuracy"] <= 1
                for r in doc["results"])
+    # density: 1 for dense, the patterns' measured share of causal pairs for sparse (at most 1)
+    assert {r["density"] for r in doc["results"] if r["attention"] == "dense"} == {1.0}
+    assert all(0 < r["density"] <= 1 for r in doc["results"])
+    assert doc["filler"] == "text" and "filler=text" in result.with_suffix(".md").read_text()
     assert doc["unfinished"] == [] and all(v is not None for v in doc["final_loss"].values())
     md = result.with_suffix(".md").read_text()
     assert "--resume" in md and "--sparse-coverage 0.95" in md and "reach the passkey" in md
@@ -228,13 +252,14 @@ def test_retrieval_bench_smoke_then_attnpool_eval(tmp_path, capsys):
     # Called again with the same --work: nothing is trained or evaluated again, the same results are written.
     # (In this process: nothing starts a worker.)
     again = _retrieval_here(root, "--out", str(out), "--work", str(tmp_path / "work"), "--device", "cpu",
-                            "--coverages", "0.95", "--tasks", "copy,passkey,multikey", "--mix-from", "128")
+                            "--coverages", "0.95", "--tasks", "copy,passkey,multikey", "--mix-from", "128",
+                            "--filler", "text", "--loss", "all")
     assert again.returncode == 0 and "evaluated" not in again.stdout and "steps" not in again.stdout
     assert json.loads(result.read_text())["results"] == doc["results"]
     # With other training settings the same --work is refused before anything runs.
     other = _retrieval_here(root, "--out", str(out), "--work", str(tmp_path / "work"), "--device", "cpu",
                             "--coverages", "0.95", "--tasks", "copy,passkey,multikey", "--mix-from", "128",
-                            "--lr", "1e-3")
+                            "--filler", "text", "--loss", "all", "--lr", "1e-3")
     assert other.returncode == 2 and "other settings (lr)" in other.stderr
     sparse_rows = [json.loads(line) for line in (tmp_path / "work" / "sparse-0.95" / "metrics.jsonl").read_text().splitlines()]
     dense_rows = [json.loads(line) for line in (tmp_path / "work" / "dense" / "metrics.jsonl").read_text().splitlines()]
@@ -253,7 +278,7 @@ def test_retrieval_bench_smoke_then_attnpool_eval(tmp_path, capsys):
     assert "needle kept in" in printed
     evaluated = json.loads((run / "eval" / "eval.json").read_text())
     assert len(evaluated["cells"]) == 6 and evaluated["attention"] == "sparse" and evaluated["coverage"] == 0.95
-    assert all(0 <= c["needle_kept"] <= 1 for c in evaluated["cells"])
+    assert all(0 <= c["needle_kept"] <= 1 and 0 < c["density"] <= 1 for c in evaluated["cells"])
     assert (run / "eval" / "eval.png").stat().st_size > 5000
     assert main(["eval", "--run", str(run), "--depths", "0,2"]) == 2
     assert main(["eval", "--run", str(tmp_path / "nowhere")]) == 2

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     check_eval_fits(spec.config, contexts, args.batch_tokens, torch.device(device))
     print(f"attnpool eval: {path} ({settings['model']}, {spec.num_params(model) / 1e6:.1f}M params), "
           f"{'sparse' if sparse else 'dense'} attention, {args.instances} instances per cell on {device}", flush=True)
-    shape = {k: data_args[k] for k in ("key_len", "num_keys", "hops") if k in data_args}
+    shape = {k: data_args[k] for k in ("key_len", "num_keys", "hops", "filler") if k in data_args}
     cells = evaluate_retrieval(model, tasks=tasks, contexts=contexts, depths=depths, instances=args.instances,
                                seed=args.seed, sparse=sparse, device=device, batch_tokens=args.batch_tokens, **shape,
                                needle_probe=args.needle_probe,

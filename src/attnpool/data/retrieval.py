@@ -26,6 +26,13 @@ Tokens are ids below :data:`RETRIEVAL_VOCAB` (128), inside every attnpool model'
 needed: markers 1-6 (5: a document's end; 4 is reserved), names 8-31, values 32-63, filler words 64-127
 (:data:`LAYOUT`).
 
+The filler (``filler``) is ``random`` words, drawn independently, or ``text``: a stretch of real text, the running
+Python's standard library (:func:`filler_text`), each byte ``b`` the filler word ``64 + b % 64`` (letters,
+space and most punctuation keep ids of their own; digits share the lowercase letters' from p on, newline
+shares "J"'s). Random filler gives attention nothing to concentrate on, so a model's attention over it spreads
+wide and sparse patterns cover little of it; text has local structure that a model trained on it (``loss=all``)
+attends to, as language models do.
+
 Loss: only the answer's value tokens are targets (``loss="answer"``, the default; ``DocumentSource.targets``),
 so the gradient is the task's, not the irreducible loss of random filler; ordinary documents have none.
 ``loss="all"`` trains on every token instead. The accuracy (:func:`answer_correct`) is an exact match of all
@@ -63,6 +70,10 @@ LAYOUT = {"BOS": BOS, "KEY": KEY, "QUERY": QUERY, "END": END, "ASSIGN": ASSIGN,
           "names": NAMES, "values": VALUES, "filler": FILLER}
 TASKS = ("passkey", "multikey", "vartrack", "copy")
 LOSSES = ("answer", "all")
+FILLERS = ("random", "text")
+# The text filler's corpus: at most this many bytes of the standard library (more than any document needs, read
+# once per process)
+FILLER_TEXT_BYTES = 16 << 20
 _EVAL_STREAM = 7919  # the seed space of held-out instances: (seed, _EVAL_STREAM, ...) never equals (seed, i)
 _LENGTH_STREAM = 7927  # the seed space of documents' lengths (with min_context)
 
@@ -111,8 +122,11 @@ class TaskShape:
     num_keys: int = 4
     hops: int = 2
     queries: int = 1  # multikey: how many of its statements are asked (training signal; held-out instances ask 1)
+    filler: str = "random"  # random words, or real text (FILLERS; the module docstring)
 
     def __post_init__(self):
+        if self.filler not in FILLERS:
+            raise ConfigError("filler", self.filler, f"choose one of {', '.join(FILLERS)}")
         object.__setattr__(self, "context", _int_option("context", self.context, 1))
         object.__setattr__(self, "key_len", _int_option("key_len", self.key_len, 1, 16))
         object.__setattr__(self, "num_keys", _int_option("num_keys", self.num_keys, 1, (NAMES[1] - NAMES[0]) // 2))
@@ -127,6 +141,35 @@ class TaskShape:
         k = self.key_len
         statements = max(k + 1, self.num_keys * (k + 2) + (self.queries - 1) * (k + 3), 2 * (k + 2 + 3 * self.hops))
         return 2 * (statements + k + 5)
+
+
+@lru_cache(maxsize=1)
+def filler_text() -> np.ndarray:
+    """The text filler's corpus as filler words: the standard library's ``*.py`` files in their sorted order (the
+    demo corpus, attnpool.data.stdlib_corpus), joined by newlines, up to FILLER_TEXT_BYTES, each byte ``b`` the
+    word ``FILLER[0] + b % 64``. The files differ between Python versions: so do the documents made of them."""
+    from attnpool.data.sources import stdlib_corpus
+
+    corpus, parts, size = stdlib_corpus(), [], 0
+    for i in range(len(corpus)):
+        part = np.append(corpus[i], ord("\n"))
+        parts.append(part)
+        size += len(part)
+        if size >= FILLER_TEXT_BYTES:
+            break
+    text = np.concatenate(parts)[:FILLER_TEXT_BYTES]
+    return (FILLER[0] + text % (FILLER[1] - FILLER[0])).astype(np.int64)
+
+
+def filler_words(shape: TaskShape, n: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` filler words of ``shape.filler``: drawn at random, or a stretch of the text at a random place."""
+    if shape.filler == "random":
+        return rng.integers(*FILLER, size=n)
+    text = filler_text()
+    if n > len(text):
+        raise ConfigError("context", shape.context, f"longer than the text filler's {len(text)} tokens")
+    start = int(rng.integers(0, len(text) - n + 1))
+    return text[start:start + n].copy()
 
 
 def make_instance(task: str, shape: TaskShape, depth: float, rng: np.random.Generator) -> Instance:
@@ -170,7 +213,7 @@ def make_instance(task: str, shape: TaskShape, depth: float, rng: np.random.Gene
         where[1:h] = np.sort(rng.integers(where[0], n_filler + 1, size=h - 1))
         where[h:] = np.sort(where[h:])
     order = np.lexsort((np.arange(len(statements)), where))
-    filler = rng.integers(*FILLER, size=n_filler)
+    filler = filler_words(shape, n_filler, rng)
     parts, at, needle, pos = [np.array([BOS])], 0, 0, 1
     for j in order:
         parts.append(filler[at:where[j]])
@@ -204,7 +247,7 @@ def _copy_instance(shape: TaskShape, rng: np.random.Generator) -> Instance:
     m = int(rng.integers(max(1, room // 8), room // 2 + 1))
     before = int(rng.integers(0, room - 2 * m + 1))
     span = rng.integers(VALUES[0], FILLER[1], size=m)
-    filler = rng.integers(*FILLER, size=room - 2 * m)
+    filler = filler_words(shape, room - 2 * m, rng)
     tokens = np.concatenate([[BOS], filler[:before], span, filler[before:], [QUERY], span, [END]]).astype(np.int64)
     start = len(tokens) - 1 - m
     targets = np.zeros(shape.context, dtype=bool)
@@ -214,7 +257,7 @@ def _copy_instance(shape: TaskShape, rng: np.random.Generator) -> Instance:
 
 def make_ordinary(shape: TaskShape, rng: np.random.Generator) -> np.ndarray:
     """Filler with decoy ``KEY`` statements (one per 512 tokens or so) and no question."""
-    tokens = rng.integers(*FILLER, size=shape.context)
+    tokens = filler_words(shape, shape.context, rng)
     tokens[0] = BOS
     for p in rng.integers(1, max(2, shape.context - shape.key_len - 1), size=max(1, shape.context // 512)):
         tokens[p:p + shape.key_len + 1] = np.r_[KEY, rng.integers(*VALUES, size=shape.key_len)]
@@ -238,15 +281,15 @@ class RetrievalSource(DocumentSource):
     """``--data retrieval``: ``num_docs`` documents of ``context`` tokens (or, with ``min_context``, of lengths
     drawn log-uniformly from [min_context, context]), tasks drawn in turn from ``task`` (a name, a comma list
     or ``all``) at ``depth`` (a number in [0, 1], or random per document when unset), a share ``ordinary`` of
-    ordinary documents. ``--data-args task=passkey context=8K``."""
+    ordinary documents, ``filler`` random words or text. ``--data-args task=passkey context=8K filler=text``."""
 
     vocab_size = RETRIEVAL_VOCAB
 
     def __init__(self, task="passkey", context=4096, num_docs: int = 100_000, seed: int = 0, depth=None,
                  key_len: int = 4, num_keys: int = 4, hops: int = 2, ordinary: float = 0.25, loss: str = "answer",
-                 queries: int = 1, min_context=None):
+                 queries: int = 1, min_context=None, filler: str = "random"):
         self.tasks = parse_tasks(task)
-        self.shape = TaskShape(context, key_len, num_keys, hops, queries)
+        self.shape = TaskShape(context, key_len, num_keys, hops, queries, filler)
         self.num_docs = _int_option("num_docs", num_docs, 1)
         self.seed = check_seed("seed", seed)
         self._lengths = np.full(self.num_docs, self.shape.context, dtype=np.int64)

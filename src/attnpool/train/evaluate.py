@@ -63,6 +63,9 @@ class EvalCell:
     # Sparse attention with needle_probe: the share of (instance, sparse layer) pairs whose pattern lets the
     # first answer query attend to the asked value's first token in some head (None: not probed).
     needle_kept: float | None = None
+    # Sparse attention: the share of the causal (query, key) pairs its patterns computed over these instances
+    # (runtime.sparse.SparseStats; documents below the sparse length count dense); dense attention: 1.0
+    density: float = 1.0
 
     @property
     def accuracy(self) -> float:
@@ -121,12 +124,14 @@ class NeedleProbe:
 @torch.no_grad()
 def evaluate_retrieval(model, *, tasks=TASKS, contexts=(4096,), depths=(0.0, 0.25, 0.5, 0.75, 1.0),
                        instances: int = 20, seed: int = 0, sparse=None, device="cpu", batch_tokens: int = 65536,
-                       key_len: int = 4, num_keys: int = 4, hops: int = 2, needle_probe: bool = False,
-                       progress=None) -> list[EvalCell]:
-    """Accuracy per (task, context, depth) over ``instances`` held-out instances each; with sparse attention and
-    ``needle_probe``, also how often the patterns keep the needle (:class:`NeedleProbe`)."""
+                       key_len: int = 4, num_keys: int = 4, hops: int = 2, filler: str = "random",
+                       needle_probe: bool = False, progress=None) -> list[EvalCell]:
+    """Accuracy per (task, context, depth) over ``instances`` held-out instances each (their filler ``filler``, as
+    the model was trained on: attnpool.data.retrieval); with sparse attention and ``needle_probe``, also how often
+    the patterns keep the needle (:class:`NeedleProbe`)."""
     from attnpool.plan import linear_table, plan_attention
     from attnpool.runtime import CoreAttention, plan_layer_kinds
+    from attnpool.runtime.sparse import SparseStats
 
     device = torch.device(device)
     tasks = parse_tasks(tasks)
@@ -148,11 +153,12 @@ def evaluate_retrieval(model, *, tasks=TASKS, contexts=(4096,), depths=(0.0, 0.2
     bf16 = device.type == "cuda"
     cells = []
     for context in contexts:
-        shape = TaskShape(context, key_len, num_keys, hops)
+        shape = TaskShape(context, key_len, num_keys, hops, filler=filler)
         per_call = max(1, batch_tokens // shape.context)
         for task in tasks:
             for depth in depths:
                 correct, kept, probed = 0, 0.0, 0
+                stats = SparseStats() if sparse is not None else None
                 for first in range(0, instances, per_call):
                     group = [eval_instance(task, shape, depth, i, seed) for i in range(first, min(instances, first + per_call))]
                     tokens = torch.from_numpy(np.concatenate([g.tokens for g in group])).to(device)
@@ -161,7 +167,8 @@ def evaluate_retrieval(model, *, tasks=TASKS, contexts=(4096,), depths=(0.0, 0.2
                     if kinds_differ:  # each layer its kind's plan (sparse attention refused with kinds, above)
                         attention = plan_layer_kinds(kinds, table, "local", cost_model="pairs")
                     else:
-                        attention = CoreAttention(plan_attention(table, "local", cost_model="pairs"), None, sparse=sparse)
+                        attention = CoreAttention(plan_attention(table, "local", cost_model="pairs"), None, sparse=sparse,
+                                                  sparse_stats=stats)
                     probe = NeedleProbe(attention, sparse, group) if needle_probe and sparse is not None else None
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                         hidden = model(tokens, positions, probe or attention, return_hidden=True)
@@ -174,8 +181,10 @@ def evaluate_retrieval(model, *, tasks=TASKS, contexts=(4096,), depths=(0.0, 0.2
                     if probe is not None and probe.layers:
                         kept += float(probe.kept.sum()) / probe.layers
                         probed += len(group)
+                sums = stats.values() if stats is not None else None
                 cells.append(EvalCell(task, shape.context, float(depth), correct, instances,
-                                      kept / probed if probed else None))
+                                      kept / probed if probed else None,
+                                      sums[3] / sums[4] if sums is not None and sums[4] else 1.0))
                 if progress is not None:
                     progress(cells[-1])
     return cells
@@ -198,7 +207,7 @@ def write_results(cells: list[EvalCell], out_dir: str, meta: dict) -> tuple[str,
     json_path, png_path = os.path.join(out_dir, "eval.json"), os.path.join(out_dir, "eval.png")
     doc = {**meta,
            "cells": [{"task": c.task, "context": c.context, "depth": c.depth, "correct": c.correct, "total": c.total,
-                      "accuracy": c.accuracy, "needle_kept": c.needle_kept} for c in cells],
+                      "accuracy": c.accuracy, "needle_kept": c.needle_kept, "density": c.density} for c in cells],
            "by_context": [{"task": t, "context": n, "accuracy": a} for (t, n), a in by_context(cells).items()]}
     with open(json_path, "w") as fh:
         json.dump(doc, fh, indent=1)
@@ -243,7 +252,8 @@ def _size(n: int) -> str:
 
 
 def format_table(cells: list[EvalCell]) -> str:
-    """Plain text: a row per (task, depth), a column per context, and each task's mean over depths."""
+    """Plain text: a row per (task, depth), a column per context, and each task's mean over depths; under sparse
+    attention, a last row of the patterns' density per context (over every task and depth)."""
     contexts = sorted({c.context for c in cells})
     lines = [f"{'task':<10} {'depth':>6} " + " ".join(f"{_size(n):>7}" for n in contexts)]
     acc = {(c.task, c.depth, c.context): c.accuracy for c in cells}
@@ -253,4 +263,8 @@ def format_table(cells: list[EvalCell]) -> str:
             lines.append(f"{task:<10} {depth:>6g} " + " ".join(
                 f"{acc.get((task, depth, n), float('nan')):>7.2f}" for n in contexts))
         lines.append(f"{task:<10} {'all':>6} " + " ".join(f"{mean.get((task, n), float('nan')):>7.2f}" for n in contexts))
+    if any(c.density < 1.0 for c in cells):
+        density = {n: sum(c.density * c.total for c in cells if c.context == n) /
+                   sum(c.total for c in cells if c.context == n) for n in contexts}
+        lines.append(f"{'density':<10} {'':>6} " + " ".join(f"{density[n]:>7.2f}" for n in contexts))
     return "\n".join(lines)

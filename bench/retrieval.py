@@ -22,7 +22,7 @@ A run of the script ended by its budget goes on where it stopped when called aga
 experiment can span several shorter calls.
 
 Writes to ``--out``: ``<date>-<gpu>-retrieval.json`` (``results``: a list of ``{"attention", "coverage",
-"context", "accuracy", "density"}``, passkey accuracy over all depths and the sparse patterns' measured density
+"context", "accuracy", "density"}``, passkey accuracy over all depths and the sparse layers' measured density
 there, 1.0 dense; ``details``: every task and depth), a
 Markdown file of the same name with the commands, the model, the loss curves and the accuracy heat maps
 (PNGs next to it). Runs and checkpoints go to ``--work`` (a temporary directory by default).
@@ -284,6 +284,8 @@ def main() -> int:
     settings_path = os.path.join(work, "retrieval-settings.json")
     if os.path.isfile(settings_path):
         earlier = read_json(settings_path)
+        if isinstance(earlier, dict):  # (written before filler and loss were options: those runs had the defaults)
+            earlier = {"filler": "random", "loss": "answer", **earlier}
         if earlier != training:
             differ = sorted(k for k in set(training) | set(earlier or {}) if (earlier or {}).get(k) != training.get(k))
             ap.error(f"--work {work}: holds runs trained with other settings ({', '.join(differ) or 'unreadable'}); "
@@ -395,7 +397,7 @@ def main() -> int:
         for context in eval_contexts:
             mine = [c for c in cells if c.task == "passkey" and c.context == context]
             if mine:
-                # density: the sparse patterns' share of causal pairs, measured on these instances (1.0 dense)
+                # density: the sparse layers' share of causal pairs, measured on these instances (1.0 dense)
                 results.append({"attention": attention, "coverage": coverage, "context": context,
                                 "accuracy": sum(c.correct for c in mine) / sum(c.total for c in mine),
                                 "density": sum(c.density * c.total for c in mine) / sum(c.total for c in mine)})
@@ -462,8 +464,9 @@ def write_markdown(path: str, doc: dict, loss_png: str, heatmap_pngs: list[str])
         + (f", `--sparse-args {' '.join(f'{k}={v}' for k, v in doc['sparse_args'].items())}`" if doc["sparse_args"] else "")
         + ".", "",
         f"Passkey accuracy over needle depths {', '.join(f'{d:g}' for d in doc['eval']['depths'])} "
-        f"({doc['eval']['instances']} held-out instances per depth), and in brackets the attention's density (the "
-        "share of causal (query, key) pairs the sparse patterns computed on those instances; 1 dense):", "",
+        f"({doc['eval']['instances']} held-out instances per depth), and in brackets the sparse layers' density (the "
+        "share of causal (query, key) pairs their patterns computed on those instances, an upper bound by a little: "
+        "slash tiles count whole; 1 dense):", "",
         "| attention | coverage | " + " | ".join(tokens_text(n) for n in contexts) + " |",
         "|---|---|" + "---|" * len(contexts),
     ]

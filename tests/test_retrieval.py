@@ -9,8 +9,12 @@ import torch
 from attnpool.data import DocumentStream, GlobalBatch, make_source
 from attnpool.data.batch import IGNORE_INDEX
 from attnpool.data.retrieval import (ASSIGN, BOS, END, FILLERS, KEY, QUERY, RETRIEVAL_VOCAB, TASKS, VALUES, TaskShape,
-                                     eval_instance, filler_text, filler_words, make_instance)
+                                     eval_instance, filler_corpus, filler_words, make_instance)
 from attnpool.errors import ConfigError
+
+
+# What filler=random drew before the text filler existed (computed at the commit before, 493f759^)
+RANDOM_FILLER_DIGEST = "5e2b85d9edc415b0"
 
 
 def statement_value(tokens, name, k):
@@ -133,21 +137,42 @@ def test_min_context_mixes_lengths_log_uniformly_and_leaves_fixed_lengths_as_the
 
 
 def test_text_filler_is_a_stretch_of_the_standard_library():
-    """filler=text: each document's filler words are the corpus's bytes (as filler ids) from some place on, and they
-    repeat as text does (far fewer distinct pairs of neighbours than random words)."""
-    text = filler_text()
-    source = make_source("retrieval", context=2048, filler="text", ordinary=0.999, num_docs=4)
-    tokens = source[1]
-    words = tokens[1:201]
-    assert words.min() >= 64 and words.max() < RETRIEVAL_VOCAB
-    starts = np.flatnonzero(text[:len(text) - 200] == words[0])
-    assert any(np.array_equal(text[i:i + 200], words) for i in starts)
+    """filler=text: each document's filler words are the corpus's (as filler words) from a place its seed draws, and
+    they repeat as text does (far fewer distinct pairs of neighbours than random words)."""
+    text, words = filler_corpus()
+    assert text.dtype == np.uint8 and set(np.unique(words)) <= set(range(64, RETRIEVAL_VOCAB))
+    assert len(np.unique(words[text])) == 64  # the 63 most frequent bytes apart, the rest as one
+
+    def place(filler_run):  # where in the corpus a run of filler words is, or None
+        starts = np.flatnonzero(words[text[:len(text) - len(filler_run)]] == filler_run[0])
+        return next((int(i) for i in starts if np.array_equal(words[text[i:i + len(filler_run)]], filler_run)), None)
+
+    options = dict(context=2048, filler="text", ordinary=0.0, depth=1.0, num_docs=4)  # (filler, then the key)
+    places = {place(make_source("retrieval", seed=seed, **options)[i][1:101]) for seed in (0, 1) for i in (0, 1)}
+    assert None not in places and len(places) == 4  # each document its own stretch
+    inst = make_instance("passkey", TaskShape(1024, filler="text"), 0.5, np.random.default_rng(3))
+    assert place(inst.tokens[1:inst.needle]) is not None  # the filler before the needle, whole
     rng = np.random.default_rng(0)
     pairs = {len(set(zip(w[:-1].tolist(), w[1:].tolist())))
              for w in (filler_words(TaskShape(4096, filler=f), 4096, rng) for f in FILLERS)}
     assert min(pairs) < max(pairs) / 2
-    assert np.array_equal(source[1], make_source("retrieval", context=2048, filler="text", ordinary=0.999,
-                                                 num_docs=4)[1])
+    assert np.array_equal(make_source("retrieval", **options)[1], make_source("retrieval", **options)[1])
+    with pytest.raises(ConfigError, match="longer than the text filler"):
+        make_source("retrieval", context=len(text) + 1, filler="text")
+
+
+def test_random_filler_documents_are_those_of_before():
+    """filler=random is the default and draws what it drew before the text filler existed (a hash of documents and
+    held-out instances, taken then)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    source = make_source("retrieval", task="all", context=512, num_docs=8, seed=3)
+    for i in range(8):
+        digest.update(source[i].tobytes())
+    for task in TASKS:
+        digest.update(eval_instance(task, TaskShape(512), 0.5, 2).tokens.tobytes())
+    assert digest.hexdigest()[:16] == RANDOM_FILLER_DIGEST
 
 
 @pytest.mark.parametrize("options, field", [
@@ -296,12 +321,20 @@ def test_needle_probe_reports_whether_the_patterns_keep_the_needle():
     small = dict(min_doc_len=64, block=16, vertical_chunk=16, last_queries=16, sink_tokens=4, local_window=16)
     narrow = SparseConfig(coverage=1e-9, slash_cap=16, vertical_cap=4, **small)
     wide = SparseConfig(coverage=1.0, slash_cap=512, vertical_cap=512, **small)
-    for sparse, expected in ((narrow, 0.0), (wide, 1.0)):
-        (cell,) = evaluate_retrieval(model, tasks="passkey", contexts=(256,), depths=(0.5,), instances=2,
-                                     sparse=sparse, needle_probe=True)
-        assert cell.needle_kept == expected
+    cells = {}
+    for name, sparse, expected in (("narrow", narrow, 0.0), ("wide", wide, 1.0)):
+        (cells[name],) = evaluate_retrieval(model, tasks="passkey", contexts=(256,), depths=(0.5,), instances=2,
+                                            sparse=sparse, needle_probe=True)
+        assert cells[name].needle_kept == expected
     (dense,) = evaluate_retrieval(model, tasks="passkey", contexts=(256,), depths=(0.5,), instances=2)
-    assert dense.needle_kept is None
+    assert dense.needle_kept is None and dense.density == 1.0
+    # the measured density: the sinks, the local band and few columns of a 256-token document; all of it where the
+    # caps hold every diagonal and column; documents under the sparse length dense
+    assert 0.1 < cells["narrow"].density < 0.5 and cells["wide"].density >= 0.99
+    (short,) = evaluate_retrieval(model, tasks="passkey", contexts=(256,), depths=(0.5,), instances=2,
+                                  sparse=SparseConfig(coverage=1e-9, slash_cap=16, vertical_cap=4,
+                                                      **{**small, "min_doc_len": 512}))
+    assert short.density == 1.0
 
 
 def test_eval_refuses_a_context_that_cannot_fit_in_memory():

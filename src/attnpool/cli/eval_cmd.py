@@ -98,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or os.path.join(args.run or os.path.dirname(os.path.dirname(os.path.abspath(path))), "eval")
     meta = {"checkpoint": path, "model": settings["model"], "attention": "sparse" if sparse else "dense",
             "coverage": sparse.coverage if sparse else None, "instances": args.instances, "seed": args.seed,
+            "filler": shape.get("filler", "random"),
             "title": f"{os.path.basename(path)}: {'sparse' if sparse else 'dense'} attention"}
     json_path, png_path = write_results(cells, out, meta)
     print(f"wrote {json_path} and {png_path}")

@@ -27,11 +27,11 @@ needed: markers 1-6 (5: a document's end; 4 is reserved), names 8-31, values 32-
 (:data:`LAYOUT`).
 
 The filler (``filler``) is ``random`` words, drawn independently, or ``text``: a stretch of real text, the running
-Python's standard library (:func:`filler_text`), each byte ``b`` the filler word ``64 + b % 64`` (letters,
-space and most punctuation keep ids of their own; digits share the lowercase letters' from p on, newline
-shares "J"'s). Random filler gives attention nothing to concentrate on, so a model's attention over it spreads
-wide and sparse patterns cover little of it; text has local structure that a model trained on it (``loss=all``)
-attends to, as language models do.
+Python's standard library (:func:`filler_corpus`), its 63 most frequent bytes (the letters, space, newline and
+the common punctuation) each a filler word of its own and every other byte the last one. Random filler gives
+attention nothing to concentrate on, so a model's attention over it spreads wide; text has local structure that
+a model trained on it (``loss=all``) may attend to as language models do, and sparse patterns then cover it with
+fewer pairs: what the retrieval experiment is to measure (bench/retrieval.py ``--filler text``).
 
 Loss: only the answer's value tokens are targets (``loss="answer"``, the default; ``DocumentSource.targets``),
 so the gradient is the task's, not the irreducible loss of random filler; ordinary documents have none.
@@ -71,8 +71,8 @@ LAYOUT = {"BOS": BOS, "KEY": KEY, "QUERY": QUERY, "END": END, "ASSIGN": ASSIGN,
 TASKS = ("passkey", "multikey", "vartrack", "copy")
 LOSSES = ("answer", "all")
 FILLERS = ("random", "text")
-# The text filler's corpus: at most this many bytes of the standard library (more than any document needs, read
-# once per process)
+# The text filler's corpus: at most this many bytes of the standard library, read once per process (Python 3.11's
+# is 12 MB, so a document of the text filler is at most about that many tokens: TaskShape checks it)
 FILLER_TEXT_BYTES = 16 << 20
 _EVAL_STREAM = 7919  # the seed space of held-out instances: (seed, _EVAL_STREAM, ...) never equals (seed, i)
 _LENGTH_STREAM = 7927  # the seed space of documents' lengths (with min_context)
@@ -127,6 +127,10 @@ class TaskShape:
     def __post_init__(self):
         if self.filler not in FILLERS:
             raise ConfigError("filler", self.filler, f"choose one of {', '.join(FILLERS)}")
+        if self.filler == "text" and self.context > len(filler_corpus()[0]):
+            raise ConfigError("context", self.context, f"longer than the text filler's corpus, "
+                                                       f"{len(filler_corpus()[0])} tokens of this Python's standard "
+                                                       "library: use filler=random")
         object.__setattr__(self, "context", _int_option("context", self.context, 1))
         object.__setattr__(self, "key_len", _int_option("key_len", self.key_len, 1, 16))
         object.__setattr__(self, "num_keys", _int_option("num_keys", self.num_keys, 1, (NAMES[1] - NAMES[0]) // 2))
@@ -144,32 +148,34 @@ class TaskShape:
 
 
 @lru_cache(maxsize=1)
-def filler_text() -> np.ndarray:
-    """The text filler's corpus as filler words: the standard library's ``*.py`` files in their sorted order (the
-    demo corpus, attnpool.data.stdlib_corpus), joined by newlines, up to FILLER_TEXT_BYTES, each byte ``b`` the
-    word ``FILLER[0] + b % 64``. The files differ between Python versions: so do the documents made of them."""
+def filler_corpus() -> tuple[np.ndarray, np.ndarray]:
+    """The text filler's corpus: ``(text, words)``, the standard library's ``*.py`` files in their sorted order (the
+    demo corpus, attnpool.data.stdlib_corpus) joined by newlines, up to FILLER_TEXT_BYTES, as bytes (uint8); and
+    the filler word of each byte value, (256,): the 63 most frequent bytes a word each, in order of frequency,
+    every other byte the last word. The files differ between Python versions: so do the documents made of them."""
     from attnpool.data.sources import stdlib_corpus
 
     corpus, parts, size = stdlib_corpus(), [], 0
     for i in range(len(corpus)):
-        part = np.append(corpus[i], ord("\n"))
-        parts.append(part)
-        size += len(part)
+        parts += [corpus[i].astype(np.uint8), np.array([ord("\n")], dtype=np.uint8)]
+        size += len(parts[-2]) + 1
         if size >= FILLER_TEXT_BYTES:
             break
     text = np.concatenate(parts)[:FILLER_TEXT_BYTES]
-    return (FILLER[0] + text % (FILLER[1] - FILLER[0])).astype(np.int64)
+    n_words = FILLER[1] - FILLER[0]
+    frequent = np.argsort(-np.bincount(text, minlength=256), kind="stable")[:n_words - 1]
+    words = np.full(256, FILLER[1] - 1, dtype=np.int64)
+    words[frequent] = FILLER[0] + np.arange(n_words - 1)
+    return text, words
 
 
 def filler_words(shape: TaskShape, n: int, rng: np.random.Generator) -> np.ndarray:
     """``n`` filler words of ``shape.filler``: drawn at random, or a stretch of the text at a random place."""
     if shape.filler == "random":
         return rng.integers(*FILLER, size=n)
-    text = filler_text()
-    if n > len(text):
-        raise ConfigError("context", shape.context, f"longer than the text filler's {len(text)} tokens")
+    text, words = filler_corpus()
     start = int(rng.integers(0, len(text) - n + 1))
-    return text[start:start + n].copy()
+    return words[text[start:start + n]]
 
 
 def make_instance(task: str, shape: TaskShape, depth: float, rng: np.random.Generator) -> Instance:

@@ -63,8 +63,9 @@ class EvalCell:
     # Sparse attention with needle_probe: the share of (instance, sparse layer) pairs whose pattern lets the
     # first answer query attend to the asked value's first token in some head (None: not probed).
     needle_kept: float | None = None
-    # Sparse attention: the share of the causal (query, key) pairs its patterns computed over these instances
-    # (runtime.sparse.SparseStats; documents below the sparse length count dense); dense attention: 1.0
+    # Sparse attention: the share of the causal (query, key) pairs the sparse layers' patterns computed over these
+    # instances (runtime.sparse.SparseStats: an upper bound by a little, slash tiles counted whole; documents below
+    # the sparse length count dense; the dense_layers are not counted); dense attention: 1.0
     density: float = 1.0
 
     @property

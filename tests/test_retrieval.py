@@ -159,6 +159,7 @@ def test_text_filler_is_a_stretch_of_the_standard_library():
     assert np.array_equal(make_source("retrieval", **options)[1], make_source("retrieval", **options)[1])
     with pytest.raises(ConfigError, match="longer than the text filler"):
         make_source("retrieval", context=len(text) + 1, filler="text")
+    assert make_source("retrieval", context="1K", filler="text").shape.context == 1024  # (--data-args gives text)
 
 
 def test_random_filler_documents_are_those_of_before():

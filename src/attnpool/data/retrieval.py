@@ -127,11 +127,11 @@ class TaskShape:
     def __post_init__(self):
         if self.filler not in FILLERS:
             raise ConfigError("filler", self.filler, f"choose one of {', '.join(FILLERS)}")
+        object.__setattr__(self, "context", _int_option("context", self.context, 1))
         if self.filler == "text" and self.context > len(filler_corpus()[0]):
             raise ConfigError("context", self.context, f"longer than the text filler's corpus, "
                                                        f"{len(filler_corpus()[0])} tokens of this Python's standard "
                                                        "library: use filler=random")
-        object.__setattr__(self, "context", _int_option("context", self.context, 1))
         object.__setattr__(self, "key_len", _int_option("key_len", self.key_len, 1, 16))
         object.__setattr__(self, "num_keys", _int_option("num_keys", self.num_keys, 1, (NAMES[1] - NAMES[0]) // 2))
         object.__setattr__(self, "hops", _int_option("hops", self.hops, 1, (NAMES[1] - NAMES[0]) // 2 - 1))

@@ -76,7 +76,7 @@ class RecomputedInChunks(_Wrapper):
         return recompute_in_chunks(self.wrapped, LINEAR_CHUNK_TOKENS, *rows)
 
 
-MODES = ("none", "full", "keep_attention")
+MODES = ("none", "keep_attention", "full")  # the least recomputed first
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str | Sequence[str]) -> None:

@@ -49,10 +49,10 @@ from attnpool.errors import ConfigError
 from attnpool.model.config import ModelConfig
 from attnpool.model.llama import loss_chunk_tokens
 from attnpool.parallel.checkpointing import LINEAR_CHUNK_TOKENS
+from attnpool.parallel.checkpointing import MODES as CHECKPOINTING_MODES
 from attnpool.runtime.dispatch import BACKWARD_GROUP_KEYS
 
 GiB = 1 << 30
-CHECKPOINTING_MODES = ("none", "keep_attention", "full")
 # activation_checkpointing: auto, each layer's mode chosen by the memory model (memory_fit.auto_checkpointing)
 AUTO = "auto"
 # The checkpointing modes each kind of layer module runs (keep_attention recomputes attnpool's own linear parts).

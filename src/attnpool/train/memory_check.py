@@ -33,6 +33,8 @@ from attnpool.train.spec import RunSpec
 # Batches whose plans bound core attention's buffers in the memory check (the run's first ones).
 MEMORY_SAMPLE_BATCHES = 8
 ROW_NAMES = ("home", "query", "returned", "unique_kv", "expanded_kv")
+# The MemoryInputs fields sample_row_ratios fills
+SAMPLED_FIELDS = ("rows", "row_candidates", "held_candidates")
 
 
 def memory_inputs(spec: RunSpec, rows: RowRatios = RowRatios()) -> MemoryInputs:
@@ -156,26 +158,33 @@ def choose_checkpointing(spec: RunSpec, x: MemoryInputs, source, capacity: Capac
                                                  "auto_headroom, or name that mode")
 
 
-def resolve_auto_checkpointing(spec: RunSpec, source, capacity: Capacity, calibration: Calibration) -> RunSpec:
-    """``spec`` with ``activation_checkpointing: auto`` resolved for this rank's capacity (choose_checkpointing):
-    each layer's mode, by layer index, and whether activation offload is turned on. A spec that names one mode is
-    returned as it is."""
+def resolve_auto_checkpointing(spec: RunSpec, source, capacity: Capacity,
+                               calibration: Calibration) -> tuple[RunSpec, dict | None]:
+    """``spec`` with ``activation_checkpointing: auto`` resolved for ``capacity`` (choose_checkpointing): each
+    layer's mode, by layer index, and whether activation offload is turned on; and the core-attention rows sampled
+    for it (MemoryInputs fields: the memory check takes them as they are, run_memory_inputs). A spec that names one
+    mode is returned as it is, with nothing sampled (None)."""
     if spec.config.memory.activation_checkpointing != AUTO or spec.layer_checkpointing:
-        return spec
-    chosen = choose_checkpointing(spec, run_memory_inputs(spec, source, capacity, calibration), source, capacity,
-                                  calibration)
+        return spec, None
+    x = run_memory_inputs(spec, source, capacity, calibration)
+    chosen = choose_checkpointing(spec, x, source, capacity, calibration)
     n_layers = spec.model.config.n_layers
     modes = chosen.layer_modes if spec.dims.pp == 1 else chosen.layer_modes[:1] * n_layers
-    return replace(spec, layer_checkpointing=tuple(modes),
-                   auto_offload=chosen.activation_offload and not spec.config.memory.activation_offload)
+    return (replace(spec, layer_checkpointing=tuple(modes),
+                    auto_offload=chosen.activation_offload and not spec.config.memory.activation_offload),
+            {name: getattr(x, name) for name in SAMPLED_FIELDS})
 
 
-def run_memory_inputs(spec: RunSpec, source, capacity: Capacity, calibration: Calibration) -> MemoryInputs:
+def run_memory_inputs(spec: RunSpec, source, capacity: Capacity, calibration: Calibration,
+                      sampled: dict | None = None) -> MemoryInputs:
     """The memory model's inputs for a run, core attention's rows from plans of its first batches (at most
     MEMORY_SAMPLE_BATCHES, and no more than the run trains on). Those are drawn only if, with the fewest
     rows core attention can hold (RowRatios(), a lower bound of the busiest rank's), some memory setting fits:
-    a batch far too large is refused before one is drawn."""
+    a batch far too large is refused before one is drawn. ``sampled``: rows already drawn for this spec's batches
+    (resolve_auto_checkpointing's), taken as they are."""
     x = memory_inputs(spec)
+    if sampled is not None:
+        return replace(x, **sampled)
     if any(capacity.holds(estimate(s, calibration)) for s in settings(x, offloads=spec.device_type == "cuda")):
         x = replace(x, **sample_row_ratios(spec, source, batches=sampled_batches(spec)))
     return x
@@ -215,12 +224,13 @@ def smallest_capacity(config: TrainConfig, world: int, device: torch.device) -> 
     return replace(min(everyone, key=lambda c: c.device_bytes), host_bytes=min(hosts) if hosts else None)
 
 
-def check_memory(spec: RunSpec, source) -> MemoryEstimate:
+def check_memory(spec: RunSpec, source, sampled: dict | None = None) -> MemoryEstimate:
     """The predicted peak of this rank (attnpool.train.memory), refused with the field to change where it does
-    not fit its capacity (rank_capacity)."""
+    not fit its capacity (rank_capacity). ``sampled``: core attention's rows, where already drawn
+    (run_memory_inputs)."""
     capacity, calibration = rank_capacity(spec.device, ranks_on_this_machine(spec.config, spec.dims.world))
     gpu = spec.device_type == "cuda"
-    x = run_memory_inputs(spec, source, capacity, calibration)
+    x = run_memory_inputs(spec, source, capacity, calibration, sampled)
     if x.activation_checkpointing == AUTO and not x.layer_modes:  # (setup.prepare resolves a rank's spec first)
         raise ValueError("activation_checkpointing auto: resolve the run spec (resolve_auto_checkpointing) first")
     predicted = estimate(x, calibration)

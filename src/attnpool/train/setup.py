@@ -61,6 +61,6 @@ def prepare(config: TrainConfig, world: int, device: torch.device | None = None,
     memory = None
     if device is not None:
         capacity, calibration = rank_capacity(device, ranks_on_this_machine(config, world))
-        spec = resolve_auto_checkpointing(spec, source, auto_capacity or capacity, calibration)
-        memory = check_memory(spec, source) if config.memory.memory_check else None
+        spec, sampled = resolve_auto_checkpointing(spec, source, auto_capacity or capacity, calibration)
+        memory = check_memory(spec, source, sampled) if config.memory.memory_check else None
     return Setup(spec, source, resume_from, memory)

@@ -3,19 +3,22 @@
 # batches, on NPROC GPUs of one host; each run's step times, losses, chosen layer modes, and predicted against
 # measured peak memory. FA4 where its unpacked wheels are on PYTHONPATH (KERNEL=fa4), else flash.
 #   NPROC=2 TOKENS=128K bash bench/gpu_auto_checkpointing.sh full auto+compile     (results under $OUT)
-# A run is a checkpointing mode, with "@H" for auto's headroom H (auto_headroom) and "+compile" for compiled linear
-# parts: auto@0.15+compile.
+# A run is a checkpointing mode, with "@H" for auto's headroom H (auto_headroom), "+compile" for compiled linear
+# parts and "+float8" for float8 linear layers (torchao from TORCHAO_WHEEL, a carried wheel): auto@0.15+compile+float8.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+# RUN_TIMEOUT_S bounds each run (0: none), so that a call's last runs cannot take the table with them.
 OUT=${OUT:-bench-out} NPROC=${NPROC:-2} TOKENS=${TOKENS:-128K} KERNEL=${KERNEL:-flash} STEPS=${STEPS:-5}
-mkdir -p "$OUT"
+mkdir -p "$OUT" /tmp/torchao-site
+[ -n "${TORCHAO_WHEEL:-}" ] && python3 -m zipfile -e "$TORCHAO_WHEEL" /tmp/torchao-site && export PYTHONPATH=$PYTHONPATH:/tmp/torchao-site
 for run in "$@"; do
   mode=${run%%+*} flags=()
-  [[ "$run" == *+compile ]] && flags=(--compile)
+  [[ "$run" == *+compile* ]] && flags+=(--compile)
+  [[ "$run" == *+float8* ]] && flags+=(--float8)
   [[ "$mode" == *@* ]] && flags+=(--auto-headroom "${mode#*@}") && mode=${mode%@*}
   name="$TOKENS-$(echo "$run" | tr '+@' '-h')"  # ("+" and "@" do not survive the device's file transfer)
-  python3 -m attnpool.cli.main train --model llama3-8b --nproc "$NPROC" --attention cad --pingpong \
+  timeout "${RUN_TIMEOUT_S:-0}" python3 -m attnpool.cli.main train --model llama3-8b --nproc "$NPROC" --attention cad --pingpong \
     --attention-backend "$KERNEL" --data synthetic --data-args dist=prolong --tokens-per-rank "$TOKENS" \
     --steps "$STEPS" --warmup-steps 1 --activation-checkpointing "$mode" --no-progress --checkpoint-every -1 \
     --out "$OUT/$name" "${flags[@]}" 2>&1 | grep -v "^\[rank\|Warning\|warn(" | tail -14 > "$OUT/$name.log"

@@ -85,6 +85,12 @@ case "$PHASE" in
   full-depth256-baselines)
     bench full-depth256-baselines --layers 32 --configs prolong:256K --strategies wlb,percp --warmup 1 --steps 2 \
       --activation-checkpointing full --activation-offload --budget-s 280 ;;
+  # Issue 45: sparse against dense cad at full depth, 256K tokens per GPU (512K does not fit: with full checkpointing
+  # and offload `attnpool memory` gives 481K at most, sparse or not).
+  full-depth256-sparse)
+    bench full-depth256-sparse --layers 32 --configs prolong:256K --strategies cad+pingpong,cad+sparse \
+      --sparse-args slash_cap=192,vertical_cap=1024 --activation-checkpointing full --activation-offload \
+      --warmup 1 --steps 2 --budget-s 520 ;;
   # Issue 28's speed runs: llama-34b with 8 of its 48 layers, tokens per dp rank, tp=4 against
   # pp=2 x tp=2 (both dp=1, so local only) and dp=4 (cad against local); then the full 8B, tp=2 x dp=2
   # against dp=4 at 256K tokens per GPU. --configs tokens are per GPU: a dp rank holds tp x them (64K and
@@ -110,6 +116,6 @@ case "$PHASE" in
     done ;;
   *) phases="smoke|prolong128|prolong256|pretrain64|pretrain64-memory|prolong64|pretrain128|pretrain128-baselines|pretrain256"
      phases="$phases|pretrain256-baselines"
-     echo "usage: bash bench/gpu_e2e.sh $phases|prolong256-baselines|prolong256-sparse-pingpong|full-depth128|full-depth256|full-depth128-pretrain-cad|full-depth128-pretrain-local|full-depth256-baselines|parallel34b-tp4|parallel34b-pp2tp2|parallel34b-dp4|parallel8b-tp2|pooled-pp2 [BENCH ARGS...]" >&2
+     echo "usage: bash bench/gpu_e2e.sh $phases|prolong256-baselines|prolong256-sparse-pingpong|full-depth128|full-depth256|full-depth128-pretrain-cad|full-depth128-pretrain-local|full-depth256-baselines|full-depth256-sparse|parallel34b-tp4|parallel34b-pp2tp2|parallel34b-dp4|parallel8b-tp2|pooled-pp2 [BENCH ARGS...]" >&2
      exit 2 ;;
 esac

@@ -29,6 +29,9 @@ def test_only_the_decoder_layers_linear_layers_are_converted():
     floats = {name for name, module in model.named_modules() if isinstance(module, Float8Linear)}
     assert floats == set(converted)
     assert not isinstance(model.embed, Float8Linear) and "norm" not in " ".join(floats)
+    # a micro-batch's tokens, the inner dimension of the weight gradient's matmul, need not be a multiple of 16
+    # (ping-pong halves end at documents' ends): _scaled_mm refused 64499 of them on the GPU before padding
+    assert all(module.config.pad_inner_dim for name, module in model.named_modules() if name in floats)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -36,7 +39,7 @@ def test_emulated_float8_trains_as_bf16_within_its_rounding(recipe):
     """Ten steps of AdamW on the same batch from the same weights: float8 (emulated: its rounding, matmuls in higher
     precision) keeps the loss within 2% of the plain model's, and moves it (the updates flow through the float8
     modules' backward)."""
-    docs = [120, 70, 66]
+    docs = [120, 70, 67]  # 257 tokens: not a multiple of 16, as the float8 matmuls pad
     plan = plan_attention(linear_layout(docs, 1), "local", cost_model="pairs")
     tokens = torch.randint(0, 256, (sum(docs),), generator=torch.Generator().manual_seed(0))
     positions = torch.cat([torch.arange(n) for n in docs])

@@ -54,6 +54,7 @@ def test_bench_runs_every_strategy_and_writes_results(tmp_path, capsys):
     for rec in records:  # keep_attention recomputes the linear parts: a longer ideal, never a shorter one
         assert rec["ideal_step_with_recompute_s"] > rec["ideal_step_s"] > 0
     assert records[0]["attention_density"] is None and 0 < records[5]["attention_density"] <= 1
+    assert records[0]["sparse_imbalance_measured"] is None and records[5]["sparse_imbalance_measured"] >= 1
     assert (tmp_path / "trace-prolong-1K-cad.txt").read_text().strip()  # the profiled extra step
     assert (tmp_path / "trace-prolong-1K-cad.json.gz").stat().st_size > 0
     assert "| prolong | 1K | cad |" in (tmp_path / "e2e.md").read_text()

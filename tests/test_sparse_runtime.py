@@ -209,6 +209,37 @@ def check_routes(world, pieces, results):
         assert causal == pytest.approx(N_Q * float((L * (L + 1) / 2).sum()))
         density = sum(results[r][strategy]["stats"][3] for r in range(world)) / causal
         assert 0.2 < density < 1.0, (strategy, density)  # the long documents really are sparse
+        # Each rank's served work, measured from the patterns its kernel ran, is what its segments' tiles are.
+        served = [results[r][strategy]["stats"][5] for r in range(world)]
+        assert served == pytest.approx([served_pairs_reference(plan, r, pieces) for r in range(world)]), strategy
+
+
+def served_pairs_reference(plan, rank, pieces):
+    """(query, key) pairs x heads of the tiles rank's kernel call computes, counted one query block at a time from
+    each document's pattern estimated alone: per head, the kept diagonals Delta <= I (B x B pairs each) and the
+    vertical columns before key block I - run + 1 in bars of vertical_chunk (B x chunk each), where run counts the
+    consecutive diagonals from 0 (those key blocks are slash tiles); dense documents their exact causal pairs."""
+    B, chunk = CONFIG.block, CONFIG.vertical_chunk
+    data = global_inputs(pieces)
+    total = 0.0
+    for doc, a, e in zip(*plan.kernel_spans(rank)):
+        L = int(plan.pieces.doc_len[doc])
+        if L < CONFIG.min_doc_len:
+            total += N_Q * (e * (e + 1) - a * (a + 1)) / 2
+            continue
+        q, k = data[int(plan.pieces.doc_ids[doc])][:2]
+        m = min(L, CONFIG.last_queries)
+        pattern = estimate_vertical_slash(q[L - m:], k, torch.tensor([0, m], dtype=torch.int32),
+                                          torch.tensor([0, L], dtype=torch.int32), CONFIG)
+        nb = -(-L // B)
+        for h in range(N_Q):
+            diagonals = pattern.slash[h, :nb].tolist()
+            run = next((i for i, kept in enumerate(diagonals) if not kept), nb)
+            columns = pattern.vert[h, :int(pattern.n_vert[0, h])].tolist()
+            for i in range(a // B, -(-e // B)):
+                total += sum(diagonals[:i + 1]) * B * B
+                total += -(-sum(c // B <= i - run for c in columns) // chunk) * B * chunk
+    return total
 
 
 def recompute_worker(rank, world, strategy, transfer):

@@ -148,6 +148,11 @@ def test_sparse_training_is_the_same_under_every_strategy(tmp_path):
     densities = [r["attention_density"] for r in ref_rows]
     assert all(0.0 < d < 1.0 for d in densities), densities  # the documents over 128 tokens really are sparse
     assert all(d is not None for d in (r["attention_density"] for r in dense_first))
+    # Every rank's served sparse work is recorded, and its spread is the measured max/mean.
+    for r in results["cad"][0]:
+        served = np.array(r["sparse_served_pairs"])
+        assert len(served) == 2 and (served > 0).all()
+        assert r["sparse_imbalance_measured"] == pytest.approx(served.max() / served.mean())
     # Resuming restores the planning prior too: the steps after the cut are planned as without it.
     cad = results["cad"][0]
     assert [r["attention_work_total"] for r in resumed[2:]] == [r["attention_work_total"] for r in cad[2:]]

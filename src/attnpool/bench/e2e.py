@@ -198,6 +198,10 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg, memory_settings):
         "attention_time_s": attention_time(measured, statistics.median),
         "attention_density": None if measured[0].get("attention_density") is None
         else statistics.mean(r["attention_density"] for r in measured),
+        # the sparse layers' served work, max/mean over the ranks, measured from the patterns the kernels ran
+        # (imbalance_after is the planner's prediction)
+        "sparse_imbalance_measured": None if measured[0].get("sparse_imbalance_measured") is None
+        else statistics.mean(r["sparse_imbalance_measured"] for r in measured),
         "longest_doc": max(r["longest_doc"] for r in rows),
         "layer_checkpointing": auto_choice(modes, offload),
     }
@@ -419,8 +423,8 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
              "", f"Command: `{meta['command']}`", "",
              "| dist | tokens/GPU | strategy | step (s) | tokens/s | vs local | vs local (total) | MFU | efficiency | "
              "efficiency with recompute | attn max/mean | MiB sent/GPU | peak GiB | predicted GiB | loss vs local | "
-             "attn density |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "attn density | sparse max/mean (measured) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         lv, density = r.get("loss_vs_local_max_rel"), r["attention_density"]
         vs, vs_total = (("-" if x is None else f"{x:.3f}") for x in (r["speedup_vs_local"], r["speedup_vs_local_total"]))
@@ -430,7 +434,7 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
                      f"{r['imbalance_after']:.3f} | {r['bytes_sent_per_gpu'] / 2**20:.0f} | "
                      f"{r['peak_memory_bytes'] / 2**30:.1f} | {_gib(r['predicted_peak_memory_bytes'])} | "
                      f"{'-' if lv is None else f'{lv:.4f}'} | "
-                     f"{'-' if density is None else f'{density:.3f}'} |")
+                     f"{'-' if density is None else f'{density:.3f}'} | {_fixed(r.get('sparse_imbalance_measured'))} |")
     if args.activation_checkpointing == "auto":
         lines += ["", "auto's choice: " + "; ".join(f"{r['dist']} {r['tokens_per_gpu'] // 1024}K {r['strategy']}: "
                                                     f"{r['layer_checkpointing']}" for r in records) + "."]

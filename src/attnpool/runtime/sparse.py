@@ -37,7 +37,7 @@ from attnpool.plan.plan import Plan
 from attnpool.runtime.dispatch import SegmentRows, backward_in_parts, index_tensor
 from attnpool.runtime.sparse_kv import ReadRoutes, ReadSelection, estimating_servers
 from attnpool.sparse import SparseConfig, VerticalSlashPattern, estimate_vertical_slash, packed_sizes
-from attnpool.sparse.pattern import PackLayout
+from attnpool.sparse.pattern import PackLayout, exclusive_cumsum
 
 # Per call, summed over the documents this rank estimated (each document is estimated once
 # in the whole group, so summing over ranks counts each once): see SparseStats.
@@ -71,6 +71,11 @@ class PatternRoutes:
     sparse_rows: "SegmentRows | None"  # the sparse segments of the kernel call (None: all of them)
     dense_rows: "SegmentRows | None"  # the dense (short-document) segments; None when there are none
     dense_pairs: float  # causal (query, key) pairs x heads of the dense documents whose last task is here
+    # What this server's kernel call computes, for SparseStats' served work: each sparse segment's served
+    # document and query blocks [first, end), and the (query, key) pairs x heads of its dense segments.
+    seg_first_block: torch.Tensor
+    seg_end_block: torch.Tensor
+    dense_served_pairs: float
     exchange: bool  # some document has tasks on two servers (a plan property: equal on every rank)
     extra_exchange: bool  # some estimating server needs queries from another rank (also a plan property)
 
@@ -122,9 +127,11 @@ class PatternRoutes:
         dev = functools.partial(index_tensor, device=device)
 
         seg_doc, seg_q, seg_k = plan.kernel_segments(rank)  # the kernel call's segments
+        _, seg_start, seg_end = plan.kernel_spans(rank)
         is_sparse = sparse_doc[seg_doc]
         dense_here = np.flatnonzero(~sparse_doc & (est_server == rank))
         L = doc_len[dense_here].astype(np.float64)
+        a, e = seg_start[~is_sparse].astype(np.float64), seg_end[~is_sparse].astype(np.float64)
 
         return cls(
             est_docs=est_here, est_lens=est_lens,
@@ -140,7 +147,10 @@ class PatternRoutes:
             seg_doc=dev(np.searchsorted(served, seg_doc[is_sparse])),
             sparse_rows=None if is_sparse.all() else SegmentRows.of(seg_q, seg_k, is_sparse, device),
             dense_rows=None if is_sparse.all() else SegmentRows.of(seg_q, seg_k, ~is_sparse, device),
-            dense_pairs=float(num_heads * (L * (L + 1) / 2).sum()), exchange=bool(np.any(remote)),
+            dense_pairs=float(num_heads * (L * (L + 1) / 2).sum()),
+            seg_first_block=dev(seg_start[is_sparse] // config.block),
+            seg_end_block=dev(-(-seg_end[is_sparse] // config.block)),
+            dense_served_pairs=float(num_heads * (e * (e + 1) - a * (a + 1)).sum() / 2), exchange=bool(np.any(remote)),
             extra_exchange=queries["extra_exchange"],
         )
 
@@ -224,11 +234,19 @@ class SparseStats:
       documents all their pairs) against its causal pairs, per head: their ratio
       is the attention density, an upper bound by a little (a column inside a kept
       diagonal block counts twice).
+
+    Also what this rank served, measured from the patterns its kernels ran: ``served_pairs``, the (query, key)
+    pairs x heads of the tiles its sparse layers' kernel calls computed (slash tiles and vertical bars whole, dense
+    documents' causal pairs), forward, summed over the step's calls. Unlike the sums above it is this rank's own:
+    its spread over the ranks is the sparse work's measured balance, where the planner's max/mean is a prediction
+    made before the step's patterns exist.
     """
 
     def __init__(self):
         self.sums: torch.Tensor | None = None
         self.dense_pairs = 0.0  # dense documents' pairs, known on the host
+        self.served: torch.Tensor | None = None
+        self.dense_served = 0.0
 
     def add(self, pattern: VerticalSlashPattern | None, dense_pairs: float = 0.0) -> None:
         """One call's estimated patterns (None: none here) and the causal pairs of its dense documents."""
@@ -237,12 +255,25 @@ class SparseStats:
             values = _pattern_stats(pattern)
             self.sums = values if self.sums is None else self.sums + values
 
+    def add_served(self, pattern: VerticalSlashPattern | None, routes: PatternRoutes, chunk: int) -> None:
+        """One kernel call's served work: its sparse segments' tiles under ``pattern`` (the served documents';
+        None: none served here) and its dense segments' pairs."""
+        self.dense_served += routes.dense_served_pairs
+        if pattern is not None:
+            slash, bars = pattern.block_tiles(chunk)
+            B = pattern.block
+            prefix = exclusive_cumsum(slash.double() * (B * B) + bars.double() * (B * chunk))
+            off = pattern.blk_off[routes.seg_doc]
+            pairs = (prefix[off + routes.seg_end_block] - prefix[off + routes.seg_first_block]).sum()
+            self.served = pairs if self.served is None else self.served + pairs
+
     def values(self) -> list[float]:
-        """The sums as floats (synchronises with the device)."""
+        """The sums, then this rank's served pairs, as floats (synchronises with the device)."""
         sums = [0.0] * len(_STAT_FIELDS) if self.sums is None else self.sums.double().cpu().tolist()
         sums[3] += self.dense_pairs
         sums[4] += self.dense_pairs
-        return sums
+        served = self.dense_served + (0.0 if self.served is None else float(self.served))
+        return sums + [served]
 
 
 @torch.no_grad()
@@ -340,6 +371,8 @@ class SparseServing:
                                   lambda: ReadRoutes.build(self.plan, self.rank, self.config, q.device), str(q.device))
             if read.active:
                 self.read = ReadSelection.select(read, pattern, self.group)
+        if self.stats is not None:
+            self.stats.add_served(pattern if len(r.served_lens) else None, r, self.config.vertical_chunk)
         if not len(r.served_lens):
             return self.dense  # no sparse document served here
         sparse = sparse_kernels.backend(pattern, seg_doc=r.seg_doc, chunk=self.config.vertical_chunk)

@@ -102,14 +102,8 @@ class SparseCost:
     def from_pattern(cls, pattern: VerticalSlashPattern, coefficients: SparseCoefficients | None = None,
                      phase: str = "fwd+bwd", chunk: int = 64) -> "SparseCost":
         """Exact tile counts of a known pattern (one host copy of small per-block arrays)."""
-        nbt = pattern.slash.shape[1]
-        blk_doc = pattern.blk_doc
-        used = blk_doc < pattern.num_docs
-        d = blk_doc.clamp(max=max(pattern.num_docs - 1, 0))
-        local = torch.arange(nbt, device=pattern.device) - pattern.blk_off[d]
-        cnt = torch.where(used, pattern.slash.sum(0), 0)
-        bars = torch.where(used[None, :], (pattern.vert_active(d, local) + chunk - 1) // chunk, 0).sum(0)
-        cnt, bars = cnt.cpu().numpy(), bars.cpu().numpy()
+        cnt = torch.where(pattern.blk_doc < pattern.num_docs, pattern.slash.sum(0), 0)  # heads per diagonal
+        cnt, bars = cnt.cpu().numpy(), pattern.block_tiles(chunk)[1].cpu().numpy()
         off = pattern.blk_off.cpu().numpy()
         doc_len = pattern.doc_len.cpu().numpy()
         split = lambda x: [x[off[i]:off[i + 1]] for i in range(len(doc_len))]

@@ -143,6 +143,18 @@ class VerticalSlashPattern:
         idx = start[None, :] + torch.minimum(torch.clamp(x + 1, min=0), nb[None, :])
         return self.slash_excl.gather(1, idx) - self.slash_excl[:, start]
 
+    def block_tiles(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(NB_total,) each: per query block of every document, summed over heads, the slash tiles the kernels
+        compute (its diagonals Delta <= I) and the vertical bars of ``chunk`` columns they visit (vert_active);
+        0 on unused blocks."""
+        nbt = self.slash.shape[1]
+        used = self.blk_doc < self.num_docs
+        d = self.blk_doc.clamp(max=max(self.num_docs - 1, 0))
+        local = torch.arange(nbt, device=self.device) - self.blk_off[d]
+        slash = torch.where(used, self.slash_le(d, local).sum(0), 0)
+        bars = torch.where(used, ((self.vert_active(d, local) + chunk - 1) // chunk).sum(0), 0)
+        return slash, bars
+
     def vert_before_block(self, doc: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
         """Number of vertical columns c with c // block < j; j (N,) or (H, N)."""
         nb = self.num_blocks()[doc]

@@ -36,6 +36,7 @@ from attnpool.comm.watchdog import RankRecords, is_collective_failure
 from attnpool.data import DocumentStream
 from attnpool.errors import ConfigError, TrainingError
 from attnpool.parallel import build_rank_mesh
+from attnpool.plan.metrics import imbalance
 from attnpool.runtime.sparse import SparseStats
 from attnpool.sizes import format_bytes
 from attnpool.train.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
@@ -245,7 +246,7 @@ class Trainer:
         self.scheduler.step()
         per_rank = self._gather_rank_values(outcome, stats, preemption)
         stop = bool(per_rank[:, 7].max() > 0)  # a SIGTERM reached some rank: all stop after this step
-        sparse_sums = per_rank[:, 8:].sum(0)  # each document was estimated on one rank
+        sparse_sums = per_rank[:, 8:13].sum(0)  # each document was estimated on one rank
         if self.prior is not None:
             self.prior.update(*sparse_sums[:3])
         values = {"step_time_s": time.perf_counter() - t0, "plan_time_s": plan_time, "lr": lr,
@@ -291,6 +292,9 @@ class Trainer:
             "activation_offload_bytes": int(per_rank[:, 6].max()) if self.runner.offload else None,
             "attention_work_total": float(np.sum(balance.load_local)),  # cost-model units
             "attention_density": float(sparse_sums[3] / sparse_sums[4]) if sparse else None,
+            # every rank's served sparse-layer work, measured from the patterns its kernels ran (SparseStats)
+            "sparse_served_pairs": per_rank[:, 13].tolist() if sparse else None,
+            "sparse_imbalance_measured": imbalance(per_rank[:, 13]) if sparse else None,
             "imbalance_before": balance.imbalance_local,
             "imbalance_after": balance.imbalance_planned,
             "num_docs": sum(b.num_docs for b in micro_batches),

@@ -370,6 +370,8 @@ def summarize(rows: list[dict], last_loads: dict | None, info: dict) -> dict:
         "peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows),
         "peak_reserved_bytes": max((r.get("peak_reserved_bytes") or 0 for r in rows), default=0) or None,
         "attention_density_mean": mean("attention_density") if "attention_density" in rows[0] else None,
+        "sparse_imbalance_measured_mean": mean("sparse_imbalance_measured") if "sparse_imbalance_measured" in rows[0]
+        else None,
     })
     if last_loads is not None:
         summary["last_step_loads"] = last_loads
@@ -410,7 +412,9 @@ def print_summary(summary: dict, files: list[str]) -> None:
                  else f"core attention {s['attention_time_s_mean']:.3f} s, of it all-to-all")
     table.add_row("per step", f"{attention} {s['comm_time_s_mean']:.3f} s; {s['comm_bytes_mean'] / 2**20:.2f} MiB sent")
     if s.get("attention_density_mean") is not None:
-        table.add_row("sparse attention", f"{s['attention_density_mean']:.3f} of the causal (query, key) pairs computed")
+        served = s.get("sparse_imbalance_measured_mean")
+        table.add_row("sparse attention", f"{s['attention_density_mean']:.3f} of the causal (query, key) pairs computed"
+                      + (f"; served work max/mean {served:.3f} (measured)" if served is not None else ""))
     memory = f"{s['peak_memory_bytes'] / 2**20:.0f} MiB (largest rank)"
     if s.get("peak_reserved_bytes"):
         memory = (f"{s['peak_memory_bytes'] / 2**30:.1f} GiB allocated, {s['peak_reserved_bytes'] / 2**30:.1f} GiB "

@@ -866,3 +866,72 @@ def test_cad_never_ends_above_local_under_the_sparse_prior():
     model = prior.cost_model(one.doc_len, pairs)
     planned = server_loads(plan_attention(one, "cad", cost_model=model, min_shard_tokens=64), model)
     assert planned.max() / planned.mean() < 1.05  # was 1.270, local 1.258
+
+
+def test_the_prior_follows_pattern_size_by_document_length():
+    """A cap on the slash offsets covers most block diagonals of a short document and few of a long one (an
+    untrained model's patterns: random q and k). Priced with one size for all lengths, cad's plans carried 1.3-1.4x
+    the mean on the busiest server by the real patterns; priced by each length class's size, learnt from the steps
+    before, within 5% (bench/sparse_prior_by_length.py measures the same at prolong 256K x 4)."""
+    from attnpool.plan import linear_table, load_cost_model, plan_attention
+    from attnpool.plan.metrics import imbalance
+    from attnpool.runtime.sparse import SparseStats, _pattern_stats
+    from attnpool.sparse.cost import LayerMixCost, SparsePrior
+
+    cfg = SparseConfig(min_doc_len=256, block=16, vertical_chunk=16, last_queries=32, sink_tokens=4, local_window=16,
+                       slash_cap=48, vertical_cap=64)
+    heads, head_dim, world = 2, 16, 4
+    pairs = load_cost_model("pairs")
+    priors = {"one size": SparsePrior(cfg, heads, head_dim, 1), "by length": SparsePrior(cfg, heads, head_dim, 1)}
+    _, coefficients = priors["one size"]._pricing(pairs)
+    rng = np.random.default_rng(0)
+    measured = {name: [] for name in priors}
+    for step in range(6):
+        lens = np.array(list(rng.integers(256, 700, size=10)) + [int(rng.integers(3000, 5000))])
+        table = linear_table(lens, world, -(-int(lens.sum()) // world))
+        m = np.minimum(lens, cfg.last_queries)
+        g = torch.Generator().manual_seed(step)
+        k, q = torch.randn(int(lens.sum()), heads, head_dim, generator=g), torch.randn(int(m.sum()), heads, head_dim,
+                                                                                      generator=g)
+        pattern = estimate_vertical_slash(q, k, torch.tensor(np.r_[0, np.cumsum(m)], dtype=torch.int32),
+                                          torch.tensor(np.r_[0, np.cumsum(lens)], dtype=torch.int32), cfg,
+                                          k_lens_host=lens)
+        exact = LayerMixCost(pairs, SparseCost.from_pattern(pattern, coefficients, chunk=cfg.vertical_chunk), 0, 1,
+                             lens >= cfg.min_doc_len)
+        # the step's statistics as a rank reports them (values: the sums, served pairs, the sums by length)
+        stats = _pattern_stats(pattern).tolist()
+        sums, _, by_length = SparseStats.parse(np.array([stats[:5] + [0.0] + stats[5:]]))
+        for name, prior in priors.items():
+            plan = plan_attention(table, "cad", cost_model=prior.cost_model(table.doc_len, pairs), min_shard_tokens=32)
+            load = np.bincount(plan.task_server, weights=exact.cost(plan.task_start, plan.task_end, plan.task_doc),
+                               minlength=world)
+            measured[name].append(imbalance(load))
+            prior.update(*sums[:3], by_length=by_length if name == "by length" else None)
+    assert min(measured["one size"][1:]) > 1.2, measured  # the failure this guards against
+    assert max(measured["by length"][1:]) < 1.05, measured
+
+
+def test_the_prior_by_length_interpolates_and_survives_a_checkpoint():
+    from attnpool.sparse.cost import SparsePrior
+    from attnpool.sparse.pattern import LENGTH_CLASSES, length_class
+
+    cfg = SparseConfig(min_doc_len=256, block=16, local_window=16, sink_tokens=4, slash_cap=48, vertical_cap=64)
+    prior = SparsePrior(cfg, num_heads=2, head_dim=16, n_layers=1)
+    before = prior.sizes([300, 5000])
+    assert before[0].tolist() == [prior.diagonals] * 2  # no class seen: one size
+    by_length = np.zeros((LENGTH_CLASSES, 3))
+    short, long = length_class(np.array([300, 4096]))
+    by_length[short] = (2, 2 * (10 + prior.local_blocks), 2 * (20 + 4))  # 2 sparse heads: 10 diagonals, 20 verticals
+    by_length[long] = (2, 2 * (40 + prior.local_blocks), 2 * (60 + 4))
+    prior.update(4, by_length[:, 1].sum(), by_length[:, 2].sum(), by_length=by_length)
+    middle = 2 ** ((np.array([short, long]) + 0.5) / 2)  # the lengths in the middle of the two classes
+    diagonals, verticals = prior.sizes([*middle, 1100, 100, 10**6])
+    assert diagonals[:2].tolist() == pytest.approx([10, 40]) and verticals[:2].tolist() == pytest.approx([20, 60])
+    assert 10 < diagonals[2] < 40  # between the classes seen, by log length
+    assert diagonals[3] == pytest.approx(10) and diagonals[4] == pytest.approx(40)  # the nearest beyond them
+    restored = SparsePrior(cfg, num_heads=2, head_dim=16, n_layers=1)
+    restored.load_state_dict(prior.state_dict())
+    assert np.array_equal(restored.sizes([1100])[0], prior.sizes([1100])[0])
+    older = {k: v for k, v in prior.state_dict().items() if k != "by_length"}  # a checkpoint of before
+    restored.load_state_dict(older)
+    assert restored.sizes([300, 4096])[0].tolist() == [prior.diagonals] * 2

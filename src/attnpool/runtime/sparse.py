@@ -37,7 +37,7 @@ from attnpool.plan.plan import Plan
 from attnpool.runtime.dispatch import SegmentRows, backward_in_parts, index_tensor
 from attnpool.runtime.sparse_kv import ReadRoutes, ReadSelection, estimating_servers
 from attnpool.sparse import SparseConfig, VerticalSlashPattern, estimate_vertical_slash, packed_sizes
-from attnpool.sparse.pattern import PackLayout, exclusive_cumsum
+from attnpool.sparse.pattern import LENGTH_CLASSES, PackLayout, exclusive_cumsum, length_class
 
 # Per call, summed over the documents this rank estimated (each document is estimated once
 # in the whole group, so summing over ranks counts each once): see SparseStats.
@@ -268,12 +268,22 @@ class SparseStats:
             self.served = pairs if self.served is None else self.served + pairs
 
     def values(self) -> list[float]:
-        """The sums, then this rank's served pairs, as floats (synchronises with the device)."""
-        sums = [0.0] * len(_STAT_FIELDS) if self.sums is None else self.sums.double().cpu().tolist()
+        """The sums, this rank's served pairs, then the first three sums by length class (``LENGTH_CLASSES`` x 3), as
+        floats (synchronises with the device): what :meth:`parse` reads back from every rank's."""
+        width = len(_STAT_FIELDS) + 3 * LENGTH_CLASSES
+        sums = [0.0] * width if self.sums is None else self.sums.double().cpu().tolist()
         sums[3] += self.dense_pairs
         sums[4] += self.dense_pairs
         served = self.dense_served + (0.0 if self.served is None else float(self.served))
-        return sums + [served]
+        return sums[:len(_STAT_FIELDS)] + [served] + sums[len(_STAT_FIELDS):]
+
+    @staticmethod
+    def parse(per_rank: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every rank's :meth:`values` (world, n) as (the sums over the ranks (5,), each rank's served pairs (world,),
+        the sums by length class over the ranks (LENGTH_CLASSES, 3)). Each document was estimated on one rank, so
+        the sums over ranks count each once."""
+        n = len(_STAT_FIELDS)
+        return per_rank[:, :n].sum(0), per_rank[:, n], per_rank[:, n + 1:].sum(0).reshape(LENGTH_CLASSES, 3)
 
 
 @torch.no_grad()
@@ -295,8 +305,12 @@ def _pattern_stats(pattern: VerticalSlashPattern) -> torch.Tensor:
     vert_pairs = vlen.sum()  # unused slots hold doc_len, so they add 0
     causal = (L * (L + 1) / 2).sum() * H
     computed = torch.minimum(tiles * B * B + vert_pairs, causal)
-    return torch.stack([(sparse[:, None].double() * torch.ones_like(n_slash)).sum(),
-                        (n_slash * sparse[:, None]).sum(), (n_vert * sparse[:, None]).sum(), computed, causal])
+    # The first three by the documents' length class as well: (sparse heads, diagonals, verticals) per class.
+    per_doc = torch.stack([sparse.double() * H, (n_slash * sparse[:, None]).sum(1), (n_vert * sparse[:, None]).sum(1)], 1)
+    by_length = torch.zeros(LENGTH_CLASSES, 3, dtype=torch.float64, device=dev).index_add_(
+        0, length_class(pattern.doc_len), per_doc)
+    return torch.cat([torch.stack([per_doc[:, 0].sum(), per_doc[:, 1].sum(), per_doc[:, 2].sum(), computed, causal]),
+                      by_length.flatten()])
 
 
 class SparseServing:

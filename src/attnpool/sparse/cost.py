@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from attnpool.sparse.coefficients import H200_MEASURED, PHASES, SparseCoefficients  # noqa: F401 (re-exported)
-from attnpool.sparse.pattern import VerticalSlashPattern
+from attnpool.sparse.pattern import LENGTH_CLASSES, VerticalSlashPattern
 
 def fit_coefficients(slash, bars, seconds, tasks=None) -> tuple[float, float, float]:
     """Least-squares (a, b, c) >= 0 of ``seconds ~ a * slash + b * bars + c * tasks``.
@@ -110,14 +110,18 @@ class SparseCost:
         return cls(doc_len, split(cnt), split(bars), pattern.block, chunk, coefficients, phase)
 
     @classmethod
-    def uniform(cls, doc_len, num_heads: int, diagonals: int, verticals: int, *, block: int = 128, chunk: int = 64,
+    def uniform(cls, doc_len, num_heads: int, diagonals, verticals, *, block: int = 128, chunk: int = 64,
                 local_blocks: int = 2, sinks: int = 64, min_doc_len: int = 8192,
                 coefficients: SparseCoefficients | None = None, phase: str = "fwd+bwd") -> "SparseCost":
         """A prior for planning before patterns exist: per head, the local diagonals plus
         ``diagonals`` others spread evenly, ``verticals`` columns spread evenly plus
-        the sinks; documents shorter than ``min_doc_len`` dense. Expected tile counts."""
+        the sinks (each one number, or one per document); documents shorter than ``min_doc_len``
+        dense. Expected tile counts."""
+        lengths = np.asarray(doc_len, dtype=np.int64)
+        per_doc = zip(lengths.tolist(), np.broadcast_to(np.asarray(diagonals, dtype=np.float64), lengths.shape).tolist(),
+                      np.broadcast_to(np.asarray(verticals, dtype=np.float64), lengths.shape).tolist())
         cnt, bars = [], []
-        for L in np.asarray(doc_len, dtype=np.int64).tolist():
+        for L, diagonals, verticals in per_doc:
             nb = -(-L // block)
             if L < min_doc_len:
                 cnt.append(np.full(nb, float(num_heads)))
@@ -229,10 +233,14 @@ class SparsePrior:
     ``verticals`` columns. They start from the caps (diagonals: the slash cap in
     blocks; verticals: half the column cap) and then follow the patterns
     actually estimated (:meth:`update` with the step's ``SparseStats`` sums, an
-    exponential average with weight ``smoothing`` on the newest step). What this
-    misses is how pattern size varies between documents: it is the same for all of
-    a step's sparse documents, so their cost grows linearly with length, while
-    dense (short) documents keep the dense model's quadratic cost.
+    exponential average with weight ``smoothing`` on the newest step), by the documents'
+    length class (``sparse.pattern.length_class``, half an octave each): a pattern's size
+    depends on its length (an untrained model's 192 slash offsets cover 84% of a 9K
+    document's block diagonals and 9% of a 185K one's), and one size for every length
+    left cad's plans at a measured 1.2-1.4 max/mean on prolong 256K (bench/results/
+    2026-11-28-h200x4-sparse-balance-measured.md). A document is priced with its class's
+    sizes, interpolated between the classes seen (in log length; the nearest seen beyond
+    them), and with the overall sizes before any class is seen.
     """
 
     def __init__(self, config, num_heads: int, head_dim: int, n_layers: int, smoothing: float = 0.5):
@@ -242,23 +250,46 @@ class SparsePrior:
         self.local_blocks = -(-(config.local_window - 1) // config.block) + 1  # diagonals of offsets < window
         self.diagonals = float(config.slash_cap) / config.block
         self.verticals = float(max(config.vertical_cap - config.sink_tokens, 0)) / 2
+        # per length class: whether seen, then its diagonals and verticals (as the overall two)
+        self.by_length = np.zeros((LENGTH_CLASSES, 3))
         self._priced: dict = {}  # id(dense model) -> (it, it for this model's heads, sparse coefficients)
 
     def state_dict(self) -> dict:
-        return {"diagonals": float(self.diagonals), "verticals": float(self.verticals)}
+        return {"diagonals": float(self.diagonals), "verticals": float(self.verticals),
+                "by_length": self.by_length.tolist()}
 
     def load_state_dict(self, state: dict) -> None:
         self.diagonals, self.verticals = float(state["diagonals"]), float(state["verticals"])
+        # (checkpoints written before the sizes were kept by length have none)
+        self.by_length = np.array(state.get("by_length", np.zeros((LENGTH_CLASSES, 3))), dtype=np.float64)
 
-    def update(self, sparse_heads: float, diagonals: float, verticals: float) -> None:
-        """Fold in one step's sums over its sparse (document, head) pairs (all layers, all ranks)."""
-        if sparse_heads <= 0:
-            return
-        w = self.smoothing
-        seen_diagonals = max(diagonals / sparse_heads - self.local_blocks, 0.0)
-        seen_verticals = max(verticals / sparse_heads - self.config.sink_tokens, 0.0)
-        self.diagonals = (1 - w) * self.diagonals + w * seen_diagonals
-        self.verticals = (1 - w) * self.verticals + w * seen_verticals
+    def update(self, sparse_heads: float, diagonals: float, verticals: float, by_length=None) -> None:
+        """Fold in one step's sums over its sparse (document, head) pairs (all layers, all ranks), overall and, where
+        given, by length class ((LENGTH_CLASSES, 3): sparse heads, diagonals, verticals)."""
+        if sparse_heads > 0:
+            self.diagonals, self.verticals = self._folded(self.diagonals, self.verticals, sparse_heads, diagonals,
+                                                          verticals)
+        for c, (heads, d, v) in enumerate(np.zeros((0, 3)) if by_length is None else np.asarray(by_length)):
+            if heads > 0:
+                seen, old_d, old_v = self.by_length[c]
+                self.by_length[c] = (1.0, *(self._folded(old_d, old_v, heads, d, v) if seen else
+                                            self._folded(0.0, 0.0, heads, d, v, w=1.0)))
+
+    def _folded(self, old_diagonals, old_verticals, heads, diagonals, verticals, w=None):
+        """Sizes after one step's sums: the local band and the sinks taken out, averaged in with weight ``w``."""
+        w = self.smoothing if w is None else w
+        seen_diagonals = max(diagonals / heads - self.local_blocks, 0.0)
+        seen_verticals = max(verticals / heads - self.config.sink_tokens, 0.0)
+        return (1 - w) * old_diagonals + w * seen_diagonals, (1 - w) * old_verticals + w * seen_verticals
+
+    def sizes(self, doc_len) -> tuple[np.ndarray, np.ndarray]:
+        """(diagonals, verticals) the prior gives each document of these lengths."""
+        lengths = np.asarray(doc_len, dtype=np.float64)
+        seen = np.flatnonzero(self.by_length[:, 0] > 0)
+        if not len(seen):
+            return np.full(lengths.shape, self.diagonals), np.full(lengths.shape, self.verticals)
+        x = 2 * np.log2(np.maximum(lengths, 1))  # the class coordinate, continuous; class c's middle at c + 0.5
+        return tuple(np.interp(x, seen + 0.5, self.by_length[seen, i]) for i in (1, 2))
 
     def _pricing(self, dense_model):
         """(dense model for this model's heads, sparse coefficients) in ``dense_model``'s unit: once per run."""
@@ -286,7 +317,8 @@ class SparsePrior:
         """The planning cost of a batch with these document lengths, in ``dense_model``'s unit."""
         cfg = self.config
         dense_model, coefficients = self._pricing(dense_model)
-        sparse = SparseCost.uniform(doc_len, self.num_heads, int(round(self.diagonals)), int(round(self.verticals)),
+        diagonals, verticals = self.sizes(doc_len)
+        sparse = SparseCost.uniform(doc_len, self.num_heads, np.round(diagonals), np.round(verticals),
                                     block=cfg.block, chunk=cfg.vertical_chunk, local_blocks=self.local_blocks,
                                     sinks=cfg.sink_tokens, min_doc_len=cfg.min_doc_len, coefficients=coefficients)
         sparse_docs = np.asarray(doc_len) >= cfg.min_doc_len

@@ -44,6 +44,19 @@ from attnpool.plan.documents import ranges
 from attnpool.sparse.config import SparseConfig
 
 
+# Documents' length classes, half an octave each (class c: lengths [2^(c/2), 2^((c+1)/2))): what a pattern's size
+# is tracked by (runtime.sparse.SparseStats, sparse.cost.SparsePrior), because it varies with the length (a cap on
+# the slash offsets covers most block diagonals of a short document and few of a long one).
+LENGTH_CLASSES = 64
+
+
+def length_class(doc_len):
+    """Each length's class (numpy array or torch tensor)."""
+    if isinstance(doc_len, torch.Tensor):
+        return torch.floor(2 * torch.log2(doc_len.double().clamp(min=1))).long().clamp(0, LENGTH_CLASSES - 1)
+    return np.clip(np.floor(2 * np.log2(np.maximum(doc_len, 1))), 0, LENGTH_CLASSES - 1).astype(np.int64)
+
+
 def exclusive_cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Exclusive prefix sum with one more entry: out[..., i] = sum(x[..., :i])."""
     c = torch.cumsum(x, dim=dim)

@@ -246,12 +246,12 @@ class Trainer:
         self.scheduler.step()
         per_rank = self._gather_rank_values(outcome, stats, preemption)
         stop = bool(per_rank[:, 7].max() > 0)  # a SIGTERM reached some rank: all stop after this step
-        sparse_sums = per_rank[:, 8:13].sum(0)  # each document was estimated on one rank
+        sparse_sums, served, by_length = SparseStats.parse(per_rank[:, 8:])
         if self.prior is not None:
-            self.prior.update(*sparse_sums[:3])
+            self.prior.update(*sparse_sums[:3], by_length=by_length)
         values = {"step_time_s": time.perf_counter() - t0, "plan_time_s": plan_time, "lr": lr,
                   "grad_norm": float(grad_norm)}
-        row = self._row(micro_batches, planned.balance, per_rank, sparse_sums, values, outcome.timed, finite,
+        row = self._row(micro_batches, planned.balance, per_rank, sparse_sums, served, values, outcome.timed, finite,
                         max(1, targets))
         return StepEnd(row, planned.balance, finite, stop)
 
@@ -265,8 +265,8 @@ class Trainer:
         out = all_gather_flat(torch.tensor(values, dtype=torch.float64, device=device))
         return out.cpu().numpy().reshape(dist.get_world_size(), len(values))
 
-    def _row(self, micro_batches, balance: StepPlan, per_rank: np.ndarray, sparse_sums: np.ndarray, values: dict,
-             attention_timed: bool, finite: bool, label_tokens: int) -> dict:
+    def _row(self, micro_batches, balance: StepPlan, per_rank: np.ndarray, sparse_sums: np.ndarray, served: np.ndarray,
+             values: dict, attention_timed: bool, finite: bool, label_tokens: int) -> dict:
         """The step's metrics row (attnpool.train.metrics says what each means); ``values``: this rank's times,
         learning rate and gradient norm."""
         step_tokens = sum(b.num_tokens for b in micro_batches)
@@ -293,8 +293,8 @@ class Trainer:
             "attention_work_total": float(np.sum(balance.load_local)),  # cost-model units
             "attention_density": float(sparse_sums[3] / sparse_sums[4]) if sparse else None,
             # every rank's served sparse-layer work, measured from the patterns its kernels ran (SparseStats)
-            "sparse_served_pairs": per_rank[:, 13].tolist() if sparse else None,
-            "sparse_imbalance_measured": imbalance(per_rank[:, 13]) if sparse else None,
+            "sparse_served_pairs": served.tolist() if sparse else None,
+            "sparse_imbalance_measured": imbalance(served) if sparse else None,
             "imbalance_before": balance.imbalance_local,
             "imbalance_after": balance.imbalance_planned,
             "num_docs": sum(b.num_docs for b in micro_batches),

@@ -261,7 +261,10 @@ class SparsePrior:
     def load_state_dict(self, state: dict) -> None:
         self.diagonals, self.verticals = float(state["diagonals"]), float(state["verticals"])
         # (checkpoints written before the sizes were kept by length have none)
-        self.by_length = np.array(state.get("by_length", np.zeros((LENGTH_CLASSES, 3))), dtype=np.float64)
+        by_length = np.array(state.get("by_length", np.zeros((LENGTH_CLASSES, 3))), dtype=np.float64)
+        if by_length.shape != (LENGTH_CLASSES, 3):
+            raise ValueError(f"sparse prior by_length of shape {by_length.shape}: expected ({LENGTH_CLASSES}, 3)")
+        self.by_length = by_length
 
     def update(self, sparse_heads: float, diagonals: float, verticals: float, by_length=None) -> None:
         """Fold in one step's sums over its sparse (document, head) pairs (all layers, all ranks), overall and, where

@@ -349,7 +349,11 @@ def load_checkpoint(path: str, model, optimizer, scheduler, stream, extra: dict 
     if has_rng:
         state[_rng_key(rank)] = _rng_state(device)
     saved_extra = {name: obj for name, obj in (extra or {}).items() if any(k.startswith(name + ".") for k in keys)}
-    state.update({name: obj.state_dict() for name, obj in saved_extra.items()})
+    # Only the entries the checkpoint holds (DCP refuses a missing one): an object that has gained state since the
+    # checkpoint was written (the sparse prior's sizes by length) gets what there is, and keeps the rest fresh.
+    state.update({name: {k: v for k, v in obj.state_dict().items()
+                         if any(key == f"{name}.{k}" or key.startswith(f"{name}.{k}.") for key in keys)}
+                  for name, obj in saved_extra.items()})
     read_dcp(state, path)
     for name, obj in saved_extra.items():
         obj.load_state_dict(state[name])

@@ -91,6 +91,14 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
         return Trainer(config).fit(on_step, preemption)
 
 
+def served_imbalance(served: np.ndarray, dims) -> float:
+    """max/mean of every rank's served sparse work (world,) within each group cad balances, the dp ranks of one
+    pipeline stage and tp rank (stages hold different numbers of layers), the largest over the groups; ranks in
+    the mesh's ("pp", "dp", "tp") order."""
+    groups = np.asarray(served).reshape(dims.pp, dims.dp, dims.tp).transpose(0, 2, 1).reshape(-1, dims.dp)
+    return max(imbalance(group) for group in groups)
+
+
 class Trainer:
     """One run on this rank: its components, built once, and the loop over its steps."""
 
@@ -294,7 +302,7 @@ class Trainer:
             "attention_density": float(sparse_sums[3] / sparse_sums[4]) if sparse else None,
             # every rank's served sparse-layer work, measured from the patterns its kernels ran (SparseStats)
             "sparse_served_pairs": served.tolist() if sparse else None,
-            "sparse_imbalance_measured": imbalance(served) if sparse else None,
+            "sparse_imbalance_measured": served_imbalance(served, self.spec.dims) if sparse else None,
             "imbalance_before": balance.imbalance_local,
             "imbalance_after": balance.imbalance_planned,
             "num_docs": sum(b.num_docs for b in micro_batches),

@@ -28,7 +28,11 @@ With ``--sparse vertical-slash``, ``attention_density`` is the share of causal
 (query, key) pairs the step's patterns computed, over all documents (dense
 short ones included), heads and sparse layers (null for dense attention).
 ``attention_work_total`` and the imbalances are then in the sparse planning
-cost (per average layer; see ``sparse.cost.SparsePrior``).
+cost (per average layer; see ``sparse.cost.SparsePrior``): predictions made before
+the step's patterns exist. ``sparse_served_pairs`` is what each rank's sparse layers
+then computed, counted from the patterns they ran (runtime.sparse.SparseStats), and
+``sparse_imbalance_measured`` its max/mean within the ranks cad balances together
+(a pipeline stage's dp ranks of one tp rank), the largest over them.
 """
 
 from __future__ import annotations

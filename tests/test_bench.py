@@ -3,10 +3,10 @@
 import argparse
 import json
 import os
-import subprocess
 import sys
 import warnings
 
+import background
 import pytest
 import torch
 
@@ -31,12 +31,18 @@ def _partial_results_are_written_quietly(tmp_path, records, capsys):
     assert "Partial: written after each strategy" in (tmp_path / "partial" / "e2e.md").read_text()
 
 
-def test_bench_runs_every_strategy_and_writes_results(tmp_path, capsys):
+@background.job("test_bench_runs_every_strategy_and_writes_results")
+def every_strategy(tmp):
+    """torchrun's 2 ranks through every strategy, with the ablation and a traced step: its --out and the run."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "attnpool.cli.main", "bench",
            "--device", "cpu", "--model", "tiny", "--layers", "1", "--configs", "prolong:1K", "--strategies",
            "local,ulysses,cad,cad+pingpong,local+sparse,cad+sparse,cad+sparse+readkv", "--warmup", "1", "--steps", "1", "--ablation",
-           "--trace", "cad", "--out", str(tmp_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+           "--trace", "cad", "--out", str(tmp)]
+    return tmp, background.run(cmd, timeout=300)
+
+
+def test_bench_runs_every_strategy_and_writes_results(capsys):
+    tmp_path, r = every_strategy.result()
     assert r.returncode == 0, r.stderr[-3000:]
     records = json.loads((tmp_path / "e2e.json").read_text())["records"]
     names = [rec["strategy"] for rec in records]
@@ -102,22 +108,34 @@ def test_growable_segments_asked_for_too_late_are_warned_of(monkeypatch):
         use_growable_segments()
 
 
-def test_bench_refuses_a_kernel_that_cannot_run_before_any_process_group(tmp_path):
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")  # as torchrun sets them; no rendezvous
+@background.job("test_bench_refuses_a_kernel_that_cannot_run_before_any_process_group")
+def refused_kernel(tmp):
+    """One rank, as torchrun sets it up but with no rendezvous, asked for fa4 on the CPU: its --out and the run."""
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}  # as torchrun sets them; no rendezvous
     cmd = [sys.executable, "-m", "attnpool.cli.main", "bench", "--device", "cpu", "--model", "tiny", "--layers", "1",
-           "--configs", "prolong:1K", "--strategies", "local", "--attention-backend", "fa4", "--out", str(tmp_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+           "--configs", "prolong:1K", "--strategies", "local", "--attention-backend", "fa4", "--out", str(tmp)]
+    return tmp, background.run(cmd, env=env, timeout=120)
+
+
+def test_bench_refuses_a_kernel_that_cannot_run_before_any_process_group():
+    tmp_path, r = refused_kernel.result()
     assert r.returncode == 2, r.stderr[-2000:]
     assert "attention_backend" in r.stderr and "fa4" in r.stderr
     assert not (tmp_path / "e2e.json").exists()
 
 
-def test_bench_with_auto_checkpointing_says_what_each_run_chose(tmp_path):
-    """auto on the CPU, whose memory holds everything: no layer recomputes, and every record says so."""
+@background.job("test_bench_with_auto_checkpointing_says_what_each_run_chose")
+def auto_checkpointing(tmp):
+    """torchrun's 2 ranks, local and cad with activation_checkpointing=auto: its --out and the run."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "attnpool.cli.main", "bench",
            "--device", "cpu", "--model", "tiny", "--layers", "2", "--configs", "prolong:1K", "--strategies", "local,cad",
-           "--warmup", "0", "--steps", "1", "--activation-checkpointing", "auto", "--out", str(tmp_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+           "--warmup", "0", "--steps", "1", "--activation-checkpointing", "auto", "--out", str(tmp)]
+    return tmp, background.run(cmd, timeout=300)
+
+
+def test_bench_with_auto_checkpointing_says_what_each_run_chose():
+    """auto on the CPU, whose memory holds everything: no layer recomputes, and every record says so."""
+    tmp_path, r = auto_checkpointing.result()
     assert r.returncode == 0, r.stderr[-3000:]
     meta = json.loads((tmp_path / "e2e.json").read_text())["meta"]
     assert meta["command"].endswith("--attention-backend reference --activation-checkpointing auto")  # as run

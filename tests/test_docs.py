@@ -5,7 +5,8 @@ commands that run on a CPU in seconds. This test runs every line of every such b
 repository as working directory and the current interpreter's environment first on PATH (so `attnpool` is
 this checkout's entry point); each must exit 0 within COMMAND_TIMEOUT_S. Comment lines and blank lines are
 skipped, lines ending in a backslash are joined to the next, and the lines of one block run in order, so a
-block may use what its earlier lines made. Blocks tagged `text`, `gpu`, `console`, `yaml`, `python` or
+block may use what its earlier lines made. (Each block runs as a background job, tests/background.py, from the
+session's start.) Blocks tagged `text`, `gpu`, `console`, `yaml`, `python` or
 anything else are not run. One test per block, named by page and line.
 
 It also checks that every relative link in these pages points to an existing file, and that every
@@ -18,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import background
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,29 +90,38 @@ def _sh_blocks():
 SH_BLOCKS = _sh_blocks()
 
 
+def _block_job(case):
+    """A background job (tests/background.py) running the block's commands in order, each with `bash -c`."""
+    page, commands = case.values
+
+    def run_block(tmp):
+        env = {"PATH": os.path.dirname(sys.executable) + os.pathsep + background.ENV.get("PATH", "")}
+        for line, command in commands:
+            where = f"{_rel(page)}:{line}"
+            try:
+                result = background.run(["bash", "-c", command], env=env, timeout=COMMAND_TIMEOUT_S)
+            except subprocess.TimeoutExpired as exc:
+                tail = (exc.stderr or b"")[-2000:]
+                if isinstance(tail, bytes):
+                    tail = tail.decode(errors="replace")
+                pytest.fail(f"{where}: `{command}` ran past {COMMAND_TIMEOUT_S} s\nstderr tail:\n{tail}")
+            if result.returncode != 0:
+                tail = (result.stderr or result.stdout)[-2000:]
+                pytest.fail(f"{where}: `{command}` exited {result.returncode}\nstderr tail:\n{tail}")
+
+    return background.job(f"test_sh_block_runs[{case.id}]")(run_block)
+
+
+BLOCK_RUNS = {case.id: _block_job(case) for case in SH_BLOCKS}
+
+
 def test_docs_have_sh_blocks():
     assert SH_BLOCKS, "no ```sh blocks found in README.md or docs/*.md"
 
 
 @pytest.mark.parametrize("page, commands", SH_BLOCKS)
-def test_sh_block_runs(page, commands):
-    env = dict(os.environ)
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    for line, command in commands:
-        where = f"{_rel(page)}:{line}"
-        try:
-            result = subprocess.run(
-                ["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True,
-                timeout=COMMAND_TIMEOUT_S,
-            )
-        except subprocess.TimeoutExpired as exc:
-            tail = (exc.stderr or b"")[-2000:]
-            if isinstance(tail, bytes):
-                tail = tail.decode(errors="replace")
-            pytest.fail(f"{where}: `{command}` ran past {COMMAND_TIMEOUT_S} s\nstderr tail:\n{tail}")
-        if result.returncode != 0:
-            tail = (result.stderr or result.stdout)[-2000:]
-            pytest.fail(f"{where}: `{command}` exited {result.returncode}\nstderr tail:\n{tail}")
+def test_sh_block_runs(request, page, commands):
+    BLOCK_RUNS[request.node.callspec.id].result()
 
 
 def _anchor(heading):

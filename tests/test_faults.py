@@ -13,70 +13,107 @@ import os
 import random
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
+import background
 import pytest
 
-from attnpool.bench.faults import (TINY_RUN, damage, losses, metrics_rows, start_train, train_cli, wait_for_step,
-                                   wait_gone, workers)
+from attnpool.bench.faults import TINY_RUN, cpu_env, damage, losses, metrics_rows, wait_for_step, wait_gone, workers
 from attnpool.cli.main import main
 from attnpool.train.checkpoint import MANIFEST, finished_checkpoints, verify_checkpoint
 from command import run_command
 
+# The runs are background jobs (tests/background.py): started as the session starts, two at a time, each test
+# reading its own. Only the stalled worker's, whose timing is what it checks, runs with nothing beside it.
+ENV = cpu_env()  # (as the session started: no test's monkeypatch)
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """An uninterrupted run on 2 processes: 10 steps, the losses every faulty run must reproduce."""
-    out = str(tmp_path_factory.mktemp("faults") / "reference")
-    done = train_cli("--nproc", "2", "--steps", "10", "--checkpoint-every", "2", "--out", out)
+
+def train_cli(*args, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``attnpool train`` with the tiny run's settings and ``args``, to its end (attnpool.bench.faults.train_cli,
+    with the session's environment)."""
+    return subprocess.run([sys.executable, "-m", "attnpool.cli.main", "train", *TINY_RUN, *args], check=False,
+                          capture_output=True, text=True, env=ENV, cwd=background.ROOT, timeout=timeout)
+
+
+def start_train(*args, log, torchrun: tuple = ()) -> subprocess.Popen:
+    """``attnpool train`` as :func:`train_cli`, in the background, its output to the open file ``log``; with
+    ``torchrun`` (its arguments), under torchrun (attnpool.bench.faults.start_train)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", *torchrun] if torchrun else [sys.executable]
+    return subprocess.Popen([*launcher, "-m", "attnpool.cli.main", "train", *TINY_RUN, *args], stdout=log,
+                            stderr=subprocess.STDOUT, text=True, env=ENV, cwd=background.ROOT)
+
+
+@background.job("test_checkpoints_have_a_manifest_and_the_newest_are_kept",
+                "test_a_corrupted_checkpoint_is_skipped_and_the_run_continues_exactly",
+                "test_sigterm_checkpoints_the_step_and_resume_continues_exactly",
+                "test_killed_workers_restart_from_the_last_checkpoint_and_lose_nothing",
+                "test_torchrun_restarts_resume_by_themselves")
+def reference(tmp) -> str:
+    """An uninterrupted run on 2 processes: 10 steps, the losses every faulty run must reproduce; a checkpoint every
+    2 steps, the newest 2 kept. Its directory."""
+    out = str(tmp / "reference")
+    done = train_cli("--nproc", "2", "--steps", "10", "--checkpoint-every", "2", "--keep-checkpoints", "2",
+                     "--out", out)
     assert done.returncode == 0, done.stderr
-    return losses(out)
+    return out
 
 
 # --- Checkpoints: atomic, verified, kept ------------------------------------------------------------------
 
 
-def test_checkpoints_have_a_manifest_and_the_newest_are_kept(tmp_path):
-    out = str(tmp_path / "run")
-    done = train_cli("--nproc", "2", "--steps", "6", "--checkpoint-every", "2", "--keep-checkpoints", "2", "--out", out)
-    assert done.returncode == 0, done.stderr
-    assert [step for step, _ in finished_checkpoints(out)] == [4, 6]
+def test_checkpoints_have_a_manifest_and_the_newest_are_kept():
+    out = reference.result()
+    assert [step for step, _ in finished_checkpoints(out)] == [8, 10]
     assert not [n for n in os.listdir(os.path.join(out, "checkpoints")) if n.endswith(".partial")]
     for _, path in finished_checkpoints(out):
         manifest = json.load(open(os.path.join(path, MANIFEST)))
         assert set(manifest["files"]) == set(os.listdir(path)) - {MANIFEST}
-        assert manifest["config"]["steps"] == 6 and manifest["step"] == int(path[-6:])
+        assert manifest["config"]["steps"] == 10 and manifest["step"] == int(path[-6:])
         assert verify_checkpoint(path) is None
 
 
-def test_a_corrupted_checkpoint_is_skipped_and_the_run_continues_exactly(tmp_path, reference):
-    """The newest checkpoint overwritten in its middle: resume says so, takes the one before, and the steps
-    it then trains are the uninterrupted run's."""
-    out = str(tmp_path / "run")
+@background.job("test_a_corrupted_checkpoint_is_skipped_and_the_run_continues_exactly")
+def corrupted_then_resumed(tmp):
+    """A run stopped at step 6 of 10 (a checkpoint every 2 steps), its newest checkpoint overwritten in its middle,
+    then resumed: its directory, the damaged file and the resume."""
+    out = str(tmp / "run")
     first = train_cli("--nproc", "2", "--steps", "10", "--stop-at", "6", "--checkpoint-every", "2", "--out", out)
     assert first.returncode == 0, first.stderr
     bad = damage(os.path.join(out, "checkpoints", "step-000006"), "overwrite")
     resumed = train_cli("--nproc", "2", "--steps", "10", "--checkpoint-every", "2", "--resume", "--out", out)
+    return out, bad, resumed
+
+
+def test_a_corrupted_checkpoint_is_skipped_and_the_run_continues_exactly():
+    """The newest checkpoint overwritten in its middle: resume says so, takes the one before, and the steps
+    it then trains are the uninterrupted run's."""
+    out, bad, resumed = corrupted_then_resumed.result()
     assert resumed.returncode == 0, resumed.stderr
     assert f"skipping {os.path.dirname(bad)}: {bad} does not match its SHA-256" in resumed.stdout
     assert "resumed from" in resumed.stdout and "step-000004" in resumed.stdout
-    assert losses(out) == reference
+    assert losses(out) == losses(reference.result())
     # The run wrote step 6 again: the damaged one is kept aside, for a look
     assert os.path.isdir(os.path.join(out, "checkpoints", "step-000006.damaged"))
     assert verify_checkpoint(os.path.join(out, "checkpoints", "step-000006")) is None
 
 
-@pytest.fixture(scope="module")
-def stopped_run(tmp_path_factory):
+@background.job("test_the_only_checkpoint_damaged_is_refused_in_one_line_naming_the_file",
+                "test_damaged_dcp_metadata_is_named_as_a_hash_mismatch",
+                "test_a_checkpoint_without_manifest_resumes_only_when_allowed",
+                "test_resume_that_changes_the_run_asks_for_allow_config_change")
+def stopped_run(tmp) -> str:
     """A run of 2 processes stopped at step 2 of 4, its one checkpoint at step 2: each test damages a copy."""
-    out = str(tmp_path_factory.mktemp("stopped") / "run")
+    out = str(tmp / "run")
     done = train_cli("--nproc", "2", "--steps", "4", "--stop-at", "2", "--out", out)
     assert done.returncode == 0, done.stderr
     return out
 
 
-def copy_of(run: str, tmp_path) -> tuple[str, str]:
-    out = str(tmp_path / "run")
+def copy_of(run: str, where) -> tuple[str, str]:
+    """A copy of ``run`` at ``where``, and its checkpoint's directory."""
+    out = str(where)
     shutil.copytree(run, out)
     return out, os.path.join(out, "checkpoints", "step-000002")
 
@@ -87,23 +124,31 @@ def resume_in_process(out: str, capsys, *more) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
+@background.job("test_the_only_checkpoint_damaged_is_refused_in_one_line_naming_the_file", needs=(stopped_run,))
+def overwritten_then_resumed(tmp):
+    """The stopped run's only checkpoint overwritten in its middle (found by the files' hashes, which the workers
+    share), then resumed: the damaged file and the resume."""
+    out, checkpoint = copy_of(stopped_run.result(), tmp / "run")
+    return damage(checkpoint, "overwrite"), train_cli("--nproc", "2", "--steps", "4", "--resume", "--out", out)
+
+
 @pytest.mark.parametrize("how", ["overwrite", "truncate", "delete"])
-def test_the_only_checkpoint_damaged_is_refused_in_one_line_naming_the_file(stopped_run, tmp_path, capsys, how):
-    out, checkpoint = copy_of(stopped_run, tmp_path)
-    bad = damage(checkpoint, how)
+def test_the_only_checkpoint_damaged_is_refused_in_one_line_naming_the_file(tmp_path, capsys, how):
     if how == "overwrite":  # found by the files' hashes, which the workers share
-        resumed = train_cli("--nproc", "2", "--steps", "4", "--resume", "--out", out)
+        bad, resumed = overwritten_then_resumed.result()
         code, err = resumed.returncode, resumed.stderr
     else:  # found by the files' sizes, before any worker starts
+        out, checkpoint = copy_of(stopped_run.result(), tmp_path / "run")
+        bad = damage(checkpoint, how)
         code, err = resume_in_process(out, capsys)
     assert code == 2, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert bad in err and "no valid checkpoint" in err
 
 
-def test_damaged_dcp_metadata_is_named_as_a_hash_mismatch(stopped_run, tmp_path, capsys):
+def test_damaged_dcp_metadata_is_named_as_a_hash_mismatch(tmp_path, capsys):
     """Not as "another model shape": DCP's metadata is read to check the shape, after its hash."""
-    out, checkpoint = copy_of(stopped_run, tmp_path)
+    out, checkpoint = copy_of(stopped_run.result(), tmp_path / "run")
     metadata = os.path.join(checkpoint, ".metadata")
     with open(metadata, "r+b") as fh:
         fh.seek(os.path.getsize(metadata) // 2)
@@ -113,11 +158,30 @@ def test_damaged_dcp_metadata_is_named_as_a_hash_mismatch(stopped_run, tmp_path,
     assert f"{metadata} does not match its SHA-256" in err and "model shape" not in err
 
 
-def test_a_checkpoint_without_manifest_resumes_only_when_allowed(stopped_run, tmp_path, capsys):
+def without_manifest(run: str, where) -> tuple[str, str]:
+    out, checkpoint = copy_of(run, where)
+    os.remove(os.path.join(checkpoint, MANIFEST))
+    return out, checkpoint
+
+
+@background.job("test_a_checkpoint_without_manifest_resumes_only_when_allowed", needs=(stopped_run,))
+def resumed_without_manifest(tmp):
+    """Copies of the stopped run without their checkpoint's manifest, resumed with --allow-unverified: as it is (its
+    directory and the resume), and with its first shard's first bytes overwritten (the resume)."""
+    out, _ = without_manifest(stopped_run.result(), tmp / "run")
+    resumed = train_cli("--nproc", "2", "--steps", "4", "--resume", "--allow-unverified", "--out", out)
+    unreadable, checkpoint = without_manifest(stopped_run.result(), tmp / "unreadable")
+    shard = sorted(n for n in os.listdir(checkpoint) if n.endswith(".distcp"))[0]
+    with open(os.path.join(checkpoint, shard), "r+b") as fh:  # its first bytes: the reader's unpickling fails
+        fh.write(os.urandom(1 << 16))
+    refused = train_cli("--nproc", "2", "--steps", "4", "--resume", "--allow-unverified", "--out", unreadable)
+    return out, resumed, refused
+
+
+def test_a_checkpoint_without_manifest_resumes_only_when_allowed(tmp_path, capsys):
     """Written before manifests, or its manifest lost: refused unless --allow-unverified; then its files' sizes are
     checked against DCP's metadata, and files that do not read are refused in one line."""
-    out, checkpoint = copy_of(stopped_run, tmp_path)
-    os.remove(os.path.join(checkpoint, MANIFEST))
+    out, _ = without_manifest(stopped_run.result(), tmp_path / "run")
     code, err = resume_in_process(out, capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "has no manifest.json" in err and "--allow-unverified" in err
@@ -127,28 +191,26 @@ def test_a_checkpoint_without_manifest_resumes_only_when_allowed(stopped_run, tm
     code, err = resume_in_process(truncated, capsys, "--allow-unverified")
     assert code == 2 and f"{bad} has " in err and "DCP's metadata needs" in err, err
 
-    resumed = train_cli("--nproc", "2", "--steps", "4", "--resume", "--allow-unverified", "--out", out)
+    out, resumed, refused = resumed_without_manifest.result()
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout and max(losses(out)) == 4
-
-    shutil.rmtree(out)
-    out, checkpoint = copy_of(stopped_run, tmp_path)
-    os.remove(os.path.join(checkpoint, MANIFEST))
-    shard = sorted(n for n in os.listdir(checkpoint) if n.endswith(".distcp"))[0]
-    with open(os.path.join(checkpoint, shard), "r+b") as fh:  # its first bytes: the reader's unpickling fails
-        fh.write(os.urandom(1 << 16))
-    resumed = train_cli("--nproc", "2", "--steps", "4", "--resume", "--allow-unverified", "--out", out)
-    assert resumed.returncode == 1 and "Traceback" not in resumed.stderr, resumed.stderr
-    assert len(resumed.stderr.strip().splitlines()) == 1 and "the checkpoint's files do not read" in resumed.stderr
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and "the checkpoint's files do not read" in refused.stderr
 
 
 # --- Non-finite losses ------------------------------------------------------------------------------------
 
 
-def test_nonfinite_losses_skip_the_step_then_end_the_run(tmp_path):
-    out = str(tmp_path / "run")
-    done = train_cli("--nproc", "2", "--steps", "12", "--lr", "1e9", "--warmup-steps", "0", "--grad-clip", "0",
-                  "--checkpoint-every", "1", "--out", out)
+@background.job("test_nonfinite_losses_skip_the_step_then_end_the_run")
+def diverged(tmp):
+    """A run whose learning rate sends the loss to NaN: its directory and the run."""
+    out = str(tmp / "run")
+    return out, train_cli("--nproc", "2", "--steps", "12", "--lr", "1e9", "--warmup-steps", "0", "--grad-clip", "0",
+                          "--checkpoint-every", "1", "--out", out)
+
+
+def test_nonfinite_losses_skip_the_step_then_end_the_run():
+    out, done = diverged.result()
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert "not finite" in done.stderr and "max_nonfinite_steps" in done.stderr
     rows = metrics_rows(out)  # valid JSON throughout: a NaN is written as null
@@ -163,86 +225,115 @@ def test_nonfinite_losses_skip_the_step_then_end_the_run(tmp_path):
 # --- Resume with another config ---------------------------------------------------------------------------
 
 
+@background.job("test_resume_that_changes_the_run_asks_for_allow_config_change", needs=(stopped_run,))
+def resumed_with_more_steps(tmp):
+    """A copy of the stopped run (4 steps) resumed with 5 steps and --allow-config-change: its directory, the run."""
+    out, _ = copy_of(stopped_run.result(), tmp / "run")
+    return out, train_cli("--nproc", "2", "--steps", "5", "--resume", "--allow-config-change", "--out", out)
+
+
 def test_resume_that_changes_the_run_asks_for_allow_config_change(tmp_path):
-    out = str(tmp_path / "run")
-    assert train_cli("--nproc", "2", "--steps", "3", "--out", out).returncode == 0
+    out, _ = copy_of(stopped_run.result(), tmp_path / "run")
     config = open(os.path.join(out, "config.yaml")).read()
     refused = run_command("train", *TINY_RUN, "--nproc", "2", "--steps", "5", "--resume", "--out", out)
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert "steps" in refused.stderr and "--allow-config-change" in refused.stderr
     assert open(os.path.join(out, "config.yaml")).read() == config
-    allowed = train_cli("--nproc", "2", "--steps", "5", "--resume", "--allow-config-change", "--out", out)
+    out, allowed = resumed_with_more_steps.result()  # (the same copy, resumed with the flag)
     assert allowed.returncode == 0, allowed.stderr
-    assert "steps: 3 -> 5" in allowed.stdout and max(losses(out)) == 5
-    assert os.path.exists(os.path.join(out, "config.step-000003.yaml"))
+    assert "steps: 4 -> 5" in allowed.stdout and max(losses(out)) == 5
+    assert os.path.exists(os.path.join(out, "config.step-000002.yaml"))
 
 
 # --- Preemption, killed workers, stalled workers ----------------------------------------------------------
 
 
-def test_sigterm_checkpoints_the_step_and_resume_continues_exactly(tmp_path, reference):
-    out = str(tmp_path / "run")
-    with open(tmp_path / "log", "w") as log:
+@background.job("test_sigterm_checkpoints_the_step_and_resume_continues_exactly")
+def stopped_by_sigterm(tmp):
+    """A run whose launcher gets a SIGTERM at step 3 or later, then resumed: its directory, its workers still alive
+    after the launcher left, its last step and newest checkpoint's then, its log, and the resume."""
+    out = str(tmp / "run")
+    with open(tmp / "log", "w") as log:
         proc = start_train("--nproc", "2", "--steps", "10", "--checkpoint-every", "2", "--out", out, log=log)
         wait_for_step(out, 3, proc)
         pids = workers(proc.pid)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 0, open(tmp_path / "log").read()
-    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)  # no orphans left training
-    stopped = max(losses(out))
-    assert stopped < 10 and finished_checkpoints(out)[-1][0] == stopped
-    assert "SIGTERM" in open(tmp_path / "log").read()
-    assert train_cli("--nproc", "2", "--steps", "10", "--checkpoint-every", "2", "--resume", "--out", out).returncode == 0
-    assert losses(out) == reference
+        assert proc.wait(timeout=120) == 0, open(tmp / "log").read()
+    alive = [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+    stopped, checkpoint = max(losses(out)), finished_checkpoints(out)[-1][0]
+    resumed = train_cli("--nproc", "2", "--steps", "10", "--checkpoint-every", "2", "--resume", "--out", out)
+    return out, alive, stopped, checkpoint, open(tmp / "log").read(), resumed
 
 
-def test_killed_workers_restart_from_the_last_checkpoint_and_lose_nothing(tmp_path, reference):
-    """SIGKILL to a random worker at a random step, twice in one run: all workers restart from the latest
-    checkpoint, and the per-step losses are the uninterrupted run's, bit for bit."""
-    out = str(tmp_path / "run")
+def test_sigterm_checkpoints_the_step_and_resume_continues_exactly():
+    out, alive, stopped, checkpoint, log, resumed = stopped_by_sigterm.result()
+    assert not alive  # no orphans left training
+    assert stopped < 10 and checkpoint == stopped
+    assert "SIGTERM" in log
+    assert resumed.returncode == 0, resumed.stderr
+    assert losses(out) == losses(reference.result())
+
+
+@background.job("test_killed_workers_restart_from_the_last_checkpoint_and_lose_nothing")
+def killed_twice(tmp):
+    """SIGKILL to a random worker at a random step, twice in one run: its directory and log."""
+    out = str(tmp / "run")
     rng = random.Random(0)
-    with open(tmp_path / "log", "w") as log:
+    with open(tmp / "log", "w") as log:
         proc = start_train("--nproc", "2", "--steps", "10", "--checkpoint-every", "2", "--max-restarts", "3", "--out", out,
-                      log=log)
+                           log=log)
         for at in (rng.randint(2, 4), rng.randint(6, 8)):
             wait_for_step(out, at, proc)
             pids = workers(proc.pid)
             os.kill(rng.choice(pids), signal.SIGKILL)
             assert wait_gone(pids)  # the whole attempt is gone before the next fault
-        assert proc.wait(timeout=300) == 0, open(tmp_path / "log").read()
-    text = open(tmp_path / "log").read()
+        assert proc.wait(timeout=300) == 0, open(tmp / "log").read()
+    return out, open(tmp / "log").read()
+
+
+def test_killed_workers_restart_from_the_last_checkpoint_and_lose_nothing():
+    """SIGKILL to a random worker at a random step, twice in one run: all workers restart from the latest
+    checkpoint, and the per-step losses are the uninterrupted run's, bit for bit."""
+    out, text = killed_twice.result()
     assert text.count("restart 1 of 3") == 1 and text.count("restart 2 of 3") == 1, text
     assert "resuming from" in text
-    assert losses(out) == reference
+    assert losses(out) == losses(reference.result())
 
 
 def torchrun_config(tmp_path) -> tuple[str, str]:
     """The demo's config with nproc 1, as a run under torchrun takes it (its processes are torchrun's; a --nproc
     flag after the script would be torchrun's own --nproc-per-node to its parser)."""
     config = tmp_path / "torchrun.yaml"
-    config.write_text(open("configs/demo-cpu.yaml").read().replace("nproc: 4", "nproc: 1"))
+    config.write_text(open(background.ROOT / "configs" / "demo-cpu.yaml").read().replace("nproc: 4", "nproc: 1"))
     return "--config", str(config)
 
 
-def test_torchrun_restarts_resume_by_themselves(tmp_path, reference):
-    """Under torchrun --max-restarts, a killed worker: torchrun starts the workers again, and they resume
-    from the latest checkpoint without being told."""
-    out = str(tmp_path / "run")
-    with open(tmp_path / "log", "w") as log:
-        proc = start_train(*torchrun_config(tmp_path), "--steps", "10", "--checkpoint-every", "2", "--out", out, log=log,
+@background.job("test_torchrun_restarts_resume_by_themselves")
+def killed_under_torchrun(tmp):
+    """Under torchrun --max-restarts 1, a worker killed at step 3 or later: the run's directory and log."""
+    out = str(tmp / "run")
+    with open(tmp / "log", "w") as log:
+        proc = start_train(*torchrun_config(tmp), "--steps", "10", "--checkpoint-every", "2", "--out", out, log=log,
                            torchrun=("--standalone", "--nproc_per_node", "2", "--max-restarts", "1", "--monitor-interval", "0.5"))
         wait_for_step(out, 3, proc)
         pids = workers(proc.pid)
         assert len(pids) == 2
         os.kill(random.Random(1).choice(pids), signal.SIGKILL)
-        assert proc.wait(timeout=300) == 0, open(tmp_path / "log").read()
-    assert "torchrun's restart 1: resuming from" in open(tmp_path / "log").read()
-    assert losses(out) == reference
+        assert proc.wait(timeout=300) == 0, open(tmp / "log").read()
+    return out, open(tmp / "log").read()
+
+
+def test_torchrun_restarts_resume_by_themselves():
+    """Under torchrun --max-restarts, a killed worker: torchrun starts the workers again, and they resume
+    from the latest checkpoint without being told."""
+    out, text = killed_under_torchrun.result()
+    assert "torchrun's restart 1: resuming from" in text
+    assert losses(out) == losses(reference.result())
 
 
 def test_a_stalled_worker_is_named_instead_of_a_silent_hang(tmp_path):
     out = str(tmp_path / "run")
-    with open(tmp_path / "log", "w") as log:
+    with background.quiet(), open(tmp_path / "log", "w") as log:  # (timed: no background job beside it)
         proc = start_train("--nproc", "2", "--steps", "50", "--collective-timeout-s", "10", "--out", out, log=log)
         wait_for_step(out, 2, proc)
         stalled = workers(proc.pid)[1]
@@ -296,30 +387,44 @@ def test_command_line_errors_are_one_line_naming_what_was_typed(args, typed):
     assert typed in out.stderr and "usage:" not in out.stderr
 
 
-def test_a_run_with_skipped_steps_resumes_and_reports(tmp_path):
-    """Skipped steps leave null losses in metrics.jsonl; a resume reads them back and still summarises."""
-    out = str(tmp_path / "run")
+@background.job("test_a_run_with_skipped_steps_resumes_and_reports")
+def skipped_then_resumed(tmp):
+    """A run whose learning rate makes some steps' losses NaN (up to 20 in a row allowed), stopped at step 6 of 10,
+    then resumed: its directory, whether the first part skipped a step, and the resume."""
+    out = str(tmp / "run")
     args = ("--nproc", "2", "--steps", "10", "--lr", "1e6", "--warmup-steps", "0", "--grad-clip", "0",
             "--max-nonfinite-steps", "20", "--checkpoint-every", "1", "--out", out)
     first = train_cli(*args, "--stop-at", "6")
     assert first.returncode == 0, first.stderr
-    assert any(r["skipped_step"] for r in metrics_rows(out))
-    resumed = train_cli(*args, "--resume")
+    skipped = any(r["skipped_step"] for r in metrics_rows(out))
+    return out, skipped, train_cli(*args, "--resume")
+
+
+def test_a_run_with_skipped_steps_resumes_and_reports():
+    """Skipped steps leave null losses in metrics.jsonl; a resume reads them back and still summarises."""
+    out, skipped, resumed = skipped_then_resumed.result()
+    assert skipped
     assert resumed.returncode == 0 and "Traceback" not in resumed.stderr, resumed.stderr
     assert os.path.exists(os.path.join(out, "summary.json"))
 
 
-def test_torchrun_does_not_restart_a_run_that_would_fail_the_same_way(tmp_path):
-    """A run ended by non-finite losses is not started again by torchrun --max-restarts from its last
-    checkpoint (it would diverge the same way): the restarted workers stop at once, saying why."""
-    out = str(tmp_path / "run")
-    with open(tmp_path / "log", "w") as log:
-        proc = start_train(*torchrun_config(tmp_path), "--steps", "12", "--lr", "1e6", "--warmup-steps", "0", "--grad-clip", "0",
+@background.job("test_torchrun_does_not_restart_a_run_that_would_fail_the_same_way")
+def diverged_under_torchrun(tmp):
+    """A run that non-finite losses end, under torchrun --max-restarts 2: its exit code and log."""
+    out = str(tmp / "run")
+    with open(tmp / "log", "w") as log:
+        proc = start_train(*torchrun_config(tmp), "--steps", "12", "--lr", "1e6", "--warmup-steps", "0", "--grad-clip", "0",
                            "--checkpoint-every", "1", "--out", out, log=log,
                            torchrun=("--standalone", "--nproc_per_node", "2", "--max-restarts", "2",
                                      "--monitor-interval", "0.5"))
         rc = proc.wait(timeout=300)
-    text = open(tmp_path / "log").read()
+    return rc, open(tmp / "log").read()
+
+
+def test_torchrun_does_not_restart_a_run_that_would_fail_the_same_way():
+    """A run ended by non-finite losses is not started again by torchrun --max-restarts from its last
+    checkpoint (it would diverge the same way): the restarted workers stop at once, saying why."""
+    rc, text = diverged_under_torchrun.result()
     assert rc != 0 and "max_nonfinite_steps" in text, text
     assert "torchrun's restart 1 would repeat it" in text and "resuming from" not in text, text
 

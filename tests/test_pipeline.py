@@ -8,8 +8,6 @@ sizes; bad layouts refused on every rank; the stage split and the simulator's pi
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import numpy as np
@@ -288,24 +286,28 @@ def test_pooled_schedule_model():
     assert pooled_makespan(uneven, [0.0] * 8, 4) > makespan(uneven, 4, "gpipe") + 1.0
 
 
+def _train_as_the_command_line_says(rank, world, args):
+    """``attnpool train ARGS`` on the ranks here: the TrainConfig its command line makes, trained."""
+    from attnpool.cli.main import build_parser
+    from attnpool.cli.train_cmd import config_from_args
+
+    train(config_from_args(build_parser().parse_args(["train", *args])))
+
+
 def test_export_of_a_pipelined_run_matches_one_process_and_loads_in_transformers(tmp_path, capsys):
     """`attnpool export` of a pp=2 run and of one process trained on the same micro-batches: the same
     weights (float32, within the tolerance of the losses), and transformers loads the export."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from attnpool.bench.faults import TINY_RUN, cpu_env
-
-    def cli(*args):
-        out = subprocess.run([sys.executable, "-m", "attnpool.cli.main", *args], capture_output=True, text=True,
-                             env=cpu_env(), timeout=300)
-        assert out.returncode == 0, out.stderr
-        return out
+    from attnpool.bench.faults import TINY_RUN
 
     run = (*TINY_RUN, "--model-args", "dim=32", "n_layers=4", "n_heads=4", "n_kv_heads=2", "ffn_dim=64",
            "--microbatches", "2", "--steps", "3")
-    cli("train", *run, "--nproc", "2", "--pp", "2", "--out", str(tmp_path / "pp"))
-    cli("train", *run, "--nproc", "1", "--out", str(tmp_path / "one"))
+    # (the runs on the kept gloo processes, as the command line configures them: its own launch is tested elsewhere)
+    run_distributed(_train_as_the_command_line_says, 2,
+                    [*run, "--nproc", "2", "--pp", "2", "--out", str(tmp_path / "pp")])
+    run_distributed(_train_as_the_command_line_says, 1, [*run, "--nproc", "1", "--out", str(tmp_path / "one")])
     from attnpool.cli.main import main
 
     for name in ("pp", "one"):  # (in this process: a checkpoint is read and written by one process)

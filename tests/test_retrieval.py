@@ -2,6 +2,7 @@
 
 import json
 
+import background
 import numpy as np
 import pytest
 import torch
@@ -143,9 +144,13 @@ def test_text_filler_is_a_stretch_of_the_standard_library():
     assert text.dtype == np.uint8 and set(np.unique(words)) <= set(range(64, RETRIEVAL_VOCAB))
     assert len(np.unique(words[text])) == 64  # the 63 most frequent bytes apart, the rest as one
 
-    def place(filler_run):  # where in the corpus a run of filler words is, or None
-        starts = np.flatnonzero(words[text[:len(text) - len(filler_run)]] == filler_run[0])
-        return next((int(i) for i in starts if np.array_equal(words[text[i:i + len(filler_run)]], filler_run)), None)
+    as_words = words[text]
+
+    def place(filler_run):  # where in the corpus a run of filler words first is, or None
+        starts = np.flatnonzero(as_words[:len(text) - len(filler_run)] == filler_run[0])
+        for k in range(1, len(filler_run)):  # the starts whose k-th word matches too
+            starts = starts[as_words[starts + k] == filler_run[k]]
+        return int(starts[0]) if len(starts) else None
 
     options = dict(context=2048, filler="text", ordinary=0.0, depth=1.0, num_docs=4)  # (filler, then the key)
     places = {place(make_source("retrieval", seed=seed, **options)[i][1:101]) for seed in (0, 1) for i in (0, 1)}
@@ -242,21 +247,28 @@ def _retrieval_here(root, *args):
     return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
 
 
-def test_retrieval_bench_smoke_then_attnpool_eval(tmp_path, capsys):
+@background.job("test_retrieval_bench_smoke_then_attnpool_eval")
+def retrieval_smoke(tmp):
+    """bench/retrieval.py --device cpu with the work in ``tmp``/work and the results in ``tmp``/out: ``tmp`` and the
+    run."""
+    import sys
+
+    script = str(background.ROOT / "bench" / "retrieval.py")
+    return tmp, background.run([sys.executable, script, "--out", str(tmp / "out"), "--work", str(tmp / "work"),
+                                "--device", "cpu", "--coverages", "0.95", "--tasks", "copy,passkey,multikey",
+                                "--mix-from", "128", "--filler", "text", "--loss", "all"], timeout=600)
+
+
+def test_retrieval_bench_smoke_then_attnpool_eval(capsys):
     """bench/retrieval.py --device cpu: the tiny model through the curriculum's two stages (the second resumes the
     first; answer-only loss, so a step may hold no target), dense, and one sparse coverage branched from the dense
     run where sparse attention starts, then eval; the JSON holds `results` with exactly the issue's names. Then
     `attnpool eval` reads the sparse run's checkpoint."""
     import os
-    import subprocess
-    import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tmp_path, done = retrieval_smoke.result()
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, os.path.join(root, "bench", "retrieval.py"), "--out", str(out),
-                           "--work", str(tmp_path / "work"), "--device", "cpu", "--coverages", "0.95",
-                           "--tasks", "copy,passkey,multikey", "--mix-from", "128", "--filler", "text", "--loss", "all"],
-                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     (result,) = out.glob("*-cpu-retrieval.json")
     doc = json.loads(result.read_text())

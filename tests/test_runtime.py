@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import zlib
 
+import background
 import numpy as np
 import pytest
 import torch
@@ -484,16 +485,20 @@ def _prefix_sum_interpreted():
     print("PREFIX SUM OK")
 
 
-def test_prefix_copies_kernel_sums_as_torch_does():
+@background.job("test_prefix_copies_kernel_sums_as_torch_does")
+def prefix_sum_interpreted(tmp):
+    """_prefix_sum_interpreted in a process of its own, under TRITON_INTERPRET=1."""
     import importlib.util
     import os
-    import subprocess
     import sys
 
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     here = os.path.dirname(os.path.abspath(__file__))
     code = f"import sys; sys.path.insert(0, {here!r}); import test_runtime; test_runtime._prefix_sum_interpreted()"
-    run = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
-                         capture_output=True, text=True, timeout=300)
+    return background.run([sys.executable, "-c", code], env={"TRITON_INTERPRET": "1"}, timeout=300)
+
+
+def test_prefix_copies_kernel_sums_as_torch_does():
+    run = prefix_sum_interpreted.result()
     assert run.returncode == 0 and "PREFIX SUM OK" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]

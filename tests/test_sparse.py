@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 
+import background
 import numpy as np
 import pytest
 import torch
@@ -706,17 +707,21 @@ def _products_local_memory(kernel, tmp_path):
     return [line.strip() for line in sass[products[0]:products[-1]] if "STL" in line or "LDL" in line]
 
 
-def test_triton_interpreter_matches_twin():
+@background.job("test_triton_interpreter_matches_twin")
+def interpreted(tmp):
+    """_interpreter_check in a process of its own, under TRITON_INTERPRET=1."""
     import importlib.util
-    import subprocess
     import sys
 
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1")
     code = f"import sys; sys.path.insert(0, {here!r}); import test_sparse; test_sparse._interpreter_check()"
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    return background.run([sys.executable, "-c", code], env={"TRITON_INTERPRET": "1"}, timeout=300)
+
+
+def test_triton_interpreter_matches_twin():
+    run = interpreted.result()
     assert run.returncode == 0 and "INTERPRETER OK" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]
 
 

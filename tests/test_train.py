@@ -10,10 +10,10 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import background
 import numpy as np
 import pytest
 import torch
@@ -308,9 +308,9 @@ def test_lr_schedule_warmup_then_cosine():
 # --- The command line --------------------------------------------------------------------------
 
 
-def cli(*args, cwd=None):
-    return subprocess.Popen([sys.executable, "-m", "attnpool.cli.main", "train", *args], cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def cli(*args):
+    """``attnpool train ARGS`` in a process of its own, to its end (from a background job: tests/background.py)."""
+    return background.run([sys.executable, "-m", "attnpool.cli.main", "train", *args], timeout=300)
 
 
 def tiny_flags(out):
@@ -319,18 +319,18 @@ def tiny_flags(out):
             "--device", "cpu", "--out", str(out)]
 
 
-@pytest.fixture(scope="module")
-def cli_run(tmp_path_factory):
-    """One small run through the CLI on 2 processes (its checkpoint serves the resume checks)."""
-    out = tmp_path_factory.mktemp("cli") / "run"
-    p = cli(*tiny_flags(out), "--nproc", "2", "--attention", "cad")
-    stdout, stderr = p.communicate(timeout=300)
-    return out, p.returncode, stdout, stderr
+@background.job("test_cli_run_writes_metrics_plot_and_summary", "test_cli_bad_input_exits_2")
+def cli_run(tmp):
+    """One small run through the CLI on 2 processes (its checkpoint serves the resume checks): its directory, the
+    run."""
+    out = tmp / "run"
+    return out, cli(*tiny_flags(out), "--nproc", "2", "--attention", "cad")
 
 
-def test_cli_run_writes_metrics_plot_and_summary(cli_run):
-    out, code, stdout, stderr = cli_run
-    assert code == 0, stderr
+def test_cli_run_writes_metrics_plot_and_summary():
+    out, done = cli_run.result()
+    stdout = done.stdout
+    assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for key in METRIC_KEYS:
@@ -356,18 +356,29 @@ def test_progress_lines_mark_skipped_steps(capsys):
     assert len(lines) == 1 and lines[0].startswith("step 7/100  loss skipped (not finite)"), lines
 
 
+TOKEN_ID_NEEDLE = "token id 349"
+
+
+@background.job("test_cli_bad_input_exits_2")
+def token_id_beyond_vocab(tmp):
+    """Token ids are checked as documents are read: this error surfaces inside the ranks, mid-run. The run."""
+    np.save(tmp / "tokens.npy", np.r_[np.arange(200), np.arange(100) + 250].astype(np.int64))
+    np.save(tmp / "offsets.npy", np.array([0, 200, 300], dtype=np.int64))
+    return cli("--data", "npy", "--data-path", str(tmp / "tokens.npy"), "--data-args",
+               f"offsets_path={tmp / 'offsets.npy'}", "--nproc", "2", "--tokens-per-rank", "128",
+               "--model-args", "n_layers=1", "dim=32", "--no-progress", "--out", str(tmp / "out" / "token-id"))
+
+
 @pytest.fixture(scope="module")
-def bad_runs(tmp_path_factory, cli_run):
-    """Every bad input, run at once (each is a fresh interpreter)."""
+def bad_runs(tmp_path_factory):
+    """Every bad input: refused before any worker starts, in this process (tests/command.py); the token ids only in
+    the ranks (a background job)."""
     tmp = tmp_path_factory.mktemp("bad")
     (tmp / "unknown.yaml").write_text("steps: 3\nlearning_rate: 0.1\n")
     (tmp / "empty").mkdir()
     (tmp / "empty" / "a.txt").write_text("")
     (tmp / "empty" / "b.txt").write_text("")
-    # Token ids are checked as documents are read: this error surfaces inside the ranks, mid-run.
-    np.save(tmp / "tokens.npy", np.r_[np.arange(200), np.arange(100) + 250].astype(np.int64))
-    np.save(tmp / "offsets.npy", np.array([0, 200, 300], dtype=np.int64))
-    run_dir = cli_run[0]
+    run_dir = cli_run.result()[0]
     cases = {
         "unknown key": (["--config", str(tmp / "unknown.yaml")], "learning_rate"),
         "unknown flag": (["--learning-rate", "0.1"], "unrecognized arguments"),
@@ -375,9 +386,6 @@ def bad_runs(tmp_path_factory, cli_run):
         "token budget": (["--tokens-per-rank", "0"], "tokens_per_rank=0"),
         "missing data path": (["--data", "text", "--data-path", str(tmp / "nope")], "no such file"),
         "empty corpus": (["--data", "text", "--data-path", str(tmp / "empty")], "empty"),
-        "token id beyond vocab": (["--data", "npy", "--data-path", str(tmp / "tokens.npy"), "--data-args",
-                                   f"offsets_path={tmp / 'offsets.npy'}", "--nproc", "2", "--tokens-per-rank", "128",
-                                   "--model-args", "n_layers=1", "dim=32", "--no-progress"], "token id 349"),
         "other model shape": (tiny_flags(run_dir) + ["--nproc", "2", "--resume", "--model-args", "dim=64"],
                               "another model shape"),
         "earlier run": (tiny_flags(run_dir) + ["--nproc", "2"], "--resume"),
@@ -388,16 +396,13 @@ def bad_runs(tmp_path_factory, cli_run):
         "sparse cost file": (["--sparse", "vertical-slash", "--sparse-args", f"cost_coefficients={tmp / 'nope.json'}"],
                              "sparse_cost_coefficients="),
     }
-    # Refused before any worker starts: in this process (tests/command.py); the token ids only in the ranks
-    in_ranks = "token id beyond vocab"
-    proc = cli(*cases[in_ranks][0], "--out", str(tmp / "out" / "token-id"))
     results = {}
     for name, (args, needle) in cases.items():
-        if name != in_ranks:
-            out = [] if name in ("other model shape", "earlier run") else ["--out", str(tmp / "out" / name)]
-            done = run_command("train", *args, *out)
-            results[name] = (done.returncode, done.stderr, needle)
-    results[in_ranks] = (proc.wait(timeout=300), proc.stderr.read(), cases[in_ranks][1])
+        out = [] if name in ("other model shape", "earlier run") else ["--out", str(tmp / "out" / name)]
+        done = run_command("train", *args, *out)
+        results[name] = (done.returncode, done.stderr, needle)
+    done = token_id_beyond_vocab.result()
+    results["token id beyond vocab"] = (done.returncode, done.stderr, TOKEN_ID_NEEDLE)
     return results
 
 

@@ -23,15 +23,15 @@ import os
 import sys
 
 import numpy as np
-import torch
 
 from attnpool.model.config import model_config
 from attnpool.plan import linear_table, plan_attention
-from attnpool.runtime.sparse import SparseStats, _pattern_stats
+from attnpool.runtime.sparse import SparseStats
 from attnpool.sim.costs import load_sim_costs
 from attnpool.sim.simulate import SimConfig, simulate_config
 from attnpool.sim.steptime import Cluster, StepModel
-from attnpool.sparse import SparseConfig, estimate_vertical_slash
+from attnpool.sparse import SparseConfig
+from attnpool.sparse.pattern import estimate_untrained
 from attnpool.sparse.cost import SparseCost, SparsePrior
 from sim_validation import bench_batches
 
@@ -51,13 +51,7 @@ def sparse_steps(model: StepModel, costs, batches: list[list[int]], sparse: Spar
         fwd_bwd = prior.cost_model(table.doc_len, costs.attn_fwd_bwd)
         plan = plan_attention(table, "cad", cost_model=fwd_bwd, min_shard_tokens=costs.min_shard_tokens,
                               shape=model.shape)
-        m = np.minimum(lens, sparse.last_queries)
-        g = torch.Generator().manual_seed(seed + i)
-        k = torch.randn(int(lens.sum()), ESTIMATING_HEADS, cfg.head_dim, generator=g)
-        q = torch.randn(int(m.sum()), ESTIMATING_HEADS, cfg.head_dim, generator=g)
-        pattern = estimate_vertical_slash(q, k, torch.tensor(np.r_[0, np.cumsum(m)], dtype=torch.int32),
-                                          torch.tensor(np.r_[0, np.cumsum(lens)], dtype=torch.int32), sparse,
-                                          k_lens_host=lens)
+        pattern = estimate_untrained(lens, ESTIMATING_HEADS, cfg.head_dim, sparse, seed=seed + i)
         _, coefficients = prior._pricing(costs.attn_fwd_bwd)
         # the patterns' tiles for every head of the model (the estimated heads stand for them all), in seconds
         exact = SparseCost.from_pattern(pattern, coefficients, chunk=sparse.vertical_chunk)
@@ -69,8 +63,7 @@ def sparse_steps(model: StepModel, costs, batches: list[list[int]], sparse: Spar
         fb = np.where(sparse_doc, scale * exact.cost(plan.task_start, plan.task_end, plan.task_doc), 0.0)
         b = np.where(sparse_doc, np.maximum(fb - f, 0), dense_b - (f if model.attention_again else 0))
         step = model.plan_step(plan, overlap=False, name="cad+sparse", task_seconds=(f, b))
-        stats = _pattern_stats(pattern).tolist()
-        sums, _, classes = SparseStats.parse(np.array([stats[:5] + [0.0] + stats[5:]]))
+        sums, classes = SparseStats.of_pattern(pattern)
         prior.update(*sums[:3], by_length=classes if by_length else None)
         out.append((step.step, float(sums[3] / sums[4])))
     return out

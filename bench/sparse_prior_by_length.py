@@ -18,14 +18,14 @@ import json
 import os
 
 import numpy as np
-import torch
 
 from attnpool.data import DocumentStream
 from attnpool.plan import linear_table, load_cost_model, plan_attention
 from attnpool.plan.metrics import imbalance
-from attnpool.runtime.sparse import SparseStats, _pattern_stats
-from attnpool.sparse import SparseConfig, estimate_vertical_slash
+from attnpool.runtime.sparse import SparseStats
+from attnpool.sparse import SparseConfig
 from attnpool.sparse.cost import LayerMixCost, SparseCost, SparsePrior
+from attnpool.sparse.pattern import estimate_untrained
 from attnpool.train.config import TrainConfig
 from attnpool.train.data_source import build_source
 from attnpool.train.spec import model_spec
@@ -55,17 +55,10 @@ def main() -> None:
     for step in range(1, args.steps + 1):
         lens = stream.next_batch().doc_lens
         table = linear_table(lens, args.ranks, args.tokens)
-        m = np.minimum(lens, sparse.last_queries)
-        g = torch.Generator().manual_seed(step)
-        k = torch.randn(int(lens.sum()), args.heads, 128, generator=g)
-        q = torch.randn(int(m.sum()), args.heads, 128, generator=g)
-        pattern = estimate_vertical_slash(q, k, torch.tensor(np.r_[0, np.cumsum(m)], dtype=torch.int32),
-                                          torch.tensor(np.r_[0, np.cumsum(lens)], dtype=torch.int32), sparse,
-                                          k_lens_host=lens)
+        pattern = estimate_untrained(lens, args.heads, 128, sparse, seed=step)
         exact = LayerMixCost(pairs, SparseCost.from_pattern(pattern, coefficients, chunk=sparse.vertical_chunk), 0, 1,
                              lens >= sparse.min_doc_len)
-        stats = _pattern_stats(pattern).tolist()
-        sums, _, by_length = SparseStats.parse(np.array([stats[:5] + [0.0] + stats[5:]]))
+        sums, by_length = SparseStats.of_pattern(pattern)
         row = {"step": step, "docs": int(len(lens)), "longest": int(lens.max()), "density": sums[3] / sums[4]}
         for name, prior in priors.items():
             predicted = prior.cost_model(table.doc_len, pairs)

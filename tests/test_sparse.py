@@ -880,8 +880,9 @@ def test_the_prior_follows_pattern_size_by_document_length():
     before, within 5% (bench/sparse_prior_by_length.py measures the same at prolong 256K x 4)."""
     from attnpool.plan import linear_table, load_cost_model, plan_attention
     from attnpool.plan.metrics import imbalance
-    from attnpool.runtime.sparse import SparseStats, _pattern_stats
+    from attnpool.runtime.sparse import SparseStats
     from attnpool.sparse.cost import LayerMixCost, SparsePrior
+    from attnpool.sparse.pattern import estimate_untrained
 
     cfg = SparseConfig(min_doc_len=256, block=16, vertical_chunk=16, last_queries=32, sink_tokens=4, local_window=16,
                        slash_cap=48, vertical_cap=64)
@@ -894,18 +895,10 @@ def test_the_prior_follows_pattern_size_by_document_length():
     for step in range(6):
         lens = np.array(list(rng.integers(256, 700, size=10)) + [int(rng.integers(3000, 5000))])
         table = linear_table(lens, world, -(-int(lens.sum()) // world))
-        m = np.minimum(lens, cfg.last_queries)
-        g = torch.Generator().manual_seed(step)
-        k, q = torch.randn(int(lens.sum()), heads, head_dim, generator=g), torch.randn(int(m.sum()), heads, head_dim,
-                                                                                      generator=g)
-        pattern = estimate_vertical_slash(q, k, torch.tensor(np.r_[0, np.cumsum(m)], dtype=torch.int32),
-                                          torch.tensor(np.r_[0, np.cumsum(lens)], dtype=torch.int32), cfg,
-                                          k_lens_host=lens)
+        pattern = estimate_untrained(lens, heads, head_dim, cfg, seed=step)
         exact = LayerMixCost(pairs, SparseCost.from_pattern(pattern, coefficients, chunk=cfg.vertical_chunk), 0, 1,
                              lens >= cfg.min_doc_len)
-        # the step's statistics as a rank reports them (values: the sums, served pairs, the sums by length)
-        stats = _pattern_stats(pattern).tolist()
-        sums, _, by_length = SparseStats.parse(np.array([stats[:5] + [0.0] + stats[5:]]))
+        sums, by_length = SparseStats.of_pattern(pattern)  # the step's statistics, as the ranks report them
         for name, prior in priors.items():
             plan = plan_attention(table, "cad", cost_model=prior.cost_model(table.doc_len, pairs), min_shard_tokens=32)
             load = np.bincount(plan.task_server, weights=exact.cost(plan.task_start, plan.task_end, plan.task_doc),

@@ -278,6 +278,15 @@ class SparseStats:
         return sums[:len(_STAT_FIELDS)] + [served] + sums[len(_STAT_FIELDS):]
 
     @staticmethod
+    def of_pattern(pattern: VerticalSlashPattern) -> tuple[np.ndarray, np.ndarray]:
+        """One pattern's sums and sums by length class, as :meth:`parse` gives a step's: what the planning prior
+        is updated with."""
+        stats = _pattern_stats(pattern).tolist()
+        sums, _, by_length = SparseStats.parse(np.array([stats[:len(_STAT_FIELDS)] + [0.0] +
+                                                         stats[len(_STAT_FIELDS):]]))
+        return sums, by_length
+
+    @staticmethod
     def parse(per_rank: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every rank's :meth:`values` (world, n) as (the sums over the ranks (5,), each rank's served pairs (world,),
         the sums by length class over the ranks (LENGTH_CLASSES, 3)). Each document was estimated on one rank, so

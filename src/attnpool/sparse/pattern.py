@@ -600,6 +600,20 @@ class Selection:
 
 # --- moving patterns between servers ---
 
+
+def estimate_untrained(doc_lens, num_heads: int, head_dim: int, config: SparseConfig, seed: int) -> VerticalSlashPattern:
+    """The patterns a randomly initialised model's attention, which spreads wide, would have: estimated as training
+    estimates them, from random queries and keys (each document's last ``config.last_queries`` queries against all
+    its keys). For benchmarks and tests of what planning makes of real patterns' sizes."""
+    lens = np.asarray(doc_lens, dtype=np.int64)
+    m = np.minimum(lens, config.last_queries)
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(int(lens.sum()), num_heads, head_dim, generator=g)
+    q = torch.randn(int(m.sum()), num_heads, head_dim, generator=g)
+    return estimate_vertical_slash(q, k, torch.tensor(np.r_[0, np.cumsum(m)], dtype=torch.int32),
+                                   torch.tensor(np.r_[0, np.cumsum(lens)], dtype=torch.int32), config, k_lens_host=lens)
+
+
 def packed_sizes(doc_lens, num_heads: int, config: SparseConfig) -> np.ndarray:
     """int32 words of each document's packed pattern, from host-known lengths alone:
     H x ceil(L/B) diagonal flags, H x vertical capacity columns, H counts."""

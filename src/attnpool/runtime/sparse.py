@@ -281,10 +281,8 @@ class SparseStats:
     def of_pattern(pattern: VerticalSlashPattern) -> tuple[np.ndarray, np.ndarray]:
         """One pattern's sums and sums by length class, as :meth:`parse` gives a step's: what the planning prior
         is updated with."""
-        stats = _pattern_stats(pattern).tolist()
-        sums, _, by_length = SparseStats.parse(np.array([stats[:len(_STAT_FIELDS)] + [0.0] +
-                                                         stats[len(_STAT_FIELDS):]]))
-        return sums, by_length
+        stats = _pattern_stats(pattern).double().cpu().numpy()
+        return stats[:len(_STAT_FIELDS)], stats[len(_STAT_FIELDS):].reshape(LENGTH_CLASSES, 3)
 
     @staticmethod
     def parse(per_rank: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -121,7 +121,7 @@ class SparseCost:
         per_doc = zip(lengths.tolist(), np.broadcast_to(np.asarray(diagonals, dtype=np.float64), lengths.shape).tolist(),
                       np.broadcast_to(np.asarray(verticals, dtype=np.float64), lengths.shape).tolist())
         cnt, bars = [], []
-        for L, diagonals, verticals in per_doc:
+        for L, doc_diagonals, doc_verticals in per_doc:
             nb = -(-L // block)
             if L < min_doc_len:
                 cnt.append(np.full(nb, float(num_heads)))
@@ -131,11 +131,11 @@ class SparseCost:
             c[:min(local_blocks, nb)] = num_heads
             rest = nb - min(local_blocks, nb)
             if rest:
-                c[min(local_blocks, nb):] = num_heads * min(1.0, diagonals / rest)
+                c[min(local_blocks, nb):] = num_heads * min(1.0, doc_diagonals / rest)
             cnt.append(c)
             run = min(local_blocks, nb)
             before = np.clip(np.arange(nb) - run + 1, 0, None)  # key blocks visited as verticals
-            v = np.minimum(sinks, before * block) + verticals * before / max(nb, 1)
+            v = np.minimum(sinks, before * block) + doc_verticals * before / max(nb, 1)
             bars.append(num_heads * np.ceil(v / chunk))
         return cls(doc_len, cnt, bars, block, chunk, coefficients, phase)
 
@@ -272,11 +272,11 @@ class SparsePrior:
         if sparse_heads > 0:
             self.diagonals, self.verticals = self._folded(self.diagonals, self.verticals, sparse_heads, diagonals,
                                                           verticals)
-        for c, (heads, d, v) in enumerate(np.zeros((0, 3)) if by_length is None else np.asarray(by_length)):
-            if heads > 0:
-                seen, old_d, old_v = self.by_length[c]
-                self.by_length[c] = (1.0, *(self._folded(old_d, old_v, heads, d, v) if seen else
-                                            self._folded(0.0, 0.0, heads, d, v, w=1.0)))
+        by_length = np.zeros((0, 3)) if by_length is None else np.asarray(by_length)
+        for c in np.flatnonzero(by_length[:, 0] > 0):
+            seen, old_d, old_v = self.by_length[c]
+            # a class seen for the first time takes its sizes as they are
+            self.by_length[c] = (1.0, *self._folded(old_d, old_v, *by_length[c], w=None if seen else 1.0))
 
     def _folded(self, old_diagonals, old_verticals, heads, diagonals, verticals, w=None):
         """Sizes after one step's sums: the local band and the sinks taken out, averaged in with weight ``w``."""

@@ -114,8 +114,21 @@ case "$PHASE" in
       bench "pooled-pp2-$schedule" --layers 8 --pp 2 --microbatches 4 --pp-schedule "$schedule" \
         --configs prolong:64K,pretrain:64K --strategies cad,local --warmup 2 --steps 5 --budget-s 240
     done ;;
+  # Issue 44: pooled against 1F1B, 16 layers, 64K tokens per dp rank, cad, the same batches; pretrain's long documents
+  # (the simulator predicts pooled faster) and prolong's (slower). pp_schedule auto's choice for each is the
+  # simulator's on these batches: bench/sim_pooled_validation.py gives it beside the measured steps.
+  pooled-pp4)
+    for schedule in 1f1b pooled; do
+      bench "pooled-pp4-$schedule" --layers 16 --pp 4 --microbatches 4 --pp-schedule "$schedule" \
+        --configs pretrain:64K,prolong:64K --strategies cad --warmup 1 --steps 3 --budget-s 200
+    done ;;
+  pooled-pp2dp2)
+    for schedule in 1f1b pooled; do
+      bench "pooled-pp2dp2-$schedule" --layers 16 --pp 2 --microbatches 4 --pp-schedule "$schedule" \
+        --configs prolong:64K,pretrain:64K --strategies cad --warmup 1 --steps 2 --budget-s 150
+    done ;;
   *) phases="smoke|prolong128|prolong256|pretrain64|pretrain64-memory|prolong64|pretrain128|pretrain128-baselines|pretrain256"
      phases="$phases|pretrain256-baselines"
-     echo "usage: bash bench/gpu_e2e.sh $phases|prolong256-baselines|prolong256-sparse-pingpong|full-depth128|full-depth256|full-depth128-pretrain-cad|full-depth128-pretrain-local|full-depth256-baselines|full-depth256-sparse|parallel34b-tp4|parallel34b-pp2tp2|parallel34b-dp4|parallel8b-tp2|pooled-pp2 [BENCH ARGS...]" >&2
+     echo "usage: bash bench/gpu_e2e.sh $phases|prolong256-baselines|prolong256-sparse-pingpong|full-depth128|full-depth256|full-depth128-pretrain-cad|full-depth128-pretrain-local|full-depth256-baselines|full-depth256-sparse|parallel34b-tp4|parallel34b-pp2tp2|parallel34b-dp4|parallel8b-tp2|pooled-pp2|pooled-pp4|pooled-pp2dp2 [BENCH ARGS...]" >&2
      exit 2 ;;
 esac

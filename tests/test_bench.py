@@ -160,11 +160,12 @@ def test_summary_of_ping_pong_steps_with_one_document():
 
     args = argparse.Namespace(warmup=1, tp=1, pp=1, microbatches=1, activation_checkpointing="keep_attention")
     cfg = model_config("tiny", n_layers=1)
+    as_run = {"layer_checkpointing": ("keep_attention",), "activation_offload": False, "pp_schedule": None,
+              "pp_schedule_choice": None}
     mixed = summarize("cad+pingpong", "pretrain", 2048, [row(None), row(0.3), row(None), row(0.2)], args, 2, cfg,
-                      (("keep_attention",), False))
+                      as_run)
     assert mixed["attention_time_s"] is None
-    timed = summarize("cad", "pretrain", 2048, [row(0.5), row(0.1), row(0.2), row(0.3)], args, 2, cfg,
-                      (("keep_attention",), False))
+    timed = summarize("cad", "pretrain", 2048, [row(0.5), row(0.1), row(0.2), row(0.3)], args, 2, cfg, as_run)
     assert timed["attention_time_s"] == 0.2
 
 

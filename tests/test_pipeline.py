@@ -7,6 +7,7 @@ sizes; bad layouts refused on every rank; the stage split and the simulator's pi
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 
@@ -15,13 +16,14 @@ import pytest
 import torch
 
 from attnpool.model import model_config
-from attnpool.parallel.pipeline import (activations_in_flight, head_layers, pipeline_problem, rank_layers,
-                                        rank_stages, stage_layers)
-from attnpool.parallel.pooled_pipeline import pooled_table, tick_microbatch, ticks
+from attnpool.parallel.pipeline import activations_in_flight, pipeline_problem, rank_layers
+from attnpool.plan.stages import head_layers, pooled_table, rank_stages, stage_layers, tick_microbatch, ticks
 from attnpool.plan import linear_table, load_cost_model, plan_attention
 from attnpool.plan.metrics import home_loads, server_loads
-from attnpool.sim.pipeline import makespan, pipeline_step, pooled_makespan, stage_order
+from attnpool.sim.pipeline import makespan, pipeline_step, simulate_pipeline, stage_order, stage_times
+from attnpool.sim.simulate import SimConfig
 from attnpool.train import train
+from attnpool.train.config import TrainConfig
 from attnpool.train.memory import MemoryInputs, estimate, pipeline_ends
 from command import run_command
 from dist_harness import run_distributed
@@ -101,11 +103,19 @@ def test_pooled_pipeline_trains_as_without_it(tmp_path):
     unpooled = [(name, {k: v for k, v in kw.items() if k != "pp_schedule"}) for name, kw in runs]
     one = run_distributed(_losses, 1, str(tmp_path / "one"), unpooled)[0]
     dp = run_distributed(_losses, 2, str(tmp_path / "dp"), unpooled[1:2])[0]
-    pp = run_distributed(_losses_and_balance, 2, str(tmp_path / "pp"), [(n, dict(kw, pp=2)) for n, kw in runs])[0]
+    # pp_schedule auto chooses one of the two (here 1f1b: the tiny model's steps are all latency), and says why
+    runs_pp = [*runs, ("cad-auto", dict(runs[1][1], pp_schedule="auto"))]
+    pp = run_distributed(_losses_and_balance, 2, str(tmp_path / "pp"), [(n, dict(kw, pp=2)) for n, kw in runs_pp])[0]
     pp4 = run_distributed(_losses, 4, str(tmp_path / "4"), [("pp2dp2", dict(runs[1][1], pp=2)),
                                                              ("pp2tp2", dict(runs[1][1], pp=2, tp=2))])[0]
     for name, _ in runs:
         assert len(pp[name]) == 3 and rel_diff(pp[name], one[name]) <= 1e-5, name
+    assert rel_diff(pp["cad-auto"], one["cad"]) <= 1e-5
+    with open(tmp_path / "pp" / "cad-auto-2" / "summary.json") as fh:
+        summary = json.load(fh)
+    choice = summary["pp_schedule_choice"]
+    assert summary["pp_schedule"] == choice["chosen"] == "1f1b" and "simulator" in choice["why"]
+    assert set(choice["predicted_step_s"]) == {"1f1b", "pooled"}
     # The step's balance is the ticks': in the ramps a stage's ranks idle (local), or serve (cad).
     before, after = pp["cad balance"]
     assert before > 1.3 and after < 1.1, (before, after)
@@ -264,26 +274,99 @@ def test_one_f_one_b_runs_every_operation_once_and_takes_m_plus_pp_minus_one_sta
 
 
 def test_bubble_reuse_prediction_and_bound():
-    step = pipeline_step([4.0] * 8, [2.0] * 8, pp=4)
+    layers = [2, 2, 2, 2]
+    step = pipeline_step(stage_times([4.0] * 8, [0.0] * 8, layers), [2.0] * 8, layers)
     assert step["step_s"] == pytest.approx(11.0)
     assert step["bubble_fraction"] == pytest.approx(3 / 11)
     assert step["reuse_gain"] == pytest.approx(3 * 0.5 / 2 / 11)  # half the ramp's attention, 0.5 per stage-time
     assert step["reuse_gain"] <= step["reuse_gain_bound"] <= step["bubble_fraction"] + 1e-12
-    uneven = pipeline_step(np.r_[[1.0] * 7, 20.0], np.r_[[0.5] * 7, 10.0], pp=4)
+    uneven = pipeline_step(stage_times(np.r_[[1.0] * 7, 20.0], [0.0] * 8, layers), np.r_[[0.5] * 7, 10.0], layers)
     assert uneven["bubble_fraction"] > 3 / 11  # one long micro-batch stalls the pipeline
 
 
-def test_pooled_schedule_model():
-    """Lock-step ticks: without attention the pooled step is GPipe's; all attention pooled leaves no bubble;
-    half of it: the ramps' ticks (k of 4 stages busy) cost 0.5 + k / 4 x 0.5 each, the 5 full ticks 1."""
-    assert pooled_makespan([1.0] * 8, [0.0] * 8, 4) == pytest.approx(makespan([1.0] * 8, 4, "gpipe"))
-    assert pooled_makespan([1.0] * 8, [1.0] * 8, 4) == pytest.approx(8.0)
-    assert pooled_makespan([1.0] * 8, [0.5] * 8, 4) == pytest.approx(5 * 1.0 + 2 * (0.5 * 3 + 0.5 * 6 / 4))
-    step = pipeline_step([4.0] * 8, [2.0] * 8, pp=4)
-    assert step["pooled_gain"] == pytest.approx(1 - 9.5 / 11)
-    # Lock-step waits for each tick's slowest stage: uneven micro-batches without attention cost more pooled.
-    uneven = [1.0, 3.0] * 4
-    assert pooled_makespan(uneven, [0.0] * 8, 4) > makespan(uneven, 4, "gpipe") + 1.0
+def test_stage_times_follow_the_split_and_transfers_delay_the_pipeline():
+    """The last stage holds fewer layers and the output projection; passing hidden states costs each hand-over."""
+    times = stage_times([10.0, 12.0], [2.0, 2.0], [5, 3])
+    assert times[:, 0] == pytest.approx([5.0, 3.0 + 2.0]) and times[:, 1] == pytest.approx([6.25, 3.75 + 2.0])
+    base = makespan([3.0] * 4, 2)
+    # at least the first forward's hand-over and the last backward's, at most every hand-over of the step
+    assert base + 2 * 0.1 <= makespan([3.0] * 4, 2, transfer_s=0.1) - 1e-9 <= base + 2 * 4 * 0.1
+
+
+def test_simulated_pooled_step_against_1f1b():
+    """The simulator's pooled schedule (every tick planned by cad over both stages' ranks): on prolong's short
+    documents its equal stages (the output projection unbalanced) make it slower than 1F1B, as measured on
+    4 x H200 (7.44 s against 6.75 s); on pretrain's long ones pooling the bubbles and the long micro-batches'
+    attention makes it faster. Its forward bytes are its ticks' plans'."""
+    config = SimConfig(model="llama3-8b", layers=8, gpus=4, tp=1, gpus_per_node=4, tokens_per_gpu=65536,
+                       strategies=("cad",), recompute="linear", dist="prolong", max_doc_len=65536)
+    prolong = simulate_pipeline(config, 2, 4, steps=2)
+    assert prolong["stage_layers"] == [5, 3] and prolong["strategies"]["cad-serial"]["pooled_gain"] < 0
+    ticks_ = prolong["pooled"]["steps"][0]["ticks"]
+    assert [t["busy_stages"] for t in ticks_] == [[0], [0, 1], [0, 1], [0, 1], [1]]
+    assert prolong["pooled"]["steps"][0]["bytes_moved"] == sum(t["bytes_moved"] for t in ticks_) > 0
+    pretrain = simulate_pipeline(replace(config, dist="pretrain", layers=16), 4, 4, steps=2)
+    assert pretrain["strategies"]["cad-serial"]["pooled_gain"] > 0.05
+    assert "pooled" not in simulate_pipeline(replace(config, layers=6), 4, 4, steps=1)  # 6 layers over 4 stages
+
+
+def _choice(**overrides):
+    """pp_schedule auto's choice for llama3-8b x 16 layers at 64K tokens per dp rank on 4 GPUs (planned for GPUs,
+    from here: no GPU is asked)."""
+    from attnpool.train.data_source import build_source
+    from attnpool.train.schedule_choice import choose_schedule
+    from attnpool.train.spec import resolve_run_spec
+
+    settings = dict(model="llama3-8b", model_args={"n_layers": 16}, data="synthetic", tokens_per_rank=65536, pp=4,
+                    microbatches=4, pp_schedule="auto", attention="cad", activation_checkpointing="keep_attention",
+                    precision="bf16", device="cuda", out=os.devnull)
+    config = TrainConfig(**{**settings, **overrides})
+    spec = resolve_run_spec(config, 4, None, "cuda")
+    return choose_schedule(spec, build_source(config, spec.model))
+
+
+def test_auto_schedule_gives_up_pooled_where_its_activations_do_not_fit():
+    """pooled holds every tick's activations until its backward: where the (smallest) rank's memory cannot hold
+    them, auto falls back to 1f1b and says so; where it can, pooled stays."""
+    from dataclasses import replace as replaced
+
+    from attnpool.train.data_source import build_source
+    from attnpool.train.memory import Calibration
+    from attnpool.train.memory_fit import Capacity
+    from attnpool.train.schedule_choice import resolve_pp_schedule
+    from attnpool.train.setup import keep_pooled_if_it_fits
+    from attnpool.train.spec import resolve_run_spec
+
+    config = TrainConfig(model="llama3-8b", model_args={"n_layers": 16}, data="synthetic",
+                         data_args={"dist": "pretrain"}, tokens_per_rank=65536, pp=4, microbatches=4,
+                         pp_schedule="auto", attention="cad", activation_checkpointing="keep_attention",
+                         precision="bf16", device="cuda", out=os.devnull)
+    spec = resolve_run_spec(config, 4, None, "cuda")
+    source = build_source(config, spec.model)
+    spec = resolve_pp_schedule(spec, source)
+    assert spec.pooled and spec.pp_schedule == "pooled"
+    small = keep_pooled_if_it_fits(spec, source, Capacity(40 * 2**30, "40 GiB"), Calibration.none())
+    assert small.pp_schedule == "1f1b" and not small.pooled and "would not fit" in small.schedule_choice.why
+    large = keep_pooled_if_it_fits(spec, source, Capacity(400 * 2**30, "400 GiB"), Calibration.none())
+    assert large.pp_schedule == "pooled"
+    auto_memory = replaced(spec, config=config.replace(activation_checkpointing="auto"))
+    refused = keep_pooled_if_it_fits(auto_memory, source, Capacity(8 * 2**30, "8 GiB"), Calibration.none())
+    assert refused.pp_schedule == "1f1b" and "no checkpointing fits" in refused.schedule_choice.why
+
+
+def test_auto_schedule_takes_pooled_only_where_the_simulator_predicts_it_faster():
+    """pretrain's long documents: pooled predicted faster by more than 5% (measured on 4 x H200 in
+    bench/results/2026-11-28-h200x4-pooled-pipeline.md); prolong's: slower, so 1f1b. Where pooled cannot help
+    or run, 1f1b, with the reason."""
+    pretrain = _choice(data_args={"dist": "pretrain"})
+    assert pretrain.chosen == "pooled" and pretrain.predicted_step_s["pooled"] < 0.95 * pretrain.predicted_step_s["1f1b"]
+    assert "pooled" in pretrain.why and "1f1b" in pretrain.why
+    prolong = _choice(data_args={"dist": "prolong"})
+    assert prolong.chosen == "1f1b" and prolong.predicted_step_s["pooled"] > 0.95 * prolong.predicted_step_s["1f1b"]
+    local = _choice(data_args={"dist": "pretrain"}, attention="local")
+    assert local.chosen == "1f1b" and "attention is local" in local.why and not local.predicted_step_s
+    full = _choice(data_args={"dist": "pretrain"}, activation_checkpointing="full")
+    assert full.chosen == "1f1b" and "activation_checkpointing=full" in full.why
 
 
 def _train_as_the_command_line_says(rank, world, args):

@@ -17,7 +17,7 @@ LAYERS = {
     "plan": BASE, "comm": BASE, "sparse": BASE | {"plan"}, "kernels": BASE | {"sparse"},
     "runtime": BASE | {"plan", "comm", "kernels", "sparse"}, "model": BASE, "data": BASE | {"plan"},
     "parallel": BASE | {"model", "plan"}, "sim": BASE | {"plan", "data", "model"},
-    "train": BASE | {"plan", "comm", "sparse", "kernels", "runtime", "model", "data", "parallel"},
+    "train": BASE | {"plan", "comm", "sparse", "kernels", "runtime", "model", "data", "parallel", "sim"},
 }
 
 

@@ -126,13 +126,14 @@ def run_one(name, dist_name, tokens, args, out_dir, trace=False):
     return rows[:args.warmup + args.steps], predicted, settings
 
 
-def _with_prediction(result) -> tuple[list, int | None, tuple[tuple[str, ...], bool]]:
-    """The run's rows, the memory model's allocated peak of its busiest rank (None where unchecked), and its memory
-    settings as it ran: each layer's checkpointing mode and activation offload (auto chooses them)."""
+def _with_prediction(result) -> tuple[list, int | None, dict]:
+    """The run's rows, the memory model's allocated peak of its busiest rank (None where unchecked), and its settings
+    as it ran where auto chooses them: each layer's checkpointing mode, activation offload, the pipeline schedule."""
     predicted = [None] * dist.get_world_size()
     dist.all_gather_object(predicted, result.memory.allocated_bytes if result.memory else None)
     return (result.rows, max((p for p in predicted if p is not None), default=None),
-            (result.layer_checkpointing, result.activation_offload))
+            {"layer_checkpointing": result.layer_checkpointing, "activation_offload": result.activation_offload,
+             "pp_schedule": result.pp_schedule, "pp_schedule_choice": result.pp_schedule_choice})
 
 
 def sparse_options(text: str) -> dict:
@@ -164,18 +165,19 @@ def _write_trace(out, tag, device, prof):
     os.remove(path)
 
 
-def summarize(name, dist_name, tokens, rows, args, world, cfg, memory_settings):
+def summarize(name, dist_name, tokens, rows, args, world, cfg, as_run: dict):
     measured = rows[args.warmup:]
     step = statistics.median(r["step_time_s"] for r in measured)
     global_tokens = rows[0]["tokens"]
     linear_s = global_tokens * linear_s_per_token(cfg) / world
     # (the plan's loads are one tp rank's: its share of the heads)
     attention_s = statistics.median(r["attention_work_total"] for r in measured) * cfg.n_layers * args.tp / world
-    modes, offload = memory_settings  # (each layer's mode as it ran: auto's choice differs by layer)
+    modes, offload = as_run["layer_checkpointing"], as_run["activation_offload"]  # (auto's choice differs by layer)
     linear_again, attention_again = (statistics.mean(RECOMPUTED_SHARE[mode][i] for mode in modes) for i in (0, 1))
     rec = {
         "strategy": name, "dist": dist_name, "tokens_per_gpu": tokens, "gpus": world, "tp": args.tp, "pp": args.pp,
-        "microbatches": args.microbatches,
+        "microbatches": args.microbatches, "pp_schedule": as_run["pp_schedule"],
+        "pp_schedule_choice": as_run["pp_schedule_choice"],
         "step_time_s": step, "step_times_s": [r["step_time_s"] for r in measured],
         "total_time_s": sum(r["step_time_s"] for r in measured),
         "tokens_per_s": global_tokens / step,
@@ -438,6 +440,10 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
     if args.activation_checkpointing == "auto":
         lines += ["", "auto's choice: " + "; ".join(f"{r['dist']} {r['tokens_per_gpu'] // 1024}K {r['strategy']}: "
                                                     f"{r['layer_checkpointing']}" for r in records) + "."]
+    if args.pp > 1 and args.pp_schedule == "auto":
+        lines += ["", "pp_schedule auto: " + "; ".join(f"{r['dist']} {r['tokens_per_gpu'] // 1024}K {r['strategy']}: "
+                                                      f"{r['pp_schedule']} ({r['pp_schedule_choice']['why']})"
+                                                      for r in records) + "."]
     if skipped:
         lines += ["", f"Not run (time budget): {', '.join(skipped)}."]
     if not complete:

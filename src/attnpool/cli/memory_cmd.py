@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     from attnpool.train.memory import AUTO, Calibration
     from attnpool.train.memory_fit import report
     from attnpool.train.memory_check import choose_checkpointing, run_memory_inputs
-    from attnpool.train.setup import NO_RUN_DIRECTORY, prepare
+    from attnpool.train.setup import NO_RUN_DIRECTORY, keep_pooled_if_it_fits, prepare
 
     config = config_from_args(args)
     cpu = config.run.device == "cpu"
@@ -85,14 +85,20 @@ def run(args: argparse.Namespace) -> int:
     # The run resolved for its device (the kernels it would run), with nothing of its run directory read.
     setup = prepare(config.replace(resume=False, memory_check=False, out=NO_RUN_DIRECTORY), config.run.nproc,
                     device_type="cpu" if cpu else "cuda")
-    x = run_memory_inputs(setup.spec, setup.source, capacity, calibration)
+    spec = setup.spec
+    if spec.pooled and spec.schedule_choice is not None:  # pp_schedule auto, as a rank decides it for this capacity
+        spec = keep_pooled_if_it_fits(spec, setup.source, capacity, calibration)
+    x = run_memory_inputs(spec, setup.source, capacity, calibration)
     if x.activation_checkpointing == AUTO:  # each layer's mode, as the run would choose them for this capacity
-        x = choose_checkpointing(setup.spec, x, setup.source, capacity, calibration)
+        x = choose_checkpointing(spec, x, setup.source, capacity, calibration)
     result = report(x, capacity, calibration, offloads=not cpu)
+    choice = spec.schedule_choice.to_dict() if spec.schedule_choice is not None else None
     if args.json:
-        print(json.dumps(_as_json(config, result, calibration), indent=1))
+        print(json.dumps({**_as_json(config, result, calibration), "pp_schedule_choice": choice}, indent=1))
     else:
         _print_tables(config, result, calibration)
+        if choice is not None:
+            print(f"pp_schedule auto: {choice['chosen']} ({choice['why']})")
     if result.first_fitting() is None:
         raise result.refusal()
     return 0

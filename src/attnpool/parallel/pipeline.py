@@ -25,52 +25,8 @@ import torch
 from torch import Tensor, nn
 
 from attnpool.model import ModelConfig
-from attnpool.parallel.pooled_pipeline import POOLED
-
-# name -> (torch's name for the schedule, stages per pipeline rank)
-SCHEDULES = {
-    "1f1b": ("1F1B", 1),
-    "gpipe": ("GPipe", 1),
-    "interleaved-1f1b": ("Interleaved1F1B", 2),
-}
-# torch's zero-bubble schedules split each stage's backward into input and weight gradients; with this
-# model (its core attention's autograd functions, FSDP2) they gave losses 2.8e-3 off after three steps
-# on CPU where every other schedule agrees with one process to 1e-7.
-REFUSED_SCHEDULES = ("interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")
-
-
-def head_layers(cfg: ModelConfig) -> float:
-    """The output projection and loss's compute in layers: their weights over a layer's matrix weights."""
-    layer = cfg.dim * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * cfg.dim * cfg.ffn_dim
-    return cfg.dim * cfg.vocab_size / layer
-
-
-def stage_layers(n_layers: int, stages: int, head: float) -> list[range]:
-    """Contiguous layer ranges of ``stages`` stages, at least one layer each, the last stage counting
-    ``head`` layers more: the last gets about (n_layers + head) / stages - head, the others share the rest
-    evenly (earlier stages one more where it does not divide)."""
-    per_stage = (n_layers + head) / stages
-    last = min(max(1, round(per_stage - head)), n_layers - (stages - 1))
-    base, extra = divmod(n_layers - last, stages - 1) if stages > 1 else (0, 0)
-    sizes = [base + (1 if i < extra else 0) for i in range(stages - 1)] + [last]
-    bounds = [0]
-    for size in sizes:
-        bounds.append(bounds[-1] + size)
-    return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-def rank_stages(schedule: str, pp: int, pp_rank: int) -> list[int]:
-    """The stage indices pipeline rank ``pp_rank`` holds under ``schedule`` (looped: r, r + pp, ...)."""
-    return [pp_rank + i * pp for i in range(stages_per_rank(schedule))]
-
-
-def stages_per_rank(schedule: str) -> int:
-    return 1 if schedule == POOLED else SCHEDULES[schedule][1]
-
-
-def schedule_names() -> tuple[str, ...]:
-    return (*SCHEDULES, POOLED)
-
+from attnpool.plan.stages import (AUTO_SCHEDULE, POOLED, REFUSED_SCHEDULES, SCHEDULES, rank_stages, schedule_names,
+                                  schedule_stage_layers, stages_per_rank)
 
 def activations_in_flight(schedule: str, pp: int, microbatches: int, pp_rank: int = 0) -> int:
     """Micro-batches whose activations pipeline rank ``pp_rank`` holds at once (the first holds the most), counted
@@ -102,6 +58,9 @@ def pipeline_problem(cfg: ModelConfig, pp: int, schedule: str, microbatches: int
     if stages > cfg.n_layers:
         return "pp", pp, (f"{stages} pipeline stages ({schedule}: {stages_per_rank(schedule)} per rank) need at least "
                           f"one layer each, and the model has {cfg.n_layers}")
+    if schedule == AUTO_SCHEDULE and microbatches < pp:
+        return "microbatches", microbatches, (f"pp_schedule {schedule} chooses between 1f1b and {POOLED}, and 1f1b "
+                                              f"needs at least pp={pp} micro-batches")
     if schedule not in ("gpipe", POOLED) and microbatches < pp:
         return "microbatches", microbatches, f"{schedule} needs at least pp={pp} micro-batches"
     if schedule == "interleaved-1f1b":
@@ -146,12 +105,6 @@ class StageForward:
         if not self.last:
             return self.forward(x, positions, attention)
         return self.forward(x, positions, attention, labels=labels) * loss_scale
-
-
-def schedule_stage_layers(cfg: ModelConfig, schedule: str, pp: int) -> list[range]:
-    """Every stage's layers under ``schedule``. Pooled stages run layer j together, so they hold equal
-    numbers (the last one's head is not counted)."""
-    return stage_layers(cfg.n_layers, pp * stages_per_rank(schedule), 0.0 if schedule == POOLED else head_layers(cfg))
 
 
 def rank_layers(cfg: ModelConfig, schedule: str, pp: int, pp_rank: int = 0) -> list[int]:

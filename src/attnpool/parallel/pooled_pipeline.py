@@ -12,7 +12,7 @@ exchange over all pipeline and dp ranks:
 - **Pooled attention.** Every stage holds the same number of layers, so in a tick all stages reach their
   j-th layer's core attention together. The CA-tasks of the tick's micro-batches (each laid out over its
   stage's dp ranks as without pooling) are planned over all S x dp ranks: the ranks of idle stages hold
-  no tokens and serve, the ranks of busy stages hand work to them (:func:`pooled_table`). One plan serves
+  no tokens and serve, the ranks of busy stages hand work to them (attnpool.plan.stages.pooled_table). One plan serves
   the tick's every layer slot, one all-to-all exchange per slot over all of those ranks.
 - **Idle ranks** call the tick's core attention once per layer slot with no tokens of their own (they
   still serve what the plan gives them), and in the backward tick run those calls' backward in reverse
@@ -26,17 +26,13 @@ exchanges are not pooled). Memory: like GPipe, a stage holds the activations of 
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from attnpool.plan.documents import DocPiece, PieceTable
-
-POOLED = "pooled"
-
+from attnpool.plan.stages import POOLED, tick_microbatch, ticks
 
 def pooled_problem(n_layers: int, pp: int, checkpointing: str, sparse: bool) -> tuple[str, object, str] | None:
     """(field, value, why) where ``pp_schedule: pooled`` cannot run, or None."""
@@ -50,36 +46,6 @@ def pooled_problem(n_layers: int, pp: int, checkpointing: str, sparse: bool) -> 
     if sparse:
         return "sparse", "vertical-slash", f"{POOLED} pools dense core attention only; use another pp_schedule"
     return None
-
-
-def ticks(microbatches: int, stages: int) -> int:
-    return microbatches + stages - 1
-
-
-def tick_microbatch(tick: int, stage: int, microbatches: int) -> int | None:
-    """The micro-batch stage ``stage`` runs in tick ``tick``, or None where it is idle."""
-    m = tick - stage
-    return m if 0 <= m < microbatches else None
-
-
-def pooled_table(tables: Sequence[PieceTable], tick: int, stages: int) -> PieceTable:
-    """Tick ``tick``'s layout over ``stages`` x dp ranks (pooled rank s * dp + d): the dp ranks of stage s
-    hold micro-batch ``tick - s``'s pieces as ``tables[tick - s]`` lays them out (the same buffer order, so
-    each rank's own tokens are where its stage expects them), the ranks of idle stages nothing. Documents
-    are renumbered per micro-batch: two micro-batches' document 3 are different documents."""
-    dp = tables[0].num_ranks
-    stride = 1 + max(int(t.doc_ids.max()) if t.num_docs else 0 for t in tables)
-    per_rank: list[list[DocPiece]] = [[] for _ in range(stages * dp)]
-    for s in range(stages):
-        m = tick_microbatch(tick, s, len(tables))
-        if m is None:
-            continue
-        t = tables[m]
-        ids, lens = t.doc_ids[t.doc], t.doc_len[t.doc]
-        for i in np.lexsort((t.offset, t.rank)).tolist():
-            per_rank[s * dp + int(t.rank[i])].append(
-                DocPiece(m * stride + int(ids[i]), int(lens[i]), int(t.start[i]), int(t.length[i])))
-    return PieceTable.from_pieces(per_rank)
 
 
 class PooledPipelineRunner:
@@ -110,7 +76,7 @@ class PooledPipelineRunner:
              tick_attention: Callable[[int], object], loss_scale: float) -> Tensor:
         """Forward and backward of one step's micro-batches (this dp rank's tensors, one per micro-batch);
         ``tick_attention(t)``: tick t's core attention (a CoreAttention over every stage's ranks of this
-        tp index, its plan from :func:`pooled_table`), called once per tick in order on every rank.
+        tp index, its plan from attnpool.plan.stages.pooled_table), called once per tick in order on every rank.
         Returns this rank's sum of the micro-batches' loss shares (0 off the last stage)."""
         count, s = len(tokens), self.stage
         total = torch.zeros((), device=self.device)

@@ -195,15 +195,17 @@ def intra_from_profile(obj: dict) -> Link | None:
 
 def load_sim_costs(cfg, model_name: str, profile=None, *, intra: Link | None = None, inter: Link | None = None,
                    linear_tflops: float | None = None, min_shard_tokens: int | None = None,
-                   attention_backend: str = TOP_LEVEL_BACKEND) -> SimCosts:
+                   attention_backend: str = TOP_LEVEL_BACKEND, any_head_dim: bool = False) -> SimCosts:
     """Costs for ``cfg`` from ``profile`` (a path, a dict, or None for the packaged H200 table), core attention
-    from the table of ``attention_backend``'s kernel (flash's where the profile has none for it)."""
+    from the table of ``attention_backend``'s kernel (flash's where the profile has none for it). ``any_head_dim``:
+    a table measured for another head_dim prices this model's FLOPs at its rates (an approximation, for comparing
+    two schedules of one run) instead of being refused."""
     if isinstance(profile, dict):
         obj, where = profile, "profile"
     else:
         obj, where = _load_profile(profile)
     fwd, fwd_bwd = _tables(obj, where, attention_backend)
-    if int(fwd.head_dim) != int(cfg.head_dim):
+    if int(fwd.head_dim) != int(cfg.head_dim) and not any_head_dim:
         raise ConfigError("profile", where, f"was measured for head_dim={fwd.head_dim}; model {model_name} has head_dim={cfg.head_dim}: profile it with --model {model_name}")
     fwd, fwd_bwd = fwd.scaled_to(cfg.n_heads, cfg.head_dim), fwd_bwd.scaled_to(cfg.n_heads, cfg.head_dim)
     if linear_tflops is not None:

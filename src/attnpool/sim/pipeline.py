@@ -1,26 +1,26 @@
-"""Pipeline parallelism in the simulator: a step's micro-batches through ``pp`` stages, its bubbles, and what
-sharing attention servers across stages (DistCA's bubble reuse) could gain at most.
+"""Pipeline parallelism in the simulator: a step's micro-batches through ``pp`` stages, its bubbles, what any
+bubble reuse could gain at most, and the step of ``pp_schedule: pooled`` (DistCA's bubble reuse as attnpool
+builds it).
 
-A micro-batch's time on one stage is its whole-model step time on the dp servers of one stage (the plan
-and costs of ``simulate_config`` on gpus / pp GPUs) divided by pp: stages balanced, the output projection
-counted (as attnpool.parallel.pipeline splits them), forward a third of it and backward two thirds. The
-step is simulated operation by operation: every stage runs its schedule's fixed order (1F1B: pp - s - 1
-forwards, then one forward and one backward alternately, then the remaining backwards; GPipe: all
-forwards, then all backwards), each forward after the previous stage's forward of the same micro-batch,
-each backward after the next stage's backward. Its bubble is the time the ranks wait.
+**1F1B and GPipe.** A micro-batch's whole-model step time on the dp servers of one stage (the plan and costs of
+``simulate_config`` on gpus / pp GPUs) is split over the stages as attnpool.parallel.pipeline splits the model
+(plan.stages.stage_layers: balanced by compute, the output projection counted, so the last stage holds fewer
+layers): each stage its layers' share, the last the output projection too (:func:`stage_times`). Forward is a third
+of it, backward two thirds. The step is simulated operation by operation: every stage runs its schedule's fixed
+order (1F1B: pp - s - 1 forwards, then one forward and one backward alternately, then the remaining backwards;
+GPipe: all forwards, then all backwards), each forward after the previous stage's forward of the same
+micro-batch and the passing of its hidden states (:func:`transfer_seconds`), each backward after the next
+stage's backward and the passing of its gradient. Its bubble is the time the ranks wait. An upper bound on
+any reuse (``reuse_gain_bound``): the step cannot be shorter than the same pipeline with no core attention on
+its critical path, nor than every rank's share of the step's work. ``reuse_gain`` is DistCA's idealized scheme
+(half of the ramps' core attention saved), moving nothing.
 
-Bubble reuse: a rank waiting for its neighbour serves CA-tasks of a stage that is running. DistCA's
-scheme: every stage runs the same phase in each tick, and in a tick of the ramp where k of the pp stages
-have work, their core attention is spread over all pp stage groups, so the tick costs its non-attention
-part plus k / pp of its attention. Over the ramp k runs from 1 to pp - 1, which saves half of the ramp's
-attention: about (pp - 1) a / 2 per step, a a micro-batch's core attention per stage (the mean;
-``reuse_gain``). An upper bound on any reuse (``reuse_gain_bound``): the step cannot be shorter than the
-same pipeline with no core attention on its critical path (every stage-time cut to its non-attention
-part), nor than every rank's share of the step's work. Neither counts moving Q and KV between stage groups.
-
-``pooled_step_s`` models the schedule attnpool builds for it (``pp_schedule: pooled``, :func:`pooled_makespan`):
-lock-step GPipe ticks with each tick's attention pooled; ``pooled_gain`` is its gain over ``schedule``, which
-also counts what lock-step costs (a tick lasts as long as its slowest stage's non-attention work).
+**Pooled** (:func:`pooled_tick_steps`), as attnpool.parallel.pooled_pipeline runs it: GPipe's order in lock-step
+ticks, every stage holding the same number of layers (so the output projection is not balanced away: the last
+stage's is added to every tick it is busy in, the others waiting for it), each tick's core attention planned by
+cad over every stage's ranks (idle stages' ranks hold no tokens and serve) and its exchanges timed over all of
+them, the hidden states passed between stages. What the tick's plan moves is what it costs: the exchanges are
+not hidden (no ping-pong).
 """
 
 from __future__ import annotations
@@ -30,7 +30,12 @@ from dataclasses import replace
 import numpy as np
 
 from attnpool.errors import ConfigError
-from attnpool.sim.simulate import SimConfig, simulate_config
+from attnpool.plan.api import plan_attention
+from attnpool.plan.layout import linear_table
+from attnpool.plan.stages import head_layers, pooled_table, stage_layers, tick_microbatch, ticks
+from attnpool.sim.costs import SimCosts, load_sim_costs
+from attnpool.sim.simulate import SimConfig, sample, simulate_config
+from attnpool.sim.steptime import Cluster, StepModel
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 FORWARD_SHARE = 1 / 3  # of a micro-batch's forward and backward time
@@ -47,10 +52,14 @@ def stage_order(stage: int, pp: int, microbatches: int, schedule: str = "1f1b") 
     return order + [("B", m) for m in range(microbatches - warmup, microbatches)]
 
 
-def makespan(stage_times, pp: int, schedule: str = "1f1b") -> float:
-    """The step time of micro-batches whose time on one stage (forward plus backward) is ``stage_times``."""
+def makespan(stage_times, pp: int, schedule: str = "1f1b", transfer_s: float = 0.0) -> float:
+    """The step time of micro-batches whose time on a stage (forward plus backward) is ``stage_times``: one per
+    micro-batch (every stage alike), or a (pp, micro-batches) array. ``transfer_s``: what passing a micro-batch's
+    hidden states (or their gradient) to the next stage adds before that stage can start on it."""
     t = np.asarray(stage_times, dtype=float)
-    M = len(t)
+    if t.ndim == 1:
+        t = np.tile(t, (pp, 1))
+    M = t.shape[1]
     duration = {"F": t * FORWARD_SHARE, "B": t * (1 - FORWARD_SHARE)}
     end = {"F": np.full((pp, M), np.nan), "B": np.full((pp, M), np.nan)}
     orders = [stage_order(s, pp, M, schedule) for s in range(pp)]
@@ -62,12 +71,12 @@ def makespan(stage_times, pp: int, schedule: str = "1f1b") -> float:
             while position[s] < len(orders[s]):
                 kind, m = orders[s][position[s]]
                 if kind == "F":
-                    ready = 0.0 if s == 0 else end["F"][s - 1, m]
+                    ready = 0.0 if s == 0 else end["F"][s - 1, m] + transfer_s
                 else:
-                    ready = end["F"][s, m] if s == pp - 1 else end["B"][s + 1, m]
+                    ready = end["F"][s, m] if s == pp - 1 else end["B"][s + 1, m] + transfer_s
                 if np.isnan(ready):
                     break  # waits for a neighbour's operation not yet scheduled
-                clock[s] = max(clock[s], ready) + duration[kind][m]
+                clock[s] = max(clock[s], ready) + duration[kind][s, m]
                 end[kind][s, m] = clock[s]
                 position[s] += 1
                 remaining -= 1
@@ -77,55 +86,141 @@ def makespan(stage_times, pp: int, schedule: str = "1f1b") -> float:
     return float(clock.max())
 
 
-def pooled_makespan(stage_times, attention_times, pp: int) -> float:
-    """The step time of ``pp_schedule: pooled`` (attnpool.parallel.pooled_pipeline): GPipe's order in lock-step
-    ticks, each tick's core attention (of the micro-batches of its busy stages; ``attention_times`` per stage,
-    like ``stage_times``) spread evenly over all pp stage groups, its other work taking as long as the
-    busiest stage's. Forward ticks take FORWARD_SHARE of each, backward ticks the rest."""
-    t, a = np.asarray(stage_times, dtype=float), np.asarray(attention_times, dtype=float)
-    M = len(t)
-    total = 0.0
-    for tick in range(M + pp - 1):
-        busy = [tick - s for s in range(pp) if 0 <= tick - s < M]
-        total += max(t[m] - a[m] for m in busy) + sum(a[m] for m in busy) / pp
-    return total  # the forward ticks' FORWARD_SHARE and the backward ticks' rest add up to one of each
+def stage_times(step_s, head_s, layers: list[int]) -> np.ndarray:
+    """(stages, micro-batches) seconds of each micro-batch on each stage, from its whole-model step time on one
+    stage's servers (``step_s``, its output projection's ``head_s`` included): a stage's layers' share of the rest,
+    and the last stage the output projection too."""
+    step_s, head_s = np.asarray(step_s, dtype=float), np.asarray(head_s, dtype=float)
+    per_layer = (step_s - head_s) / sum(layers)
+    out = np.outer(np.asarray(layers, dtype=float), per_layer)
+    out[-1] += head_s
+    return out
 
 
-def pipeline_step(step_s, attention_s, pp: int, schedule: str = "1f1b") -> dict:
-    """One pipelined step of micro-batches whose whole-model step times (``step_s``) and core attention
-    times (``attention_s``) are given: its time, its bubble and the bound on what bubble reuse saves."""
-    step_s, attention_s = np.asarray(step_s, dtype=float), np.asarray(attention_s, dtype=float)
-    total = makespan(step_s / pp, pp, schedule)
-    work = step_s.sum() / pp  # each rank's share: pp stages' work over pp ranks
-    bound = max(makespan((step_s - attention_s) / pp, pp, schedule), work)
-    pooled_ramp = (pp - 1) * float(np.mean(attention_s / pp)) / 2
-    pooled = pooled_makespan(step_s / pp, attention_s / pp, pp)
-    return {"step_s": total, "bubble_fraction": 1 - work / total, "reuse_gain": pooled_ramp / total,
-            "reuse_gain_bound": 1 - bound / total, "attention_share": float(attention_s.sum() / step_s.sum()),
-            "pooled_step_s": pooled, "pooled_gain": 1 - pooled / total}
+def pipeline_step(times: np.ndarray, attention_s, layers: list[int], schedule: str = "1f1b",
+                  transfer_s: float = 0.0) -> dict:
+    """One pipelined step: ``times`` (stage_times), ``attention_s`` each micro-batch's core attention over the
+    whole model. Its time, its bubble, and a bound on what any bubble reuse saves."""
+    pp = len(layers)
+    attention_s = np.asarray(attention_s, dtype=float)
+    total = makespan(times, pp, schedule, transfer_s)
+    work = times.sum() / pp  # each rank's share: pp stages' work over pp ranks
+    attention = np.outer(np.asarray(layers, dtype=float) / sum(layers), attention_s)
+    bound = max(makespan(times - attention, pp, schedule, transfer_s), work)
+    ramp = (pp - 1) * float(np.mean(attention_s / pp)) / 2
+    return {"step_s": total, "bubble_fraction": 1 - work / total, "reuse_gain": ramp / total,
+            "reuse_gain_bound": 1 - bound / total, "attention_share": float(attention_s.sum() / times.sum())}
 
 
-def simulate_pipeline(config: SimConfig, pp: int, microbatches: int, steps: int = 4, schedule: str = "1f1b",
-                      **kwargs) -> dict:
+def transfer_seconds(cfg, cluster: Cluster, costs: SimCosts, pp: int) -> float:
+    """Passing one micro-batch's hidden states (bf16, each GPU its tokens' share) to the next stage: stages are the
+    mesh's outermost dimension, so they share a node only when the whole pipeline fits in one."""
+    if pp == 1:
+        return 0.0
+    link = costs.intra if pp * cluster.gpus <= cluster.gpus_per_node else costs.inter
+    return link.latency + cluster.tokens_per_gpu * cfg.dim * 2 / link.bandwidth
+
+
+def pooled_tick_steps(model: StepModel, tables: list, pp: int, eps: float, head_s: float, transfer_s: float,
+                      costs: SimCosts) -> list[dict]:
+    """Every tick of one ``pp_schedule: pooled`` step (attnpool.parallel.pooled_pipeline): its layout over all
+    stages' ranks (plan.stages.pooled_table) planned by cad as the runtime plans it, timed with ``model`` (one stage's
+    layers, no output projection, over every stage's servers: each layer slot's exchange spans them all and holds
+    them in lock-step), the last stage's output projection added where it is busy (the others wait for it at the
+    next exchange) and the hidden states' passing where a later stage is."""
+    out = []
+    for tick in range(ticks(len(tables), pp)):
+        table = pooled_table(tables, tick, pp)
+        plan = plan_attention(table, "cad", cost_model=costs.attn_fwd_bwd, min_shard_tokens=costs.min_shard_tokens,
+                              eps=eps, shape=model.shape)
+        st = model.plan_step(plan, overlap=False, name="pooled")
+        busy = [s for s in range(pp) if tick_microbatch(tick, s, len(tables)) is not None]
+        step = st.step + (head_s if pp - 1 in busy else 0.0) + (2 * transfer_s if max(busy) > 0 else 0.0)
+        out.append({"step_s": step, "bytes_moved": st.bytes_moved * model.cfg.n_layers, "busy_stages": busy,
+                    "attention_max_over_mean": st.attention_max_over_mean, "comm_exposed_s": st.comm_exposed})
+    return out
+
+
+def simulate_pipeline(config: SimConfig, pp: int, microbatches: int, steps: int = 4, schedule: str = "1f1b", *,
+                      costs: SimCosts | None = None, profile=None, doc_batches: list[list[int]] | None = None,
+                      pooled: bool = True, progress=None, model_cfg=None) -> dict:
     """``config`` (its ``gpus`` all of the pipeline's) run as ``pp`` stages of gpus / pp GPUs each, ``steps``
-    steps of ``microbatches`` micro-batches; per strategy the mean over steps of :func:`pipeline_step`."""
+    steps of ``microbatches`` micro-batches (``doc_batches``: their document lengths, each one stage's global
+    batch; default: sampled). Per strategy of ``config``, the mean over steps of :func:`pipeline_step` under
+    ``schedule``, its stages split as attnpool.parallel.pipeline splits them; with ``pooled`` (where the layers
+    divide over the stages and cad is simulated), ``pp_schedule: pooled``'s step (:func:`pooled_tick_steps`).
+    ``model_cfg``: the model, where it is not ``config.model``'s preset."""
     if pp < 1 or config.gpus % (pp * config.tp):
         raise ConfigError("pp", pp, f"pp x tp must divide the {config.gpus} GPUs")
     if microbatches < 1:
         raise ConfigError("microbatches", microbatches, "must be at least 1")
     if schedule not in PIPELINE_SCHEDULES:
         raise ConfigError("schedule", schedule, f"the simulator models {', '.join(PIPELINE_SCHEDULES)}")
-    stage = simulate_config(replace(config, gpus=config.gpus // pp, batches=steps * microbatches), **kwargs)
+    config.check(model_cfg)
+    cfg = model_cfg or config.model_config()
+    if costs is None:
+        costs = load_sim_costs(cfg, config.model, profile)
+    stage_config = replace(config, gpus=config.gpus // pp, batches=steps * microbatches)
+    if doc_batches is not None and len(doc_batches) != steps * microbatches:
+        raise ConfigError("doc_batches", len(doc_batches), f"need steps x microbatches = {steps * microbatches}")
+    stage_cluster = Cluster(stage_config.gpus, config.tp, config.gpus_per_node, config.tokens_per_gpu)
+    if doc_batches is None:
+        doc_batches = sample(stage_config, stage_cluster)
+    stage = simulate_config(stage_config, costs, doc_batches=doc_batches, model_cfg=model_cfg)
+    stage_model = StepModel(cfg, stage_cluster, costs, config.recompute)
+    head_s = stage_cluster.tokens_per_server * (stage_model.tok_head_fwd + stage_model.tok_head_bwd)
+    transfer_s = transfer_seconds(cfg, stage_cluster, costs, pp)
+    layers = [len(r) for r in stage_layers(cfg.n_layers, pp, head_layers(cfg))]
     out = {"label": f"{config.label()}/pp{pp}/mb{microbatches}", "pp": pp, "microbatches": microbatches,
-           "schedule": schedule, "steps": steps, "stage_simulation": stage, "strategies": {}}
+           "schedule": schedule, "steps": steps, "stage_layers": layers, "transfer_s": transfer_s,
+           "stage_simulation": stage, "strategies": {}}
     for name, summary in stage["strategies"].items():
-        per_step = [pipeline_step(summary["per_batch_step_s"][i:i + microbatches],
-                                  summary["per_batch_attention_s"][i:i + microbatches], pp, schedule)
-                    for i in range(0, steps * microbatches, microbatches)]
+        per_step = []
+        for i in range(0, steps * microbatches, microbatches):
+            times = stage_times(summary["per_batch_step_s"][i:i + microbatches], head_s, layers)
+            per_step.append(pipeline_step(times, summary["per_batch_attention_s"][i:i + microbatches], layers,
+                                          schedule, transfer_s))
         out["strategies"][name] = {key: float(np.mean([p[key] for p in per_step])) for key in per_step[0]}
+        out["strategies"][name]["per_step_s"] = [p["step_s"] for p in per_step]
     baselines = [k for k in out["strategies"] if k == "wlb" or k.startswith("percp-cp")]
     if "cad" in out["strategies"] and baselines:
         best = min(baselines, key=lambda k: out["strategies"][k]["step_s"])
         out["wlb_ideal"] = best
         out["speedup"] = out["strategies"][best]["step_s"] / out["strategies"]["cad"]["step_s"]
+    if pooled and "cad" in config.strategies and pooled_problem_of(cfg, pp) is None:
+        out["pooled"] = simulate_pooled(config, cfg, costs, pp, doc_batches, microbatches, head_s, transfer_s,
+                                        stage_cluster, progress)
+        for name in ("cad", "cad-serial"):
+            if name in out["strategies"]:
+                out["strategies"][name]["pooled_gain"] = 1 - out["pooled"]["step_s"] / out["strategies"][name]["step_s"]
     return out
+
+
+def pooled_problem_of(cfg, pp: int) -> str | None:
+    """Why the simulator cannot run ``pp_schedule: pooled`` for this model, or None (its stages hold equal layers;
+    it pools causal attention only)."""
+    if cfg.n_layers % pp:
+        return f"the model's {cfg.n_layers} layers do not split evenly over {pp} stages"
+    if any(kind.window is not None for kind in cfg.layer_kinds()):
+        return "the pooled schedule plans causal attention only"
+    return None
+
+
+def simulate_pooled(config: SimConfig, cfg, costs: SimCosts, pp: int, doc_batches, microbatches: int, head_s: float,
+                    transfer_s: float, stage_cluster: Cluster, progress=None) -> dict:
+    """``pp_schedule: pooled``'s steps over ``doc_batches`` (:func:`pooled_tick_steps`), their mean and per step."""
+    slots = replace(cfg, n_layers=cfg.n_layers // pp)
+    # the last stage's output projection is added per tick where that stage is busy
+    model = StepModel(slots, Cluster(config.gpus, config.tp, config.gpus_per_node, config.tokens_per_gpu), costs,
+                      config.recompute, head=False)
+    dp, tokens = stage_cluster.servers, stage_cluster.tokens_per_server
+    steps = []
+    for i in range(0, len(doc_batches), microbatches):
+        tables = [linear_table(lens, dp, tokens) for lens in doc_batches[i:i + microbatches]]
+        tick_rows = pooled_tick_steps(model, tables, pp, config.eps, head_s, transfer_s, costs)
+        steps.append({"step_s": sum(t["step_s"] for t in tick_rows), "ticks": tick_rows,
+                      "bytes_moved": sum(t["bytes_moved"] for t in tick_rows)})
+        if progress:
+            progress(len(steps), len(doc_batches) // microbatches)
+    return {"step_s": float(np.mean([s["step_s"] for s in steps])), "per_step_s": [s["step_s"] for s in steps],
+            "bytes_moved": float(np.mean([s["bytes_moved"] for s in steps])), "steps": steps}

@@ -86,12 +86,14 @@ class SimConfig:
             return max(1.0, self.max_doc_len / PAPER_ELONGATE_BASE)
         return 1.0
 
-    def check(self) -> None:
+    def check(self, model_cfg=None) -> None:
+        """``model_cfg``: the model simulated, where it is not ``model``'s preset (then only a label)."""
         if self.layers is not None and self.layers < 1:
             raise ConfigError("layers", self.layers, "must be >= 1")
         if self.layer_types is not None and self.sliding_window is None:
             raise ConfigError("layer_types", self.layer_types, "gives which layers slide; give --sliding-window too")
-        self.model_config()  # the window and layer types checked
+        if model_cfg is None:
+            self.model_config()  # the window and layer types checked
         if self.seed < 0:
             raise ConfigError("seed", self.seed, "must be >= 0")
         for s in self.strategies:
@@ -164,11 +166,12 @@ def sample(config: SimConfig, cluster: Cluster) -> list[list[int]]:
 
 
 def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile=None, eps_sweep=None,
-                    doc_batches: list[list[int]] | None = None, progress=None) -> dict:
-    """Simulate one configuration; returns a JSON-ready dict (see module docstring)."""
+                    doc_batches: list[list[int]] | None = None, progress=None, model_cfg=None) -> dict:
+    """Simulate one configuration; returns a JSON-ready dict (see module docstring). ``model_cfg``: the model, where it
+    is not ``config.model``'s preset (a user's own; ``costs`` must then be given)."""
     t0 = time.perf_counter()
-    config.check()
-    cfg = config.model_config()
+    config.check(model_cfg)
+    cfg = model_cfg or config.model_config()
     cluster = Cluster(config.gpus, config.tp, config.gpus_per_node, config.tokens_per_gpu)
     if costs is None:
         costs = load_sim_costs(cfg, config.model, profile)

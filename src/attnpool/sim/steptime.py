@@ -140,7 +140,8 @@ RECOMPUTE = ("none", "linear", "full")
 class StepModel:
     """Step times for one model, cluster and set of costs."""
 
-    def __init__(self, cfg, cluster: Cluster, costs: SimCosts, recompute: str = "none"):
+    def __init__(self, cfg, cluster: Cluster, costs: SimCosts, recompute: str = "none", head: bool = True):
+        """``head``: the servers run the output projection (a pipeline's stages but the last do not)."""
         if recompute not in RECOMPUTE:
             raise ConfigError("recompute", recompute, f"choose one of {', '.join(RECOMPUTE)}")
         self.cfg = cfg
@@ -156,8 +157,8 @@ class StepModel:
         self.tok_fwd_post = lin.fwd * (1 - lin.pre_fraction) / tp + 3 * tp_comm / 4
         self.tok_bwd_pre = lin.bwd * lin.pre_fraction / tp
         self.tok_bwd_post = lin.bwd * (1 - lin.pre_fraction) / tp
-        self.tok_head_fwd = lin.head_fwd / tp
-        self.tok_head_bwd = lin.head_bwd / tp
+        self.tok_head_fwd = lin.head_fwd / tp if head else 0.0
+        self.tok_head_bwd = lin.head_bwd / tp if head else 0.0
         # full (attnpool train's full checkpointing, whole layers): core attention's forward runs again
         # in backward too, with its exchanges, before its backward.
         self.attention_again = recompute == "full"
@@ -167,7 +168,7 @@ class StepModel:
             # head's logits once more.
             self.tok_bwd_pre += lin.fwd * lin.pre_fraction / tp
             self.tok_bwd_post += lin.fwd * (1 - lin.pre_fraction) / tp
-            self.tok_head_bwd += lin.head_fwd / tp
+            self.tok_head_bwd += lin.head_fwd / tp if head else 0.0
         self.tp_comm_per_token = tp_comm
 
     # --- the pieces ---

@@ -76,6 +76,8 @@ class TrainResult:
     memory: MemoryEstimate | None = None  # this rank's predicted peak, where its device was checked
     layer_checkpointing: tuple[str, ...] = ()  # each layer's checkpointing mode as it ran (auto's choice, resolved)
     activation_offload: bool = False  # as it ran (auto may turn it on)
+    pp_schedule: str | None = None  # the pipeline schedule as it ran (None without pipeline stages)
+    pp_schedule_choice: dict | None = None  # pp_schedule auto's choice and why (ScheduleChoice.to_dict)
 
     @property
     def losses(self) -> list[float]:
@@ -107,9 +109,10 @@ class Trainer:
         self.started = float(os.environ.get(START_TIME_ENV, time.time()))
         self.config, self.rank, self.world = config, dist.get_rank(), dist.get_world_size()
         self.device = rank_device(config)
-        # auto's choice of each layer's checkpointing must be every rank's: made for the smallest rank's memory
+        # auto's choices (each layer's checkpointing, whether pooled's activations fit) must be every rank's: made
+        # for the smallest rank's memory
         auto_capacity = smallest_capacity(config, self.world, self.device) \
-            if config.memory.activation_checkpointing == AUTO else None
+            if AUTO in (config.memory.activation_checkpointing, config.parallel.pp_schedule) else None
         self.setup = agree(lambda: prepare(config, self.world, self.device, auto_capacity=auto_capacity))
         spec = self.spec = self.setup.spec
         same_attention_backend(spec.backend_name, config.attention.backend)
@@ -170,6 +173,8 @@ class Trainer:
                   + f" ({len(spec.plan_windows)} plans per micro-batch)", flush=True)
         if getattr(spec.cost_model, "backend", spec.backend_name) != spec.backend_name and self.device.type == "cuda":
             print(f"cost model: {spec.cost_model.source}", flush=True)  # a stand-in table plans this kernel
+        if spec.schedule_choice is not None:
+            print(f"pp_schedule auto: {spec.schedule_choice.chosen} ({spec.schedule_choice.why})", flush=True)
         if spec.layer_checkpointing:
             print(f"activation checkpointing auto: {auto_choice(spec.layer_checkpointing, spec.activation_offload)}",
                   flush=True)
@@ -218,8 +223,10 @@ class Trainer:
         summary = self._report(balance, time.time() - self.started) if self.rank == 0 else None
         modes = self.spec.layer_checkpointing or (self.config.memory.activation_checkpointing,) * \
             self.spec.model.config.n_layers
+        choice = self.spec.schedule_choice
         return TrainResult(self.log.rows, self.model, summary, self.setup.memory, tuple(modes),
-                           self.spec.activation_offload)
+                           self.spec.activation_offload, self.spec.pp_schedule if self.spec.dims.pp > 1 else None,
+                           choice.to_dict() if choice is not None else None)
 
     def train_step(self, preemption: Preemption) -> StepEnd:
         """One optimizer step, on every rank."""
@@ -350,6 +357,9 @@ class Trainer:
         checked = memory is not None and self.device.type == "cuda"
         info = {"model": spec.model.name, "params": spec.model.num_params(self.model), "world": self.world,
                 "dp": dims.dp, "tp": dims.tp, "pp": dims.pp,
+                # the pipeline schedule the run used, and auto's reasons where it chose
+                "pp_schedule": spec.pp_schedule if dims.pp > 1 else None,
+                "pp_schedule_choice": spec.schedule_choice.to_dict() if spec.schedule_choice is not None else None,
                 # the memory model's allocated peak (beside the measured peak_memory_bytes, as attnpool bench gives
                 # it) and what the check compared with the GPU's memory: the reserved peak plus the CUDA context
                 "predicted_peak_memory_bytes": memory.allocated_bytes if checked else None,

@@ -41,7 +41,7 @@ def memory_inputs(spec: RunSpec, rows: RowRatios = RowRatios()) -> MemoryInputs:
     """The memory model's view of a run (on CPU runs offload moves nothing, so it counts as off)."""
     c, m, dims = spec.config, spec.model.config, spec.dims
     gpu = spec.device_type == "cuda"
-    schedule, pp, microbatches = c.parallel.pp_schedule, dims.pp, c.parallel.microbatches
+    schedule, pp, microbatches = spec.pp_schedule, dims.pp, c.parallel.microbatches
     stages = rank_layers(m, schedule, pp) if pp > 1 else [0]
     last = rank_layers(m, schedule, pp, pp - 1) if pp > 1 and schedule != POOLED else [0]
     layers = sum(stages) or m.n_layers

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnpool.data import GlobalBatch
-from attnpool.parallel.pooled_pipeline import pooled_table, ticks
 from attnpool.plan import PieceTable, linear_table, pad_ranks, plan_attention, wlb_table
 from attnpool.plan.metrics import home_loads, imbalance, server_loads
 from attnpool.plan.plan import Plan
+from attnpool.plan.stages import pooled_table, ticks
 from attnpool.sparse.cost import SparsePrior
 from attnpool.train.spec import RunSpec
 

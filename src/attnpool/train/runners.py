@@ -75,7 +75,7 @@ def build_stages(spec: RunSpec, mesh: RankMesh) -> tuple[list[int], list[nn.Modu
     """This pipeline rank's stages (attnpool.parallel.pipeline) of the model :func:`build_model` builds, each
     parallelized as it parallelizes the whole model."""
     torch.manual_seed(spec.config.data.seed)
-    stage_ids, stages = build_stage_models(spec.model.build(spec.device), spec.config.parallel.pp_schedule,
+    stage_ids, stages = build_stage_models(spec.model.build(spec.device), spec.pp_schedule,
                                            spec.dims.pp, mesh.pp_rank)
     return stage_ids, [_materialized(spec, parallelize(stage, spec, mesh)) for stage in stages]
 
@@ -227,7 +227,7 @@ class _StagedRunner(StepRunner):
 class ScheduleRunner(_StagedRunner):
     def __init__(self, spec: RunSpec, mesh: RankMesh):
         super().__init__(spec, mesh)
-        self.pipeline = PipelineRunner.build(self.stage_ids, self.stages, spec.config.parallel.pp_schedule,
+        self.pipeline = PipelineRunner.build(self.stage_ids, self.stages, spec.pp_schedule,
                                              spec.config.parallel.microbatches, spec.padded_tokens, spec.stage_hidden,
                                              spec.compute_dtype, spec.device, mesh.pp_group)
 

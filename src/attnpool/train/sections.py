@@ -234,8 +234,10 @@ class ParallelSection(Section):
                              "sequence between layers; ranks = dp x tp, and tokens_per_rank is per dp rank", default=1)
     pp: int = _setting("pp", "pipeline stages: the layers split over this many ranks (ranks = pp x dp x tp)", default=1)
     pp_schedule: str = _setting("pp_schedule", "pipeline schedule: 1f1b, gpipe, interleaved-1f1b (two stages per rank), "
-                                               "or pooled (GPipe in lock-step, core attention pooled over every stage's "
-                                               "ranks: bubbles serve attention)", default="1f1b")
+                                               "pooled (GPipe in lock-step, core attention pooled over every stage's "
+                                               "ranks: bubbles serve attention), or auto (pooled where the simulator "
+                                               "predicts it at least 5 percent faster than 1f1b on the run's batches, else "
+                                               "1f1b)", default="1f1b")
     microbatches: int = _setting("microbatches", "micro-batches of tokens_per_rank per dp rank in each step, gradients "
                                                  "accumulated over them (each planned on its own; one optimizer step)",
                                  default=1)

@@ -1,8 +1,9 @@
 """A run's setup: everything checked and resolved before its first step, with no process group needed.
 
-``prepare`` resolves the run spec (attnpool.train.spec), builds the document source
-(attnpool.train.data_source), finds the checkpoint a resume continues from (attnpool.train.resume), and (on a
-rank) resolves ``activation_checkpointing: auto`` for the rank's device and, with ``memory_check``, refuses a
+``prepare`` resolves the run spec (attnpool.train.spec) and ``pp_schedule: auto`` (attnpool.train.schedule_choice),
+builds the document source (attnpool.train.data_source), finds the checkpoint a resume continues from
+(attnpool.train.resume), and (on a rank) resolves ``activation_checkpointing: auto`` for the rank's device, gives
+up auto's pooled schedule where that device's memory cannot hold it, and, with ``memory_check``, refuses a
 configuration whose predicted peak does not fit the device. A launcher calls it before starting any process, so
 bad input is refused once; each rank calls it again on its own device, and the ranks agree on the outcome
 (attnpool.comm.agree) before any collective that depends on it. ``auto`` chooses for the smallest capacity of any
@@ -21,8 +22,12 @@ from attnpool.errors import ConfigError, check_output_directory
 from attnpool.train.config import TrainConfig
 from attnpool.train.data_source import build_source
 from attnpool.train.memory import MemoryEstimate
-from attnpool.train.memory_check import check_memory, rank_capacity, ranks_on_this_machine, resolve_auto_checkpointing
+from attnpool.sizes import format_bytes
+from attnpool.train.memory import estimate
+from attnpool.train.memory_check import (check_memory, rank_capacity, ranks_on_this_machine, resolve_auto_checkpointing,
+                                         run_memory_inputs)
 from attnpool.train.memory_fit import Capacity
+from attnpool.train.schedule_choice import resolve_pp_schedule, without_pooled
 from attnpool.train.metrics import logger_problem
 from attnpool.train.resume import refuse_earlier_run, resume_candidate
 from attnpool.train.spec import RunSpec, resolve_run_spec
@@ -58,9 +63,26 @@ def prepare(config: TrainConfig, world: int, device: torch.device | None = None,
     if config.run.out != NO_RUN_DIRECTORY:
         check_output_directory("out", config.run.out)
         resume_from = resume_candidate(config, spec.model) if config.checkpoint.resume else refuse_earlier_run(config)
+    spec = resolve_pp_schedule(spec, source)
     memory = None
     if device is not None:
         capacity, calibration = rank_capacity(device, ranks_on_this_machine(config, world))
+        if spec.pooled and spec.schedule_choice is not None:
+            spec = keep_pooled_if_it_fits(spec, source, auto_capacity or capacity, calibration)
         spec, sampled = resolve_auto_checkpointing(spec, source, auto_capacity or capacity, calibration)
         memory = check_memory(spec, source, sampled) if config.memory.memory_check else None
     return Setup(spec, source, resume_from, memory)
+
+
+def keep_pooled_if_it_fits(spec: RunSpec, source, capacity: Capacity, calibration) -> RunSpec:
+    """``pp_schedule: auto``'s pooled choice, given up for 1F1B where ``capacity`` (every rank's smallest: the
+    ranks decide alike) cannot hold pooled's activations, one tick's per layer slot until the backward."""
+    try:
+        resolved, sampled = resolve_auto_checkpointing(spec, source, capacity, calibration)
+        predicted = estimate(run_memory_inputs(resolved, source, capacity, calibration, sampled), calibration)
+    except ConfigError as error:  # auto checkpointing found no setting that fits
+        return without_pooled(spec, f"no checkpointing fits its activations ({error.problem})")
+    if capacity.holds(predicted):
+        return spec
+    return without_pooled(spec, f"its activations would not fit ({format_bytes(predicted.peak_bytes)} predicted, "
+                                f"{format_bytes(capacity.device_bytes)} held)")

@@ -64,6 +64,14 @@ class RunSpec:
     # mode, by layer index, and whether it turned activation offload on. Empty where the config names one mode.
     layer_checkpointing: tuple[str, ...] = ()
     auto_offload: bool = False
+    # pp_schedule auto, resolved (train.schedule_choice.resolve_pp_schedule): what it chose and why; None where the
+    # config names a schedule
+    schedule_choice: object = None
+
+    @property
+    def pp_schedule(self) -> str:
+        """The pipeline schedule the run uses: the config's, or auto's choice."""
+        return self.schedule_choice.chosen if self.schedule_choice is not None else self.config.parallel.pp_schedule
 
     # What parallelize reads besides (attnpool.parallel.parallelize.ParallelizeSpec), as the settings give it.
     @property
@@ -95,7 +103,7 @@ class RunSpec:
     @property
     def pooled(self) -> bool:
         """Pipeline stages whose core attention is pooled over every stage's ranks (pp_schedule: pooled)."""
-        return self.dims.pp > 1 and self.config.parallel.pp_schedule == POOLED
+        return self.dims.pp > 1 and self.pp_schedule == POOLED
 
     @property
     def compute_dtype(self) -> torch.dtype:

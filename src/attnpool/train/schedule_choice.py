@@ -1,0 +1,102 @@
+"""``pp_schedule: auto``: 1F1B or the pooled schedule, whichever the simulator predicts faster for the run.
+
+The pooled schedule (attnpool.parallel.pooled_pipeline) serves core attention in the pipeline's bubbles, but
+runs its stages in lock-step with equal layers (the last stage's output projection is not balanced away) and
+moves more bytes: on one NVLink node with prolong's documents it measured 10% slower than 1F1B (4 x H200,
+bench/results/2026-11-26-h200x4-parallel.md), where long documents (pretrain) make it faster. ``auto`` asks the
+simulator (attnpool.sim.pipeline, which models both as they run) on the run's own first batches and takes pooled
+only where it predicts at least ``AUTO_POOLED_GAIN`` over 1F1B, where pooled can run at all, and, on a rank, where
+its memory holds pooled's activations (it keeps every tick's until the backward). Every rank draws the same
+batches and decides alike; the choice and its reason go to the run's start and its summary. The simulator prices
+with its packaged H200 tables (the run's kernel's where they have one, at the model's FLOPs whatever its
+head_dim): what it compares is two schedules of the same work.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from attnpool.data import DocumentStream
+from attnpool.parallel.pooled_pipeline import pooled_problem
+from attnpool.plan.stages import AUTO_SCHEDULE, POOLED
+from attnpool.sim.costs import load_sim_costs
+from attnpool.sim.pipeline import simulate_pipeline
+from attnpool.sim.simulate import SimConfig
+from attnpool.train.spec import RunSpec
+
+AUTO_POOLED_GAIN = 0.05  # pooled must be predicted at least this much faster than 1F1B
+FALLBACK = "1f1b"
+CHOICE_STEPS = 2  # steps of the run's first micro-batches the simulator times (fewer where the run is shorter)
+# The simulator's recompute for a checkpointing mode (auto's choice comes later; under pooled it is one of these)
+RECOMPUTE = {"none": "none", "keep_attention": "linear", "auto": "linear"}
+
+
+@dataclass(frozen=True)
+class ScheduleChoice:
+    chosen: str
+    why: str
+    predicted_step_s: dict  # schedule -> the simulator's mean step (empty where it was not asked)
+
+    def to_dict(self) -> dict:
+        return {"chosen": self.chosen, "why": self.why, "predicted_step_s": dict(self.predicted_step_s)}
+
+
+def resolve_pp_schedule(spec: RunSpec, source) -> RunSpec:
+    """``spec`` with ``pp_schedule: auto`` resolved (:func:`choose_schedule`); a spec that names a schedule is
+    returned as it is."""
+    if spec.config.parallel.pp_schedule != AUTO_SCHEDULE or spec.schedule_choice is not None:
+        return spec
+    return replace(spec, schedule_choice=choose_schedule(spec, source))
+
+
+def pooled_obstacle(spec: RunSpec) -> str | None:
+    """Why ``auto`` cannot take the pooled schedule for this run, or None."""
+    c = spec.config
+    if spec.dims.pp == 1:
+        return "one pipeline stage"
+    if c.attention.strategy != "cad":
+        return f"pooling balances cad's CA-tasks over the stages, and attention is {c.attention.strategy}"
+    problem = pooled_problem(spec.model.config.n_layers, spec.dims.pp, c.memory.activation_checkpointing,
+                             c.sparse.mode != "none")
+    if problem is not None:
+        return f"{problem[0]}={problem[1]}: {problem[2]}"
+    if spec.mixed_kinds:
+        return "the pooled schedule plans causal attention only, and the model's layers differ in kind"
+    return None
+
+
+def choose_schedule(spec: RunSpec, source) -> ScheduleChoice:
+    """1F1B or pooled for ``spec``'s run, as the simulator predicts on its first micro-batches."""
+    obstacle = pooled_obstacle(spec)
+    if obstacle is not None:
+        return ScheduleChoice(FALLBACK, obstacle, {})
+    c, dims = spec.config, spec.dims
+    microbatches = c.parallel.microbatches
+    steps = max(1, min(CHOICE_STEPS, c.last_step))
+    stream = DocumentStream(source, dims.dp, c.data.tokens_per_rank, c.data.seed, c.data.max_doc_len)
+    batches = [stream.next_batch().doc_lens.tolist() for _ in range(steps * microbatches)]
+    per_node = c.parallel.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dims.world))
+    cfg = spec.model.config
+    config = SimConfig(model=c.model.name, gpus=dims.world, tp=dims.tp, gpus_per_node=per_node,
+                       tokens_per_gpu=c.data.tokens_per_rank // dims.tp, eps=c.attention.eps, strategies=("cad",),
+                       batches=len(batches), recompute=RECOMPUTE[c.memory.activation_checkpointing])
+    backend = "flash" if spec.backend_name in ("auto", "reference") else spec.backend_name
+    costs = load_sim_costs(cfg, c.model.name, attention_backend=backend, min_shard_tokens=c.attention.min_shard,
+                           any_head_dim=True)
+    result = simulate_pipeline(config, dims.pp, microbatches, steps, FALLBACK, costs=costs, doc_batches=batches,
+                               model_cfg=cfg)
+    one_f_one_b, pooled = result["strategies"]["cad-serial"]["step_s"], result["pooled"]["step_s"]
+    predicted = {FALLBACK: one_f_one_b, POOLED: pooled}
+    gain = 1 - pooled / one_f_one_b
+    said = (f"the simulator on the run's first {len(batches)} micro-batches: pooled {pooled:.3g} s a step against "
+            f"1f1b's {one_f_one_b:.3g} s ({gain:+.1%}")
+    if gain >= AUTO_POOLED_GAIN:
+        return ScheduleChoice(POOLED, f"{said})", predicted)
+    return ScheduleChoice(FALLBACK, f"{said}; pooled needs at least {AUTO_POOLED_GAIN:.0%})", predicted)
+
+
+def without_pooled(spec: RunSpec, why: str) -> RunSpec:
+    """``spec`` with auto's pooled choice given up for 1F1B (the rank's memory cannot hold it: ``why``)."""
+    choice = spec.schedule_choice
+    return replace(spec, schedule_choice=ScheduleChoice(FALLBACK, f"{choice.why}; but {why}", choice.predicted_step_s))

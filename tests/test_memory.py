@@ -18,6 +18,7 @@ from attnpool.errors import ConfigError
 import attnpool.parallel.checkpointing as checkpointing
 from attnpool.model import Transformer, model_config
 from attnpool.parallel.checkpointing import apply_activation_checkpointing
+from attnpool.parallel.compile import compile_linear_parts
 from attnpool.parallel.pingpong import apply_pingpong
 from attnpool.plan import linear_table, plan_attention
 from attnpool.plan.metrics import AttentionRows
@@ -36,9 +37,11 @@ SMALL = dict(n_layers=1, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96)
 DOCS = np.array([200, 300, 100])
 
 
-def small_model(layers: int, mode: str, **variant) -> Transformer:
+def small_model(layers: int, mode: str, compiled: bool = False, **variant) -> Transformer:
     torch.manual_seed(0)
     model = Transformer(model_config("tiny", **{**SMALL, "n_layers": layers, **variant}))
+    if compiled:  # as parallelize orders them: compile, then checkpointing around the compiled parts
+        compile_linear_parts(model)
     apply_activation_checkpointing(model, mode)
     return model
 
@@ -118,6 +121,20 @@ def test_saved_per_layer_matches_what_autograd_keeps(mode, variant):
     norm_widths = 2 * 64 + (2 * 64 if config.sandwich_norms else 0) + (heads if config.qk_norm else 0)
     cpu_norm_outputs = 4 * norm_widths if mode == "none" else 0
     assert (two - one) / len(tokens) == predicted + cpu_norm_outputs
+
+
+@pytest.mark.parametrize("mode", CHECKPOINTING_MODES)
+def test_saved_per_layer_of_compiled_layers(mode):
+    """The compiled linear parts keep what the model counts for them: under none the MLP's activation is
+    recomputed (three ffn_dim-wide tensors kept, not four), and the norms' outputs are kept on CPU as on CUDA;
+    keep_attention and full keep what the eager layers keep."""
+    tokens, positions, plan = batch()
+    one, two = (saved_storage_bytes(small_model(n, mode, compiled=True), tokens, positions, plan) for n in (1, 2))
+    config = model_config("tiny", **SMALL)
+    compiled = sum(saved_per_layer(MemoryInputs(config, len(tokens), mode, bf16=False, compiled=True)).values())
+    eager = sum(saved_per_layer(MemoryInputs(config, len(tokens), mode, bf16=False)).values())
+    assert (two - one) / len(tokens) == compiled
+    assert eager - compiled == (4 * config.ffn_dim if mode == "none" else 0)
 
 
 # transformers' configs of the adapter's layer variants: Llama's norms; Qwen3's q/k norms; Gemma 3's sandwich norms, its

@@ -119,6 +119,7 @@ class MemoryInputs:
     held_candidates: tuple[RowRatios, ...] = ()  # as row_candidates, for held_rows
     loss_kernel: str = "chunked"  # or liger (attnpool.model.fused_loss): the loss's transient memory differs
     layer_modules: str = "attnpool"  # or transformers (the adapter's layers: ModelSpec.layer_modules)
+    compiled: bool = False  # the layers' linear parts under torch.compile (attnpool.parallel.compile)
     # Whether core attention's backward runs over all of a rank's keys in one kernel call (ulysses,
     # runtime.ulysses), rather than in groups of at most BACKWARD_GROUP_KEYS (runtime.dispatch)
     backward_in_one_call: bool = False
@@ -237,6 +238,9 @@ def saved_per_layer(x: MemoryInputs, mode: str | None = None) -> dict[str, float
     each norm's input and float32 reciprocal RMS, each norm's output (the next projections' input),
     the attention block's sum, and the MLP's four ffn_dim-wide intermediates; where the family has them, the
     q/k norms' and the output norms' inputs and statistics (their outputs feed RoPE and the residual sum).
+    Compiled (``compiled``), the MLP keeps three: the gate's and the up projection's outputs and their product,
+    the activation recomputed in backward (what Inductor's partition saves, counted by the same hook on CPU;
+    on 4 x H200 compile lowered auto's peak by the 7.0 GiB this makes of its two ``none`` layers at 128K tokens).
     transformers' layers (the adapter: ``layer_modules``) keep more in their norms (transformers_norms_kept).
 
     Per token of the dp rank, before ``estimate`` divides by tp: under tensor parallelism every term is
@@ -261,7 +265,7 @@ def saved_per_layer(x: MemoryInputs, mode: str | None = None) -> dict[str, float
         return {**transformers_norms_kept(x), **attention, "mlp intermediates": 4 * a * m.ffn_dim}
     n = 4 if m.norm_offset else a  # Gemma's norms compute in float32: they keep float32 copies of their inputs
     kept = {"layer input": n * m.dim, "norm statistics": 2 * 4.0, "norm outputs": 2 * a * m.dim * x.tp,
-            "attention sum": n * m.dim, **attention, "mlp intermediates": 4 * a * m.ffn_dim}
+            "attention sum": n * m.dim, **attention, "mlp intermediates": (3 if x.compiled else 4) * a * m.ffn_dim}
     if m.qk_norm:  # (Qwen3, Gemma 3) each head's norm keeps its input and float32 reciprocal RMS
         kept["q/k norm inputs"] = n * (q + kv) + 4.0 * (m.n_heads + m.n_kv_heads)
     if m.sandwich_norms:  # (Gemma 2, 3) the norms of attention's and the MLP's outputs: their inputs, statistics

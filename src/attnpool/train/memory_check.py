@@ -50,7 +50,7 @@ def memory_inputs(spec: RunSpec, rows: RowRatios = RowRatios()) -> MemoryInputs:
                         dp=dims.dp, tp=dims.tp, pp=pp, microbatches=microbatches,
                         in_flight=activations_in_flight(schedule, pp, microbatches),
                         rows=rows, rank_layers=sum(stages), stage_layers=max(stages), loss_kernel=spec.loss_kernel,
-                        layer_modules=spec.model.layer_modules,
+                        layer_modules=spec.model.layer_modules, compiled=spec.compile,
                         backward_in_one_call=c.attention.strategy == "ulysses",
                         last_rank_layers=sum(last), last_stage_layers=max(last),
                         last_in_flight=activations_in_flight(schedule, pp, microbatches, pp - 1) if pp > 1 else 0,

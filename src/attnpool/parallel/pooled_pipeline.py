@@ -9,8 +9,14 @@ exchange over all pipeline and dp ranks:
   stages) stage s runs micro-batch t - s where 0 <= t - s < M, and is idle otherwise. Backward tick t
   (from T - 1 down to 0) runs the backward of forward tick t on every stage: stage s + 1's backward of a
   micro-batch comes one tick before stage s's, as the gradient's path needs.
-- **Pooled attention.** Every stage holds the same number of layers, so in a tick all stages reach their
-  j-th layer's core attention together. The CA-tasks of the tick's micro-batches (each laid out over its
+- **Layer slots.** Stages are balanced with the output projection counted (plan.stages.stage_layers), so later
+  stages may hold fewer layers than the first; a tick has as many layer slots as the first stage has layers,
+  and in every slot all stages reach a core attention together. A stage with fewer layers serves the slots past
+  its last layer with no tokens of its own (:class:`SpareSlots`): after its layers, or on the last stage between
+  parts of the output projection and loss, so that those parts run while the other stages run their last
+  layers. Its autograd runs those calls' backward first, in reverse, then its layers', as the other stages run
+  theirs.
+- **Pooled attention.** The CA-tasks of the tick's micro-batches (each laid out over its
   stage's dp ranks as without pooling) are planned over all S x dp ranks: the ranks of idle stages hold
   no tokens and serve, the ranks of busy stages hand work to them (attnpool.plan.stages.pooled_table). One plan serves
   the tick's every layer slot, one all-to-all exchange per slot over all of those ranks.
@@ -18,8 +24,7 @@ exchange over all pipeline and dp ranks:
   still serve what the plan gives them), and in the backward tick run those calls' backward in reverse
   slot order, in step with the busy stages' autograd, which runs its layers last to first.
 
-What this needs, refused otherwise (:func:`pooled_problem`): layers divisible by stages; activation
-checkpointing that does not recompute core attention (``keep_attention`` or ``none``: a recomputed
+What this needs, refused otherwise (:func:`pooled_problem`): activation checkpointing that does not recompute core attention (``keep_attention`` or ``none``: a recomputed
 exchange would run inside the busy stages' backward only); dense attention (the sparse estimator's own
 exchanges are not pooled). Memory: like GPipe, a stage holds the activations of all its micro-batches.
 """
@@ -31,14 +36,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from attnpool.plan.stages import POOLED, tick_microbatch, ticks
 
-def pooled_problem(n_layers: int, pp: int, checkpointing: str, sparse: bool) -> tuple[str, object, str] | None:
+def pooled_problem(checkpointing: str, sparse: bool) -> tuple[str, object, str] | None:
     """(field, value, why) where ``pp_schedule: pooled`` cannot run, or None."""
-    if n_layers % pp:
-        return "pp", pp, (f"{POOLED} runs every stage's layer j at once: the model's {n_layers} layers must split "
-                          f"evenly over {pp} stages")
     if checkpointing == "full":
         return "activation_checkpointing", checkpointing, (
             f"{POOLED} exchanges core attention over every stage's ranks in step, and a recomputed core attention "
@@ -52,17 +55,21 @@ class PooledPipelineRunner:
     """One pipeline rank's stage under the pooled schedule (see the module's docstring).
 
     ``model``: the stage (attnpool.parallel.pipeline.as_stage, parallelized); ``slot_layers``: its layers' indices in order;
+    ``slots``: a tick's layer slots (plan.stages.pooled_slots: the first stage's layers);
     ``stage``/``stages``: this rank's stage and how many there are; ``pp_peers``: the global ranks of this
     rank's (dp, tp) index on every stage, in stage order (where hidden states and their gradients go);
     ``hidden``/``hidden_dtype``: what a stage passes on; ``heads``: (query heads, KV heads, head dim) of
     this rank's core attention calls."""
 
-    def __init__(self, model, slot_layers: list[int], stage: int, stages: int, pp_peers: list[int],
+    def __init__(self, model, slot_layers: list[int], slots: int, stage: int, stages: int, pp_peers: list[int],
                  hidden: tuple[int, ...], hidden_dtype: torch.dtype, heads: tuple[int, int, int],
                  device: torch.device):
-        self.model, self.slot_layers, self.stage, self.stages = model, slot_layers, stage, stages
+        self.model, self.slot_layers, self.slots, self.stage, self.stages = model, slot_layers, slots, stage, stages
         self.pp_peers, self.hidden, self.hidden_dtype, self.heads = pp_peers, hidden, hidden_dtype, heads
         self.device = device
+        self.spare = SpareSlots(slots - len(slot_layers), self._serve_one)
+        if self.spare.count and self.last:  # the output projection and loss in parts, the spare slots between them
+            model.cross_entropy = self.spare.between_parts(model.cross_entropy)
 
     @property
     def first(self) -> bool:
@@ -75,8 +82,9 @@ class PooledPipelineRunner:
     def step(self, tokens: list[Tensor], positions: list[Tensor], labels: list[Tensor],
              tick_attention: Callable[[int], object], loss_scale: float) -> Tensor:
         """Forward and backward of one step's micro-batches (this dp rank's tensors, one per micro-batch);
-        ``tick_attention(t)``: tick t's core attention (a CoreAttention over every stage's ranks of this
-        tp index, its plan from attnpool.plan.stages.pooled_table), called once per tick in order on every rank.
+        ``tick_attention(t)``: tick t's core attention per layer slot (CoreAttentions over every stage's ranks of
+        this tp index, their plans from attnpool.plan.stages.pooled_table; None for a slot where no rank has
+        tokens, which nobody calls), called once per tick in order on every rank.
         Returns this rank's sum of the micro-batches' loss shares (0 off the last stage)."""
         count, s = len(tokens), self.stage
         total = torch.zeros((), device=self.device)
@@ -88,8 +96,13 @@ class PooledPipelineRunner:
                 saved.append(("idle", self._serve(attention)))
                 continue
             x = tokens[m] if self.first else self._recv_hidden(self.pp_peers[s - 1])
-            out = self.model(x, positions=positions[m], microbatch=torch.tensor(0), attentions=(attention,),
+            self.spare.attention = attention
+            by_layer = dict(zip(self.slot_layers, attention))  # the stage's j-th layer runs in slot j
+            out = self.model(x, positions=positions[m], microbatch=torch.tensor(0),
+                             attentions=(lambda q, k, v, layer: by_layer[layer](q, k, v, layer=layer),),
                              labels=labels[m], loss_scale=loss_scale)
+            if not self.last:
+                out = self.spare.after_layers(out)
             if self.last:
                 total = total + out.detach()
             else:
@@ -114,19 +127,63 @@ class PooledPipelineRunner:
             saved[t] = None  # its activations can go
         return total.full_tensor() if hasattr(total, "full_tensor") else total
 
-    def _serve(self, attention) -> list[Tensor]:
+    def _serve(self, attention: list) -> list[Tensor]:
         """An idle tick: every layer slot's core attention with no tokens of this rank's own, so that it
         serves what the plan gives it; the outputs (empty) keep the calls' backward for the backward tick."""
+        return [self._serve_one(slot) for slot in attention if slot is not None]
+
+    def _serve_one(self, attention) -> Tensor:
+        """One layer slot's core attention with no tokens of this rank's own (it serves what the plan gives it)."""
         h_q, h_kv, d = self.heads
-        outs = []
-        for layer in self.slot_layers:
-            q = torch.empty(0, h_q, d, dtype=self.hidden_dtype, device=self.device, requires_grad=True)
-            k, v = (torch.empty(0, h_kv, d, dtype=self.hidden_dtype, device=self.device, requires_grad=True)
-                    for _ in range(2))
-            outs.append(attention(q, k, v, layer=layer))
-        return outs
+        q = torch.empty(0, h_q, d, dtype=self.hidden_dtype, device=self.device, requires_grad=True)
+        k, v = (torch.empty(0, h_kv, d, dtype=self.hidden_dtype, device=self.device, requires_grad=True)
+                for _ in range(2))
+        return attention(q, k, v)
 
     def _recv_hidden(self, peer: int, grad: bool = False) -> Tensor:
         buffer = torch.empty(self.hidden, dtype=self.hidden_dtype, device=self.device)
         dist.recv(buffer, peer)
         return buffer if grad else buffer.requires_grad_()
+
+
+class SpareSlots:
+    """The layer slots past a stage's last layer (``count``; see the module's docstring), served in a busy tick
+    with no tokens of the stage's own. Each served call's (empty) output joins what the stage returns, times zero:
+    it adds nothing, and its backward runs from there, after what the stage computed later and before what it
+    computed earlier (autograd runs the nodes made last first), so the stage's backward calls the slots' exchanges
+    in the other stages' order."""
+
+    def __init__(self, count: int, serve: Callable[[object], Tensor]):
+        self.count, self.serve = count, serve
+        self.attention: list = []  # the busy tick's core attention per slot, set by the runner before the forward
+
+    def _joined(self, value: Tensor, spare: int) -> Tensor:
+        """``value`` with spare slot ``spare`` (0: the first past the stage's layers) served and joined to it."""
+        attention = self.attention[len(self.attention) - self.count + spare]
+        if attention is None:  # a slot where no rank has tokens: nobody calls it
+            return value
+        term = self.serve(attention).sum().to(value.dtype) * 0
+        if isinstance(value, DTensor):  # tensor parallelism's loss: the term joins it as its placements say
+            term = DTensor.from_local(term, value.device_mesh, value.placements)
+        return value + term
+
+    def after_layers(self, hidden: Tensor) -> Tensor:
+        """A stage that passes hidden states on: its spare slots after its layers."""
+        for spare in range(self.count):
+            hidden = self._joined(hidden, spare)
+        return hidden
+
+    def between_parts(self, loss: Callable) -> Callable:
+        """The last stage's loss (a model's ``cross_entropy`` slot) over ``count + 1`` parts of its tokens, a spare
+        slot after each part but the last: the output projection runs while the other stages run their layers."""
+        def parted(h: Tensor, weight: Tensor, labels: Tensor, **kw) -> Tensor:
+            total = None
+            parts = list(zip(h.tensor_split(self.count + 1), labels.tensor_split(self.count + 1)))
+            for i, (h_part, labels_part) in enumerate(parts):
+                part = loss(h_part, weight, labels_part, **kw)
+                total = part if total is None else total + part
+                if i < self.count:
+                    total = self._joined(total, i)
+            return total
+        return parted
+

@@ -64,9 +64,14 @@ def schedule_names() -> tuple[str, ...]:
 
 
 def schedule_stage_layers(cfg: ModelConfig, schedule: str, pp: int) -> list[range]:
-    """Every stage's layers under ``schedule``. Pooled stages run layer j together, so they hold equal
-    numbers (the last one's head is not counted)."""
-    return stage_layers(cfg.n_layers, pp * stages_per_rank(schedule), 0.0 if schedule == POOLED else head_layers(cfg))
+    """Every stage's layers under ``schedule``, balanced with the output projection counted (the pooled
+    schedule's too: a stage with fewer layers than the first serves the layer slots it has none for)."""
+    return stage_layers(cfg.n_layers, pp * stages_per_rank(schedule), head_layers(cfg))
+
+
+def pooled_slots(cfg: ModelConfig, pp: int) -> int:
+    """Layer slots of a pooled tick: the most layers a stage holds (the first stage's)."""
+    return max(len(r) for r in schedule_stage_layers(cfg, POOLED, pp))
 
 
 def ticks(microbatches: int, stages: int) -> int:
@@ -79,21 +84,29 @@ def tick_microbatch(tick: int, stage: int, microbatches: int) -> int | None:
     return m if 0 <= m < microbatches else None
 
 
-def pooled_table(tables: Sequence[PieceTable], tick: int, stages: int) -> PieceTable:
+def slot_presence(stage_layer_counts: Sequence[int]) -> list[tuple[bool, ...]]:
+    """Per layer slot of a pooled tick (as many as the most layers a stage holds): which stages have a layer there;
+    the others serve that slot with no tokens of their own."""
+    return [tuple(n > j for n in stage_layer_counts) for j in range(max(stage_layer_counts))]
+
+
+def pooled_table(tables: Sequence[PieceTable], tick: int, stages: int,
+                 present: Sequence[bool] | None = None) -> PieceTable | None:
     """Tick ``tick``'s layout over ``stages`` x dp ranks (pooled rank s * dp + d): the dp ranks of stage s
     hold micro-batch ``tick - s``'s pieces as ``tables[tick - s]`` lays them out (the same buffer order, so
-    each rank's own tokens are where its stage expects them), the ranks of idle stages nothing. Documents
-    are renumbered per micro-batch: two micro-batches' document 3 are different documents."""
+    each rank's own tokens are where its stage expects them), the ranks of idle stages, and of stages not
+    ``present`` (a layer slot past their last layer: slot_presence), nothing; None where no stage holds any.
+    Documents are renumbered per micro-batch: two micro-batches' document 3 are different documents."""
     dp = tables[0].num_ranks
     stride = 1 + max(int(t.doc_ids.max()) if t.num_docs else 0 for t in tables)
     per_rank: list[list[DocPiece]] = [[] for _ in range(stages * dp)]
     for s in range(stages):
         m = tick_microbatch(tick, s, len(tables))
-        if m is None:
+        if m is None or (present is not None and not present[s]):
             continue
         t = tables[m]
         ids, lens = t.doc_ids[t.doc], t.doc_len[t.doc]
         for i in np.lexsort((t.offset, t.rank)).tolist():
             per_rank[s * dp + int(t.rank[i])].append(
                 DocPiece(m * stride + int(ids[i]), int(lens[i]), int(t.start[i]), int(t.length[i])))
-    return PieceTable.from_pieces(per_rank)
+    return PieceTable.from_pieces(per_rank) if any(per_rank) else None

@@ -49,6 +49,7 @@ from attnpool.console import START_TIME_ENV
 from attnpool.train.metrics import (PLOT_FILE, SUMMARY_FILE, MetricsLog, Progress, open_logger, peak_memory_bytes,
                                     peak_reserved_bytes, plot_run, print_summary, reset_peak_memory, summarize)
 from attnpool.train.optim import agree_finite, build_optimizer, build_scheduler, clip_gradients
+from attnpool.train.schedule_choice import same_schedule
 from attnpool.train.planning import StepPlan
 from attnpool.train.resume import verified_checkpoint, write_config
 from attnpool.train.runners import build_runner
@@ -116,6 +117,8 @@ class Trainer:
         self.setup = agree(lambda: prepare(config, self.world, self.device, auto_capacity=auto_capacity))
         spec = self.spec = self.setup.spec
         same_attention_backend(spec.backend_name, config.attention.backend)
+        if spec.schedule_choice is not None:
+            same_schedule(spec)
         # The plan is made over the dp ranks; this rank holds its dp rank's tokens and runs core attention
         # on its share of the heads (and, pipelined, its stage's layers) with the dp ranks of its tp and
         # pipeline index (attnpool.parallel.mesh).

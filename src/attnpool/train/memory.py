@@ -401,14 +401,17 @@ def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryE
 
 
 def _after_first_backward(x: MemoryInputs, unit: float, home: float, held: float, held_home: float) -> tuple:
-    """(activations, step inputs) a pipeline rank holds while gradients accumulate: from its first micro-batch's
-    backward on, one micro-batch fewer is in flight (where all are at once, micro-batches <= stages, the two are
-    not both at their most). ``unit``: one micro-batch's activations of the stage, ``home`` its tokens; ``held``,
-    ``held_home``: what a pooled rank holds until its backward ticks start (every tick's): one busy tick's less."""
+    """(activations, step inputs, step inputs in the loss's backward) a pipeline rank holds while gradients
+    accumulate: from its first micro-batch's backward on, one micro-batch fewer is in flight (where all are at once,
+    micro-batches <= stages, the two are not both at their most). ``unit``: one micro-batch's activations of the
+    stage, ``home`` its tokens; ``held``, ``held_home``: what a pooled rank holds until its backward ticks start
+    (every tick's): one busy tick's less."""
     if x.held_rows is None:
         fewer = min(x.in_flight, x.microbatches - 1)
-        return unit * fewer, step_inputs_per_token(x) * home * fewer / x.tp
-    return max(held - unit, 0.0), step_inputs_per_token(x) * max(held_home - home, 0.0) / x.tp
+        activations, tokens = unit * fewer, home * fewer
+    else:
+        activations, tokens = max(held - unit, 0.0), max(held_home - home, 0.0)
+    return activations, step_inputs_per_token(x) * tokens / x.tp, step_inputs_per_token(x, loss=True) * tokens / x.tp
 
 
 def _rank_estimate(x: MemoryInputs, cal: Calibration) -> MemoryEstimate:
@@ -470,10 +473,13 @@ def _rank_estimate(x: MemoryInputs, cal: Calibration) -> MemoryEstimate:
     }
     if accumulated and x.pp > 1 and not x.activation_offload:
         phases["last layer backward"]["accumulated gradients"] = 0  # the first micro-batch's backward: none yet
-        activations, inputs = _after_first_backward(x, stage_layers * per_layer, home, stage_layers * held_per_layer,
-                                                    held_home)
+        activations, inputs, loss_inputs = _after_first_backward(x, stage_layers * per_layer, home,
+                                                                 stage_layers * held_per_layer, held_home)
         phases["later micro-batches' last layer backward"] = {
             **states, **compute, "activations": activations, "step inputs": inputs, **backward, **accumulated}
+        for name, terms in loss_phase.items() if has_loss else ():  # a later micro-batch's loss, gradients held
+            phases[f"later micro-batches' {name}"] = {**terms, "activations": activations, "step inputs": loss_inputs,
+                                                      **accumulated}
     host = (PARAM_BYTES + GRAD_BYTES + ADAM_BYTES) * owned if x.optimizer_offload else 0
     if x.layer_modes:  # layers of different modes (no pipeline stages: one unit in flight, held_rows None)
         saved = [sum(saved_per_layer(x, mode).values()) * home / x.tp for mode in x.layer_modes]

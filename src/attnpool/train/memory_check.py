@@ -82,7 +82,7 @@ def sample_row_ratios(spec: RunSpec, source, batches: int = MEMORY_SAMPLE_BATCHE
         if spec.pooled:  # one unit per tick, each with its own plan's rows
             tables = [plan_batch(stream.next_batch(), spec, prior, strategy="local").plan.pieces
                       for _ in range(c.parallel.microbatches)]
-            units = [[AttentionRows.of(t.plan, copies)] for t in plan_pooled_ticks(tables, spec)]
+            units = [[slot_mean_rows(tick, copies)] for tick in plan_pooled_ticks(tables, spec)]
         else:
             units = [[layer_mean_rows(p, spec, copies) for p in plan_microbatch(stream.next_batch(), spec, prior)]]
         # (counts, ranks) of each unit; a pooled rank holds every tick's at once, the others one unit at a time
@@ -92,6 +92,13 @@ def sample_row_ratios(spec: RunSpec, source, batches: int = MEMORY_SAMPLE_BATCHE
         for counts in [sum(per_unit)] if spec.pooled else per_unit:
             candidates += [ratios(rank) for rank in counts.T]
     return {"rows": ratios(worst), "held_candidates" if spec.pooled else "row_candidates": undominated(candidates)}
+
+
+def slot_mean_rows(tick: list[StepPlan | None], copies: bool) -> AttentionRows:
+    """A pooled tick's rows per layer slot, averaged over its slots (a slot where no rank has tokens holds none):
+    a rank keeps every slot's (its layers' and those it serves) until the tick's backward."""
+    rows = [AttentionRows.of(slot.plan, copies) for slot in tick if slot is not None]
+    return AttentionRows(**{name: sum(getattr(r, name) for r in rows) / len(tick) for name in ROW_NAMES})
 
 
 def layer_mean_rows(step: StepPlan, spec: RunSpec, copies: bool) -> AttentionRows:

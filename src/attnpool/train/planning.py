@@ -18,7 +18,7 @@ from attnpool.data import GlobalBatch
 from attnpool.plan import PieceTable, linear_table, pad_ranks, plan_attention, wlb_table
 from attnpool.plan.metrics import home_loads, imbalance, server_loads
 from attnpool.plan.plan import Plan
-from attnpool.plan.stages import pooled_table, ticks
+from attnpool.plan.stages import POOLED, pooled_table, schedule_stage_layers, slot_presence, ticks
 from attnpool.sparse.cost import SparsePrior
 from attnpool.train.spec import RunSpec
 
@@ -85,20 +85,32 @@ def plan_microbatch(batch: GlobalBatch, spec: RunSpec, sparse_prior: SparsePrior
     return [plan_batch(nano, spec, sparse_prior, strategy) for nano in nanos]
 
 
-def plan_pooled_ticks(tables: list[PieceTable], spec: RunSpec) -> list[StepPlan]:
-    """Every tick's plan of a pooled pipeline step (attnpool.parallel.pooled_pipeline) over all stages' dp
-    ranks, with its loads divided by the number of stages: each micro-batch runs on every stage, a
-    stage's share of its layers, so the ticks' summed loads are then the step's attention work per layer,
-    as a step's plans count it without pooling."""
-    a, stages = spec.config.attention, spec.dims.pp
+def plan_pooled_ticks(tables: list[PieceTable], spec: RunSpec) -> list[list[StepPlan | None]]:
+    """Every tick's plans of a pooled pipeline step (attnpool.parallel.pooled_pipeline) over all stages' dp
+    ranks, per layer slot: one plan for each set of stages with a layer in the slot (plan.stages.slot_presence;
+    slots of the same set share it), None where no stage has tokens in it. Loads are divided by the model's
+    layers: each micro-batch's tokens are in as many slots as it has layers, so the slots' summed loads are the
+    step's attention work per layer, as a step's plans count it without pooling."""
+    stages = spec.dims.pp
+    counts = [len(r) for r in schedule_stage_layers(spec.model.config, POOLED, stages)]
     out = []
     for tick in range(ticks(len(tables), stages)):
-        table = pooled_table(tables, tick, stages)
-        plan = plan_attention(table, a.strategy, cost_model=spec.cost_model, min_shard_tokens=a.min_shard, eps=a.eps,
-                              shape=spec.attention_shape)
-        local, planned = home_loads(table, spec.cost_model) / stages, server_loads(plan, spec.cost_model) / stages
-        out.append(StepPlan(plan, None, local.tolist(), planned.tolist(), imbalance(local), imbalance(planned)))
+        by_presence: dict[tuple[bool, ...], StepPlan | None] = {}
+        for present in slot_presence(counts):
+            if present not in by_presence:
+                by_presence[present] = _pooled_plan(pooled_table(tables, tick, stages, present), spec, sum(counts))
+        out.append([by_presence[present] for present in slot_presence(counts)])
     return out
+
+
+def _pooled_plan(table: PieceTable | None, spec: RunSpec, layers: int) -> StepPlan | None:
+    if table is None:
+        return None
+    a = spec.config.attention
+    plan = plan_attention(table, a.strategy, cost_model=spec.cost_model, min_shard_tokens=a.min_shard, eps=a.eps,
+                          shape=spec.attention_shape)
+    local, planned = home_loads(table, spec.cost_model) / layers, server_loads(plan, spec.cost_model) / layers
+    return StepPlan(plan, None, local.tolist(), planned.tolist(), imbalance(local), imbalance(planned))
 
 
 def combine_plans(plans: list[StepPlan], in_turn: bool = False) -> StepPlan:

@@ -32,6 +32,7 @@ from attnpool.data import GlobalBatch, RankTensors
 from attnpool.parallel import RankMesh, parallelize
 from attnpool.parallel.pipeline import PipelineRunner, build_stage_models, merged_stages, sum_tied_gradients
 from attnpool.parallel.pooled_pipeline import PooledPipelineRunner
+from attnpool.plan.stages import pooled_slots
 from attnpool.runtime import CoreAttention, LayerKinds, attention_for
 from attnpool.runtime.sparse import SparseStats
 from attnpool.sparse.cost import SparsePrior
@@ -47,7 +48,7 @@ from attnpool.train.spec import RunSpec
 class PlannedStep:
     microbatches: list[list[StepPlan]]  # per micro-batch, per nano-batch: the layouts (and plans) that run
     balance: StepPlan  # the step's per-rank attention loads, served at home against planned
-    ticks: list[StepPlan] | None = None  # a pooled pipeline's tick plans
+    ticks: list[list[StepPlan | None]] | None = None  # a pooled pipeline's plans, per tick and layer slot
 
 
 @dataclass
@@ -241,23 +242,28 @@ class PooledRunner(_StagedRunner):
     def __init__(self, spec: RunSpec, mesh: RankMesh):
         super().__init__(spec, mesh)
         shape = spec.attention_shape
-        self.pipeline = PooledPipelineRunner(self.model, [int(k) for k in self.model.layers], mesh.pp_rank,
+        self.pipeline = PooledPipelineRunner(self.model, [int(k) for k in self.model.layers],
+                                             pooled_slots(spec.model.config, spec.dims.pp), mesh.pp_rank,
                                              spec.dims.pp, mesh.pp_peers(), spec.stage_hidden, spec.compute_dtype,
                                              (shape.n_q_heads, shape.n_kv_heads, shape.head_dim), spec.device)
         self.group = mesh.pooled_attention_group()
 
     def plan(self, micro_batches: list[GlobalBatch], prior: SparsePrior | None = None) -> PlannedStep:
-        """The micro-batches laid out over their stage's dp ranks, and every tick's plan over all stages' ranks:
-        the ticks' plans are what runs, and the step's balance is theirs."""
+        """The micro-batches laid out over their stage's dp ranks, and every tick's plans over all stages' ranks,
+        one per layer slot: those plans are what runs, and the step's balance is theirs (the slots run in turn)."""
         units = [plan_microbatch(batch, self.spec, prior, strategy="local") for batch in micro_batches]
         ticks = plan_pooled_ticks([unit[0].plan.pieces for unit in units], self.spec)
-        return PlannedStep(units, combine_plans(ticks, in_turn=True), ticks)
+        slots = [plan for tick in ticks for plan in tick if plan is not None]
+        return PlannedStep(units, combine_plans(slots, in_turn=True), ticks)
 
     def run(self, planned: PlannedStep, label_tokens: int, stats: SparseStats) -> StepOutcome:
         backend = self.spec.backend
 
-        def tick_attention(tick: int):
-            return CoreAttention(planned.ticks[tick].plan, self.group, backend=backend)
+        def tick_attention(tick: int) -> list:
+            """Tick ``tick``'s core attention per layer slot (one per distinct plan; None where no rank has tokens)."""
+            made: dict[int, CoreAttention] = {}
+            return [None if p is None else made.setdefault(id(p), CoreAttention(p.plan, self.group, backend=backend))
+                    for p in planned.ticks[tick]]
 
         return StepOutcome(self._run_schedule(planned, tick_attention, label_tokens), [])
 

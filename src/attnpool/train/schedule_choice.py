@@ -7,9 +7,10 @@ bench/results/2026-11-26-h200x4-parallel.md), where long documents (pretrain) ma
 simulator (attnpool.sim.pipeline, which models both as they run) on the run's own first batches and takes pooled
 only where it predicts at least ``AUTO_POOLED_GAIN`` over 1F1B, where pooled can run at all, and, on a rank, where
 its memory holds pooled's activations (it keeps every tick's until the backward). Every rank draws the same
-batches and decides alike; the choice and its reason go to the run's start and its summary. The simulator prices
-with its packaged H200 tables (the run's kernel's where they have one, at the model's FLOPs whatever its
-head_dim): what it compares is two schedules of the same work.
+batches and decides alike (and ``same_schedule`` checks it before the first step); the choice and its reason go to
+the run's start and its summary. The simulator prices with its packaged H200 table of the flash kernel, whatever
+kernel the run resolves to and at the model's FLOPs whatever its head_dim: what it compares is two schedules of the
+same work, and a launcher, ``attnpool memory`` and the ranks must come to the same answer.
 """
 
 from __future__ import annotations
@@ -18,16 +19,20 @@ import os
 from dataclasses import dataclass, replace
 
 from attnpool.data import DocumentStream
+from attnpool.errors import ConfigError
 from attnpool.parallel.pooled_pipeline import pooled_problem
 from attnpool.plan.stages import AUTO_SCHEDULE, POOLED
 from attnpool.sim.costs import load_sim_costs
 from attnpool.sim.pipeline import simulate_pipeline
-from attnpool.sim.simulate import SimConfig
+from attnpool.sim.simulate import MIN_EPS, SimConfig
 from attnpool.train.spec import RunSpec
 
 AUTO_POOLED_GAIN = 0.05  # pooled must be predicted at least this much faster than 1F1B
 FALLBACK = "1f1b"
 CHOICE_STEPS = 2  # steps of the run's first micro-batches the simulator times (fewer where the run is shorter)
+# The kernel table the simulator prices with, whatever kernel the run resolves to: a launcher, `attnpool memory` and
+# the ranks (where "auto" may become fa4) must choose alike, and what it compares is two schedules of the same work
+PRICED_WITH = "flash"
 # The simulator's recompute for a checkpointing mode (auto's choice comes later; under pooled it is one of these)
 RECOMPUTE = {"none": "none", "keep_attention": "linear", "auto": "linear"}
 
@@ -57,8 +62,7 @@ def pooled_obstacle(spec: RunSpec) -> str | None:
         return "one pipeline stage"
     if c.attention.strategy != "cad":
         return f"pooling balances cad's CA-tasks over the stages, and attention is {c.attention.strategy}"
-    problem = pooled_problem(spec.model.config.n_layers, spec.dims.pp, c.memory.activation_checkpointing,
-                             c.sparse.mode != "none")
+    problem = pooled_problem(c.memory.activation_checkpointing, c.sparse.mode != "none")
     if problem is not None:
         return f"{problem[0]}={problem[1]}: {problem[2]}"
     if spec.mixed_kinds:
@@ -78,11 +82,11 @@ def choose_schedule(spec: RunSpec, source) -> ScheduleChoice:
     batches = [stream.next_batch().doc_lens.tolist() for _ in range(steps * microbatches)]
     per_node = c.parallel.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dims.world))
     cfg = spec.model.config
+    # (a dp rank's tokens are padded to a multiple of tp; the simulator's smallest eps stands in for one below it)
     config = SimConfig(model=c.model.name, gpus=dims.world, tp=dims.tp, gpus_per_node=per_node,
-                       tokens_per_gpu=c.data.tokens_per_rank // dims.tp, eps=c.attention.eps, strategies=("cad",),
-                       batches=len(batches), recompute=RECOMPUTE[c.memory.activation_checkpointing])
-    backend = "flash" if spec.backend_name in ("auto", "reference") else spec.backend_name
-    costs = load_sim_costs(cfg, c.model.name, attention_backend=backend, min_shard_tokens=c.attention.min_shard,
+                       tokens_per_gpu=-(-c.data.tokens_per_rank // dims.tp), eps=max(c.attention.eps, MIN_EPS),
+                       strategies=("cad",), batches=len(batches), recompute=RECOMPUTE[c.memory.activation_checkpointing])
+    costs = load_sim_costs(cfg, c.model.name, attention_backend=PRICED_WITH, min_shard_tokens=c.attention.min_shard,
                            any_head_dim=True)
     result = simulate_pipeline(config, dims.pp, microbatches, steps, FALLBACK, costs=costs, doc_batches=batches,
                                model_cfg=cfg)
@@ -100,3 +104,16 @@ def without_pooled(spec: RunSpec, why: str) -> RunSpec:
     """``spec`` with auto's pooled choice given up for 1F1B (the rank's memory cannot hold it: ``why``)."""
     choice = spec.schedule_choice
     return replace(spec, schedule_choice=ScheduleChoice(FALLBACK, f"{choice.why}; but {why}", choice.predicted_step_s))
+
+
+def same_schedule(spec: RunSpec) -> None:
+    """Refuse, on every rank, a run whose ranks resolved ``pp_schedule: auto`` differently (their pooled ticks and
+    1F1B's hand-overs would wait on each other forever). A collective over the default process group."""
+    import torch.distributed as dist
+
+    schedules = [None] * dist.get_world_size()
+    dist.all_gather_object(schedules, spec.pp_schedule)
+    if len(set(schedules)) > 1:
+        found = ", ".join(f"rank {r}: {s}" for r, s in enumerate(schedules))
+        raise ConfigError("pp_schedule", AUTO_SCHEDULE, f"the ranks chose different schedules ({found}); name one")
+

@@ -227,8 +227,7 @@ def check_model_shape(config: TrainConfig, m: ModelConfig) -> None:
     if problem is not None:
         raise ConfigError(*problem)
     if p.pp > 1 and p.pp_schedule == POOLED:
-        problem = pooled_problem(m.n_layers, p.pp, config.memory.activation_checkpointing,
-                                 config.sparse.mode != "none")
+        problem = pooled_problem(config.memory.activation_checkpointing, config.sparse.mode != "none")
         if problem is not None:
             raise ConfigError(*problem)
 

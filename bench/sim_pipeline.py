@@ -70,8 +70,9 @@ def main() -> int:
              "against the best of WLB and per-document CP, both pipelined.", "",
              "`pooled`: the step of the schedule attnpool builds for it (`pp_schedule: pooled`: lock-step GPipe ticks, "
              "stages split as 1F1B's, each layer slot's core attention planned by cad over every stage's ranks and its "
-             "exchanges timed, the share of the output projection its spare slots hide measured; checked against "
-             "4 x H200 runs in bench/results/2026-11-28-sim-pooled-validation.md), and its gain over 1F1B.", "",
+             "exchanges timed, the output projection hidden in the spare slots where another stage runs a layer; "
+             "checked against 4 x H200 runs in bench/results/2026-11-28-sim-pooled-validation.md), and its gain "
+             "over 1F1B.", "",
              "| model | GPUs | dist | micro-batches | step (s) | bubble | attention | reuse | bound | pooled step (s) | "
              "pooled gain | vs WLB-ideal |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -173,10 +173,9 @@ def main() -> int:
                   + ", ".join(f"{r['measured_speedup']:.3f}x" for r in predicted_fast) + " 1F1B; `auto`'s choice "
                   "ran " + ", ".join(f"{r['auto_vs_1f1b']:.3f}x" for r in pooled) + " 1F1B. Losses: pooled against "
                   f"1F1B within {max(r['losses_max_rel_diff'] for r in pooled):.1e} relative (bf16).", "",
-              "The pooled rows are in-sample: attnpool.sim.pipeline.HEAD_HIDDEN_SHARE (the share of the output "
-              "projection the spare slots hide) was fitted to these two runs. The schedule's first form, every stage "
-              "holding the same layers, was checked on eight runs (all eight configurations above), the simulator "
-              "within 4.3%: this file as of commit 4f1600e."]
+              "The pooled rows are the schedule as it is now (stages split as 1F1B's); nothing in the simulator was "
+              "fitted to them. Its first form, every stage holding the same layers, was checked on eight runs (all "
+              "eight configurations above), the simulator within 4.3%: this file as of commit 4f1600e."]
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"{datetime.date.today()}-sim-pooled-validation")
     json.dump({"command": command, "measured": args.measured, "pooled": args.pooled, "rows": rows},

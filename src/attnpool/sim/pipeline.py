@@ -18,9 +18,9 @@ its critical path, nor than every rank's share of the step's work. ``reuse_gain`
 **Pooled** (:func:`pooled_tick_steps`), as attnpool.parallel.pooled_pipeline runs it: GPipe's order in lock-step
 ticks, stages split as 1F1B's, each layer slot's core attention planned by cad over every stage's ranks (the ranks
 of idle stages, and of stages past their last layer, hold no tokens and serve) and its exchanges timed over all of
-them, the hidden states passed between stages, and the last stage's output projection where it is busy, less the
-share of it its spare slots hide (``HEAD_HIDDEN_SHARE``, measured). What the plans move is what it costs: the
-exchanges are not hidden (no ping-pong).
+them, the hidden states passed between stages, and the last stage's output projection where it is busy, less what
+its spare slots hide beside other stages' layers. What the plans move is what it costs: the exchanges are not
+hidden (no ping-pong).
 """
 
 from __future__ import annotations
@@ -39,11 +39,6 @@ from attnpool.sim.simulate import SimConfig, sample, simulate_config
 from attnpool.sim.steptime import Cluster, StepModel
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
-# Of the time the pooled schedule's spare slots could hide the output projection in (a part of it beside each of the
-# other stages' layers), the share they hid: fitted to its two runs on 4 x H200 (llama3-8b x 16, pp 4, 4
-# micro-batches of 64K, pretrain and prolong: bench/results/2026-11-28-h200x4-pooled-pipeline.md), where counting all
-# of it predicted both 12% short. Not explained yet (no profile of those runs).
-HEAD_HIDDEN_SHARE = 0.5
 FORWARD_SHARE = 1 / 3  # of a micro-batch's forward and backward time
 
 
@@ -152,24 +147,29 @@ def pooled_tick_steps(timer: PooledTimer, tables: list, eps: float) -> list[dict
     whose stages with a layer there are the same (plan.stages.slot_presence), its layout over all stages' ranks
     (plan.stages.pooled_table) planned by cad as the runtime plans it and timed over every stage's servers (each
     slot's exchange spans them all and holds them in lock-step); the last stage's output projection where it is
-    busy, less what its spare slots hide (it runs in parts between them, while the other stages run their last
-    layers); and the hidden states' passing where a later stage is busy."""
-    pp, spare_last = len(timer.counts), max(timer.counts) - timer.counts[-1]
-    classes = Counter(slot_presence(timer.counts))
+    busy, less what its spare slots hide: it runs in parts between them, each beside another stage's layer where
+    one has tokens in that slot in this tick, and exposed where none has (in the drain, the other stages are done);
+    and the hidden states' passing where a later stage is busy."""
+    pp = len(timer.counts)
+    presence = slot_presence(timer.counts)
+    classes = Counter(presence)
     out = []
     for tick in range(ticks(len(tables), pp)):
         busy = [s for s in range(pp) if tick_microbatch(tick, s, len(tables)) is not None]
         step = exposed = moved = 0.0
+        hiding = 0  # the last stage's spare slots of this tick in which another stage runs a layer
         for present, slots in classes.items():
             table = pooled_table(tables, tick, pp, present)
             if table is None:  # no stage has a layer in these slots: nobody calls them
                 continue
+            if not present[-1]:
+                hiding += slots
             plan = plan_attention(table, "cad", cost_model=timer.costs.attn_fwd_bwd,
                                   min_shard_tokens=timer.costs.min_shard_tokens, eps=eps, shape=timer.model(1).shape)
             st = timer.model(slots).plan_step(plan, overlap=False, name="pooled")
             step, exposed, moved = step + st.step, exposed + st.comm_exposed, moved + st.bytes_moved * slots
         if pp - 1 in busy:
-            step += max(0.0, timer.head_s - HEAD_HIDDEN_SHARE * spare_last * timer.layer_linear_s)
+            step += max(0.0, timer.head_s - hiding * timer.layer_linear_s)
         step += 2 * timer.transfer_s if max(busy) > 0 else 0.0
         out.append({"step_s": step, "bytes_moved": moved, "busy_stages": busy, "comm_exposed_s": exposed})
     return out

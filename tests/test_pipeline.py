@@ -163,6 +163,21 @@ def test_pooled_stages_split_as_1f1b_train_as_one_process(tmp_path):
     assert pp2["pooled schedule"] == pp2["auto schedule"] == "pooled"
 
 
+def test_the_last_stages_loss_parts_are_sized_to_what_the_other_stages_run_beside_them():
+    """Three spare slots: four parts of the loss, the first beside the others' Q/K/V projections (a 0.2 share here),
+    the middle two beside whole layers, the last beside the rest of a layer; a slot nobody has tokens in is skipped,
+    and the parts add up to the whole loss."""
+    from attnpool.parallel.pooled_pipeline import SpareSlots
+
+    sizes, served = [], []
+    spare = SpareSlots(3, lambda attention: served.append(attention) or torch.zeros(0, requires_grad=True))
+    spare.attention = ["layer 0", "layer 1", "slot 2", None, "slot 4"]
+    parted = spare.between_parts(lambda h, weight, labels: sizes.append(len(h)) or h.sum(), 0.2)
+    total = parted(torch.ones(1000, 2, requires_grad=True), None, torch.zeros(1000))
+    assert sizes == [67, 333, 333, 267] and served == ["slot 2", "slot 4"]
+    assert total.item() == 2000.0
+
+
 def test_pooled_ticks_let_idle_stages_serve():
     """In the warm-up tick the second stage's ranks hold no tokens; pooled, cad gives them work, and the
     busiest rank carries less than when each stage serves its own micro-batch."""

@@ -13,14 +13,15 @@ exchange over all pipeline and dp ranks:
   stages may hold fewer layers than the first; a tick has as many layer slots as the first stage has layers,
   and in every slot all stages reach a core attention together. A stage with fewer layers serves the slots past
   its last layer with no tokens of its own (:class:`SpareSlots`): after its layers, or on the last stage between
-  parts of the output projection and loss, so that those parts run while the other stages run their last
-  layers. Its autograd runs those calls' backward first, in reverse, then its layers', as the other stages run
-  theirs.
-- **Pooled attention.** The CA-tasks of the tick's micro-batches (each laid out over its
-  stage's dp ranks as without pooling) are planned over all S x dp ranks: the ranks of idle stages hold
-  no tokens and serve, the ranks of busy stages hand work to them (attnpool.plan.stages.pooled_table). One plan serves
-  the tick's every layer slot, one all-to-all exchange per slot over all of those ranks.
-- **Idle ranks** call the tick's core attention once per layer slot with no tokens of their own (they
+  parts of the output projection and loss (sized to what the other stages run meanwhile), so that those parts
+  run while the other stages run their last layers. Its autograd runs those calls' backward first, in reverse,
+  then its layers', as the other stages run theirs.
+- **Pooled attention.** Each slot's CA-tasks, of the micro-batches of the busy stages with a layer in it (each
+  laid out over its stage's dp ranks as without pooling), are planned over all S x dp ranks: the ranks of idle
+  stages, and of stages past their last layer, hold no tokens and serve, the others hand work to them
+  (attnpool.plan.stages.pooled_table). Slots whose stages are the same share a plan; a slot where no stage has
+  tokens (in the drain) has none, and nobody calls it. One all-to-all exchange per slot over all of those ranks.
+- **Idle ranks** call the tick's core attention once per slot that has a plan, with no tokens of their own (they
   still serve what the plan gives them), and in the backward tick run those calls' backward in reverse
   slot order, in step with the busy stages' autograd, which runs its layers last to first.
 
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from attnpool.plan.stages import POOLED, tick_microbatch, ticks
+from attnpool.plan.stages import POOLED, linear_share_before_attention, tick_microbatch, ticks
 
 def pooled_problem(checkpointing: str, sparse: bool) -> tuple[str, object, str] | None:
     """(field, value, why) where ``pp_schedule: pooled`` cannot run, or None."""
@@ -63,13 +64,18 @@ class PooledPipelineRunner:
 
     def __init__(self, model, slot_layers: list[int], slots: int, stage: int, stages: int, pp_peers: list[int],
                  hidden: tuple[int, ...], hidden_dtype: torch.dtype, heads: tuple[int, int, int],
-                 device: torch.device):
+                 device: torch.device, loss_in_parts: bool = True):
         self.model, self.slot_layers, self.slots, self.stage, self.stages = model, slot_layers, slots, stage, stages
         self.pp_peers, self.hidden, self.hidden_dtype, self.heads = pp_peers, hidden, hidden_dtype, heads
         self.device = device
         self.spare = SpareSlots(slots - len(slot_layers), self._serve_one)
-        if self.spare.count and self.last:  # the output projection and loss in parts, the spare slots between them
-            model.cross_entropy = self.spare.between_parts(model.cross_entropy)
+        # The output projection and loss in parts, the spare slots between them; not with a loss that keeps a copy of
+        # the weight's gradient per call until its backward (Liger's), which parts would multiply: its spare slots
+        # then follow the whole loss
+        self.loss_in_parts = loss_in_parts and self.last and self.spare.count > 0
+        if self.loss_in_parts:
+            model.cross_entropy = self.spare.between_parts(model.cross_entropy,
+                                                           linear_share_before_attention(model.config))
 
     @property
     def first(self) -> bool:
@@ -101,7 +107,7 @@ class PooledPipelineRunner:
             out = self.model(x, positions=positions[m], microbatch=torch.tensor(0),
                              attentions=(lambda q, k, v, layer: by_layer[layer](q, k, v, layer=layer),),
                              labels=labels[m], loss_scale=loss_scale)
-            if not self.last:
+            if not self.loss_in_parts:
                 out = self.spare.after_layers(out)
             if self.last:
                 total = total + out.detach()
@@ -173,14 +179,21 @@ class SpareSlots:
             hidden = self._joined(hidden, spare)
         return hidden
 
-    def between_parts(self, loss: Callable) -> Callable:
+    def between_parts(self, loss: Callable, before_attention: float) -> Callable:
         """The last stage's loss (a model's ``cross_entropy`` slot) over ``count + 1`` parts of its tokens, a spare
-        slot after each part but the last: the output projection runs while the other stages run their layers."""
+        slot after each part but the last: the output projection runs while the other stages run their layers. The
+        parts are sized to what the others run beside each: the first beside their next layer's linear part before
+        core attention (``before_attention``: its share of a layer's), the middle ones beside whole layers, the
+        last beside the rest of their final layer."""
+        weights = torch.tensor([before_attention] + [1.0] * (self.count - 1) + [1.0 - before_attention])
+
         def parted(h: Tensor, weight: Tensor, labels: Tensor, **kw) -> Tensor:
             total = None
-            parts = list(zip(h.tensor_split(self.count + 1), labels.tensor_split(self.count + 1)))
+            bounds = (weights.cumsum(0)[:-1] / weights.sum() * h.shape[0]).round().long().tolist()
+            parts = list(zip(h.tensor_split(bounds), labels.tensor_split(bounds)))
             for i, (h_part, labels_part) in enumerate(parts):
-                part = loss(h_part, weight, labels_part, **kw)
+                # (a part too short for a token is a zero that keeps the loss's type: its slot is served all the same)
+                part = loss(h_part, weight, labels_part, **kw) if h_part.shape[0] else h_part.sum()
                 total = part if total is None else total + part
                 if i < self.count:
                     total = self._joined(total, i)

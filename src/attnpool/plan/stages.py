@@ -36,6 +36,12 @@ def head_layers(cfg: ModelConfig) -> float:
     return cfg.dim * cfg.vocab_size / layer
 
 
+def linear_share_before_attention(cfg: ModelConfig) -> float:
+    """A layer's linear compute before core attention (the Q/K/V projections) as a share of all of it."""
+    before = cfg.dim * cfg.head_dim * (cfg.n_heads + 2 * cfg.n_kv_heads)
+    return before / (before + cfg.n_heads * cfg.head_dim * cfg.dim + 3 * cfg.dim * cfg.ffn_dim)
+
+
 def stage_layers(n_layers: int, stages: int, head: float) -> list[range]:
     """Contiguous layer ranges of ``stages`` stages, at least one layer each, the last stage counting
     ``head`` layers more: the last gets about (n_layers + head) / stages - head, the others share the rest

@@ -245,7 +245,8 @@ class PooledRunner(_StagedRunner):
         self.pipeline = PooledPipelineRunner(self.model, [int(k) for k in self.model.layers],
                                              pooled_slots(spec.model.config, spec.dims.pp), mesh.pp_rank,
                                              spec.dims.pp, mesh.pp_peers(), spec.stage_hidden, spec.compute_dtype,
-                                             (shape.n_q_heads, shape.n_kv_heads, shape.head_dim), spec.device)
+                                             (shape.n_q_heads, shape.n_kv_heads, shape.head_dim), spec.device,
+                                             loss_in_parts=spec.loss_kernel != "liger")
         self.group = mesh.pooled_attention_group()
 
     def plan(self, micro_batches: list[GlobalBatch], prior: SparsePrior | None = None) -> PlannedStep:

@@ -570,3 +570,18 @@ def test_prefix_copies_are_counted_only_where_the_backend_makes_them(monkeypatch
     assert copies.expanded_kv[0] == 512 * (1 + 3 + 5 + 7) and copies.unique_kv[0] == 3584
     assert np.array_equal(unique.expanded_kv, copies.unique_kv)
     assert DispatchLayout.build(plan, 0, "cpu").documents is not None  # 4.5K rows avoided, over a quarter
+
+
+def test_liger_gradients_of_earlier_micro_batches_are_held_where_their_backward_waits():
+    """Liger's loss makes its gradients in the forward and keeps them until the backward: a last pipeline rank that
+    runs every micro-batch's forward first (GPipe, pooled) holds the earlier ones' at the last one's loss; 1F1B's
+    last rank, one micro-batch at a time, does not; nor does the chunked loss, which makes none in the forward."""
+    m = model_config("llama3-8b", n_layers=16)
+    x = MemoryInputs(m, 65536, "keep_attention", pp=4, microbatches=4, in_flight=4, rank_layers=5, stage_layers=5,
+                     loss_kernel="liger")
+    held = estimate(x).breakdown["earlier micro-batches' loss gradients"]
+    assert held == 3 * 2 * (m.vocab_size + 65536) * m.dim
+    one_at_a_time = estimate(replace(x, in_flight=1)).breakdown
+    chunked = estimate(replace(x, loss_kernel="chunked")).breakdown
+    assert "earlier micro-batches' loss gradients" not in one_at_a_time and \
+        "earlier micro-batches' loss gradients" not in chunked

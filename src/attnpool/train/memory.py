@@ -322,6 +322,18 @@ def loss_transient(x: MemoryInputs, tokens: int) -> float:
     return per_logit * chunk * m.vocab_size / x.tp
 
 
+def held_loss_gradients(x: MemoryInputs, home: float) -> dict[str, float]:
+    """Liger's loss keeps the gradients it made in its forward (the weight's, the hidden states') until its backward:
+    where a pipeline's last rank runs several micro-batches' forwards before their backwards (GPipe, the pooled
+    schedule: all of them; 1F1B: one at a time), the earlier ones' are held at the last one's loss."""
+    if x.loss_kernel != "liger" or x.pp == 1:
+        return {}
+    earlier = (x.microbatches if x.held_rows is not None else min(x.in_flight, x.microbatches)) - 1
+    a = 2 if x.bf16 else 4
+    return {"earlier micro-batches' loss gradients": earlier * a * (x.model.vocab_size + home) * x.model.dim} \
+        if earlier > 0 else {}
+
+
 def attention_backward_transient(x: MemoryInputs, tokens: int) -> float:
     """Core attention's backward at its peak, inside the kernel's backward: the output and its gradient
     in server order (runtime.core_attention._ServerRows), the kernel's dQ, dK and dV over the expanded
@@ -460,6 +472,7 @@ def _rank_estimate(x: MemoryInputs, cal: Calibration) -> MemoryEstimate:
             "step inputs": step_inputs_per_token(x, loss=True) * held_home / x.tp,
             "output projection gradient": head_gradient, "loss chunk": loss_transient(x, tokens),
             "hidden state gradient": (2 if x.bf16 else 4) * m.dim * home / x.tp,
+            **held_loss_gradients(x, home),
         },
     }
     phases = {

@@ -96,10 +96,10 @@ def sample_row_ratios(spec: RunSpec, source, batches: int = MEMORY_SAMPLE_BATCHE
 
 def slot_mean_rows(tick: list[StepPlan | None], copies: bool) -> AttentionRows:
     """A pooled tick's rows per layer slot: what a rank keeps, averaged over its slots (a rank keeps every slot's,
-    its layers' and those it serves, until the tick's backward; a slot where no rank has tokens holds none), and
-    what one kernel call holds (the queries it serves, the keys it reads), the largest of any slot."""
+    its layers' and the queries it serves, until the tick's backward; a slot where no rank has tokens holds none),
+    and the keys one kernel call reads, the most of any slot."""
     rows = [AttentionRows.of(slot.plan, copies) for slot in tick if slot is not None]
-    per_call = ("query", "expanded_kv")
+    per_call = ("expanded_kv",)
     return AttentionRows(**{name: np.max([getattr(r, name) for r in rows], axis=0) if name in per_call
                             else sum(getattr(r, name) for r in rows) / len(tick) for name in ROW_NAMES})
 

@@ -405,8 +405,7 @@ def test_auto_schedule_gives_up_pooled_where_its_activations_do_not_fit():
     from attnpool.train.data_source import build_source
     from attnpool.train.memory import Calibration
     from attnpool.train.memory_fit import Capacity
-    from attnpool.train.schedule_choice import resolve_pp_schedule
-    from attnpool.train.setup import keep_pooled_if_it_fits
+    from attnpool.train.schedule_choice import keep_pooled_if_it_fits, resolve_pp_schedule
     from attnpool.train.spec import resolve_run_spec
 
     config = TrainConfig(model="llama3-8b", model_args={"n_layers": 16}, data="synthetic",

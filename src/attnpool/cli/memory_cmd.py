@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     from attnpool.train.memory import AUTO, Calibration
     from attnpool.train.memory_fit import report
     from attnpool.train.memory_check import choose_checkpointing, run_memory_inputs
-    from attnpool.train.setup import NO_RUN_DIRECTORY, keep_pooled_if_it_fits, prepare
+    from attnpool.train.schedule_choice import keep_pooled_if_it_fits
+    from attnpool.train.setup import NO_RUN_DIRECTORY, prepare
 
     config = config_from_args(args)
     cpu = config.run.device == "cpu"
@@ -85,9 +86,8 @@ def run(args: argparse.Namespace) -> int:
     # The run resolved for its device (the kernels it would run), with nothing of its run directory read.
     setup = prepare(config.replace(resume=False, memory_check=False, out=NO_RUN_DIRECTORY), config.run.nproc,
                     device_type="cpu" if cpu else "cuda")
-    spec = setup.spec
-    if spec.pooled and spec.schedule_choice is not None:  # pp_schedule auto, as a rank decides it for this capacity
-        spec = keep_pooled_if_it_fits(spec, setup.source, capacity, calibration)
+    # pp_schedule auto's pooled choice kept or given up for this capacity, as a rank decides it
+    spec = keep_pooled_if_it_fits(setup.spec, setup.source, capacity, calibration)
     x = run_memory_inputs(spec, setup.source, capacity, calibration)
     if x.activation_checkpointing == AUTO:  # each layer's mode, as the run would choose them for this capacity
         x = choose_checkpointing(spec, x, setup.source, capacity, calibration)

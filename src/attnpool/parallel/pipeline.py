@@ -28,6 +28,7 @@ from attnpool.model import ModelConfig
 from attnpool.plan.stages import (AUTO_SCHEDULE, POOLED, REFUSED_SCHEDULES, SCHEDULES, rank_stages, schedule_names,
                                   schedule_stage_layers, stages_per_rank)
 
+
 def activations_in_flight(schedule: str, pp: int, microbatches: int, pp_rank: int = 0) -> int:
     """Micro-batches whose activations pipeline rank ``pp_rank`` holds at once (the first holds the most), counted
     in stage-sized units: GPipe keeps all of them; 1F1B one per stage from it to the last (the last rank runs

@@ -25,9 +25,9 @@ exchange over all pipeline and dp ranks:
   still serve what the plan gives them), and in the backward tick run those calls' backward in reverse
   slot order, in step with the busy stages' autograd, which runs its layers last to first.
 
-What this needs, refused otherwise (:func:`pooled_problem`): activation checkpointing that does not recompute core attention (``keep_attention`` or ``none``: a recomputed
-exchange would run inside the busy stages' backward only); dense attention (the sparse estimator's own
-exchanges are not pooled). Memory: like GPipe, a stage holds the activations of all its micro-batches.
+What this needs, refused otherwise (:func:`pooled_problem`): activation checkpointing that does not recompute
+core attention (``keep_attention`` or ``none``: a recomputed exchange would run inside the busy stages' backward
+only); dense attention (the sparse estimator's own exchanges are not pooled). Memory: like GPipe, a stage holds the activations of all its micro-batches.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from attnpool.plan.stages import POOLED, linear_share_before_attention, tick_microbatch, ticks
+
 
 def pooled_problem(checkpointing: str, sparse: bool) -> tuple[str, object, str] | None:
     """(field, value, why) where ``pp_schedule: pooled`` cannot run, or None."""
@@ -199,4 +200,3 @@ class SpareSlots:
                     total = self._joined(total, i)
             return total
         return parted
-

@@ -30,16 +30,22 @@ SCHEDULES = {
 REFUSED_SCHEDULES = ("interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")
 
 
+def layer_weights(cfg: ModelConfig) -> tuple[int, int]:
+    """A decoder layer's matrix weights before core attention (the Q/K/V projections) and after it (the output
+    projection and the gated MLP): what its linear compute per token is proportional to."""
+    before = cfg.dim * cfg.head_dim * (cfg.n_heads + 2 * cfg.n_kv_heads)
+    return before, cfg.n_heads * cfg.head_dim * cfg.dim + 3 * cfg.dim * cfg.ffn_dim
+
+
 def head_layers(cfg: ModelConfig) -> float:
     """The output projection and loss's compute in layers: their weights over a layer's matrix weights."""
-    layer = cfg.dim * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * cfg.dim * cfg.ffn_dim
-    return cfg.dim * cfg.vocab_size / layer
+    return cfg.dim * cfg.vocab_size / sum(layer_weights(cfg))
 
 
 def linear_share_before_attention(cfg: ModelConfig) -> float:
     """A layer's linear compute before core attention (the Q/K/V projections) as a share of all of it."""
-    before = cfg.dim * cfg.head_dim * (cfg.n_heads + 2 * cfg.n_kv_heads)
-    return before / (before + cfg.n_heads * cfg.head_dim * cfg.dim + 3 * cfg.dim * cfg.ffn_dim)
+    before, after = layer_weights(cfg)
+    return before / (before + after)
 
 
 def stage_layers(n_layers: int, stages: int, head: float) -> list[range]:

@@ -35,6 +35,7 @@ import numpy as np
 
 from attnpool.errors import ConfigError, read_json_file
 from attnpool.plan.cost import TOP_LEVEL_BACKEND, TableCost, backend_table, default_min_shard_tokens, for_window
+from attnpool.plan.stages import layer_weights
 
 # Assumed effective throughput of a layer's linear part (GEMMs plus norms, RoPE,
 # SwiGLU) on one H200 in bf16, forward and backward. About 60% of 989 TFLOP/s.
@@ -68,10 +69,8 @@ def layer_flops_per_token(cfg) -> tuple[float, float]:
     RoPE and the residual adds are elementwise and not counted (a measured
     profile includes their time).
     """
-    qkv = 2.0 * cfg.dim * cfg.head_dim * (cfg.n_heads + 2 * cfg.n_kv_heads)
-    out = 2.0 * cfg.n_heads * cfg.head_dim * cfg.dim
-    mlp = 2.0 * 3 * cfg.dim * cfg.ffn_dim
-    return qkv, out + mlp
+    before, after = layer_weights(cfg)
+    return 2.0 * before, 2.0 * after
 
 
 def head_flops_per_token(cfg) -> float:

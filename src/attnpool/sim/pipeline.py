@@ -151,8 +151,9 @@ def pooled_tick_steps(timer: PooledTimer, tables: list, eps: float) -> list[dict
     one has tokens in that slot in this tick, and exposed where none has (in the drain, the other stages are done);
     and the hidden states' passing where a later stage is busy."""
     pp = len(timer.counts)
-    presence = slot_presence(timer.counts)
-    classes = Counter(presence)
+    classes = Counter(slot_presence(timer.counts))
+    models = {slots: timer.model(slots) for slots in set(classes.values())}  # (once per step, not per tick)
+    shape = next(iter(models.values())).shape
     out = []
     for tick in range(ticks(len(tables), pp)):
         busy = [s for s in range(pp) if tick_microbatch(tick, s, len(tables)) is not None]
@@ -165,8 +166,8 @@ def pooled_tick_steps(timer: PooledTimer, tables: list, eps: float) -> list[dict
             if not present[-1]:
                 hiding += slots
             plan = plan_attention(table, "cad", cost_model=timer.costs.attn_fwd_bwd,
-                                  min_shard_tokens=timer.costs.min_shard_tokens, eps=eps, shape=timer.model(1).shape)
-            st = timer.model(slots).plan_step(plan, overlap=False, name="pooled")
+                                  min_shard_tokens=timer.costs.min_shard_tokens, eps=eps, shape=shape)
+            st = models[slots].plan_step(plan, overlap=False, name="pooled")
             step, exposed, moved = step + st.step, exposed + st.comm_exposed, moved + st.bytes_moved * slots
         if pp - 1 in busy:
             step += max(0.0, timer.head_s - hiding * timer.layer_linear_s)
@@ -181,8 +182,8 @@ def simulate_pipeline(config: SimConfig, pp: int, microbatches: int, steps: int 
     """``config`` (its ``gpus`` all of the pipeline's) run as ``pp`` stages of gpus / pp GPUs each, ``steps``
     steps of ``microbatches`` micro-batches (``doc_batches``: their document lengths, each one stage's global
     batch; default: sampled). Per strategy of ``config``, the mean over steps of :func:`pipeline_step` under
-    ``schedule``, its stages split as attnpool.parallel.pipeline splits them; with ``pooled`` (where the layers
-    divide over the stages and cad is simulated), ``pp_schedule: pooled``'s step (:func:`pooled_tick_steps`).
+    ``schedule``, its stages split as attnpool.parallel.pipeline splits them; with ``pooled`` (where cad is simulated
+    and the model's layers are causal), ``pp_schedule: pooled``'s step (:func:`pooled_tick_steps`).
     ``model_cfg``: the model, where it is not ``config.model``'s preset."""
     if pp < 1 or config.gpus % (pp * config.tp):
         raise ConfigError("pp", pp, f"pp x tp must divide the {config.gpus} GPUs")
@@ -221,8 +222,8 @@ def simulate_pipeline(config: SimConfig, pp: int, microbatches: int, steps: int 
         best = min(baselines, key=lambda k: out["strategies"][k]["step_s"])
         out["wlb_ideal"] = best
         out["speedup"] = out["strategies"][best]["step_s"] / out["strategies"]["cad"]["step_s"]
-    if pooled and "cad" in config.strategies and pooled_problem_of(cfg, pp) is None:
-        out["pooled"] = simulate_pooled(config, cfg, costs, pp, doc_batches, microbatches, head_s, transfer_s,
+    if pooled and "cad" in config.strategies and pooled_problem_of(cfg) is None:
+        out["pooled"] = simulate_pooled(config, cfg, costs, layers, doc_batches, microbatches, head_s, transfer_s,
                                         stage_cluster, progress)
         for name in ("cad", "cad-serial"):
             if name in out["strategies"]:
@@ -230,7 +231,7 @@ def simulate_pipeline(config: SimConfig, pp: int, microbatches: int, steps: int 
     return out
 
 
-def pooled_problem_of(cfg, pp: int) -> str | None:
+def pooled_problem_of(cfg) -> str | None:
     """Why the simulator cannot run ``pp_schedule: pooled`` for this model, or None (it pools causal attention
     only)."""
     if any(kind.window is not None for kind in cfg.layer_kinds()):
@@ -238,10 +239,11 @@ def pooled_problem_of(cfg, pp: int) -> str | None:
     return None
 
 
-def simulate_pooled(config: SimConfig, cfg, costs: SimCosts, pp: int, doc_batches, microbatches: int, head_s: float,
-                    transfer_s: float, stage_cluster: Cluster, progress=None) -> dict:
-    """``pp_schedule: pooled``'s steps over ``doc_batches`` (:func:`pooled_tick_steps`), their mean and per step."""
-    counts = tuple(len(r) for r in stage_layers(cfg.n_layers, pp, head_layers(cfg)))
+def simulate_pooled(config: SimConfig, cfg, costs: SimCosts, layers: list[int], doc_batches, microbatches: int,
+                    head_s: float, transfer_s: float, stage_cluster: Cluster, progress=None) -> dict:
+    """``pp_schedule: pooled``'s steps over ``doc_batches`` (:func:`pooled_tick_steps`), their mean and per step;
+    ``layers``: each stage's layers."""
+    counts = tuple(layers)
     cluster = Cluster(config.gpus, config.tp, config.gpus_per_node, config.tokens_per_gpu)
     one_layer = StepModel(replace(cfg, n_layers=1), stage_cluster, costs, config.recompute, head=False)
     timer = PooledTimer(cfg, cluster, costs, config.recompute, counts, head_s,

@@ -14,6 +14,7 @@ import torch
 
 from attnpool.plan.cost import attention_flops
 from attnpool.plan.documents import window_pairs
+from attnpool.plan.stages import layer_weights
 
 # Dense bf16 tensor-core peaks, TFLOP/s per GPU (the vendors' datasheets), by a part of the device's name; the
 # longest name that matches wins ("H100 PCIe" before "H100").
@@ -22,8 +23,7 @@ BF16_DENSE_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "GH2
 
 def linear_weights(cfg) -> int:
     """Matmul weights of one decoder layer (QKV, O, the gated MLP)."""
-    return (cfg.dim * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + cfg.n_heads * cfg.head_dim * cfg.dim
-            + 3 * cfg.dim * cfg.ffn_dim)
+    return sum(layer_weights(cfg))
 
 
 def linear_flops_per_token(cfg) -> float:

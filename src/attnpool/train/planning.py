@@ -91,15 +91,13 @@ def plan_pooled_ticks(tables: list[PieceTable], spec: RunSpec) -> list[list[Step
     slots of the same set share it), None where no stage has tokens in it. Loads are divided by the model's
     layers: each micro-batch's tokens are in as many slots as it has layers, so the slots' summed loads are the
     step's attention work per layer, as a step's plans count it without pooling."""
-    stages = spec.dims.pp
-    counts = [len(r) for r in schedule_stage_layers(spec.model.config, POOLED, stages)]
+    stages, layers = spec.dims.pp, spec.model.config.n_layers
+    presence = slot_presence([len(r) for r in schedule_stage_layers(spec.model.config, POOLED, stages)])
     out = []
     for tick in range(ticks(len(tables), stages)):
-        by_presence: dict[tuple[bool, ...], StepPlan | None] = {}
-        for present in slot_presence(counts):
-            if present not in by_presence:
-                by_presence[present] = _pooled_plan(pooled_table(tables, tick, stages, present), spec, sum(counts))
-        out.append([by_presence[present] for present in slot_presence(counts)])
+        by_presence = {present: _pooled_plan(pooled_table(tables, tick, stages, present), spec, layers)
+                       for present in set(presence)}
+        out.append([by_presence[present] for present in presence])
     return out
 
 

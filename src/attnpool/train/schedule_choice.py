@@ -15,7 +15,6 @@ same work, and a launcher, ``attnpool memory`` and the ranks must come to the sa
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 from attnpool.data import DocumentStream
@@ -25,7 +24,11 @@ from attnpool.plan.stages import AUTO_SCHEDULE, POOLED
 from attnpool.sim.costs import load_sim_costs
 from attnpool.sim.pipeline import simulate_pipeline
 from attnpool.sim.simulate import MIN_EPS, SimConfig
-from attnpool.train.spec import RunSpec
+from attnpool.sizes import format_bytes
+from attnpool.train.memory import estimate
+from attnpool.train.memory_check import resolve_auto_checkpointing, run_memory_inputs
+from attnpool.train.memory_fit import Capacity
+from attnpool.train.spec import RunSpec, ranks_per_node
 
 AUTO_POOLED_GAIN = 0.05  # pooled must be predicted at least this much faster than 1F1B
 FALLBACK = "1f1b"
@@ -80,7 +83,7 @@ def choose_schedule(spec: RunSpec, source) -> ScheduleChoice:
     steps = max(1, min(CHOICE_STEPS, c.last_step))
     stream = DocumentStream(source, dims.dp, c.data.tokens_per_rank, c.data.seed, c.data.max_doc_len)
     batches = [stream.next_batch().doc_lens.tolist() for _ in range(steps * microbatches)]
-    per_node = c.parallel.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dims.world))
+    per_node = ranks_per_node(c, dims.world)
     cfg = spec.model.config
     # (a dp rank's tokens are padded to a multiple of tp; the simulator's smallest eps stands in for one below it)
     config = SimConfig(model=c.model.name, gpus=dims.world, tp=dims.tp, gpus_per_node=per_node,
@@ -98,6 +101,23 @@ def choose_schedule(spec: RunSpec, source) -> ScheduleChoice:
     if gain >= AUTO_POOLED_GAIN:
         return ScheduleChoice(POOLED, f"{said})", predicted)
     return ScheduleChoice(FALLBACK, f"{said}; pooled needs at least {AUTO_POOLED_GAIN:.0%})", predicted)
+
+
+def keep_pooled_if_it_fits(spec: RunSpec, source, capacity: Capacity, calibration) -> RunSpec:
+    """``pp_schedule: auto``'s pooled choice, given up for 1F1B where ``capacity`` (every rank's smallest: the
+    ranks decide alike) cannot hold pooled's activations, one tick's per layer slot until the backward; any other
+    spec as it is."""
+    if not spec.pooled or spec.schedule_choice is None:
+        return spec
+    try:
+        resolved, sampled = resolve_auto_checkpointing(spec, source, capacity, calibration)
+        predicted = estimate(run_memory_inputs(resolved, source, capacity, calibration, sampled), calibration)
+    except ConfigError as error:  # auto checkpointing found no setting that fits
+        return without_pooled(spec, f"no checkpointing fits its activations ({error.problem})")
+    if capacity.holds(predicted):
+        return spec
+    return without_pooled(spec, f"its activations would not fit ({format_bytes(predicted.peak_bytes)} predicted, "
+                                f"{format_bytes(capacity.device_bytes)} held)")
 
 
 def without_pooled(spec: RunSpec, why: str) -> RunSpec:

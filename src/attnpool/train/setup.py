@@ -22,14 +22,11 @@ from attnpool.errors import ConfigError, check_output_directory
 from attnpool.train.config import TrainConfig
 from attnpool.train.data_source import build_source
 from attnpool.train.memory import MemoryEstimate
-from attnpool.sizes import format_bytes
-from attnpool.train.memory import estimate
-from attnpool.train.memory_check import (check_memory, rank_capacity, ranks_on_this_machine, resolve_auto_checkpointing,
-                                         run_memory_inputs)
+from attnpool.train.memory_check import check_memory, rank_capacity, ranks_on_this_machine, resolve_auto_checkpointing
 from attnpool.train.memory_fit import Capacity
-from attnpool.train.schedule_choice import resolve_pp_schedule, without_pooled
 from attnpool.train.metrics import logger_problem
 from attnpool.train.resume import refuse_earlier_run, resume_candidate
+from attnpool.train.schedule_choice import keep_pooled_if_it_fits, resolve_pp_schedule
 from attnpool.train.spec import RunSpec, resolve_run_spec
 
 
@@ -67,22 +64,8 @@ def prepare(config: TrainConfig, world: int, device: torch.device | None = None,
     memory = None
     if device is not None:
         capacity, calibration = rank_capacity(device, ranks_on_this_machine(config, world))
-        if spec.pooled and spec.schedule_choice is not None:
-            spec = keep_pooled_if_it_fits(spec, source, auto_capacity or capacity, calibration)
+        spec = keep_pooled_if_it_fits(spec, source, auto_capacity or capacity, calibration)
         spec, sampled = resolve_auto_checkpointing(spec, source, auto_capacity or capacity, calibration)
         memory = check_memory(spec, source, sampled) if config.memory.memory_check else None
     return Setup(spec, source, resume_from, memory)
 
-
-def keep_pooled_if_it_fits(spec: RunSpec, source, capacity: Capacity, calibration) -> RunSpec:
-    """``pp_schedule: auto``'s pooled choice, given up for 1F1B where ``capacity`` (every rank's smallest: the
-    ranks decide alike) cannot hold pooled's activations, one tick's per layer slot until the backward."""
-    try:
-        resolved, sampled = resolve_auto_checkpointing(spec, source, capacity, calibration)
-        predicted = estimate(run_memory_inputs(resolved, source, capacity, calibration, sampled), calibration)
-    except ConfigError as error:  # auto checkpointing found no setting that fits
-        return without_pooled(spec, f"no checkpointing fits its activations ({error.problem})")
-    if capacity.holds(predicted):
-        return spec
-    return without_pooled(spec, f"its activations would not fit ({format_bytes(predicted.peak_bytes)} predicted, "
-                                f"{format_bytes(capacity.device_bytes)} held)")

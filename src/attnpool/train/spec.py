@@ -208,12 +208,17 @@ def attention_topology(config: TrainConfig, dims: ParallelDims, world: int) -> T
     """The nodes of a stage's dp ranks (each a tp group, inside one node), ``ranks_per_node`` to a node (0:
     torchrun's LOCAL_WORLD_SIZE, else all on one), counted on the first stage's ranks (every stage's plans
     alike); None where they are all on one node."""
-    per_node = config.parallel.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    per_node = ranks_per_node(config, world)
     if world % per_node or per_node % dims.tp:
         raise ConfigError("ranks_per_node", per_node, f"must divide the {world} ranks, and be a multiple of "
                                                       f"tp={dims.tp} (a tp group stays inside a node)")
     topology = Topology(tuple(i * dims.tp // per_node for i in range(dims.dp)))
     return topology if topology.num_nodes > 1 else None
+
+
+def ranks_per_node(config: TrainConfig, world: int) -> int:
+    """The ranks of one node: ``ranks_per_node``, else torchrun's LOCAL_WORLD_SIZE, else all ``world`` on one."""
+    return config.parallel.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
 
 
 def check_model_shape(config: TrainConfig, m: ModelConfig) -> None:

@@ -14,6 +14,9 @@ bench() {  # bench NAME ARGS...: one torchrun of `attnpool bench`, its log and r
   python3 -m torch.distributed.run --nproc_per_node "${NPROC:-4}" -m attnpool.cli.main bench --model llama3-8b \
     --layers 4 --out "$OUT/$name" "$@" ${EXTRA[@]+"${EXTRA[@]}"} 2>&1 | grep --line-buffered -v "^\[rank" | tee "$OUT/$name/log"
 }
+pooled_ablation() {  # pooled_ablation SCHEDULE: --ablation for the pooled schedule, unless ABLATION=0
+  if [ "$1" = pooled ] && [ "${ABLATION:-1}" = 1 ]; then echo --ablation; fi
+}
 PHASE=${1:-}
 EXTRA=("${@:2}")
 case "$PHASE" in
@@ -117,15 +120,19 @@ case "$PHASE" in
   # Issue 44: pooled against 1F1B, 16 layers, 64K tokens per dp rank, cad, the same batches; pretrain's long documents
   # (the simulator predicts pooled faster) and prolong's (slower). pp_schedule auto's choice for each is the
   # simulator's on these batches: bench/sim_pooled_validation.py gives it beside the measured steps.
+  # SCHEDULES (default "1f1b pooled") picks the schedules, in order; the pooled run adds --ablation (the exchanges'
+  # bytes cut to one element: what they cost), unless ABLATION=0.
   pooled-pp4)
-    for schedule in 1f1b pooled; do
+    for schedule in ${SCHEDULES:-1f1b pooled}; do
       bench "pooled-pp4-$schedule" --layers 16 --pp 4 --microbatches 4 --pp-schedule "$schedule" \
-        --configs pretrain:64K,prolong:64K --strategies cad --warmup 1 --steps 3 --budget-s 200
+        --configs pretrain:64K,prolong:64K --strategies cad --warmup 1 --steps 3 --budget-s 300 \
+        $(pooled_ablation "$schedule")
     done ;;
   pooled-pp2dp2)
-    for schedule in 1f1b pooled; do
+    for schedule in ${SCHEDULES:-1f1b pooled}; do
       bench "pooled-pp2dp2-$schedule" --layers 16 --pp 2 --microbatches 4 --pp-schedule "$schedule" \
-        --configs prolong:64K,pretrain:64K --strategies cad --warmup 1 --steps 2 --budget-s 150
+        --configs prolong:64K,pretrain:64K --strategies cad --warmup 1 --steps 2 --budget-s 300 \
+        $(pooled_ablation "$schedule")
     done ;;
   *) phases="smoke|prolong128|prolong256|pretrain64|pretrain64-memory|prolong64|pretrain128|pretrain128-baselines|pretrain256"
      phases="$phases|pretrain256-baselines"

@@ -147,6 +147,28 @@ def test_bench_with_auto_checkpointing_says_what_each_run_chose():
         assert rec["efficiency_with_recompute"] == rec["efficiency"]
 
 
+@background.job("test_bench_ablation_of_the_pooled_pipeline_shrinks_its_exchanges")
+def pooled_ablation(tmp):
+    """torchrun's 2 ranks as 2 pooled stages, cad and its one-element-message ablation: its --out and the run."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "attnpool.cli.main", "bench",
+           "--device", "cpu", "--model", "tiny", "--layers", "3", "--configs", "pretrain:1K", "--strategies", "cad",
+           "--warmup", "0", "--steps", "1", "--pp", "2", "--microbatches", "2", "--pp-schedule", "pooled",
+           "--ablation", "--out", str(tmp)]
+    return tmp, background.run(cmd, timeout=300)
+
+
+def test_bench_ablation_of_the_pooled_pipeline_shrinks_its_exchanges():
+    """Pipelined, the ablation is plain cad (ping-pong does not run there), and its messages are really cut: the
+    idle stage's served queries come back as zeros, so the first loss moves."""
+    tmp_path, r = pooled_ablation.result()
+    assert r.returncode == 0, r.stderr[-3000:]
+    cad, ablated = json.loads((tmp_path / "e2e.json").read_text())["records"]
+    assert (cad["strategy"], ablated["strategy"]) == ("cad", "cad (1-element messages)")
+    assert cad["pp_schedule"] == ablated["pp_schedule"] == "pooled"
+    assert cad["bytes_sent_per_gpu"] > 0  # the pooled exchange spans both stages: there is something to cut
+    assert abs(cad["losses"][0] - ablated["losses"][0]) > 1e-6
+
+
 def test_summary_of_ping_pong_steps_with_one_document():
     """Under ping-pong a step of one document runs as one nano-batch and times its core attention; the
     others do not. The record then says "not measured" rather than failing or quoting those steps alone."""

@@ -20,7 +20,7 @@ from attnpool.parallel.pipeline import activations_in_flight, pipeline_problem, 
 from attnpool.plan.stages import (head_layers, pooled_table, rank_stages, schedule_stage_layers, stage_layers,
                                   tick_microbatch, ticks)
 from attnpool.plan import linear_table, load_cost_model, plan_attention
-from attnpool.plan.metrics import home_loads, server_loads
+from attnpool.plan.metrics import home_loads, server_loads, work_moved
 from attnpool.sim.pipeline import makespan, pipeline_step, simulate_pipeline, stage_order, stage_times
 from attnpool.sim.simulate import SimConfig
 from attnpool.train import train
@@ -194,6 +194,22 @@ def test_pooled_ticks_let_idle_stages_serve():
     assert full.tokens_per_rank.tolist() == [1024] * 4
     first = tables[0]
     assert full.doc_len[full.doc][full.rank == 2].tolist() == first.doc_len[first.doc][first.rank == 0].tolist()
+
+
+def test_pooled_plans_move_only_what_balance_needs():
+    """Idle ranks serve only the busy ranks' work above the mean; the rest stays home: over the warm-up, full and
+    drain ticks of pretrain-like micro-batches, cad moves within 5% of the least a plan balanced to the mean must
+    move, and a plan that moves nothing counts none."""
+    rng = np.random.default_rng(0)
+    tables = [linear_table(np.array(lens), 2, 8192) for lens in (
+        [8192, 4096, 2048, 2048], rng.multinomial(16384, [1 / 16] * 16).tolist(), [12288, 4096], [16384])]
+    cost = load_cost_model("pairs")
+    for tick in range(ticks(len(tables), 2)):
+        table = pooled_table(tables, tick, 2)
+        plan = plan_attention(table, "cad", cost_model="pairs", min_shard_tokens=64)
+        moved, needed = work_moved(plan, cost)
+        assert needed > 0 and 0.95 * needed <= moved <= 1.05 * needed, (tick, moved, needed)  # (eps leaves some)
+        assert work_moved(plan_attention(table, "local", cost_model="pairs", min_shard_tokens=64), cost)[0] == 0
 
 
 def test_memory_model_counts_the_first_ranks_layers():

@@ -14,7 +14,8 @@ the measured single-GPU rates of the shipped profile (linear layers and
 whole-document attention), evenly shared; efficiency with recompute counts in the
 ideal the forward work the checkpointing mode repeats (with ``full``, a quarter
 of the step: efficiency alone cannot pass ~0.75 there). The overlap ablation runs `cad` with
-ping-pong and one-element messages. The bf16 losses of every strategy are
+ping-pong (without it where the run is pipelined: ping-pong does not run there) and one-element messages, so
+that the step it saves is what the core attention exchange's bytes cost. The bf16 losses of every strategy are
 checked against `local` over the first steps (those of the ``+sparse``
 strategies, which train with vertical-slash sparse attention, against
 ``local+sparse``). ``--trace`` profiles two extra steps of one strategy.
@@ -261,6 +262,12 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
     return configs, strategies + (["ablation"] if args.ablation else [])
 
 
+def ablated_strategy(args: argparse.Namespace) -> str:
+    """What ``--ablation`` runs with one-element messages: cad with ping-pong, or plain cad where the run is
+    pipelined (the pipeline refuses ping-pong; pp_schedule pooled's exchange spans every stage's ranks)."""
+    return "cad" if args.pp > 1 else "cad+pingpong"
+
+
 def run(args: argparse.Namespace) -> int:
     configs, strategies = check_arguments(args)
     cuda = args.device == "cuda"
@@ -301,11 +308,11 @@ def _run_all(args: argparse.Namespace, configs: list, strategies: list, cuda: bo
             with MemoryRecorder(args.memory_breakdown) as recorder:
                 if name == "ablation":
                     with tiny_messages():
-                        rows, predicted, settings = run_one("cad+pingpong", dist_name, tokens, args, work_dir)
+                        rows, predicted, settings = run_one(ablated_strategy(args), dist_name, tokens, args, work_dir)
                 else:
                     trace = name == args.trace and (dist_name, tokens) == configs[0]
                     rows, predicted, settings = run_one(name, dist_name, tokens, args, work_dir, trace)
-            label = "cad+pingpong (1-element messages)" if name == "ablation" else name
+            label = f"{ablated_strategy(args)} (1-element messages)" if name == "ablation" else name
             rec = summarize(label, dist_name, tokens, rows, args, world, cfg, settings)
             rec["predicted_peak_memory_bytes"] = predicted  # the memory model's, of the allocator's peak
             rec["attention_backend"] = args.resolved_attention_backend

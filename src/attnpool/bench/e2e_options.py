@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--sparse vertical-slash at the default coverage; +readkv with kv_transfer=read)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10, help="measured steps")
-    p.add_argument("--ablation", action="store_true", help="also cad+pingpong with one-element messages")
+    p.add_argument("--ablation", action="store_true", help="also cad+pingpong (plain cad where --pp is above 1) with one-element messages: what the exchange's bytes cost")
     p.add_argument("--budget-s", type=float, default=float("inf"), help="start no new run after this many seconds")
     p.add_argument("--activation-checkpointing", default="keep_attention", choices=CHECKPOINTING,
                    help="what the backward recomputes (default: everything but core attention); 'none' shows what "

@@ -42,6 +42,17 @@ def server_loads(plan: Plan, cost_model) -> np.ndarray:
                        minlength=plan.num_ranks)
 
 
+def work_moved(plan: Plan, cost_model) -> tuple[float, float]:
+    """(work served away from home, work the ranks hold above their mean at home): what a plan moves against the
+    least any plan that balances to the mean must move. cad's greedy donates only a server's excess over the mean
+    (plan.cad), so the first is close to the second where it could cut shards to fit."""
+    cost, _ = doc_costs(for_window(cost_model, plan.window))
+    before = home_loads(plan.pieces, cost_model, plan.window)
+    remote = plan.task_server != plan.task_home
+    moved = float(cost(plan.task_start[remote], plan.task_end[remote], plan.task_doc[remote]).sum())
+    return moved, float(np.maximum(before - before.mean(), 0.0).sum())
+
+
 @dataclass
 class PlanMetrics:
     strategy: str

@@ -20,7 +20,8 @@ ticks, stages split as 1F1B's, each layer slot's core attention planned by cad o
 of idle stages, and of stages past their last layer, hold no tokens and serve) and its exchanges timed over all of
 them, the hidden states passed between stages, and the last stage's output projection where it is busy, less what
 its spare slots hide beside other stages' layers. What the plans move is what it costs: the exchanges are not
-hidden (no ping-pong).
+hidden (no ping-pong). Each tick also counts the work its plans serve away from home beside the least that
+balance needs (plan.metrics.work_moved).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import numpy as np
 from attnpool.errors import ConfigError
 from attnpool.plan.api import plan_attention
 from attnpool.plan.layout import linear_table
+from attnpool.plan.metrics import work_moved
 from attnpool.plan.stages import head_layers, pooled_table, slot_presence, stage_layers, tick_microbatch, ticks
 from attnpool.sim.costs import SimCosts, load_sim_costs
 from attnpool.sim.simulate import SimConfig, sample, simulate_config
@@ -157,7 +159,7 @@ def pooled_tick_steps(timer: PooledTimer, tables: list, eps: float) -> list[dict
     out = []
     for tick in range(ticks(len(tables), pp)):
         busy = [s for s in range(pp) if tick_microbatch(tick, s, len(tables)) is not None]
-        step = exposed = moved = 0.0
+        step = exposed = moved = shifted = above_mean = 0.0
         hiding = 0  # the last stage's spare slots of this tick in which another stage runs a layer
         for present, slots in classes.items():
             table = pooled_table(tables, tick, pp, present)
@@ -169,10 +171,13 @@ def pooled_tick_steps(timer: PooledTimer, tables: list, eps: float) -> list[dict
                                   min_shard_tokens=timer.costs.min_shard_tokens, eps=eps, shape=shape)
             st = models[slots].plan_step(plan, overlap=False, name="pooled")
             step, exposed, moved = step + st.step, exposed + st.comm_exposed, moved + st.bytes_moved * slots
+            work = work_moved(plan, timer.costs.attn_fwd_bwd)
+            shifted, above_mean = shifted + work[0] * slots, above_mean + work[1] * slots
         if pp - 1 in busy:
             step += max(0.0, timer.head_s - hiding * timer.layer_linear_s)
         step += 2 * timer.transfer_s if max(busy) > 0 else 0.0
-        out.append({"step_s": step, "bytes_moved": moved, "busy_stages": busy, "comm_exposed_s": exposed})
+        out.append({"step_s": step, "bytes_moved": moved, "busy_stages": busy, "comm_exposed_s": exposed,
+                    "work_moved": shifted, "work_above_mean": above_mean})
     return out
 
 
@@ -254,7 +259,8 @@ def simulate_pooled(config: SimConfig, cfg, costs: SimCosts, layers: list[int], 
         tables = [linear_table(lens, dp, tokens) for lens in doc_batches[i:i + microbatches]]
         tick_rows = pooled_tick_steps(timer, tables, config.eps)
         steps.append({"step_s": sum(t["step_s"] for t in tick_rows), "ticks": tick_rows,
-                      "bytes_moved": sum(t["bytes_moved"] for t in tick_rows)})
+                      **{key: sum(t[key] for t in tick_rows) for key in ("bytes_moved", "work_moved",
+                                                                          "work_above_mean")}})
         if progress:
             progress(len(steps), len(doc_batches) // microbatches)
     return {"step_s": float(np.mean([s["step_s"] for s in steps])), "per_step_s": [s["step_s"] for s in steps],

@@ -108,6 +108,9 @@ def main() -> int:
     parser.add_argument("--run", type=int, default=None, help="which run of a file of several (its runs list)")
     parser.add_argument("--intra-gibps", type=float, default=None,
                         help="the GPUs' all-to-all bandwidth, GiB/s per rank (default: the profile's)")
+    parser.add_argument("--shared-link", action="store_true",
+                        help="with --intra-gibps: the GPUs share one fabric (the emulated network's loopback), so a "
+                             "skewed all-to-all runs at its total bytes")
     parser.add_argument("--name", default="", help="a suffix of the written files' names")
     args = parser.parse_args()
     if args.predict:
@@ -122,7 +125,8 @@ def main() -> int:
         from attnpool.sim.costs import Link, load_sim_costs
 
         costs = load_sim_costs(model_config("llama3-8b", n_layers=4), "llama3-8b",
-                               intra=Link(args.intra_gibps * 2**30, 10e-6, "measured in the run's call"))
+                               intra=Link(args.intra_gibps * 2**30, 10e-6, "measured in the run's call",
+                                          shared=args.shared_link))
     runs = {run["name"]: run for run in data.get("runs", [])}
     world = int(meta["machine"].split(" x ")[0])
     rows = []

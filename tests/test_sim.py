@@ -107,6 +107,52 @@ def test_pingpong_hides_communication_and_slower_network_costs_more(costs):
     assert slow.plan_step(plan, overlap=True).step > overlap.step
 
 
+def test_fsdp_gathers_and_reductions_exposed_where_compute_cannot_hide_them(costs):
+    """FSDP2 over 4 servers of one GPU on 4 nodes: where each layer's compute hides its neighbours' collectives,
+    the step grows by what nothing hides, counted here from the model's sizes: the root's bf16 gather (embedding
+    and output projection) and the first layer's before the first layer, the first layer's and the root's float32
+    reductions after the last backward. Over a link 100x slower every layer's collective shows; one server
+    gathers nothing."""
+    cl = Cluster(gpus=4, tp=1, gpus_per_node=1, tokens_per_gpu=16384)
+    docs = [[16384]] * 4
+    plain, _ = _local_step(StepModel(CFG, cl, costs), docs, 16384)
+    with_fsdp, _ = _local_step(StepModel(CFG, cl, costs, fsdp=True), docs, 16384)
+    link = costs.inter
+    layer = 4096 * 128 * (32 + 2 * 8) + 4096 * 128 * 32 + 3 * 4096 * 14336 + 2 * 4096  # Q/K/V, O, MLP, norms
+    root = 2 * 128256 * 4096 + 4096  # embedding, output projection, final norm
+
+    def ring(params, nbytes):
+        return link.latency + params * nbytes * 3 / 4 / link.bandwidth
+
+    expected = ring(root, 2) + ring(layer, 2) + ring(layer, 4) + ring(root, 4)
+    assert with_fsdp.fsdp_exposed == pytest.approx(expected, rel=1e-9)
+    assert with_fsdp.step == pytest.approx(plain.step + expected, rel=1e-9) and plain.fsdp_exposed == 0.0
+    slow = replace(costs, inter=replace(link, bandwidth=link.bandwidth / 100))
+    crawling, _ = _local_step(StepModel(CFG, cl, slow, fsdp=True), docs, 16384)
+    assert crawling.fsdp_exposed > 100 * (expected - 4 * link.latency) * 2  # every layer's gathers now show
+    one, _ = _local_step(StepModel(CFG, Cluster(gpus=1, tp=1, gpus_per_node=1, tokens_per_gpu=16384), costs,
+                                   fsdp=True), [[16384]], 16384)
+    assert one.fsdp_exposed == 0.0
+
+
+def test_a_shared_fabric_moves_a_skewed_all_to_all_at_its_total_bytes(costs):
+    """One long document on the first of 4 servers: cad sends its work out, so the first GPU sends most of the
+    bytes. On links of their own the exchange takes the busiest GPU's bytes; on one shared fabric (the emulated
+    network's loopback), the mean GPU's, at most as long."""
+    cl = Cluster(gpus=4, tp=1, gpus_per_node=1, tokens_per_gpu=16384)
+    own = StepModel(CFG, cl, costs)
+    shared = StepModel(CFG, cl, replace(costs, inter=replace(costs.inter, shared=True)))
+    plan = plan_attention(linear_table([16384] + [512] * 96, 4, 16384), "cad", cost_model=costs.attn_fwd_bwd,
+                          shape=own.shape)
+    src = np.array([0, 0, 0, 1])
+    dst = np.array([1, 2, 3, 0])
+    nbytes = np.array([3e9, 3e9, 3e9, 1e9])
+    per_gpu = np.maximum(np.bincount(src, weights=nbytes, minlength=4), np.bincount(dst, weights=nbytes, minlength=4))
+    assert own._a2a(src, dst, nbytes, 4).transfer[0] == pytest.approx(per_gpu.max() / costs.inter.bandwidth)
+    assert shared._a2a(src, dst, nbytes, 4).transfer[0] == pytest.approx(per_gpu.mean() / costs.inter.bandwidth)
+    assert shared.plan_step(plan).step < own.plan_step(plan).step
+
+
 def test_tp_divides_attention_and_linear_per_server(costs):
     # One server of 8 GPUs holds 8x the tokens of one GPU at TP=1: the same work per GPU, plus TP collectives.
     one = StepModel(CFG, Cluster(gpus=1, tp=1, gpus_per_node=8, tokens_per_gpu=8192), costs)

@@ -49,6 +49,10 @@ class Link:
     bandwidth: float  # bytes/s per GPU, each direction
     latency: float  # seconds per collective
     source: str = ""
+    # The GPUs share one fabric of ranks x bandwidth, so a collective takes its mean GPU's bytes, not its busiest's
+    # (NCCL's socket transport over one host's loopback, the emulated inter-node network: a skewed all-to-all
+    # there runs at its total bytes; a real network's links are each the GPU's own)
+    shared: bool = False
 
     def check(self, name: str) -> "Link":
         if not (np.isfinite(self.bandwidth) and self.bandwidth > 0):

@@ -200,7 +200,8 @@ def simulate_pipeline(config: SimConfig, pp: int, microbatches: int, steps: int 
     cfg = model_cfg or config.model_config()
     if costs is None:
         costs = load_sim_costs(cfg, config.model, profile)
-    stage_config = replace(config, gpus=config.gpus // pp, batches=steps * microbatches)
+    # FSDP's traffic is left out: a stage gathers its weights around its micro-batches, not around each one
+    stage_config = replace(config, gpus=config.gpus // pp, batches=steps * microbatches, fsdp=False)
     if doc_batches is not None and len(doc_batches) != steps * microbatches:
         raise ConfigError("doc_batches", len(doc_batches), f"need steps x microbatches = {steps * microbatches}")
     stage_cluster = Cluster(stage_config.gpus, config.tp, config.gpus_per_node, config.tokens_per_gpu)

@@ -69,6 +69,9 @@ class SimConfig:
     # attention kinds (attnpool.kinds): a sliding window in the layers layer_types marks sliding (None: all)
     sliding_window: int | None = None
     layer_types: str | None = None
+    # FSDP2's parameter gathers and gradient reductions over the servers (attnpool.sim.steptime); the pipeline's
+    # stages leave them out
+    fsdp: bool = True
 
     def model_config(self):
         fields = {"n_layers": self.layers} if self.layers is not None else {}
@@ -176,7 +179,7 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
     if costs is None:
         costs = load_sim_costs(cfg, config.model, profile)
     check_tokens(cluster, costs)
-    model = StepModel(cfg, cluster, costs, config.recompute)
+    model = StepModel(cfg, cluster, costs, config.recompute, fsdp=config.fsdp)
     S, B = cluster.servers, cluster.tokens_per_server
     if doc_batches is None:
         doc_batches = sample(config, cluster)
@@ -324,7 +327,7 @@ def assumptions(configs: list[SimConfig], *, profile=None, overrides=None) -> di
                 "inter_node": {"bandwidth_GBps_per_gpu": costs.inter.bandwidth / 1e9, "latency_us": costs.inter.latency * 1e6},
                 "min_shard_tokens": costs.min_shard_tokens,
                 "models": {},
-                "not_modelled": ["pipeline parallelism", "gradient all-reduce and optimizer step (the same for every strategy)",
+                "not_modelled": ["pipeline parallelism", "the optimizer step (the same for every strategy)",
                                  "memory limits", "kernel launch and planning overheads"],
             }
         out["models"][c.model] = {

@@ -38,12 +38,25 @@ work, half the bytes each; the latency is paid per collective) and the
 compute stream runs  pre(a) pre(b) attn(a) attn(b) post+pre(a) post+pre(b) ...
 while nano-batch a's collectives run behind nano-batch b's compute.
 
+FSDP2 (``fsdp``, as attnpool.parallel.parallelize applies it over the servers): each
+layer's weights (its GPU's 1/tp share) are all-gathered in bf16 before its forward
+and again before its backward, its gradients reduce-scattered in float32 after
+it; the root (embedding and output projection) is gathered once a step (FSDP2
+does not reshard the root after forward) and reduced at the end. Ring
+collectives over the servers, on the inter-node link where they span nodes. Each
+layer's gather is prefetched behind the previous layer's compute (the slowest
+server's), a backward layer's compute also hides the reduce-scatter of the layer
+after it; the root's gather, the first layer's, and the last two reduce-scatters
+have nothing to hide behind (:meth:`StepModel.fsdp_exposed`). The same for every
+strategy but for how much compute hides it; it matters where the link is slow.
+
 Breakdown (sums to the step time): ``linear`` and ``attention`` are means over
 servers; ``imbalance`` is the slowest server's compute minus the mean compute;
 ``comm_exposed`` is the rest: time the slowest server waits at collectives,
-for the transfer itself and for the other servers of its group to reach them.
-Not modelled: pipeline parallelism, the gradient all-reduce and optimizer step
-(the same for every strategy), memory limits, kernel launch overheads.
+for the transfer itself and for the other servers of its group to reach them,
+and FSDP's exposed time (also alone, ``fsdp_exposed``).
+Not modelled: pipeline parallelism, the optimizer step (the same for every
+strategy), memory limits, kernel launch overheads.
 """
 
 from __future__ import annotations
@@ -55,6 +68,7 @@ import numpy as np
 
 from attnpool.errors import ConfigError
 from attnpool.plan.plan import AttentionShape, Plan
+from attnpool.plan.stages import layer_weights
 from attnpool.plan.ulysses import bytes_per_peer, ulysses_problem
 from attnpool.sim.costs import SimCosts
 
@@ -129,6 +143,7 @@ class StepTime:
     max_bytes_per_server: int
     max_tokens_per_server: int
     attention_max_over_mean: float
+    fsdp_exposed: float = 0.0  # FSDP2's gathers and reductions the compute does not hide (part of comm_exposed)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -140,8 +155,10 @@ RECOMPUTE = ("none", "linear", "full")
 class StepModel:
     """Step times for one model, cluster and set of costs."""
 
-    def __init__(self, cfg, cluster: Cluster, costs: SimCosts, recompute: str = "none", head: bool = True):
-        """``head``: the servers run the output projection (a pipeline's stages but the last do not)."""
+    def __init__(self, cfg, cluster: Cluster, costs: SimCosts, recompute: str = "none", head: bool = True,
+                 fsdp: bool = False):
+        """``head``: the servers run the output projection (a pipeline's stages but the last do not); ``fsdp``:
+        count FSDP2's parameter gathers and gradient reductions over the servers (the module's docstring)."""
         if recompute not in RECOMPUTE:
             raise ConfigError("recompute", recompute, f"choose one of {', '.join(RECOMPUTE)}")
         self.cfg = cfg
@@ -170,6 +187,42 @@ class StepModel:
             self.tok_bwd_post += lin.fwd * (1 - lin.pre_fraction) / tp
             self.tok_head_bwd += lin.head_fwd / tp if head else 0.0
         self.tp_comm_per_token = tp_comm
+        self.fsdp = fsdp
+
+    def fsdp_seconds(self) -> dict[str, float]:
+        """One FSDP2 collective's time on each GPU's link: a layer's gather ("layer_gather", bf16) and gradient
+        reduction ("layer_reduce", float32), the root's ("root_gather", "root_reduce"); a ring over the servers
+        moves (servers - 1) / servers of the whole to every GPU."""
+        S, cl, cfg = self.cluster.servers, self.cluster, self.cfg
+        if S == 1:
+            return dict.fromkeys(("layer_gather", "layer_reduce", "root_gather", "root_reduce"), 0.0)
+        link = self.costs.inter if S > cl.servers_per_node else self.costs.intra
+        layer = (sum(layer_weights(cfg)) + 2 * cfg.dim) / cl.tp  # its matrices and its two norms
+        root = (cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2) + cfg.dim) / cl.tp
+
+        def ring(params, dtype_bytes):
+            return link.latency + params * dtype_bytes * (S - 1) / S / link.bandwidth
+
+        return {"layer_gather": ring(layer, 2), "layer_reduce": ring(layer, 4), "root_gather": ring(root, 2),
+                "root_reduce": ring(root, 4)}
+
+    def fsdp_exposed(self, forward: np.ndarray, backward: np.ndarray, head_backward: float) -> float:
+        """Seconds of a step FSDP2's collectives add: ``forward``/``backward``: each layer's compute on the
+        slowest server, in layer order; ``head_backward``: the output projection's backward, behind which the
+        last layer's second gather runs."""
+        if not self.fsdp or self.cluster.servers == 1:
+            return 0.0
+        t = self.fsdp_seconds()
+        gather, reduce = t["layer_gather"], t["layer_reduce"]
+        exposed = t["root_gather"] + gather  # nothing runs before the first layer
+        exposed += float(np.maximum(gather - forward[:-1], 0.0).sum())  # layer i + 1's behind layer i's forward
+        exposed += max(0.0, gather - head_backward)
+        # Backward, layer i (last to first): the gather of layer i - 1 and the reduction of layer i + 1 behind it
+        L = len(backward)
+        for i in range(L - 1, -1, -1):
+            link = (gather if i > 0 else 0.0) + (reduce if i < L - 1 else 0.0)
+            exposed += max(0.0, link - float(backward[i]))
+        return exposed + reduce + t["root_reduce"]  # the first layer's and the root's reductions end the step
 
     # --- the pieces ---
 
@@ -218,12 +271,17 @@ class StepModel:
         return self._collective(np.maximum(send_i, recv_i), np.maximum(send_x, recv_x), c, G)
 
     def _collective(self, intra_bytes, inter_bytes, c: int, G: int) -> Collective:
-        tp = self.cluster.tp
-        t = np.maximum(intra_bytes / tp / self.costs.intra.bandwidth, inter_bytes / tp / self.costs.inter.bandwidth)
-        transfer = t.reshape(G, c).max(1)
+        transfer = np.maximum(self._link_seconds(intra_bytes, self.costs.intra, c, G),
+                              self._link_seconds(inter_bytes, self.costs.inter, c, G))
         has_inter = inter_bytes.reshape(G, c).sum(1) > 0
         latency = np.where(has_inter, self.costs.inter.latency, self.costs.intra.latency)
         return Collective(latency, transfer)
+
+    def _link_seconds(self, nbytes, link, c: int, G: int) -> np.ndarray:
+        """Per group of ``c`` servers, the time its servers' ``nbytes`` take on ``link``: the busiest GPU's, or
+        on a shared fabric the mean GPU's (Link.shared)."""
+        per_gpu = np.asarray(nbytes, dtype=np.float64).reshape(G, c) / self.cluster.tp / link.bandwidth
+        return per_gpu.mean(1) if link.shared else per_gpu.max(1)
 
     # --- strategies ---
 
@@ -426,7 +484,11 @@ class StepModel:
                         ready[x] = None
             for x in range(m):
                 cf = cf + last if ready[x] is None else np.maximum(cf, np.repeat(ready[x], c)) + last
-        step = float(cf.max())
+        fsdp = self.fsdp_exposed(
+            np.array([float((fwd_pre + fwd_post + attn_f).max()) for attn_f, _, _, _ in layers]),
+            np.array([float((bwd_pre + bwd_post + attn_b).max()) for _, attn_b, _, _ in layers]),
+            float(head_b.max()))
+        step = float(cf.max()) + fsdp
         lin = tokens * self.linear_per_token_step()
         attn = sum(attn_f + attn_b for attn_f, attn_b, _, _ in layers)
         compute = lin + attn
@@ -436,6 +498,6 @@ class StepModel:
             imbalance=max(0.0, float(compute.max() - compute.mean())), comm_exposed=max(0.0, step - float(compute.max())),
             comm_total=float(comm_total.max()), bytes_moved=bytes_moved, max_bytes_per_server=max_bytes,
             max_tokens_per_server=int(tokens.max()),
-            attention_max_over_mean=float(attn.max() / mean_attn) if mean_attn > 0 else 1.0,
+            attention_max_over_mean=float(attn.max() / mean_attn) if mean_attn > 0 else 1.0, fsdp_exposed=fsdp,
         )
 

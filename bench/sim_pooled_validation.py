@@ -87,12 +87,12 @@ def runs_by_config(path: str) -> dict:
     for run in json.load(open(path))["runs"]:
         meta = run["meta"]
         layers = int(meta["model"].split(" x ")[1].split()[0])
-        plain = {r["dist"]: r for r in run["records"] if r["strategy"] == "cad"}
+        plain = {(r["dist"], r["tokens_per_gpu"]): r for r in run["records"] if r["strategy"] == "cad"}
         for r in run["records"]:
             key = (r["dist"], r["tokens_per_gpu"], layers, r["pp"], r["microbatches"])
             record = dict(r, warmup=meta["warmup"], steps=meta["measured_steps"])
             if r["strategy"] == ABLATED:
-                out.setdefault(key, {}).setdefault("ablation", (record, plain[r["dist"]]))
+                out.setdefault(key, {}).setdefault("ablation", (record, plain[r["dist"], r["tokens_per_gpu"]]))
             elif r.get("pp_schedule_choice"):
                 out.setdefault(key, {}).setdefault("auto", record)
             else:

@@ -87,7 +87,7 @@ def main() -> None:
             options = SamplingOptions(elongate=tokens / 65536 if dist == "pretrain" else 1.0, max_doc_len=tokens)
             for gpus in gpus_list:
                 batches = sample_batches(dist, gpus * tokens, args.batches, args.seed, options)
-                model = StepModel(cfg, Cluster(gpus, tp=1, gpus_per_node=8, tokens_per_gpu=tokens), costs)
+                model = StepModel(cfg, Cluster(gpus, tp=1, gpus_per_node=8, tokens_per_gpu=tokens), costs, fsdp=True)
                 for pattern, size in PATTERNS.items():
                     prior = SparsePrior(SparseConfig(), cfg.n_heads, cfg.head_dim, cfg.n_layers)
                     if size is not None:

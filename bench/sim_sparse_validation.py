@@ -86,7 +86,8 @@ def main() -> int:
     for rec in records:
         tokens = rec["tokens_per_gpu"]
         batches = bench_batches(rec["dist"], tokens, world, 0, warmup + steps)
-        model = StepModel(cfg, Cluster(world, tp=1, gpus_per_node=world, tokens_per_gpu=tokens), costs, recompute="full")
+        model = StepModel(cfg, Cluster(world, tp=1, gpus_per_node=world, tokens_per_gpu=tokens), costs, recompute="full",
+                          fsdp=True)
         if "sparse" in rec["strategy"]:
             caps = dict(kv.split("=") for kv in rec["sparse_args"].split(","))
             sparse = SparseConfig(**{k: int(v) for k, v in caps.items()})

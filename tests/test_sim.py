@@ -135,6 +135,23 @@ def test_fsdp_gathers_and_reductions_exposed_where_compute_cannot_hide_them(cost
     assert one.fsdp_exposed == 0.0
 
 
+def test_fsdp_exposure_follows_what_each_collective_hides_behind(costs):
+    """Three layers whose compute is either nothing or plenty: layer 1's gather waits behind layer 0's empty
+    forward, layer 2's hides behind layer 1's; the last layer's second gather behind an empty head backward shows;
+    in backward, layer 1's empty compute exposes layer 0's gather and layer 2's reduction, layers 2 and 0 hide
+    theirs; the first layer's and the root's reductions end the step."""
+    model = StepModel(CFG, Cluster(gpus=4, tp=1, gpus_per_node=1, tokens_per_gpu=16384), costs, fsdp=True)
+    t = model.fsdp_seconds()
+    g, r = t["layer_gather"], t["layer_reduce"]
+    big = 1e3
+    exposed = model.fsdp_exposed(np.array([0.0, big, big]), np.array([big, 0.0, big]), 0.0)
+    expected = t["root_gather"] + g + g + g + (g + r) + r + t["root_reduce"]
+    assert exposed == pytest.approx(expected, rel=1e-12)
+    hidden = model.fsdp_exposed(np.array([big, big, big]), np.array([big, big, big]), big)
+    assert hidden == pytest.approx(t["root_gather"] + g + r + t["root_reduce"], rel=1e-12)
+    assert StepModel(CFG, model.cluster, costs).fsdp_exposed(np.zeros(3), np.zeros(3), 0.0) == 0.0  # fsdp off
+
+
 def test_a_shared_fabric_moves_a_skewed_all_to_all_at_its_total_bytes(costs):
     """One long document on the first of 4 servers: cad sends its work out, so the first GPU sends most of the
     bytes. On links of their own the exchange takes the busiest GPU's bytes; on one shared fabric (the emulated

@@ -46,6 +46,8 @@ def work_moved(plan: Plan, cost_model) -> tuple[float, float]:
     """(work served away from home, work the ranks hold above their mean at home): what a plan moves against the
     least any plan that balances to the mean must move. cad's greedy donates only a server's excess over the mean
     (plan.cad), so the first is close to the second where it could cut shards to fit."""
+    if plan.head_parallel:
+        raise ValueError("work_moved counts CA-tasks served away from home; a ulysses plan splits heads, not tasks")
     cost, _ = doc_costs(for_window(cost_model, plan.window))
     before = home_loads(plan.pieces, cost_model, plan.window)
     remote = plan.task_server != plan.task_home

@@ -51,7 +51,8 @@ class Link:
     source: str = ""
     # The GPUs share one fabric of ranks x bandwidth, so a collective takes its mean GPU's bytes, not its busiest's
     # (NCCL's socket transport over one host's loopback, the emulated inter-node network: a skewed all-to-all
-    # there runs at its total bytes; a real network's links are each the GPU's own)
+    # there runs at its total bytes; a real network's links are each the GPU's own). Per collective group: groups
+    # smaller than all the GPUs (percp's, Ulysses') are counted as if each had its share of the fabric to itself.
     shared: bool = False
 
     def check(self, name: str) -> "Link":

@@ -22,6 +22,10 @@ them, the hidden states passed between stages, and the last stage's output proje
 its spare slots hide beside other stages' layers. What the plans move is what it costs: the exchanges are not
 hidden (no ping-pong). Each tick also counts the work its plans serve away from home beside the least that
 balance needs (plan.metrics.work_moved).
+
+Not modelled: FSDP2's gathers and reductions over a stage's dp ranks (attnpool.sim.steptime counts them for a run
+without pipelining). torch's 1F1B keeps a stage's weights gathered across its micro-batches' backwards, while the
+pooled schedule gathers every layer again in every tick, so where dp spans slow links the simulator favours pooled.
 """
 
 from __future__ import annotations
@@ -200,7 +204,7 @@ def simulate_pipeline(config: SimConfig, pp: int, microbatches: int, steps: int 
     cfg = model_cfg or config.model_config()
     if costs is None:
         costs = load_sim_costs(cfg, config.model, profile)
-    # FSDP's traffic is left out: a stage gathers its weights around its micro-batches, not around each one
+    # FSDP's traffic is left out (the module's docstring)
     stage_config = replace(config, gpus=config.gpus // pp, batches=steps * microbatches, fsdp=False)
     if doc_batches is not None and len(doc_batches) != steps * microbatches:
         raise ConfigError("doc_batches", len(doc_batches), f"need steps x microbatches = {steps * microbatches}")

@@ -147,6 +147,7 @@ class _Acc:
             "imbalance_s": mean("imbalance"),
             "comm_exposed_s": mean("comm_exposed"),
             "comm_total_s": mean("comm_total"),
+            "fsdp_exposed_s": mean("fsdp_exposed"),  # (part of comm_exposed_s)
             "attention_max_over_mean": mean("attention_max_over_mean"),
             "bytes_moved": mean("bytes_moved"),
             "max_bytes_per_server": int(max(x.max_bytes_per_server for x in s)),

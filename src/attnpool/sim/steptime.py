@@ -49,6 +49,11 @@ server's), a backward layer's compute also hides the reduce-scatter of the layer
 after it; the root's gather, the first layer's, and the last two reduce-scatters
 have nothing to hide behind (:meth:`StepModel.fsdp_exposed`). The same for every
 strategy but for how much compute hides it; it matters where the link is slow.
+FSDP's collectives are not made to share the links with the core attention
+exchanges: counted so, Ulysses on the emulated network came out 7.5-7.9% long
+where it is 1.8-6.1% as it is (bench/results/2026-11-28-sim-validation-baselines.md).
+Assumed: bf16 training (bf16 gathers; a float32 run gathers twice the bytes); the
+norms counted as if TP split them (a rounding error).
 
 Breakdown (sums to the step time): ``linear`` and ``attention`` are means over
 servers; ``imbalance`` is the slowest server's compute minus the mean compute;
@@ -208,8 +213,8 @@ class StepModel:
 
     def fsdp_exposed(self, forward: np.ndarray, backward: np.ndarray, head_backward: float) -> float:
         """Seconds of a step FSDP2's collectives add: ``forward``/``backward``: each layer's compute on the
-        slowest server, in layer order; ``head_backward``: the output projection's backward, behind which the
-        last layer's second gather runs."""
+        slowest server, in layer order, which hides them; ``head_backward``: the output projection's backward,
+        behind which the last layer's second gather runs."""
         if not self.fsdp or self.cluster.servers == 1:
             return 0.0
         t = self.fsdp_seconds()

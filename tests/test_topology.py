@@ -93,3 +93,28 @@ def test_ranks_per_node_gives_the_dp_ranks_nodes(monkeypatch):
     assert spec(4).topology.rank_node == (0, 0, 1, 1)
     with pytest.raises(ConfigError, match="ranks_per_node=3"):
         spec(8, ranks_per_node=3)
+
+
+def test_kv_sent_into_a_node_twice_counted_as_a_hierarchy_would_save_it(costs):
+    """bench/kv_per_node.py's count against one made row by row: 8 servers, 4 a node, long documents spread by
+    cad; every KV row a node receives from another node more than once is a duplicate. With one server a node
+    nothing is."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("kv_per_node", Path(__file__).parents[1] / "bench/kv_per_node.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    lens = [30000, 2000, 1000, 20000, 3000, 5536, 3000, 500, 500]
+    plan = plan_attention(linear_table(lens, 8, 8192), "cad", cost_model=costs.attn_fwd_bwd, min_shard_tokens=256,
+                          shape=SHAPE)
+    total, duplicate = script.inter_node_bytes(plan, SHAPE, 4)
+    x = plan.kv_transfers()
+    rows = [(server // 4, piece, row) for server, src, piece, start, length in
+            zip(x.server, x.src, x.piece, x.start, x.length) if server // 4 != src // 4
+            for row in range(start, start + length)]
+    assert duplicate == (len(rows) - len(set(rows))) * SHAPE.kv_bytes and duplicate > 0
+    remote = plan.task_home // 4 != plan.task_server // 4
+    assert total == (plan.task_len[remote].sum() * (SHAPE.q_bytes + SHAPE.o_bytes) + sum(
+        length for server, src, length in zip(x.server, x.src, x.length) if server // 4 != src // 4) * SHAPE.kv_bytes)
+    assert script.inter_node_bytes(plan, SHAPE, 1)[1] == 0

@@ -14,8 +14,15 @@ bench() {  # bench NAME ARGS...: one torchrun of `attnpool bench`, its log and r
   python3 -m torch.distributed.run --nproc_per_node "${NPROC:-4}" -m attnpool.cli.main bench --model llama3-8b \
     --layers 4 --out "$OUT/$name" "$@" ${EXTRA[@]+"${EXTRA[@]}"} 2>&1 | grep --line-buffered -v "^\[rank" | tee "$OUT/$name/log"
 }
-pooled_ablation() {  # pooled_ablation SCHEDULE: --ablation for the pooled schedule, unless ABLATION=0
-  if [ "$1" = pooled ] && [ "${ABLATION:-1}" = 1 ]; then echo --ablation; fi
+pooled_runs() {  # pooled_runs NAME ARGS...: `attnpool bench` once per schedule of SCHEDULES (default "1f1b pooled"),
+  # the pooled run with --ablation (its exchanges cut to one element: what they cost) unless ABLATION=0
+  local name=$1; shift
+  for schedule in ${SCHEDULES:-1f1b pooled}; do
+    local ablation=()
+    [ "$schedule" = pooled ] && [ "${ABLATION:-1}" = 1 ] && ablation=(--ablation)
+    bench "$name-$schedule" --pp-schedule "$schedule" --strategies cad --configs pretrain:64K,prolong:64K \
+      --layers 16 --microbatches 4 --warmup 1 --budget-s 300 "$@" ${ablation[@]+"${ablation[@]}"}
+  done
 }
 PHASE=${1:-}
 EXTRA=("${@:2}")
@@ -120,20 +127,9 @@ case "$PHASE" in
   # Issue 44: pooled against 1F1B, 16 layers, 64K tokens per dp rank, cad, the same batches; pretrain's long documents
   # (the simulator predicts pooled faster) and prolong's (slower). pp_schedule auto's choice for each is the
   # simulator's on these batches: bench/sim_pooled_validation.py gives it beside the measured steps.
-  # SCHEDULES (default "1f1b pooled") picks the schedules, in order; the pooled run adds --ablation (the exchanges'
-  # bytes cut to one element: what they cost), unless ABLATION=0.
-  pooled-pp4)
-    for schedule in ${SCHEDULES:-1f1b pooled}; do
-      bench "pooled-pp4-$schedule" --layers 16 --pp 4 --microbatches 4 --pp-schedule "$schedule" \
-        --configs pretrain:64K,prolong:64K --strategies cad --warmup 1 --steps 3 --budget-s 300 \
-        $(pooled_ablation "$schedule")
-    done ;;
-  pooled-pp2dp2)
-    for schedule in ${SCHEDULES:-1f1b pooled}; do
-      bench "pooled-pp2dp2-$schedule" --layers 16 --pp 2 --microbatches 4 --pp-schedule "$schedule" \
-        --configs prolong:64K,pretrain:64K --strategies cad --warmup 1 --steps 2 --budget-s 300 \
-        $(pooled_ablation "$schedule")
-    done ;;
+  # SCHEDULES and ABLATION: pooled_runs above.
+  pooled-pp4) pooled_runs pooled-pp4 --pp 4 --steps 3 ;;
+  pooled-pp2dp2) pooled_runs pooled-pp2dp2 --pp 2 --configs prolong:64K,pretrain:64K --steps 2 ;;
   *) phases="smoke|prolong128|prolong256|pretrain64|pretrain64-memory|prolong64|pretrain128|pretrain128-baselines|pretrain256"
      phases="$phases|pretrain256-baselines"
      echo "usage: bash bench/gpu_e2e.sh $phases|prolong256-baselines|prolong256-sparse-pingpong|full-depth128|full-depth256|full-depth128-pretrain-cad|full-depth128-pretrain-local|full-depth256-baselines|full-depth256-sparse|parallel34b-tp4|parallel34b-pp2tp2|parallel34b-dp4|parallel8b-tp2|pooled-pp2|pooled-pp4|pooled-pp2dp2 [BENCH ARGS...]" >&2

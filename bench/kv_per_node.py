@@ -42,26 +42,18 @@ def inter_node_bytes(plan, shape: AttentionShape, servers_per_node: int) -> tupl
     dst_node, piece, start, end = node(x.server[crossing]), x.piece[crossing], x.start[crossing], \
         x.start[crossing] + x.length[crossing]
     kv = float(x.length[crossing].sum()) * shape.kv_bytes
-    # Of each piece's segments that land in one node, the union crosses once; the rest crosses again. The segments
-    # of one piece in one node are sorted and merged as intervals.
+    # Of each piece's segments that land in one node, the union crosses once; the rest crosses again. Sorted by
+    # (node, piece, start), a segment opens a new interval of the union where its block changes or it starts past
+    # the block's running end (as Plan.kv_transfers merges key ranges).
     order = np.lexsort((start, piece, dst_node))
-    key = (dst_node * (int(piece.max(initial=0)) + 1) + piece)[order]
+    block = (dst_node * (int(piece.max(initial=0)) + 1) + piece)[order]
     start, end = start[order], end[order]
-    union = 0
-    i = 0
-    while i < len(key):
-        j = i
-        hi = end[i]
-        lo = start[i]
-        while j + 1 < len(key) and key[j + 1] == key[i]:
-            j += 1
-            if start[j] > hi:  # a gap: close the interval so far
-                union += hi - lo
-                lo, hi = start[j], end[j]
-            else:
-                hi = max(hi, end[j])
-        union += hi - lo
-        i = j + 1
+    span = int(end.max(initial=0)) + 1
+    running_end = np.maximum.accumulate(block * span + end) - block * span
+    opens = np.r_[True, block[1:] != block[:-1]] | np.r_[False, start[1:] > running_end[:-1]]
+    first = np.flatnonzero(opens)
+    last = np.r_[first[1:], len(block)] - 1
+    union = int((running_end[last] - start[first]).sum())
     duplicate = kv - float(union) * shape.kv_bytes
     return q_and_o + kv, duplicate
 

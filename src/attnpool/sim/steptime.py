@@ -193,6 +193,7 @@ class StepModel:
             self.tok_head_bwd += lin.head_fwd / tp if head else 0.0
         self.tp_comm_per_token = tp_comm
         self.fsdp = fsdp
+        self.counts_fsdp = fsdp and cluster.servers > 1  # (one server shards nothing)
 
     def fsdp_seconds(self) -> dict[str, float]:
         """One FSDP2 collective's time on each GPU's link: a layer's gather ("layer_gather", bf16) and gradient
@@ -215,7 +216,7 @@ class StepModel:
         """Seconds of a step FSDP2's collectives add: ``forward``/``backward``: each layer's compute on the
         slowest server, in layer order, which hides them; ``head_backward``: the output projection's backward,
         behind which the last layer's second gather runs."""
-        if not self.fsdp or self.cluster.servers == 1:
+        if not self.counts_fsdp:
             return 0.0
         t = self.fsdp_seconds()
         gather, reduce = t["layer_gather"], t["layer_reduce"]
@@ -492,7 +493,7 @@ class StepModel:
         fsdp = self.fsdp_exposed(
             np.array([float((fwd_pre + fwd_post + attn_f).max()) for attn_f, _, _, _ in layers]),
             np.array([float((bwd_pre + bwd_post + attn_b).max()) for _, attn_b, _, _ in layers]),
-            float(head_b.max()))
+            float(head_b.max())) if self.counts_fsdp else 0.0
         step = float(cf.max()) + fsdp
         lin = tokens * self.linear_per_token_step()
         attn = sum(attn_f + attn_b for attn_f, attn_b, _, _ in layers)

@@ -1,40 +1,88 @@
 #!/usr/bin/env bash
 # float8 linear layers (issue 47) on one GPU of compute capability 8.9+: training quality against bf16 over 200 steps of
 # real text, and the step time with compile. torchao from a carried wheel:
-#   TORCHAO_WHEEL=.wheels/float8/torchao-0.18.0-....whl bash bench/gpu_float8.sh     (results under $OUT)
+#   TORCHAO_WHEEL=.wheels/float8/torchao-0.18.0-....whl bash bench/gpu_float8.sh
+# Every run's per-step metrics and log's end in $OUT/float8.json; the runs' own directories under $RUNS.
+# Settings (environment):
+#   QUALITY="bf16:0 tensorwise:0 rowwise:0"   the quality runs, MODE:SEED each; a pair named twice runs twice
+#   DETERMINISTIC=1                           the quality runs with --deterministic (a run repeats bit for bit)
+#   PARALLEL=1                                quality runs at once on the GPU (each holds about 16 GiB)
+#   SPEED=1                                   0 leaves out the speed runs
 set -uo pipefail
 OUT=${OUT:-bench-out}
-mkdir -p "$OUT" /tmp/torchao-site
+RUNS=${RUNS:-/tmp/float8-runs}
+QUALITY=${QUALITY:-"bf16:0 tensorwise:0 rowwise:0"}
+DETERMINISTIC=${DETERMINISTIC:-0}
+PARALLEL=${PARALLEL:-1}
+SPEED=${SPEED:-1}
+mkdir -p "$OUT" "$RUNS" /tmp/torchao-site
 [ -n "${TORCHAO_WHEEL:-}" ] && python3 -m zipfile -e "$TORCHAO_WHEEL" /tmp/torchao-site
 export PYTHONPATH=src:/tmp/torchao-site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-train() {  # train NAME ARGS...: one single-GPU run of attnpool train into $OUT/NAME
+train() {  # train NAME ARGS...: one single-GPU run of attnpool train into $RUNS/NAME, its output in $RUNS/NAME.log
   local name=$1; shift
   python3 -m attnpool.cli.main train --model llama3-8b --nproc 1 --attention local --no-progress \
-    --checkpoint-every -1 --out "$OUT/$name" "$@" 2>&1 | grep -v "Failed to load\|KernelPreference" | tail -4
+    --checkpoint-every -1 --out "$RUNS/$name" "$@" 2>&1 | grep -v "Failed to load\|KernelPreference" > "$RUNS/$name.log"
+}
+recipe_flags() {  # the flags of linear-layer mode $1: bf16, tensorwise or rowwise
+  [ "$1" != bf16 ] && echo --float8 --float8-recipe "$1"
 }
 # quality: Llama-3-8B's layers, 4 of them, on the standard library's text (byte tokens), 200 steps of 16K tokens
-for mode in bf16 tensorwise rowwise; do
-  flags=(); [ "$mode" != bf16 ] && flags=(--float8 --float8-recipe "$mode")
-  train "quality-$mode" --model-args n_layers=4 vocab_size=256 --data stdlib --tokens-per-rank 16K --steps 200 \
-    --lr 3e-4 --warmup-steps 20 "${flags[@]}"
+names=()
+for run in $QUALITY; do
+  mode=${run%%:*} seed=${run##*:} name="quality-${run%%:*}-s${run##*:}"
+  while [[ " ${names[*]} " == *" $name "* ]]; do name="$name-again"; done  # a repeat of the same run
+  names+=("$name")
+  extra=(); [ "$DETERMINISTIC" = 1 ] && extra=(--deterministic)
+  train "$name" --model-args n_layers=4 vocab_size=256 --data stdlib --tokens-per-rank 16K --steps 200 \
+    --lr 3e-4 --warmup-steps 20 --seed "$seed" $(recipe_flags "$mode") "${extra[@]}" &
+  while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n; done
 done
+wait
 # speed: 32K tokens, 4 layers, compiled linear parts (fusing float8's casts), 8 steps
-for mode in bf16 tensorwise rowwise; do
-  flags=(); [ "$mode" != bf16 ] && flags=(--float8 --float8-recipe "$mode")
-  train "speed-$mode" --model-args n_layers=4 --data synthetic --tokens-per-rank 32K --steps 8 --compile "${flags[@]}"
-done
-python3 - "$OUT" <<'PY'
-import json, statistics, sys
-out = sys.argv[1]
+if [ "$SPEED" = 1 ]; then
+  for mode in bf16 tensorwise rowwise; do
+    train "speed-$mode" --model-args n_layers=4 --data synthetic --tokens-per-rank 32K --steps 8 --compile \
+      $(recipe_flags "$mode")
+  done
+fi
+python3 - "$OUT" "$RUNS" "${names[@]}" <<'PY'
+import json, os, statistics, sys
+out, runs, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+KEPT = ("step", "loss", "grad_norm", "step_time_s", "tokens_per_s", "peak_memory_bytes")
 def rows(name):
-    return [json.loads(line) for line in open(f"{out}/{name}/metrics.jsonl")]
-base = rows("quality-bf16")
-print("quality (mean loss of steps 151-200) and speed (median tokens/s of steps 4-8):")
-for mode in ("bf16", "tensorwise", "rowwise"):
-    q, s = rows(f"quality-{mode}"), rows(f"speed-{mode}")
+    path = f"{runs}/{name}/metrics.jsonl"
+    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+everything = {}
+for name in names + [f"speed-{mode}" for mode in ("bf16", "tensorwise", "rowwise")]:
+    if os.path.exists(f"{runs}/{name}.log"):
+        everything[name] = {"rows": [{k: r.get(k) for k in KEPT} for r in rows(name)],
+                            "log_tail": open(f"{runs}/{name}.log").read().splitlines()[-12:]}
+json.dump(everything, open(f"{out}/float8.json", "w"), indent=1)
+print("quality: mean loss of steps 151-200, against the first bf16 run of the same seed")
+first = {}
+for name in names:
+    mode, seed = name.split("-")[1], name.split("-")[2]
+    q = rows(name)
+    if len(q) < 200:
+        print(f"  {name:24s} {len(q)} steps: {everything[name]['log_tail'][-1:]}")
+        continue
+    base = first.setdefault((seed, "bf16"), q) if mode == "bf16" else first.get((seed, "bf16"))
+    same = first.setdefault((seed, mode), q)
     last = statistics.mean(r["loss"] for r in q[150:200])
-    worst = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(q[150:200], base[150:200]))
-    tps = statistics.median(r["tokens_per_s"] for r in s[3:8])
-    peak = max(r["peak_memory_bytes"] for r in s) / 2**30
-    print(f"  {mode:10s} loss {last:.4f}  worst step vs bf16 {worst:.4f}  {tps / 1e3:.1f}K tokens/s  peak {peak:.1f} GiB")
+    line = f"  {name:24s} loss {last:.4f}"
+    if base is not None and base is not q:
+        mean_base = statistics.mean(r["loss"] for r in base[150:200])
+        worst = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(q[150:200], base[150:200]))
+        line += f"  vs bf16 {last / mean_base - 1:+.4f}  worst step {worst:.4f}"
+    if same is not q:
+        line += f"  bitwise as its first run: {[r['loss'] for r in q] == [r['loss'] for r in same]}"
+    steps = sorted(r["step_time_s"] for r in q[10:])
+    print(line + f"  step {steps[len(steps) // 2]:.3f} s  peak {max(r['peak_memory_bytes'] for r in q) / 2**30:.1f} GiB")
+if rows("speed-bf16"):
+    print("speed (median tokens/s of steps 4-8):")
+    for mode in ("bf16", "tensorwise", "rowwise"):
+        s = rows(f"speed-{mode}")
+        tps = statistics.median(r["tokens_per_s"] for r in s[3:8])
+        peak = max(r["peak_memory_bytes"] for r in s) / 2**30
+        print(f"  {mode:10s} {tps / 1e3:.1f}K tokens/s  peak {peak:.1f} GiB")
 PY

@@ -54,7 +54,8 @@ class StandInInterface:
                         max_seqlen_q=None, max_seqlen_k=None, deterministic=False, dq=None, dk=None, dv=None,
                         score_mod=None, score_mod_bwd=None, mask_mod=None, aux_tensors=None, aux_scalars=None,
                         block_sparse_tensors=None, dlse=None, learnable_sink=None):
-        self.calls.append(("backward", dict(causal=causal, scale=softmax_scale, into=dq is not None)))
+        self.calls.append(("backward", dict(causal=causal, scale=softmax_scale, into=dq is not None,
+                                            deterministic=deterministic)))
         assert causal and lse.dtype == torch.float32 and lse.is_contiguous() and dout.dtype == q.dtype
         assert lse.shape == (q.shape[1], q.shape[0])
         grads = reference.backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -162,6 +163,22 @@ def test_fa4_backward_writes_into_given_tensors(stand_in):
                                                     into=tuple(torch.empty_like(x) for x in empty)))
     with pytest.raises(ValueError, match="into"):
         fa4.backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, into=(into[0], into[1], into[2][1:]))
+
+
+def test_deterministic_algorithms_ask_fa4_for_its_deterministic_backward(stand_in):
+    """Under torch's deterministic algorithms (the run's ``deterministic``) FA4's backward runs in a fixed order,
+    and the position kernel (whose block tables carry no write order) gives way to copies."""
+    q, k, v, dout, cu_q, cu_k, max_q, max_k = make_inputs(MIXED_SEGMENTS, 4, 2, 16, torch.bfloat16)
+    out, lse = fa4.forward(q, k, v, cu_q, cu_k, max_q, max_k)
+    assert fa4.supports_positions(CUDA0, 128)
+    fa4.backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k)
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert not fa4.supports_positions(CUDA0, 128)
+        fa4.backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert [c[1]["deterministic"] for c in stand_in.calls if c[0] == "backward"] == [False, True]
 
 
 @pytest.mark.parametrize("consecutive", [True, False])

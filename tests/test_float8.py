@@ -11,7 +11,7 @@ pytest.importorskip("torchao")
 
 from attnpool.errors import ConfigError  # noqa: E402
 from attnpool.model import Transformer, model_config  # noqa: E402
-from attnpool.model.float8_options import float8_problem  # noqa: E402
+from attnpool.model.float8_options import RECIPES, float8_problem  # noqa: E402
 from attnpool.parallel.float8 import apply_float8  # noqa: E402
 from attnpool.plan import linear_layout, plan_attention  # noqa: E402
 from attnpool.runtime import CoreAttention  # noqa: E402
@@ -34,7 +34,7 @@ def test_only_the_decoder_layers_linear_layers_are_converted():
     assert all(module.config.pad_inner_dim for name, module in model.named_modules() if name in floats)
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_emulated_float8_trains_as_bf16_within_its_rounding(recipe):
     """Ten steps of AdamW on the same batch from the same weights: float8 (emulated: its rounding, matmuls in higher
     precision) keeps the loss within 2% of the plain model's, and moves it (the updates flow through the float8

@@ -324,7 +324,7 @@ def cli_run(tmp):
     """One small run through the CLI on 2 processes (its checkpoint serves the resume checks): its directory, the
     run."""
     out = tmp / "run"
-    return out, cli(*tiny_flags(out), "--nproc", "2", "--attention", "cad")
+    return out, cli(*tiny_flags(out), "--nproc", "2", "--attention", "cad", "--deterministic")
 
 
 def test_cli_run_writes_metrics_plot_and_summary():
@@ -343,6 +343,25 @@ def test_cli_run_writes_metrics_plot_and_summary():
     assert summary["wall_s"] > summary["steps_time_s"] > 0  # (the wall time counts the start-up too)
     assert "tokens/s steady (median of steps 3..3)" in stdout and " s of steps; the rest start-up" in stdout
     assert max(map(len, stdout.splitlines())) > 80  # not wrapped at 80 columns where the output is not a terminal
+    assert "deterministic: true" in (out / "config.yaml").read_text()  # (cad on 2 ranks under it)
+
+
+def test_deterministic_turns_on_torchs_deterministic_algorithms_and_is_refused_with_sparse(monkeypatch, tmp_path):
+    from attnpool.train.launch import use_deterministic_algorithms
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        use_deterministic_algorithms()
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # a user's own setting stays
+        use_deterministic_algorithms()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    with pytest.raises(ConfigError, match="atomics") as err:
+        tiny_config(tmp_path, deterministic=True, **SPARSE)
+    assert err.value.field == "sparse"
 
 
 def test_progress_lines_mark_skipped_steps(capsys):

@@ -13,7 +13,9 @@ Installed by the ``hopper`` extra (``pip install 'attnpool[hopper]'``). Read aga
 - Backward is ``flash_attn.cute.interface._flash_attn_bwd(q, k, v, out, dout, lse,
   softmax_scale=, causal=True, cu_seqlens_q=, cu_seqlens_k=, max_seqlen_q=, max_seqlen_k=)``
   -> ``(dq, dk, dv)``: the function the package's own autograd calls from the saved out and lse;
-  there is no public one. Its preprocess reads lse = -inf rows as rows without keys.
+  there is no public one. Its preprocess reads lse = -inf rows as rows without keys. Under torch's
+  deterministic algorithms (the run's ``deterministic``) it passes ``deterministic=True``: dQ (and, with
+  GQA, dK and dV) added in a fixed order, behind semaphores.
 
 - A sliding window of w keys is ``window_size=(w - 1, 0)`` (forward) and ``window_size_left=w - 1,
   window_size_right=0`` (backward), aligned bottom-right as the causal mask is; a soft-cap c is
@@ -120,7 +122,8 @@ def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None, into
         q, k, v, out, dout, lse.float().contiguous(), softmax_scale=scale, causal=True,
         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=int(max_q), max_seqlen_k=int(max_k), dq=dq, dk=dk, dv=dv,
         softcap=float(softcap or 0.0), window_size_left=None if window is None else int(window) - 1,
-        window_size_right=None if window is None else 0)[:3])
+        window_size_right=None if window is None else 0,
+        deterministic=torch.are_deterministic_algorithms_enabled())[:3])
 
 
 # --- queries at given positions of one document ---
@@ -161,8 +164,9 @@ def supports_positions(device, head_dim: int) -> bool:
     """Where the position kernel runs as checked (bench/gpu_fa4.py, one H100 and one H200): sm90 with
     head_dim <= 128. Elsewhere FA4 picks tiles the 128 x 128 tables do not fit (sm100's forward takes
     256-row query blocks; sm90's backward at head_dim 192 and forward at 256 other key tiles), so the
-    runtime copies prefixes there. ``device`` None: not known, False."""
-    if device is None or torch.device(device).type != "cuda":
+    runtime copies prefixes there. ``device`` None: not known, False. Nor under torch's deterministic algorithms
+    (``deterministic``): FA4's deterministic block-sparse backward needs write orders the tables do not carry."""
+    if device is None or torch.device(device).type != "cuda" or torch.are_deterministic_algorithms_enabled():
         return False
     return _capability(torch.device(device))[0] == 9 and head_dim <= 128
 

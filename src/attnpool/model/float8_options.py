@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 
-RECIPES = ("tensorwise", "rowwise")
+# torchao's recipes: one scale per tensor; one per row; one per row with the weight gradient's matmul left in bf16
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 MIN_CAPABILITY = (8, 9)
 INSTALL_HINT = "pip install 'attnpool[float8]' (torchao)"
 

@@ -2,7 +2,8 @@
 
 torchao (the ``float8`` extra) swaps each ``nn.Linear`` of every block of ``model.layers`` for its ``Float8Linear``:
 the forward's and backward's three matmuls run in float8 with dynamic scales, ``tensorwise`` (one scale per tensor,
-e4m3 and e5m2 for gradients: the fastest) or ``rowwise`` (one per row, e4m3 throughout: closer to bf16), and
+e4m3 and e5m2 for gradients: the fastest), ``rowwise`` (one per row, e4m3 throughout: closer to bf16) or
+``rowwise_with_gw_hp`` (rowwise, with the weight gradient's matmul in bf16: the closest), and
 the master weights, optimizer and everything else stay as they were: core attention's kernels, the norms, the
 embedding and the LM head (its logits feed a softmax over the whole vocabulary) keep bf16. A linear layer whose
 dimensions are not multiples of 16 (float8 matmuls need them) keeps bf16 too.

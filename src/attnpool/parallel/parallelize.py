@@ -40,7 +40,7 @@ class ParallelizeSpec(Protocol):
 
     activation_checkpointing: str | tuple[str, ...]  # none, full or keep_attention; or each layer's, by index
     compile: bool
-    float8: str | None  # the float8 recipe (tensorwise or rowwise), None for bf16 linear layers
+    float8: str | None  # the float8 recipe (one of model.float8_options.RECIPES), None for bf16 linear layers
     pingpong: bool  # nano-batches interleaved layer by layer
     loss_kernel: str  # resolved: chunked or liger
     bf16: bool  # bf16 compute, float32 master weights and gradient reduction

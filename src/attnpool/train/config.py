@@ -12,7 +12,7 @@ A run's settings are ten sections, each a frozen dataclass that checks its own v
     checkpoint  checkpoint_every, keep_checkpoints, resume, stop_at, allow_unverified, allow_config_change,
                 hf_export, hf_export_checkpoints
     faults      max_nonfinite_steps, max_restarts, collective_timeout_s
-    run         out, overwrite, nproc, device, progress, logger
+    run         out, overwrite, nproc, device, progress, logger, deterministic
 
 Every setting has one key (the names above: ``--model-args``, ``model_args:``), unique across sections. In
 code a section names its settings shortly: ``config.attention.strategy`` is the key ``attention``,
@@ -133,6 +133,9 @@ class TrainConfig:
                 if asked:
                     raise ConfigError(key, self.value(key), "not with ulysses attention, which runs every document "
                                                             "on a share of the heads; use cad or percp for it")
+        if self.run.deterministic and self.sparse.mode != "none":
+            raise ConfigError("sparse", self.sparse.mode, "not with deterministic: sparse attention's backward adds "
+                                                          "dK and dV with atomics, in no fixed order")
         if self.parallel.pp > 1 and self.attention.pingpong:
             raise ConfigError("pingpong", True, "ping-pong's nano-batches differ in size, and pipeline stages exchange "
                                                 "hidden states of one shape; the pipeline's micro-batches overlap instead")

@@ -78,8 +78,9 @@ class ModelSection(Section):
     float8: bool = _setting("float8", "the decoder layers' linear layers in float8 through torchao (GPUs of compute "
                                       "capability 8.9+; pip install 'attnpool[float8]'); attention, norms, embedding "
                                       "and the LM head stay bf16", default=False)
-    float8_recipe: str = _setting("float8_recipe", "float8's scaling: tensorwise (one scale per tensor) or rowwise "
-                                                   "(one per row)", default="tensorwise")
+    float8_recipe: str = _setting("float8_recipe", "float8's scaling: tensorwise (one scale per tensor), rowwise "
+                                                   "(one per row) or rowwise_with_gw_hp (rowwise, the weight gradient "
+                                                   "in bf16)", default="tensorwise")
     loss_kernel: str = _setting("loss_kernel", "the LM head's loss (projection and cross-entropy): auto (liger where "
                                                "liger_kernel imports on a CUDA run with tp=1, else chunked), liger "
                                                "(Liger-Kernel's fused linear cross-entropy: gradients made in the forward, "
@@ -342,6 +343,10 @@ class RunSection(Section):
                                           "always print)", default=True)
     logger: str = _setting("logger", f"also send every step's metrics to: {', '.join(LOGGERS)} (rank 0; wandb follows "
                                      "WANDB_MODE, WANDB_PROJECT)", default="none")
+    deterministic: bool = _setting("deterministic", "the same run gives the same losses bit for bit (on the same GPUs, "
+                                                   "software and layout): torch's deterministic algorithms, FlashAttention's "
+                                                   "deterministic backward, cuBLAS's fixed workspace; slower",
+                                   default=False)
 
     def check(self) -> None:
         if not self.out:

@@ -9,10 +9,14 @@ embedding and the LM head (its logits feed a softmax over the whole vocabulary) 
 dimensions are not multiples of 16 (float8 matmuls need them) keeps bf16 too.
 
 Applied first, before compile and activation checkpointing, so that they see the float8 modules; FSDP2 shards
-them as it shards any module (its all-gathers stay bf16). float8 matmuls need a GPU of compute capability 8.9
+them as it shards any module. Its all-gathers stay bf16, unless ``all_gather`` (tensorwise only): then each weight
+is cast to float8 before the all-gather, with one scale over the whole weight, which is what a cast after it would
+use, so the matmuls get the same operands for half the bytes; :func:`refresh_float8_scales` makes every weight's
+scale in one all-reduce after each optimizer step (torchao would otherwise make each one's inside its gather). float8 matmuls need a GPU of compute capability 8.9
 or newer (Ada, Hopper) and dimensions in multiples of 16; the float8 matmuls pad a micro-batch's token count to one
-(torchao's ``pad_inner_dim``). The run's settings refuse float8 elsewhere, and with tensor parallelism, whose plans here
-are bf16's. ``emulate`` (tests on CPU): torchao rounds to float8 and multiplies in higher precision.
+(torchao's ``pad_inner_dim``). The run's settings refuse float8 elsewhere, and tensorwise with tensor parallelism (whose
+plans would scale each shard on its own; the rowwise recipes compute the same with it). ``emulate`` (tests on CPU):
+torchao rounds to float8 and multiplies in higher precision.
 """
 
 from __future__ import annotations
@@ -33,19 +37,22 @@ def float8_linears(model: nn.Module) -> list[str]:
     return names
 
 
-def apply_float8(model: nn.Module, recipe: str, emulate: bool = False) -> list[str]:
+def apply_float8(model: nn.Module, recipe: str, emulate: bool = False, all_gather: bool = False) -> list[str]:
     """Convert the decoder layers' linear layers of ``model`` (attnpool's Transformer, a pipeline stage of it, or a
-    transformers model behind the adapter) to torchao's float8 training in place; returns the converted names."""
+    transformers model behind the adapter) to torchao's float8 training in place; returns the converted names.
+    ``all_gather``: FSDP2 gathers their weights in float8 (tensorwise)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     if recipe not in RECIPES:
         raise ValueError(f"recipe={recipe!r}: choose one of {', '.join(RECIPES)}")
+    if all_gather and recipe != "tensorwise":
+        raise ValueError(f"all_gather: float8 gathers of weights scale each tensor whole, and recipe={recipe!r}")
     # pad_inner_dim: the weight gradient's matmul runs over the tokens, and _scaled_mm needs its inner dimension in
     # multiples of 16; a micro-batch need not be (ping-pong halves and pipeline micro-batches end at documents'
     # ends). The zero rows add nothing. torchao pads (copies) the operands of every scaled matmul with it, whatever
     # their size: measured with compile on (4 x H200), float8 ran 1.26x bf16 with it.
     config = Float8LinearConfig(**{**Float8LinearConfig.from_recipe_name(recipe).__dict__, "pad_inner_dim": True,
-                                   "emulate": emulate})
+                                   "emulate": emulate, "enable_fsdp_float8_all_gather": all_gather})
     converted = float8_linears(model)
     wanted = set(converted)
     for block_name, block in model.layers.items():
@@ -53,3 +60,13 @@ def apply_float8(model: nn.Module, recipe: str, emulate: bool = False) -> list[s
         convert_to_float8_training(block, config=config, module_filter_fn=lambda module, fqn, p=prefix:
                                    p + fqn in wanted)
     return converted
+
+
+def refresh_float8_scales(model: nn.Module) -> None:
+    """The float8 scales of every weight FSDP2 gathers in float8 (``all_gather``), from the weights as they are now,
+    in one all-reduce (a collective over the weights' dp ranks: call on every rank after each optimizer step; a
+    scale kept from before the step would round the new weights with the old one). Nothing where no weight is
+    gathered in float8."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)

@@ -1,7 +1,8 @@
 """``parallelize``: every parallelism and wrapper a run applies to its model, from outside, in one order.
 
 0. float8 (attnpool.parallel.float8), where asked for: the decoder layers' linear layers become torchao's float8
-   modules, first, so that what follows wraps and shards those.
+   modules, first, so that what follows wraps and shards those (with ``float8_all_gather`` FSDP2 gathers their
+   weights in float8).
 1. Tensor parallelism (attnpool.parallel.tensor), where tp > 1: DTensor plans on the linear layers, sequence
    parallelism between them. So that what follows sees the model's tensor-parallel modules.
 2. Compile (attnpool.parallel.compile): each block's linear parts.
@@ -41,6 +42,7 @@ class ParallelizeSpec(Protocol):
     activation_checkpointing: str | tuple[str, ...]  # none, full or keep_attention; or each layer's, by index
     compile: bool
     float8: str | None  # the float8 recipe (one of model.float8_options.RECIPES), None for bf16 linear layers
+    float8_all_gather: bool  # FSDP2 gathers the float8 layers' weights in float8 (tensorwise)
     pingpong: bool  # nano-batches interleaved layer by layer
     loss_kernel: str  # resolved: chunked or liger
     bf16: bool  # bf16 compute, float32 master weights and gradient reduction
@@ -52,7 +54,7 @@ def parallelize(model: nn.Module, spec: ParallelizeSpec, mesh: RankMesh | None =
     """``model`` (or a pipeline stage of it) with everything in the module docstring applied, in place, over
     ``mesh``'s "tp" and "dp" ranks (None: every rank is a dp rank)."""
     if spec.float8:
-        apply_float8(model, spec.float8)
+        apply_float8(model, spec.float8, all_gather=spec.float8_all_gather)
     if mesh is not None and mesh.dims.tp > 1:
         apply_tensor_parallel(model, mesh.tp_mesh)
     if spec.compile:

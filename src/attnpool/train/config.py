@@ -2,7 +2,8 @@
 
 A run's settings are ten sections, each a frozen dataclass that checks its own values::
 
-    model       model, model_impl, model_args, precision, compile, float8, float8_recipe, loss_kernel
+    model       model, model_impl, model_args, precision, compile, float8, float8_recipe, float8_all_gather,
+                loss_kernel
     data        data, data_path, data_args, tokenizer, tokens_per_rank, max_doc_len, seed
     attention   attention, cost_model, min_shard, eps, memory_cap, attention_backend, pingpong
     sparse      sparse, sparse_coverage, sparse_min_doc_len, dense_layers, sparse_args
@@ -108,10 +109,22 @@ class TrainConfig:
             # trains 5e-3 away from one process after three steps (forward equal, gradients not).
             raise ConfigError("compile", True, f"not with tensor parallelism (tp={self.parallel.tp}): the compiled "
                                                "backward of the tensor-parallel projections is not exact; use tp=1")
-        if self.model.float8 and (self.parallel.tp > 1 or self.run.device == "cpu"):
-            raise ConfigError("float8", True, f"not with tensor parallelism (tp={self.parallel.tp}): its plans here are "
-                                              "bf16's; use tp=1" if self.parallel.tp > 1 else
-                                              float8_problem(self.run.device))
+        if self.model.float8 and self.run.device == "cpu":
+            raise ConfigError("float8", True, float8_problem(self.run.device))
+        if self.model.float8_all_gather and not (self.model.float8 and self.model.float8_recipe == "tensorwise"):
+            raise ConfigError("float8_all_gather", True, "needs float8 with float8_recipe tensorwise (torchao gathers "
+                                                         "weights in float8 with one scale per tensor)")
+        if self.model.float8_all_gather and self.memory.optimizer_offload:
+            raise ConfigError("float8_all_gather", True, "not with optimizer_offload: FSDP2's host-resident shards "
+                                                         "with float8 gathers are not checked here")
+        if self.model.float8 and self.parallel.tp > 1 and self.model.float8_recipe == "tensorwise":
+            # Measured on CPU (emulated float8, gloo): tp=2 with bf16's plans scales each tp rank's shard of a
+            # tensor on its own, and the gradients came out up to 4% away from one process's (the rowwise recipes'
+            # scales are powers of two, which round a shard as the whole: the same gradients)
+            raise ConfigError("float8_recipe", "tensorwise", f"not with tensor parallelism (tp={self.parallel.tp}): "
+                                                             "one scale per tensor is one per tp shard there; use "
+                                                             "rowwise or rowwise_with_gw_hp, which compute the same "
+                                                             "with tp")
         if self.model.loss_kernel == "liger" and (self.parallel.tp > 1 or self.run.device == "cpu"):
             raise ConfigError("loss_kernel", "liger", f"not with tp={self.parallel.tp}: the head's weight is split by "
                                                       "vocabulary; use chunked" if self.parallel.tp > 1 else

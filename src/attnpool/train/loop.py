@@ -36,6 +36,7 @@ from attnpool.comm.watchdog import RankRecords, is_collective_failure
 from attnpool.data import DocumentStream
 from attnpool.errors import ConfigError, TrainingError
 from attnpool.parallel import build_rank_mesh
+from attnpool.parallel.float8 import refresh_float8_scales
 from attnpool.plan.metrics import imbalance
 from attnpool.runtime.sparse import SparseStats
 from attnpool.sizes import format_bytes
@@ -256,6 +257,8 @@ class Trainer:
         if finite:
             if targets:  # the same on every rank: the micro-batches are the global batches
                 self.optimizer.step()
+                if self.spec.float8_all_gather:
+                    refresh_float8_scales(self.model)
             self.nonfinite_in_a_row = 0
         else:
             self.nonfinite_total += 1

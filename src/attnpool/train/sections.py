@@ -81,6 +81,10 @@ class ModelSection(Section):
     float8_recipe: str = _setting("float8_recipe", "float8's scaling: tensorwise (one scale per tensor), rowwise "
                                                    "(one per row) or rowwise_with_gw_hp (rowwise, the weight gradient "
                                                    "in bf16)", default="tensorwise")
+    float8_all_gather: bool = _setting("float8_all_gather", "float8 tensorwise: FSDP2 gathers the decoder layers' "
+                                                            "linear weights in float8, half bf16's bytes, their scales "
+                                                            "made in one all-reduce after each optimizer step",
+                                       default=False)
     loss_kernel: str = _setting("loss_kernel", "the LM head's loss (projection and cross-entropy): auto (liger where "
                                                "liger_kernel imports on a CUDA run with tp=1, else chunked), liger "
                                                "(Liger-Kernel's fused linear cross-entropy: gradients made in the forward, "

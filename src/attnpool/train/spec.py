@@ -86,6 +86,7 @@ class RunSpec:
     compile = property(lambda self: self.config.model.compile)
     # float8's recipe where the linear layers run in float8 (attnpool.parallel.float8), else None
     float8 = property(lambda self: self.config.model.float8_recipe if self.config.model.float8 else None)
+    float8_all_gather = property(lambda self: self.config.model.float8_all_gather)
     pingpong = property(lambda self: self.config.attention.pingpong)
     optimizer_offload = property(lambda self: self.config.memory.optimizer_offload)
 

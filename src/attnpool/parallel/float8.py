@@ -12,11 +12,11 @@ Applied first, before compile and activation checkpointing, so that they see the
 them as it shards any module. Its all-gathers stay bf16, unless ``all_gather`` (tensorwise only): then each weight
 is cast to float8 before the all-gather, with one scale over the whole weight, which is what a cast after it would
 use, so the matmuls get the same operands for half the bytes; :func:`refresh_float8_scales` makes every weight's
-scale in one all-reduce after each optimizer step (torchao would otherwise make each one's inside its gather). float8 matmuls need a GPU of compute capability 8.9
+scale in one all-reduce before each step (torchao would otherwise make each one's inside its gather). float8 matmuls need a GPU of compute capability 8.9
 or newer (Ada, Hopper) and dimensions in multiples of 16; the float8 matmuls pad a micro-batch's token count to one
-(torchao's ``pad_inner_dim``). The run's settings refuse float8 elsewhere, and tensorwise with tensor parallelism (whose
-plans would scale each shard on its own; the rowwise recipes compute the same with it). ``emulate`` (tests on CPU):
-torchao rounds to float8 and multiplies in higher precision.
+(torchao's ``pad_inner_dim``). Scales are powers of two, which makes tensor parallelism exact (see apply_float8).
+The run's settings refuse float8 elsewhere. ``emulate`` (tests on CPU): torchao rounds to float8 and multiplies in
+higher precision.
 """
 
 from __future__ import annotations
@@ -51,8 +51,13 @@ def apply_float8(model: nn.Module, recipe: str, emulate: bool = False, all_gathe
     # multiples of 16; a micro-batch need not be (ping-pong halves and pipeline micro-batches end at documents'
     # ends). The zero rows add nothing. torchao pads (copies) the operands of every scaled matmul with it, whatever
     # their size: measured with compile on (4 x H200), float8 ran 1.26x bf16 with it.
+    # round_scales_to_power_of_2 (the rowwise recipes' default, here tensorwise's too): rounding x * 2^k to float8 is
+    # the same for any k that keeps x normal and in range, so a tp rank that scales its own shard of a tensor (a
+    # smaller amax, a scale as large or larger) rounds it as one process scaling the whole does: tensor parallelism
+    # computes the same function. With tensorwise's exact scales, tp=2 moved gradients by up to 4% (emulated, CPU).
     config = Float8LinearConfig(**{**Float8LinearConfig.from_recipe_name(recipe).__dict__, "pad_inner_dim": True,
-                                   "emulate": emulate, "enable_fsdp_float8_all_gather": all_gather})
+                                   "emulate": emulate, "enable_fsdp_float8_all_gather": all_gather,
+                                   "round_scales_to_power_of_2": True})
     converted = float8_linears(model)
     wanted = set(converted)
     for block_name, block in model.layers.items():
@@ -64,9 +69,17 @@ def apply_float8(model: nn.Module, recipe: str, emulate: bool = False, all_gathe
 
 def refresh_float8_scales(model: nn.Module) -> None:
     """The float8 scales of every weight FSDP2 gathers in float8 (``all_gather``), from the weights as they are now,
-    in one all-reduce (a collective over the weights' dp ranks: call on every rank after each optimizer step; a
-    scale kept from before the step would round the new weights with the old one). Nothing where no weight is
+    in one all-reduce: a collective over the weights' dp ranks, for every rank before each step's forward (a scale
+    kept from before an optimizer step would round the new weights with the old one; without one, torchao makes
+    each weight's inside its gather, unrounded). Rounded down to powers of two, as the casts of weights not gathered
+    in float8 are (apply_float8), so that the matmuls see the same operands either way. Nothing where no weight is
     gathered in float8."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8.float8_utils import _round_scale_down_to_power_of_2
 
     precompute_float8_dynamic_scale_for_fsdp(model)
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        scale = getattr(getattr(weight, "_local_tensor", None), "_precomputed_scale", None)
+        if scale is not None:
+            weight._local_tensor._precomputed_scale = _round_scale_down_to_power_of_2(scale)

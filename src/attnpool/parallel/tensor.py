@@ -43,11 +43,10 @@ def tensor_parallel_problem(model_cfg: ModelConfig, tp: int) -> str | None:
 
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
-    """Shard ``model`` over ``tp_mesh`` in place (before FSDP2 wraps it). float8 linear layers of the rowwise recipes
-    (attnpool.parallel.float8) take the same plans, their inputs gathered in bf16 and cast after. A tp rank then
-    scales its own shard of a row, which rounds as the whole row would: the scales are powers of two. (tensorwise's
-    are not, and it is refused with tp. torchao's float8 plans, which cast before the all-gather with one scale over
-    the shards, need float8 collectives, which gloo lacks, so nothing here could check them.)"""
+    """Shard ``model`` over ``tp_mesh`` in place (before FSDP2 wraps it). float8 linear layers (attnpool.parallel.float8)
+    take the same plans, their inputs gathered in bf16 and cast after. A tp rank then scales its own shard of a
+    tensor, which rounds as the whole would: the scales are powers of two. (torchao's float8 plans, which cast before
+    the all-gather, need float8 collectives, which gloo lacks, so nothing here could check them.)"""
     root_plan = {}  # a pipeline stage may hold none of these (see attnpool.parallel.pipeline)
     if model.embed is not None:
         root_plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(SEQUENCE))

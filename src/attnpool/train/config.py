@@ -117,14 +117,6 @@ class TrainConfig:
         if self.model.float8_all_gather and self.memory.optimizer_offload:
             raise ConfigError("float8_all_gather", True, "not with optimizer_offload: FSDP2's host-resident shards "
                                                          "with float8 gathers are not checked here")
-        if self.model.float8 and self.parallel.tp > 1 and self.model.float8_recipe == "tensorwise":
-            # Measured on CPU (emulated float8, gloo): tp=2 with bf16's plans scales each tp rank's shard of a
-            # tensor on its own, and the gradients came out up to 4% away from one process's (the rowwise recipes'
-            # scales are powers of two, which round a shard as the whole: the same gradients)
-            raise ConfigError("float8_recipe", "tensorwise", f"not with tensor parallelism (tp={self.parallel.tp}): "
-                                                             "one scale per tensor is one per tp shard there; use "
-                                                             "rowwise or rowwise_with_gw_hp, which compute the same "
-                                                             "with tp")
         if self.model.loss_kernel == "liger" and (self.parallel.tp > 1 or self.run.device == "cpu"):
             raise ConfigError("loss_kernel", "liger", f"not with tp={self.parallel.tp}: the head's weight is split by "
                                                       "vocabulary; use chunked" if self.parallel.tp > 1 else

@@ -242,6 +242,8 @@ class Trainer:
         # none): its loss is then 0, not 0 / 0, and the optimizer does not step (AdamW's momentum and weight
         # decay would move the weights without a gradient).
         targets = sum(b.num_label_tokens for b in micro_batches)
+        if self.spec.float8_all_gather:  # the scales of the weights as this step's gathers see them
+            refresh_float8_scales(self.model)
         t_plan = time.perf_counter()
         planned = self.runner.plan(micro_batches, self.prior)
         plan_time = time.perf_counter() - t_plan
@@ -257,8 +259,6 @@ class Trainer:
         if finite:
             if targets:  # the same on every rank: the micro-batches are the global batches
                 self.optimizer.step()
-                if self.spec.float8_all_gather:
-                    refresh_float8_scales(self.model)
             self.nonfinite_in_a_row = 0
         else:
             self.nonfinite_total += 1

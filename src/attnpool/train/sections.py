@@ -83,7 +83,7 @@ class ModelSection(Section):
                                                    "in bf16)", default="tensorwise")
     float8_all_gather: bool = _setting("float8_all_gather", "float8 tensorwise: FSDP2 gathers the decoder layers' "
                                                             "linear weights in float8, half bf16's bytes, their scales "
-                                                            "made in one all-reduce after each optimizer step",
+                                                            "made in one all-reduce before each step",
                                        default=False)
     loss_kernel: str = _setting("loss_kernel", "the LM head's loss (projection and cross-entropy): auto (liger where "
                                                "liger_kernel imports on a CUDA run with tp=1, else chunked), liger "

@@ -181,6 +181,17 @@ def test_deterministic_algorithms_ask_fa4_for_its_deterministic_backward(stand_i
     assert [c[1]["deterministic"] for c in stand_in.calls if c[0] == "backward"] == [False, True]
 
 
+def test_deterministic_fa4_is_refused_where_it_has_no_deterministic_backward(stand_in, monkeypatch):
+    config = TrainConfig(model="tiny", attention_backend="fa4", deterministic=True, device="cuda")
+    assert attention_backend(config, CUDA0) == "fa4"  # sm90 (the stand-in's)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (12, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "an sm120 GPU")
+    with pytest.raises(ConfigError, match="deterministic=True: FlashAttention-4 has no deterministic backward on "
+                                          "compute capability 12.0 .*; use attention_backend flash"):
+        attention_backend(config, CUDA0)
+    assert attention_backend(config.replace(deterministic=False), CUDA0) == "fa4"
+
+
 @pytest.mark.parametrize("consecutive", [True, False])
 def test_a_split_backward_lands_every_part_in_its_rows(stand_in, consecutive):
     """backward_in_parts over fa4: consecutive groups of segments (the backward's key groups) are written into

@@ -347,18 +347,19 @@ def test_cli_run_writes_metrics_plot_and_summary():
 
 
 def test_deterministic_turns_on_torchs_deterministic_algorithms_and_is_refused_with_sparse(monkeypatch, tmp_path):
-    from attnpool.train.launch import use_deterministic_algorithms
+    from attnpool.train.loop import deterministic_algorithms
 
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    try:
-        use_deterministic_algorithms()
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "unset after the test")  # (so that monkeypatch restores it unset)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    with deterministic_algorithms(True):
         assert torch.are_deterministic_algorithms_enabled()
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
-        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # a user's own setting stays
-        use_deterministic_algorithms()
+    assert not torch.are_deterministic_algorithms_enabled()  # as it was before the run
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # a user's own setting stays
+    with deterministic_algorithms(True):
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
-    finally:
-        torch.use_deterministic_algorithms(False)
+    with deterministic_algorithms(False):
+        assert not torch.are_deterministic_algorithms_enabled()
     with pytest.raises(ConfigError, match="atomics") as err:
         tiny_config(tmp_path, deterministic=True, **SPARSE)
     assert err.value.field == "sparse"

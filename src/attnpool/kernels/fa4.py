@@ -83,6 +83,16 @@ def problem(device) -> str | None:
     return None
 
 
+def deterministic_problem(device) -> str | None:
+    """Why FA4's backward cannot run deterministically on ``device`` (a CUDA GPU it runs on), or None: 4.0.0b36 has
+    no deterministic backward on sm120 (it asserts so); sm90 and sm100 have one."""
+    capability = torch.cuda.get_device_capability(torch.device(device))
+    if capability[0] == 12:
+        return (f"FlashAttention-4 has no deterministic backward on compute capability {capability[0]}."
+                f"{capability[1]} ({torch.cuda.get_device_name(device)})")
+    return None
+
+
 def _loaded():
     interface, import_problem = _interface()
     if interface is None:

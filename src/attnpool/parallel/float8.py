@@ -11,9 +11,11 @@ dimensions are not multiples of 16 (float8 matmuls need them) keeps bf16 too.
 Applied first, before compile and activation checkpointing, so that they see the float8 modules; FSDP2 shards
 them as it shards any module. Its all-gathers stay bf16, unless ``all_gather`` (tensorwise only): then each weight
 is cast to float8 before the all-gather, with one scale over the whole weight, which is what a cast after it would
-use, so the matmuls get the same operands for half the bytes; :func:`refresh_float8_scales` makes every weight's
-scale in one all-reduce before each step (torchao would otherwise make each one's inside its gather). float8 matmuls need a GPU of compute capability 8.9
-or newer (Ada, Hopper) and dimensions in multiples of 16; the float8 matmuls pad a micro-batch's token count to one
+use, for half the bytes; :func:`refresh_float8_scales` makes every weight's scale in one all-reduce before each step
+(torchao would otherwise make each one's inside its gather). The float8 weights are then the same as a float32
+gather's; a bf16 gather rounds the float32 master weights to bf16 first, so a few land on another float8 value.
+float8 matmuls need a GPU of compute capability 8.9 or newer (Ada, Hopper) and dimensions in multiples of 16; the
+float8 matmuls pad a micro-batch's token count to one
 (torchao's ``pad_inner_dim``). Scales are powers of two, which makes tensor parallelism exact (see apply_float8).
 The run's settings refuse float8 elsewhere. ``emulate`` (tests on CPU): torchao rounds to float8 and multiplies in
 higher precision.
@@ -51,10 +53,12 @@ def apply_float8(model: nn.Module, recipe: str, emulate: bool = False, all_gathe
     # multiples of 16; a micro-batch need not be (ping-pong halves and pipeline micro-batches end at documents'
     # ends). The zero rows add nothing. torchao pads (copies) the operands of every scaled matmul with it, whatever
     # their size: measured with compile on (4 x H200), float8 ran 1.26x bf16 with it.
-    # round_scales_to_power_of_2 (the rowwise recipes' default, here tensorwise's too): rounding x * 2^k to float8 is
-    # the same for any k that keeps x normal and in range, so a tp rank that scales its own shard of a tensor (a
-    # smaller amax, a scale as large or larger) rounds it as one process scaling the whole does: tensor parallelism
-    # computes the same function. With tensorwise's exact scales, tp=2 moved gradients by up to 4% (emulated, CPU).
+    # round_scales_to_power_of_2 (the rowwise recipes' default, here tensorwise's too). With tensorwise's exact
+    # scales, tp=2 moved gradients by up to 4% (emulated, CPU): some cast there scales a tp rank's shard, not the
+    # whole tensor. Rounding x * 2^k to float8 is the same for every k that keeps x normal and in range, and a
+    # shard's power-of-two scale is the whole's times 2^j, j >= 0 (its amax is no larger), so it rounds as one
+    # process does, except values some 2^-14 below the largest (subnormal under the whole's scale), which round
+    # finer: tp then matched one process within 1.5e-7.
     config = Float8LinearConfig(**{**Float8LinearConfig.from_recipe_name(recipe).__dict__, "pad_inner_dim": True,
                                    "emulate": emulate, "enable_fsdp_float8_all_gather": all_gather,
                                    "round_scales_to_power_of_2": True})

@@ -44,9 +44,10 @@ def tensor_parallel_problem(model_cfg: ModelConfig, tp: int) -> str | None:
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
     """Shard ``model`` over ``tp_mesh`` in place (before FSDP2 wraps it). float8 linear layers (attnpool.parallel.float8)
-    take the same plans, their inputs gathered in bf16 and cast after. A tp rank then scales its own shard of a
-    tensor, which rounds as the whole would: the scales are powers of two. (torchao's float8 plans, which cast before
-    the all-gather, need float8 collectives, which gloo lacks, so nothing here could check them.)"""
+    take the same plans, their inputs gathered in bf16 and cast after. Where a cast scales a tp rank's shard of a
+    tensor rather than the whole, it rounds as the whole would, down to values far below the largest: the scales are
+    powers of two (see apply_float8). (torchao's float8 plans, which cast before the all-gather, need float8
+    collectives, which gloo lacks, so nothing here could check them.)"""
     root_plan = {}  # a pipeline stage may hold none of these (see attnpool.parallel.pipeline)
     if model.embed is not None:
         root_plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(SEQUENCE))

@@ -141,8 +141,6 @@ def quiet_warnings() -> None:
 
 def _run_rank(config: TrainConfig, rank: int, world: int, init_method: str | None) -> None:
     quiet_warnings()
-    if config.run.deterministic:
-        use_deterministic_algorithms()
     device = rank_device(config)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -215,20 +213,6 @@ def use_growable_segments() -> None:
         warnings.warn("growable segments asked for after CUDA started in this process: the allocator keeps the "
                       "settings it started with (call use_growable_segments() before anything touches the GPU)",
                       stacklevel=2)
-
-
-# cuBLAS picks its reduction order by the workspace it gets; a fixed one of 4096 KiB x 8 makes its results repeat
-# (what torch's deterministic algorithms ask for on CUDA 10.2+; they raise on a matmul without it)
-CUBLAS_DETERMINISTIC = ":4096:8"
-
-
-def use_deterministic_algorithms() -> None:
-    """``deterministic``: torch's deterministic algorithms in this process (FlashAttention-2's backward, index_add
-    and scatters without atomics; the attention backends ask torch.are_deterministic_algorithms_enabled() for
-    their own kernels), and cuBLAS's fixed workspace where the user set none. Before CUDA's first matmul: cuBLAS
-    reads its setting when it makes its handle."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC)
-    torch.use_deterministic_algorithms(True)
 
 
 def _launch(config: TrainConfig) -> str | None:

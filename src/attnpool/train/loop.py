@@ -19,6 +19,7 @@ it. Launching, restarts and signals are attnpool.train.launch's.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import json
@@ -91,8 +92,32 @@ def train(config: TrainConfig, on_step=None) -> TrainResult:
 
     ``on_step()``, if given, is called after every step (e.g. a torch.profiler's ``step``). A SIGTERM at
     any time from here on stops the run after its current (or first) step, checkpointed."""
-    with Preemption() as preemption:
+    with Preemption() as preemption, deterministic_algorithms(config.run.deterministic):
         return Trainer(config).fit(on_step, preemption)
+
+
+# cuBLAS picks its reduction order by the workspace it gets; a fixed one of 4096 KiB x 8 makes its results repeat
+# (what torch's deterministic algorithms ask for on CUDA 10.2+; they raise on a matmul without it)
+CUBLAS_DETERMINISTIC = ":4096:8"
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(on: bool):
+    """``deterministic``: torch's deterministic algorithms while the run trains (FlashAttention-2's backward, index
+    adds and scatters without atomics; the attention backends ask torch.are_deterministic_algorithms_enabled() for
+    their own kernels), as they were after; and cuBLAS's fixed workspace where the user set none. torch reads that
+    setting at the process's first matmul on the GPU, which in ``attnpool train`` comes after this; a process
+    that trained before without it keeps the workspace it had."""
+    if not on:
+        yield
+        return
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
 def served_imbalance(served: np.ndarray, dims) -> float:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from attnpool.errors import ConfigError
-from attnpool.kernels import Backend, backend_named, get_backend, resolve_backend_name, serves_positions
+from attnpool.kernels import Backend, backend_named, fa4, get_backend, resolve_backend_name, serves_positions
 from attnpool.kernels.sparse import device_problem as sparse_device_problem
 from attnpool.kernels.sparse import launch_problem as sparse_launch_problem
 from attnpool.model import ModelConfig, ModelSpec, model_spec
@@ -254,8 +254,13 @@ def attention_backend(config: TrainConfig, device: torch.device | None = None, d
         return name
     # Attention inputs are bf16 on CUDA (autocast) unless precision is fp32; float32 on the CPU.
     dtype = torch.bfloat16 if bf16 and device_type == "cuda" else torch.float32
-    return resolve_backend_name(name, device if device is not None else torch.device(device_type), dtype,
-                                field="attention_backend")
+    resolved = resolve_backend_name(name, device if device is not None else torch.device(device_type), dtype,
+                                    field="attention_backend")
+    if config.run.deterministic and resolved == "fa4":
+        problem = fa4.deterministic_problem(device if device is not None else torch.device(device_type))
+        if problem is not None:
+            raise ConfigError("deterministic", True, f"{problem}; use attention_backend flash")
+    return resolved
 
 
 def same_attention_backend(backend: str, requested: str) -> None:

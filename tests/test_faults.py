@@ -172,8 +172,10 @@ def resumed_without_manifest(tmp):
     resumed = train_cli("--nproc", "2", "--steps", "4", "--resume", "--allow-unverified", "--out", out)
     unreadable, checkpoint = without_manifest(stopped_run.result(), tmp / "unreadable")
     shard = sorted(n for n in os.listdir(checkpoint) if n.endswith(".distcp"))[0]
-    with open(os.path.join(checkpoint, shard), "r+b") as fh:  # its first bytes: the reader's unpickling fails
-        fh.write(os.urandom(1 << 16))
+    # Its first bytes, with a fixed pattern (the reader's unpickling fails on the first). Random bytes, written here
+    # before, are another pickle program on every run; once, in many runs, this resume then exited 0 with no output.
+    with open(os.path.join(checkpoint, shard), "r+b") as fh:
+        fh.write(b"\x00" * (1 << 16))
     refused = train_cli("--nproc", "2", "--steps", "4", "--resume", "--allow-unverified", "--out", unreadable)
     return out, resumed, refused
 

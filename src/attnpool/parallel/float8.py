@@ -15,10 +15,9 @@ use, for half the bytes; :func:`refresh_float8_scales` makes every weight's scal
 (torchao would otherwise make each one's inside its gather). The float8 weights are then the same as a float32
 gather's; a bf16 gather rounds the float32 master weights to bf16 first, so a few land on another float8 value.
 float8 matmuls need a GPU of compute capability 8.9 or newer (Ada, Hopper) and dimensions in multiples of 16; the
-float8 matmuls pad a micro-batch's token count to one
-(torchao's ``pad_inner_dim``). Scales are powers of two, which makes tensor parallelism exact (see apply_float8).
-The run's settings refuse float8 elsewhere. ``emulate`` (tests on CPU): torchao rounds to float8 and multiplies in
-higher precision.
+float8 matmuls pad a micro-batch's token count to one (torchao's ``pad_inner_dim``). Scales are powers of two, which
+makes tensor parallelism exact (see apply_float8). The run's settings refuse float8 elsewhere. ``emulate`` (tests on
+CPU): torchao rounds to float8 and multiplies in higher precision.
 """
 
 from __future__ import annotations

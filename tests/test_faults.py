@@ -172,8 +172,8 @@ def resumed_without_manifest(tmp):
     resumed = train_cli("--nproc", "2", "--steps", "4", "--resume", "--allow-unverified", "--out", out)
     unreadable, checkpoint = without_manifest(stopped_run.result(), tmp / "unreadable")
     shard = sorted(n for n in os.listdir(checkpoint) if n.endswith(".distcp"))[0]
-    # Its first bytes, with a fixed pattern (the reader's unpickling fails on the first). Random bytes, written here
-    # before, are another pickle program on every run; once, in many runs, this resume then exited 0 with no output.
+    # Its first bytes, zeros: the reader's unpickling fails on the first (random bytes would be another pickle
+    # program on every run).
     with open(os.path.join(checkpoint, shard), "r+b") as fh:
         fh.write(b"\x00" * (1 << 16))
     refused = train_cli("--nproc", "2", "--steps", "4", "--resume", "--allow-unverified", "--out", unreadable)
@@ -444,3 +444,25 @@ def test_a_rank_aborted_by_nccls_watchdog_names_the_silent_one(tmp_path):
     said = _lost_rank_or_raise({}, WorkerFailure(0, "SIGABRT", ""), False, silent)
     assert said.startswith(f"{silent} stopped responding: rank 0 was then ended by NCCL's watchdog"), said
     assert _lost_rank_or_raise({}, WorkerFailure(1, "SIGKILL", ""), False, "rank 0") == "rank 1 was killed by SIGKILL"
+
+
+def test_workers_that_all_failed_before_the_launcher_looked_are_a_failure():
+    """Every rank refusing at once (a ConfigError raised on every rank) can leave every worker gone before the
+    launcher's first look: once that was taken for a run that finished, exit code 0 and nothing said (it failed
+    two tests, one run in many)."""
+    import multiprocessing
+
+    from attnpool.train.launch import _wait_for_workers
+
+    context = multiprocessing.get_context("fork")  # (nothing runs in the workers but their exit)
+    workers = [context.Process(target=os._exit, args=(code,)) for code in (0, 2, 2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert _wait_for_workers(workers, 1.0) == (1, [])
+    finished = [context.Process(target=os._exit, args=(0,)) for _ in range(2)]
+    for worker in finished:
+        worker.start()
+        worker.join()
+    assert _wait_for_workers(finished, 1.0) is None

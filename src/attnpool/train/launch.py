@@ -251,13 +251,16 @@ def _wait_for_workers(processes, grace_s: float) -> tuple[int, list[int]] | None
     signal (SIGSTOP: it never acts on anything) is not waited for; what is left then is silent, and killed."""
     import multiprocessing.connection
 
-    failed = None
-    while failed is None:
+    while True:
+        # A failure first, then whether any run on: workers that all fail at once (a refusal raised on every rank)
+        # may all have left by the time they are looked at, and were once taken for a run that finished.
+        failed = next((i for i, p in enumerate(processes) if p.exitcode not in (None, 0)), None)
+        if failed is not None:
+            break
         running = [p for p in processes if p.exitcode is None]
         if not running:
             return None
         multiprocessing.connection.wait([p.sentinel for p in running], timeout=1.0)
-        failed = next((i for i, p in enumerate(processes) if p.exitcode not in (None, 0)), None)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(p.is_alive() and not _stopped(p.pid) for p in processes):
         time.sleep(0.1)

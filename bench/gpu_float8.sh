@@ -8,6 +8,7 @@
 #   DETERMINISTIC=1                           the quality runs with --deterministic (a run repeats bit for bit)
 #   PARALLEL=1                                quality runs at once on the GPU (each holds about 16 GiB)
 #   SPEED=1                                   0 leaves out the speed runs
+#   LR=3e-4 STEPS=200                         the quality runs' peak learning rate and steps
 set -uo pipefail
 OUT=${OUT:-bench-out}
 RUNS=${RUNS:-/tmp/float8-runs}
@@ -15,6 +16,8 @@ QUALITY=${QUALITY:-"bf16:0 tensorwise:0 rowwise:0"}
 DETERMINISTIC=${DETERMINISTIC:-0}
 PARALLEL=${PARALLEL:-1}
 SPEED=${SPEED:-1}
+LR=${LR:-3e-4}
+export STEPS=${STEPS:-200}  # (the summary reads it)
 mkdir -p "$OUT" "$RUNS" /tmp/torchao-site
 [ -n "${TORCHAO_WHEEL:-}" ] && python3 -m zipfile -e "$TORCHAO_WHEEL" /tmp/torchao-site
 export PYTHONPATH=src:/tmp/torchao-site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -33,8 +36,8 @@ for run in $QUALITY; do
   while [[ " ${names[*]} " == *" $name "* ]]; do name="$name-again"; done  # a repeat of the same run
   names+=("$name")
   extra=(); [ "$DETERMINISTIC" = 1 ] && extra=(--deterministic)
-  train "$name" --model-args n_layers=4 vocab_size=256 --data stdlib --tokens-per-rank 16K --steps 200 \
-    --lr 3e-4 --warmup-steps 20 --seed "$seed" $(recipe_flags "$mode") "${extra[@]}" &
+  train "$name" --model-args n_layers=4 vocab_size=256 --data stdlib --tokens-per-rank 16K --steps "$STEPS" \
+    --lr "$LR" --warmup-steps 20 --seed "$seed" $(recipe_flags "$mode") "${extra[@]}" &
   while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n; done
 done
 wait
@@ -58,21 +61,21 @@ for name in names + [f"speed-{mode}" for mode in ("bf16", "tensorwise", "rowwise
         everything[name] = {"rows": [{k: r.get(k) for k in KEPT} for r in rows(name)],
                             "log_tail": open(f"{runs}/{name}.log").read().splitlines()[-12:]}
 json.dump(everything, open(f"{out}/float8.json", "w"), indent=1)
-print("quality: mean loss of steps 151-200, against the first bf16 run of the same seed")
+print("quality: mean loss of the last 50 steps, against the first bf16 run of the same seed")
 first = {}
 for name in names:
     mode, seed = name.split("-")[1], name.split("-")[2]
     q = rows(name)
-    if len(q) < 200:
+    if len(q) < 50 or len(q) < int(os.environ.get("STEPS", "200")):
         print(f"  {name:24s} {len(q)} steps: {everything[name]['log_tail'][-1:]}")
         continue
     base = first.setdefault((seed, "bf16"), q) if mode == "bf16" else first.get((seed, "bf16"))
     same = first.setdefault((seed, mode), q)
-    last = statistics.mean(r["loss"] for r in q[150:200])
+    last = statistics.mean(r["loss"] for r in q[-50:])
     line = f"  {name:24s} loss {last:.4f}"
     if base is not None and base is not q:
-        mean_base = statistics.mean(r["loss"] for r in base[150:200])
-        worst = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(q[150:200], base[150:200]))
+        mean_base = statistics.mean(r["loss"] for r in base[-50:])
+        worst = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(q[-50:], base[-50:]))
         line += f"  vs bf16 {last / mean_base - 1:+.4f}  worst step {worst:.4f}"
     if same is not q:
         line += f"  bitwise as its first run: {[r['loss'] for r in q] == [r['loss'] for r in same]}"

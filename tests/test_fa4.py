@@ -190,6 +190,7 @@ def test_deterministic_fa4_is_refused_where_it_has_no_deterministic_backward(sta
                                           "compute capability 12.0 .*; use attention_backend flash"):
         attention_backend(config, CUDA0)
     assert attention_backend(config.replace(deterministic=False), CUDA0) == "fa4"
+    assert attention_backend(config.replace(attention_backend="auto"), CUDA0) == "flash"  # auto takes what can
 
 
 @pytest.mark.parametrize("consecutive", [True, False])

@@ -160,9 +160,9 @@ def test_float8_gathers_of_weights_train_as_bf16_gathers_do(tmp_path):
 
     losses, grads = run_distributed(_float8_steps, 2, 1, "tensorwise", False, 3)[0]
     losses8, grads8 = run_distributed(_float8_steps, 2, 1, "tensorwise", True, 3)[0]
-    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses8, losses)), (losses8, losses)
+    assert losses8 == losses  # (bit for bit: the same scales, the same float8 weights)
     for name, grad in grads.items():
-        torch.testing.assert_close(grads8[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+        assert torch.equal(grads8[name], grad), name
     # and with tp=2 beside it (dp=2, four ranks): weights sharded over both, gathered in float8 over dp
     losses8_tp = run_distributed(_float8_steps, 4, 2, "tensorwise", True, 3)[0][0]
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses8_tp, losses)), (losses8_tp, losses)
@@ -173,3 +173,13 @@ def test_float8_gathers_of_weights_train_as_bf16_gathers_do(tmp_path):
         apply_float8(Transformer(model_config("tiny", **SHAPE)), "rowwise", emulate=True, all_gather=True)
     with pytest.raises(ConfigError, match="float8_all_gather=True: needs float8 with float8_recipe tensorwise"):
         TrainConfig(model="tiny", float8=True, float8_recipe="rowwise", float8_all_gather=True, device="cuda")
+    # A weight whose rows the dp ranks do not divide: FSDP2 pads its last shard, which torchao's float8 gather does
+    # not handle (at dp=3 the ranks' gathers differed and the run hung), refused before any rank starts.
+    from attnpool.train.spec import resolve_run_spec
+
+    uneven = TrainConfig(model="tiny", model_args=dict(SHAPE), float8=True, float8_all_gather=True, device="cuda",
+                         nproc=3)
+    with pytest.raises(ConfigError, match="float8_all_gather=True: .* q_proj's 64 rows do not divide by 3") as err:
+        resolve_run_spec(uneven, 3, None, "cuda")
+    assert err.value.field == "float8_all_gather"
+    resolve_run_spec(uneven.replace(nproc=2), 2, None, "cuda")

@@ -15,9 +15,9 @@ use, for half the bytes; :func:`refresh_float8_scales` makes every weight's scal
 (torchao would otherwise make each one's inside its gather). The float8 weights are then the same as a float32
 gather's; a bf16 gather rounds the float32 master weights to bf16 first, so a few land on another float8 value.
 float8 matmuls need a GPU of compute capability 8.9 or newer (Ada, Hopper) and dimensions in multiples of 16; the
-float8 matmuls pad a micro-batch's token count to one (torchao's ``pad_inner_dim``). Scales are powers of two, which
-makes tensor parallelism exact (see apply_float8). The run's settings refuse float8 elsewhere. ``emulate`` (tests on
-CPU): torchao rounds to float8 and multiplies in higher precision.
+float8 matmuls pad a micro-batch's token count to one (torchao's ``pad_inner_dim``). Scales are powers of two, so
+that tensor parallelism computes what one process does (see apply_float8). The run's settings refuse float8 elsewhere.
+``emulate`` (tests on CPU): torchao rounds to float8 and multiplies in higher precision.
 """
 
 from __future__ import annotations
@@ -70,13 +70,34 @@ def apply_float8(model: nn.Module, recipe: str, emulate: bool = False, all_gathe
     return converted
 
 
+def float8_all_gather_problem(m, dp: int, tp: int = 1) -> str | None:
+    """Why FSDP2 cannot gather the float8 layers' weights of a model of config ``m`` (attnpool.model.ModelConfig) in
+    float8 over ``dp`` ranks, each weight ``tp``-split as attnpool.parallel.tensor splits it, or None. FSDP2 pads the
+    last shard of a weight whose rows dp does not divide, and torchao's float8 gather neither keeps such a shard's
+    precomputed scale nor pads what it sends: the ranks' gathers then differ (in size, or one of them reduces its
+    scale alone) and the run hangs or aborts (emulated on CPU at dp=3)."""
+    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    # (name, in_features, out_features, split by tp along the rows: the column-parallel ones)
+    linears = [("q_proj", m.dim, q, True), ("k_proj", m.dim, kv, True), ("v_proj", m.dim, kv, True),
+               ("o_proj", q, m.dim, False), ("gate_proj", m.dim, m.ffn_dim, True), ("up_proj", m.dim, m.ffn_dim, True),
+               ("down_proj", m.ffn_dim, m.dim, False)]
+    for name, fan_in, fan_out, by_rows in linears:
+        if fan_in % 16 or fan_out % 16:
+            continue  # (stays bf16)
+        rows = fan_out // tp if by_rows else fan_out
+        if rows % dp:
+            return (f"FSDP2 splits each weight's rows over the {dp} dp ranks, and {name}'s {rows} rows"
+                    f"{' per tp rank' if by_rows and tp > 1 else ''} do not divide by {dp}")
+    return None
+
+
 def refresh_float8_scales(model: nn.Module) -> None:
-    """The float8 scales of every weight FSDP2 gathers in float8 (``all_gather``), from the weights as they are now,
-    in one all-reduce: a collective over the weights' dp ranks, for every rank before each step's forward (a scale
-    kept from before an optimizer step would round the new weights with the old one; without one, torchao makes
-    each weight's inside its gather, unrounded). Rounded down to powers of two, as the casts of weights not gathered
-    in float8 are (apply_float8), so that the matmuls see the same operands either way. Nothing where no weight is
-    gathered in float8."""
+    """The float8 scales of every weight FSDP2 gathers in float8 (``all_gather``), from the weights as they are now:
+    one reduction of all their maxima over the weights' mesh (the dp ranks, and the tp ranks with tp > 1), a
+    collective for every rank before each step's forward (a scale kept from before an optimizer step would round the
+    new weights with the old one; without one, torchao makes each weight's inside its gather, unrounded). Rounded
+    down to powers of two, as the casts of weights not gathered in float8 are (apply_float8): with float32 gathers
+    the matmuls then see the same operands either way. Nothing where no weight is gathered in float8."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
     from torchao.float8.float8_utils import _round_scale_down_to_power_of_2
 

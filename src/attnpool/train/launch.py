@@ -252,12 +252,14 @@ def _wait_for_workers(processes, grace_s: float) -> tuple[int, list[int]] | None
     import multiprocessing.connection
 
     while True:
-        # A failure first, then whether any run on: workers that all fail at once (a refusal raised on every rank)
-        # may all have left by the time they are looked at, and were once taken for a run that finished.
-        failed = next((i for i, p in enumerate(processes) if p.exitcode not in (None, 0)), None)
+        # One look at every exit code (each read of exitcode asks the system anew), a failure first: workers that
+        # all fail at once (a refusal raised on every rank) may all have left by the time they are looked at, and
+        # were once taken for a run that finished.
+        codes = [p.exitcode for p in processes]
+        failed = next((i for i, code in enumerate(codes) if code not in (None, 0)), None)
         if failed is not None:
             break
-        running = [p for p in processes if p.exitcode is None]
+        running = [p for p, code in zip(processes, codes) if code is None]
         if not running:
             return None
         multiprocessing.connection.wait([p.sentinel for p in running], timeout=1.0)

@@ -30,6 +30,7 @@ from attnpool.model import ModelConfig, ModelSpec, model_spec
 from attnpool.model.float8_options import float8_problem
 from attnpool.model.loss_kernels import resolve_loss_kernel
 from attnpool.parallel import ParallelDims, tensor_parallel_problem
+from attnpool.parallel.float8 import float8_all_gather_problem
 from attnpool.parallel.pipeline import pipeline_problem
 from attnpool.parallel.pooled_pipeline import POOLED, pooled_problem
 from attnpool.plan import AttentionShape, load_cost_model
@@ -150,6 +151,10 @@ def resolve_run_spec(config: TrainConfig, world: int, device: torch.device | Non
     model = model_spec(config.model.name, config.model.args, config.data.max_doc_len, config.model.impl)
     dims = ParallelDims.of(world, config.parallel.tp, config.parallel.pp)  # (first: a layout the ranks cannot take)
     check_model_shape(config, model.config)
+    if config.model.float8_all_gather:
+        problem = float8_all_gather_problem(model.config, dims.dp, dims.tp)
+        if problem is not None:
+            raise ConfigError("float8_all_gather", True, problem)
     here = device is not None or device_type is None
     device_type = device_kind(config, device, device_type)
     bf16 = uses_bf16(config, device_type)
@@ -258,6 +263,8 @@ def attention_backend(config: TrainConfig, device: torch.device | None = None, d
                                     field="attention_backend")
     if config.run.deterministic and resolved == "fa4":
         problem = fa4.deterministic_problem(device if device is not None else torch.device(device_type))
+        if problem is not None and name == "auto":
+            return "flash"  # (FlashAttention-2's backward is deterministic under torch's deterministic algorithms)
         if problem is not None:
             raise ConfigError("deterministic", True, f"{problem}; use attention_backend flash")
     return resolved

@@ -4,11 +4,12 @@
 The same Llama-style model (189M parameters: 16 layers, dim 1024, 8 query / 4 KV heads of 128, vocab 128), the
 same initial weights (seed) and the same batches (``--data retrieval``, answer-only loss), trained three times:
 dense, and vertical-slash sparse at coverages 0.95 and 0.9. A curriculum of rising context (256, 1K, 4K, 8K,
-16K tokens per document; 16K tokens a step up to 1K, then 64K, and 128K at 16K) teaches dense attention the
+16K tokens per document; 16K tokens a step up to 1K, then 64K, and 128K at 16K; ``--max-context`` 32K or 64K
+carries it on at 128K tokens a step) teaches dense attention the
 look-up at short contexts, where a step holds many documents (copies of random spans beside passkeys, RoPE base
 1e4), then carries it out to the longest (passkeys and multi-key needles with every key asked, RoPE base 5e5,
 as long-context extension raises it; why: the comment on ``GPU_CURRICULUM``). Documents of at least 8K tokens
-are sparse in the sparse runs, so the stages before are the same in every run: they are trained once, and the
+(``--sparse-min-doc-len``) are sparse in the sparse runs, so the stages before are the same in every run: they are trained once, and the
 sparse runs continue from a copy of the dense run at that point (weights, optimizer, data position), as sparse
 training that continues a dense model's would. ``--mix-from N`` mixes document lengths from N up to each later
 stage's context (``min_context``); a stage mixing lengths up to exactly the sparse threshold then counts as
@@ -16,6 +17,11 @@ shared (its rare documents of that length are trained dense in every run).
 Each stage is one ``attnpool train`` process resuming the last one's checkpoint (the schedule spans all
 stages; ``--stop-at`` ends each). Then every run is evaluated on held-out instances at every trained context
 from 4K up (``attnpool.train.evaluate``, each run with the attention it trained with).
+
+The filler (``--filler``) is random words or real text. Over random words a model's attention spreads wide, so
+sparse patterns that cover 90-95% of it keep most blocks (density 0.90-0.955 at 8K-16K on 2026-11-27). Over
+text, trained as language in the first stage (``--loss all-first``), it may concentrate as a language model's
+does: the sparse patterns' density at each context is measured and recorded beside the accuracy (issue 45).
 
 A run of the script ended by its budget goes on where it stopped when called again with the same ``--work``
 (finished stages are skipped, finished evaluations read back from ``RUN/retrieval-eval.json``), so the
@@ -29,9 +35,13 @@ Markdown file of the same name with the commands, the model, the loss curves and
 
     PYTHONPATH=src python3 bench/retrieval.py --out bench/results                 # one GPU, ~20 minutes
     PYTHONPATH=src python3 bench/retrieval.py --out /tmp/r --device cpu           # smoke test, tiny model, 1-2 min
+    PYTHONPATH=src python3 bench/retrieval.py --out bench/results --filler text --loss all-first \
+        --max-context 64K --sparse-min-doc-len 32K --coverages 0.9,0.8 --eval-min-context 32K  # real sparsity
 
 ``--budget-s`` (default 1140) bounds the whole script's wall time: no stage or evaluation starts after it is
-spent (whatever was evaluated is written, the unfinished named). ``--steps-scale`` scales every
+spent (whatever was evaluated is written, the unfinished named); ``--deadline-s`` stops a stage still running
+then with SIGTERM, which checkpoints it, so that a machine's wall limit need not cut one unsaved (a call to the
+GPU machine: ``--deadline-s`` a little under its limit, ``--budget-s`` below that). ``--steps-scale`` scales every
 stage's steps.
 """
 
@@ -44,6 +54,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -70,6 +81,7 @@ class Stage(NamedTuple):
     tasks: str | None = None
     rope_theta: float | None = None
     data_args: tuple[str, ...] = ()
+    loss: str = "answer"  # the targets: the answers' tokens or every token (set from --loss as the stages run)
 
 
 # Many short documents a step first, then longer ones. The first stage grows the look-up: 256-token
@@ -95,8 +107,13 @@ GPU_CURRICULUM = (Stage(256, 1600, 16384, "copy,passkey"),
                   Stage(4096, 150, 65536, LOOKUP_TASKS, 5e5, LOOKUP_ARGS),
                   Stage(8192, 120, 65536, LOOKUP_TASKS, 5e5, LOOKUP_ARGS),
                   Stage(16384, 100, 131072, LOOKUP_TASKS, 5e5, LOOKUP_ARGS))
-# Sparse from 8K-token documents: the 4K stage is shared by every run (one H200's ~30 minutes hold the dense run
-# and two sparse ones this way).
+# Beyond 16K (--max-context 32K or 64K, issue 45): 4 and then 2 documents a step. These stages run late in the
+# cosine schedule, at about its floor (min_lr_ratio 0.1), where the 16K stage of the 2026-11-27 run had already
+# carried the look-up it learnt at 8K out to 16K (accuracy 0.99): the raised base makes it reach that far.
+GPU_LONG_STAGES = (Stage(32768, 60, 131072, LOOKUP_TASKS, 5e5, LOOKUP_ARGS),
+                   Stage(65536, 50, 131072, LOOKUP_TASKS, 5e5, LOOKUP_ARGS))
+# Sparse from 8K-token documents by default: the 4K stage is shared by every run (one H200's ~30 minutes hold the
+# dense run and two sparse ones this way); --sparse-min-doc-len 32K shares everything up to 16K.
 GPU = dict(lr=3e-4, warmup_steps=30, sparse_min_doc_len=8192, sparse_args={},
            eval_instances=40, eval_depths=(0.0, 0.25, 0.5, 0.75, 1.0), eval_min_context=4096)
 
@@ -104,6 +121,7 @@ GPU = dict(lr=3e-4, warmup_steps=30, sparse_min_doc_len=8192, sparse_args={},
 # patterns scaled down to those lengths (as bench/sparse_quality.py), the RoPE base raised in the second stage.
 CPU_MODEL = dict(n_layers=2, vocab_size=128)
 CPU_CURRICULUM = (Stage(128, 2, 512), Stage(256, 2, 1024, rope_theta=5e5))
+CPU_LONG_STAGES = (Stage(512, 2, 1024, rope_theta=5e5),)
 CPU = dict(lr=3e-3, warmup_steps=1, sparse_min_doc_len=192,
            sparse_args=dict(block=16, vertical_chunk=16, last_queries=32, sink_tokens=4, local_window=32,
                             slash_cap=32, vertical_cap=64),
@@ -122,7 +140,7 @@ def train_command(run_dir: str, attention: str, coverage: float | None, stage: S
            "--data", "retrieval", "--data-args", f"task={stage.tasks}", f"context={stage.context}",
            *([f"min_context={args.mix_from}"] if args.mix_from and stage.context > args.mix_from else []),
            *stage.data_args, f"num_docs={args.num_docs}", f"ordinary={args.ordinary}", f"filler={args.filler}",
-           f"loss={args.loss}",
+           f"loss={stage.loss}",
            "--tokens-per-rank", str(stage.tokens), "--seed", str(args.seed),
            "--attention", "local", "--device", args.device, "--steps", str(steps), "--stop-at", str(stop_at),
            "--lr", str(setup["lr"]), "--warmup-steps", str(setup["warmup_steps"]), "--out", run_dir,
@@ -137,6 +155,19 @@ def train_command(run_dir: str, attention: str, coverage: float | None, stage: S
         if setup["sparse_args"]:
             cmd += ["--sparse-args", *[f"{k}={v}" for k, v in setup["sparse_args"].items()]]
     return cmd
+
+
+def run_stage(cmd: list[str], env: dict, seconds: float | None) -> tuple[subprocess.CompletedProcess, bool]:
+    """The stage's ``attnpool train`` to its end, or, still running after ``seconds``, stopped with SIGTERM (it
+    finishes its step and checkpoints, so a later call goes on from there); and whether it was stopped."""
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=None if seconds is None else max(seconds, 0.0))
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err), False
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate()
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err), True
 
 
 def read_rows(run_dir: str) -> list[dict]:
@@ -190,7 +221,7 @@ def plot_losses(runs: dict, boundaries: list[int], path: str, title: str) -> Non
         ax.axvline(b, color="#bbbbbb", lw=0.8, ls=":")
         ax.text(b, ax.get_ylim()[1], f" {label}", fontsize=7, va="top", color="#777777")
     ax.set_xlabel("step")
-    ax.set_ylabel("answer-token loss (5-step mean)")
+    ax.set_ylabel("training loss (5-step mean)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -199,6 +230,8 @@ def plot_losses(runs: dict, boundaries: list[int], path: str, title: str) -> Non
 
 
 def main() -> int:
+    from attnpool.sizes import parse_size
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="where the JSON, the Markdown and the plots go")
     ap.add_argument("--work", help="run directories and checkpoints (default: a temporary directory)")
@@ -210,6 +243,10 @@ def main() -> int:
     ap.add_argument("--eval-tasks", default="passkey",
                     help="tasks evaluated (default passkey; the results hold passkey's accuracy)")
     ap.add_argument("--budget-s", type=float, default=1140.0, help="wall-time budget of the script (default 1140)")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="a stage still running this long after the start is stopped with SIGTERM: it finishes its "
+                         "step and checkpoints, and a later call with the same --work goes on from there (default "
+                         "none; set it below the wall limit of the machine's call, which would cut it unsaved)")
     ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every stage's steps (default 1)")
     ap.add_argument("--num-docs", type=int, default=200_000, help="documents in the training source")
     ap.add_argument("--ordinary", type=float, default=0.1, help="share of ordinary (decoy) documents (default 0.1)")
@@ -222,8 +259,19 @@ def main() -> int:
     ap.add_argument("--filler", choices=("random", "text"), default="random",
                     help="the documents' filler: random words, or the standard library's text (data filler; "
                          "attention concentrates over text once the model is trained on it: --loss all)")
-    ap.add_argument("--loss", choices=("answer", "all"), default="answer",
-                    help="train on the answers' tokens only, or on every token (data loss)")
+    ap.add_argument("--loss", choices=("answer", "all", "all-first"), default="answer",
+                    help="train on the answers' tokens only, on every token (data loss), or on every token in the "
+                         "first stage (the filler as language, beside the copies) and on the answers after it")
+    ap.add_argument("--max-context", type=parse_size, default=None, metavar="N",
+                    help="the longest stage's documents: the curriculum up to N (default 16K on GPU; 32K and 64K "
+                         "add stages beyond it)")
+    ap.add_argument("--sparse-min-doc-len", type=parse_size, default=None, metavar="N",
+                    help="the sparse runs' documents of N+ tokens are sparse; every stage before is trained once, "
+                         "dense (default 8K on GPU)")
+    ap.add_argument("--eval-min-context", type=parse_size, default=None, metavar="N",
+                    help="evaluate at every trained context from N up (default 4K on GPU)")
+    ap.add_argument("--eval-instances", type=int, default=None, metavar="N",
+                    help="held-out instances per needle depth and context (default 40 on GPU)")
     ap.add_argument("--mix-from", type=int, default=None, metavar="N",
                     help="mix document lengths from N tokens up to each later stage's context (data min_context; "
                          "default: every document of the stage's length)")
@@ -238,12 +286,26 @@ def main() -> int:
     model = GPU_MODEL if gpu else CPU_MODEL
     if args.long_rope_theta is not None and not args.long_rope_theta > 0:
         ap.error(f"--long-rope-theta {args.long_rope_theta}: must be positive")
-    # The stages as run: --tasks, --steps-scale and --long-rope-theta applied.
+    stages = (GPU_CURRICULUM + GPU_LONG_STAGES) if gpu else (CPU_CURRICULUM + CPU_LONG_STAGES)
+    max_context = args.max_context or (GPU_CURRICULUM if gpu else CPU_CURRICULUM)[-1].context
+    if max_context not in {stage.context for stage in stages}:
+        ap.error(f"--max-context {args.max_context}: not a stage's context; choose one of "
+                 f"{', '.join(tokens_text(stage.context) for stage in stages)}")
+    for name, value in (("sparse_min_doc_len", args.sparse_min_doc_len), ("eval_min_context", args.eval_min_context),
+                        ("eval_instances", args.eval_instances)):
+        if value is not None:
+            if not value > 0:
+                ap.error(f"--{name.replace('_', '-')} {value}: must be positive")
+            setup[name] = value
+    if setup["eval_min_context"] > max_context:
+        ap.error(f"--eval-min-context {setup['eval_min_context']}: beyond the longest stage's {max_context} tokens")
+    # The stages as run: --max-context, --tasks, --steps-scale, --long-rope-theta and --loss applied.
     curriculum = [stage._replace(steps=max(1, round(stage.steps * args.steps_scale)),
                                  tasks=args.tasks or stage.tasks or DEFAULT_TASKS,
                                  rope_theta=args.long_rope_theta if stage.rope_theta and args.long_rope_theta
-                                 else stage.rope_theta)
-                  for stage in (GPU_CURRICULUM if gpu else CPU_CURRICULUM)]
+                                 else stage.rope_theta,
+                                 loss="all" if args.loss == "all" or (args.loss == "all-first" and i == 0) else "answer")
+                  for i, stage in enumerate(s for s in stages if s.context <= max_context)]
     if args.mix_from is not None and not 0 < args.mix_from:
         ap.error(f"--mix-from {args.mix_from}: must be a positive number of tokens")
     if args.lr is not None:
@@ -304,7 +366,12 @@ def main() -> int:
                      and stage.context > args.mix_from))
     branch = os.path.join(work, "dense-branch")
     commands, unfinished, stage_seconds = [], [], {}
+    past_deadline = False
     for attention, coverage in variants:
+        if past_deadline:
+            unfinished.append(f"{attention if coverage is None else f'sparse-{coverage:g}'}: not trained "
+                              "(--deadline-s reached)")
+            continue
         name = attention if coverage is None else f"sparse-{coverage:g}"
         run_dir = os.path.join(work, name)
         first = 0
@@ -320,15 +387,17 @@ def main() -> int:
         for i, stage in enumerate(curriculum[first:], start=first):
             context, steps = stage.context, stage.steps
             stop_at += steps
-            done_rows = read_rows(run_dir)
+            saved = finished_checkpoints(run_dir)
             # A later stage, or a stage an earlier call stopped part-way (SIGTERM checkpoints), goes on from the
             # run's last checkpoint; a first stage that left none starts again.
             command = lambda resume: train_command(run_dir, attention, coverage, stage, stop_at,  # noqa: E731
                                                    total_steps, resume, args, setup, model)
             commands.append(" ".join(["python", *command(stop_at > steps)[1:]]))  # as the curriculum runs it
-            cmd = command(stop_at > steps or bool(finished_checkpoints(run_dir)))
-            if done_rows and done_rows[-1]["step"] >= stop_at:  # an earlier call with the same --work did it
-                print(f"        {name}: context {context} done before (step {done_rows[-1]['step']})", flush=True)
+            cmd = command(stop_at > steps or bool(saved))
+            # Done by an earlier call with the same --work: its checkpoint says so (a metrics row alone does not,
+            # where that call was cut off after the step and before the checkpoint).
+            if saved and saved[-1][0] >= stop_at:
+                print(f"        {name}: context {context} done before (step {saved[-1][0]})", flush=True)
                 continue
             left = args.budget_s - (time.perf_counter() - t_start)
             if left <= 0:
@@ -337,9 +406,15 @@ def main() -> int:
             print(f"[{time.perf_counter() - t_start:6.0f} s] {name}: context {context}, steps {stop_at - steps + 1}.."
                   f"{stop_at} of {total_steps}", flush=True)
             t0 = time.perf_counter()
-            done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+            done, stopped = run_stage(cmd, env, None if args.deadline_s is None
+                                      else args.deadline_s - (time.perf_counter() - t_start))
             stage_seconds[f"{name}@{context}"] = time.perf_counter() - t0
             rows = read_rows(run_dir)
+            if stopped:
+                unfinished.append(f"{name}: stage {context} stopped by --deadline-s at step "
+                                  f"{rows[-1]['step'] if rows else '?'} (checkpointed: the same --work goes on)")
+                past_deadline = True
+                break
             if done.returncode != 0:
                 print(done.stdout[-2000:], done.stderr[-4000:], sep="\n", file=sys.stderr)
                 unfinished.append(f"{name}: stage {context} failed (exit {done.returncode})")
@@ -370,14 +445,15 @@ def main() -> int:
         name = attention if coverage is None else f"sparse-{coverage:g}"
         run_dir = os.path.join(work, name)
         runs[name] = read_rows(run_dir)
-        if not runs[name] or runs[name][-1]["step"] < total_steps:
+        checkpoints = finished_checkpoints(run_dir)
+        if not checkpoints or checkpoints[-1][0] < total_steps:
             continue  # unfinished: not evaluated (named in unfinished)
         saved = os.path.join(run_dir, "retrieval-eval.json")
         earlier = read_json(saved) if os.path.isfile(saved) else None
         cells = ([EvalCell(**c) for c in earlier["cells"]]
                  if isinstance(earlier, dict) and earlier.get("key") == eval_key else None)
         if cells is None:
-            if time.perf_counter() - t_start >= args.budget_s:
+            if time.perf_counter() - t_start >= args.budget_s or past_deadline:
                 unfinished.append(f"{name}: evaluation (budget spent)")
                 continue
             model_obj, _, settings, _, _ = read_checkpoint_model(run_dir=run_dir)
@@ -438,6 +514,10 @@ def main() -> int:
     return 0 if not unfinished else 1
 
 
+LOSS_TEXT = {"answer": "answer-only loss", "all": "loss on every token",
+             "all-first": "loss on every token in the first stage, on the answers after it"}
+
+
 def stage_text(stage: dict) -> str:
     extra = [*stage["data_args"], *([f"rope_theta {stage['rope_theta']:g}"] if stage["rope_theta"] else [])]
     return (f"{tokens_text(stage['context'])} x {stage['steps']} ({tokens_text(stage['tokens'])}, `{stage['tasks']}`"
@@ -451,11 +531,11 @@ def write_markdown(path: str, doc: dict, loss_png: str, heatmap_pngs: list[str])
     acc = {(r["attention"], r["coverage"], r["context"]): r["accuracy"] for r in doc["results"]}
     density = {(r["attention"], r["coverage"], r["context"]): r["density"] for r in doc["results"]}
     lines = [
-        "# Long-range retrieval: dense and vertical-slash training from the same start (issue 26)", "",
+        "# Long-range retrieval: dense and vertical-slash training from the same start (issues 26 and 45)", "",
         f"{doc['device']}, {doc['date']}. Command: `{doc['command']}` ({doc['wall_s']:.0f} s).", "",
         f"Model: `--model tiny --model-args {' '.join(f'{k}={v}' for k, v in m['model_args'].items())}` "
         f"({m['params'] / 1e6:.2f}M parameters); `--data retrieval`, {doc['filler']} filler, "
-        f"{'answer-only loss' if doc['loss'] == 'answer' else 'loss on every token'}; evaluated: `{doc['tasks']}`. "
+        f"{LOSS_TEXT[doc['loss']]}; evaluated: `{doc['tasks']}`. "
         f"Curriculum (context x steps, tokens per step, tasks, and where it changes, RoPE's base): "
         f"{', '.join(stage_text(stage) for stage in doc['curriculum'])}"
         + (f", documents of each later stage from {tokens_text(doc['mix_from'])} tokens up to its context" if doc["mix_from"]

@@ -125,8 +125,9 @@ def test_sh_block_runs(request, page, commands):
 
 
 def _anchor(heading):
-    """GitHub's anchor of a heading: lower case, punctuation but '-' and '_' dropped, spaces to '-'."""
-    text = heading.strip().lower()
+    """GitHub's anchor of a heading: its text as shown (a link's text, not its target), lower case, punctuation but
+    '-' and '_' dropped, spaces to '-'."""
+    text = re.sub(r"\]\([^)]*\)", "]", heading.strip().lower())
     text = re.sub(r"[^\w\- ]", "", text)
     return text.replace(" ", "-")
 

@@ -225,18 +225,25 @@ def test_evaluate_reads_the_answer_positions():
     assert wrong[0].correct == 0
 
 
+def _retrieval_bench(root):
+    """bench/retrieval.py as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("retrieval_bench", f"{root}/bench/retrieval.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
 def _retrieval_here(root, *args):
     """bench/retrieval.py ARGS in this process, reported as a finished process would be."""
     import contextlib
-    import importlib.util
     import io
     import subprocess
     import sys
     from unittest import mock
 
-    spec = importlib.util.spec_from_file_location("retrieval_bench", f"{root}/bench/retrieval.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _retrieval_bench(root)
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), \
             mock.patch.object(sys, "argv", ["retrieval.py", *args]):
@@ -256,7 +263,7 @@ def retrieval_smoke(tmp):
     script = str(background.ROOT / "bench" / "retrieval.py")
     return tmp, background.run([sys.executable, script, "--out", str(tmp / "out"), "--work", str(tmp / "work"),
                                 "--device", "cpu", "--coverages", "0.95", "--tasks", "copy,passkey,multikey",
-                                "--mix-from", "128", "--filler", "text", "--loss", "all"], timeout=600)
+                                "--mix-from", "128", "--filler", "text", "--loss", "all-first"], timeout=600)
 
 
 def test_retrieval_bench_smoke_then_attnpool_eval(capsys):
@@ -287,17 +294,20 @@ def test_retrieval_bench_smoke_then_attnpool_eval(capsys):
     # The second stage raises RoPE's base (the first keeps the model's), and its command says so.
     assert [stage["rope_theta"] for stage in doc["curriculum"]] == [None, 500000.0]
     assert "rope_theta=500000.0" in md and md.count("rope_theta=500000.0") == md.count("--resume")
+    # --loss all-first: every token in the first stage (the text as language), the answers after it.
+    assert [stage["loss"] for stage in doc["curriculum"]] == ["all", "answer"]
+    assert md.count("loss=all") == 1 and md.count("loss=answer") == md.count("--resume")
     # Called again with the same --work: nothing is trained or evaluated again, the same results are written.
     # (In this process: nothing starts a worker.)
     again = _retrieval_here(root, "--out", str(out), "--work", str(tmp_path / "work"), "--device", "cpu",
                             "--coverages", "0.95", "--tasks", "copy,passkey,multikey", "--mix-from", "128",
-                            "--filler", "text", "--loss", "all")
+                            "--filler", "text", "--loss", "all-first")
     assert again.returncode == 0 and "evaluated" not in again.stdout and "steps" not in again.stdout
     assert json.loads(result.read_text())["results"] == doc["results"]
     # With other training settings the same --work is refused before anything runs.
     other = _retrieval_here(root, "--out", str(out), "--work", str(tmp_path / "work"), "--device", "cpu",
                             "--coverages", "0.95", "--tasks", "copy,passkey,multikey", "--mix-from", "128",
-                            "--filler", "text", "--loss", "all", "--lr", "1e-3")
+                            "--filler", "text", "--loss", "all-first", "--lr", "1e-3")
     assert other.returncode == 2 and "other settings (lr)" in other.stderr
     sparse_rows = [json.loads(line) for line in (tmp_path / "work" / "sparse-0.95" / "metrics.jsonl").read_text().splitlines()]
     dense_rows = [json.loads(line) for line in (tmp_path / "work" / "dense" / "metrics.jsonl").read_text().splitlines()]
@@ -320,6 +330,33 @@ def test_retrieval_bench_smoke_then_attnpool_eval(capsys):
     assert (run / "eval" / "eval.png").stat().st_size > 5000
     assert main(["eval", "--run", str(run), "--depths", "0,2"]) == 2
     assert main(["eval", "--run", str(tmp_path / "nowhere")]) == 2
+
+
+def test_retrieval_bench_stops_a_stage_past_its_deadline_with_sigterm():
+    """--deadline-s: a stage still running then gets SIGTERM (attnpool train finishes its step and checkpoints),
+    and the bench knows it stopped it; a stage that ends first is left alone."""
+    import os
+    import sys
+
+    script = _retrieval_bench(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    stage = ("import signal, sys, time\n"
+             "signal.signal(signal.SIGTERM, lambda *_: (print('checkpointed'), sys.exit(0)))\n"
+             "time.sleep(120)\n")
+    done, stopped = script.run_stage([sys.executable, "-c", stage], dict(os.environ), 5.0)
+    assert stopped and done.returncode == 0 and done.stdout == "checkpointed\n"
+    done, stopped = script.run_stage([sys.executable, "-c", "print('trained')"], dict(os.environ), 60.0)
+    assert not stopped and done.returncode == 0 and done.stdout == "trained\n"
+
+
+def test_retrieval_bench_refuses_a_curriculum_it_does_not_have():
+    """--max-context names one of the curriculum's stages; the evaluation cannot start beyond the longest."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    wrong = _retrieval_here(root, "--out", "/nonexistent", "--device", "cpu", "--max-context", "1000")
+    assert wrong.returncode == 2 and "--max-context 1000: not a stage's context; choose one of 128, 256, 512" in wrong.stderr
+    beyond = _retrieval_here(root, "--out", "/nonexistent", "--device", "cpu", "--eval-min-context", "1K")
+    assert beyond.returncode == 2 and "--eval-min-context 1024: beyond the longest stage's 256 tokens" in beyond.stderr
 
 
 def test_needle_probe_reports_whether_the_patterns_keep_the_needle():

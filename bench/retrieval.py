@@ -29,7 +29,8 @@ experiment can span several shorter calls.
 
 Writes to ``--out``: ``<date>-<gpu>-retrieval.json`` (``results``: a list of ``{"attention", "coverage",
 "context", "accuracy", "density"}``, passkey accuracy over all depths and the sparse layers' measured density
-there, 1.0 dense; ``details``: every task and depth), a
+there, 1.0 dense; ``details``: every task and depth; ``coverage_sweep``: with ``--eval-coverages``, every run
+evaluated again with vertical-slash patterns at each of those coverages, at evaluation only), a
 Markdown file of the same name with the commands, the model, the loss curves and the accuracy heat maps
 (PNGs next to it). Runs and checkpoints go to ``--work`` (a temporary directory by default).
 
@@ -157,6 +158,17 @@ def train_command(run_dir: str, attention: str, coverage: float | None, stage: S
     return cmd
 
 
+def coverage_list(ap, flag: str, text: str) -> list[float]:
+    """A comma list of coverages, each in (0, 1], or the parser's error naming ``flag``."""
+    try:
+        values = [float(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        ap.error(f"{flag} {text!r}: not a comma list of numbers")
+    if any(not 0 < c <= 1 for c in values):
+        ap.error(f"{flag} {text!r}: each must be in (0, 1]")
+    return values
+
+
 def run_stage(cmd: list[str], env: dict, seconds: float | None) -> tuple[subprocess.CompletedProcess, bool]:
     """The stage's ``attnpool train`` to its end, or, still running after ``seconds``, stopped with SIGTERM (it
     finishes its step and checkpoints, so a later call goes on from there); and whether it was stopped."""
@@ -168,6 +180,43 @@ def run_stage(cmd: list[str], env: dict, seconds: float | None) -> tuple[subproc
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate()
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err), True
+
+
+def run_evaluations(run_dir: str, key: dict, labels: list[str], evaluate, may_start, said) -> tuple[dict, list[str]]:
+    """The run's evaluations by label, in ``labels``' order: read back from ``RUN/retrieval-eval.json`` where an
+    earlier call made them with this ``key``, else made now, ``evaluate(model, settings, label)``, while
+    ``may_start()`` (each is saved as it is made, ``said(label, seconds)``); and the labels left unmade."""
+    from attnpool.train.evaluate import EvalCell
+    from attnpool.train.export import read_checkpoint_model
+
+    path = os.path.join(run_dir, "retrieval-eval.json")
+    earlier = read_json(path) if os.path.isfile(path) else None
+    stored = {}
+    if isinstance(earlier, dict) and earlier.get("key") == key:
+        # (a file of before --eval-coverages holds one evaluation, the run's own attention, as "cells")
+        stored = earlier.get("evaluations", {"trained": earlier["cells"]} if "cells" in earlier else {})
+    made, left, model = {}, [], None
+    for label in labels:
+        if label in stored:
+            made[label] = [EvalCell(**c) for c in stored[label]]
+            continue
+        if not may_start():
+            left.append(label)
+            continue
+        if model is None:
+            model, _, settings, _, _ = read_checkpoint_model(run_dir=run_dir)
+        t0 = time.perf_counter()
+        made[label] = evaluate(model, settings, label)
+        said(label, time.perf_counter() - t0)
+        stored[label] = [dataclasses.asdict(c) for c in made[label]]
+        write_json(path, {"key": key, "evaluations": stored})
+    if model is not None:
+        del model
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return {label: made[label] for label in labels if label in made}, left
 
 
 def read_rows(run_dir: str) -> list[dict]:
@@ -270,6 +319,9 @@ def main() -> int:
                          "dense (default 8K on GPU)")
     ap.add_argument("--eval-min-context", type=parse_size, default=None, metavar="N",
                     help="evaluate at every trained context from N up (default 4K on GPU)")
+    ap.add_argument("--eval-coverages", default="", metavar="C,C",
+                    help="also evaluate every run with vertical-slash patterns at these coverages, at evaluation only "
+                         "(from the sparse runs' length): density against accuracy without training again")
     ap.add_argument("--eval-instances", type=int, default=None, metavar="N",
                     help="held-out instances per needle depth and context (default 40 on GPU)")
     ap.add_argument("--mix-from", type=int, default=None, metavar="N",
@@ -312,12 +364,8 @@ def main() -> int:
         if not args.lr > 0:
             ap.error(f"--lr {args.lr}: must be positive")
         setup["lr"] = args.lr
-    try:
-        coverages = [float(c) for c in args.coverages.split(",") if c.strip()]
-    except ValueError:
-        ap.error(f"--coverages {args.coverages!r}: not a comma list of numbers")
-    if any(not 0 < c <= 1 for c in coverages):
-        ap.error(f"--coverages {args.coverages!r}: each must be in (0, 1]")
+    coverages, eval_coverages = (coverage_list(ap, flag, text) for flag, text in
+                                 (("--coverages", args.coverages), ("--eval-coverages", args.eval_coverages)))
     if gpu:
         import torch
 
@@ -429,10 +477,7 @@ def main() -> int:
                   flush=True)
 
     # Evaluation: each finished run with the attention it trained with, at every trained context from the minimum up.
-    import torch
-
-    from attnpool.train.evaluate import EvalCell, evaluate_retrieval, plot_heatmap, sparse_config_of
-    from attnpool.train.export import read_checkpoint_model
+    from attnpool.train.evaluate import evaluate_retrieval, plot_heatmap, sparse_config_of
 
     eval_contexts = [stage.context for stage in curriculum if stage.context >= setup["eval_min_context"]]
     tasks = ",".join(eval_tasks)
@@ -440,7 +485,20 @@ def main() -> int:
     # RUN/retrieval-eval.json) is read back when these match.
     eval_key = {"tasks": tasks, "filler": args.filler, "contexts": eval_contexts, "depths": list(setup["eval_depths"]),
                 "instances": setup["eval_instances"], "seed": args.seed + 1, "step": total_steps}
-    results, details, runs, heatmaps = [], [], {}, {}
+    # What each run is evaluated with: the attention it trained with ("trained"), then vertical-slash patterns at
+    # each --eval-coverages coverage, from the sparse runs' length, at evaluation only.
+    sweep = {f"coverage {c:g}": c for c in eval_coverages}
+
+    def evaluate(model_obj, settings: dict, label: str) -> list:
+        sparse = (sparse_config_of(settings, "trained") if label == "trained" else
+                  sparse_config_of(settings, "sparse", coverage=sweep[label], min_doc_len=setup["sparse_min_doc_len"],
+                                   **setup["sparse_args"]))
+        return evaluate_retrieval(model_obj, tasks=tasks, contexts=eval_contexts, depths=setup["eval_depths"],
+                                  instances=setup["eval_instances"], seed=args.seed + 1, sparse=sparse,
+                                  filler=args.filler, device="cuda" if gpu else "cpu",
+                                  batch_tokens=max(stage.tokens for stage in curriculum), needle_probe=True)
+
+    results, details, runs, heatmaps, swept = [], [], {}, {}, []
     for attention, coverage in variants:
         name = attention if coverage is None else f"sparse-{coverage:g}"
         run_dir = os.path.join(work, name)
@@ -448,40 +506,32 @@ def main() -> int:
         checkpoints = finished_checkpoints(run_dir)
         if not checkpoints or checkpoints[-1][0] < total_steps:
             continue  # unfinished: not evaluated (named in unfinished)
-        saved = os.path.join(run_dir, "retrieval-eval.json")
-        earlier = read_json(saved) if os.path.isfile(saved) else None
-        cells = ([EvalCell(**c) for c in earlier["cells"]]
-                 if isinstance(earlier, dict) and earlier.get("key") == eval_key else None)
-        if cells is None:
-            if time.perf_counter() - t_start >= args.budget_s or past_deadline:
-                unfinished.append(f"{name}: evaluation (budget spent)")
-                continue
-            model_obj, _, settings, _, _ = read_checkpoint_model(run_dir=run_dir)
-            sparse = sparse_config_of(settings, "trained")
-            t0 = time.perf_counter()
-            cells = evaluate_retrieval(model_obj, tasks=tasks, contexts=eval_contexts, depths=setup["eval_depths"],
-                                       instances=setup["eval_instances"], seed=args.seed + 1, sparse=sparse,
-                                       filler=args.filler,
-                                       device="cuda" if gpu else "cpu",
-                                       batch_tokens=max(stage.tokens for stage in curriculum), needle_probe=True)
-            print(f"[{time.perf_counter() - t_start:6.0f} s] evaluated {name} in {time.perf_counter() - t0:.0f} s",
-                  flush=True)
-            del model_obj
-            if gpu:
-                torch.cuda.empty_cache()
-            write_json(saved, {"key": eval_key, "cells": [dataclasses.asdict(c) for c in cells]})
-        for context in eval_contexts:
-            mine = [c for c in cells if c.task == "passkey" and c.context == context]
-            if mine:
+        made, left = run_evaluations(run_dir, eval_key, ["trained", *sweep], evaluate,
+                                     lambda: time.perf_counter() - t_start < args.budget_s and not past_deadline,
+                                     lambda label, s: print(f"[{time.perf_counter() - t_start:6.0f} s] evaluated "
+                                                            f"{name} ({label}) in {s:.0f} s", flush=True))
+        unfinished += [f"{name}: evaluation {label} (budget spent)" for label in left]
+        for label, cells in made.items():
+            for context in eval_contexts:
+                mine = [c for c in cells if c.task == "passkey" and c.context == context]
+                if not mine:
+                    continue
                 # density: the sparse layers' share of causal pairs, measured on these instances (1.0 dense)
-                results.append({"attention": attention, "coverage": coverage, "context": context,
-                                "accuracy": sum(c.correct for c in mine) / sum(c.total for c in mine),
-                                "density": sum(c.density * c.total for c in mine) / sum(c.total for c in mine)})
-        details += [{"attention": attention, "coverage": coverage, "task": c.task, "context": c.context,
-                     "depth": c.depth, "accuracy": c.accuracy, "instances": c.total, "needle_kept": c.needle_kept,
-                     "density": c.density}
-                    for c in cells]
-        heatmaps[name] = cells
+                row = {"context": context, "accuracy": sum(c.correct for c in mine) / sum(c.total for c in mine),
+                       "density": sum(c.density * c.total for c in mine) / sum(c.total for c in mine)}
+                if label == "trained":
+                    results.append({"attention": attention, "coverage": coverage, **row})
+                else:
+                    kept = [c.needle_kept for c in mine if c.needle_kept is not None]
+                    swept.append({"run": name, "coverage": sweep[label], **row,
+                                  "needle_kept": float(np.mean(kept)) if kept else None})
+        if "trained" in made:
+            cells = made["trained"]
+            details += [{"attention": attention, "coverage": coverage, "task": c.task, "context": c.context,
+                         "depth": c.depth, "accuracy": c.accuracy, "instances": c.total, "needle_kept": c.needle_kept,
+                         "density": c.density}
+                        for c in cells]
+            heatmaps[name] = cells
 
     gpu_name = device_name(args.device)
     stem = f"{datetime.date.today()}-{gpu_name}-retrieval"
@@ -504,7 +554,7 @@ def main() -> int:
            "sparse_min_doc_len": setup["sparse_min_doc_len"],
            "sparse_args": setup["sparse_args"], "eval": {"depths": list(setup["eval_depths"]),
                                                         "instances": setup["eval_instances"], "contexts": eval_contexts},
-           "results": results, "details": details, "unfinished": unfinished,
+           "results": results, "details": details, "coverage_sweep": swept, "unfinished": unfinished,
            "final_loss": {k: (v[-1]["loss"] if v else None) for k, v in runs.items()},
            "stage_seconds": stage_seconds, "wall_s": time.perf_counter() - t_start, "train_commands": commands}
     with open(os.path.join(args.out, f"{stem}.json"), "w") as fh:
@@ -565,6 +615,18 @@ def write_markdown(path: str, doc: dict, loss_png: str, heatmap_pngs: list[str])
             kept = [np.mean([d["needle_kept"] for d in probed if d["coverage"] == coverage and d["context"] == n] or
                             [np.nan]) for n in contexts]
             lines.append(f"| {coverage} | " + " | ".join(f"{k:.3f}" for k in kept) + " |")
+    if doc["coverage_sweep"]:
+        swept = {(r["run"], r["coverage"], r["context"]): r for r in doc["coverage_sweep"]}
+        lines += ["", "Each run with vertical-slash patterns at other coverages, at evaluation only (`--eval-coverages`, "
+                      f"documents of {doc['sparse_min_doc_len']}+ tokens): passkey accuracy, (density) and the share "
+                      "of probes whose patterns reached the needle:", "",
+                  "| run | coverage | " + " | ".join(tokens_text(n) for n in contexts) + " |",
+                  "|---|---|" + "---|" * len(contexts)]
+        for run, coverage in dict.fromkeys((r["run"], r["coverage"]) for r in doc["coverage_sweep"]):
+            cells = [swept.get((run, coverage, n)) for n in contexts]
+            lines.append(f"| {run} | {coverage:g} | " + " | ".join(
+                "-" if c is None else f"{c['accuracy']:.3f} ({c['density']:.2f})"
+                + ("" if c["needle_kept"] is None else f" {c['needle_kept']:.2f}") for c in cells) + " |")
     if doc["unfinished"]:
         lines += ["", "Not finished: " + "; ".join(doc["unfinished"]) + "."]
     lines += ["", f"Loss curves: ![loss]({loss_png})", ""]

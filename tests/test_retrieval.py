@@ -263,7 +263,8 @@ def retrieval_smoke(tmp):
     script = str(background.ROOT / "bench" / "retrieval.py")
     return tmp, background.run([sys.executable, script, "--out", str(tmp / "out"), "--work", str(tmp / "work"),
                                 "--device", "cpu", "--coverages", "0.95", "--tasks", "copy,passkey,multikey",
-                                "--mix-from", "128", "--filler", "text", "--loss", "all-first"], timeout=600)
+                                "--mix-from", "128", "--filler", "text", "--loss", "all-first", "--eval-coverages", "0.8"],
+                                timeout=600)
 
 
 def test_retrieval_bench_smoke_then_attnpool_eval(capsys):
@@ -301,9 +302,15 @@ def test_retrieval_bench_smoke_then_attnpool_eval(capsys):
     # (In this process: nothing starts a worker.)
     again = _retrieval_here(root, "--out", str(out), "--work", str(tmp_path / "work"), "--device", "cpu",
                             "--coverages", "0.95", "--tasks", "copy,passkey,multikey", "--mix-from", "128",
-                            "--filler", "text", "--loss", "all-first")
+                            "--filler", "text", "--loss", "all-first", "--eval-coverages", "0.8")
     assert again.returncode == 0 and "evaluated" not in again.stdout and "steps" not in again.stdout
     assert json.loads(result.read_text())["results"] == doc["results"]
+    # --eval-coverages: every run again with patterns at 0.8, at evaluation only (read back above, not made again)
+    assert {(r["run"], r["coverage"], r["context"]) for r in doc["coverage_sweep"]} == {
+        ("dense", 0.8, 256), ("sparse-0.95", 0.8, 256)}
+    assert all(0 < r["density"] <= 1 and 0 <= r["needle_kept"] <= 1 for r in doc["coverage_sweep"])
+    assert json.loads(result.read_text())["coverage_sweep"] == doc["coverage_sweep"]
+    assert "at evaluation only" in md
     # With other training settings the same --work is refused before anything runs.
     other = _retrieval_here(root, "--out", str(out), "--work", str(tmp_path / "work"), "--device", "cpu",
                             "--coverages", "0.95", "--tasks", "copy,passkey,multikey", "--mix-from", "128",
@@ -329,6 +336,16 @@ def test_retrieval_bench_smoke_then_attnpool_eval(capsys):
     assert all(0 <= c["needle_kept"] <= 1 and 0 < c["density"] <= 1 for c in evaluated["cells"])
     assert (run / "eval" / "eval.png").stat().st_size > 5000
     assert main(["eval", "--run", str(run), "--depths", "0,2"]) == 2
+    # The dense run with patterns at evaluation only, at another coverage and length; dense refuses a coverage.
+    dense_run = tmp_path / "work" / "dense"
+    assert main(["eval", "--run", str(dense_run), "--contexts", "256", "--depths", "1", "--instances", "1",
+                 "--device", "cpu", "--attention", "sparse", "--sparse-coverage", "0.8",
+                 "--sparse-min-doc-len", "192", "--out", str(tmp_path / "dense-sparse")]) == 0
+    assert "the run trained dense: patterns at evaluation only" in capsys.readouterr().out
+    evaluated = json.loads((tmp_path / "dense-sparse" / "eval.json").read_text())
+    assert (evaluated["attention"], evaluated["coverage"], evaluated["sparse_min_doc_len"],
+            evaluated["trained_dense"]) == ("sparse", 0.8, 192, True)
+    assert main(["eval", "--run", str(dense_run), "--sparse-coverage", "0.8"]) == 2
     assert main(["eval", "--run", str(tmp_path / "nowhere")]) == 2
 
 
@@ -385,6 +402,33 @@ def test_needle_probe_reports_whether_the_patterns_keep_the_needle():
                                   sparse=SparseConfig(coverage=1e-9, slash_cap=16, vertical_cap=4,
                                                       **{**small, "min_doc_len": 512}))
     assert short.density == 1.0
+
+
+def test_eval_gives_a_dense_run_patterns_and_a_sparse_run_another_coverage():
+    """attnpool eval's attention: a run trained dense evaluated sparse gets vertical-slash at its settings' sparse
+    options (defaults unless given); coverage and sparse length replace a run's; dense attention refuses them."""
+    from attnpool.errors import ConfigError
+    from attnpool.train.config import TrainConfig
+    from attnpool.train.evaluate import sparse_config_of
+
+    dense_run = TrainConfig().to_dict()
+    sparse_run = TrainConfig(sparse={"mode": "vertical-slash", "coverage": 0.95, "min_doc_len": 4096,
+                                     "args": {"slash_cap": 256}}).to_dict()
+    assert sparse_config_of(dense_run, "trained") is None
+    patterns = sparse_config_of(dense_run, "sparse")
+    assert (patterns.mode, patterns.coverage, patterns.min_doc_len) == ("vertical-slash", 0.9, 8192)
+    assert sparse_config_of(dense_run, "sparse", coverage=0.8, min_doc_len=32768, block=64).coverage == 0.8
+    assert sparse_config_of(dense_run, "sparse", coverage=None).coverage == 0.9  # None: the run's
+    mine = sparse_config_of(sparse_run, "trained", coverage=0.7)
+    assert (mine.coverage, mine.min_doc_len, mine.slash_cap) == (0.7, 4096, 256)  # the rest the run's
+    assert sparse_config_of(sparse_run, "sparse") == sparse_config_of(sparse_run, "trained")
+    for run, attention in ((dense_run, "trained"), (sparse_run, "dense")):
+        with pytest.raises(ConfigError, match="sparse_coverage.*only with sparse attention"):
+            sparse_config_of(run, attention, coverage=0.8)
+    with pytest.raises(ConfigError, match="sparse_coverage"):
+        sparse_config_of(dense_run, "sparse", coverage=1.5)
+    with pytest.raises(ConfigError, match="width.*not an option"):
+        sparse_config_of(sparse_run, "sparse", width=3)
 
 
 def test_eval_refuses_a_context_that_cannot_fit_in_memory():

@@ -2,6 +2,7 @@
 
     attnpool eval --run runs/retrieval --contexts 4K,8K,16K --depths 0,0.5,1 --instances 50
     attnpool eval --checkpoint runs/retrieval/checkpoints/step-000300 --tasks passkey --attention dense
+    attnpool eval --run runs/retrieval --contexts 64K --attention sparse --sparse-coverage 0.8   # density vs accuracy
 
 Prints a table (task and depth by context), writes ``eval.json`` and ``eval.png`` (a heat map per task) to
 ``--out`` (default: RUN/eval).
@@ -31,7 +32,13 @@ def add_parser(sub) -> None:
     p.add_argument("--depths", default=DEFAULT_DEPTHS, help=f"comma list of needle depths in [0, 1] (default {DEFAULT_DEPTHS})")
     p.add_argument("--instances", type=int, default=20, help="held-out instances per (task, context, depth) (default 20)")
     p.add_argument("--attention", choices=("trained", "dense", "sparse"), default="trained",
-                   help="attention to evaluate with: the run's (default), dense, or the run's sparse options")
+                   help="attention to evaluate with: the run's (default), dense, or vertical-slash with the run's "
+                        "sparse options (a run trained dense: their defaults)")
+    p.add_argument("--sparse-coverage", type=float, default=None, metavar="C",
+                   help="sparse attention at this coverage instead of the run's (with --attention sparse, a run "
+                        "trained dense too: its patterns then exist at evaluation only)")
+    p.add_argument("--sparse-min-doc-len", type=parse_size, default=None, metavar="N",
+                   help="sparse attention for documents of N+ tokens instead of the run's length")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda where available")
     p.add_argument("--batch-tokens", type=parse_size, default=parse_size("64K"),
                    help="tokens per forward pass: instances of one cell packed as documents (default 64K)")
@@ -82,10 +89,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"skipping {bad}: {problem}")
     data_args = settings.get("data_args", {}) if settings.get("data") == "retrieval" else {}
     tasks = args.tasks or data_args.get("task", "passkey")
-    sparse = sparse_config_of(settings, args.attention)
+    sparse = sparse_config_of(settings, args.attention, coverage=args.sparse_coverage,
+                              min_doc_len=args.sparse_min_doc_len)
+    trained_dense = sparse is not None and sparse_config_of(settings, "trained") is None
     check_eval_fits(spec.config, contexts, args.batch_tokens, torch.device(device))
     print(f"attnpool eval: {path} ({settings['model']}, {spec.num_params(model) / 1e6:.1f}M params), "
-          f"{'sparse' if sparse else 'dense'} attention, {args.instances} instances per cell on {device}", flush=True)
+          f"{'sparse' if sparse else 'dense'} attention"
+          + (f" (coverage {sparse.coverage:g} from {sparse.min_doc_len} tokens"
+             + ("; the run trained dense: patterns at evaluation only)" if trained_dense else ")") if sparse else "")
+          + f", {args.instances} instances per cell on {device}", flush=True)
     shape = {k: data_args[k] for k in ("key_len", "num_keys", "hops", "filler") if k in data_args}
     cells = evaluate_retrieval(model, tasks=tasks, contexts=contexts, depths=depths, instances=args.instances,
                                seed=args.seed, sparse=sparse, device=device, batch_tokens=args.batch_tokens, **shape,
@@ -97,7 +109,9 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(cells))
     out = args.out or os.path.join(args.run or os.path.dirname(os.path.dirname(os.path.abspath(path))), "eval")
     meta = {"checkpoint": path, "model": settings["model"], "attention": "sparse" if sparse else "dense",
-            "coverage": sparse.coverage if sparse else None, "instances": args.instances, "seed": args.seed,
+            "coverage": sparse.coverage if sparse else None,
+            "sparse_min_doc_len": sparse.min_doc_len if sparse else None, "trained_dense": trained_dense,
+            "instances": args.instances, "seed": args.seed,
             "filler": shape.get("filler", "random"),
             "title": f"{os.path.basename(path)}: {'sparse' if sparse else 'dense'} attention"}
     json_path, png_path = write_results(cells, out, meta)

@@ -5,7 +5,8 @@ it. Instances come from :func:`attnpool.data.retrieval.eval_instance`, a seed sp
 Several instances of one (task, context, depth) run in one forward as separate documents of one packed
 sequence, planned ``local`` on one rank, so each attends only to itself, as in training. The attention is the
 run's: vertical-slash sparse attention with the run's options where the run trained with it (``attention=
-"dense"`` evaluates a sparse run densely). Accuracy is the exact match of every answer token by the most
+"dense"`` evaluates a sparse run densely; ``attention="sparse"`` a dense run with patterns, and a coverage or
+sparse length other than the run's may be given: :func:`sparse_config_of`). Accuracy is the exact match of every answer token by the most
 likely next token given the right earlier ones, which is what greedy decoding of the answer gives.
 """
 
@@ -73,20 +74,31 @@ class EvalCell:
         return self.correct / self.total if self.total else float("nan")
 
 
-def sparse_config_of(settings: dict, attention: str):
-    """The run's SparseConfig for ``attention`` (None: dense)."""
+def sparse_config_of(settings: dict, attention: str, **options):
+    """The SparseConfig to evaluate a run with (None: dense). ``trained``: the run's own attention; ``sparse``:
+    vertical-slash with the run's sparse options, or, for a run trained dense, with those its settings hold
+    (defaults unless given): the patterns then exist at evaluation only. ``options`` (SparseConfig's fields, e.g.
+    ``coverage``, ``min_doc_len``; None: the run's) replace the run's; they are refused with dense attention."""
+    import dataclasses
+
     from attnpool.train.config import KEYS, TrainConfig
 
     if attention not in ATTENTIONS:
         raise ConfigError("attention", attention, f"choose one of {', '.join(ATTENTIONS)}")
-    if attention == "dense":
-        return None
     config = TrainConfig(**{k: v for k, v in settings.items() if k in KEYS})
     sparse = config.sparse.sparse_config()
     if attention == "sparse" and sparse is None:
-        raise ConfigError("attention", attention, "the run trained with dense attention: give its sparse options "
-                                                  "to train, or evaluate it dense")
-    return sparse
+        sparse = dataclasses.replace(config.sparse, mode="vertical-slash").sparse_config()
+    options = {k: v for k, v in options.items() if v is not None}
+    if attention == "dense" or sparse is None:
+        for name, value in options.items():
+            raise ConfigError(f"sparse_{name}", value, "only with sparse attention (the run trained dense: give "
+                                                       "attention sparse to evaluate it with patterns)")
+        return None
+    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(sparse) if f.init})
+    if unknown:
+        raise ConfigError("sparse options", unknown[0], "not an option of sparse attention")
+    return dataclasses.replace(sparse, **options) if options else sparse
 
 
 class NeedleProbe:

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import sys
 
 import numpy as np
 
+from attnpool.bench.record import write_record
 from attnpool.plan import linear_table, plan_attention
 from attnpool.plan.plan import AttentionShape, Topology
 from attnpool.sim.costs import load_sim_costs
@@ -109,10 +108,7 @@ def main() -> int:
         lines.append(f"| {r['dist']} | {r['max_doc_len'] // 1024}K | {r['gpus']} | {r['tp']} | {r['servers']} "
                      f"({r['servers_per_node']}) | {r['inter_node_bytes_per_step'] / 2**30:.2f} | "
                      f"{r['duplicate_share']:.1%} |")
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{datetime.date.today()}-kv-per-node")
-    json.dump({"command": command, "rows": rows}, open(stem + ".json", "w"), indent=1)
-    open(stem + ".md", "w").write("\n".join(lines) + "\n")
+    write_record(args.out, "kv-per-node", {"command": command, "rows": rows}, lines)
     print("\n".join(lines[-len(rows) - 2:]))
     return 0
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import platform
 import statistics
 import sys
 
+from attnpool.bench.record import write_record
 from attnpool.data.lengths import sample_batches
 from attnpool.plan import PieceTable, default_cost_model, linear_layout, plan_attention
 from attnpool.plan.metrics import PlanMetrics
@@ -100,13 +99,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     rows = bench(args.batches, args.repeats)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{datetime.date.today()}-cpu-plan")
     command = "taskset -c 0 python bench/plan_bench.py " + " ".join(sys.argv[1:])
-    with open(stem + ".json", "w") as f:
-        json.dump({"command": command, "machine": platform.platform(), "rows": rows}, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(markdown(rows, command))
+    stem = write_record(args.out, "cpu-plan", {"command": command, "machine": platform.platform(), "rows": rows},
+                        markdown(rows, command))
     print(f"wrote {stem}.md and .json; all targets met: {all(r['ok'] for r in rows)}")
     return 0
 

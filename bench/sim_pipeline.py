@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import sys
 import time
 
+from attnpool.bench.record import write_record
 from attnpool.sim.pipeline import simulate_pipeline
 from attnpool.sim.simulate import SimConfig
 
@@ -87,10 +86,7 @@ def main() -> int:
                   f"(mean {sum(gains) / len(gains):.1%}); the paper reports {PAPER_WITH_PP}.",
               f"The pooled schedule against 1F1B: {min(pooled):.1%} to {max(pooled):.1%} of the step "
               f"(mean {sum(pooled) / len(pooled):.1%}).", ""]
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{datetime.date.today()}-sim-pipeline{args.suffix}")
-    json.dump({"command": command, "rows": rows}, open(stem + ".json", "w"), indent=1)
-    open(stem + ".md", "w").write("\n".join(lines) + "\n")
+    write_record(args.out, f"sim-pipeline{args.suffix}", {"command": command, "rows": rows}, lines)
     print("\n".join(lines))
     return 0
 

@@ -23,6 +23,7 @@ import os
 import sys
 
 
+from attnpool.bench.record import write_record
 from attnpool.data import DocumentStream, make_source
 from attnpool.sim.pipeline import simulate_pipeline
 from attnpool.sim.simulate import SimConfig
@@ -211,10 +212,8 @@ def main() -> int:
     lines += ["", "Nothing in the simulator was fitted to these runs. The schedule's first form, every stage holding "
                   "the same layers, was checked on the same eight configurations (the simulator within 4.3%): this "
                   "file as of commit 4f1600e."]
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{datetime.date.today()}-sim-pooled-validation")
-    json.dump({"command": command, "measured": args.measured, "rows": rows}, open(stem + ".json", "w"), indent=1)
-    open(stem + ".md", "w").write("\n".join(lines) + "\n")
+    write_record(args.out, "sim-pooled-validation", {"command": command, "measured": args.measured, "rows": rows},
+                 lines)
     print("\n".join(lines))
     return 0
 

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import time
 
 import numpy as np
 
+from attnpool.bench.record import write_record
 from attnpool.data.lengths import SamplingOptions, sample_batches
 from attnpool.model.config import model_config
 from attnpool.plan import linear_table, plan_attention
@@ -106,14 +105,10 @@ def main() -> None:
                     print(f"{dist} {tokens // 1024}K x {gpus:3d} {pattern:8s} density {row['density']:.3f}  "
                           f"local max/mean {row['local_attention_max_over_mean']:.2f}  attention {row['attention_share_local']:.0%} "
                           f"of the step  cad {row['speedup_cad_over_local']:.3f}x", flush=True)
-    os.makedirs(args.out, exist_ok=True)
     doc = {"date": str(datetime.date.today()), "command": f"python bench/sim_sparse.py --out {args.out}",
            "model": "llama3-8b (32 layers), tp 1", "costs": costs.sources, "batches": args.batches,
            "patterns": {"caps": "SparsePrior's start: slash_cap / block diagonals, (vertical_cap - sinks) / 2 columns",
                         "trained": "8 block diagonals, 512 columns"}, "rows": rows, "wall_s": time.perf_counter() - t0}
-    stem = os.path.join(args.out, f"{doc['date']}-sim-sparse")
-    with open(stem + ".json", "w") as fh:
-        json.dump(doc, fh, indent=1)
     lines = ["# Where balancing sparse attention pays: sparse `cad` over sparse `local` (simulated)", "",
              f"{doc['date']}. Command: `{doc['command']}`. Predictions of the step model with sparse task costs, "
              f"not measurements: {doc['model']}, {args.batches} batches per point; "
@@ -124,8 +119,7 @@ def main() -> None:
         lines.append(f"| {r['dist']} | {r['tokens_per_gpu'] // 1024}K | {r['gpus']} | {r['pattern']} | {r['density']:.3f} | "
                      f"{r['local_attention_max_over_mean']:.2f} | {r['attention_share_local']:.0%} | "
                      f"{r['speedup_cad_over_local']:.3f}x |")
-    with open(stem + ".md", "w") as fh:
-        fh.write("\n".join(lines) + "\n")
+    stem = write_record(args.out, "sim-sparse", doc, lines)
     print(f"wrote {stem}.md ({time.perf_counter() - t0:.0f} s)")
 
 

@@ -28,11 +28,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 
 import numpy as np
 
+from attnpool.bench.record import write_record
 from attnpool.data import DocumentStream, make_source
 from attnpool.sim.simulate import SimConfig, simulate_config
 from attnpool.sizes import parse_size
@@ -85,10 +85,7 @@ def predict(args) -> int:
         lines.append(f"| {r['dist']} | {r['tokens_per_gpu'] // 1024}K | {r['dp']} x {r['tp']} | {r['strategy']} | "
                      f"{r['predicted_median_s']:.2f} | {r['predicted_total_s']:.2f} | "
                      f"{local['predicted_total_s'] / r['predicted_total_s']:.2f}x |")
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{datetime.date.today()}-sim-predictions-{args.gpus}gpu-tp")
-    json.dump({"command": command, "rows": rows}, open(stem + ".json", "w"), indent=1)
-    open(stem + ".md", "w").write("\n".join(lines) + "\n")
+    write_record(args.out, f"sim-predictions-{args.gpus}gpu-tp", {"command": command, "rows": rows}, lines)
     print("\n".join(lines))
     return 0
 
@@ -163,12 +160,9 @@ def main() -> int:
     for r in rows:
         lines.append(f"| {r['dist']} | {r['tokens_per_gpu'] // 1024}K | {r['strategy']} | {r['measured_total_s']:.2f} | "
                      f"{r['predicted_total_s']:.2f} | {r['error_total']:+.1%} | {r['error_per_step_mean_abs']:.1%} |")
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{datetime.date.today()}-sim-validation" + (f"-{args.name}" if args.name else ""))
-    json.dump({"measured": args.measured, "run": args.run, "intra_gibps": args.intra_gibps,
-               "shared_link": args.shared_link, "target": TARGET,
-               "rows": rows}, open(stem + ".json", "w"), indent=1)
-    open(stem + ".md", "w").write("\n".join(lines) + "\n")
+    write_record(args.out, "sim-validation" + (f"-{args.name}" if args.name else ""),
+                 {"measured": args.measured, "run": args.run, "intra_gibps": args.intra_gibps,
+                  "shared_link": args.shared_link, "target": TARGET, "rows": rows}, lines)
     print("\n".join(lines[-len(rows) - 2:]))
     return 0
 

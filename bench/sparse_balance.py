@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 
 import numpy as np
 
+from attnpool.bench.record import write_record
 from attnpool.data.lengths import sample_batches
 from attnpool.plan import default_cost_model, linear_table, plan_attention
 from attnpool.plan.cost import doc_costs
@@ -70,10 +69,7 @@ def main() -> int:
                      f"{r['cad_dense_plan']:.3f} | {r['cad_sparse_plan']:.3f} | {r['plan_ms']:.0f} |")
     worst = max(r["cad_sparse_plan"] for r in rows)
     lines += ["", f"Worst cad (sparse plan): {worst:.3f} (target <= 1.05)."]
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{datetime.date.today()}-cpu-sparse-balance")
-    json.dump({"rows": rows, "worst_cad_sparse": worst}, open(stem + ".json", "w"), indent=1)
-    open(stem + ".md", "w").write("\n".join(lines) + "\n")
+    write_record(args.out, "cpu-sparse-balance", {"rows": rows, "worst_cad_sparse": worst}, lines)
     print(lines[-1])
     return 0
 

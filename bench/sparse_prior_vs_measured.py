@@ -13,13 +13,12 @@ the attention max/mean by the prior (what the run logs) and by the real patterns
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 
 import numpy as np
 import torch
 
+from attnpool.bench.record import write_record
 from attnpool.data import DocumentStream
 from attnpool.plan import linear_table, load_cost_model, plan_attention
 from attnpool.plan.metrics import imbalance
@@ -110,14 +109,10 @@ def main() -> None:
           f"{mean['local_measured']:.3f} cad {mean['cad_measured']:.3f}; cad's busiest server above local's in "
           f"{worse} of {len(rows)} steps by the real patterns")
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, f"{datetime.date.today()}-cpu-sparse-prior-vs-measured")
         doc = {"command": f"python bench/sparse_prior_vs_measured.py --run {args.run} --steps {args.steps}",
                "checkpoint": path, "sparse": {k: getattr(sparse, k) for k in ("coverage", "min_doc_len", "block",
                                                                                "slash_cap", "vertical_cap")},
                "mean": mean, "cad_above_local_measured_steps": worse, "rows": rows}
-        with open(stem + ".json", "w") as fh:
-            json.dump(doc, fh, indent=1)
         lines = ["# Sparse balance: the planning prior against a trained model's patterns", "",
                  f"Command: `{doc['command']}` (checkpoint `{os.path.basename(path)}`; the batches of the run's first "
                  f"{args.steps} steps, every sparse layer's real patterns estimated as training does).", "",
@@ -128,8 +123,7 @@ def main() -> None:
         lines += ["", f"Means: prior local {mean['local_prior']:.3f}, cad {mean['cad_prior']:.3f}; measured local "
                       f"{mean['local_measured']:.3f}, cad {mean['cad_measured']:.3f}. By the real patterns cad's busiest "
                       f"server carries more than local's in {worse} of {len(rows)} steps."]
-        with open(stem + ".md", "w") as fh:
-            fh.write("\n".join(lines) + "\n")
+        write_record(args.out, "cpu-sparse-prior-vs-measured", doc, lines)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,19 @@
 #!/usr/bin/env python3
 """Does sparse training keep long-range quality? Dense and vertical-slash training on retrieval tasks (issue 26).
 
-The same Llama-style model (189M parameters: 16 layers, dim 1024, 8 query / 4 KV heads of 128, vocab 128), the
-same initial weights (seed) and the same batches (``--data retrieval``, answer-only loss), trained three times:
-dense, and vertical-slash sparse at coverages 0.95 and 0.9. A curriculum of rising context (256, 1K, 4K, 8K,
-16K tokens per document; 16K tokens a step up to 1K, then 64K, and 128K at 16K; ``--max-context`` 32K or 64K
-carries it on at 128K tokens a step) teaches dense attention the
-look-up at short contexts, where a step holds many documents (copies of random spans beside passkeys, RoPE base
-1e4), then carries it out to the longest (passkeys and multi-key needles with every key asked, RoPE base 5e5,
-as long-context extension raises it; why: the comment on ``GPU_CURRICULUM``). Documents of at least 8K tokens
-(``--sparse-min-doc-len``) are sparse in the sparse runs, so the stages before are the same in every run: they are trained once, and the
-sparse runs continue from a copy of the dense run at that point (weights, optimizer, data position), as sparse
-training that continues a dense model's would. ``--mix-from N`` mixes document lengths from N up to each later
-stage's context (``min_context``); a stage mixing lengths up to exactly the sparse threshold then counts as
-shared (its rare documents of that length are trained dense in every run).
+The same Llama-style model (189M parameters: 16 layers, dim 1024, 8 query / 4 KV heads of 128, vocab 128), the same
+initial weights (seed) and the same batches (``--data retrieval``, answer-only loss), trained three times: dense,
+and vertical-slash sparse at coverages 0.95 and 0.9. A curriculum of rising context (256, 1K, 4K, 8K, 16K tokens per
+document; 16K tokens a step up to 1K, then 64K, and 128K at 16K; ``--max-context`` 32K or 64K carries it on at 128K
+tokens a step) teaches dense attention the look-up at short contexts, where a step holds many documents (copies of
+random spans beside passkeys, RoPE base 1e4), then carries it out to the longest (passkeys and multi-key needles
+with every key asked, RoPE base 5e5, as long-context extension raises it; why: the comment on ``GPU_CURRICULUM``).
+Documents of at least 8K tokens (``--sparse-min-doc-len``) are sparse in the sparse runs, so the stages before are
+the same in every run: they are trained once, and the sparse runs continue from a copy of the dense run at that
+point (weights, optimizer, data position), as sparse training that continues a dense model's would. ``--mix-from N``
+mixes document lengths from N up to each later stage's context (``min_context``); a stage mixing lengths up to
+exactly the sparse threshold then counts as shared (its rare documents of that length are trained dense in every
+run).
 Each stage is one ``attnpool train`` process resuming the last one's checkpoint (the schedule spans all
 stages; ``--stop-at`` ends each). Then every run is evaluated on held-out instances at every trained context
 from 4K up (``attnpool.train.evaluate``, each run with the attention it trained with).
@@ -21,18 +21,19 @@ from 4K up (``attnpool.train.evaluate``, each run with the attention it trained 
 The filler (``--filler``) is random words or real text. Over random words a model's attention spreads wide, so
 sparse patterns that cover 90-95% of it keep most blocks (density 0.90-0.955 at 8K-16K on 2026-11-27). Over
 text, trained as language in the first stage (``--loss all-first``), it may concentrate as a language model's
-does: the sparse patterns' density at each context is measured and recorded beside the accuracy (issue 45).
+does: the sparse patterns' density at each context is measured and recorded beside the accuracy (issue 45). On
+2026-11-28 it did not, at 32K and 64K (density 0.89 and 0.70 at coverage 0.9).
 
 A run of the script ended by its budget goes on where it stopped when called again with the same ``--work``
 (finished stages are skipped, finished evaluations read back from ``RUN/retrieval-eval.json``), so the
 experiment can span several shorter calls.
 
-Writes to ``--out``: ``<date>-<gpu>-retrieval.json`` (``results``: a list of ``{"attention", "coverage",
-"context", "accuracy", "density"}``, passkey accuracy over all depths and the sparse layers' measured density
-there, 1.0 dense; ``details``: every task and depth; ``coverage_sweep``: with ``--eval-coverages``, every run
-evaluated again with vertical-slash patterns at each of those coverages, at evaluation only), a
-Markdown file of the same name with the commands, the model, the loss curves and the accuracy heat maps
-(PNGs next to it). Runs and checkpoints go to ``--work`` (a temporary directory by default).
+Writes to ``--out``: ``<date>-<gpu>-retrieval.json`` (``-retrieval-text`` with text filler; ``results``: a list of
+``{"attention", "coverage", "context", "accuracy", "density"}``, passkey accuracy over all depths and the sparse
+layers' measured density there, 1.0 dense; ``details``: every task and depth; ``coverage_sweep``: with
+``--eval-coverages``, every run evaluated again with vertical-slash patterns at each of those coverages, at
+evaluation only), a Markdown file of the same name with the commands, the model, the loss curves and the accuracy
+heat maps (PNGs next to it). Runs and checkpoints go to ``--work`` (a temporary directory by default).
 
     PYTHONPATH=src python3 bench/retrieval.py --out bench/results                 # one GPU, ~20 minutes
     PYTHONPATH=src python3 bench/retrieval.py --out /tmp/r --device cpu           # smoke test, tiny model, 1-2 min
@@ -158,6 +159,55 @@ def train_command(run_dir: str, attention: str, coverage: float | None, stage: S
     return cmd
 
 
+# A stage does not start this close to --deadline-s (it could not make a step and checkpoint before it; a SIGTERM
+# while it still imports would end it unsaved), and one stopped there has this long to checkpoint before a SIGKILL.
+START_MARGIN_S = 60.0
+STOP_GRACE_S = 120.0
+
+
+class Clock:
+    """The script's time: no stage or evaluation starts once ``budget_s`` is spent; a stage still running at
+    ``deadline_s`` is stopped (``stopped`` then), none starts within START_MARGIN_S of it, and no evaluation that
+    would not end before it, judged by the longest one so far."""
+
+    def __init__(self, budget_s: float, deadline_s: float | None):
+        self.start, self.budget_s, self.deadline_s = time.perf_counter(), budget_s, deadline_s
+        self.stopped, self.longest_evaluation = False, 0.0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def stage_seconds_left(self) -> float | None:
+        return None if self.deadline_s is None else self.deadline_s - self.elapsed()
+
+    def may_start_stage(self) -> bool:
+        return not self.stopped and self.elapsed() < self.budget_s and (
+            self.deadline_s is None or self.elapsed() < self.deadline_s - START_MARGIN_S)
+
+    def may_start_evaluation(self) -> bool:
+        return not self.stopped and self.elapsed() < self.budget_s and (
+            self.deadline_s is None or self.elapsed() + self.longest_evaluation < self.deadline_s)
+
+    def evaluated(self, seconds: float) -> None:
+        self.longest_evaluation = max(self.longest_evaluation, seconds)
+
+    def why_not(self, evaluation: bool = False) -> str:
+        if self.stopped:
+            return "--deadline-s reached"
+        if self.elapsed() >= self.budget_s:
+            return "budget spent"
+        return "too close to --deadline-s" + (" for its length" if evaluation else "")
+
+
+def copy_run(src: str, dst: str) -> None:
+    """``dst`` a copy of the run directory ``src``, whole or not at all (copied beside it, then renamed)."""
+    part = dst + ".copying"
+    shutil.rmtree(part, ignore_errors=True)
+    shutil.copytree(src, part)
+    shutil.rmtree(dst, ignore_errors=True)
+    os.rename(part, dst)
+
+
 def coverage_list(ap, flag: str, text: str) -> list[float]:
     """A comma list of coverages, each in (0, 1], or the parser's error naming ``flag``."""
     try:
@@ -171,14 +221,19 @@ def coverage_list(ap, flag: str, text: str) -> list[float]:
 
 def run_stage(cmd: list[str], env: dict, seconds: float | None) -> tuple[subprocess.CompletedProcess, bool]:
     """The stage's ``attnpool train`` to its end, or, still running after ``seconds``, stopped with SIGTERM (it
-    finishes its step and checkpoints, so a later call goes on from there); and whether it was stopped."""
+    finishes its step and checkpoints, so a later call goes on from there; killed if it has not ended
+    STOP_GRACE_S later); and whether it was stopped."""
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=None if seconds is None else max(seconds, 0.0))
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err), False
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate()
+        try:
+            out, err = proc.communicate(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:  # (no checkpoint within the grace: ended unsaved)
+            proc.kill()
+            out, err = proc.communicate()
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err), True
 
 
@@ -328,7 +383,7 @@ def main() -> int:
                     help="mix document lengths from N tokens up to each later stage's context (data min_context; "
                          "default: every document of the stage's length)")
     args = ap.parse_args()
-    t_start = time.perf_counter()
+    clock = Clock(args.budget_s, args.deadline_s)
     from attnpool.data.retrieval import parse_tasks
     from attnpool.errors import ConfigError
     from attnpool.train.checkpoint import finished_checkpoints
@@ -339,7 +394,8 @@ def main() -> int:
     if args.long_rope_theta is not None and not args.long_rope_theta > 0:
         ap.error(f"--long-rope-theta {args.long_rope_theta}: must be positive")
     stages = (GPU_CURRICULUM + GPU_LONG_STAGES) if gpu else (CPU_CURRICULUM + CPU_LONG_STAGES)
-    max_context = args.max_context or (GPU_CURRICULUM if gpu else CPU_CURRICULUM)[-1].context
+    max_context = (GPU_CURRICULUM if gpu else CPU_CURRICULUM)[-1].context if args.max_context is None \
+        else args.max_context
     if max_context not in {stage.context for stage in stages}:
         ap.error(f"--max-context {args.max_context}: not a stage's context; choose one of "
                  f"{', '.join(tokens_text(stage.context) for stage in stages)}")
@@ -351,6 +407,8 @@ def main() -> int:
             setup[name] = value
     if setup["eval_min_context"] > max_context:
         ap.error(f"--eval-min-context {setup['eval_min_context']}: beyond the longest stage's {max_context} tokens")
+    if args.deadline_s is not None and not args.deadline_s > 0:
+        ap.error(f"--deadline-s {args.deadline_s}: must be positive")
     # The stages as run: --max-context, --tasks, --steps-scale, --long-rope-theta and --loss applied.
     curriculum = [stage._replace(steps=max(1, round(stage.steps * args.steps_scale)),
                                  tasks=args.tasks or stage.tasks or DEFAULT_TASKS,
@@ -366,6 +424,9 @@ def main() -> int:
         setup["lr"] = args.lr
     coverages, eval_coverages = (coverage_list(ap, flag, text) for flag, text in
                                  (("--coverages", args.coverages), ("--eval-coverages", args.eval_coverages)))
+    if (coverages or eval_coverages) and setup["sparse_min_doc_len"] > max_context:
+        ap.error(f"--sparse-min-doc-len {setup['sparse_min_doc_len']}: no stage reaches it (the longest holds "
+                 f"{max_context}-token documents), so nothing would be sparse")
     if gpu:
         import torch
 
@@ -396,6 +457,9 @@ def main() -> int:
         earlier = read_json(settings_path)
         if isinstance(earlier, dict):  # (written before filler and loss were options: those runs had the defaults)
             earlier = {"filler": "random", "loss": "answer", **earlier}
+            for stage in earlier.get("curriculum", []):  # (and before each stage had its own: the run's)
+                if isinstance(stage, dict):
+                    stage.setdefault("loss", earlier["loss"])
         if earlier != training:
             differ = sorted(k for k in set(training) | set(earlier or {}) if (earlier or {}).get(k) != training.get(k))
             ap.error(f"--work {work}: holds runs trained with other settings ({', '.join(differ) or 'unreadable'}); "
@@ -414,13 +478,11 @@ def main() -> int:
                      and stage.context > args.mix_from))
     branch = os.path.join(work, "dense-branch")
     commands, unfinished, stage_seconds = [], [], {}
-    past_deadline = False
     for attention, coverage in variants:
-        if past_deadline:
-            unfinished.append(f"{attention if coverage is None else f'sparse-{coverage:g}'}: not trained "
-                              "(--deadline-s reached)")
-            continue
         name = attention if coverage is None else f"sparse-{coverage:g}"
+        if clock.stopped:
+            unfinished.append(f"{name}: not trained (--deadline-s reached)")
+            continue
         run_dir = os.path.join(work, name)
         first = 0
         if attention == "sparse" and shared:
@@ -428,8 +490,7 @@ def main() -> int:
                 unfinished.append(f"{name}: no dense run to branch from")
                 continue
             if not read_rows(run_dir):  # (a run begun by an earlier call of this script goes on)
-                shutil.rmtree(run_dir, ignore_errors=True)
-                shutil.copytree(branch, run_dir)
+                copy_run(branch, run_dir)
             first = shared
         stop_at = sum(stage.steps for stage in curriculum[:first])
         for i, stage in enumerate(curriculum[first:], start=first):
@@ -437,44 +498,51 @@ def main() -> int:
             stop_at += steps
             saved = finished_checkpoints(run_dir)
             # A later stage, or a stage an earlier call stopped part-way (SIGTERM checkpoints), goes on from the
-            # run's last checkpoint; a first stage that left none starts again.
+            # run's last checkpoint; a first stage that left none starts again (over its metrics, if any).
             command = lambda resume: train_command(run_dir, attention, coverage, stage, stop_at,  # noqa: E731
                                                    total_steps, resume, args, setup, model)
             commands.append(" ".join(["python", *command(stop_at > steps)[1:]]))  # as the curriculum runs it
-            cmd = command(stop_at > steps or bool(saved))
+            resume = stop_at > steps or bool(saved)
+            cmd = command(resume) + ([] if resume or not read_rows(run_dir) else ["--overwrite"])
             # Done by an earlier call with the same --work: its checkpoint says so (a metrics row alone does not,
             # where that call was cut off after the step and before the checkpoint).
             if saved and saved[-1][0] >= stop_at:
                 print(f"        {name}: context {context} done before (step {saved[-1][0]})", flush=True)
-                continue
-            left = args.budget_s - (time.perf_counter() - t_start)
-            if left <= 0:
-                unfinished.append(f"{name}: stage {context} and later (budget spent)")
+            elif not clock.may_start_stage():
+                unfinished.append(f"{name}: stage {context} and later ({clock.why_not()})")
                 break
-            print(f"[{time.perf_counter() - t_start:6.0f} s] {name}: context {context}, steps {stop_at - steps + 1}.."
-                  f"{stop_at} of {total_steps}", flush=True)
-            t0 = time.perf_counter()
-            done, stopped = run_stage(cmd, env, None if args.deadline_s is None
-                                      else args.deadline_s - (time.perf_counter() - t_start))
-            stage_seconds[f"{name}@{context}"] = time.perf_counter() - t0
-            rows = read_rows(run_dir)
-            if stopped:
-                unfinished.append(f"{name}: stage {context} stopped by --deadline-s at step "
-                                  f"{rows[-1]['step'] if rows else '?'} (checkpointed: the same --work goes on)")
-                past_deadline = True
+            else:
+                print(f"[{clock.elapsed():6.0f} s] {name}: context {context}, steps {stop_at - steps + 1}.."
+                      f"{stop_at} of {total_steps}", flush=True)
+                t0 = time.perf_counter()
+                done, stopped = run_stage(cmd, env, clock.stage_seconds_left())
+                stage_seconds[f"{name}@{context}"] = time.perf_counter() - t0
+                rows, after = read_rows(run_dir), finished_checkpoints(run_dir)
+                if stopped or done.returncode != 0:
+                    print(done.stdout[-2000:], done.stderr[-4000:], sep="\n", file=sys.stderr)
+                if stopped:
+                    clock.stopped = True
+                    kept = (f"checkpointed at step {after[-1][0]}: the same --work goes on from there"
+                            if after and after[-1][0] > stop_at - steps else
+                            f"no checkpoint written (exit {done.returncode}): the stage starts again")
+                    unfinished.append(f"{name}: stage {context} stopped by --deadline-s ({kept})")
+                elif done.returncode != 0:
+                    unfinished.append(f"{name}: stage {context} failed (exit {done.returncode})")
+                    break
+                else:
+                    last = rows[-1] if rows else {}
+                    print(f"        {stage_seconds[f'{name}@{context}']:.0f} s, loss "
+                          f"{last.get('loss', float('nan')):.3f}, {last.get('tokens_per_s', 0) / 1e3:.1f}K tokens/s"
+                          + (f", attention density {last['attention_density']:.3f}" if last.get("attention_density")
+                             else ""), flush=True)
+            # The sparse runs' start: the dense run as it ends its last shared stage, copied while that stage's
+            # checkpoint is its newest (whichever call, and however the stage ended, saw it first).
+            if attention == "dense" and i + 1 == shared and not os.path.isdir(branch):
+                newest = finished_checkpoints(run_dir)
+                if newest and newest[-1][0] == stop_at:
+                    copy_run(run_dir, branch)
+            if clock.stopped:
                 break
-            if done.returncode != 0:
-                print(done.stdout[-2000:], done.stderr[-4000:], sep="\n", file=sys.stderr)
-                unfinished.append(f"{name}: stage {context} failed (exit {done.returncode})")
-                break
-            if attention == "dense" and i + 1 == shared:
-                shutil.rmtree(branch, ignore_errors=True)
-                shutil.copytree(run_dir, branch)
-            last = rows[-1] if rows else {}
-            print(f"        {stage_seconds[f'{name}@{context}']:.0f} s, loss {last.get('loss', float('nan')):.3f}, "
-                  f"{last.get('tokens_per_s', 0) / 1e3:.1f}K tokens/s"
-                  + (f", attention density {last['attention_density']:.3f}" if last.get("attention_density") else ""),
-                  flush=True)
 
     # Evaluation: each finished run with the attention it trained with, at every trained context from the minimum up.
     from attnpool.train.evaluate import evaluate_retrieval, plot_heatmap, sparse_config_of
@@ -507,10 +575,11 @@ def main() -> int:
         if not checkpoints or checkpoints[-1][0] < total_steps:
             continue  # unfinished: not evaluated (named in unfinished)
         made, left = run_evaluations(run_dir, eval_key, ["trained", *sweep], evaluate,
-                                     lambda: time.perf_counter() - t_start < args.budget_s and not past_deadline,
-                                     lambda label, s: print(f"[{time.perf_counter() - t_start:6.0f} s] evaluated "
-                                                            f"{name} ({label}) in {s:.0f} s", flush=True))
-        unfinished += [f"{name}: evaluation {label} (budget spent)" for label in left]
+                                     clock.may_start_evaluation,
+                                     lambda label, s: clock.evaluated(s) or print(
+                                         f"[{clock.elapsed():6.0f} s] evaluated {name} ({label}) in {s:.0f} s",
+                                         flush=True))
+        unfinished += [f"{name}: evaluation {label} ({clock.why_not(evaluation=True)})" for label in left]
         for label, cells in made.items():
             for context in eval_contexts:
                 mine = [c for c in cells if c.task == "passkey" and c.context == context]
@@ -534,7 +603,7 @@ def main() -> int:
             heatmaps[name] = cells
 
     gpu_name = device_name(args.device)
-    stem = f"{datetime.date.today()}-{gpu_name}-retrieval"
+    stem = f"{datetime.date.today()}-{gpu_name}-retrieval" + ("-text" if args.filler == "text" else "")
     loss_png = f"{stem}-loss.png"
     boundaries, at = [], 0
     for stage in curriculum:
@@ -556,11 +625,11 @@ def main() -> int:
                                                         "instances": setup["eval_instances"], "contexts": eval_contexts},
            "results": results, "details": details, "coverage_sweep": swept, "unfinished": unfinished,
            "final_loss": {k: (v[-1]["loss"] if v else None) for k, v in runs.items()},
-           "stage_seconds": stage_seconds, "wall_s": time.perf_counter() - t_start, "train_commands": commands}
+           "stage_seconds": stage_seconds, "wall_s": clock.elapsed(), "train_commands": commands}
     with open(os.path.join(args.out, f"{stem}.json"), "w") as fh:
         json.dump(doc, fh, indent=1)
     write_markdown(os.path.join(args.out, f"{stem}.md"), doc, loss_png, [f"{stem}-{n}.png" for n in heatmaps])
-    print(f"wrote {os.path.join(args.out, stem)}.json and .md ({time.perf_counter() - t_start:.0f} s)")
+    print(f"wrote {os.path.join(args.out, stem)}.json and .md ({clock.elapsed():.0f} s)")
     return 0 if not unfinished else 1
 
 

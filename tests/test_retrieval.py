@@ -235,8 +235,9 @@ def _retrieval_bench(root):
     return script
 
 
-def _retrieval_here(root, *args):
-    """bench/retrieval.py ARGS in this process, reported as a finished process would be."""
+def _retrieval_here(root, *args, patch=None):
+    """bench/retrieval.py ARGS in this process (``patch(module)`` first, where given), reported as a finished
+    process would be."""
     import contextlib
     import io
     import subprocess
@@ -244,6 +245,8 @@ def _retrieval_here(root, *args):
     from unittest import mock
 
     script = _retrieval_bench(root)
+    if patch is not None:
+        patch(script)
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), \
             mock.patch.object(sys, "argv", ["retrieval.py", *args]):
@@ -263,7 +266,7 @@ def retrieval_smoke(tmp):
     script = str(background.ROOT / "bench" / "retrieval.py")
     return tmp, background.run([sys.executable, script, "--out", str(tmp / "out"), "--work", str(tmp / "work"),
                                 "--device", "cpu", "--coverages", "0.95", "--tasks", "copy,passkey,multikey",
-                                "--mix-from", "128", "--filler", "text", "--loss", "all-first", "--eval-coverages", "0.8"],
+                                "--mix-from", "128", "--filler", "text", "--loss", "all-first", "--eval-coverages", "0.05"],
                                 timeout=600)
 
 
@@ -278,7 +281,7 @@ def test_retrieval_bench_smoke_then_attnpool_eval(capsys):
     tmp_path, done = retrieval_smoke.result()
     out = tmp_path / "out"
     assert done.returncode == 0, done.stderr[-3000:]
-    (result,) = out.glob("*-cpu-retrieval.json")
+    (result,) = out.glob("*-cpu-retrieval-text.json")  # (text filler)
     doc = json.loads(result.read_text())
     assert {(r["attention"], r["coverage"], r["context"]) for r in doc["results"]} == {
         ("dense", None, 256), ("sparse", 0.95, 256)}
@@ -302,13 +305,15 @@ def test_retrieval_bench_smoke_then_attnpool_eval(capsys):
     # (In this process: nothing starts a worker.)
     again = _retrieval_here(root, "--out", str(out), "--work", str(tmp_path / "work"), "--device", "cpu",
                             "--coverages", "0.95", "--tasks", "copy,passkey,multikey", "--mix-from", "128",
-                            "--filler", "text", "--loss", "all-first", "--eval-coverages", "0.8")
+                            "--filler", "text", "--loss", "all-first", "--eval-coverages", "0.05")
     assert again.returncode == 0 and "evaluated" not in again.stdout and "steps" not in again.stdout
     assert json.loads(result.read_text())["results"] == doc["results"]
-    # --eval-coverages: every run again with patterns at 0.8, at evaluation only (read back above, not made again)
+    # --eval-coverages: every run again with patterns at 0.05, at evaluation only (read back above, not made
+    # again); so low a coverage keeps fewer pairs than the sparse run's own 0.95 (its forced sinks and band remain)
     assert {(r["run"], r["coverage"], r["context"]) for r in doc["coverage_sweep"]} == {
-        ("dense", 0.8, 256), ("sparse-0.95", 0.8, 256)}
-    assert all(0 < r["density"] <= 1 and 0 <= r["needle_kept"] <= 1 for r in doc["coverage_sweep"])
+        ("dense", 0.05, 256), ("sparse-0.95", 0.05, 256)}
+    trained_density = next(r["density"] for r in doc["results"] if r["attention"] == "sparse")
+    assert all(0 < r["density"] < trained_density and 0 <= r["needle_kept"] <= 1 for r in doc["coverage_sweep"])
     assert json.loads(result.read_text())["coverage_sweep"] == doc["coverage_sweep"]
     assert "at evaluation only" in md
     # With other training settings the same --work is refused before anything runs.
@@ -340,12 +345,17 @@ def test_retrieval_bench_smoke_then_attnpool_eval(capsys):
     dense_run = tmp_path / "work" / "dense"
     assert main(["eval", "--run", str(dense_run), "--contexts", "256", "--depths", "1", "--instances", "1",
                  "--device", "cpu", "--attention", "sparse", "--sparse-coverage", "0.8",
-                 "--sparse-min-doc-len", "192", "--out", str(tmp_path / "dense-sparse")]) == 0
+                 "--sparse-min-doc-len", "192"]) == 0
     assert "the run trained dense: patterns at evaluation only" in capsys.readouterr().out
-    evaluated = json.loads((tmp_path / "dense-sparse" / "eval.json").read_text())
+    # (beside the run's own evaluation, not over it)
+    evaluated = json.loads((dense_run / "eval-sparse-coverage-0.8-min-doc-len-192" / "eval.json").read_text())
     assert (evaluated["attention"], evaluated["coverage"], evaluated["sparse_min_doc_len"],
             evaluated["trained_dense"]) == ("sparse", 0.8, 192, True)
+    assert evaluated["title"].endswith("sparse attention, coverage 0.8")
     assert main(["eval", "--run", str(dense_run), "--sparse-coverage", "0.8"]) == 2
+    assert "sparse_coverage=0.8: only with sparse attention: the run trained dense" in capsys.readouterr().err
+    assert main(["eval", "--run", str(run), "--attention", "dense", "--sparse-coverage", "0.8"]) == 2
+    assert "--sparse-coverage=0.8: only with sparse attention: --attention dense" in capsys.readouterr().err
     assert main(["eval", "--run", str(tmp_path / "nowhere")]) == 2
 
 
@@ -365,6 +375,58 @@ def test_retrieval_bench_stops_a_stage_past_its_deadline_with_sigterm():
     assert not stopped and done.returncode == 0 and done.stdout == "trained\n"
 
 
+# The first call, in its own process: bench/retrieval.py with every stage run whole and reported stopped (as
+# when --deadline-s's SIGTERM comes in the end's export, after the last step's checkpoint).
+_STOPPED_AT_ITS_END = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("retrieval_bench", sys.argv[1])
+script = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(script)
+whole = script.run_stage
+script.run_stage = lambda cmd, env, seconds: (whole(cmd, env, None)[0], True)
+sys.argv = sys.argv[1:]
+sys.exit(script.main())
+"""
+
+
+@background.job("test_retrieval_bench_goes_on_after_a_stage_stopped_late_or_cut_before_its_checkpoint")
+def retrieval_stopped_then_cut(tmp):
+    """A call whose first stage is stopped after its checkpoint; then, the dense run's checkpoints removed (as if
+    cut before them), a second call with the same --work: ``tmp``, the first call, what its record left
+    unfinished, whether it made the sparse runs' branch, and the second call."""
+    import shutil
+    import sys
+
+    script = str(background.ROOT / "bench" / "retrieval.py")
+    args = ["--out", str(tmp / "out"), "--work", str(tmp / "work"), "--device", "cpu", "--coverages", "0.95",
+            "--eval-instances", "1"]
+    first = background.run([sys.executable, "-c", _STOPPED_AT_ITS_END, script, *args], timeout=600)
+    records = list((tmp / "out").glob("*-cpu-retrieval.json"))
+    unfinished = json.loads(records[0].read_text())["unfinished"] if records else None
+    branched = (tmp / "work" / "dense-branch" / "checkpoints").is_dir()
+    shutil.rmtree(tmp / "work" / "dense" / "checkpoints", ignore_errors=True)
+    return tmp, first, unfinished, branched, background.run([sys.executable, script, *args], timeout=600)
+
+
+def test_retrieval_bench_goes_on_after_a_stage_stopped_late_or_cut_before_its_checkpoint():
+    """Two ways a call can end a stage badly, then the next call with the same --work:
+    - stopped by --deadline-s after it had checkpointed its last step (the SIGTERM came in the end's export):
+      the sparse runs still branch from it;
+    - cut after its metrics and before any checkpoint (a machine's wall limit): a first stage starts again over
+      its metrics."""
+    tmp, first, unfinished, branched, second = retrieval_stopped_then_cut.result()
+    assert first.returncode == 1, first.stderr[-2000:]
+    assert unfinished == ["dense: stage 128 stopped by --deadline-s (checkpointed at step 2: the same --work goes on "
+                          "from there)", "sparse-0.95: not trained (--deadline-s reached)"]
+    assert branched  # made from the stopped stage's checkpoint
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "dense: context 128, steps 1..2" in second.stdout and "sparse-0.95: context 256" in second.stdout
+    # (the second call's record: the newest, should the date have changed between the calls)
+    record = max((tmp / "out").glob("*-cpu-retrieval.json"), key=lambda path: path.stat().st_mtime)
+    assert {(r["attention"], r["context"]) for r in json.loads(record.read_text())["results"]} == {
+        ("dense", 256), ("sparse", 256)}
+
+
 def test_retrieval_bench_refuses_a_curriculum_it_does_not_have():
     """--max-context names one of the curriculum's stages; the evaluation cannot start beyond the longest."""
     import os
@@ -374,6 +436,8 @@ def test_retrieval_bench_refuses_a_curriculum_it_does_not_have():
     assert wrong.returncode == 2 and "--max-context 1000: not a stage's context; choose one of 128, 256, 512" in wrong.stderr
     beyond = _retrieval_here(root, "--out", "/nonexistent", "--device", "cpu", "--eval-min-context", "1K")
     assert beyond.returncode == 2 and "--eval-min-context 1024: beyond the longest stage's 256 tokens" in beyond.stderr
+    unreached = _retrieval_here(root, "--out", "/nonexistent", "--device", "cpu", "--sparse-min-doc-len", "512")
+    assert unreached.returncode == 2 and "--sparse-min-doc-len 512: no stage reaches it" in unreached.stderr
 
 
 def test_needle_probe_reports_whether_the_patterns_keep_the_needle():
@@ -422,9 +486,10 @@ def test_eval_gives_a_dense_run_patterns_and_a_sparse_run_another_coverage():
     mine = sparse_config_of(sparse_run, "trained", coverage=0.7)
     assert (mine.coverage, mine.min_doc_len, mine.slash_cap) == (0.7, 4096, 256)  # the rest the run's
     assert sparse_config_of(sparse_run, "sparse") == sparse_config_of(sparse_run, "trained")
-    for run, attention in ((dense_run, "trained"), (sparse_run, "dense")):
-        with pytest.raises(ConfigError, match="sparse_coverage.*only with sparse attention"):
-            sparse_config_of(run, attention, coverage=0.8)
+    with pytest.raises(ConfigError, match="sparse_coverage.*only with sparse attention: the run trained dense"):
+        sparse_config_of(dense_run, "trained", coverage=0.8)
+    with pytest.raises(ConfigError, match="sparse_coverage.*only with sparse attention: attention dense"):
+        sparse_config_of(sparse_run, "dense", coverage=0.8)
     with pytest.raises(ConfigError, match="sparse_coverage"):
         sparse_config_of(dense_run, "sparse", coverage=1.5)
     with pytest.raises(ConfigError, match="width.*not an option"):

@@ -5,7 +5,8 @@
     attnpool eval --run runs/retrieval --contexts 64K --attention sparse --sparse-coverage 0.8   # density vs accuracy
 
 Prints a table (task and depth by context), writes ``eval.json`` and ``eval.png`` (a heat map per task) to
-``--out`` (default: RUN/eval).
+``--out`` (default: RUN/eval; with ``--sparse-coverage`` or ``--sparse-min-doc-len``, a folder of its own beside
+it, RUN/eval-sparse-coverage-C-min-doc-len-N with only the options given).
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ def add_parser(sub) -> None:
                    help="sparse attention: also report how often each layer's pattern lets the answer's first query "
                         "reach the asked value (needle_kept in eval.json)")
     p.add_argument("--seed", type=int, default=0, help="seed of the held-out instances (default 0)")
-    p.add_argument("--out", metavar="DIR", help="where eval.json and eval.png go (default RUN/eval)")
+    p.add_argument("--out", metavar="DIR",
+                   help="where eval.json and eval.png go (default RUN/eval; with --sparse-coverage or "
+                        "--sparse-min-doc-len, RUN/eval-sparse-coverage-C-min-doc-len-N, only the options given)")
     p.add_argument("--allow-unverified", action="store_true",
                    help="read a checkpoint without a manifest (its files' sizes are checked, their bytes cannot be)")
     p.set_defaults(func=run)
@@ -72,6 +75,14 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--instances", args.instances, "must be >= 1")
     if args.seed < 0:
         raise ConfigError("--seed", args.seed, "must be >= 0")
+    patterns = {"coverage": args.sparse_coverage, "min_doc_len": args.sparse_min_doc_len}
+    for flag, value in (("--sparse-coverage", args.sparse_coverage), ("--sparse-min-doc-len", args.sparse_min_doc_len)):
+        if value is not None and args.attention == "dense":
+            raise ConfigError(flag, value, "only with sparse attention: --attention dense has no patterns")
+    if args.sparse_coverage is not None and not 0.0 < args.sparse_coverage <= 1.0:
+        raise ConfigError("--sparse-coverage", args.sparse_coverage, "must be in (0, 1]")
+    if args.sparse_min_doc_len is not None and args.sparse_min_doc_len < 1:
+        raise ConfigError("--sparse-min-doc-len", args.sparse_min_doc_len, "must be >= 1")
     import os
 
     import torch  # only once the command runs
@@ -89,8 +100,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"skipping {bad}: {problem}")
     data_args = settings.get("data_args", {}) if settings.get("data") == "retrieval" else {}
     tasks = args.tasks or data_args.get("task", "passkey")
-    sparse = sparse_config_of(settings, args.attention, coverage=args.sparse_coverage,
-                              min_doc_len=args.sparse_min_doc_len)
+    sparse = sparse_config_of(settings, args.attention, **patterns)
     trained_dense = sparse is not None and sparse_config_of(settings, "trained") is None
     check_eval_fits(spec.config, contexts, args.batch_tokens, torch.device(device))
     print(f"attnpool eval: {path} ({settings['model']}, {spec.num_params(model) / 1e6:.1f}M params), "
@@ -107,13 +117,18 @@ def run(args: argparse.Namespace) -> int:
                                                            f" (needle kept in {c.needle_kept:.0%} of layers)"),
                                                         flush=True))
     print(format_table(cells))
-    out = args.out or os.path.join(args.run or os.path.dirname(os.path.dirname(os.path.abspath(path))), "eval")
+    # Patterns other than the run's are written beside its own evaluation, not over it (one folder each).
+    changed = "".join(f"-{name.replace('_', '-')}-{value:g}" if isinstance(value, float) else
+                      f"-{name.replace('_', '-')}-{value}" for name, value in patterns.items() if value is not None)
+    out = args.out or os.path.join(args.run or os.path.dirname(os.path.dirname(os.path.abspath(path))),
+                                   "eval" + (f"-sparse{changed}" if changed else ""))
     meta = {"checkpoint": path, "model": settings["model"], "attention": "sparse" if sparse else "dense",
             "coverage": sparse.coverage if sparse else None,
             "sparse_min_doc_len": sparse.min_doc_len if sparse else None, "trained_dense": trained_dense,
             "instances": args.instances, "seed": args.seed,
             "filler": shape.get("filler", "random"),
-            "title": f"{os.path.basename(path)}: {'sparse' if sparse else 'dense'} attention"}
+            "title": f"{os.path.basename(path)}: {'sparse' if sparse else 'dense'} attention"
+                     + (f", coverage {sparse.coverage:g}" if sparse else "")}
     json_path, png_path = write_results(cells, out, meta)
     print(f"wrote {json_path} and {png_path}")
     return 0

@@ -4,10 +4,10 @@ The checkpoint is read by one process (attnpool.train.export.read_checkpoint_mod
 it. Instances come from :func:`attnpool.data.retrieval.eval_instance`, a seed space training never draws from.
 Several instances of one (task, context, depth) run in one forward as separate documents of one packed
 sequence, planned ``local`` on one rank, so each attends only to itself, as in training. The attention is the
-run's: vertical-slash sparse attention with the run's options where the run trained with it (``attention=
-"dense"`` evaluates a sparse run densely; ``attention="sparse"`` a dense run with patterns, and a coverage or
-sparse length other than the run's may be given: :func:`sparse_config_of`). Accuracy is the exact match of every answer token by the most
-likely next token given the right earlier ones, which is what greedy decoding of the answer gives.
+run's: vertical-slash sparse attention with the run's options where the run trained with it (``attention="dense"``
+evaluates a sparse run densely; ``attention="sparse"`` a dense run with patterns, and a coverage or sparse length
+other than the run's may be given: :func:`sparse_config_of`). Accuracy is the exact match of every answer token by
+the most likely next token given the right earlier ones, which is what greedy decoding of the answer gives.
 """
 
 from __future__ import annotations
@@ -92,8 +92,9 @@ def sparse_config_of(settings: dict, attention: str, **options):
     options = {k: v for k, v in options.items() if v is not None}
     if attention == "dense" or sparse is None:
         for name, value in options.items():
-            raise ConfigError(f"sparse_{name}", value, "only with sparse attention (the run trained dense: give "
-                                                       "attention sparse to evaluate it with patterns)")
+            raise ConfigError(f"sparse_{name}", value, "only with sparse attention: attention dense has no patterns"
+                              if attention == "dense" else "only with sparse attention: the run trained dense (give "
+                                                           "attention sparse to evaluate it with patterns)")
         return None
     unknown = sorted(set(options) - {f.name for f in dataclasses.fields(sparse) if f.init})
     if unknown:

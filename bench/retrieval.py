@@ -26,7 +26,8 @@ does: the sparse patterns' density at each context is measured and recorded besi
 
 A run of the script ended by its budget goes on where it stopped when called again with the same ``--work``
 (finished stages are skipped, finished evaluations read back from ``RUN/retrieval-eval.json``), so the
-experiment can span several shorter calls.
+experiment can span several shorter calls; ``WORK/retrieval-log.jsonl`` logs every call and what it ran, and the
+record holds that log (``log``).
 
 Writes to ``--out``: ``<date>-<gpu>-retrieval.json`` (``-retrieval-text`` with text filler; ``results``: a list of
 ``{"attention", "coverage", "context", "accuracy", "density"}``, passkey accuracy over all depths and the sparse
@@ -291,6 +292,26 @@ def read_json(path: str):
         return None
 
 
+class CallLog:
+    """Every call of the script on one --work, and what each did, in ``WORK/retrieval-log.jsonl`` (a line an event,
+    appended): the record of a run spread over several calls holds them all."""
+
+    def __init__(self, work: str, command: str):
+        self.path = os.path.join(work, "retrieval-log.jsonl")
+        self.call = 1 + sum(1 for e in self.entries() if "command" in e)
+        self.add(command=command, started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+    def entries(self) -> list[dict]:
+        if not os.path.isfile(self.path):
+            return []
+        with open(self.path) as fh:
+            return [json.loads(line) for line in fh if line.strip()]
+
+    def add(self, **event) -> None:
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps({"call": self.call, **event}) + "\n")
+
+
 def write_json(path: str, obj) -> None:
     """Written whole or not at all (a temporary file renamed over it)."""
     with open(path + ".tmp", "w") as fh:
@@ -467,6 +488,7 @@ def main() -> int:
     else:
         os.makedirs(work, exist_ok=True)
         write_json(settings_path, training)
+    log = CallLog(work, " ".join(["python", "bench/retrieval.py", *sys.argv[1:]]))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH")])))
 
     variants = [("dense", None)] + [("sparse", c) for c in coverages]
@@ -477,7 +499,7 @@ def main() -> int:
                  or (stage.context == setup["sparse_min_doc_len"] and bool(args.mix_from)
                      and stage.context > args.mix_from))
     branch = os.path.join(work, "dense-branch")
-    commands, unfinished, stage_seconds = [], [], {}
+    commands, unfinished = [], []
     for attention, coverage in variants:
         name = attention if coverage is None else f"sparse-{coverage:g}"
         if clock.stopped:
@@ -516,8 +538,14 @@ def main() -> int:
                       f"{stop_at} of {total_steps}", flush=True)
                 t0 = time.perf_counter()
                 done, stopped = run_stage(cmd, env, clock.stage_seconds_left())
-                stage_seconds[f"{name}@{context}"] = time.perf_counter() - t0
+                seconds = time.perf_counter() - t0
                 rows, after = read_rows(run_dir), finished_checkpoints(run_dir)
+                last = rows[-1] if rows else {}
+                log.add(run=name, context=context, steps=[stop_at - steps + 1, stop_at], seconds=round(seconds, 1),
+                        outcome="stopped" if stopped else "failed" if done.returncode != 0 else "finished",
+                        last_step=last.get("step"), checkpoint=after[-1][0] if after else None,
+                        loss=last.get("loss"), tokens_per_s=last.get("tokens_per_s"),
+                        attention_density=last.get("attention_density"))
                 if stopped or done.returncode != 0:
                     print(done.stdout[-2000:], done.stderr[-4000:], sep="\n", file=sys.stderr)
                 if stopped:
@@ -530,8 +558,7 @@ def main() -> int:
                     unfinished.append(f"{name}: stage {context} failed (exit {done.returncode})")
                     break
                 else:
-                    last = rows[-1] if rows else {}
-                    print(f"        {stage_seconds[f'{name}@{context}']:.0f} s, loss "
+                    print(f"        {seconds:.0f} s, loss "
                           f"{last.get('loss', float('nan')):.3f}, {last.get('tokens_per_s', 0) / 1e3:.1f}K tokens/s"
                           + (f", attention density {last['attention_density']:.3f}" if last.get("attention_density")
                              else ""), flush=True)
@@ -574,11 +601,13 @@ def main() -> int:
         checkpoints = finished_checkpoints(run_dir)
         if not checkpoints or checkpoints[-1][0] < total_steps:
             continue  # unfinished: not evaluated (named in unfinished)
-        made, left = run_evaluations(run_dir, eval_key, ["trained", *sweep], evaluate,
-                                     clock.may_start_evaluation,
-                                     lambda label, s: clock.evaluated(s) or print(
-                                         f"[{clock.elapsed():6.0f} s] evaluated {name} ({label}) in {s:.0f} s",
-                                         flush=True))
+        def said(label: str, seconds: float) -> None:
+            clock.evaluated(seconds)
+            log.add(evaluated=name, label=label, seconds=round(seconds, 1))
+            print(f"[{clock.elapsed():6.0f} s] evaluated {name} ({label}) in {seconds:.0f} s", flush=True)
+
+        made, left = run_evaluations(run_dir, eval_key, ["trained", *sweep], evaluate, clock.may_start_evaluation,
+                                     said)
         unfinished += [f"{name}: evaluation {label} ({clock.why_not(evaluation=True)})" for label in left]
         for label, cells in made.items():
             for context in eval_contexts:
@@ -625,7 +654,9 @@ def main() -> int:
                                                         "instances": setup["eval_instances"], "contexts": eval_contexts},
            "results": results, "details": details, "coverage_sweep": swept, "unfinished": unfinished,
            "final_loss": {k: (v[-1]["loss"] if v else None) for k, v in runs.items()},
-           "stage_seconds": stage_seconds, "wall_s": clock.elapsed(), "train_commands": commands}
+           "wall_s": clock.elapsed(), "train_commands": commands}
+    log.add(ended=True, wall_s=round(clock.elapsed(), 1), unfinished=unfinished)
+    doc["log"] = log.entries()  # every call on this --work: its command, stages, evaluations and end
     with open(os.path.join(args.out, f"{stem}.json"), "w") as fh:
         json.dump(doc, fh, indent=1)
     write_markdown(os.path.join(args.out, f"{stem}.md"), doc, loss_png, [f"{stem}-{n}.png" for n in heatmaps])
@@ -696,6 +727,17 @@ def write_markdown(path: str, doc: dict, loss_png: str, heatmap_pngs: list[str])
             lines.append(f"| {run} | {coverage:g} | " + " | ".join(
                 "-" if c is None else f"{c['accuracy']:.3f} ({c['density']:.2f})"
                 + ("" if c["needle_kept"] is None else f" {c['needle_kept']:.2f}") for c in cells) + " |")
+    stages = [e for e in doc.get("log", []) if "run" in e]
+    if stages:
+        lines += ["", "Stages as run, over every call on this `--work` (`log` in the JSON; the last step's loss and "
+                      "tokens/s):", "", "| call | run | context | steps | s | outcome | loss | tokens/s | density |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {e['call']} | {e['run']} | {tokens_text(e['context'])} | {e['steps'][0]}-{e['last_step'] or '?'} of "
+                  f"{e['steps'][0]}-{e['steps'][1]} | {e['seconds']:.0f} | {e['outcome']} | "
+                  + (f"{e['loss']:.3f}" if e["loss"] is not None else "-") + " | "
+                  + (f"{e['tokens_per_s'] / 1e3:.1f}K" if e["tokens_per_s"] else "-") + " | "
+                  + (f"{e['attention_density']:.3f}" if e["attention_density"] else "-") + " |" for e in stages]
+        lines += ["", "Calls:", ""] + [f"{e['call']}. `{e['command']}`" for e in doc["log"] if "command" in e]
     if doc["unfinished"]:
         lines += ["", "Not finished: " + "; ".join(doc["unfinished"]) + "."]
     lines += ["", f"Loss curves: ![loss]({loss_png})", ""]

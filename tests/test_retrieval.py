@@ -308,6 +308,13 @@ def test_retrieval_bench_smoke_then_attnpool_eval(capsys):
                             "--filler", "text", "--loss", "all-first", "--eval-coverages", "0.05")
     assert again.returncode == 0 and "evaluated" not in again.stdout and "steps" not in again.stdout
     assert json.loads(result.read_text())["results"] == doc["results"]
+    # The log of every call on the --work: the first call's stages (dense's two, the sparse run's one), then the
+    # second call, which ran none
+    stages = [(e["call"], e["run"], e["context"], e["outcome"]) for e in doc["log"] if "run" in e]
+    assert stages == [(1, "dense", 128, "finished"), (1, "dense", 256, "finished"), (1, "sparse-0.95", 256, "finished")]
+    log = json.loads(result.read_text())["log"]
+    assert [e["call"] for e in log if "command" in e] == [1, 2] and [e for e in log if "run" in e] == [
+        e for e in doc["log"] if "run" in e]
     # --eval-coverages: every run again with patterns at 0.05, at evaluation only (read back above, not made
     # again); so low a coverage keeps fewer pairs than the sparse run's own 0.95 (its forced sinks and band remain)
     assert {(r["run"], r["coverage"], r["context"]) for r in doc["coverage_sweep"]} == {

@@ -43,8 +43,10 @@ heat maps (PNGs next to it). Runs and checkpoints go to ``--work`` (a temporary 
 
 ``--budget-s`` (default 1140) bounds the whole script's wall time: no stage or evaluation starts after it is
 spent (whatever was evaluated is written, the unfinished named); ``--deadline-s`` stops a stage still running
-then with SIGTERM, which checkpoints it, so that a machine's wall limit need not cut one unsaved (a call to the
-GPU machine: ``--deadline-s`` a little under its limit, ``--budget-s`` below that). ``--steps-scale`` scales every
+then with SIGTERM, which checkpoints it, so that a machine's wall limit need not cut one unsaved; no stage starts
+within START_MARGIN_S (60 s) of it, nor an evaluation that would not end before it, and a stopped stage is killed
+if it has not ended STOP_GRACE_S (120 s) after its SIGTERM (a call to the GPU machine: ``--deadline-s`` at least
+the grace, the record's writing and some margin under its limit, ``--budget-s`` below that). ``--steps-scale`` scales every
 stage's steps.
 """
 
@@ -169,7 +171,8 @@ STOP_GRACE_S = 120.0
 class Clock:
     """The script's time: no stage or evaluation starts once ``budget_s`` is spent; a stage still running at
     ``deadline_s`` is stopped (``stopped`` then), none starts within START_MARGIN_S of it, and no evaluation that
-    would not end before it, judged by the longest one so far."""
+    would not end before it, judged by the longest one so far (its checkpoint's loading counted) and at least
+    START_MARGIN_S."""
 
     def __init__(self, budget_s: float, deadline_s: float | None):
         self.start, self.budget_s, self.deadline_s = time.perf_counter(), budget_s, deadline_s
@@ -187,7 +190,7 @@ class Clock:
 
     def may_start_evaluation(self) -> bool:
         return not self.stopped and self.elapsed() < self.budget_s and (
-            self.deadline_s is None or self.elapsed() + self.longest_evaluation < self.deadline_s)
+            self.deadline_s is None or self.elapsed() + max(self.longest_evaluation, START_MARGIN_S) < self.deadline_s)
 
     def evaluated(self, seconds: float) -> None:
         self.longest_evaluation = max(self.longest_evaluation, seconds)
@@ -259,9 +262,9 @@ def run_evaluations(run_dir: str, key: dict, labels: list[str], evaluate, may_st
         if not may_start():
             left.append(label)
             continue
+        t0 = time.perf_counter()  # (the first evaluation's time includes reading the checkpoint)
         if model is None:
             model, _, settings, _, _ = read_checkpoint_model(run_dir=run_dir)
-        t0 = time.perf_counter()
         made[label] = evaluate(model, settings, label)
         said(label, time.perf_counter() - t0)
         stored[label] = [dataclasses.asdict(c) for c in made[label]]
@@ -275,12 +278,69 @@ def run_evaluations(run_dir: str, key: dict, labels: list[str], evaluate, may_st
     return {label: made[label] for label in labels if label in made}, left
 
 
-def read_rows(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, "metrics.jsonl")
+def train_stage(name: str, run_dir: str, stage: Stage, stop_at: int, total_steps: int, command, env: dict,
+                clock: Clock, log: CallLog) -> str:
+    """The run's stage ending at step ``stop_at`` (``command(resume)``: its ``attnpool train``), unless an earlier
+    call finished it; logged. Returns ``done before``, ``finished``, ``stopped`` (--deadline-s), ``failed (exit
+    N)`` or why it did not start."""
+    from attnpool.train.checkpoint import finished_checkpoints
+
+    saved = finished_checkpoints(run_dir)
+    # Done by an earlier call with the same --work: its checkpoint says so (a metrics row alone does not, where that
+    # call was cut off after the step and before the checkpoint).
+    if saved and saved[-1][0] >= stop_at:
+        print(f"        {name}: context {stage.context} done before (step {saved[-1][0]})", flush=True)
+        return "done before"
+    if not clock.may_start_stage():
+        return f"and later not started ({clock.why_not()})"
+    # A later stage, or a stage an earlier call stopped part-way (SIGTERM checkpoints), goes on from the run's last
+    # checkpoint; a first stage that left none starts again, over whatever metrics it left.
+    resume = stop_at > stage.steps or bool(saved)
+    start = max(stop_at - stage.steps, saved[-1][0] if saved else 0)
+    print(f"[{clock.elapsed():6.0f} s] {name}: context {stage.context}, steps {start + 1}..{stop_at} of "
+          f"{total_steps}", flush=True)
+    t0 = time.perf_counter()
+    done, stopped = run_stage(command(resume) + ([] if resume else ["--overwrite"]), env, clock.stage_seconds_left())
+    seconds = time.perf_counter() - t0
+    rows, after = read_rows(run_dir), finished_checkpoints(run_dir)
+    last = rows[-1] if rows and rows[-1]["step"] > start else {}  # (none of this stage's: {})
+    outcome = "stopped" if stopped else f"failed (exit {done.returncode})" if done.returncode != 0 else "finished"
+    log.add(run=name, context=stage.context, steps=[start + 1, stop_at], seconds=round(seconds, 1),
+            outcome=outcome.split(" ")[0], last_step=last.get("step"), checkpoint=after[-1][0] if after else None,
+            loss=last.get("loss"), tokens_per_s=last.get("tokens_per_s"),
+            attention_density=last.get("attention_density"))
+    if outcome != "finished":
+        print(done.stdout[-2000:], done.stderr[-4000:], sep="\n", file=sys.stderr)
+        clock.stopped = clock.stopped or stopped
+        return outcome
+    print(f"        {seconds:.0f} s, loss {number(last.get('loss'), '.3f')}, "
+          f"{number(last.get('tokens_per_s'), '.0f')} tokens/s, attention density "
+          f"{number(last.get('attention_density'), '.3f')}", flush=True)
+    return outcome
+
+
+def number(value, spec: str) -> str:
+    """``value`` formatted, or "-" where there is none (a metric a step did not have, or a non-finite one)."""
+    return "-" if value is None else format(value, spec)
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The file's lines as JSON, none where it is missing; a line that does not parse (the last of a process killed
+    while writing it) left out."""
     if not os.path.isfile(path):
         return []
+    rows = []
     with open(path) as fh:
-        return [json.loads(line) for line in fh]
+        for line in fh:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    return rows
+
+
+def read_rows(run_dir: str) -> list[dict]:
+    return read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
 
 
 def read_json(path: str):
@@ -302,10 +362,7 @@ class CallLog:
         self.add(command=command, started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
     def entries(self) -> list[dict]:
-        if not os.path.isfile(self.path):
-            return []
-        with open(self.path) as fh:
-            return [json.loads(line) for line in fh if line.strip()]
+        return read_jsonl(self.path)
 
     def add(self, **event) -> None:
         with open(self.path, "a") as fh:
@@ -370,8 +427,10 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=1140.0, help="wall-time budget of the script (default 1140)")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="a stage still running this long after the start is stopped with SIGTERM: it finishes its "
-                         "step and checkpoints, and a later call with the same --work goes on from there (default "
-                         "none; set it below the wall limit of the machine's call, which would cut it unsaved)")
+                         "step and checkpoints (killed if not ended 120 s later), and a later call with the same "
+                         "--work goes on from there; no stage starts within 60 s of it (default none; set it at "
+                         "least 3 minutes below the wall limit of the machine's call, which would cut a stage "
+                         "unsaved)")
     ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every stage's steps (default 1)")
     ap.add_argument("--num-docs", type=int, default=200_000, help="documents in the training source")
     ap.add_argument("--ordinary", type=float, default=0.1, help="share of ordinary (decoy) documents (default 0.1)")
@@ -428,8 +487,9 @@ def main() -> int:
             setup[name] = value
     if setup["eval_min_context"] > max_context:
         ap.error(f"--eval-min-context {setup['eval_min_context']}: beyond the longest stage's {max_context} tokens")
-    if args.deadline_s is not None and not args.deadline_s > 0:
-        ap.error(f"--deadline-s {args.deadline_s}: must be positive")
+    if args.deadline_s is not None and not args.deadline_s > START_MARGIN_S:
+        ap.error(f"--deadline-s {args.deadline_s}: must be more than {START_MARGIN_S:g} s (no stage starts closer "
+                 "to it than that)")
     # The stages as run: --max-context, --tasks, --steps-scale, --long-rope-theta and --loss applied.
     curriculum = [stage._replace(steps=max(1, round(stage.steps * args.steps_scale)),
                                  tasks=args.tasks or stage.tasks or DEFAULT_TASKS,
@@ -448,6 +508,15 @@ def main() -> int:
     if (coverages or eval_coverages) and setup["sparse_min_doc_len"] > max_context:
         ap.error(f"--sparse-min-doc-len {setup['sparse_min_doc_len']}: no stage reaches it (the longest holds "
                  f"{max_context}-token documents), so nothing would be sparse")
+    # Stages of documents shorter than sparse_min_doc_len compute the same in every run: the sparse runs start
+    # from a copy of the dense run taken after the last of them (same weights, data and optimizer state). A
+    # stage mixing lengths up to exactly sparse_min_doc_len counts as one (see the module's docstring).
+    shared = sum(1 for stage in curriculum if stage.context < setup["sparse_min_doc_len"]
+                 or (stage.context == setup["sparse_min_doc_len"] and bool(args.mix_from)
+                     and stage.context > args.mix_from))
+    if coverages and shared == len(curriculum):
+        ap.error(f"--sparse-min-doc-len {setup['sparse_min_doc_len']}: every stage is shared (trained dense once), so "
+                 "the sparse runs would train nothing sparse")
     if gpu:
         import torch
 
@@ -492,83 +561,50 @@ def main() -> int:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH")])))
 
     variants = [("dense", None)] + [("sparse", c) for c in coverages]
-    # Stages of documents shorter than sparse_min_doc_len compute the same in every run: the sparse runs start
-    # from a copy of the dense run taken after the last of them (same weights, data and optimizer state). A
-    # stage mixing lengths up to exactly sparse_min_doc_len counts as one (see the module's docstring).
-    shared = sum(1 for stage in curriculum if stage.context < setup["sparse_min_doc_len"]
-                 or (stage.context == setup["sparse_min_doc_len"] and bool(args.mix_from)
-                     and stage.context > args.mix_from))
     branch = os.path.join(work, "dense-branch")
+    shared_steps = sum(stage.steps for stage in curriculum[:shared])
     commands, unfinished = [], []
     for attention, coverage in variants:
         name = attention if coverage is None else f"sparse-{coverage:g}"
-        if clock.stopped:
-            unfinished.append(f"{name}: not trained (--deadline-s reached)")
-            continue
         run_dir = os.path.join(work, name)
+        saved = finished_checkpoints(run_dir)
+        if clock.stopped:
+            if not saved or saved[-1][0] < total_steps:
+                unfinished.append(f"{name}: not trained on (--deadline-s reached)")
+            continue
         first = 0
         if attention == "sparse" and shared:
-            if not os.path.isdir(branch):
-                unfinished.append(f"{name}: no dense run to branch from")
-                continue
-            if not read_rows(run_dir):  # (a run begun by an earlier call of this script goes on)
+            if not read_rows(run_dir):  # (a run begun by an earlier call of this script goes on without the branch)
+                if not os.path.isdir(branch):
+                    dense = finished_checkpoints(os.path.join(work, "dense"))
+                    unfinished.append(f"{name}: no dense run to branch from" + (
+                        f" (the dense run is past the shared stages, at step {dense[-1][0]}, with no copy of it at "
+                        f"step {shared_steps}: use another --work)" if dense and dense[-1][0] > shared_steps else ""))
+                    continue
                 copy_run(branch, run_dir)
             first = shared
         stop_at = sum(stage.steps for stage in curriculum[:first])
         for i, stage in enumerate(curriculum[first:], start=first):
-            context, steps = stage.context, stage.steps
-            stop_at += steps
-            saved = finished_checkpoints(run_dir)
-            # A later stage, or a stage an earlier call stopped part-way (SIGTERM checkpoints), goes on from the
-            # run's last checkpoint; a first stage that left none starts again (over its metrics, if any).
+            stop_at += stage.steps
             command = lambda resume: train_command(run_dir, attention, coverage, stage, stop_at,  # noqa: E731
                                                    total_steps, resume, args, setup, model)
-            commands.append(" ".join(["python", *command(stop_at > steps)[1:]]))  # as the curriculum runs it
-            resume = stop_at > steps or bool(saved)
-            cmd = command(resume) + ([] if resume or not read_rows(run_dir) else ["--overwrite"])
-            # Done by an earlier call with the same --work: its checkpoint says so (a metrics row alone does not,
-            # where that call was cut off after the step and before the checkpoint).
-            if saved and saved[-1][0] >= stop_at:
-                print(f"        {name}: context {context} done before (step {saved[-1][0]})", flush=True)
-            elif not clock.may_start_stage():
-                unfinished.append(f"{name}: stage {context} and later ({clock.why_not()})")
-                break
-            else:
-                print(f"[{clock.elapsed():6.0f} s] {name}: context {context}, steps {stop_at - steps + 1}.."
-                      f"{stop_at} of {total_steps}", flush=True)
-                t0 = time.perf_counter()
-                done, stopped = run_stage(cmd, env, clock.stage_seconds_left())
-                seconds = time.perf_counter() - t0
-                rows, after = read_rows(run_dir), finished_checkpoints(run_dir)
-                last = rows[-1] if rows else {}
-                log.add(run=name, context=context, steps=[stop_at - steps + 1, stop_at], seconds=round(seconds, 1),
-                        outcome="stopped" if stopped else "failed" if done.returncode != 0 else "finished",
-                        last_step=last.get("step"), checkpoint=after[-1][0] if after else None,
-                        loss=last.get("loss"), tokens_per_s=last.get("tokens_per_s"),
-                        attention_density=last.get("attention_density"))
-                if stopped or done.returncode != 0:
-                    print(done.stdout[-2000:], done.stderr[-4000:], sep="\n", file=sys.stderr)
-                if stopped:
-                    clock.stopped = True
-                    kept = (f"checkpointed at step {after[-1][0]}: the same --work goes on from there"
-                            if after and after[-1][0] > stop_at - steps else
-                            f"no checkpoint written (exit {done.returncode}): the stage starts again")
-                    unfinished.append(f"{name}: stage {context} stopped by --deadline-s ({kept})")
-                elif done.returncode != 0:
-                    unfinished.append(f"{name}: stage {context} failed (exit {done.returncode})")
-                    break
-                else:
-                    print(f"        {seconds:.0f} s, loss "
-                          f"{last.get('loss', float('nan')):.3f}, {last.get('tokens_per_s', 0) / 1e3:.1f}K tokens/s"
-                          + (f", attention density {last['attention_density']:.3f}" if last.get("attention_density")
-                             else ""), flush=True)
+            commands.append(" ".join(["python", *command(stop_at > stage.steps)[1:]]))  # as the curriculum runs it
+            outcome = train_stage(name, run_dir, stage, stop_at, total_steps, command, env, clock, log)
+            if outcome not in ("done before", "finished", "stopped"):
+                unfinished.append(f"{name}: stage {stage.context} {outcome}")
             # The sparse runs' start: the dense run as it ends its last shared stage, copied while that stage's
             # checkpoint is its newest (whichever call, and however the stage ended, saw it first).
             if attention == "dense" and i + 1 == shared and not os.path.isdir(branch):
                 newest = finished_checkpoints(run_dir)
                 if newest and newest[-1][0] == stop_at:
                     copy_run(run_dir, branch)
-            if clock.stopped:
+            if outcome == "stopped":
+                newest = finished_checkpoints(run_dir)
+                unfinished.append(f"{name}: stage {stage.context} stopped by --deadline-s (" + (
+                    f"checkpointed at step {newest[-1][0]}: the same --work goes on from there"
+                    if newest and newest[-1][0] > stop_at - stage.steps else
+                    "no checkpoint written: the stage starts again") + ")")
+            if outcome not in ("done before", "finished"):
                 break
 
     # Evaluation: each finished run with the attention it trained with, at every trained context from the minimum up.
@@ -729,14 +765,14 @@ def write_markdown(path: str, doc: dict, loss_png: str, heatmap_pngs: list[str])
                 + ("" if c["needle_kept"] is None else f" {c['needle_kept']:.2f}") for c in cells) + " |")
     stages = [e for e in doc.get("log", []) if "run" in e]
     if stages:
-        lines += ["", "Stages as run, over every call on this `--work` (`log` in the JSON; the last step's loss and "
-                      "tokens/s):", "", "| call | run | context | steps | s | outcome | loss | tokens/s | density |",
+        lines += ["", "Stages as run, over every call on this `--work` (`log` in the JSON; the steps the call ran, the "
+                      "last it finished and the newest checkpoint; the last step's loss, tokens/s and density):", "",
+                  "| call | run | context | steps | s | outcome | loss | tokens/s | density |",
                   "|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {e['call']} | {e['run']} | {tokens_text(e['context'])} | {e['steps'][0]}-{e['last_step'] or '?'} of "
-                  f"{e['steps'][0]}-{e['steps'][1]} | {e['seconds']:.0f} | {e['outcome']} | "
-                  + (f"{e['loss']:.3f}" if e["loss"] is not None else "-") + " | "
-                  + (f"{e['tokens_per_s'] / 1e3:.1f}K" if e["tokens_per_s"] else "-") + " | "
-                  + (f"{e['attention_density']:.3f}" if e["attention_density"] else "-") + " |" for e in stages]
+        lines += [f"| {e['call']} | {e['run']} | {tokens_text(e['context'])} | {e['steps'][0]}-{e['steps'][1]} "
+                  f"(to {number(e['last_step'], 'd')}, checkpoint {number(e['checkpoint'], 'd')}) | "
+                  f"{e['seconds']:.0f} | {e['outcome']} | {number(e['loss'], '.3f')} | "
+                  f"{number(e['tokens_per_s'], '.0f')} | {number(e['attention_density'], '.3f')} |" for e in stages]
         lines += ["", "Calls:", ""] + [f"{e['call']}. `{e['command']}`" for e in doc["log"] if "command" in e]
     if doc["unfinished"]:
         lines += ["", "Not finished: " + "; ".join(doc["unfinished"]) + "."]

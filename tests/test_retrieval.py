@@ -1,6 +1,7 @@
 """Retrieval tasks (``--data retrieval``), their answer-only loss through the stream, and ``attnpool eval``."""
 
 import json
+import tempfile
 
 import background
 import numpy as np
@@ -235,9 +236,8 @@ def _retrieval_bench(root):
     return script
 
 
-def _retrieval_here(root, *args, patch=None):
-    """bench/retrieval.py ARGS in this process (``patch(module)`` first, where given), reported as a finished
-    process would be."""
+def _retrieval_here(root, *args):
+    """bench/retrieval.py ARGS in this process, reported as a finished process would be."""
     import contextlib
     import io
     import subprocess
@@ -245,8 +245,6 @@ def _retrieval_here(root, *args, patch=None):
     from unittest import mock
 
     script = _retrieval_bench(root)
-    if patch is not None:
-        patch(script)
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), \
             mock.patch.object(sys, "argv", ["retrieval.py", *args]):
@@ -257,29 +255,56 @@ def _retrieval_here(root, *args, patch=None):
     return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
 
 
+# A call in its own process: bench/retrieval.py with every stage run whole and reported stopped (as when
+# --deadline-s's SIGTERM comes in the end's export, after the last step's checkpoint).
+_STOPPED_AT_ITS_END = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("retrieval_bench", sys.argv[1])
+script = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(script)
+whole = script.run_stage
+script.run_stage = lambda cmd, env, seconds: (whole(cmd, env, None)[0], True)
+sys.argv = sys.argv[1:]
+sys.exit(script.main())
+"""
+
+
+SMOKE_ARGS = ["--device", "cpu", "--coverages", "0.95", "--tasks", "copy,passkey,multikey", "--mix-from", "128",
+              "--filler", "text", "--loss", "all-first", "--eval-coverages", "0.05"]
+
+
 @background.job("test_retrieval_bench_smoke_then_attnpool_eval")
 def retrieval_smoke(tmp):
-    """bench/retrieval.py --device cpu with the work in ``tmp``/work and the results in ``tmp``/out: ``tmp`` and the
-    run."""
+    """bench/retrieval.py --device cpu with the work in ``tmp``/work and the results in ``tmp``/out, in two calls:
+    the first stopped after its first stage's checkpoint (the sparse runs' branch point), the second to the end.
+    ``tmp``, the first call, what its record left unfinished, whether the sparse runs' branch was made, and the
+    second call."""
     import sys
 
     script = str(background.ROOT / "bench" / "retrieval.py")
-    return tmp, background.run([sys.executable, script, "--out", str(tmp / "out"), "--work", str(tmp / "work"),
-                                "--device", "cpu", "--coverages", "0.95", "--tasks", "copy,passkey,multikey",
-                                "--mix-from", "128", "--filler", "text", "--loss", "all-first", "--eval-coverages", "0.05"],
-                                timeout=600)
+    args = ["--out", str(tmp / "out"), "--work", str(tmp / "work"), *SMOKE_ARGS]
+    first = background.run([sys.executable, "-c", _STOPPED_AT_ITS_END, script, *args], timeout=600)
+    records = list((tmp / "out").glob("*-cpu-retrieval-text.json"))
+    unfinished = json.loads(records[0].read_text())["unfinished"] if records else None
+    branched = (tmp / "work" / "dense-branch" / "checkpoints").is_dir()
+    return tmp, first, unfinished, branched, background.run([sys.executable, script, *args], timeout=600)
 
 
 def test_retrieval_bench_smoke_then_attnpool_eval(capsys):
     """bench/retrieval.py --device cpu: the tiny model through the curriculum's two stages (the second resumes the
     first; answer-only loss, so a step may hold no target), dense, and one sparse coverage branched from the dense
-    run where sparse attention starts, then eval; the JSON holds `results` with exactly the issue's names. Then
-    `attnpool eval` reads the sparse run's checkpoint."""
+    run where sparse attention starts, then eval; the JSON holds `results` with exactly the issue's names. The
+    first call's first stage was stopped after its checkpoint (--deadline-s's SIGTERM in the end's export): the
+    sparse runs still branch from it. Then `attnpool eval` reads the sparse run's checkpoint."""
     import os
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    tmp_path, done = retrieval_smoke.result()
+    tmp_path, first, unfinished, branched, done = retrieval_smoke.result()
     out = tmp_path / "out"
+    assert first.returncode == 1, first.stderr[-2000:]
+    assert unfinished == ["dense: stage 128 stopped by --deadline-s (checkpointed at step 2: the same --work goes on "
+                          "from there)", "sparse-0.95: not trained on (--deadline-s reached)"]
+    assert branched  # made from the stopped stage's checkpoint
     assert done.returncode == 0, done.stderr[-3000:]
     (result,) = out.glob("*-cpu-retrieval-text.json")  # (text filler)
     doc = json.loads(result.read_text())
@@ -303,18 +328,17 @@ def test_retrieval_bench_smoke_then_attnpool_eval(capsys):
     assert md.count("loss=all") == 1 and md.count("loss=answer") == md.count("--resume")
     # Called again with the same --work: nothing is trained or evaluated again, the same results are written.
     # (In this process: nothing starts a worker.)
-    again = _retrieval_here(root, "--out", str(out), "--work", str(tmp_path / "work"), "--device", "cpu",
-                            "--coverages", "0.95", "--tasks", "copy,passkey,multikey", "--mix-from", "128",
-                            "--filler", "text", "--loss", "all-first", "--eval-coverages", "0.05")
+    again = _retrieval_here(root, "--out", str(out), "--work", str(tmp_path / "work"), *SMOKE_ARGS)
     assert again.returncode == 0 and "evaluated" not in again.stdout and "steps" not in again.stdout
     assert json.loads(result.read_text())["results"] == doc["results"]
-    # The log of every call on the --work: the first call's stages (dense's two, the sparse run's one), then the
-    # second call, which ran none
+    # The log of every call on the --work: the first call's stopped stage, the second's two, then a third call,
+    # which ran none
     stages = [(e["call"], e["run"], e["context"], e["outcome"]) for e in doc["log"] if "run" in e]
-    assert stages == [(1, "dense", 128, "finished"), (1, "dense", 256, "finished"), (1, "sparse-0.95", 256, "finished")]
+    assert stages == [(1, "dense", 128, "stopped"), (2, "dense", 256, "finished"), (2, "sparse-0.95", 256, "finished")]
     log = json.loads(result.read_text())["log"]
-    assert [e["call"] for e in log if "command" in e] == [1, 2] and [e for e in log if "run" in e] == [
+    assert [e["call"] for e in log if "command" in e] == [1, 2, 3] and [e for e in log if "run" in e] == [
         e for e in doc["log"] if "run" in e]
+    assert "Stages as run" in md and "| 2 | sparse-0.95 | 256 | 3-4 (to 4, checkpoint 4) |" in md and "Calls:" in md
     # --eval-coverages: every run again with patterns at 0.05, at evaluation only (read back above, not made
     # again); so low a coverage keeps fewer pairs than the sparse run's own 0.95 (its forced sinks and band remain)
     assert {(r["run"], r["coverage"], r["context"]) for r in doc["coverage_sweep"]} == {
@@ -324,9 +348,7 @@ def test_retrieval_bench_smoke_then_attnpool_eval(capsys):
     assert json.loads(result.read_text())["coverage_sweep"] == doc["coverage_sweep"]
     assert "at evaluation only" in md
     # With other training settings the same --work is refused before anything runs.
-    other = _retrieval_here(root, "--out", str(out), "--work", str(tmp_path / "work"), "--device", "cpu",
-                            "--coverages", "0.95", "--tasks", "copy,passkey,multikey", "--mix-from", "128",
-                            "--filler", "text", "--loss", "all-first", "--lr", "1e-3")
+    other = _retrieval_here(root, "--out", str(out), "--work", str(tmp_path / "work"), *SMOKE_ARGS, "--lr", "1e-3")
     assert other.returncode == 2 and "other settings (lr)" in other.stderr
     sparse_rows = [json.loads(line) for line in (tmp_path / "work" / "sparse-0.95" / "metrics.jsonl").read_text().splitlines()]
     dense_rows = [json.loads(line) for line in (tmp_path / "work" / "dense" / "metrics.jsonl").read_text().splitlines()]
@@ -361,8 +383,14 @@ def test_retrieval_bench_smoke_then_attnpool_eval(capsys):
     assert evaluated["title"].endswith("sparse attention, coverage 0.8")
     assert main(["eval", "--run", str(dense_run), "--sparse-coverage", "0.8"]) == 2
     assert "sparse_coverage=0.8: only with sparse attention: the run trained dense" in capsys.readouterr().err
-    assert main(["eval", "--run", str(run), "--attention", "dense", "--sparse-coverage", "0.8"]) == 2
+    # (refused before any checkpoint is read: there is none here)
+    assert main(["eval", "--run", str(tmp_path / "nowhere"), "--attention", "dense", "--sparse-coverage", "0.8"]) == 2
     assert "--sparse-coverage=0.8: only with sparse attention: --attention dense" in capsys.readouterr().err
+    # The sparse run evaluated dense: beside its own evaluation, not over it
+    assert main(["eval", "--run", str(run), "--contexts", "256", "--depths", "1", "--instances", "1",
+                 "--device", "cpu", "--attention", "dense"]) == 0
+    assert json.loads((run / "eval-dense" / "eval.json").read_text())["attention"] == "dense"
+    assert json.loads((run / "eval" / "eval.json").read_text())["attention"] == "sparse"
     assert main(["eval", "--run", str(tmp_path / "nowhere")]) == 2
 
 
@@ -376,62 +404,69 @@ def test_retrieval_bench_stops_a_stage_past_its_deadline_with_sigterm():
     stage = ("import signal, sys, time\n"
              "signal.signal(signal.SIGTERM, lambda *_: (print('checkpointed'), sys.exit(0)))\n"
              "time.sleep(120)\n")
-    done, stopped = script.run_stage([sys.executable, "-c", stage], dict(os.environ), 5.0)
+    done, stopped = script.run_stage([sys.executable, "-c", stage], dict(os.environ), 3.0)
     assert stopped and done.returncode == 0 and done.stdout == "checkpointed\n"
     done, stopped = script.run_stage([sys.executable, "-c", "print('trained')"], dict(os.environ), 60.0)
     assert not stopped and done.returncode == 0 and done.stdout == "trained\n"
 
 
-# The first call, in its own process: bench/retrieval.py with every stage run whole and reported stopped (as
-# when --deadline-s's SIGTERM comes in the end's export, after the last step's checkpoint).
-_STOPPED_AT_ITS_END = """
-import importlib.util, sys
-spec = importlib.util.spec_from_file_location("retrieval_bench", sys.argv[1])
-script = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(script)
-whole = script.run_stage
-script.run_stage = lambda cmd, env, seconds: (whole(cmd, env, None)[0], True)
-sys.argv = sys.argv[1:]
-sys.exit(script.main())
-"""
+def test_a_first_stage_starts_again_over_what_a_cut_call_left():
+    """A first stage with no checkpoint (a call cut before it, maybe after its metrics file was begun) starts a new
+    run over it (--overwrite); a stage with one resumes; a stage an earlier call finished does not run."""
+    import os
+    import subprocess
+
+    script = _retrieval_bench(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ran = []
+    script.run_stage = lambda cmd, env, seconds: (ran.append(cmd) or subprocess.CompletedProcess(cmd, 0, "", ""),
+                                                  False)
+    stage, clock = script.Stage(128, 2, 512), script.Clock(1000.0, None)
+
+    class Log:
+        def add(self, **event):
+            self.event = event
+
+    log = Log()
+    with tempfile.TemporaryDirectory() as run_dir:
+        with open(os.path.join(run_dir, "metrics.jsonl"), "w"):
+            pass  # begun, no row
+        assert script.train_stage("dense", run_dir, stage, 2, 4, lambda resume: ["train", f"resume={resume}"], {},
+                                  clock, log) == "finished"
+        assert ran[-1] == ["train", "resume=False", "--overwrite"]
+        assert log.event["steps"] == [1, 2] and log.event["outcome"] == "finished" and log.event["loss"] is None
+        os.makedirs(os.path.join(run_dir, "checkpoints", "step-000001"))
+        with open(os.path.join(run_dir, "checkpoints", "step-000001", "manifest.json"), "w") as fh:
+            fh.write("{}")
+        assert script.train_stage("dense", run_dir, stage, 2, 4, lambda resume: ["train", f"resume={resume}"], {},
+                                  clock, log) == "finished"
+        assert ran[-1] == ["train", "resume=True"] and log.event["steps"] == [2, 2]  # from its checkpoint on
+        os.rename(os.path.join(run_dir, "checkpoints", "step-000001"), os.path.join(run_dir, "checkpoints",
+                                                                                     "step-000002"))
+        assert script.train_stage("dense", run_dir, stage, 2, 4, lambda resume: ["train"], {}, clock, log) == \
+            "done before" and len(ran) == 2
 
 
-@background.job("test_retrieval_bench_goes_on_after_a_stage_stopped_late_or_cut_before_its_checkpoint")
-def retrieval_stopped_then_cut(tmp):
-    """A call whose first stage is stopped after its checkpoint; then, the dense run's checkpoints removed (as if
-    cut before them), a second call with the same --work: ``tmp``, the first call, what its record left
-    unfinished, whether it made the sparse runs' branch, and the second call."""
-    import shutil
-    import sys
+def test_retrieval_bench_starts_nothing_it_could_not_end_before_the_deadline():
+    """The script's clock: no stage within 60 s of --deadline-s, no evaluation that the longest so far (or 60 s)
+    would take past it, nothing once the budget is spent."""
+    import os
+    import time
 
-    script = str(background.ROOT / "bench" / "retrieval.py")
-    args = ["--out", str(tmp / "out"), "--work", str(tmp / "work"), "--device", "cpu", "--coverages", "0.95",
-            "--eval-instances", "1"]
-    first = background.run([sys.executable, "-c", _STOPPED_AT_ITS_END, script, *args], timeout=600)
-    records = list((tmp / "out").glob("*-cpu-retrieval.json"))
-    unfinished = json.loads(records[0].read_text())["unfinished"] if records else None
-    branched = (tmp / "work" / "dense-branch" / "checkpoints").is_dir()
-    shutil.rmtree(tmp / "work" / "dense" / "checkpoints", ignore_errors=True)
-    return tmp, first, unfinished, branched, background.run([sys.executable, script, *args], timeout=600)
-
-
-def test_retrieval_bench_goes_on_after_a_stage_stopped_late_or_cut_before_its_checkpoint():
-    """Two ways a call can end a stage badly, then the next call with the same --work:
-    - stopped by --deadline-s after it had checkpointed its last step (the SIGTERM came in the end's export):
-      the sparse runs still branch from it;
-    - cut after its metrics and before any checkpoint (a machine's wall limit): a first stage starts again over
-      its metrics."""
-    tmp, first, unfinished, branched, second = retrieval_stopped_then_cut.result()
-    assert first.returncode == 1, first.stderr[-2000:]
-    assert unfinished == ["dense: stage 128 stopped by --deadline-s (checkpointed at step 2: the same --work goes on "
-                          "from there)", "sparse-0.95: not trained (--deadline-s reached)"]
-    assert branched  # made from the stopped stage's checkpoint
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "dense: context 128, steps 1..2" in second.stdout and "sparse-0.95: context 256" in second.stdout
-    # (the second call's record: the newest, should the date have changed between the calls)
-    record = max((tmp / "out").glob("*-cpu-retrieval.json"), key=lambda path: path.stat().st_mtime)
-    assert {(r["attention"], r["context"]) for r in json.loads(record.read_text())["results"]} == {
-        ("dense", 256), ("sparse", 256)}
+    script = _retrieval_bench(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    clock = script.Clock(budget_s=1000.0, deadline_s=500.0)
+    clock.start = time.perf_counter() - 430.0  # 430 s in: 70 s to the deadline
+    assert clock.may_start_stage() and clock.may_start_evaluation()
+    clock.evaluated(80.0)
+    assert clock.may_start_stage() and not clock.may_start_evaluation()
+    assert clock.why_not(evaluation=True) == "too close to --deadline-s for its length"
+    clock.start = time.perf_counter() - 445.0  # 55 s to the deadline
+    assert not clock.may_start_stage() and clock.why_not() == "too close to --deadline-s"
+    assert 50.0 < clock.stage_seconds_left() <= 55.0
+    spent = script.Clock(budget_s=10.0, deadline_s=None)
+    spent.start = time.perf_counter() - 11.0
+    assert not spent.may_start_stage() and not spent.may_start_evaluation() and spent.why_not() == "budget spent"
+    spent.stopped = True
+    assert spent.why_not() == "--deadline-s reached"
 
 
 def test_retrieval_bench_refuses_a_curriculum_it_does_not_have():
@@ -445,6 +480,11 @@ def test_retrieval_bench_refuses_a_curriculum_it_does_not_have():
     assert beyond.returncode == 2 and "--eval-min-context 1024: beyond the longest stage's 256 tokens" in beyond.stderr
     unreached = _retrieval_here(root, "--out", "/nonexistent", "--device", "cpu", "--sparse-min-doc-len", "512")
     assert unreached.returncode == 2 and "--sparse-min-doc-len 512: no stage reaches it" in unreached.stderr
+    shared = _retrieval_here(root, "--out", "/nonexistent", "--device", "cpu", "--sparse-min-doc-len", "256",
+                             "--mix-from", "128")
+    assert shared.returncode == 2 and "--sparse-min-doc-len 256: every stage is shared" in shared.stderr
+    near = _retrieval_here(root, "--out", "/nonexistent", "--device", "cpu", "--deadline-s", "60")
+    assert near.returncode == 2 and "--deadline-s 60.0: must be more than 60 s" in near.stderr
 
 
 def test_needle_probe_reports_whether_the_patterns_keep_the_needle():

@@ -5,8 +5,9 @@
     attnpool eval --run runs/retrieval --contexts 64K --attention sparse --sparse-coverage 0.8   # density vs accuracy
 
 Prints a table (task and depth by context), writes ``eval.json`` and ``eval.png`` (a heat map per task) to
-``--out`` (default: RUN/eval; with ``--sparse-coverage`` or ``--sparse-min-doc-len``, a folder of its own beside
-it, RUN/eval-sparse-coverage-C-min-doc-len-N with only the options given).
+``--out`` (default: RUN/eval; attention other than the run's in a folder of its own beside it: RUN/eval-dense for a
+sparse run evaluated dense, RUN/eval-sparse for a dense run given patterns, with ``-coverage-C`` and
+``-min-doc-len-N`` where those are given).
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def add_parser(sub) -> None:
                         "reach the asked value (needle_kept in eval.json)")
     p.add_argument("--seed", type=int, default=0, help="seed of the held-out instances (default 0)")
     p.add_argument("--out", metavar="DIR",
-                   help="where eval.json and eval.png go (default RUN/eval; with --sparse-coverage or "
-                        "--sparse-min-doc-len, RUN/eval-sparse-coverage-C-min-doc-len-N, only the options given)")
+                   help="where eval.json and eval.png go (default RUN/eval; attention other than the run's: "
+                        "RUN/eval-dense, or RUN/eval-sparse with -coverage-C and -min-doc-len-N where given)")
     p.add_argument("--allow-unverified", action="store_true",
                    help="read a checkpoint without a manifest (its files' sizes are checked, their bytes cannot be)")
     p.set_defaults(func=run)
@@ -101,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     data_args = settings.get("data_args", {}) if settings.get("data") == "retrieval" else {}
     tasks = args.tasks or data_args.get("task", "passkey")
     sparse = sparse_config_of(settings, args.attention, **patterns)
-    trained_dense = sparse is not None and sparse_config_of(settings, "trained") is None
+    trained = sparse_config_of(settings, "trained")
+    trained_dense = sparse is not None and trained is None
     check_eval_fits(spec.config, contexts, args.batch_tokens, torch.device(device))
     print(f"attnpool eval: {path} ({settings['model']}, {spec.num_params(model) / 1e6:.1f}M params), "
           f"{'sparse' if sparse else 'dense'} attention"
@@ -117,11 +119,12 @@ def run(args: argparse.Namespace) -> int:
                                                            f" (needle kept in {c.needle_kept:.0%} of layers)"),
                                                         flush=True))
     print(format_table(cells))
-    # Patterns other than the run's are written beside its own evaluation, not over it (one folder each).
+    # Attention other than the run's is written beside its own evaluation, not over it (a folder each).
     changed = "".join(f"-{name.replace('_', '-')}-{value:g}" if isinstance(value, float) else
                       f"-{name.replace('_', '-')}-{value}" for name, value in patterns.items() if value is not None)
-    out = args.out or os.path.join(args.run or os.path.dirname(os.path.dirname(os.path.abspath(path))),
-                                   "eval" + (f"-sparse{changed}" if changed else ""))
+    folder = ("eval-sparse" + changed if sparse is not None and (trained is None or changed) else
+              "eval-dense" if sparse is None and trained is not None else "eval")
+    out = args.out or os.path.join(args.run or os.path.dirname(os.path.dirname(os.path.abspath(path))), folder)
     meta = {"checkpoint": path, "model": settings["model"], "attention": "sparse" if sparse else "dense",
             "coverage": sparse.coverage if sparse else None,
             "sparse_min_doc_len": sparse.min_doc_len if sparse else None, "trained_dense": trained_dense,

@@ -93,8 +93,9 @@ def sparse_config_of(settings: dict, attention: str, **options):
     if attention == "dense" or sparse is None:
         for name, value in options.items():
             raise ConfigError(f"sparse_{name}", value, "only with sparse attention: attention dense has no patterns"
-                              if attention == "dense" else "only with sparse attention: the run trained dense (give "
-                                                           "attention sparse to evaluate it with patterns)")
+                              if attention == "dense" else "only with sparse attention: the run trained dense (attention "
+                                                           "sparse, attnpool eval's --attention sparse, evaluates it "
+                                                           "with patterns)")
         return None
     unknown = sorted(set(options) - {f.name for f in dataclasses.fields(sparse) if f.init})
     if unknown:

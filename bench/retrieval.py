@@ -33,8 +33,9 @@ Writes to ``--out``: ``<date>-<gpu>-retrieval.json`` (``-retrieval-text`` with t
 ``{"attention", "coverage", "context", "accuracy", "density"}``, passkey accuracy over all depths and the sparse
 layers' measured density there, 1.0 dense; ``details``: every task and depth; ``coverage_sweep``: with
 ``--eval-coverages``, every run evaluated again with vertical-slash patterns at each of those coverages, at
-evaluation only), a Markdown file of the same name with the commands, the model, the loss curves and the accuracy
-heat maps (PNGs next to it). Runs and checkpoints go to ``--work`` (a temporary directory by default).
+evaluation only, with ``--eval-sparse-args``' options over the sparse runs' ``--sparse-args``), a Markdown file of
+the same name with the commands, the model, the loss curves and the accuracy heat maps (PNGs next to it). Runs and
+checkpoints go to ``--work`` (a temporary directory by default).
 
     PYTHONPATH=src python3 bench/retrieval.py --out bench/results                 # one GPU, ~20 minutes
     PYTHONPATH=src python3 bench/retrieval.py --out /tmp/r --device cpu           # smoke test, tiny model, 1-2 min
@@ -210,6 +211,29 @@ def copy_run(src: str, dst: str) -> None:
     shutil.copytree(src, part)
     shutil.rmtree(dst, ignore_errors=True)
     os.rename(part, dst)
+
+
+def sparse_options(ap, flag: str, items: list[str], base: dict) -> dict:
+    """``base`` with the ``K=V`` pattern options over it (sizes as numbers, 4K and the like read), refused with the
+    parser's error naming ``flag`` where one is not an option of sparse attention or the two do not go together."""
+    from attnpool.errors import ConfigError
+    from attnpool.sizes import parse_size
+    from attnpool.sparse import SparseConfig
+
+    options = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq:
+            ap.error(f"{flag} {item!r}: not K=V")
+        try:
+            options[key] = parse_size(value)
+        except ValueError:
+            options[key] = value
+    try:
+        SparseConfig(**{**base, **options})
+    except (ConfigError, TypeError) as exc:
+        ap.error(f"{flag} {' '.join(items)}: {exc}")
+    return {**base, **options}
 
 
 def coverage_list(ap, flag: str, text: str) -> list[float]:
@@ -457,6 +481,12 @@ def main() -> int:
     ap.add_argument("--eval-coverages", default="", metavar="C,C",
                     help="also evaluate every run with vertical-slash patterns at these coverages, at evaluation only "
                          "(from the sparse runs' length): density against accuracy without training again")
+    ap.add_argument("--sparse-args", nargs="+", default=[], metavar="K=V",
+                    help="the sparse runs' pattern options over the default ones (attnpool train --sparse-args: "
+                         "slash_cap, vertical_cap, block, ...), e.g. slash_cap=128 vertical_cap=512")
+    ap.add_argument("--eval-sparse-args", nargs="+", default=[], metavar="K=V",
+                    help="the --eval-coverages patterns' options over the sparse runs' (e.g. caps, which bound a "
+                         "long document's density whatever the coverage)")
     ap.add_argument("--eval-instances", type=int, default=None, metavar="N",
                     help="held-out instances per needle depth and context (default 40 on GPU)")
     ap.add_argument("--mix-from", type=int, default=None, metavar="N",
@@ -505,6 +535,8 @@ def main() -> int:
         setup["lr"] = args.lr
     coverages, eval_coverages = (coverage_list(ap, flag, text) for flag, text in
                                  (("--coverages", args.coverages), ("--eval-coverages", args.eval_coverages)))
+    setup["sparse_args"] = sparse_options(ap, "--sparse-args", args.sparse_args, setup["sparse_args"])
+    eval_sparse_args = sparse_options(ap, "--eval-sparse-args", args.eval_sparse_args, setup["sparse_args"])
     if (coverages or eval_coverages) and setup["sparse_min_doc_len"] > max_context:
         ap.error(f"--sparse-min-doc-len {setup['sparse_min_doc_len']}: no stage reaches it (the longest holds "
                  f"{max_context}-token documents), so nothing would be sparse")
@@ -618,12 +650,13 @@ def main() -> int:
                 "instances": setup["eval_instances"], "seed": args.seed + 1, "step": total_steps}
     # What each run is evaluated with: the attention it trained with ("trained"), then vertical-slash patterns at
     # each --eval-coverages coverage, from the sparse runs' length, at evaluation only.
-    sweep = {f"coverage {c:g}": c for c in eval_coverages}
+    sweep = {f"coverage {c:g}" + "".join(f" {k}={v}" for k, v in eval_sparse_args.items()
+                                         if setup["sparse_args"].get(k) != v): c for c in eval_coverages}
 
     def evaluate(model_obj, settings: dict, label: str) -> list:
         sparse = (sparse_config_of(settings, "trained") if label == "trained" else
                   sparse_config_of(settings, "sparse", coverage=sweep[label], min_doc_len=setup["sparse_min_doc_len"],
-                                   **setup["sparse_args"]))
+                                   **eval_sparse_args))
         return evaluate_retrieval(model_obj, tasks=tasks, contexts=eval_contexts, depths=setup["eval_depths"],
                                   instances=setup["eval_instances"], seed=args.seed + 1, sparse=sparse,
                                   filler=args.filler, device="cuda" if gpu else "cpu",
@@ -657,7 +690,7 @@ def main() -> int:
                     results.append({"attention": attention, "coverage": coverage, **row})
                 else:
                     kept = [c.needle_kept for c in mine if c.needle_kept is not None]
-                    swept.append({"run": name, "coverage": sweep[label], **row,
+                    swept.append({"run": name, "coverage": sweep[label], "sparse_args": eval_sparse_args, **row,
                                   "needle_kept": float(np.mean(kept)) if kept else None})
         if "trained" in made:
             cells = made["trained"]
@@ -753,9 +786,11 @@ def write_markdown(path: str, doc: dict, loss_png: str, heatmap_pngs: list[str])
             lines.append(f"| {coverage} | " + " | ".join(f"{k:.3f}" for k in kept) + " |")
     if doc["coverage_sweep"]:
         swept = {(r["run"], r["coverage"], r["context"]): r for r in doc["coverage_sweep"]}
+        options = doc["coverage_sweep"][0].get("sparse_args") or {}
         lines += ["", "Each run with vertical-slash patterns at other coverages, at evaluation only (`--eval-coverages`, "
-                      f"documents of {doc['sparse_min_doc_len']}+ tokens): passkey accuracy, (density) and the share "
-                      "of probes whose patterns reached the needle:", "",
+                      f"documents of {doc['sparse_min_doc_len']}+ tokens"
+                  + (f", `{' '.join(f'{k}={v}' for k, v in options.items())}`" if options else "")
+                  + "): passkey accuracy, (density) and the share of probes whose patterns reached the needle:", "",
                   "| run | coverage | " + " | ".join(tokens_text(n) for n in contexts) + " |",
                   "|---|---|" + "---|" * len(contexts)]
         for run, coverage in dict.fromkeys((r["run"], r["coverage"]) for r in doc["coverage_sweep"]):

@@ -270,7 +270,7 @@ sys.exit(script.main())
 
 
 SMOKE_ARGS = ["--device", "cpu", "--coverages", "0.95", "--tasks", "copy,passkey,multikey", "--mix-from", "128",
-              "--filler", "text", "--loss", "all-first", "--eval-coverages", "0.05"]
+              "--filler", "text", "--loss", "all-first", "--eval-coverages", "0.05", "--eval-sparse-args", "vertical_cap=8"]
 
 
 @background.job("test_retrieval_bench_smoke_then_attnpool_eval")
@@ -343,8 +343,10 @@ def test_retrieval_bench_smoke_then_attnpool_eval(capsys):
     # again); so low a coverage keeps fewer pairs than the sparse run's own 0.95 (its forced sinks and band remain)
     assert {(r["run"], r["coverage"], r["context"]) for r in doc["coverage_sweep"]} == {
         ("dense", 0.05, 256), ("sparse-0.95", 0.05, 256)}
+    # (and with --eval-sparse-args' cap on the columns over the sparse runs' options)
     trained_density = next(r["density"] for r in doc["results"] if r["attention"] == "sparse")
     assert all(0 < r["density"] < trained_density and 0 <= r["needle_kept"] <= 1 for r in doc["coverage_sweep"])
+    assert all(r["sparse_args"]["vertical_cap"] == 8 and r["sparse_args"]["block"] == 16 for r in doc["coverage_sweep"])
     assert json.loads(result.read_text())["coverage_sweep"] == doc["coverage_sweep"]
     assert "at evaluation only" in md
     # With other training settings the same --work is refused before anything runs.
@@ -483,6 +485,10 @@ def test_retrieval_bench_refuses_a_curriculum_it_does_not_have():
     shared = _retrieval_here(root, "--out", "/nonexistent", "--device", "cpu", "--sparse-min-doc-len", "256",
                              "--mix-from", "128")
     assert shared.returncode == 2 and "--sparse-min-doc-len 256: every stage is shared" in shared.stderr
+    for flag, options, problem in (("--sparse-args", "width=3", "unexpected keyword argument 'width'"),
+                                   ("--eval-sparse-args", "vertical_cap=2", "exceeds vertical_cap=2")):
+        wrong = _retrieval_here(root, "--out", "/nonexistent", "--device", "cpu", flag, options)
+        assert wrong.returncode == 2 and f"{flag} {options}: " in wrong.stderr and problem in wrong.stderr
     near = _retrieval_here(root, "--out", "/nonexistent", "--device", "cpu", "--deadline-s", "60")
     assert near.returncode == 2 and "--deadline-s 60.0: must be more than 60 s" in near.stderr
 

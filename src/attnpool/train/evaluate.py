@@ -85,11 +85,13 @@ def sparse_config_of(settings: dict, attention: str, **options):
 
     if attention not in ATTENTIONS:
         raise ConfigError("attention", attention, f"choose one of {', '.join(ATTENTIONS)}")
+    options = {k: v for k, v in options.items() if v is not None}
+    if attention == "dense" and not options:
+        return None  # (whatever the run's settings hold)
     config = TrainConfig(**{k: v for k, v in settings.items() if k in KEYS})
     sparse = config.sparse.sparse_config()
     if attention == "sparse" and sparse is None:
         sparse = dataclasses.replace(config.sparse, mode="vertical-slash").sparse_config()
-    options = {k: v for k, v in options.items() if v is not None}
     if attention == "dense" or sparse is None:
         for name, value in options.items():
             raise ConfigError(f"sparse_{name}", value, "only with sparse attention: attention dense has no patterns"

@@ -178,6 +178,7 @@ def test_bad_layout_inputs():
        cost=st.sampled_from(["pairs", "table"]))
 @example(lens=[13268], W=5, long_shards=0, min_shard=512, cost="table")  # balanced around a larger total than percp's
 @example(lens=[], W=5, long_shards=4, min_shard=64, cost="table")  # merging shards changed the greedy's costs
+@example(lens=[18958, 23], W=5, long_shards=0, min_shard=256, cost="table")  # balanced as counted, not as held
 def test_cad_never_loses_to_local_or_percp(lens, W, long_shards, min_shard, cost):
     """cad's busiest server carries no more work than under local or percp (plans over the same layout it
     could have copied), whatever the mix, including a long document first whose shards are as coarse as the

@@ -59,6 +59,7 @@ import datetime
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -589,7 +590,7 @@ def main() -> int:
     else:
         os.makedirs(work, exist_ok=True)
         write_json(settings_path, training)
-    log = CallLog(work, " ".join(["python", "bench/retrieval.py", *sys.argv[1:]]))
+    log = CallLog(work, shlex.join(["python", "bench/retrieval.py", *sys.argv[1:]]))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH")])))
 
     variants = [("dense", None)] + [("sparse", c) for c in coverages]
@@ -620,7 +621,7 @@ def main() -> int:
             stop_at += stage.steps
             command = lambda resume: train_command(run_dir, attention, coverage, stage, stop_at,  # noqa: E731
                                                    total_steps, resume, args, setup, model)
-            commands.append(" ".join(["python", *command(stop_at > stage.steps)[1:]]))  # as the curriculum runs it
+            commands.append(shlex.join(["python", *command(stop_at > stage.steps)[1:]]))  # as the curriculum runs it
             outcome = train_stage(name, run_dir, stage, stop_at, total_steps, command, env, clock, log)
             if outcome not in ("done before", "finished", "stopped"):
                 unfinished.append(f"{name}: stage {stage.context} {outcome}")
@@ -715,7 +716,7 @@ def main() -> int:
     from attnpool.model import model_config
 
     params = model_config("tiny", **model).num_params()
-    doc = {"date": str(datetime.date.today()), "device": gpu_name, "command": " ".join(["python", *sys.argv]),
+    doc = {"date": str(datetime.date.today()), "device": gpu_name, "command": shlex.join(["python", *sys.argv]),
            "model": {"preset": "tiny", "model_args": model, "params": params}, "curriculum": training["curriculum"],
            "tasks": tasks, "mix_from": args.mix_from, "filler": args.filler, "loss": args.loss,
            "sparse_min_doc_len": setup["sparse_min_doc_len"],

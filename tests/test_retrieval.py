@@ -383,7 +383,11 @@ def test_retrieval_bench_smoke_then_attnpool_eval(capsys):
     assert (evaluated["attention"], evaluated["coverage"], evaluated["sparse_min_doc_len"],
             evaluated["trained_dense"]) == ("sparse", 0.8, 192, True)
     assert evaluated["title"].endswith("sparse attention, coverage 0.8")
-    assert main(["eval", "--run", str(dense_run), "--sparse-coverage", "0.8"]) == 2
+    from unittest import mock
+
+    with mock.patch("attnpool.train.export.read_dcp", side_effect=AssertionError("the weights were read")):
+        # (refused by the run's settings, before its weights are read)
+        assert main(["eval", "--run", str(dense_run), "--sparse-coverage", "0.8"]) == 2
     assert "sparse_coverage=0.8: only with sparse attention: the run trained dense" in capsys.readouterr().err
     # (refused before any checkpoint is read: there is none here)
     assert main(["eval", "--run", str(tmp_path / "nowhere"), "--attention", "dense", "--sparse-coverage", "0.8"]) == 2

@@ -93,10 +93,16 @@ def run(args: argparse.Namespace) -> int:
     from attnpool.train.export import read_checkpoint_model
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+
+    def check(settings: dict, spec) -> None:
+        """What the run's settings refuse, before its weights are read."""
+        if "eval" in spec.cannot:
+            raise ConfigError("run", args.run or args.checkpoint, f"trained {settings['model']}: {spec.cannot['eval']}")
+        sparse_config_of(settings, args.attention, **patterns)
+        check_eval_fits(spec.config, contexts, args.batch_tokens, torch.device(device))
+
     model, spec, settings, path, skipped = read_checkpoint_model(run_dir=args.run, checkpoint=args.checkpoint,
-                                                                 allow_unverified=args.allow_unverified)
-    if "eval" in spec.cannot:
-        raise ConfigError("run", args.run or args.checkpoint, f"trained {settings['model']}: {spec.cannot['eval']}")
+                                                                 allow_unverified=args.allow_unverified, check=check)
     for bad, problem in skipped:
         print(f"skipping {bad}: {problem}")
     data_args = settings.get("data_args", {}) if settings.get("data") == "retrieval" else {}
@@ -104,7 +110,6 @@ def run(args: argparse.Namespace) -> int:
     sparse = sparse_config_of(settings, args.attention, **patterns)
     trained = sparse_config_of(settings, "trained")
     trained_dense = sparse is not None and trained is None
-    check_eval_fits(spec.config, contexts, args.batch_tokens, torch.device(device))
     print(f"attnpool eval: {path} ({settings['model']}, {spec.num_params(model) / 1e6:.1f}M params), "
           f"{'sparse' if sparse else 'dense'} attention"
           + (f" (coverage {sparse.coverage:g} from {sparse.min_doc_len} tokens"

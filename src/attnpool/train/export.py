@@ -134,11 +134,13 @@ def _write_export(model: torch.nn.Module, spec: ModelSpec, config: TrainConfig, 
 
 
 def read_checkpoint_model(*, run_dir: str | None = None, checkpoint: str | None = None,
-                          allow_unverified: bool = False):
+                          allow_unverified: bool = False, check=None):
     """``(model, model spec, the run's settings, checkpoint path, skipped)``: the whole model on the CPU in
     float32 from ``checkpoint``, or from the newest valid checkpoint of ``run_dir`` (``skipped``: (path,
     problem) of newer damaged ones). Every file is checked against the manifest first (one without a manifest
-    is read only with ``allow_unverified``: attnpool.train.checkpoint.verify_checkpoint)."""
+    is read only with ``allow_unverified``: attnpool.train.checkpoint.verify_checkpoint). ``check(settings,
+    spec)``, where given, runs before the model is built and its weights read: a caller's refusal that depends
+    on the run's settings costs no read of a large model."""
     skipped: list[tuple[str, str]] = []
     if checkpoint is not None:
         if not os.path.isdir(checkpoint):
@@ -160,6 +162,8 @@ def read_checkpoint_model(*, run_dir: str | None = None, checkpoint: str | None 
                                               "settings are unknown")
     spec = model_spec(settings["model"], settings.get("model_args", {}), settings.get("max_doc_len"),
                       settings["model_impl"])
+    if check is not None:
+        check(settings, spec)
     model = spec.build_empty("cpu")
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # one process on purpose: DCP's warning that it assumes so is noise here

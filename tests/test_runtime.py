@@ -57,10 +57,11 @@ def local_rows(tensors, pieces, which):
         torch.zeros(0, *tensors[next(iter(tensors))][which].shape[1:], dtype=torch.float64)
 
 
-def worker(rank, world, dtype_name, backward_group_keys=None, copies=False):
+def worker(rank, world, dtype_name, backward_group_keys=None, copies=False, relay_nodes=None):
     """``copies``: the reference backend without its PositionKernel, so that documents with several
     segments on a server run as prefix copies (as under flash) rather than one call each; without, every
-    such server runs without copies, however few they are (these documents are short)."""
+    such server runs without copies, however few they are (these documents are short). ``relay_nodes``: each
+    rank's node, for the hierarchical exchange."""
     import attnpool.runtime.dispatch as dispatch
 
     # this process only (the harness runs every worker in its own)
@@ -82,12 +83,13 @@ def worker(rank, world, dtype_name, backward_group_keys=None, copies=False):
                 comm_stats.reset()
                 saved = []
                 with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-                    out = core_attention(q, k, v, plan, backend=backend)
-                layout = dispatch_layout(plan, q, k, v)
+                    out = core_attention(q, k, v, plan, backend=backend, relay_nodes=relay_nodes)
+                layout = dispatch_layout(plan, q, k, v, relay_nodes=relay_nodes)
                 out.backward(dout)
                 results[(case, strategy, heads)] = dict(
                     out=out.detach().double(), dq=q.grad.double(), dk=k.grad.double(), dv=v.grad.double(),
                     stats={t: list(v) for t, v in comm_stats.by_tag.items()}, calls=comm_stats.calls,
+                    kv_sent=layout.kv_send_splits, relay_sent=None if layout.relay is None else layout.relay.send_splits,
                     # The output itself is saved too: the caller's next layer keeps it anyway.
                     saved_numel=sum(t.numel() for t in saved if not (out.numel() and t.data_ptr() == out.data_ptr())),
                     saved_inputs=any(t.data_ptr() == x.data_ptr() for t in saved for x in (q, k, v) if x.numel()),
@@ -329,6 +331,50 @@ def test_bytes_counted_equal_plan_prediction(world_results):
                     assert sent["return"] == o_back
                     assert sent["dispatch_grad"] == q_out
                     assert sent["return_grad"] == o_back + kv_in
+
+
+RELAY_NODES = (0, 0, 1, 1)  # 4 ranks as 2 nodes of 2
+
+
+def test_hierarchical_exchange_computes_the_same_and_sends_kv_across_nodes_once():
+    """4 gloo ranks as 2 nodes: with the hierarchical exchange every strategy's outputs and gradients are the
+    reference's; KV crosses between nodes once per (piece, node) where the flat exchange sent it to each
+    server there (counted here by loops over the plan's segments, apart from the layout's vectorised choice);
+    relays forward only inside their node; and the relayed KV's gradients come back the way it went."""
+    world = 4
+    results = run_distributed(worker, world, "float32", None, False, RELAY_NODES)
+    assert_matches_reference(world, results, tolerance=1e-5)
+    relayed_somewhere = False
+    for case, pieces in make_cases(world):
+        for strategy in STRATEGIES:
+            plan = plan_attention(pieces, strategy, cost_model="pairs", min_shard_tokens=32)
+            x = plan.kv_transfers()
+            # a remote segment crosses unless another of its piece, bound for a server of the same node, holds its rows
+            # and is longer (or as long, with a lower server)
+            crossing = {}
+            for i in range(len(x.src)):
+                src, server = int(x.src[i]), int(x.server[i])
+                if RELAY_NODES[src] == RELAY_NODES[server]:
+                    continue
+                a, n = int(x.src_row[i]), int(x.length[i])
+                covered = any(x.piece[j] == x.piece[i] and RELAY_NODES[int(x.server[j])] == RELAY_NODES[server]
+                              and int(x.server[j]) != server and x.src_row[j] <= a and a + n <= x.src_row[j] + x.length[j]
+                              and (x.length[j], -x.server[j]) > (n, -server) for j in range(len(x.src)))
+                if not covered:
+                    crossing[src, server] = crossing.get((src, server), 0) + n
+            for heads in HEADS:
+                for rank in range(world):
+                    got = results[rank][(case, strategy, heads)]
+                    across = {peer: n for peer, n in enumerate(got["kv_sent"])
+                              if RELAY_NODES[peer] != RELAY_NODES[rank] and n}
+                    assert across == {s: n for (r, s), n in crossing.items() if r == rank}, (case, strategy, rank)
+                    if got["relay_sent"] is not None:
+                        assert all(n == 0 for peer, n in enumerate(got["relay_sent"])
+                                   if RELAY_NODES[peer] != RELAY_NODES[rank])
+                        relayed_somewhere |= sum(got["relay_sent"]) > 0
+                        stats = got["stats"]
+                        assert stats["relay"][1] == stats["relay_grad"][2] and stats["relay"][2] == stats["relay_grad"][1]
+    assert relayed_somewhere  # (the document spanning every rank, served on both nodes)
 
 
 def test_bfloat16_within_tolerance():

@@ -118,3 +118,47 @@ def test_kv_sent_into_a_node_twice_counted_as_a_hierarchy_would_save_it(costs):
     assert total == (plan.task_len[remote].sum() * (SHAPE.q_bytes + SHAPE.o_bytes) + sum(
         length for server, src, length in zip(x.server, x.src, x.length) if server // 4 != src // 4) * SHAPE.kv_bytes)
     assert script.inter_node_bytes(plan, SHAPE, 1)[1] == 0
+
+
+def _train_flat_and_hierarchical(rank, world, out):
+    """Losses of a cad run on 4 ranks as 2 nodes, with the flat exchange and with the hierarchical one (and with
+    ping-pong, whose nano-batches relay each on their own), and the relayed bytes of the hierarchical runs' steps."""
+    from pathlib import Path
+
+    from attnpool.comm import comm_stats
+    from test_train import tiny_config
+
+    from attnpool.train import train
+
+    losses, relayed = {}, {}
+    for name, overrides in (("flat", {}), ("hierarchical", dict(hierarchical_exchange=True)),
+                            ("hierarchical-pingpong", dict(hierarchical_exchange=True, pingpong=True, max_doc_len=192))):
+        config = tiny_config(Path(out) / name, attention="cad", ranks_per_node=2, steps=3, tokens_per_rank=384,
+                             **overrides)
+        comm_stats.reset()
+        losses[name] = [row["loss"] for row in train(config).rows]
+        relayed[name] = comm_stats.by_tag.get("relay", [0, 0, 0])[1]
+    return losses, relayed
+
+
+def test_hierarchical_exchange_trains_as_the_flat_one(tmp_path):
+    from dist_harness import run_distributed
+
+    results = run_distributed(_train_flat_and_hierarchical, 4, str(tmp_path))
+    losses = results[0][0]
+    flat = np.asarray(losses["flat"])
+    np.testing.assert_allclose(losses["hierarchical"], flat, rtol=1e-5)
+    assert len(losses["hierarchical-pingpong"]) == 3 and np.isfinite(losses["hierarchical-pingpong"]).all()
+    # some rank forwarded KV inside its node (the flat runs relay nothing)
+    assert sum(r[1]["hierarchical"] for r in results) > 0 and sum(r[1]["flat"] for r in results) == 0
+
+
+def test_hierarchical_exchange_is_refused_where_nothing_crosses_nodes():
+    from attnpool.train import TrainConfig
+    from attnpool.train.spec import resolve_run_spec
+
+    config = TrainConfig(model="tiny", data="stdlib", tokens_per_rank=256, device="cpu", cost_model="pairs",
+                         attention="cad", hierarchical_exchange=True)
+    with pytest.raises(ConfigError, match="hierarchical_exchange=True: the attention's 4 ranks are on one node"):
+        resolve_run_spec(config, 4)
+    assert resolve_run_spec(config.replace(ranks_per_node=2), 4).relay_nodes == (0, 0, 1, 1)

@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sparse-args", default="", metavar="K=V,...",
                    help="options of the +sparse strategies, e.g. coverage=0.9,slash_cap=64,vertical_cap=1024 "
                         "(coverage, min_doc_len, and any --sparse-args key of attnpool train)")
+    p.add_argument("--hierarchical-exchange", action="store_true",
+                   help="core attention's KV crosses between nodes once per node, a server there forwarding it "
+                        "(attnpool train's hierarchical_exchange; needs ranks on several nodes)")
     p.add_argument("--activation-offload", action="store_true",
                    help="keep the activations saved for backward in host memory (attnpool train's activation_offload)")
     p.add_argument("--memory-breakdown", action="store_true",

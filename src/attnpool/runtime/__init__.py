@@ -29,17 +29,19 @@ def attention_for(plan: Plan, group=None, *, backend: str | Backend | None = Non
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, group=None, *,
                    backend: str | Backend | None = None, scale: float | None = None,
                    sparse: SparseConfig | None = None, layer: int | None = None,
-                   softcap: float | None = None) -> torch.Tensor:
+                   softcap: float | None = None, relay_nodes: tuple[int, ...] | None = None) -> torch.Tensor:
     """Causal attention of every token over its own document's earlier tokens, wherever they live.
 
     q (T_r, H_q, D), k and v (T_r, H_kv, D) hold this rank's tokens in the order of its
     pieces in ``plan``; returns (T_r, H_q, D). Differentiable in q, k and v. Any strategy's plan; a plan
     made for a sliding window (``plan_attention(..., window=w)``) computes each token over the ``w`` keys
     ending at it. ``softcap``: scores soft-capped (c * tanh(s / c)). ``sparse`` and ``layer``:
-    vertical-slash sparse attention, as :class:`CoreAttention` takes them.
+    vertical-slash sparse attention, as :class:`CoreAttention` takes them. ``relay_nodes``: each rank's node, for
+    the hierarchical exchange (:class:`CoreAttention`; a head-parallel plan exchanges no KV and takes none).
     """
-    return attention_for(plan, group, backend=backend, scale=scale, sparse=sparse, softcap=softcap)(q, k, v,
-                                                                                                   layer=layer)
+    options = {} if relay_nodes is None or plan.head_parallel else {"relay_nodes": relay_nodes}
+    return attention_for(plan, group, backend=backend, scale=scale, sparse=sparse, softcap=softcap,
+                         **options)(q, k, v, layer=layer)
 
 
 def plan_layer_kinds(kinds, pieces, strategy: str = "cad", group=None, *, backend=None, scale: float | None = None,

@@ -50,7 +50,7 @@ from attnpool.kernels import get_backend
 from attnpool.kernels.base import Backend
 from attnpool.kinds import AttentionKind
 from attnpool.plan.plan import Plan
-from attnpool.runtime.dispatch import DispatchLayout, backward_in_parts
+from attnpool.runtime.dispatch import DispatchLayout, KVRelay, backward_in_parts
 from attnpool.runtime.sparse import SparseServing, SparseStats
 from attnpool.runtime.sparse_kv import withheld_segments
 from attnpool.sparse import SparseConfig
@@ -181,6 +181,29 @@ class _DispatchWait(torch.autograd.Function):
         handle.launch(send, _sizes(L.q_recv_splits, L.kv_recv_splits, sh.q_width, sh.kv_width),
                       _sizes(L.q_send_splits, L.kv_send_splits, sh.q_width, sh.kv_width), group, "return_grad")
         return None, None, None, None, None
+
+
+class _Relay(torch.autograd.Function):
+    """The hierarchical exchange's second all-to-all, inside each node: a relay forwards rows of the KV it
+    received to its node's other servers, which append them to theirs. Backward: their gradients go back to the
+    relay, which adds them to those of the rows it forwarded (the dispatch's backward then carries the sum home
+    across the network once)."""
+
+    @staticmethod
+    def forward(ctx, kv_recv, relay: KVRelay, sh: _Shapes, group):
+        width = sh.kv_width
+        relayed = all_to_all_flat(kv_recv[relay.send_rows].reshape(-1), [n * width for n in relay.send_splits],
+                                  [n * width for n in relay.recv_splits], group, tag="relay")
+        ctx.meta = (relay, sh, group, kv_recv.shape[0])
+        return torch.cat([kv_recv, relayed.view(-1, width)])
+
+    @staticmethod
+    def backward(ctx, grad):
+        relay, sh, group, dispatched = ctx.meta
+        width = sh.kv_width
+        back = all_to_all_flat(grad[dispatched:].reshape(-1), [n * width for n in relay.recv_splits],
+                               [n * width for n in relay.send_splits], group, tag="relay_grad")
+        return grad[:dispatched].index_add(0, relay.send_rows, back.view(-1, width)), None, None, None
 
 
 def _server_inputs(L: DispatchLayout, sh: _Shapes, q, k, v, q_recv, kv_recv):
@@ -454,18 +477,25 @@ def agree_on_call(plan: Plan, q: torch.Tensor, problem: str | None, group=None,
 
 
 def dispatch_layout(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
-                    read_kv: SparseConfig | None = None, sparse: SparseConfig | None = None) -> DispatchLayout:
+                    read_kv: SparseConfig | None = None, sparse: SparseConfig | None = None,
+                    relay_nodes: tuple[int, ...] | None = None) -> DispatchLayout:
     """This rank's layout for ``plan``: checked and agreed on once, then cached on the plan.
 
     ``read_kv``: the SparseConfig of a sparse layer with kv_transfer="read", whose layout withholds
     KV that runtime.sparse_kv sends later. ``sparse``: the caller's sparse options, agreed on with
-    the plan (they size the sparse exchanges, and with kv_transfer="read" the dispatch)."""
+    the plan (they size the sparse exchanges, and with kv_transfer="read" the dispatch). ``relay_nodes``:
+    each rank's node, for the hierarchical exchange (runtime.dispatch.kv_relays; a layer that withholds KV
+    sends it flat)."""
     rank, world = group_rank_size(group)
-    agree_on_call(plan, q, call_problem(q, k, v, plan, rank, world, group), group, sparse)
-    key = (rank, str(q.device), id(group), read_kv)
+    problem = call_problem(q, k, v, plan, rank, world, group)
+    if problem is None and relay_nodes is not None and len(relay_nodes) != plan.num_ranks:
+        problem = f"relay_nodes: {len(relay_nodes)} nodes given, the plan has {plan.num_ranks} ranks"
+    agree_on_call(plan, q, problem, group, sparse)
+    relay_nodes = None if read_kv is not None or relay_nodes is None else tuple(relay_nodes)
+    key = (rank, str(q.device), id(group), read_kv, relay_nodes)
     if key not in plan.runtime_cache:
         withheld = None if read_kv is None else withheld_segments(plan, read_kv)
-        plan.runtime_cache[key] = DispatchLayout.build(plan, rank, q.device, withheld)
+        plan.runtime_cache[key] = DispatchLayout.build(plan, rank, q.device, withheld, relay_nodes)
     return plan.runtime_cache[key]
 
 
@@ -486,6 +516,8 @@ class CoreAttention:
     so make one CoreAttention per forward and backward pass, as the training loop does.
     ``pattern_group``: the group (of the same ranks, in the same order) for the sparse
     exchanges; with ping-pong give them one of their own (see __init__).
+    ``relay_nodes``: the node of each rank of ``group``; KV bound for several servers of one node then crosses
+    between nodes once (the hierarchical exchange: runtime.dispatch.kv_relays).
 
     A plan made for a sliding window (``plan.window``) computes windowed attention; ``softcap`` soft-caps
     the scores (the layer kind's, attnpool.kinds). Neither goes with sparse attention.
@@ -493,8 +525,9 @@ class CoreAttention:
 
     def __init__(self, plan: Plan, group=None, *, backend: str | Backend | None = None, scale: float | None = None,
                  sparse: SparseConfig | None = None, sparse_stats: SparseStats | None = None, pattern_group=None,
-                 softcap: float | None = None):
+                 softcap: float | None = None, relay_nodes: tuple[int, ...] | None = None):
         self.plan, self.group, self.backend, self.scale, self.softcap = plan, group, backend, scale, softcap
+        self.relay_nodes = relay_nodes
         self.sparse = sparse if sparse is not None and sparse.enabled else None
         if self.sparse is not None and (plan.window is not None or softcap is not None):
             raise ConfigError("sparse", "enabled", f"sparse attention computes causal attention without a window "
@@ -517,7 +550,7 @@ class CoreAttention:
 
     def dispatch(self, q, k, v, *, layer: int | None = None) -> _InFlight:
         read_kv = self.sparse if self._sparse_layer(layer) and self.sparse.kv_transfer == "read" else None
-        layout = dispatch_layout(self.plan, q, k, v, self.group, read_kv, self.sparse)
+        layout = dispatch_layout(self.plan, q, k, v, self.group, read_kv, self.sparse, self.relay_nodes)
         p = _InFlight(q, k, v, layout, _Shapes(q.shape[1], k.shape[1], q.shape[2]), layer)
         if layout.any_traffic:
             p.handle = _Handle()
@@ -543,6 +576,8 @@ class CoreAttention:
         L, sh = p.layout, p.shapes
         if L.any_traffic:
             q_recv, kv_recv = _DispatchWait.apply(p.recv, L, sh, p.handle, self.group)
+            if L.relay is not None:
+                kv_recv = _Relay.apply(kv_recv, L.relay, sh, self.group)
         else:
             q_recv, kv_recv = p.q.new_empty(0, sh.q_width), p.k.new_empty(0, sh.kv_width)
         p.out_srv_rows, p.dout_srv_rows = _ServerRows(L.num_server_q, sh), _ServerRows(L.num_server_q, sh)

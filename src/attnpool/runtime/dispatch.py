@@ -21,6 +21,11 @@ sender and its receiver agree without talking:
   not continue each other) is one call of its own over its unique keys, and each run of documents
   with one segment a varlen call over theirs: no copies (``DocumentServing``).
 - Outputs go back in the order the queries came.
+- With ``relay_nodes`` (the node of each rank: a hierarchical exchange), KV a server needs from a rank of another
+  node comes through one server of its own node where that server receives a range holding it
+  (:func:`kv_relays`): the dispatch carries each such range across the network once, and a second all-to-all
+  inside the node forwards the nested ranges from the relay's received rows (``KVRelay``); the relayed rows
+  follow the dispatched ones in the server's received KV.
 - The kernel's backward runs over groups of consecutive segments of at most
   ``BACKWARD_GROUP_KEYS`` key rows (``backward_groups``), one call each: FlashAttention-2's
   backward allocates a workspace in proportion to its call (with GQA, dK and dV for every
@@ -275,6 +280,40 @@ def segment_groups(seg_k: np.ndarray, max_keys: int) -> list[tuple[int, int]]:
     return groups
 
 
+def kv_relays(x, rank_node) -> np.ndarray:
+    """For every KV segment of ``x`` (a plan's KVTransfers), the segment that relays it (-1: none; it is sent from
+    its source). ``rank_node``: each rank's node. Among the segments of one piece bound for servers of one other
+    node, the longest (the lowest server among equals) crosses the network; each other one whose rows it holds is
+    forwarded by that server inside the node. (Causal prefixes of one piece nest, so with no sliding window every
+    such segment is relayed; windowed ranges that do not nest are sent as before.)"""
+    node = np.asarray(rank_node, dtype=np.int64)
+    relay_of = np.full(len(x.src), -1, dtype=np.int64)
+    remote = np.flatnonzero(node[x.src] != node[x.server])
+    if not len(remote):
+        return relay_of
+    piece, dest = x.piece[remote], node[x.server[remote]]
+    order = np.lexsort((x.server[remote], -x.length[remote], dest, piece))
+    member, piece, dest = remote[order], piece[order], dest[order]
+    first = np.r_[True, (piece[1:] != piece[:-1]) | (dest[1:] != dest[:-1])]
+    relay = member[first][np.cumsum(first) - 1]  # each member's group's longest segment
+    nested = ((x.src_row[member] >= x.src_row[relay])
+              & (x.src_row[member] + x.length[member] <= x.src_row[relay] + x.length[relay])
+              & (x.server[member] != x.server[relay]))
+    relay_of[member[nested]] = relay[nested]
+    return relay_of
+
+
+@dataclass(frozen=True, eq=False)
+class KVRelay:
+    """A server's part of the hierarchical exchange's second all-to-all (inside its node): the rows of its
+    received KV it forwards to its node's other servers, grouped by server, and what it receives from its node's
+    relays (appended after its dispatched rows; their places in the unique buffer are in ``recv_kv_pos``)."""
+
+    send_rows: torch.Tensor  # rows of the received KV, destination-ordered
+    send_splits: list[int]
+    recv_splits: list[int]
+
+
 def _splits(owner: np.ndarray, lengths: np.ndarray, world: int) -> list[int]:
     return np.bincount(owner, weights=lengths, minlength=world).astype(np.int64).tolist()
 
@@ -299,7 +338,7 @@ class DispatchLayout:
     num_server_q: int
     local_kv_rows: torch.Tensor  # local rows that are part of the unique KV buffer ...
     local_kv_pos: torch.Tensor  # ... and their positions in it
-    recv_kv_pos: torch.Tensor  # position in the unique KV buffer of each received KV row
+    recv_kv_pos: torch.Tensor  # position in the unique KV buffer of each received KV row (relayed ones last)
     num_unique_kv: int
     kv_expand_identity: bool  # expanded == unique (one segment per served document): no copy needed
     cu_q: torch.Tensor  # int32
@@ -308,6 +347,7 @@ class DispatchLayout:
     max_k: int
     backward_groups: tuple[SegmentRows, ...]  # empty where one backward call covers every segment
     documents: DocumentServing | None  # the same work without copies (Backend.positions); None: none or few to avoid
+    relay: KVRelay | None  # the hierarchical exchange's second all-to-all; None where the plan relays nothing
     # each kernel segment's first unique row and keys, and the device: kv_expand and prefix_copies, built on
     # first use only (a backend that serves positions needs neither; they hold one entry per expanded row)
     segment_base: np.ndarray
@@ -327,9 +367,12 @@ class DispatchLayout:
         return PrefixCopies.of(self.segment_base, self.segment_keys, self.num_unique_kv, self.device)
 
     @classmethod
-    def build(cls, plan: Plan, rank: int, device, withheld: np.ndarray | None = None) -> "DispatchLayout":
+    def build(cls, plan: Plan, rank: int, device, withheld: np.ndarray | None = None,
+              relay_nodes: tuple[int, ...] | None = None) -> "DispatchLayout":
         """``withheld``: bool per KV segment of ``plan.kv_transfers()``; remote ones marked are not sent
-        (runtime.sparse_kv sends what of them is read later). Local segments are always copied."""
+        (runtime.sparse_kv sends what of them is read later). Local segments are always copied.
+        ``relay_nodes``: each rank's node, for the hierarchical exchange (:func:`kv_relays`; not with
+        ``withheld``)."""
         W = plan.num_ranks
         t = plan.pieces
         home, server, n = plan.task_home, plan.task_server, plan.task_len
@@ -354,7 +397,10 @@ class DispatchLayout:
 
         # KV segments (sorted by server, doc, start).
         x = plan.kv_transfers()
-        sent = np.ones(len(x.src), dtype=bool) if withheld is None else ~withheld
+        if relay_nodes is not None and withheld is not None:
+            raise ValueError("the hierarchical exchange relays KV the dispatch sends; this layout withholds some")
+        relay_of = kv_relays(x, relay_nodes) if relay_nodes is not None else np.full(len(x.src), -1)
+        sent = (np.ones(len(x.src), dtype=bool) if withheld is None else ~withheld) & (relay_of < 0)
         out_kv = np.flatnonzero((x.src == rank) & (x.server != rank) & sent)  # already server-ordered
         kv_send_rows = ranges(x.src_row[out_kv], x.length[out_kv])
         kv_send_splits = _splits(x.server[out_kv], x.length[out_kv], W)
@@ -367,6 +413,21 @@ class DispatchLayout:
         seg_remote = seg_remote[np.argsort(x.src[seg[seg_remote]], kind="stable")]
         recv_kv_pos = ranges(seg_pos[seg_remote], x.length[seg[seg_remote]])
         kv_recv_splits = _splits(x.src[seg[seg_remote]], x.length[seg[seg_remote]], W)
+        relay = None
+        if (relay_of >= 0).any():  # (the same on every rank: each calls the second exchange)
+            # as a relay: the segments nested in those I received, from where they lie in my received rows
+            received_at = np.full(len(x.src), -1, dtype=np.int64)
+            received_at[seg[seg_remote]] = np.cumsum(x.length[seg[seg_remote]]) - x.length[seg[seg_remote]]
+            out = np.flatnonzero((relay_of >= 0) & (x.server[np.maximum(relay_of, 0)] == rank))
+            out = out[np.argsort(x.server[out], kind="stable")]
+            held = relay_of[out]
+            send_rows = ranges(received_at[held] + (x.src_row[out] - x.src_row[held]), x.length[out])
+            # as a server: what my node's relays forward, grouped by relay, after the dispatched rows
+            inward = np.flatnonzero(relay_of[seg] >= 0)
+            inward = inward[np.argsort(x.server[relay_of[seg[inward]]], kind="stable")]
+            recv_kv_pos = np.r_[recv_kv_pos, ranges(seg_pos[inward], x.length[seg[inward]])]
+            relay = KVRelay(index_tensor(send_rows, device=device), _splits(x.server[out], x.length[out], W),
+                            _splits(x.server[relay_of[seg[inward]]], x.length[seg[inward]], W))
 
         # Each KV group's rows start where its first segment does (segments of a (server, doc, range) group
         # tile [kv_start, kv_end) in order); a kernel segment's keys start at its first key's row of its group.
@@ -407,5 +468,5 @@ class DispatchLayout:
             max_q=int(seg_q.max(initial=0)), max_k=int(seg_k.max(initial=0)), backward_groups=backward_groups,
             documents=DocumentServing.of(seg_group, seg_q, seg_k, seg_base,
                                          (group_base[seg_group], group_len[seg_group]), num_unique_kv, device),
-            segment_base=seg_base, segment_keys=seg_k, device=torch.device(device),
+            relay=relay, segment_base=seg_base, segment_keys=seg_k, device=torch.device(device),
         )

@@ -8,8 +8,8 @@ A run's settings are ten sections, each a frozen dataclass that checks its own v
     attention   attention, cost_model, min_shard, eps, memory_cap, attention_backend, pingpong
     sparse      sparse, sparse_coverage, sparse_min_doc_len, dense_layers, sparse_args
     optim       steps, lr, min_lr_ratio, warmup_steps, weight_decay, beta1, beta2, grad_clip
-    parallel    tp, pp, pp_schedule, microbatches
-    memory      activation_checkpointing, activation_offload, optimizer_offload, memory_check
+    parallel    tp, pp, pp_schedule, microbatches, ranks_per_node, hierarchical_exchange
+    memory      activation_checkpointing, activation_offload, optimizer_offload, memory_check, auto_headroom
     checkpoint  checkpoint_every, keep_checkpoints, resume, stop_at, allow_unverified, allow_config_change,
                 hf_export, hf_export_checkpoints
     faults      max_nonfinite_steps, max_restarts, collective_timeout_s

@@ -159,7 +159,8 @@ class StepRunner:
 
         def attention(plan, softcap=None):
             return attention_for(plan, self.mesh.attention_group, backend=s.backend, sparse=s.sparse,
-                                 sparse_stats=stats, pattern_group=self.pattern_group, softcap=softcap)
+                                 sparse_stats=stats, pattern_group=self.pattern_group, softcap=softcap,
+                                 relay_nodes=s.relay_nodes)
 
         if s.mixed_kinds:  # each layer runs its kind's plan
             attentions = [[LayerKinds(s.layer_kinds, p.plans, attention) for p in unit]

@@ -249,6 +249,11 @@ class ParallelSection(Section):
     ranks_per_node: int = _setting("ranks_per_node", "ranks (GPUs) of one node, where bytes between nodes cost cad's "
                                                      "planner more than bytes inside one (0: torchrun's "
                                                      "LOCAL_WORLD_SIZE, else every rank on one node)", default=0)
+    hierarchical_exchange: bool = _setting("hierarchical_exchange", "KV that servers of one node need from a rank of "
+                                                                    "another crosses between the nodes once, and one "
+                                                                    "of them forwards it inside the node (needs ranks "
+                                                                    "on several nodes; not measured faster yet)",
+                                           default=False)
 
     def check(self) -> None:
         _at_least("tp", self.tp, 1)

@@ -70,6 +70,14 @@ class RunSpec:
     schedule_choice: object = None
 
     @property
+    def relay_nodes(self) -> tuple[int, ...] | None:
+        """Each dp rank's node where core attention's KV goes through the hierarchical exchange
+        (``hierarchical_exchange``), else None."""
+        if not self.config.parallel.hierarchical_exchange or self.topology is None:
+            return None
+        return self.topology.rank_node
+
+    @property
     def pp_schedule(self) -> str:
         """The pipeline schedule the run uses: the config's, or auto's choice."""
         return self.schedule_choice.chosen if self.schedule_choice is not None else self.config.parallel.pp_schedule
@@ -219,6 +227,13 @@ def attention_topology(config: TrainConfig, dims: ParallelDims, world: int) -> T
         raise ConfigError("ranks_per_node", per_node, f"must divide the {world} ranks, and be a multiple of "
                                                       f"tp={dims.tp} (a tp group stays inside a node)")
     topology = Topology(tuple(i * dims.tp // per_node for i in range(dims.dp)))
+    if config.parallel.hierarchical_exchange:
+        if topology.num_nodes == 1:
+            raise ConfigError("hierarchical_exchange", True, f"the attention's {dims.dp} ranks are on one node "
+                                                             f"(ranks_per_node={per_node}): nothing crosses between nodes")
+        if dims.pp > 1 and config.parallel.pp_schedule == POOLED:
+            raise ConfigError("hierarchical_exchange", True, "the pooled pipeline's attention spans every stage's "
+                                                             "ranks and exchanges flat; use pp_schedule 1f1b")
     return topology if topology.num_nodes > 1 else None
 
 

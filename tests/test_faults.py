@@ -229,9 +229,11 @@ def test_nonfinite_losses_skip_the_step_then_end_the_run():
 
 @background.job("test_resume_that_changes_the_run_asks_for_allow_config_change", needs=(stopped_run,))
 def resumed_with_more_steps(tmp):
-    """A copy of the stopped run (4 steps) resumed with 5 steps and --allow-config-change: its directory, the run."""
+    """A copy of the stopped run (4 steps, lr 3e-3) resumed with 5 steps, lr 1.5e-3 and --allow-config-change: its
+    directory, the run."""
     out, _ = copy_of(stopped_run.result(), tmp / "run")
-    return out, train_cli("--nproc", "2", "--steps", "5", "--resume", "--allow-config-change", "--out", out)
+    return out, train_cli("--nproc", "2", "--steps", "5", "--lr", "1.5e-3", "--resume", "--allow-config-change",
+                          "--out", out)
 
 
 def test_resume_that_changes_the_run_asks_for_allow_config_change(tmp_path):
@@ -243,7 +245,9 @@ def test_resume_that_changes_the_run_asks_for_allow_config_change(tmp_path):
     assert open(os.path.join(out, "config.yaml")).read() == config
     out, allowed = resumed_with_more_steps.result()  # (the same copy, resumed with the flag)
     assert allowed.returncode == 0, allowed.stderr
-    assert "steps: 4 -> 5" in allowed.stdout and max(losses(out)) == 5
+    assert "steps: 4 -> 5" in allowed.stdout and "lr: 0.003 -> 0.0015" in allowed.stdout and max(losses(out)) == 5
+    # the new peak learning rate from the first resumed step (warm-up: step s at s/10 of it), not the checkpoint's
+    assert [(r["step"], round(r["lr"], 12)) for r in metrics_rows(out)][2:] == [(3, 4.5e-4), (4, 6e-4), (5, 7.5e-4)]
     assert os.path.exists(os.path.join(out, "config.step-000002.yaml"))
 
 

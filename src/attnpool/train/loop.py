@@ -50,7 +50,7 @@ from attnpool.train.memory_check import smallest_capacity
 from attnpool.console import START_TIME_ENV
 from attnpool.train.metrics import (PLOT_FILE, SUMMARY_FILE, MetricsLog, Progress, open_logger, peak_memory_bytes,
                                     peak_reserved_bytes, plot_run, print_summary, reset_peak_memory, summarize)
-from attnpool.train.optim import agree_finite, build_optimizer, build_scheduler, clip_gradients
+from attnpool.train.optim import agree_finite, apply_optim_settings, build_optimizer, build_scheduler, clip_gradients
 from attnpool.train.schedule_choice import same_schedule
 from attnpool.train.planning import StepPlan
 from attnpool.train.resume import verified_checkpoint, write_config
@@ -166,6 +166,7 @@ class Trainer:
         if self.resume_from is not None:
             self.step = load_checkpoint(self.resume_from, self.model, self.optimizer, self.scheduler, self.stream,
                                         self.extra_state, self.device)
+            apply_optim_settings(self.optimizer, self.scheduler, config.optim)
         self.start_step = self.step
         self.log = self._open_log()
         self.nonfinite_total = sum(1 for r in self.log.rows if r.get("skipped_step"))  # resumed: the earlier steps'

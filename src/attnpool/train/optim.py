@@ -37,6 +37,18 @@ def build_scheduler(optimizer, optim: OptimSection) -> torch.optim.lr_scheduler.
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def apply_optim_settings(optimizer, scheduler, optim: OptimSection) -> None:
+    """The settings' peak lr, betas and weight decay over those a checkpoint's optimizer and schedule state brought
+    back (its saved values), so that a resume with allow_config_change that changes them trains with the new ones.
+    The schedule's shape (warmup, steps, min_lr_ratio) is the settings' already: its function is not saved."""
+    scheduler.base_lrs = [optim.lr] * len(optimizer.param_groups)
+    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+    # build_optimizer's groups: the matrices (decayed), then norms and biases
+    for group, decay in zip(optimizer.param_groups, (optim.weight_decay, 0.0)):
+        group.update(initial_lr=optim.lr, lr=optim.lr * factor, betas=(optim.beta1, optim.beta2), weight_decay=decay)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # (what get_last_lr reports)
+
+
 def clip_gradients(params: list, max_norm: float, pp_group=None, counted: list | None = None) -> torch.Tensor:
     """The gradients' total 2-norm over every rank's parameters (``pp_group``: also over the other
     pipeline stages'; ``counted``: the parameters it counts, default ``params``: a copy of another stage's

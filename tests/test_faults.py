@@ -470,3 +470,52 @@ def test_workers_that_all_failed_before_the_launcher_looked_are_a_failure():
         worker.start()
         worker.join()
     assert _wait_for_workers(finished, 1.0) is None
+
+
+# --- A checkpoint that cannot be written -----------------------------------------------------------------------
+
+
+def _save_that_fails(rank, world, out, where):
+    """save_checkpoint of a tiny model on every rank where ``where`` makes it fail: "disk" (its directory is under
+    a file, so DCP's writer fails) or "hash" (reading back rank 1's share of the files fails); what each rank
+    raised."""
+    import torch
+
+    import attnpool.train.checkpoint as checkpoint
+    from attnpool.data import DocumentStream, make_source
+    from attnpool.errors import TrainingError
+    from attnpool.model import Transformer, model_config
+
+    torch.manual_seed(0)
+    model = Transformer(model_config("tiny", dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=64))
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    stream = DocumentStream(make_source("synthetic", dist="prolong", vocab_size=64, seed=0), world, 256, 0)
+    path = f"{out}/blocker/step-000001" if where == "disk" else f"{out}/checkpoints/step-000001"
+    if where == "disk" and rank == 0:
+        open(f"{out}/blocker", "w").close()
+    torch.distributed.barrier()
+    sha256 = checkpoint._sha256
+    if where == "hash" and rank == 1:
+        checkpoint._sha256 = lambda file: (_ for _ in ()).throw(OSError(f"cannot read {os.path.basename(file)}"))
+    try:
+        checkpoint.save_checkpoint(path, model, optimizer, scheduler, stream, 1)
+    except TrainingError as exc:
+        return str(exc)
+    finally:
+        checkpoint._sha256 = sha256  # (the harness keeps its processes)
+    return None
+
+
+@pytest.mark.parametrize("where", ["disk", "hash"])
+def test_a_checkpoint_that_cannot_be_written_fails_on_every_rank(tmp_path, where):
+    """A save that fails on one rank (or in DCP's writer, whose exception is a BaseException that passed every
+    handler) is a TrainingError on every rank, naming the checkpoint and the cause, not a hang in the next
+    collective; no checkpoint of it is left to resume from."""
+    from dist_harness import run_distributed
+
+    said = run_distributed(_save_that_fails, 2, str(tmp_path), where)
+    assert all(s is not None and "step-000001: the checkpoint was not written" in s for s in said), said
+    if where == "hash":
+        assert all("on rank 1 (OSError: cannot read" in s for s in said), said
+        assert not os.path.isdir(tmp_path / "checkpoints" / "step-000001")

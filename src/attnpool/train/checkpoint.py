@@ -272,34 +272,72 @@ def save_checkpoint(path: str, model, optimizer, scheduler, stream, step: int, e
             if name.endswith(PARTIAL_SUFFIX):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     dist.barrier()
-    dcp.save(state, checkpoint_id=partial)  # returns on every rank once DCP's metadata is written
-    names = sorted(os.listdir(partial)) if rank == 0 else None
-    box = [names]
+    try:
+        dcp.save(state, checkpoint_id=partial)  # returns on every rank once DCP's metadata is written
+    except (Exception, CheckpointException) as exc:  # (DCP gathers every rank's failure and raises it on each)
+        raise TrainingError(f"{path}: the checkpoint was not written{_dcp_failure(exc)}") from None
+    # Each step below that touches files on one rank passes what went wrong through the collective after it, so
+    # that every rank raises it rather than wait for the one that did.
+    box = [None]
+    if rank == 0:
+        box = [_attempt(lambda: sorted(os.listdir(partial)))]
     dist.broadcast_object_list(box, src=0)
-    mine = {}
-    for name in _my_share(box[0], rank, world):  # (DCP's writer has synced them to disk)
-        file = os.path.join(partial, name)
-        mine[name] = {"bytes": os.path.getsize(file), "sha256": _sha256(file)}
+    names = _raise_any([box[0]], path)
+    mine = _attempt(lambda: {name: {"bytes": os.path.getsize(os.path.join(partial, name)),
+                                    "sha256": _sha256(os.path.join(partial, name))}
+                             for name in _my_share(names, rank, world)})  # (DCP's writer has synced them to disk)
     shares = [None] * world
     dist.all_gather_object(shares, mine)
+    files = {name: entry for share in _raise_any(shares, path, each=True) for name, entry in share.items()}
+    box = [None]
     if rank == 0:
-        files = {name: entry for share in shares for name, entry in share.items()}
-        _write_json_atomically(os.path.join(partial, MANIFEST),
-                               {"format": 1, "step": step, "config": config or {}, "files": files})
-        # Checkpoints of this step or later are ones a resume skipped as damaged (it takes the newest valid
-        # one, and a run saves each step once): left as they are, later ones would stay the "newest" and outlive
-        # `keep`, and this step's would be lost under the new one. Kept aside, for a look.
-        out = os.path.dirname(root)
-        damaged = [later for later_step, later in finished_checkpoints(out) if later_step > step]
-        for old in damaged + ([path] if os.path.isdir(path) else []):
-            shutil.rmtree(old + DAMAGED_SUFFIX, ignore_errors=True)
-            os.replace(old, old + DAMAGED_SUFFIX)
-        os.replace(partial, path)
-        _fsync_dir(root)
-        if keep > 0:
-            for _, old in finished_checkpoints(out)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()  # no rank goes on (or ends the run) before the checkpoint is in place
+        box = [_attempt(lambda: _put_in_place(partial, path, step, config, files, keep))]
+    dist.broadcast_object_list(box, src=0)  # no rank goes on (or ends the run) before the checkpoint is in place
+    _raise_any([box[0]], path)
+
+
+def _put_in_place(partial: str, path: str, step: int, config: dict | None, files: dict, keep: int) -> None:
+    """Rank 0's part of a save once every file is written: the manifest, the checkpoint renamed into place, older
+    ones beyond ``keep`` deleted."""
+    root = os.path.dirname(path)
+    _write_json_atomically(os.path.join(partial, MANIFEST),
+                           {"format": 1, "step": step, "config": config or {}, "files": files})
+    _fsync_dir(partial)  # (the manifest's entry on disk before the rename makes the checkpoint count)
+    # Checkpoints of this step or later are ones a resume skipped as damaged (it takes the newest valid
+    # one, and a run saves each step once): left as they are, later ones would stay the "newest" and outlive
+    # `keep`, and this step's would be lost under the new one. Kept aside, for a look.
+    out = os.path.dirname(root)
+    damaged = [later for later_step, later in finished_checkpoints(out) if later_step > step]
+    for old in damaged + ([path] if os.path.isdir(path) else []):
+        shutil.rmtree(old + DAMAGED_SUFFIX, ignore_errors=True)
+        os.replace(old, old + DAMAGED_SUFFIX)
+    os.replace(partial, path)
+    _fsync_dir(root)
+    if keep > 0:
+        for _, old in finished_checkpoints(out)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+class _Failed(str):
+    """What went wrong on a rank, passed through a collective in place of its result."""
+
+
+def _attempt(fn):
+    """``fn()``, or a _Failed naming what it raised."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 (every rank raises it after the collective)
+        return _Failed(f"{type(exc).__name__}: {exc}")
+
+
+def _raise_any(results: list, path: str, each: bool = False):
+    """The first of ``results`` (every one with ``each``), or, where a rank's is a _Failed, a TrainingError on this
+    rank naming it."""
+    for rank, result in enumerate(results):
+        if isinstance(result, _Failed):
+            where = f" on rank {rank}" if each else ""
+            raise TrainingError(f"{path}: the checkpoint was not written{where} ({result})")
+    return results if each else results[0]
 
 
 # The optimizer's state and its param groups' settings keyed by each parameter's name ("param_groups.<name>.lr"):
@@ -314,13 +352,17 @@ def read_dcp(state: dict, path: str) -> None:
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as exc:  # (DCP's gathers every rank's failure; a BaseException)
-        failures = getattr(exc, "failures", None) or {}
-        rank, inner = next(iter(failures.items()), (None, exc))
-        inner = inner[0] if isinstance(inner, tuple) else inner  # (DCP keeps each rank's with its traceback)
-        said = next((line for line in str(inner).splitlines() if line.strip()), "")
-        where = f" on rank {rank}" if rank is not None else ""
-        raise TrainingError(f"{path}: the checkpoint's files do not read{where} ({type(inner).__name__}: "
-                            f"{said[:160]}): damaged?") from None
+        raise TrainingError(f"{path}: the checkpoint's files do not read{_dcp_failure(exc)}: damaged?") from None
+
+
+def _dcp_failure(exc: BaseException) -> str:
+    """The first failure a DCP exception holds, in a few words: " on rank R (Type: first line)"."""
+    failures = getattr(exc, "failures", None) or {}
+    rank, inner = next(iter(failures.items()), (None, exc))
+    inner = inner[0] if isinstance(inner, tuple) else inner  # (DCP keeps each rank's with its traceback)
+    said = next((line for line in str(inner).splitlines() if line.strip()), "")
+    where = f" on rank {rank}" if rank is not None else ""
+    return f"{where} ({type(inner).__name__}: {said[:160]})"
 
 
 def _optimizer_options(keys) -> StateDictOptions | None:

@@ -164,6 +164,23 @@ def train_command(run_dir: str, attention: str, coverage: float | None, stage: S
     return cmd
 
 
+def check_stage(ap, cmd: list[str]) -> None:
+    """The parser's error where ``attnpool train`` would refuse a stage's command (``cmd``, as train_command makes
+    it) for its settings or its data's: before any stage trains, and before ``--work`` records the settings."""
+    from attnpool.cli.main import build_parser
+    from attnpool.cli.train_cmd import config_from_args
+    from attnpool.errors import ConfigError
+    from attnpool.model import model_spec
+    from attnpool.train.data_source import build_source
+
+    try:
+        config = config_from_args(build_parser().parse_args(cmd[cmd.index("train"):]))
+        build_source(config, model_spec(config.model.name, config.model.args, config.data.max_doc_len,
+                                        config.model.impl))
+    except ConfigError as exc:
+        ap.error(f"a stage's attnpool train would refuse {exc}")
+
+
 # A stage does not start this close to --deadline-s (it could not make a step and checkpoint before it; a SIGTERM
 # while it still imports would end it unsaved), and one stopped there has this long to checkpoint before a SIGKILL.
 START_MARGIN_S = 60.0
@@ -216,10 +233,11 @@ def copy_run(src: str, dst: str) -> None:
 
 def sparse_options(ap, flag: str, items: list[str], base: dict) -> dict:
     """``base`` with the ``K=V`` pattern options over it (sizes as numbers, 4K and the like read), refused with the
-    parser's error naming ``flag`` where one is not an option of sparse attention or the two do not go together."""
+    parser's error naming ``flag`` where one is not one of attnpool train's ``sparse_args`` (coverage and the
+    sparse length have flags of their own here) or the two do not go together."""
     from attnpool.errors import ConfigError
     from attnpool.sizes import parse_size
-    from attnpool.sparse import SparseConfig
+    from attnpool.train.sections import SparseSection
 
     options = {}
     for item in items:
@@ -230,8 +248,8 @@ def sparse_options(ap, flag: str, items: list[str], base: dict) -> dict:
             options[key] = parse_size(value)
         except ValueError:
             options[key] = value
-    try:
-        SparseConfig(**{**base, **options})
+    try:  # as attnpool train will read them, before any stage trains
+        SparseSection(mode="vertical-slash", args={**base, **options}).sparse_config()
     except (ConfigError, TypeError) as exc:
         ap.error(f"{flag} {' '.join(items)}: {exc}")
     return {**base, **options}
@@ -564,6 +582,10 @@ def main() -> int:
     if "copy" in eval_tasks:
         ap.error("--eval-tasks: copy is a warm-up, its answer a span, not evaluated")
     total_steps = sum(stage.steps for stage in curriculum)
+    for i, stage in enumerate(curriculum):  # (every stage's data and settings, dense and sparse)
+        for attention, coverage in [("dense", None)] + [("sparse", c) for c in coverages[:1]]:
+            check_stage(ap, train_command("unused", attention, coverage, stage, total_steps, total_steps, i > 0, args,
+                                          setup, model))
     work = args.work or tempfile.mkdtemp(prefix="attnpool-retrieval-")
     os.makedirs(args.out, exist_ok=True)
     # What the runs in --work are trained with: a later call goes on with them only where it would train the

@@ -489,10 +489,20 @@ def test_retrieval_bench_refuses_a_curriculum_it_does_not_have():
     shared = _retrieval_here(root, "--out", "/nonexistent", "--device", "cpu", "--sparse-min-doc-len", "256",
                              "--mix-from", "128")
     assert shared.returncode == 2 and "--sparse-min-doc-len 256: every stage is shared" in shared.stderr
-    for flag, options, problem in (("--sparse-args", "width=3", "unexpected keyword argument 'width'"),
+    for flag, options, problem in (("--sparse-args", "width=3", "sparse_args='width': unknown option"),
+                                   # (a SparseConfig field, but --sparse-min-doc-len's: train refused it late)
+                                   ("--sparse-args", "min_doc_len=4K", "sparse_args='min_doc_len': unknown option"),
+                                   ("--eval-sparse-args", "min_doc_len=4K", "sparse_args='min_doc_len': unknown"),
                                    ("--eval-sparse-args", "vertical_cap=2", "exceeds vertical_cap=2")):
         wrong = _retrieval_here(root, "--out", "/nonexistent", "--device", "cpu", flag, options)
         assert wrong.returncode == 2 and f"{flag} {options}: " in wrong.stderr and problem in wrong.stderr
+    # what a stage's attnpool train would refuse, before any stage trains or --work records the settings
+    for option, problem in ((("--mix-from", "10"), "data_args.min_context=10: must be an integer in [66, 128]"),
+                            (("--ordinary", "1.0"), "data_args.ordinary=1.0: must be a share in [0, 1)"),
+                            (("--seed", "-1"), "seed=-1: must be at least 0")):
+        refused = _retrieval_here(root, "--out", "/nonexistent", "--work", "/nonexistent/work", "--device", "cpu",
+                                  *option)
+        assert refused.returncode == 2 and f"a stage's attnpool train would refuse {problem}" in refused.stderr
     near = _retrieval_here(root, "--out", "/nonexistent", "--device", "cpu", "--deadline-s", "60")
     assert near.returncode == 2 and "--deadline-s 60.0: must be more than 60 s" in near.stderr
 

@@ -216,12 +216,13 @@ class CopyModel(torch.nn.Module):
 
 
 def test_evaluate_reads_the_answer_positions():
-    from attnpool.train.evaluate import by_context, evaluate_retrieval
+    from attnpool.train.evaluate import EVALUATED_TASKS, by_context, evaluate_retrieval
 
     cells = evaluate_retrieval(CopyModel(), tasks="all", contexts=(256,), depths=(0.0, 1.0), instances=3,
                                batch_tokens=512)
-    assert len(cells) == 2 * len(TASKS) and all(c.correct == 3 for c in cells)
-    assert by_context(cells) == {(t, 256): 1.0 for t in TASKS}
+    assert EVALUATED_TASKS == ("passkey", "multikey", "vartrack")  # all but copy, a warm-up
+    assert len(cells) == 2 * len(EVALUATED_TASKS) and all(c.correct == 3 for c in cells)
+    assert by_context(cells) == {(t, 256): 1.0 for t in EVALUATED_TASKS}
     wrong = evaluate_retrieval(CopyModel(offset=2), tasks="passkey", contexts=(256,), depths=(0.5,), instances=3)
     assert wrong[0].correct == 0
 
@@ -358,6 +359,8 @@ def test_retrieval_bench_smoke_then_attnpool_eval(capsys):
     assert [r["loss"] for r in sparse_rows[:2]] == [r["loss"] for r in dense_rows[:2]]  # the shared dense stage
     assert sparse_rows[-1]["attention_density"] is not None and dense_rows[-1]["attention_density"] is None
     assert (out / result.name.replace(".json", "-loss.png")).stat().st_size > 5000
+    from unittest import mock
+
     from attnpool.cli.main import main
 
     capsys.readouterr()
@@ -365,13 +368,21 @@ def test_retrieval_bench_smoke_then_attnpool_eval(capsys):
     assert main(["eval", "--run", str(run), "--contexts", "256", "--depths", "0,1", "--instances", "2",
                  "--device", "cpu", "--needle-probe"]) == 0
     printed = capsys.readouterr().out
-    assert all(t in printed for t in ("copy", "passkey", "multikey")) and "vartrack" not in printed  # the run's
+    # the run's tasks, but copy (a warm-up, not scored)
+    assert all(f"{t} 256 depth" in printed for t in ("passkey", "multikey")) and "vartrack" not in printed
+    assert "copy 256" not in printed
     assert "needle kept in" in printed
     evaluated = json.loads((run / "eval" / "eval.json").read_text())
-    assert len(evaluated["cells"]) == 6 and evaluated["attention"] == "sparse" and evaluated["coverage"] == 0.95
+    assert len(evaluated["cells"]) == 4 and evaluated["attention"] == "sparse" and evaluated["coverage"] == 0.95
     assert all(0 <= c["needle_kept"] <= 1 and 0 < c["density"] <= 1 for c in evaluated["cells"])
     assert (run / "eval" / "eval.png").stat().st_size > 5000
     assert main(["eval", "--run", str(run), "--depths", "0,2"]) == 2
+    with mock.patch("attnpool.train.export.read_dcp", side_effect=AssertionError("the weights were read")):
+        # refused by name before the weights are read: copy, and a context no instance fits
+        assert main(["eval", "--run", str(run), "--tasks", "copy,passkey"]) == 2
+        assert "tasks='copy': a warm-up" in capsys.readouterr().err
+        assert main(["eval", "--run", str(run), "--contexts", "256,64"]) == 2
+        assert "context=64: " in capsys.readouterr().err
     # The dense run with patterns at evaluation only, at another coverage and length; dense refuses a coverage.
     dense_run = tmp_path / "work" / "dense"
     assert main(["eval", "--run", str(dense_run), "--contexts", "256", "--depths", "1", "--instances", "1",
@@ -383,8 +394,6 @@ def test_retrieval_bench_smoke_then_attnpool_eval(capsys):
     assert (evaluated["attention"], evaluated["coverage"], evaluated["sparse_min_doc_len"],
             evaluated["trained_dense"]) == ("sparse", 0.8, 192, True)
     assert evaluated["title"].endswith("sparse attention, coverage 0.8")
-    from unittest import mock
-
     with mock.patch("attnpool.train.export.read_dcp", side_effect=AssertionError("the weights were read")):
         # (refused by the run's settings, before its weights are read)
         assert main(["eval", "--run", str(dense_run), "--sparse-coverage", "0.8"]) == 2

@@ -29,7 +29,8 @@ def add_parser(sub) -> None:
     source.add_argument("--run", metavar="DIR", help="a run directory: its newest valid checkpoint")
     source.add_argument("--checkpoint", metavar="DIR", help="one checkpoint directory (OUT/checkpoints/step-NNNNNN)")
     p.add_argument("--tasks", default=None, help="comma list of passkey, multikey, vartrack, or all (default: the "
-                                                 "run's retrieval tasks, else passkey)")
+                                                 "run's retrieval tasks but copy, a warm-up not scored, else "
+                                                 "passkey)")
     p.add_argument("--contexts", default="4K", help="comma list of context lengths, e.g. 4K,16K,64K (default 4K)")
     p.add_argument("--depths", default=DEFAULT_DEPTHS, help=f"comma list of needle depths in [0, 1] (default {DEFAULT_DEPTHS})")
     p.add_argument("--instances", type=int, default=20, help="held-out instances per (task, context, depth) (default 20)")
@@ -88,16 +89,28 @@ def run(args: argparse.Namespace) -> int:
 
     import torch  # only once the command runs
 
-    from attnpool.train.evaluate import (check_eval_fits, evaluate_retrieval, format_table, sparse_config_of,
-                                         write_results)
+    from attnpool.train.evaluate import (check_contexts, check_eval_fits, evaluate_retrieval, evaluated_tasks,
+                                         format_table, sparse_config_of, write_results)
     from attnpool.train.export import read_checkpoint_model
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+
+    def retrieval_args(settings: dict) -> dict:
+        return settings.get("data_args", {}) if settings.get("data") == "retrieval" else {}
+
+    def tasks_of(settings: dict) -> tuple[str, ...]:
+        """--tasks, else the run's retrieval tasks (copy left out), else passkey."""
+        if args.tasks:
+            return evaluated_tasks(args.tasks)
+        return evaluated_tasks(retrieval_args(settings).get("task", "passkey"), from_run=True)
 
     def check(settings: dict, spec) -> None:
         """What the run's settings refuse, before its weights are read."""
         if "eval" in spec.cannot:
             raise ConfigError("run", args.run or args.checkpoint, f"trained {settings['model']}: {spec.cannot['eval']}")
+        tasks_of(settings)
+        check_contexts(contexts, **{k: v for k, v in retrieval_args(settings).items()
+                                    if k in ("key_len", "num_keys", "hops", "filler")})
         sparse_config_of(settings, args.attention, **patterns)
         check_eval_fits(spec.config, contexts, args.batch_tokens, torch.device(device))
 
@@ -105,8 +118,8 @@ def run(args: argparse.Namespace) -> int:
                                                                  allow_unverified=args.allow_unverified, check=check)
     for bad, problem in skipped:
         print(f"skipping {bad}: {problem}")
-    data_args = settings.get("data_args", {}) if settings.get("data") == "retrieval" else {}
-    tasks = args.tasks or data_args.get("task", "passkey")
+    data_args = retrieval_args(settings)
+    tasks = tasks_of(settings)
     sparse = sparse_config_of(settings, args.attention, **patterns)
     trained = sparse_config_of(settings, "trained")
     trained_dense = sparse is not None and trained is None

@@ -138,6 +138,30 @@ class NeedleProbe:
         return out
 
 
+# What an evaluation scores: not copy, a warm-up whose answer is a span that starts where nothing in the prompt marks
+EVALUATED_TASKS = tuple(t for t in TASKS if t != "copy")
+
+
+def evaluated_tasks(tasks, *, from_run: bool = False) -> tuple[str, ...]:
+    """The tasks an evaluation scores: ``tasks`` parsed ("all": every one but copy), copy refused by name.
+    ``from_run``: ``tasks`` are a run's training tasks, copy left out of them (passkey where none is left)."""
+    if tasks == "all":
+        return EVALUATED_TASKS
+    names = parse_tasks(tasks)
+    if from_run:
+        return tuple(t for t in names if t != "copy") or ("passkey",)
+    if "copy" in names:
+        raise ConfigError("tasks", "copy", f"a warm-up, its answer a span the prompt does not mark: not evaluated; "
+                                           f"choose from {', '.join(EVALUATED_TASKS)} or all")
+    return names
+
+
+def check_contexts(contexts, *, key_len: int = 4, num_keys: int = 4, hops: int = 2, filler: str = "random") -> None:
+    """Refuse, naming it, a context the tasks' instances do not fit (before any is evaluated)."""
+    for context in contexts:
+        TaskShape(context, key_len, num_keys, hops, filler=filler)
+
+
 @torch.no_grad()
 def evaluate_retrieval(model, *, tasks=TASKS, contexts=(4096,), depths=(0.0, 0.25, 0.5, 0.75, 1.0),
                        instances: int = 20, seed: int = 0, sparse=None, device="cpu", batch_tokens: int = 65536,
@@ -151,7 +175,8 @@ def evaluate_retrieval(model, *, tasks=TASKS, contexts=(4096,), depths=(0.0, 0.2
     from attnpool.runtime.sparse import SparseStats
 
     device = torch.device(device)
-    tasks = parse_tasks(tasks)
+    tasks = evaluated_tasks(tasks)
+    check_contexts(contexts, key_len=key_len, num_keys=num_keys, hops=hops, filler=filler)
     if instances < 1:
         raise ConfigError("instances", instances, "must be >= 1")
     bad = [d for d in depths if not 0.0 <= d <= 1.0]

@@ -62,8 +62,8 @@ FIELDS = {f.metadata["key"]: f for cls in SECTIONS.values() for f in fields(cls)
 # global batch from there on, as any resume on more or fewer data-parallel ranks does).
 RUN_FIELDS = ("model", "model_impl", "model_args", "data", "data_path", "data_args", "tokenizer", "tokens_per_rank", "max_doc_len",
               "seed", "sparse", "sparse_coverage", "sparse_min_doc_len", "dense_layers", "sparse_args", "steps", "lr",
-              "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip", "precision",
-              "microbatches")
+              "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip", "precision", "float8",
+              "float8_recipe", "microbatches")
 
 
 @dataclass(frozen=True, init=False)

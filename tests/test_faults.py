@@ -519,3 +519,20 @@ def test_a_checkpoint_that_cannot_be_written_fails_on_every_rank(tmp_path, where
     if where == "hash":
         assert all("on rank 1 (OSError: cannot read" in s for s in said), said
         assert not os.path.isdir(tmp_path / "checkpoints" / "step-000001")
+
+
+def test_a_metrics_log_cut_mid_line_resumes_and_one_damaged_before_is_named(tmp_path):
+    """The last line of metrics.jsonl cut by a process that ended while writing it is dropped at a resume (its step
+    is past the checkpoint); a line before it that does not parse is refused by number, not a JSON traceback."""
+    from attnpool.errors import TrainingError
+    from attnpool.train.metrics import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    log = MetricsLog(str(tmp_path), True, resume_step=2)
+    assert [r["step"] for r in log.rows] == [1, 2]
+    log.start()
+    assert path.read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n{"step": 3, "loss": 1.0}\n')
+    with pytest.raises(TrainingError, match="metrics.jsonl: line 2 is not a metrics row"):
+        MetricsLog(str(tmp_path), True, resume_step=2)

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from attnpool.console import text_console
+from attnpool.errors import TrainingError
 from attnpool.kinds import CAUSAL
 from attnpool.train.memory import auto_choice
 
@@ -230,6 +231,22 @@ def open_logger(kind: str, out: str, settings: dict):
     return None
 
 
+def read_metrics_rows(path: str) -> list[dict]:
+    """The rows of a metrics.jsonl. A last line that does not parse is one a process ended while writing (a kill,
+    a full disk): dropped, as its step is after the newest checkpoint anyway. One before it is refused by line."""
+    lines = [(number, line) for number, line in enumerate(open(path).read().splitlines(), 1) if line.strip()]
+    rows = []
+    for i, (number, line) in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if i == len(lines) - 1:
+                break
+            raise TrainingError(f"{path}: line {number} is not a metrics row ({exc.msg}): the run's log is "
+                                "damaged; move it aside to resume without it") from None
+    return rows
+
+
 class MetricsLog:
     """``metrics.jsonl`` in the run directory, one JSON object per step (written by rank 0 only), and each row
     to ``logger`` (TensorBoard or W&B) where one is given.
@@ -244,8 +261,7 @@ class MetricsLog:
         self.logger = logger
         self.rows: list[dict] = []
         if resume_step is not None and os.path.isfile(self.path):
-            with open(self.path) as fh:
-                rows = [json.loads(line) for line in fh if line.strip()]
+            rows = read_metrics_rows(self.path)
             for r in rows:  # a skipped step's non-finite loss or norm, written as null, is NaN again
                 for key in NONFINITE_AS_NULL:
                     if key in r and r[key] is None:
@@ -253,12 +269,13 @@ class MetricsLog:
             self.rows = [r for r in rows if r.get("step", 0) <= resume_step]
 
     def start(self) -> None:
-        """(Re)write the file with the rows kept so far. Call once every rank has read it."""
+        """(Re)write the file with the rows kept so far, whole or not at all. Call once every rank has read it."""
         if self.write:
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            with open(self.path, "w") as fh:
+            with open(self.path + ".partial", "w") as fh:
                 for row in self.rows:
                     fh.write(json_line(row))
+            os.replace(self.path + ".partial", self.path)
 
     def append(self, row: dict) -> None:
         self.rows.append(row)

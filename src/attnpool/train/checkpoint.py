@@ -275,7 +275,9 @@ def save_checkpoint(path: str, model, optimizer, scheduler, stream, step: int, e
     try:
         dcp.save(state, checkpoint_id=partial)  # returns on every rank once DCP's metadata is written
     except (Exception, CheckpointException) as exc:  # (DCP gathers every rank's failure and raises it on each)
-        raise TrainingError(f"{path}: the checkpoint was not written{_dcp_failure(exc)}") from None
+        # restartable: a rank lost during the save fails it too, and a restart from the last checkpoint is what
+        # gets past that (or past a disk that had a moment's trouble)
+        raise TrainingError(f"{path}: the checkpoint was not written{_dcp_failure(exc)}", restartable=True) from None
     # Each step below that touches files on one rank passes what went wrong through the collective after it, so
     # that every rank raises it rather than wait for the one that did.
     box = [None]
@@ -332,11 +334,11 @@ def _attempt(fn):
 
 def _raise_any(results: list, path: str, each: bool = False):
     """The first of ``results`` (every one with ``each``), or, where a rank's is a _Failed, a TrainingError on this
-    rank naming it."""
+    rank naming it (restartable, as a failed save is)."""
     for rank, result in enumerate(results):
         if isinstance(result, _Failed):
             where = f" on rank {rank}" if each else ""
-            raise TrainingError(f"{path}: the checkpoint was not written{where} ({result})")
+            raise TrainingError(f"{path}: the checkpoint was not written{where} ({result})", restartable=True)
     return results if each else results[0]
 
 

@@ -166,18 +166,21 @@ def _torchrun_attempt_store(world: int, timeout: timedelta):
     return dist.PrefixStore(f"attnpool/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
 
 
-def _die_with_parent() -> None:
-    """Linux: a SIGTERM to this worker when its launcher dies (even by SIGKILL), so that no worker trains
-    on as an orphan; it checkpoints and leaves as on any SIGTERM."""
+def _die_with_parent(launcher: int) -> None:
+    """Linux: a SIGTERM to this worker when its launcher (pid ``launcher``) dies (even by SIGKILL), so that no
+    worker trains on as an orphan; it checkpoints and leaves as on any SIGTERM. A launcher already gone before
+    this was asked for sends none: then the worker leaves at once."""
     try:
         import ctypes
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass
+        return
+    if os.getppid() != launcher:
+        os._exit(1)
 
 
-def _spawned(index: int, config: TrainConfig, world: int, init_method: str, errors_dir: str) -> None:
-    _die_with_parent()
+def _spawned(index: int, config: TrainConfig, world: int, init_method: str, errors_dir: str, launcher: int) -> None:
+    _die_with_parent(launcher)
     os.environ["LOCAL_RANK"] = str(index)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
@@ -222,8 +225,8 @@ def _launch(config: TrainConfig) -> str | None:
     nproc = config.run.nproc
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     with tempfile.TemporaryDirectory() as errors_dir:
-        context = mp.start_processes(_spawned, args=(config, nproc, init_method, errors_dir), nprocs=nproc,
-                                     join=False, start_method="spawn")
+        context = mp.start_processes(_spawned, args=(config, nproc, init_method, errors_dir, os.getpid()),
+                                     nprocs=nproc, join=False, start_method="spawn")
         try:
             with ForwardSigterm(context.processes) as forward:
                 ended = _wait_for_workers(context.processes, LEAVE_GRACE_S)

@@ -284,10 +284,13 @@ def run_stage(cmd: list[str], env: dict, seconds: float | None) -> tuple[subproc
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err), True
 
 
-def run_evaluations(run_dir: str, key: dict, labels: list[str], evaluate, may_start, said) -> tuple[dict, list[str]]:
+def run_evaluations(run_dir: str, key: dict, labels: list[str], evaluate, may_start,
+                    said) -> tuple[dict, list[tuple[str, str | None]]]:
     """The run's evaluations by label, in ``labels``' order: read back from ``RUN/retrieval-eval.json`` where an
     earlier call made them with this ``key``, else made now, ``evaluate(model, settings, label)``, while
-    ``may_start()`` (each is saved as it is made, ``said(label, seconds)``); and the labels left unmade."""
+    ``may_start()`` (each is saved as it is made, ``said(label, seconds)``); and the labels left unmade, each with
+    what went wrong where one failed (None: not started). A failure (a checkpoint that does not read, memory) is
+    the record's to say, not the end of the script."""
     from attnpool.train.evaluate import EvalCell
     from attnpool.train.export import read_checkpoint_model
 
@@ -303,12 +306,20 @@ def run_evaluations(run_dir: str, key: dict, labels: list[str], evaluate, may_st
             made[label] = [EvalCell(**c) for c in stored[label]]
             continue
         if not may_start():
-            left.append(label)
+            left.append((label, None))
             continue
         t0 = time.perf_counter()  # (the first evaluation's time includes reading the checkpoint)
-        if model is None:
-            model, _, settings, _, _ = read_checkpoint_model(run_dir=run_dir)
-        made[label] = evaluate(model, settings, label)
+        try:
+            if model is None:
+                model, _, settings, _, _ = read_checkpoint_model(run_dir=run_dir)
+            made[label] = evaluate(model, settings, label)
+        except Exception as exc:  # noqa: BLE001 (named in the record's unfinished)
+            left.append((label, f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"))
+            if model is None:  # (the checkpoint did not read: no other evaluation will)
+                left += [(other, "not started: the checkpoint did not read") for other in labels[labels.index(label) + 1:]
+                         if other not in stored]
+                break
+            continue
         said(label, time.perf_counter() - t0)
         stored[label] = [dataclasses.asdict(c) for c in made[label]]
         write_json(path, {"key": key, "evaluations": stored})
@@ -613,6 +624,8 @@ def main() -> int:
         os.makedirs(work, exist_ok=True)
         write_json(settings_path, training)
     log = CallLog(work, shlex.join(["python", "bench/retrieval.py", *sys.argv[1:]]))
+    # an evaluation's length as earlier calls on this --work measured it, before this call has timed one
+    clock.evaluated(max((float(e.get("seconds") or 0) for e in log.entries() if "evaluated" in e), default=0.0))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH")])))
 
     variants = [("dense", None)] + [("sparse", c) for c in coverages]
@@ -700,7 +713,7 @@ def main() -> int:
 
         made, left = run_evaluations(run_dir, eval_key, ["trained", *sweep], evaluate, clock.may_start_evaluation,
                                      said)
-        unfinished += [f"{name}: evaluation {label} ({clock.why_not(evaluation=True)})" for label in left]
+        unfinished += [f"{name}: evaluation {label} ({why or clock.why_not(evaluation=True)})" for label, why in left]
         for label, cells in made.items():
             for context in eval_contexts:
                 mine = [c for c in cells if c.task == "passkey" and c.context == context]

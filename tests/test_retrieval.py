@@ -583,3 +583,20 @@ def test_eval_refuses_a_context_that_cannot_fit_in_memory():
         check_eval_fits(config, [4096, 1 << 30], 65536, torch.device("cpu"))
     # A forward holds more the longer it is; bf16 halves the activations
     assert forward_peak_bytes(config, 1 << 20, 1 << 20, False) > forward_peak_bytes(config, 1 << 20, 1 << 20, True)
+
+
+def test_retrieval_bench_records_an_evaluation_that_fails_instead_of_ending():
+    """An evaluation that fails (here: a run whose checkpoint does not read) is named among the labels left, with
+    why, and so are the ones after it that need the same checkpoint; one the clock does not allow is left without a
+    reason (the record says the clock's)."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = _retrieval_bench(root)
+    said = []
+    made, left = script.run_evaluations("/nonexistent-run", {}, ["trained", "coverage 0.5"], None, lambda: True,
+                                        lambda label, seconds: said.append(label))
+    assert made == {} and said == []
+    assert left[0][0] == "trained" and left[0][1].startswith("failed: ConfigError: run=")
+    assert left[1] == ("coverage 0.5", "not started: the checkpoint did not read")
+    assert script.run_evaluations("/nonexistent-run", {}, ["trained"], None, lambda: False, None) == ({}, [("trained", None)])

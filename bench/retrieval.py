@@ -592,6 +592,8 @@ def main() -> int:
         ap.error(str(exc))
     if "copy" in eval_tasks:
         ap.error("--eval-tasks: copy is a warm-up, its answer a span, not evaluated")
+    if "passkey" not in eval_tasks:  # (the others are in the heat maps and `details`)
+        ap.error(f"--eval-tasks {args.eval_tasks}: include passkey, whose accuracy the record's results report")
     total_steps = sum(stage.steps for stage in curriculum)
     for i, stage in enumerate(curriculum):  # (every stage's data and settings, dense and sparse)
         for attention, coverage in [("dense", None)] + [("sparse", c) for c in coverages[:1]]:

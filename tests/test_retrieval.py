@@ -512,6 +512,8 @@ def test_retrieval_bench_refuses_a_curriculum_it_does_not_have():
         refused = _retrieval_here(root, "--out", "/nonexistent", "--work", "/nonexistent/work", "--device", "cpu",
                                   *option)
         assert refused.returncode == 2 and f"a stage's attnpool train would refuse {problem}" in refused.stderr
+    no_passkey = _retrieval_here(root, "--out", "/nonexistent", "--device", "cpu", "--eval-tasks", "multikey")
+    assert no_passkey.returncode == 2 and "--eval-tasks multikey: include passkey" in no_passkey.stderr
     near = _retrieval_here(root, "--out", "/nonexistent", "--device", "cpu", "--deadline-s", "60")
     assert near.returncode == 2 and "--deadline-s 60.0: must be more than 60 s" in near.stderr
 

@@ -98,10 +98,13 @@ def _run_under_torchrun(config: TrainConfig) -> int:
     try:
         _run_rank(config, rank, world, None)
     except (ConfigError, TrainingError) as exc:  # bad input, or a run that cannot go on: final
-        if not getattr(exc, "restartable", False) and rank == 0:
+        if not getattr(exc, "restartable", False):
+            # Every rank that has it writes it (each whole, then renamed into place): torchrun may stop rank 0
+            # before it gets here, and a restart would then repeat the failure.
             os.makedirs(os.path.dirname(final), exist_ok=True)
-            with open(final, "w") as fh:
+            with open(f"{final}.{rank}.tmp", "w") as fh:
                 fh.write(str(exc))
+            os.replace(f"{final}.{rank}.tmp", final)
         raise
     return 0
 

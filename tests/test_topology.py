@@ -162,3 +162,16 @@ def test_hierarchical_exchange_is_refused_where_nothing_crosses_nodes():
     with pytest.raises(ConfigError, match="hierarchical_exchange=True: the attention's 4 ranks are on one node"):
         resolve_run_spec(config, 4)
     assert resolve_run_spec(config.replace(ranks_per_node=2), 4).relay_nodes == (0, 0, 1, 1)
+
+
+def test_simulated_hierarchical_exchange_relays_only_where_servers_share_a_node(costs):
+    """The simulator's cad-hierarchical: with 8 servers a node (tp 1) the long documents' KV crosses once per
+    node, so less is exposed than with the flat exchange; with one server a node (tp 8) nothing is relayed and
+    the step is the flat one's."""
+    shared = simulate_config(SimConfig(gpus=16, tp=1, tokens_per_gpu=65536, dist="prolong", batches=2,
+                                       strategies=("cad",), hierarchical=True), costs)["strategies"]
+    assert shared["cad-hierarchical"]["comm_total_s"] < shared["cad"]["comm_total_s"]
+    assert shared["cad-hierarchical"]["bytes_moved"] == shared["cad"]["bytes_moved"]  # (the relayed KV moves inside)
+    alone = simulate_config(SimConfig(gpus=16, tp=8, tokens_per_gpu=65536, dist="prolong", batches=2,
+                                      strategies=("cad",), hierarchical=True), costs)["strategies"]
+    assert alone["cad-hierarchical"]["step_s"] == alone["cad"]["step_s"]

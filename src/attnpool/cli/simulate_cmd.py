@@ -83,6 +83,9 @@ def add_parser(sub) -> None:
                    help=f"inter-node bandwidth per GPU, GB/s (default {DEFAULT_INTER.bandwidth / 1e9:.0f}, the paper's assumption)")
     p.add_argument("--inter-latency-us", type=float, default=None,
                    help=f"inter-node latency per collective, us (default {DEFAULT_INTER.latency * 1e6:.0f})")
+    p.add_argument("--hierarchical-exchange", action="store_true",
+                   help="also cad with the hierarchical exchange (attnpool train's hierarchical_exchange), as "
+                        "cad-hierarchical: KV into a node crosses once, a server there forwards it")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--plot-dir", help="write speedup.png, breakdown.png (and eps_sweep.png) here")
     p.add_argument("--report", metavar="DIR",
@@ -123,7 +126,7 @@ def _base(args) -> SimConfig:
                      recompute=args.recompute, tp=args.tp, gpus_per_node=args.gpus_per_node, tokens_per_gpu=args.tokens_per_gpu,
                      batches=args.batches, seed=args.seed, eps=args.eps, strategies=tuple(dict.fromkeys(args.strategies)),
                      memory_cap=args.memory_cap, elongate=elongate, upsample=not args.no_upsample,
-                     cp_degrees=tuple(args.cp) if args.cp else None,
+                     cp_degrees=tuple(args.cp) if args.cp else None, hierarchical=args.hierarchical_exchange,
                      model=(args.model or ["llama3-8b"])[0], dist=(args.dist or ["prolong"])[0],
                      max_doc_len=(args.max_doc_len or [parse_size("512K")])[0], gpus=(args.gpus or [64])[0])
 

@@ -197,6 +197,28 @@ class KVTransfers:
         """Each group's KV rows in the server's unique buffer."""
         return self.group_kv_end - self.group_kv_start
 
+    def relays(self, rank_node) -> np.ndarray:
+        """For every segment, the segment that relays it in a hierarchical exchange (-1: none; it is sent from its
+        source). ``rank_node``: each rank's node. Among the segments of one piece bound for servers of one other
+        node, the longest (the lowest server among equals) crosses between the nodes; each other one whose rows it
+        holds is forwarded inside the node by that server. (Causal prefixes of one piece nest, so with no sliding
+        window every such segment is relayed; windowed ranges that do not nest are sent as before.)"""
+        node = np.asarray(rank_node, dtype=np.int64)
+        relay_of = np.full(len(self.src), -1, dtype=np.int64)
+        remote = np.flatnonzero(node[self.src] != node[self.server])
+        if not len(remote):
+            return relay_of
+        piece, dest = self.piece[remote], node[self.server[remote]]
+        order = np.lexsort((self.server[remote], -self.length[remote], dest, piece))
+        member, piece, dest = remote[order], piece[order], dest[order]
+        first = np.r_[True, (piece[1:] != piece[:-1]) | (dest[1:] != dest[:-1])]
+        relay = member[first][np.cumsum(first) - 1]  # each member's group's longest segment
+        nested = ((self.src_row[member] >= self.src_row[relay])
+                  & (self.src_row[member] + self.length[member] <= self.src_row[relay] + self.length[relay])
+                  & (self.server[member] != self.server[relay]))
+        relay_of[member[nested]] = relay[nested]
+        return relay_of
+
 
 def kv_transfers(plan: Plan) -> KVTransfers:
     t = plan.pieces

@@ -484,7 +484,7 @@ def dispatch_layout(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     ``read_kv``: the SparseConfig of a sparse layer with kv_transfer="read", whose layout withholds
     KV that runtime.sparse_kv sends later. ``sparse``: the caller's sparse options, agreed on with
     the plan (they size the sparse exchanges, and with kv_transfer="read" the dispatch). ``relay_nodes``:
-    each rank's node, for the hierarchical exchange (runtime.dispatch.kv_relays; a layer that withholds KV
+    each rank's node, for the hierarchical exchange (plan.plan.KVTransfers.relays; a layer that withholds KV
     sends it flat)."""
     rank, world = group_rank_size(group)
     problem = call_problem(q, k, v, plan, rank, world, group)
@@ -517,7 +517,7 @@ class CoreAttention:
     ``pattern_group``: the group (of the same ranks, in the same order) for the sparse
     exchanges; with ping-pong give them one of their own (see __init__).
     ``relay_nodes``: the node of each rank of ``group``; KV bound for several servers of one node then crosses
-    between nodes once (the hierarchical exchange: runtime.dispatch.kv_relays).
+    between nodes once (the hierarchical exchange: plan.plan.KVTransfers.relays).
 
     A plan made for a sliding window (``plan.window``) computes windowed attention; ``softcap`` soft-caps
     the scores (the layer kind's, attnpool.kinds). Neither goes with sparse attention.

@@ -23,7 +23,7 @@ sender and its receiver agree without talking:
 - Outputs go back in the order the queries came.
 - With ``relay_nodes`` (the node of each rank: a hierarchical exchange), KV a server needs from a rank of another
   node comes through one server of its own node where that server receives a range holding it
-  (:func:`kv_relays`): the dispatch carries each such range across the network once, and a second all-to-all
+  (``KVTransfers.relays``): the dispatch carries each such range across the network once, and a second all-to-all
   inside the node forwards the nested ranges from the relay's received rows (``KVRelay``); the relayed rows
   follow the dispatched ones in the server's received KV.
 - The kernel's backward runs over groups of consecutive segments of at most
@@ -280,29 +280,6 @@ def segment_groups(seg_k: np.ndarray, max_keys: int) -> list[tuple[int, int]]:
     return groups
 
 
-def kv_relays(x, rank_node) -> np.ndarray:
-    """For every KV segment of ``x`` (a plan's KVTransfers), the segment that relays it (-1: none; it is sent from
-    its source). ``rank_node``: each rank's node. Among the segments of one piece bound for servers of one other
-    node, the longest (the lowest server among equals) crosses the network; each other one whose rows it holds is
-    forwarded by that server inside the node. (Causal prefixes of one piece nest, so with no sliding window every
-    such segment is relayed; windowed ranges that do not nest are sent as before.)"""
-    node = np.asarray(rank_node, dtype=np.int64)
-    relay_of = np.full(len(x.src), -1, dtype=np.int64)
-    remote = np.flatnonzero(node[x.src] != node[x.server])
-    if not len(remote):
-        return relay_of
-    piece, dest = x.piece[remote], node[x.server[remote]]
-    order = np.lexsort((x.server[remote], -x.length[remote], dest, piece))
-    member, piece, dest = remote[order], piece[order], dest[order]
-    first = np.r_[True, (piece[1:] != piece[:-1]) | (dest[1:] != dest[:-1])]
-    relay = member[first][np.cumsum(first) - 1]  # each member's group's longest segment
-    nested = ((x.src_row[member] >= x.src_row[relay])
-              & (x.src_row[member] + x.length[member] <= x.src_row[relay] + x.length[relay])
-              & (x.server[member] != x.server[relay]))
-    relay_of[member[nested]] = relay[nested]
-    return relay_of
-
-
 @dataclass(frozen=True, eq=False)
 class KVRelay:
     """A server's part of the hierarchical exchange's second all-to-all (inside its node): the rows of its
@@ -371,7 +348,7 @@ class DispatchLayout:
               relay_nodes: tuple[int, ...] | None = None) -> "DispatchLayout":
         """``withheld``: bool per KV segment of ``plan.kv_transfers()``; remote ones marked are not sent
         (runtime.sparse_kv sends what of them is read later). Local segments are always copied.
-        ``relay_nodes``: each rank's node, for the hierarchical exchange (:func:`kv_relays`; not with
+        ``relay_nodes``: each rank's node, for the hierarchical exchange (``KVTransfers.relays``; not with
         ``withheld``)."""
         W = plan.num_ranks
         t = plan.pieces
@@ -399,7 +376,7 @@ class DispatchLayout:
         x = plan.kv_transfers()
         if relay_nodes is not None and withheld is not None:
             raise ValueError("the hierarchical exchange relays KV the dispatch sends; this layout withholds some")
-        relay_of = kv_relays(x, relay_nodes) if relay_nodes is not None else np.full(len(x.src), -1)
+        relay_of = x.relays(relay_nodes) if relay_nodes is not None else np.full(len(x.src), -1)
         sent = (np.ones(len(x.src), dtype=bool) if withheld is None else ~withheld) & (relay_of < 0)
         out_kv = np.flatnonzero((x.src == rank) & (x.server != rank) & sent)  # already server-ordered
         kv_send_rows = ranges(x.src_row[out_kv], x.length[out_kv])

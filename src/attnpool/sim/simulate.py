@@ -72,6 +72,8 @@ class SimConfig:
     # FSDP2's parameter gathers and gradient reductions over the servers (attnpool.sim.steptime); the pipeline's
     # stages leave them out
     fsdp: bool = True
+    # cad also with the hierarchical exchange (attnpool train's hierarchical_exchange), as "cad-hierarchical"
+    hierarchical: bool = False
 
     def model_config(self):
         fields = {"n_layers": self.layers} if self.layers is not None else {}
@@ -230,6 +232,8 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
             cad = plan(lin, "cad", eps=config.eps, topology=topology)
             add(model.plan_step(cad, overlap=True, name="cad"))
             add(model.plan_step(cad, overlap=False, name="cad-serial"))
+            if config.hierarchical:
+                add(model.plan_step(cad, overlap=True, name="cad-hierarchical", hierarchical=True))
             for e in eps_sweep or ():
                 p = cad if e == config.eps else plan(lin, "cad", eps=e, topology=topology)
                 eps_acc.setdefault(float(e), _Acc()).add(model.plan_step(p, overlap=True, name="cad"))

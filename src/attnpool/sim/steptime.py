@@ -292,15 +292,17 @@ class StepModel:
     # --- strategies ---
 
     def plan_step(self, plan: Plan | dict, overlap: bool = False, name: str | None = None,
-                  task_seconds: tuple[np.ndarray, np.ndarray] | None = None) -> StepTime:
+                  task_seconds: tuple[np.ndarray, np.ndarray] | None = None, hierarchical: bool = False) -> StepTime:
         """Step time of a plan from the real planner (local, wlb, cad): all-to-alls over all servers. For a model
         whose layers differ in kind, ``plan`` maps each window to its plan (plan_attention(..., window=w)) and
         each layer runs its window's.
 
         ``task_seconds``: per-GPU (fwd, bwd) seconds of each of the plan's tasks, where the dense table does
-        not price them (sparse attention: bench/sim_sparse.py)."""
+        not price them (sparse attention: bench/sim_sparse.py). ``hierarchical``: the hierarchical exchange
+        (attnpool train's hierarchical_exchange): KV a relay forwards goes from it, inside its node, in the same
+        all-to-all (its second hop's own latency and its wait for the first are not counted: a lower bound)."""
         plans = plan if isinstance(plan, dict) else {window: plan for window in set(self.layer_windows)}
-        layers = self._per_layer(lambda window: self._plan_layer(plans[window], task_seconds))
+        layers = self._per_layer(lambda window: self._plan_layer(plans[window], task_seconds, hierarchical))
         first = next(iter(plans.values()))
         # bytes of one layer (the layers' mean where their kinds move different amounts)
         return self._simulate(name or first.strategy, first.pieces.tokens_per_rank.astype(np.float64),
@@ -308,7 +310,7 @@ class StepModel:
                               nano=2 if overlap else 1, bytes_moved=int(np.mean([layer[4] for layer in layers])),
                               max_bytes=int(max(layer[5] for layer in layers)))
 
-    def _plan_layer(self, plan: Plan, task_seconds=None) -> tuple:
+    def _plan_layer(self, plan: Plan, task_seconds=None, hierarchical: bool = False) -> tuple:
         """One layer under ``plan``: (attention fwd, bwd per server, forward and backward exchanges, bytes moved,
         the most one server moves)."""
         S = self.cluster.servers
@@ -323,7 +325,11 @@ class StepModel:
         home, srv, ln = plan.task_home, plan.task_server, plan.task_len
         x = plan.kv_transfers()
         sh = self.shape
-        src = np.concatenate([home, x.src])
+        kv_src = x.src
+        if hierarchical:
+            relay_of = x.relays(self.cluster.node(np.arange(S)))
+            kv_src = np.where(relay_of >= 0, x.server[np.maximum(relay_of, 0)], x.src)
+        src = np.concatenate([home, kv_src])
         dst = np.concatenate([srv, x.server])
         nbytes = np.concatenate([ln * sh.q_bytes, x.length * sh.kv_bytes])
         out = self._a2a(src, dst, nbytes, S)  # Q + KV out (fwd), dQ + dKV back (bwd)

@@ -486,7 +486,7 @@ def _save_that_fails(rank, world, out, where):
     from attnpool.errors import TrainingError
     from attnpool.model import Transformer, model_config
 
-    torch.manual_seed(0)  # (a failed save is restartable: a restart from the last checkpoint may get past it)
+    torch.manual_seed(0)
     model = Transformer(model_config("tiny", dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=64))
     optimizer = torch.optim.AdamW(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -511,12 +511,13 @@ def _save_that_fails(rank, world, out, where):
 def test_a_checkpoint_that_cannot_be_written_fails_on_every_rank(tmp_path, where):
     """A save that fails on one rank (or in DCP's writer, whose exception is a BaseException that passed every
     handler) is a TrainingError on every rank, naming the checkpoint and the cause, not a hang in the next
-    collective; no checkpoint of it is left to resume from."""
+    collective; no checkpoint of it is left to resume from. A path through a file is final (a restart would fail
+    the same way); a read that fails for no such reason may not be."""
     from dist_harness import run_distributed
 
     said = run_distributed(_save_that_fails, 2, str(tmp_path), where)
-    assert all(s is not None and "step-000001: the checkpoint was not written" in s and "not restartable" not in s
-               for s in said), said
+    assert all(s is not None and "step-000001: the checkpoint was not written" in s for s in said), said
+    assert all(s.startswith("not restartable") == (where == "disk") for s in said), said
     if where == "hash":
         assert all("on rank 1 (OSError: cannot read" in s for s in said), said
         assert not os.path.isdir(tmp_path / "checkpoints" / "step-000001")

@@ -457,7 +457,7 @@ def kernel_backend(backend: str | Backend | None, q: torch.Tensor, window: int |
 
 
 def agree_on_call(plan: Plan, q: torch.Tensor, problem: str | None, group=None,
-                  sparse: SparseConfig | None = None) -> None:
+                  sparse: SparseConfig | None = None, relay_nodes: tuple[int, ...] | None = None) -> None:
     """On a plan's first use, every rank says what is wrong with its call (``problem``, or None) and compares
     the plan's fingerprint (and the sparse options) before the first collective that depends on them, so that
     a mismatch is a ConfigError on every rank, not a hang. A fully local plan launches none, so needs none."""
@@ -469,8 +469,10 @@ def agree_on_call(plan: Plan, q: torch.Tensor, problem: str | None, group=None,
             # Cost coefficients only price the plan, whose fingerprint is compared: their file's path may
             # differ from node to node.
             options = None if sparse is None else replace(sparse, cost_coefficients="")
-            digest = hashlib.sha256(f"{plan.fingerprint()}|{options!r}".encode()).hexdigest()
-            agree_on_plan(digest, problem, group, device, subject="plans or sparse options")
+            # (and the nodes of a hierarchical exchange: ranks that count them differently would size its
+            # exchanges differently)
+            digest = hashlib.sha256(f"{plan.fingerprint()}|{options!r}|{relay_nodes!r}".encode()).hexdigest()
+            agree_on_plan(digest, problem, group, device, subject="plans, sparse options or nodes")
         plan.runtime_cache[agreed] = True
     if problem:
         raise ConfigError("core_attention", f"rank {rank}", problem)
@@ -490,8 +492,9 @@ def dispatch_layout(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     problem = call_problem(q, k, v, plan, rank, world, group)
     if problem is None and relay_nodes is not None and len(relay_nodes) != plan.num_ranks:
         problem = f"relay_nodes: {len(relay_nodes)} nodes given, the plan has {plan.num_ranks} ranks"
-    agree_on_call(plan, q, problem, group, sparse)
-    relay_nodes = None if read_kv is not None or relay_nodes is None else tuple(relay_nodes)
+    relay_nodes = None if relay_nodes is None else tuple(relay_nodes)
+    agree_on_call(plan, q, problem, group, sparse, relay_nodes)
+    relay_nodes = None if read_kv is not None else relay_nodes
     key = (rank, str(q.device), id(group), read_kv, relay_nodes)
     if key not in plan.runtime_cache:
         withheld = None if read_kv is None else withheld_segments(plan, read_kv)
@@ -576,8 +579,8 @@ class CoreAttention:
         L, sh = p.layout, p.shapes
         if L.any_traffic:
             q_recv, kv_recv = _DispatchWait.apply(p.recv, L, sh, p.handle, self.group)
-            if L.relay is not None:
-                kv_recv = _Relay.apply(kv_recv, L.relay, sh, self.group)
+            if L.relay is not None:  # (inside compute, as the sparse exchanges: on their group, for the same reason)
+                kv_recv = _Relay.apply(kv_recv, L.relay, sh, self.pattern_group)
         else:
             q_recv, kv_recv = p.q.new_empty(0, sh.q_width), p.k.new_empty(0, sh.kv_width)
         p.out_srv_rows, p.dout_srv_rows = _ServerRows(L.num_server_q, sh), _ServerRows(L.num_server_q, sh)

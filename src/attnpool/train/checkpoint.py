@@ -17,6 +17,7 @@ only with ``allow_unverified``: their bytes cannot be checked.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -275,9 +276,8 @@ def save_checkpoint(path: str, model, optimizer, scheduler, stream, step: int, e
     try:
         dcp.save(state, checkpoint_id=partial)  # returns on every rank once DCP's metadata is written
     except (Exception, CheckpointException) as exc:  # (DCP gathers every rank's failure and raises it on each)
-        # restartable: a rank lost during the save fails it too, and a restart from the last checkpoint is what
-        # gets past that (or past a disk that had a moment's trouble)
-        raise TrainingError(f"{path}: the checkpoint was not written{_dcp_failure(exc)}", restartable=True) from None
+        raise TrainingError(f"{path}: the checkpoint was not written{_dcp_failure(exc)}",
+                            restartable=_restartable(_dcp_inner(exc))) from None
     # Each step below that touches files on one rank passes what went wrong through the collective after it, so
     # that every rank raises it rather than wait for the one that did.
     box = [None]
@@ -320,8 +320,27 @@ def _put_in_place(partial: str, path: str, step: int, config: dict | None, files
             shutil.rmtree(old, ignore_errors=True)
 
 
+# A save that failed for these is final (a restart would fail it again): no space, no permission, a read-only file
+# system, a path through a file. Others are restartable: a rank lost during the save fails it too, and a restart
+# from the last checkpoint is what gets past that.
+PERMANENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR})
+
+
+def _restartable(exc: BaseException) -> bool:
+    return not (isinstance(exc, OSError) and exc.errno in PERMANENT_ERRNOS)
+
+
 class _Failed(str):
-    """What went wrong on a rank, passed through a collective in place of its result."""
+    """What went wrong on a rank, passed through a collective in place of its result (and whether a restart may
+    get past it, as ``restartable``: the str's own attribute survives the pickling as a tuple would not)."""
+
+    def __new__(cls, text: str, restartable: bool = True):
+        made = super().__new__(cls, text)
+        made.restartable = restartable
+        return made
+
+    def __reduce__(self):
+        return _Failed, (str(self), self.restartable)
 
 
 def _attempt(fn):
@@ -329,16 +348,17 @@ def _attempt(fn):
     try:
         return fn()
     except Exception as exc:  # noqa: BLE001 (every rank raises it after the collective)
-        return _Failed(f"{type(exc).__name__}: {exc}")
+        return _Failed(f"{type(exc).__name__}: {exc}", _restartable(exc))
 
 
 def _raise_any(results: list, path: str, each: bool = False):
     """The first of ``results`` (every one with ``each``), or, where a rank's is a _Failed, a TrainingError on this
-    rank naming it (restartable, as a failed save is)."""
+    rank naming it (restartable unless PERMANENT_ERRNOS says otherwise)."""
     for rank, result in enumerate(results):
         if isinstance(result, _Failed):
             where = f" on rank {rank}" if each else ""
-            raise TrainingError(f"{path}: the checkpoint was not written{where} ({result})", restartable=True)
+            raise TrainingError(f"{path}: the checkpoint was not written{where} ({result})",
+                                restartable=result.restartable)
     return results if each else results[0]
 
 
@@ -357,11 +377,20 @@ def read_dcp(state: dict, path: str) -> None:
         raise TrainingError(f"{path}: the checkpoint's files do not read{_dcp_failure(exc)}: damaged?") from None
 
 
-def _dcp_failure(exc: BaseException) -> str:
-    """The first failure a DCP exception holds, in a few words: " on rank R (Type: first line)"."""
+def _dcp_rank_failure(exc: BaseException) -> tuple[int | None, BaseException]:
+    """(rank, exception) of the first failure a DCP exception holds (itself where it holds none)."""
     failures = getattr(exc, "failures", None) or {}
     rank, inner = next(iter(failures.items()), (None, exc))
-    inner = inner[0] if isinstance(inner, tuple) else inner  # (DCP keeps each rank's with its traceback)
+    return rank, inner[0] if isinstance(inner, tuple) else inner  # (DCP keeps each rank's with its traceback)
+
+
+def _dcp_inner(exc: BaseException) -> BaseException:
+    return _dcp_rank_failure(exc)[1]
+
+
+def _dcp_failure(exc: BaseException) -> str:
+    """The first failure a DCP exception holds, in a few words: " on rank R (Type: first line)"."""
+    rank, inner = _dcp_rank_failure(exc)
     said = next((line for line in str(inner).splitlines() if line.strip()), "")
     where = f" on rank {rank}" if rank is not None else ""
     return f"{where} ({type(inner).__name__}: {said[:160]})"

@@ -70,6 +70,8 @@ def pooled_obstacle(spec: RunSpec) -> str | None:
         return f"{problem[0]}={problem[1]}: {problem[2]}"
     if spec.mixed_kinds:
         return "the pooled schedule plans causal attention only, and the model's layers differ in kind"
+    if c.parallel.hierarchical_exchange:
+        return "hierarchical_exchange: the pooled schedule's attention spans every stage's ranks and exchanges flat"
     return None
 
 

@@ -231,6 +231,10 @@ def attention_topology(config: TrainConfig, dims: ParallelDims, world: int) -> T
         if topology.num_nodes == 1:
             raise ConfigError("hierarchical_exchange", True, f"the attention's {dims.dp} ranks are on one node "
                                                              f"(ranks_per_node={per_node}): nothing crosses between nodes")
+        if dims.pp > 1 and (dims.dp * dims.tp) % per_node:
+            raise ConfigError("hierarchical_exchange", True, f"a pipeline stage's {dims.dp * dims.tp} ranks do not fill "
+                                                             f"whole nodes of {per_node}: later stages' ranks would "
+                                                             "not be on the nodes the first stage's are counted on")
         if dims.pp > 1 and config.parallel.pp_schedule == POOLED:
             raise ConfigError("hierarchical_exchange", True, "the pooled pipeline's attention spans every stage's "
                                                              "ranks and exchanges flat; use pp_schedule 1f1b")

@@ -131,8 +131,10 @@ class StepRunner:
         self.offload = None
         if spec.activation_offload:  # prefetch in backward: one layer's saved activations ahead
             self.offload = ActivationOffload(spec.device, prefetch_bytes=saved_bytes_per_layer(memory_inputs(spec)))
-        # With ping-pong, the sparse exchanges get a communicator of their own (CoreAttention.pattern_group).
-        self.pattern_group = mesh.new_attention_group() if spec.sparse and spec.pingpong else None
+        # With ping-pong, the exchanges inside compute (sparse patterns, the hierarchical exchange's forwarding) get a
+        # communicator of their own (CoreAttention.pattern_group).
+        inside = spec.sparse or spec.relay_nodes is not None
+        self.pattern_group = mesh.new_attention_group() if inside and spec.pingpong else None
 
     def plan(self, micro_batches: list[GlobalBatch], prior: SparsePrior | None = None) -> PlannedStep:
         """Every micro-batch's plans (a plan per nano-batch with ping-pong), made at the start of the step."""

@@ -180,7 +180,8 @@ def test_summary_of_ping_pong_steps_with_one_document():
                     peak_memory_bytes=1, attention_work_total=1.0, loss=1.0, plan_time_s=1e-3,
                     attention_time_s=attention_time_s, longest_doc=4096)
 
-    args = argparse.Namespace(warmup=1, tp=1, pp=1, microbatches=1, activation_checkpointing="keep_attention")
+    args = argparse.Namespace(warmup=1, tp=1, pp=1, microbatches=1, activation_checkpointing="keep_attention",
+                              hierarchical_exchange=False)
     cfg = model_config("tiny", n_layers=1)
     as_run = {"layer_checkpointing": ("keep_attention",), "activation_offload": False, "pp_schedule": None,
               "pp_schedule_choice": None}

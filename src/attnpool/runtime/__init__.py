@@ -18,7 +18,8 @@ from attnpool.sparse import SparseConfig
 def attention_for(plan: Plan, group=None, *, backend: str | Backend | None = None, scale: float | None = None,
                   sparse: SparseConfig | None = None, softcap: float | None = None, **options):
     """The core attention that serves ``plan``: :class:`UlyssesAttention` for a head-parallel plan (dense only),
-    else :class:`CoreAttention` (``options``: its other keywords). ``softcap``: the layer kind's soft-cap."""
+    else :class:`CoreAttention` (``options``: its other keywords, which a head-parallel plan has no use for).
+    ``softcap``: the layer kind's soft-cap."""
     if plan.head_parallel:
         if sparse is not None and sparse.enabled:
             raise ValueError("ulysses serves dense attention (attnpool train refuses sparse with it)")
@@ -39,9 +40,8 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan
     vertical-slash sparse attention, as :class:`CoreAttention` takes them. ``relay_nodes``: each rank's node, for
     the hierarchical exchange (:class:`CoreAttention`; a head-parallel plan exchanges no KV and takes none).
     """
-    options = {} if relay_nodes is None or plan.head_parallel else {"relay_nodes": relay_nodes}
     return attention_for(plan, group, backend=backend, scale=scale, sparse=sparse, softcap=softcap,
-                         **options)(q, k, v, layer=layer)
+                         relay_nodes=relay_nodes)(q, k, v, layer=layer)
 
 
 def plan_layer_kinds(kinds, pieces, strategy: str = "cad", group=None, *, backend=None, scale: float | None = None,

@@ -277,7 +277,7 @@ def save_checkpoint(path: str, model, optimizer, scheduler, stream, step: int, e
         dcp.save(state, checkpoint_id=partial)  # returns on every rank once DCP's metadata is written
     except (Exception, CheckpointException) as exc:  # (DCP gathers every rank's failure and raises it on each)
         raise TrainingError(f"{path}: the checkpoint was not written{_dcp_failure(exc)}",
-                            restartable=_restartable(_dcp_inner(exc))) from None
+                            restartable=_restartable(_dcp_rank_failure(exc)[1])) from None
     # Each step below that touches files on one rank passes what went wrong through the collective after it, so
     # that every rank raises it rather than wait for the one that did.
     box = [None]
@@ -382,10 +382,6 @@ def _dcp_rank_failure(exc: BaseException) -> tuple[int | None, BaseException]:
     failures = getattr(exc, "failures", None) or {}
     rank, inner = next(iter(failures.items()), (None, exc))
     return rank, inner[0] if isinstance(inner, tuple) else inner  # (DCP keeps each rank's with its traceback)
-
-
-def _dcp_inner(exc: BaseException) -> BaseException:
-    return _dcp_rank_failure(exc)[1]
 
 
 def _dcp_failure(exc: BaseException) -> str:

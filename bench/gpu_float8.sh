@@ -9,6 +9,9 @@
 #   PARALLEL=1                                quality runs at once on the GPU (each holds about 16 GiB)
 #   SPEED=1                                   0 leaves out the speed runs
 #   LR=3e-4 STEPS=200                         the quality runs' peak learning rate and steps
+#   DEADLINE_S=                               seconds after which the quality runs are stopped by SIGTERM (each
+#                                             checkpoints) and no more start; run the script again with the same
+#                                             RUNS to resume them (a run already at STEPS is skipped)
 set -uo pipefail
 OUT=${OUT:-bench-out}
 RUNS=${RUNS:-/tmp/float8-runs}
@@ -18,6 +21,7 @@ PARALLEL=${PARALLEL:-1}
 SPEED=${SPEED:-1}
 LR=${LR:-3e-4}
 export STEPS=${STEPS:-200}  # (the summary reads it)
+DEADLINE_S=${DEADLINE_S:-}
 mkdir -p "$OUT" "$RUNS" /tmp/torchao-site
 [ -n "${TORCHAO_WHEEL:-}" ] && python3 -m zipfile -e "$TORCHAO_WHEEL" /tmp/torchao-site
 export PYTHONPATH=src:/tmp/torchao-site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -30,17 +34,32 @@ recipe_flags() {  # the flags of linear-layer mode $1: bf16, tensorwise or rowwi
   [ "$1" != bf16 ] && echo --float8 --float8-recipe "$1"
 }
 # quality: Llama-3-8B's layers, 4 of them, on the standard library's text (byte tokens), 200 steps of 16K tokens
+done_steps() {  # the steps run $1 has logged
+  if [ -f "$RUNS/$1/metrics.jsonl" ]; then grep -c '"step"' "$RUNS/$1/metrics.jsonl"; else echo 0; fi
+}
+if [ -n "$DEADLINE_S" ]; then  # at the deadline: no new run, and SIGTERM to those running (they checkpoint)
+  ( sleep "$DEADLINE_S"; touch "$RUNS/.deadline"; pkill -TERM -f "[a]ttnpool.cli.main train .*--out $RUNS/" ) &
+  watcher=$!
+fi
+rm -f "$RUNS/.deadline"
 names=()
 for run in $QUALITY; do
   mode=${run%%:*} seed=${run##*:} name="quality-${run%%:*}-s${run##*:}"
   while [[ " ${names[*]} " == *" $name "* ]]; do name="$name-again"; done  # a repeat of the same run
   names+=("$name")
   extra=(); [ "$DETERMINISTIC" = 1 ] && extra=(--deterministic)
+  if [ -n "$DEADLINE_S" ]; then
+    [ -f "$RUNS/.deadline" ] && continue
+    [ "$(done_steps "$name")" -ge "$STEPS" ] && continue
+    extra+=(--checkpoint-every 0 --keep-checkpoints 1)  # (replaces -1: a checkpoint at the end or on SIGTERM)
+    [ -d "$RUNS/$name/checkpoints" ] && extra+=(--resume)
+  fi
   train "$name" --model-args n_layers=4 vocab_size=256 --data stdlib --tokens-per-rank 16K --steps "$STEPS" \
     --lr "$LR" --warmup-steps 20 --seed "$seed" $(recipe_flags "$mode") "${extra[@]}" &
-  while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n; done
+  while [ "$(jobs -rp | wc -l)" -ge "$((PARALLEL + ${watcher:+1}))" ]; do wait -n; done
 done
-wait
+while [ "$(jobs -rp | wc -l)" -gt "${watcher:+1}" ]; do wait -n; done
+[ -n "${watcher:-}" ] && kill "$watcher" 2>/dev/null
 # speed: 32K tokens, 4 layers, compiled linear parts (fusing float8's casts), 8 steps
 if [ "$SPEED" = 1 ]; then
   for mode in bf16 tensorwise rowwise; do
@@ -67,7 +86,7 @@ for name in names:
     mode, seed = name.split("-")[1], name.split("-")[2]
     q = rows(name)
     if len(q) < 50 or len(q) < int(os.environ.get("STEPS", "200")):
-        print(f"  {name:24s} {len(q)} steps: {everything[name]['log_tail'][-1:]}")
+        print(f"  {name:24s} {len(q)} steps: {everything.get(name, {}).get('log_tail', ['not started'])[-1:]}")
         continue
     base = first.setdefault((seed, "bf16"), q) if mode == "bf16" else first.get((seed, "bf16"))
     same = first.setdefault((seed, mode), q)

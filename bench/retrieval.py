@@ -451,8 +451,9 @@ def plot_losses(runs: dict, boundaries: list[int], path: str, title: str) -> Non
         if rows:
             steps = np.array([r["step"] for r in rows])
             loss = np.array([np.nan if r["loss"] is None else r["loss"] for r in rows], dtype=float)
-            smooth = np.convolve(loss, np.ones(5) / 5, mode="same") if len(loss) >= 10 else loss
-            ax.plot(steps, smooth, lw=1.2, label=name)
+            if len(loss) >= 10:  # the mean of the 5 steps up to each (no zeros padded in at the ends)
+                steps, loss = steps[4:], np.convolve(loss, np.ones(5) / 5, mode="valid")
+            ax.plot(steps, loss, lw=1.2, label=name)
     for b, label in boundaries:
         ax.axvline(b, color="#bbbbbb", lw=0.8, ls=":")
         ax.text(b, ax.get_ylim()[1], f" {label}", fontsize=7, va="top", color="#777777")

@@ -4,6 +4,9 @@ multi-node measurement (issue 43): cad with the flat exchange against cad with K
 the DistCA paper's batches, across GPU counts and tensor-parallel sizes (the servers sharing a node: 8 / tp of
 them on 8-GPU nodes), beside the best baseline (wlb, per-document CP, Ulysses).
 
+cad-hierarchical's plans are made for the hierarchical exchange (the planner prices KV that a server of the
+receiver's node already has as a hop inside the node, plan.cad); cad's are the flat exchange's.
+
 The simulator charges the relayed KV to its relay, inside the node, in the same all-to-all as the dispatch: the
 second hop's wait for the first and its own latency are not counted, so cad-hierarchical's time is a lower bound.
 Between nodes it assumes the DistCA paper's 50 GB/s per GPU unless the profile says otherwise.
@@ -37,6 +40,7 @@ def main() -> int:
     ap.add_argument("--tokens-per-gpu", default="64K")
     ap.add_argument("--max-doc-len", default="512K")
     ap.add_argument("--batches", type=int, default=10)
+    ap.add_argument("--name", default="sim-hierarchical", help="the record's name (after the date)")
     args = ap.parse_args()
     gpus = [int(g) for g in args.gpus.split(",")]
     configs = [c for tp in (int(t) for t in args.tp.split(","))
@@ -64,8 +68,10 @@ def main() -> int:
              "server is a TP group, so 8 / tp of them share a node. Simulated, not measured: between nodes "
              f"{network['inter_node']['bandwidth_GBps_per_gpu']:g} GB/s per GPU, inside one "
              f"{network['intra_node']['bandwidth_GBps_per_gpu']:.0f} GB/s (`assumptions` in the JSON).", "",
-             "cad-hierarchical charges relayed KV to its relay inside the node in the same all-to-all as the dispatch "
-             "(the second hop's wait and latency are not counted): a lower bound on its step.", "",
+             "cad-hierarchical's plans are made for the hierarchical exchange (cad prices KV that a server of the "
+             "receiver's node already has as a hop inside the node). It charges relayed KV to its relay inside the "
+             "node in the same all-to-all as the dispatch (the second hop's wait and latency are not counted): a "
+             "lower bound on its step.", "",
              "| dist | GPUs | tp | servers a node | cad s (exposed comm) | hierarchical s (exposed comm) | hierarchical "
              "speedup | best baseline | cad vs best | hierarchical vs best |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -75,7 +81,7 @@ def main() -> int:
                      f"{row['cad_hierarchical_step_s']:.2f} ({row['cad_hierarchical_comm_exposed_s']:.2f}) | "
                      f"{row['hierarchical_speedup']:.3f}x | {row['best_baseline']} {row['best_baseline_step_s']:.2f} s | "
                      f"{row['cad_vs_best']:.3f}x | {row['cad_hierarchical_vs_best']:.3f}x |")
-    stem = write_record(args.out, "sim-hierarchical", {"command": command, "assumptions": network, "rows": rows,
+    stem = write_record(args.out, args.name, {"command": command, "assumptions": network, "rows": rows,
                                                    # every strategy's step and exposed communication, per cell
                                                    "configs": [{"label": r["label"], "strategies": {
                                                        k: {"step_s": v["step_s"], "comm_exposed_s": v["comm_exposed_s"]}

@@ -39,7 +39,8 @@ def plan_attention(pieces_per_rank: Sequence[Sequence[DocPiece]] | PieceTable, s
     - ``eps``: ``cad`` leaves max/mean server load <= 1 + eps (it aims at 1 + eps/2, and
       stops early only where the minimum shard size makes the tolerance unreachable).
     - ``topology``: which node each rank is on; ``cad`` then prices bytes between nodes higher and
-      prefers moves inside a node (None: every byte alike, as on one node).
+      prefers moves inside a node (None: every byte alike, as on one node), and with ``topology.relays``
+      prices KV another server of the receiver's node already has as a hop inside the node.
     - ``window``: the sliding window (keys) of the layers the plan serves (None: causal attention). Tasks
       are priced by their windowed work and need only the window's KV (plan.plan).
     """
@@ -75,5 +76,7 @@ def plan_attention(pieces_per_rank: Sequence[Sequence[DocPiece]] | PieceTable, s
         options["heads"] = (shape.n_q_heads, shape.n_kv_heads)
     if topology is not None and topology.num_nodes > 1:
         options["nodes"] = topology.num_nodes
+        if topology.relays and strategy == "cad":  # (cad prices relayed KV: plan.cad)
+            options["relays"] = True
     return make_plan(strategy, table, *tasks, min_shard_tokens=min_shard_tokens, options=options, plan_seconds=seconds,
                      window=window)

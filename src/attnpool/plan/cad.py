@@ -10,7 +10,9 @@ already hold (KV of a document it holds or already receives is free), each byte
 that crosses between nodes counted ``Topology.inter_node_byte_cost`` times (so a
 server's work goes to an underloaded server of its own node where one can take
 it: the least loaded of the node is a candidate receiver beside the least loaded
-of all). Cuts never
+of all). Under the hierarchical exchange (``Topology.relays``) KV that some server
+of the receiver's node already receives or holds reaches it inside the node, so
+only the keys beyond those cross and are counted so. Cuts never
 make a shard below ``min_shard_tokens``; a piece shorter than that moves whole or
 not at all. Where the minimum shard carries more work than the deficits, a move
 overfills its receiver; the greedy keeps the best state it passed through, and
@@ -27,6 +29,7 @@ are evaluated as NumPy arrays.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -35,7 +38,7 @@ from attnpool.plan.cost import PairsCost, doc_costs
 from attnpool.plan.documents import PieceTable, key_start, prefix_pairs, prefix_pairs_inverse, window_pairs
 from attnpool.plan.local import home_tasks
 from attnpool.plan.percp import schedule_percp
-from attnpool.plan.plan import AttentionShape, Topology, canonical_tasks
+from attnpool.plan.plan import AttentionShape, Topology, canonical_tasks, inter_node_bytes, make_plan
 
 
 def _suffix_cut(a, b, pairs, window=None):
@@ -84,6 +87,31 @@ WHOLE, SUFFIX, PREFIX = 0, 1, 2
 
 def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: float = 0.02,
                  shape: AttentionShape = AttentionShape(), topology: Topology | None = None, **_):
+    """cad's tasks (doc, a, b, piece, server): :func:`_schedule` with the nodes' pricing. Under the hierarchical
+    exchange (``topology.relays``) also with the flat exchange's pricing, and of the two plans the one whose
+    exchanges, relayed, send fewer bytes between nodes (the busiest server first: a plan within the tolerance
+    wins over one outside it). Pricing relayed KV as a hop inside the node lowers those bytes on the DistCA
+    paper's prolong batches, by 16% at 64 GPUs (tests/test_topology.py) and by about a third at 256, where the
+    simulator's step falls 12% (bench/results/2026-11-29-sim-hierarchical-planned.md); but the greedy's path can
+    turn it around: on some batches of 16-32 GPUs it alone sent up to 18% more."""
+    tasks = _schedule(table, cost_model, min_shard_tokens, eps, shape, topology)
+    if topology is None or not topology.relays or topology.num_nodes == 1:
+        return tasks
+    flat = _schedule(table, cost_model, min_shard_tokens, eps, shape, dataclasses.replace(topology, relays=False))
+    cost, _ = doc_costs(cost_model)
+    window = getattr(cost_model, "window", None)
+
+    def rank(plan_tasks):
+        loads = _server_loads(plan_tasks, cost, table.num_ranks)
+        doc, a, b, piece, server = plan_tasks
+        plan = make_plan("cad", table, doc, a, b, piece, server, min_shard_tokens, window=window)
+        return loads.max() > (1.0 + eps) * loads.mean(), inter_node_bytes(plan, topology.rank_node, shape, relays=True)
+
+    return min((tasks, flat), key=rank)
+
+
+def _schedule(table: PieceTable, cost_model, min_shard_tokens: int, eps: float, shape: AttentionShape,
+              topology: Topology | None):
     """The greedy from every piece at home; where that misses the tolerance or its busiest server carries
     more than (1 + eps) x percp's, also the greedy from ``percp``'s plan, and of those two and the
     baselines' own plans the one whose busiest server carries the least work.
@@ -161,9 +189,20 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
     split = np.flatnonzero(servers_per_doc[doc0] > 1)
     tracked = servers_per_doc > 1  # docs with an entry in holders
 
+    nodes = None if topology is None or topology.num_nodes == 1 else np.asarray(topology.rank_node, dtype=np.int64)
+    # With relays: the hull of the keys of each document that the servers of a node hold (node, doc) -> (start,
+    # end). Causal ranges are prefixes and nest, so the hull is what the node has; windowed ones need not nest, and
+    # the hull then counts a gap as held.
+    node_held: dict[tuple[int, int], tuple[int, int]] | None = {} if nodes is not None and topology.relays else None
+    node_members = {} if node_held is None else {int(n): np.flatnonzero(nodes == n) for n in np.unique(nodes)}
+
     def hold(r: int, g: int, a: int, e: int) -> None:
         start, end = kv_held.get((r, g), (key_start(a, window), e))
         kv_held[(r, g)] = (min(start, key_start(a, window)), max(end, e))
+        if node_held is not None:
+            key = (int(nodes[r]), g)
+            start, end = node_held.get(key, kv_held[(r, g)])
+            node_held[key] = (min(start, kv_held[(r, g)][0]), max(end, kv_held[(r, g)][1]))
 
     for g, r, a, e in zip(doc0[split].tolist(), server0[split].tolist(), a0[split].tolist(), b0[split].tolist()):
         if (r, g) not in kv_held:
@@ -172,7 +211,6 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
 
     qo_bytes = float(shape.q_bytes + shape.o_bytes)
     kv_bytes = float(shape.kv_bytes)
-    nodes = None if topology is None or topology.num_nodes == 1 else np.asarray(topology.rank_node, dtype=np.int64)
     tol = eps / 2.0
     stuck = np.zeros(W, dtype=bool)
     undo: list[tuple] = []  # per move: (item, server, a, b, cost, item count) before it
@@ -215,7 +253,14 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
             for h in hs:
                 if h != d and h != r0 and loads[h] < mean:
                     cand_item.append(k); cand_recv.append(h); cand_held.append(kv_held[(h, g)])
+            if node_held is not None:  # with relays: the least loaded server of each other node holding the doc
+                for n in {int(nodes[h]) for h in hs} - {int(nodes[d])}:
+                    members = node_members[n]
+                    h = int(members[np.argmin(loads[members])])
+                    if h != r0 and loads[h] < mean and h not in hs:
+                        cand_item.append(k); cand_recv.append(h); cand_held.append((0, 0))
         it = ids[np.asarray(cand_item)]
+        docs_of_it = items.doc[it]
         cr = np.asarray(cand_recv, dtype=np.int64)
         held = np.asarray(cand_held, dtype=np.int64).reshape(-1, 2)
         a, b, w = items.a[it], items.b[it], items.cost[it]
@@ -241,7 +286,14 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
             nbytes = qo_bytes * (opt_b - opt_a) + kv_bytes * (opt_b - first_key - overlap)
             if nodes is not None:  # the item's Q (and, mostly, its KV) comes from its piece's rank
                 crossing = nodes[table.rank[np.tile(items.piece[it], 3)]] != nodes[receiver]
-                nbytes = np.where(crossing, nbytes * topology.inter_node_byte_cost, nbytes)
+                inside = 0.0  # KV bytes of a crossing move that come from a relay inside the receiver's node
+                if node_held is not None:
+                    hull = np.asarray([node_held.get((int(nodes[r]), int(g)), (0, 0))
+                                       for r, g in zip(cr.tolist(), docs_of_it.tolist())], dtype=np.int64).reshape(-1, 2)
+                    in_node = np.maximum(0, np.minimum(opt_b, np.tile(hull[:, 1], 3))
+                                         - np.maximum(first_key, np.tile(hull[:, 0], 3)))
+                    inside = kv_bytes * np.maximum(0, in_node - overlap)
+                nbytes = np.where(crossing, (nbytes - inside) * topology.inter_node_byte_cost + inside, nbytes)
             best = int(np.argmin(np.where(fits, nbytes / np.where(fits, moved, 1.0), np.inf)))
         else:
             # Nothing fits: the donor's smallest cut is coarser than any remaining deficit

@@ -46,16 +46,19 @@ INTER_NODE_BYTE_COST = 260 * 2**30 / 50e9
 
 @dataclass(frozen=True)
 class Topology:
-    """Which node each rank of the group is on, and what a byte between nodes costs the planner against one
-    inside a node (the ratio of their bandwidths)."""
+    """Which node each rank of the group is on, what a byte between nodes costs the planner against one
+    inside a node (the ratio of their bandwidths), and whether KV goes through the hierarchical exchange
+    (``relays``: KV a node's servers need from another node crosses once, :meth:`KVTransfers.relays`)."""
 
     rank_node: tuple[int, ...]
     inter_node_byte_cost: float = INTER_NODE_BYTE_COST
+    relays: bool = False
 
     @classmethod
-    def of(cls, ranks: int, ranks_per_node: int, inter_node_byte_cost: float = INTER_NODE_BYTE_COST) -> "Topology":
+    def of(cls, ranks: int, ranks_per_node: int, inter_node_byte_cost: float = INTER_NODE_BYTE_COST,
+           relays: bool = False) -> "Topology":
         """``ranks`` consecutive ranks, ``ranks_per_node`` to a node."""
-        return cls(tuple(r // ranks_per_node for r in range(ranks)), inter_node_byte_cost)
+        return cls(tuple(r // ranks_per_node for r in range(ranks)), inter_node_byte_cost, relays)
 
     @property
     def num_nodes(self) -> int:
@@ -218,6 +221,25 @@ class KVTransfers:
                   & (self.server[member] != self.server[relay]))
         relay_of[member[nested]] = relay[nested]
         return relay_of
+
+    def senders(self, rank_node=None) -> np.ndarray:
+        """Each segment's sender: its source rank, or under the hierarchical exchange (``rank_node``: each rank's
+        node) the server that relays it, where one does (:meth:`relays`)."""
+        if rank_node is None:
+            return self.src
+        relay_of = self.relays(rank_node)
+        return np.where(relay_of >= 0, self.server[np.maximum(relay_of, 0)], self.src)
+
+
+def inter_node_bytes(plan: "Plan", rank_node, shape: AttentionShape, relays: bool = False) -> float:
+    """The bytes a plan's forward exchanges send between nodes (``rank_node``: each rank's node): Q out and O back
+    of every task served off its home node, and the KV segments whose sender is on another node than their
+    server; with ``relays`` (the hierarchical exchange) a relayed segment is sent from its relay."""
+    node = np.asarray(rank_node, dtype=np.int64)
+    moved = node[plan.task_home] != node[plan.task_server]
+    x = plan.kv_transfers()
+    crossing = node[x.senders(node if relays else None)] != node[x.server]
+    return float(plan.task_len[moved].sum() * (shape.q_bytes + shape.o_bytes) + x.length[crossing].sum() * shape.kv_bytes)
 
 
 def kv_transfers(plan: Plan) -> KVTransfers:

@@ -232,8 +232,9 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
             cad = plan(lin, "cad", eps=config.eps, topology=topology)
             add(model.plan_step(cad, overlap=True, name="cad"))
             add(model.plan_step(cad, overlap=False, name="cad-serial"))
-            if config.hierarchical:
-                add(model.plan_step(cad, overlap=True, name="cad-hierarchical", hierarchical=True))
+            if config.hierarchical:  # planned for it: cad prices the KV a relay forwards inside its node
+                relayed = plan(lin, "cad", eps=config.eps, topology=replace(topology, relays=True))
+                add(model.plan_step(relayed, overlap=True, name="cad-hierarchical", hierarchical=True))
             for e in eps_sweep or ():
                 p = cad if e == config.eps else plan(lin, "cad", eps=e, topology=topology)
                 eps_acc.setdefault(float(e), _Acc()).add(model.plan_step(p, overlap=True, name="cad"))

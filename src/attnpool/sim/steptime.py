@@ -325,10 +325,7 @@ class StepModel:
         home, srv, ln = plan.task_home, plan.task_server, plan.task_len
         x = plan.kv_transfers()
         sh = self.shape
-        kv_src = x.src
-        if hierarchical:
-            relay_of = x.relays(self.cluster.node(np.arange(S)))
-            kv_src = np.where(relay_of >= 0, x.server[np.maximum(relay_of, 0)], x.src)
+        kv_src = x.senders(self.cluster.node(np.arange(S)) if hierarchical else None)
         src = np.concatenate([home, kv_src])
         dst = np.concatenate([srv, x.server])
         nbytes = np.concatenate([ln * sh.q_bytes, x.length * sh.kv_bytes])

@@ -226,7 +226,8 @@ def attention_topology(config: TrainConfig, dims: ParallelDims, world: int) -> T
     if world % per_node or per_node % dims.tp:
         raise ConfigError("ranks_per_node", per_node, f"must divide the {world} ranks, and be a multiple of "
                                                       f"tp={dims.tp} (a tp group stays inside a node)")
-    topology = Topology(tuple(i * dims.tp // per_node for i in range(dims.dp)))
+    topology = Topology(tuple(i * dims.tp // per_node for i in range(dims.dp)),
+                        relays=config.parallel.hierarchical_exchange)
     if config.parallel.hierarchical_exchange:
         if topology.num_nodes == 1:
             raise ConfigError("hierarchical_exchange", True, f"the attention's {dims.dp} ranks are on one node "

@@ -37,12 +37,18 @@ recipe_flags() {  # the flags of linear-layer mode $1: bf16, tensorwise or rowwi
 done_steps() {  # the steps run $1 has logged
   if [ -f "$RUNS/$1/metrics.jsonl" ]; then grep -c '"step"' "$RUNS/$1/metrics.jsonl"; else echo 0; fi
 }
+running() {  # how many of the processes $@ are still running
+  local n=0 pid
+  for pid in "$@"; do kill -0 "$pid" 2>/dev/null && n=$((n + 1)); done
+  echo "$n"
+}
+rm -f "$RUNS/.deadline"
+watcher=
 if [ -n "$DEADLINE_S" ]; then  # at the deadline: no new run, and SIGTERM to those running (they checkpoint)
   ( sleep "$DEADLINE_S"; touch "$RUNS/.deadline"; pkill -TERM -f "[a]ttnpool.cli.main train .*--out $RUNS/" ) &
   watcher=$!
 fi
-rm -f "$RUNS/.deadline"
-names=()
+names=() pids=()
 for run in $QUALITY; do
   mode=${run%%:*} seed=${run##*:} name="quality-${run%%:*}-s${run##*:}"
   while [[ " ${names[*]} " == *" $name "* ]]; do name="$name-again"; done  # a repeat of the same run
@@ -52,14 +58,20 @@ for run in $QUALITY; do
     [ -f "$RUNS/.deadline" ] && continue
     [ "$(done_steps "$name")" -ge "$STEPS" ] && continue
     extra+=(--checkpoint-every 0 --keep-checkpoints 1)  # (replaces -1: a checkpoint at the end or on SIGTERM)
-    [ -d "$RUNS/$name/checkpoints" ] && extra+=(--resume)
+    if compgen -G "$RUNS/$name/checkpoints/step-*" > /dev/null; then
+      extra+=(--resume)
+    elif [ -e "$RUNS/$name/metrics.jsonl" ]; then  # stopped before its first checkpoint: from the start again
+      extra+=(--overwrite)
+    fi
   fi
   train "$name" --model-args n_layers=4 vocab_size=256 --data stdlib --tokens-per-rank 16K --steps "$STEPS" \
     --lr "$LR" --warmup-steps 20 --seed "$seed" $(recipe_flags "$mode") "${extra[@]}" &
-  while [ "$(jobs -rp | wc -l)" -ge "$((PARALLEL + ${watcher:+1}))" ]; do wait -n; done
+  pids+=($!)
+  while [ "$(running "${pids[@]}")" -ge "$PARALLEL" ]; do wait -n; done
 done
-while [ "$(jobs -rp | wc -l)" -gt "${watcher:+1}" ]; do wait -n; done
-[ -n "${watcher:-}" ] && kill "$watcher" 2>/dev/null
+[ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"  # every run, one stopped at the deadline until it has checkpointed
+[ -n "$watcher" ] && kill "$watcher" 2>/dev/null
+[ -f "$RUNS/.deadline" ] && SPEED=0  # (no time left for them)
 # speed: 32K tokens, 4 layers, compiled linear parts (fusing float8's casts), 8 steps
 if [ "$SPEED" = 1 ]; then
   for mode in bf16 tensorwise rowwise; do

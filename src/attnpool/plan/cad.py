@@ -89,8 +89,8 @@ def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: floa
                  shape: AttentionShape = AttentionShape(), topology: Topology | None = None, **_):
     """cad's tasks (doc, a, b, piece, server): :func:`_schedule` with the nodes' pricing. Under the hierarchical
     exchange (``topology.relays``) also with the flat exchange's pricing, and of the two plans the one whose
-    exchanges, relayed, send fewer bytes between nodes (the busiest server first: a plan within the tolerance
-    wins over one outside it). Pricing relayed KV as a hop inside the node lowers those bytes on the DistCA
+    exchanges, relayed, send fewer bytes between nodes (balance first: a plan within the tolerance wins over one
+    outside it, and of two outside it the one with the less busy server). Pricing relayed KV as a hop inside the node lowers those bytes on the DistCA
     paper's prolong batches, by 16% at 64 GPUs (tests/test_topology.py) and by about a third at 256, where the
     simulator's step falls 12% (bench/results/2026-11-29-sim-hierarchical-planned.md); but the greedy's path can
     turn it around: on some batches of 16-32 GPUs it alone sent up to 18% more."""
@@ -101,11 +101,12 @@ def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: floa
     cost, _ = doc_costs(cost_model)
     window = getattr(cost_model, "window", None)
 
-    def rank(plan_tasks):
+    def rank(plan_tasks):  # within the tolerance first, then the less busy server (outside it), then fewer bytes
         loads = _server_loads(plan_tasks, cost, table.num_ranks)
-        doc, a, b, piece, server = plan_tasks
-        plan = make_plan("cad", table, doc, a, b, piece, server, min_shard_tokens, window=window)
-        return loads.max() > (1.0 + eps) * loads.mean(), inter_node_bytes(plan, topology.rank_node, shape, relays=True)
+        outside = bool(loads.max() > (1.0 + eps) * loads.mean())
+        plan = make_plan("cad", table, *plan_tasks, min_shard_tokens, window=window)
+        return outside, float(loads.max()) if outside else 0.0, inter_node_bytes(plan, topology.rank_node, shape,
+                                                                                  relays=True)
 
     return min((tasks, flat), key=rank)
 
@@ -190,19 +191,26 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
     tracked = servers_per_doc > 1  # docs with an entry in holders
 
     nodes = None if topology is None or topology.num_nodes == 1 else np.asarray(topology.rank_node, dtype=np.int64)
-    # With relays: the hull of the keys of each document that the servers of a node hold (node, doc) -> (start,
-    # end). Causal ranges are prefixes and nest, so the hull is what the node has; windowed ones need not nest, and
-    # the hull then counts a gap as held.
-    node_held: dict[tuple[int, int], tuple[int, int]] | None = {} if nodes is not None and topology.relays else None
-    node_members = {} if node_held is None else {int(n): np.flatnonzero(nodes == n) for n in np.unique(nodes)}
+    # With relays: per (node, doc) the hull [node_start, node_end) of the keys the node's servers hold (empty where
+    # end <= start). Causal ranges are prefixes and nest, so the hull is what the node has; windowed ones need not
+    # nest, and the hull then counts a gap as held. Never shrunk: KV a server stops needing after a move still
+    # counts as relayable (the greedy's estimate; the plan kept is chosen on its bytes, schedule_cad).
+    relays = nodes is not None and topology.relays
+    if relays:
+        node_ids, node_of = np.unique(nodes, return_inverse=True)
+        node_start = np.full((len(node_ids), table.num_docs), np.iinfo(np.int64).max, dtype=np.int64)
+        node_end = np.zeros((len(node_ids), table.num_docs), dtype=np.int64)
+
+    def note_node(r: int, g: int) -> None:  # the node of server r holds what r holds of doc g
+        start, end = kv_held[(r, g)]
+        if relays and end > start:
+            n = node_of[r]
+            node_start[n, g], node_end[n, g] = min(node_start[n, g], start), max(node_end[n, g], end)
 
     def hold(r: int, g: int, a: int, e: int) -> None:
         start, end = kv_held.get((r, g), (key_start(a, window), e))
         kv_held[(r, g)] = (min(start, key_start(a, window)), max(end, e))
-        if node_held is not None:
-            key = (int(nodes[r]), g)
-            start, end = node_held.get(key, kv_held[(r, g)])
-            node_held[key] = (min(start, kv_held[(r, g)][0]), max(end, kv_held[(r, g)][1]))
+        note_node(r, g)
 
     for g, r, a, e in zip(doc0[split].tolist(), server0[split].tolist(), a0[split].tolist(), b0[split].tolist()):
         if (r, g) not in kv_held:
@@ -246,6 +254,9 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
                 rn = int(near[np.argmin(loads[near])])
                 cand_item += list(range(ids.size)); cand_recv += [rn] * ids.size
                 cand_held += [kv_held.get((rn, int(g)), (0, 0)) for g in docs.tolist()]
+        if relays:  # the least loaded server of each node
+            by_node = np.lexsort((loads, node_of))
+            node_least = by_node[np.r_[0, np.flatnonzero(np.diff(node_of[by_node])) + 1]]
         for k in np.flatnonzero(tracked[docs]).tolist():
             g = int(docs[k])
             hs = holders[g]
@@ -253,14 +264,12 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
             for h in hs:
                 if h != d and h != r0 and loads[h] < mean:
                     cand_item.append(k); cand_recv.append(h); cand_held.append(kv_held[(h, g)])
-            if node_held is not None:  # with relays: the least loaded server of each other node holding the doc
-                for n in {int(nodes[h]) for h in hs} - {int(nodes[d])}:
-                    members = node_members[n]
-                    h = int(members[np.argmin(loads[members])])
-                    if h != r0 and loads[h] < mean and h not in hs:
+            if relays:  # the least loaded server of each other node that holds keys of the doc
+                for n in np.flatnonzero(node_end[:, g] > node_start[:, g]).tolist():
+                    h = int(node_least[n])
+                    if n != node_of[d] and h != r0 and loads[h] < mean and h not in hs:
                         cand_item.append(k); cand_recv.append(h); cand_held.append((0, 0))
         it = ids[np.asarray(cand_item)]
-        docs_of_it = items.doc[it]
         cr = np.asarray(cand_recv, dtype=np.int64)
         held = np.asarray(cand_held, dtype=np.int64).reshape(-1, 2)
         a, b, w = items.a[it], items.b[it], items.cost[it]
@@ -287,11 +296,9 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
             if nodes is not None:  # the item's Q (and, mostly, its KV) comes from its piece's rank
                 crossing = nodes[table.rank[np.tile(items.piece[it], 3)]] != nodes[receiver]
                 inside = 0.0  # KV bytes of a crossing move that come from a relay inside the receiver's node
-                if node_held is not None:
-                    hull = np.asarray([node_held.get((int(nodes[r]), int(g)), (0, 0))
-                                       for r, g in zip(cr.tolist(), docs_of_it.tolist())], dtype=np.int64).reshape(-1, 2)
-                    in_node = np.maximum(0, np.minimum(opt_b, np.tile(hull[:, 1], 3))
-                                         - np.maximum(first_key, np.tile(hull[:, 0], 3)))
+                if relays:
+                    n, g = node_of[receiver], np.tile(items.doc[it], 3)
+                    in_node = np.maximum(0, np.minimum(opt_b, node_end[n, g]) - np.maximum(first_key, node_start[n, g]))
                     inside = kv_bytes * np.maximum(0, in_node - overlap)
                 nbytes = np.where(crossing, (nbytes - inside) * topology.inter_node_byte_cost + inside, nbytes)
             best = int(np.argmin(np.where(fits, nbytes / np.where(fits, moved, 1.0), np.inf)))
@@ -332,6 +339,7 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
             tracked[g] = True
             if (d, g) not in kv_held:  # the donor keeps what it kept of the item's keys (nothing of a whole one)
                 kv_held[(d, g)] = (0, 0) if kind == WHOLE else (key_start(int(items.a[i]), window), int(items.b[i]))
+                note_node(d, g)
         hold(r, g, ma, mb)
     for i, server, ia, ib, icost, n in reversed(undo[best_moves:]):
         items.server[i], items.a[i], items.b[i], items.cost[i], items.n = server, ia, ib, icost, n

@@ -154,6 +154,8 @@ def train_command(run_dir: str, attention: str, coverage: float | None, stage: S
            "--checkpoint-every", "0", "--keep-checkpoints", "1", "--no-progress"]
     if args.activation_checkpointing != "none":
         cmd += ["--activation-checkpointing", args.activation_checkpointing]
+    if args.deterministic:
+        cmd += ["--deterministic"]
     if resume:  # a later stage: longer documents and steps, maybe other tasks and RoPE base, the same schedule
         cmd += ["--resume", "--allow-config-change"]
     if attention == "sparse":
@@ -460,7 +462,8 @@ def plot_losses(runs: dict, boundaries: list[int], path: str, title: str) -> Non
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (5-step mean)")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -492,6 +495,10 @@ def main() -> int:
     ap.add_argument("--activation-checkpointing", default="none", choices=("none", "full", "keep_attention"))
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-4 on GPU, 3e-3 on CPU)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--deterministic", action="store_true",
+                    help="train with attnpool train's --deterministic, so that a run with the same settings and "
+                         "seed repeats bit for bit (whether the look-up forms in the 1K stage differed between two "
+                         "runs without it: bench/results/2026-11-29-h200x2-retrieval-text-rerun.md)")
     ap.add_argument("--long-rope-theta", type=float, default=None, metavar="BASE",
                     help="RoPE base of the stages that raise it (default theirs, 5e5; the model's 1e4 keeps the "
                          "first stage's base throughout, the ablation of the raise)")
@@ -607,15 +614,15 @@ def main() -> int:
     training = {"device": args.device, "model": model, "seed": args.seed, "lr": setup["lr"],
                 "warmup_steps": setup["warmup_steps"], "num_docs": args.num_docs, "ordinary": args.ordinary,
                 "mix_from": args.mix_from, "filler": args.filler, "loss": args.loss,
-                "activation_checkpointing": args.activation_checkpointing,
+                "activation_checkpointing": args.activation_checkpointing, "deterministic": args.deterministic,
                 "sparse_min_doc_len": setup["sparse_min_doc_len"], "sparse_args": setup["sparse_args"],
                 "curriculum": [stage._asdict() for stage in curriculum]}
     training = json.loads(json.dumps(training))  # (tuples as lists, as read back)
     settings_path = os.path.join(work, "retrieval-settings.json")
     if os.path.isfile(settings_path):
         earlier = read_json(settings_path)
-        if isinstance(earlier, dict):  # (written before filler and loss were options: those runs had the defaults)
-            earlier = {"filler": "random", "loss": "answer", **earlier}
+        if isinstance(earlier, dict):  # (written before filler, loss and deterministic were options: the defaults)
+            earlier = {"filler": "random", "loss": "answer", "deterministic": False, **earlier}
             for stage in earlier.get("curriculum", []):  # (and before each stage had its own: the run's)
                 if isinstance(stage, dict):
                     stage.setdefault("loss", earlier["loss"])

@@ -602,3 +602,22 @@ def test_retrieval_bench_records_an_evaluation_that_fails_instead_of_ending():
     assert left[0][0] == "trained" and left[0][1].startswith("failed: ConfigError: run=")
     assert left[1] == ("coverage 0.5", "not started: the checkpoint did not read")
     assert script.run_evaluations("/nonexistent-run", {}, ["trained"], None, lambda: False, None) == ({}, [("trained", None)])
+
+
+def test_retrieval_bench_trains_deterministically_when_asked(tmp_path):
+    """--deterministic reaches every stage's `attnpool train` and is one of the settings a --work keeps: a later
+    call that changes it is refused, naming it. Sparse training cannot be deterministic (its backward adds with
+    atomics), so such a call is refused before anything trains."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sparse = _retrieval_here(root, "--out", str(tmp_path / "unused"), "--device", "cpu", "--deterministic")
+    assert sparse.returncode == 2 and "not with deterministic" in sparse.stderr
+    common = ("--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--device", "cpu", "--budget-s", "0",
+              "--coverages", "")
+    first = _retrieval_here(root, *common, "--deterministic")
+    assert first.returncode != 2, first.stderr
+    commands = json.load(open(next((tmp_path / "out").glob("*.json"))))["train_commands"]
+    assert commands and all(command.split().count("--deterministic") == 1 for command in commands)
+    changed = _retrieval_here(root, *common)
+    assert changed.returncode == 2 and "other settings (deterministic)" in changed.stderr

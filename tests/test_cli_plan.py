@@ -33,7 +33,29 @@ def test_plan_table_and_plot(tmp_path, capsys):
     assert png.stat().st_size > 10_000
 
 
+def test_plan_on_nodes_counts_the_bytes_between_them(capsys):
+    """--ranks-per-node: cad plans knowing the nodes and the report counts the bytes between them; with
+    --hierarchical-exchange KV crosses into a node once and cad plans for it, so fewer cross."""
+    base = ["plan", "--servers", "16", "--tokens-per-server", "64K", "--max-doc-len", "512K", "--json"]
+    between = {}
+    for extra in ((), ("--hierarchical-exchange",)):
+        assert main(base + ["--ranks-per-node", "8", "--strategy", "all", *extra]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["batch"]["ranks_per_node"] == 8 and out["batch"]["hierarchical_exchange"] == bool(extra)
+        assert "inter_node_bytes" not in out["strategies"]["ulysses"]
+        between[bool(extra)] = out["strategies"]["cad"]["inter_node_bytes"]
+        assert out["strategies"]["local"]["inter_node_bytes"] > 0
+    assert 0 < between[True] < between[False]
+    assert main(base[:-1] + ["--ranks-per-node", "8"]) == 0
+    assert "between nodes (GiB)" in capsys.readouterr().out
+    assert main(base) == 0 and "inter_node_bytes" not in json.loads(capsys.readouterr().out)["strategies"]["cad"]
+
+
 @pytest.mark.parametrize("args, needle", [
+    (["--ranks-per-node", "3"], "--ranks-per-node"),
+    (["--tp", "2", "--ranks-per-node", "3", "--servers", "6"], "must be a multiple of --tp=2"),
+    (["--hierarchical-exchange"], "needs servers on several nodes"),
+    (["--ranks-per-node", "64", "--hierarchical-exchange"], "needs servers on several nodes"),
     (["--dist", "nope"], "unknown distribution"),
     (["--servers", "0"], "--servers"),
     (["--tokens-per-server", "0"], "--tokens-per-server"),

@@ -12,6 +12,7 @@ from attnpool.cli.common import parse_size
 from attnpool.data.lengths import DISTRIBUTIONS, SamplingOptions, sample_batches
 from attnpool.errors import ConfigError
 from attnpool.plan import STRATEGIES, AttentionShape, linear_table, load_cost_model, plan_attention, wlb_table
+from attnpool.plan.plan import Topology, inter_node_bytes
 from attnpool.plan.ulysses import ulysses_problem
 from attnpool.plan.metrics import PlanMetrics, home_loads, imbalance
 
@@ -36,6 +37,12 @@ def add_parser(sub) -> None:
     p.add_argument("--max-doc-len", type=parse_size, default=None, help="cut longer documents into pieces of this length")
     p.add_argument("--window", type=parse_size, default=None, help="plan the layers of a sliding window of this many "
                                                                    "keys, e.g. 4K (default: causal over the whole prefix)")
+    p.add_argument("--ranks-per-node", type=int, default=0,
+                   help="GPUs a node (a multiple of --tp): cad then prices bytes between nodes higher, and the "
+                        "report counts them (default 0: every server on one node)")
+    p.add_argument("--hierarchical-exchange", action="store_true",
+                   help="with --ranks-per-node: KV into a node crosses once (attnpool train's hierarchical_exchange), "
+                        "and cad plans for it")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="draw per-server load for each strategy")
     p.set_defaults(func=run)
@@ -55,6 +62,15 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--memory-cap", args.memory_cap, "must be a finite number >= 1.0")
     if args.window is not None and args.window < 1:
         raise ConfigError("--window", args.window, "a sliding window is a positive number of keys")
+    topology = None
+    if args.ranks_per_node:
+        gpus = args.servers * args.tp
+        if args.ranks_per_node < 0 or args.ranks_per_node % args.tp or gpus % args.ranks_per_node:
+            raise ConfigError("--ranks-per-node", args.ranks_per_node, f"must be a multiple of --tp={args.tp} that "
+                                                                       f"divides the {gpus} GPUs")
+        topology = Topology.of(args.servers, args.ranks_per_node // args.tp, relays=args.hierarchical_exchange)
+    if args.hierarchical_exchange and (topology is None or topology.num_nodes == 1):
+        raise ConfigError("--hierarchical-exchange", True, "needs servers on several nodes (--ranks-per-node)")
     if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
         raise ConfigError("--plot", args.plot, "its directory does not exist")
     options = SamplingOptions(upsample=not args.no_upsample, elongate=args.elongate, max_doc_len=args.max_doc_len)
@@ -75,8 +91,11 @@ def run(args: argparse.Namespace) -> int:
     for strategy in strategies:
         table = wlb_table(doc_lens, args.servers, args.tokens_per_server, args.memory_cap) if strategy == "wlb" else linear
         plan = plan_attention(table, strategy, cost_model=cost_model, min_shard_tokens=args.min_shard, eps=args.eps,
-                              shape=shape, window=args.window)
+                              shape=shape, window=args.window, topology=topology)
         metrics = PlanMetrics.of(plan, cost_model, shape)
+        if topology is not None:  # (ulysses sends every token's Q, KV and O across all ranks, not as tasks)
+            metrics.inter_node_bytes = (None if strategy == "ulysses" else
+                                        inter_node_bytes(plan, topology.rank_node, shape, args.hierarchical_exchange))
         if strategy == "wlb":  # "before" is the linear layout served locally, as for the others
             before = home_loads(linear, cost_model, args.window)
             metrics.load_before, metrics.imbalance_before = before.tolist(), imbalance(before)
@@ -84,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     batch = {"dist": args.dist, "servers": args.servers, "tp": args.tp, "tokens_per_server": args.tokens_per_server,
              "seed": args.seed,
              "num_docs": len(doc_lens), "max_doc_len": max(doc_lens), "cost_model": getattr(cost_model, "name", ""),
-             "eps": args.eps, "window": args.window}
+             "eps": args.eps, "window": args.window, "ranks_per_node": args.ranks_per_node or None,
+             "hierarchical_exchange": args.hierarchical_exchange}
     if args.json:
         json.dump({"batch": batch, "strategies": {k: m.summary() for k, m in results.items()}, "skipped": skipped},
                   sys.stdout, indent=1)
@@ -105,6 +125,8 @@ def print_table(batch: dict, results: dict[str, PlanMetrics]) -> None:
     servers = f"{batch['servers']} servers (TP groups of {batch['tp']}; bytes per GPU)" if batch["tp"] > 1 \
         else f"{batch['servers']} servers"
     window = "" if batch.get("window") is None else f", window {batch['window']}"
+    if batch.get("ranks_per_node"):
+        window += f", {batch['ranks_per_node']} GPUs a node" + (", hierarchical" if batch["hierarchical_exchange"] else "")
     title = (f"{batch['dist']}: {servers} x {batch['tokens_per_server']} tokens, "
              f"{batch['num_docs']} documents (longest {batch['max_doc_len']}), seed {batch['seed']}{window}")
     table = Table(title=title)
@@ -116,6 +138,8 @@ def print_table(batch: dict, results: dict[str, PlanMetrics]) -> None:
         ("max/mean after", lambda m: f"{m.imbalance_after:.3f}"),
         ("bytes moved (GiB)", lambda m: f"{m.bytes_moved / 2**30:.2f}"),
         ("max bytes/rank (MiB)", lambda m: f"{m.summary()['max_bytes_per_rank'] / 2**20:.1f}"),
+        *([("between nodes (GiB)", lambda m: "-" if m.inter_node_bytes is None else f"{m.inter_node_bytes / 2**30:.2f}")]
+          if batch.get("ranks_per_node") else []),
         ("max KV tokens/server", lambda m: f"{m.max_kv_tokens:,}"),
         ("  with copy per shard", lambda m: f"{max(m.kv_tokens_expanded):,}"),
         ("shards", lambda m: f"{m.num_shards:,}"),

@@ -76,6 +76,9 @@ class PlanMetrics:
     min_shard_tokens: int  # smallest shard in the plan
     shard_histogram: dict[str, int]
     plan_ms: float
+    # The forward exchanges' bytes between nodes (plan.plan.inter_node_bytes) where the servers are on several
+    # nodes: set by who knows the nodes (`attnpool plan --ranks-per-node`); None otherwise
+    inter_node_bytes: float | None = None
 
     @classmethod
     def of(cls, plan: Plan, cost_model, shape: AttentionShape = AttentionShape()) -> "PlanMetrics":
@@ -115,6 +118,8 @@ class PlanMetrics:
         out = {k: getattr(self, k) for k in keys}
         out["max_bytes_per_rank"] = int(max(q + k + o for q, k, o in zip(self.q_bytes_out, self.kv_bytes_out, self.o_bytes_back)))
         out["max_kv_tokens_expanded"] = int(max(self.kv_tokens_expanded))
+        if self.inter_node_bytes is not None:
+            out["inter_node_bytes"] = self.inter_node_bytes
         return out
 
     def to_dict(self) -> dict:

@@ -224,3 +224,22 @@ def test_simulated_hierarchical_exchange_relays_only_where_servers_share_a_node(
     alone = simulate_config(SimConfig(gpus=16, tp=8, tokens_per_gpu=65536, dist="prolong", batches=2,
                                       strategies=("cad",), hierarchical=True), costs)["strategies"]
     assert alone["cad-hierarchical"]["step_s"] == alone["cad"]["step_s"]
+
+
+def test_simulated_relays_forward_after_the_first_all_to_all(costs):
+    """The relay's hop runs after the exchange between nodes (runtime.core_attention), so the simulator charges
+    two all-to-alls one after the other: the intra-node latency on top of the inter-node one, and the forwarded
+    KV on the relay's own link. Here, one document over both nodes, every piece's relay into node 1 is the server
+    of the document's end (it needs the longest prefix): the receivers' links bound the flat exchange, each
+    taking 8 pieces, and the relay takes the same 8 and then sends them on 7 times, so the hierarchical exchange
+    is slower; the lower bound charged before (one all-to-all) hid that."""
+    model = StepModel(CFG, Cluster(gpus=16, tp=1, gpus_per_node=8, tokens_per_gpu=8192), costs)
+    lens = [16 * 8192 - 3 * 4096] + [4096] * 3  # one long document over every server, cut by cad
+    plan = plan_attention(linear_table(lens, 16, 8192), "cad", cost_model=costs.attn_fwd_bwd, shape=SHAPE,
+                          topology=Topology.of(16, 8, relays=True))
+    assert (plan.kv_transfers().relays(Topology.of(16, 8).rank_node) >= 0).any()
+    (flat_out, _), _ = model._plan_layer(plan)[2:4]
+    (relayed_out, _), _ = model._plan_layer(plan, hierarchical=True)[2:4]
+    assert flat_out.latency[0] == costs.inter.latency
+    assert relayed_out.latency[0] == pytest.approx(costs.inter.latency + costs.intra.latency)
+    assert relayed_out.transfer[0] > 1.5 * flat_out.transfer[0]

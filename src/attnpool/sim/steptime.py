@@ -299,8 +299,9 @@ class StepModel:
 
         ``task_seconds``: per-GPU (fwd, bwd) seconds of each of the plan's tasks, where the dense table does
         not price them (sparse attention: bench/sim_sparse.py). ``hierarchical``: the hierarchical exchange
-        (attnpool train's hierarchical_exchange): KV a relay forwards goes from it, inside its node, in the same
-        all-to-all (its second hop's own latency and its wait for the first are not counted: a lower bound)."""
+        (attnpool train's hierarchical_exchange): KV a relay forwards goes from it, inside its node, in a second
+        all-to-all after the first (as runtime.core_attention runs it; backward: the forwarded rows' gradients back
+        to the relay, then across)."""
         plans = plan if isinstance(plan, dict) else {window: plan for window in set(self.layer_windows)}
         layers = self._per_layer(lambda window: self._plan_layer(plans[window], task_seconds, hierarchical))
         first = next(iter(plans.values()))
@@ -330,6 +331,11 @@ class StepModel:
         dst = np.concatenate([srv, x.server])
         nbytes = np.concatenate([ln * sh.q_bytes, x.length * sh.kv_bytes])
         out = self._a2a(src, dst, nbytes, S)  # Q + KV out (fwd), dQ + dKV back (bwd)
+        if hierarchical:  # the relays forward what they received, after it came: two all-to-alls, one after the other
+            forwarded = np.r_[np.zeros(len(home), bool), kv_src != x.src]
+            first = ~forwarded
+            out = Collective.serial(self._a2a(src[first], dst[first], nbytes[first], S),
+                                    self._a2a(src[forwarded], dst[forwarded], nbytes[forwarded], S))
         back = self._a2a(srv, home, ln * sh.o_bytes, S)  # O back (fwd), dO out (bwd)
         moved = np.where(src != dst, nbytes, 0)
         o_moved = np.where(srv != home, ln * sh.o_bytes, 0)

@@ -497,7 +497,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deterministic", action="store_true",
                     help="train with attnpool train's --deterministic, so that a run with the same settings and "
-                         "seed repeats bit for bit (whether the look-up forms in the 1K stage differed between two "
+                         "seed repeats bit for bit; dense runs only (with --coverages ''), as sparse training's "
+                         "backward adds with atomics (whether the look-up forms in the 1K stage differed between two "
                          "runs without it: bench/results/2026-11-29-h200x2-retrieval-text-rerun.md)")
     ap.add_argument("--long-rope-theta", type=float, default=None, metavar="BASE",
                     help="RoPE base of the stages that raise it (default theirs, 5e5; the model's 1e4 keeps the "

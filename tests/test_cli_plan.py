@@ -53,9 +53,10 @@ def test_plan_on_nodes_counts_the_bytes_between_them(capsys):
 
 @pytest.mark.parametrize("args, needle", [
     (["--ranks-per-node", "3"], "--ranks-per-node"),
-    (["--tp", "2", "--ranks-per-node", "3", "--servers", "6"], "must be a multiple of --tp=2"),
+    (["--tp", "2", "--ranks-per-node", "3", "--servers", "6"], "must be a positive multiple of --tp=2"),
     (["--hierarchical-exchange"], "needs servers on several nodes"),
-    (["--ranks-per-node", "64", "--hierarchical-exchange"], "needs servers on several nodes"),
+    (["--ranks-per-node", "128", "--hierarchical-exchange"], "needs servers on several nodes"),
+    (["--ranks-per-node", "-8"], "must be a positive multiple"),
     (["--dist", "nope"], "unknown distribution"),
     (["--servers", "0"], "--servers"),
     (["--tokens-per-server", "0"], "--tokens-per-server"),

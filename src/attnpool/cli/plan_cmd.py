@@ -65,10 +65,11 @@ def run(args: argparse.Namespace) -> int:
     topology = None
     if args.ranks_per_node:
         gpus = args.servers * args.tp
-        if args.ranks_per_node < 0 or args.ranks_per_node % args.tp or gpus % args.ranks_per_node:
-            raise ConfigError("--ranks-per-node", args.ranks_per_node, f"must be a multiple of --tp={args.tp} that "
-                                                                       f"divides the {gpus} GPUs")
-        topology = Topology.of(args.servers, args.ranks_per_node // args.tp, relays=args.hierarchical_exchange)
+        per_node = min(args.ranks_per_node, gpus)  # (a node larger than the job holds all of it)
+        if args.ranks_per_node < 0 or per_node % args.tp or gpus % per_node:
+            raise ConfigError("--ranks-per-node", args.ranks_per_node, f"must be a positive multiple of --tp={args.tp} "
+                                                                       f"that divides the {gpus} GPUs")
+        topology = Topology.of(args.servers, per_node // args.tp, relays=args.hierarchical_exchange)
     if args.hierarchical_exchange and (topology is None or topology.num_nodes == 1):
         raise ConfigError("--hierarchical-exchange", True, "needs servers on several nodes (--ranks-per-node)")
     if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         metrics = PlanMetrics.of(plan, cost_model, shape)
         if topology is not None:  # (ulysses sends every token's Q, KV and O across all ranks, not as tasks)
             metrics.inter_node_bytes = (None if strategy == "ulysses" else
-                                        inter_node_bytes(plan, topology.rank_node, shape, args.hierarchical_exchange))
+                                        int(inter_node_bytes(plan, topology.rank_node, shape, args.hierarchical_exchange)))
         if strategy == "wlb":  # "before" is the linear layout served locally, as for the others
             before = home_loads(linear, cost_model, args.window)
             metrics.load_before, metrics.imbalance_before = before.tolist(), imbalance(before)

@@ -78,7 +78,7 @@ class PlanMetrics:
     plan_ms: float
     # The forward exchanges' bytes between nodes (plan.plan.inter_node_bytes) where the servers are on several
     # nodes: set by who knows the nodes (`attnpool plan --ranks-per-node`); None otherwise
-    inter_node_bytes: float | None = None
+    inter_node_bytes: int | None = None
 
     @classmethod
     def of(cls, plan: Plan, cost_model, shape: AttentionShape = AttentionShape()) -> "PlanMetrics":

@@ -300,8 +300,8 @@ class StepModel:
         ``task_seconds``: per-GPU (fwd, bwd) seconds of each of the plan's tasks, where the dense table does
         not price them (sparse attention: bench/sim_sparse.py). ``hierarchical``: the hierarchical exchange
         (attnpool train's hierarchical_exchange): KV a relay forwards goes from it, inside its node, in a second
-        all-to-all after the first (as runtime.core_attention runs it; backward: the forwarded rows' gradients back
-        to the relay, then across)."""
+        all-to-all after the first, on the compute path as runtime.core_attention runs it (backward: the forwarded
+        rows' gradients back to the relay, then across)."""
         plans = plan if isinstance(plan, dict) else {window: plan for window in set(self.layer_windows)}
         layers = self._per_layer(lambda window: self._plan_layer(plans[window], task_seconds, hierarchical))
         first = next(iter(plans.values()))
@@ -330,12 +330,17 @@ class StepModel:
         src = np.concatenate([home, kv_src])
         dst = np.concatenate([srv, x.server])
         nbytes = np.concatenate([ln * sh.q_bytes, x.length * sh.kv_bytes])
-        out = self._a2a(src, dst, nbytes, S)  # Q + KV out (fwd), dQ + dKV back (bwd)
-        if hierarchical:  # the relays forward what they received, after it came: two all-to-alls, one after the other
+        if hierarchical:
+            # The relays forward what they received once it came, in a second all-to-all inside core attention's
+            # compute (runtime.core_attention: blocking, so under ping-pong too it is on every server's compute
+            # path, not hidden behind the other nano-batch), and backward the gradients the other way round.
             forwarded = np.r_[np.zeros(len(home), bool), kv_src != x.src]
             first = ~forwarded
-            out = Collective.serial(self._a2a(src[first], dst[first], nbytes[first], S),
-                                    self._a2a(src[forwarded], dst[forwarded], nbytes[forwarded], S))
+            out = self._a2a(src[first], dst[first], nbytes[first], S)  # Q + KV out (fwd), dQ + dKV back (bwd)
+            relay_s = float(self._a2a(src[forwarded], dst[forwarded], nbytes[forwarded], S).duration(1).max())
+            attn_f, attn_b = attn_f + relay_s, attn_b + relay_s
+        else:
+            out = self._a2a(src, dst, nbytes, S)  # Q + KV out (fwd), dQ + dKV back (bwd)
         back = self._a2a(srv, home, ln * sh.o_bytes, S)  # O back (fwd), dO out (bwd)
         moved = np.where(src != dst, nbytes, 0)
         o_moved = np.where(srv != home, ln * sh.o_bytes, 0)

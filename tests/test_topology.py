@@ -79,12 +79,21 @@ def test_cad_keeps_work_inside_a_node_where_it_can():
 
 def _kv_rows_into_nodes(plan, topology) -> int:
     """KV rows crossing into nodes when each node receives a row of a piece once (the hierarchical exchange:
-    causal prefixes of a piece nest, so every row a node needs crosses once), counted row by row."""
+    causal prefixes of a piece nest, so every row a node needs crosses once): per (node, piece), the union of the
+    ranges its servers need from another node, merged range by range."""
     node = np.asarray(topology.rank_node)
     x = plan.kv_transfers()
-    return len({(node[server], piece, row) for server, src, piece, start, length in
-                zip(x.server, x.src, x.piece, x.start, x.length) if node[server] != node[src]
-                for row in range(start, start + length)})
+    ranges: dict[tuple, list] = {}
+    for server, src, piece, start, length in zip(x.server, x.src, x.piece, x.start, x.length):
+        if node[server] != node[src]:
+            ranges.setdefault((node[server], piece), []).append((int(start), int(start + length)))
+    rows = 0
+    for spans in ranges.values():
+        end = -1
+        for a, b in sorted(spans):
+            rows += max(0, b - max(a, end))
+            end = max(end, b)
+    return rows
 
 
 def test_cad_plans_for_the_hierarchical_exchange(costs):

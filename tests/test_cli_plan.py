@@ -37,15 +37,17 @@ def test_plan_on_nodes_counts_the_bytes_between_them(capsys):
     """--ranks-per-node: cad plans knowing the nodes and the report counts the bytes between them; with
     --hierarchical-exchange KV crosses into a node once and cad plans for it, so fewer cross."""
     base = ["plan", "--servers", "16", "--tokens-per-server", "64K", "--max-doc-len", "512K", "--json"]
-    between = {}
+    between, moved = {}, {}
     for extra in ((), ("--hierarchical-exchange",)):
         assert main(base + ["--ranks-per-node", "8", "--strategy", "all", *extra]) == 0
         out = json.loads(capsys.readouterr().out)
         assert out["batch"]["ranks_per_node"] == 8 and out["batch"]["hierarchical_exchange"] == bool(extra)
         assert "inter_node_bytes" not in out["strategies"]["ulysses"]
         between[bool(extra)] = out["strategies"]["cad"]["inter_node_bytes"]
+        moved[bool(extra)] = out["strategies"]["local"]["bytes_moved"]
         assert out["strategies"]["local"]["inter_node_bytes"] > 0
     assert 0 < between[True] < between[False]
+    assert moved[True] == moved[False]  # the same local plan: every segment still sent once (by a relay, or not)
     assert main(base[:-1] + ["--ranks-per-node", "8"]) == 0
     assert "between nodes (GiB)" in capsys.readouterr().out
     assert main(base) == 0 and "inter_node_bytes" not in json.loads(capsys.readouterr().out)["strategies"]["cad"]

@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
         table = wlb_table(doc_lens, args.servers, args.tokens_per_server, args.memory_cap) if strategy == "wlb" else linear
         plan = plan_attention(table, strategy, cost_model=cost_model, min_shard_tokens=args.min_shard, eps=args.eps,
                               shape=shape, window=args.window, topology=topology)
-        metrics = PlanMetrics.of(plan, cost_model, shape)
+        metrics = PlanMetrics.of(plan, cost_model, shape,
+                                 topology.rank_node if topology is not None and topology.relays else None)
         if topology is not None:  # (ulysses sends every token's Q, KV and O across all ranks, not as tasks)
             metrics.inter_node_bytes = (None if strategy == "ulysses" else
                                         int(inter_node_bytes(plan, topology.rank_node, shape, args.hierarchical_exchange)))

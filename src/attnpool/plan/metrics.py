@@ -81,7 +81,10 @@ class PlanMetrics:
     inter_node_bytes: int | None = None
 
     @classmethod
-    def of(cls, plan: Plan, cost_model, shape: AttentionShape = AttentionShape()) -> "PlanMetrics":
+    def of(cls, plan: Plan, cost_model, shape: AttentionShape = AttentionShape(),
+           relay_nodes=None) -> "PlanMetrics":
+        """``relay_nodes``: each rank's node, where KV goes through the hierarchical exchange (a relayed segment is
+        then sent by its relay: KVTransfers.senders)."""
         W = plan.num_ranks
         t = plan.pieces
         before, after = home_loads(t, cost_model, plan.window), server_loads(plan, cost_model)
@@ -94,8 +97,9 @@ class PlanMetrics:
             q_out = np.bincount(plan.task_home, weights=qlen, minlength=W).astype(np.int64) * shape.q_bytes
             o_back = np.bincount(plan.task_server, weights=qlen, minlength=W).astype(np.int64) * shape.o_bytes
             x = plan.kv_transfers()
-            sent = np.where(x.src != x.server, x.length, 0)
-            kv_out = np.bincount(x.src, weights=sent, minlength=W).astype(np.int64) * shape.kv_bytes
+            senders = x.senders(relay_nodes)
+            sent = np.where(senders != x.server, x.length, 0)
+            kv_out = np.bincount(senders, weights=sent, minlength=W).astype(np.int64) * shape.kv_bytes
             unique = np.bincount(x.group_server, weights=x.group_len, minlength=W).astype(np.int64)
             expanded = np.bincount(plan.task_server, weights=plan.task_end - plan.task_key_start,
                                    minlength=W).astype(np.int64)

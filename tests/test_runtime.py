@@ -349,17 +349,20 @@ def test_hierarchical_exchange_computes_the_same_and_sends_kv_across_nodes_once(
         for strategy in STRATEGIES:
             plan = plan_attention(pieces, strategy, cost_model="pairs", min_shard_tokens=32)
             x = plan.kv_transfers()
-            # a remote segment crosses unless another of its piece, bound for a server of the same node, holds its rows
-            # and is longer (or as long, with a lower server)
+            # a remote segment crosses unless the relay of its piece's segments bound for its node holds its rows: the
+            # relay is the longest of them; where several are, the (piece index mod their count)-th by server
             crossing = {}
             for i in range(len(x.src)):
                 src, server = int(x.src[i]), int(x.server[i])
                 if RELAY_NODES[src] == RELAY_NODES[server]:
                     continue
+                group = [j for j in range(len(x.src)) if x.piece[j] == x.piece[i]
+                         and RELAY_NODES[int(x.server[j])] == RELAY_NODES[server]]
+                longest = max(int(x.length[j]) for j in group)
+                ties = sorted((int(x.server[j]), j) for j in group if x.length[j] == longest)
+                r = ties[int(x.piece[i]) % len(ties)][1]
                 a, n = int(x.src_row[i]), int(x.length[i])
-                covered = any(x.piece[j] == x.piece[i] and RELAY_NODES[int(x.server[j])] == RELAY_NODES[server]
-                              and int(x.server[j]) != server and x.src_row[j] <= a and a + n <= x.src_row[j] + x.length[j]
-                              and (x.length[j], -x.server[j]) > (n, -server) for j in range(len(x.src)))
+                covered = r != i and x.src_row[r] <= a and a + n <= x.src_row[r] + x.length[r]
                 if not covered:
                     crossing[src, server] = crossing.get((src, server), 0) + n
             for heads in HEADS:

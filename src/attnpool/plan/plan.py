@@ -203,8 +203,10 @@ class KVTransfers:
     def relays(self, rank_node) -> np.ndarray:
         """For every segment, the segment that relays it in a hierarchical exchange (-1: none; it is sent from its
         source). ``rank_node``: each rank's node. Among the segments of one piece bound for servers of one other
-        node, the longest (the lowest server among equals) crosses between the nodes; each other one whose rows it
-        holds is forwarded inside the node by that server. (Causal prefixes of one piece nest, so with no sliding
+        node, the longest crosses between the nodes; each other one whose rows it holds is forwarded inside the node
+        by that server. Where several are longest (servers that need the whole piece), the relay rotates with the
+        piece's index, so that the pieces of one document do not all land on one relay, whose link would forward
+        every one of them (sim.steptime charges it). (Causal prefixes of one piece nest, so with no sliding
         window every such segment is relayed; windowed ranges that do not nest are sent as before.)"""
         node = np.asarray(rank_node, dtype=np.int64)
         relay_of = np.full(len(self.src), -1, dtype=np.int64)
@@ -215,7 +217,10 @@ class KVTransfers:
         order = np.lexsort((self.server[remote], -self.length[remote], dest, piece))
         member, piece, dest = remote[order], piece[order], dest[order]
         first = np.r_[True, (piece[1:] != piece[:-1]) | (dest[1:] != dest[:-1])]
-        relay = member[first][np.cumsum(first) - 1]  # each member's group's longest segment
+        group, start = np.cumsum(first) - 1, np.flatnonzero(first)
+        # each group's longest segments lead it (lowest server first); the piece's index picks one of them
+        ties = np.bincount(group, weights=self.length[member] == self.length[member[start]][group]).astype(np.int64)
+        relay = member[start + piece[start] % ties][group]
         nested = ((self.src_row[member] >= self.src_row[relay])
                   & (self.src_row[member] + self.length[member] <= self.src_row[relay] + self.length[relay])
                   & (self.server[member] != self.server[relay]))

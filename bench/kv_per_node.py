@@ -25,6 +25,7 @@ import numpy as np
 from attnpool.bench.record import write_record
 from attnpool.plan import linear_table, plan_attention
 from attnpool.plan.plan import AttentionShape, Topology
+from attnpool.plan.plan import inter_node_bytes as exchange_bytes_between_nodes
 from attnpool.sim.costs import load_sim_costs
 from attnpool.sim.simulate import SimConfig, sample
 from attnpool.sim.steptime import Cluster
@@ -34,8 +35,7 @@ from attnpool.sizes import parse_size
 def inter_node_bytes(plan, shape: AttentionShape, servers_per_node: int) -> tuple[float, float]:
     """(inter-node bytes of the plan's forward exchanges, of which KV a node receives more than once)."""
     node = lambda rank: np.asarray(rank) // servers_per_node  # noqa: E731
-    remote = node(plan.task_home) != node(plan.task_server)
-    q_and_o = float((plan.task_len[remote] * (shape.q_bytes + shape.o_bytes)).sum())
+    total = exchange_bytes_between_nodes(plan, node(np.arange(plan.num_ranks)), shape)
     x = plan.kv_transfers()
     crossing = node(x.src) != node(x.server)
     dst_node, piece, start, end = node(x.server[crossing]), x.piece[crossing], x.start[crossing], \
@@ -54,7 +54,7 @@ def inter_node_bytes(plan, shape: AttentionShape, servers_per_node: int) -> tupl
     last = np.r_[first[1:], len(block)] - 1
     union = int((running_end[last] - start[first]).sum())
     duplicate = kv - float(union) * shape.kv_bytes
-    return q_and_o + kv, duplicate
+    return total, duplicate
 
 
 def main() -> int:

@@ -330,17 +330,14 @@ class StepModel:
         src = np.concatenate([home, kv_src])
         dst = np.concatenate([srv, x.server])
         nbytes = np.concatenate([ln * sh.q_bytes, x.length * sh.kv_bytes])
-        if hierarchical:
-            # The relays forward what they received once it came, in a second all-to-all inside core attention's
-            # compute (runtime.core_attention: blocking, so under ping-pong too it is on every server's compute
-            # path, not hidden behind the other nano-batch), and backward the gradients the other way round.
-            forwarded = np.r_[np.zeros(len(home), bool), kv_src != x.src]
-            first = ~forwarded
-            out = self._a2a(src[first], dst[first], nbytes[first], S)  # Q + KV out (fwd), dQ + dKV back (bwd)
+        # Under the hierarchical exchange the relays forward what they received once it came, in a second all-to-all
+        # inside core attention's compute (runtime.core_attention: blocking, so under ping-pong too it is on every
+        # server's compute path, not hidden behind the other nano-batch), and backward the gradients the other way.
+        forwarded = np.r_[np.zeros(len(home), bool), kv_src != x.src]
+        out = self._a2a(src[~forwarded], dst[~forwarded], nbytes[~forwarded], S)  # Q + KV out (fwd), dQ + dKV back (bwd)
+        if forwarded.any():
             relay_s = float(self._a2a(src[forwarded], dst[forwarded], nbytes[forwarded], S).duration(1).max())
             attn_f, attn_b = attn_f + relay_s, attn_b + relay_s
-        else:
-            out = self._a2a(src, dst, nbytes, S)  # Q + KV out (fwd), dQ + dKV back (bwd)
         back = self._a2a(srv, home, ln * sh.o_bytes, S)  # O back (fwd), dO out (bwd)
         moved = np.where(src != dst, nbytes, 0)
         o_moved = np.where(srv != home, ln * sh.o_bytes, 0)

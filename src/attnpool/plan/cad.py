@@ -91,10 +91,9 @@ def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: floa
     exchange (``topology.relays``) also with the flat exchange's pricing, and of the two plans the one whose
     exchanges, relayed, send fewer bytes between nodes (balance first: a plan within the tolerance wins over one
     outside it, and of two outside it the one with the less busy server). Pricing relayed KV as a hop inside the
-    node lowers those bytes on the DistCA paper's prolong batches, by 16% at 64 GPUs (tests/test_topology.py) and
-    by about a third at 256, where the simulator's step with the forwarding hidden fell 12%
-    (bench/results/2026-11-29-sim-hierarchical-planned.md); but the greedy's path can turn it around: on some
-    batches of 16-32 GPUs it alone sent up to 18% more. Planning so takes about twice as long."""
+    node lowers those bytes on the DistCA paper's batches by 8-35% at 64-256 GPUs, and planning so takes 2-2.8x
+    as long (bench/results/2026-11-29-cpu-plan-relays.md); but the greedy's path can turn it around on a batch,
+    hence the flat-priced plan beside it."""
     tasks = _schedule(table, cost_model, min_shard_tokens, eps, shape, topology)
     if topology is None or not topology.relays or topology.num_nodes == 1:
         return tasks

@@ -7,7 +7,8 @@ and vertical-slash sparse at coverages 0.95 and 0.9. A curriculum of rising cont
 document; 16K tokens a step up to 1K, then 64K, and 128K at 16K; ``--max-context`` 32K or 64K carries it on at 128K
 tokens a step) teaches dense attention the look-up at short contexts, where a step holds many documents (copies of
 random spans beside passkeys, RoPE base 1e4), then carries it out to the longest (passkeys and multi-key needles
-with every key asked, RoPE base 5e5, as long-context extension raises it; why: the comment on ``GPU_CURRICULUM``).
+with every key asked, RoPE base 5e5, as long-context extension raises it, both first at 256 tokens; why: the comment
+on ``GPU_CURRICULUM``).
 Documents of at least 8K tokens (``--sparse-min-doc-len``) are sparse in the sparse runs, so the stages before are
 the same in every run: they are trained once, and the sparse runs continue from a copy of the dense run at that
 point (weights, optimizer, data position), as sparse training that continues a dense model's would. ``--mix-from N``
@@ -107,9 +108,15 @@ class Stage(NamedTuple):
 #   thousands of tokens a document to a passkey's 4, so with copies in the batch the long look-up's gradient
 #   was a thousandth of the loss's.
 # 8 documents a step at 16K: with 4, the 2026-11-26 run lost the look-up moving there.
+# Both changes happen first at 256 tokens (the second stage), where a step holds 64 documents and four times the
+# answers' tokens of a 1K step, and only then do documents grow. Made in one move at 1K together with the switch of
+# the loss to the answers alone (--loss all-first), they left the answers' loss at chance for ~210 steps before
+# the look-up formed on 2026-11-28, and for all 730 steps of its rerun from the same seed
+# (bench/results/2026-11-29-h200x2-retrieval-text-rerun.md).
 LOOKUP_TASKS = "passkey,multikey"
 LOOKUP_ARGS = ("queries=4",)
 GPU_CURRICULUM = (Stage(256, 1600, 16384, "copy,passkey"),
+                  Stage(256, 300, 16384, LOOKUP_TASKS, 5e5, LOOKUP_ARGS),
                   Stage(1024, 300, 16384, LOOKUP_TASKS, 5e5, LOOKUP_ARGS),
                   Stage(4096, 150, 65536, LOOKUP_TASKS, 5e5, LOOKUP_ARGS),
                   Stage(8192, 120, 65536, LOOKUP_TASKS, 5e5, LOOKUP_ARGS),
@@ -689,7 +696,7 @@ def main() -> int:
     # Evaluation: each finished run with the attention it trained with, at every trained context from the minimum up.
     from attnpool.train.evaluate import evaluate_retrieval, plot_heatmap, sparse_config_of
 
-    eval_contexts = [stage.context for stage in curriculum if stage.context >= setup["eval_min_context"]]
+    eval_contexts = sorted({stage.context for stage in curriculum if stage.context >= setup["eval_min_context"]})
     tasks = ",".join(eval_tasks)
     # What an evaluation is of: a run evaluated by an earlier call of this script with the same --work (its
     # RUN/retrieval-eval.json) is read back when these match.

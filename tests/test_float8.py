@@ -183,3 +183,29 @@ def test_float8_gathers_of_weights_train_as_bf16_gathers_do(tmp_path):
         resolve_run_spec(uneven, 3, None, "cuda")
     assert err.value.field == "float8_all_gather"
     resolve_run_spec(uneven.replace(nproc=2), 2, None, "cuda")
+
+
+def test_quality_table_compares_each_window_with_the_baseline(tmp_path):
+    """bench/float8_quality.py: a run 10% above the baseline in its second window reads +10.00% there, names lose
+    their shared prefix, and a run named in two records is refused rather than one hiding the other."""
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "float8_quality.py"
+    spec = importlib.util.spec_from_file_location("float8_quality", path)
+    quality = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quality)
+    base = {"loss": [2.0] * 4, "grad_norm": [1.0] * 4}
+    other = {"loss": [2.0, 2.0, 2.2, 2.2], "grad_norm": [3.0] * 4}
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps({"runs": {"q-bf16-s0": base, "q-short-s0": {"loss": [1.0], "grad_norm": [1.0]}}}))
+    second.write_text(json.dumps({"runs": {"q-rowwise-s0": other}}))
+    runs = quality.load_runs([str(first), str(second)], steps=4)
+    assert list(runs) == ["q-bf16-s0", "q-rowwise-s0"]  # (the 1-step run is another length's)
+    header, _, one, two = quality.window_table(runs, "q-bf16-s0", window=2)
+    assert "| bf16-s0 loss | rowwise-s0 |" in header
+    assert one.startswith("| 1-2 | 2.0000 | +0.00% |") and two.startswith("| 3-4 | 2.0000 | +10.00% |")
+    assert two.endswith("| 1.00 / 3.00 |")
+    with pytest.raises(SystemExit, match="q-rowwise-s0"):
+        quality.load_runs([str(second), str(second)], steps=4)

@@ -47,6 +47,7 @@ from attnpool.data.lengths import DISTRIBUTIONS
 from attnpool.errors import ConfigError, TrainingError
 from attnpool.kernels.sparse import device_problem as sparse_device_problem
 from attnpool.model import model_config
+from attnpool.plan import KV_EXCHANGING
 from attnpool.plan.ulysses import ulysses_problem
 from attnpool.sizes import parse_size
 from attnpool.train.config import TrainConfig
@@ -111,7 +112,7 @@ def run_one(name, dist_name, tokens, args, out_dir, trace=False):
         tokens_per_rank=tokens * args.tp, tp=args.tp, pp=args.pp, pp_schedule=args.pp_schedule,
         microbatches=args.microbatches, steps=args.warmup + args.steps + TRACE_STEPS,
         stop_at=None if trace else args.warmup + args.steps, warmup_steps=2, lr=1e-4, seed=0,
-        attention=attention, pingpong=pingpong, **sparse, hierarchical_exchange=args.hierarchical_exchange,
+        attention=attention, pingpong=pingpong, **sparse, hierarchical_exchange=args.hierarchical_exchange and attention in KV_EXCHANGING,
         activation_checkpointing=args.activation_checkpointing, activation_offload=args.activation_offload,
         precision="bf16", attention_backend=args.attention_backend,
         device=args.device, progress=False, checkpoint_every=-1, out=os.path.join(out_dir, f"{dist_name}-{tokens}-{name}"),

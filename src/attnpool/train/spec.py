@@ -33,7 +33,7 @@ from attnpool.parallel import ParallelDims, tensor_parallel_problem
 from attnpool.parallel.float8 import float8_all_gather_problem
 from attnpool.parallel.pipeline import pipeline_problem
 from attnpool.parallel.pooled_pipeline import POOLED, pooled_problem
-from attnpool.plan import AttentionShape, load_cost_model
+from attnpool.plan import KV_EXCHANGING, AttentionShape, load_cost_model
 from attnpool.kinds import AttentionKind, plan_windows
 from attnpool.plan.plan import Topology
 from attnpool.plan.ulysses import ulysses_problem
@@ -229,6 +229,10 @@ def attention_topology(config: TrainConfig, dims: ParallelDims, world: int) -> T
     topology = Topology(tuple(i * dims.tp // per_node for i in range(dims.dp)),
                         relays=config.parallel.hierarchical_exchange)
     if config.parallel.hierarchical_exchange:
+        if config.attention.strategy not in KV_EXCHANGING:
+            raise ConfigError("hierarchical_exchange", True, f"attention {config.attention.strategy} sends no KV "
+                                                             f"between ranks, so nothing would be relayed (it applies "
+                                                             f"to {' and '.join(KV_EXCHANGING)})")
         if topology.num_nodes == 1:
             raise ConfigError("hierarchical_exchange", True, f"the attention's {dims.dp} ranks are on one node "
                                                              f"(ranks_per_node={per_node}): nothing crosses between nodes")

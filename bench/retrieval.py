@@ -142,6 +142,11 @@ CPU = dict(lr=3e-3, warmup_steps=1, sparse_min_doc_len=192,
            eval_instances=2, eval_depths=(0.0, 1.0), eval_min_context=256)
 
 
+def stage_name(index: int, stage: Stage, stop_at: int) -> str:
+    """How messages name a stage: its context and steps (two stages may share a context)."""
+    return f"stage {index + 1} ({tokens_text(stage.context)}, steps {stop_at - stage.steps + 1}-{stop_at})"
+
+
 def tokens_text(n: int) -> str:
     return f"{n // 1024}K" if n >= 1024 else str(n)
 
@@ -677,7 +682,7 @@ def main() -> int:
             commands.append(shlex.join(["python", *command(stop_at > stage.steps)[1:]]))  # as the curriculum runs it
             outcome = train_stage(name, run_dir, stage, stop_at, total_steps, command, env, clock, log)
             if outcome not in ("done before", "finished", "stopped"):
-                unfinished.append(f"{name}: stage {stage.context} {outcome}")
+                unfinished.append(f"{name}: {stage_name(i, stage, stop_at)} {outcome}")
             # The sparse runs' start: the dense run as it ends its last shared stage, copied while that stage's
             # checkpoint is its newest (whichever call, and however the stage ended, saw it first).
             if attention == "dense" and i + 1 == shared and not os.path.isdir(branch):
@@ -686,7 +691,7 @@ def main() -> int:
                     copy_run(run_dir, branch)
             if outcome == "stopped":
                 newest = finished_checkpoints(run_dir)
-                unfinished.append(f"{name}: stage {stage.context} stopped by --deadline-s (" + (
+                unfinished.append(f"{name}: {stage_name(i, stage, stop_at)} stopped by --deadline-s (" + (
                     f"checkpointed at step {newest[-1][0]}: the same --work goes on from there"
                     if newest and newest[-1][0] > stop_at - stage.steps else
                     "no checkpoint written: the stage starts again") + ")")

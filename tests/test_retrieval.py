@@ -303,8 +303,8 @@ def test_retrieval_bench_smoke_then_attnpool_eval(capsys):
     tmp_path, first, unfinished, branched, done = retrieval_smoke.result()
     out = tmp_path / "out"
     assert first.returncode == 1, first.stderr[-2000:]
-    assert unfinished == ["dense: stage 128 stopped by --deadline-s (checkpointed at step 2: the same --work goes on "
-                          "from there)", "sparse-0.95: not trained on (--deadline-s reached)"]
+    assert unfinished == ["dense: stage 1 (128, steps 1-2) stopped by --deadline-s (checkpointed at step 2: the same "
+                          "--work goes on from there)", "sparse-0.95: not trained on (--deadline-s reached)"]
     assert branched  # made from the stopped stage's checkpoint
     assert done.returncode == 0, done.stderr[-3000:]
     (result,) = out.glob("*-cpu-retrieval-text.json")  # (text filler)

@@ -221,11 +221,12 @@ def test_hierarchical_exchange_is_refused_where_nothing_crosses_nodes():
     # a pipeline stage's ranks must fill whole nodes (each stage's dp ranks are counted on the first stage's)
     with pytest.raises(ConfigError, match="a pipeline stage.s 6 ranks do not fill whole nodes of 4"):
         resolve_run_spec(config.replace(ranks_per_node=4, pp=2, microbatches=2, model_args={"n_layers": 2}), 12)
-    # strategies that send no KV between ranks have nothing to relay: refused, not silently ignored
-    for strategy in ("local", "wlb", "ulysses"):
-        with pytest.raises(ConfigError, match=f"attention {strategy} sends no KV between ranks"):
-            resolve_run_spec(config.replace(ranks_per_node=2, attention=strategy), 4)
-    assert resolve_run_spec(config.replace(ranks_per_node=2, attention="percp"), 4).relay_nodes == (0, 0, 1, 1)
+    # ulysses exchanges heads, not KV rows: nothing to relay, refused rather than silently ignored; every other
+    # strategy sends KV rows of documents split across ranks
+    with pytest.raises(ConfigError, match="attention ulysses exchanges heads, not KV rows"):
+        resolve_run_spec(config.replace(ranks_per_node=2, attention="ulysses"), 4)
+    for strategy in ("local", "wlb", "percp"):
+        assert resolve_run_spec(config.replace(ranks_per_node=2, attention=strategy), 4).relay_nodes == (0, 0, 1, 1)
 
 
 def test_simulated_hierarchical_exchange_relays_only_where_servers_share_a_node(costs):

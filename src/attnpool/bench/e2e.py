@@ -95,6 +95,12 @@ def model_fields(args) -> dict:
     return fields
 
 
+def relays_kv(name, args) -> bool:
+    """Whether strategy ``name`` runs with the hierarchical exchange: --hierarchical-exchange, where its plans send
+    KV rows (ulysses's run without it)."""
+    return args.hierarchical_exchange and STRATEGIES[name][0] in KV_EXCHANGING
+
+
 def run_one(name, dist_name, tokens, args, out_dir, trace=False):
     attention, pingpong, kv_transfer = STRATEGIES[name]
     sparse = {}
@@ -112,7 +118,7 @@ def run_one(name, dist_name, tokens, args, out_dir, trace=False):
         tokens_per_rank=tokens * args.tp, tp=args.tp, pp=args.pp, pp_schedule=args.pp_schedule,
         microbatches=args.microbatches, steps=args.warmup + args.steps + TRACE_STEPS,
         stop_at=None if trace else args.warmup + args.steps, warmup_steps=2, lr=1e-4, seed=0,
-        attention=attention, pingpong=pingpong, **sparse, hierarchical_exchange=args.hierarchical_exchange and attention in KV_EXCHANGING,
+        attention=attention, pingpong=pingpong, **sparse, hierarchical_exchange=relays_kv(name, args),
         activation_checkpointing=args.activation_checkpointing, activation_offload=args.activation_offload,
         precision="bf16", attention_backend=args.attention_backend,
         device=args.device, progress=False, checkpoint_every=-1, out=os.path.join(out_dir, f"{dist_name}-{tokens}-{name}"),
@@ -178,7 +184,7 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg, as_run: dict):
     linear_again, attention_again = (statistics.mean(RECOMPUTED_SHARE[mode][i] for mode in modes) for i in (0, 1))
     rec = {
         "strategy": name, "dist": dist_name, "tokens_per_gpu": tokens, "gpus": world, "tp": args.tp, "pp": args.pp,
-        "microbatches": args.microbatches, "hierarchical_exchange": args.hierarchical_exchange,
+        "microbatches": args.microbatches, "hierarchical_exchange": relays_kv(name, args),
         "pp_schedule": as_run["pp_schedule"],
         "pp_schedule_choice": as_run["pp_schedule_choice"],
         "step_time_s": step, "step_times_s": [r["step_time_s"] for r in measured],

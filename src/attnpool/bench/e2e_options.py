@@ -58,8 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(coverage, min_doc_len, and any --sparse-args key of attnpool train)")
     p.add_argument("--hierarchical-exchange", action="store_true",
                    help="core attention's KV crosses between nodes once per node, a server there forwarding it "
-                        "(attnpool train's hierarchical_exchange; needs ranks on several nodes), in the strategies "
-                        "that send KV (percp, cad); the others run as without it")
+                        "(attnpool train's hierarchical_exchange; needs ranks on several nodes); ulysses, which "
+                        "exchanges heads, runs without it")
     p.add_argument("--activation-offload", action="store_true",
                    help="keep the activations saved for backward in host memory (attnpool train's activation_offload)")
     p.add_argument("--memory-breakdown", action="store_true",

@@ -21,10 +21,10 @@ from attnpool.plan.ulysses import schedule_ulysses, ulysses_problem
 SCHEDULERS = {"local": schedule_local, "wlb": schedule_local, "percp": schedule_percp, "cad": schedule_cad,
               "ulysses": schedule_ulysses}
 STRATEGIES = tuple(SCHEDULERS)
-# The strategies whose plans send KV from the rank holding it to another that serves its queries (what the
-# hierarchical exchange relays, Topology.relays); local and wlb serve every task where its KV is, and ulysses
-# exchanges heads, not KV rows for tasks.
-KV_EXCHANGING = ("percp", "cad")
+# The strategies whose plans send KV rows from the rank holding them to one serving queries that need them (what
+# the hierarchical exchange relays, Topology.relays): local and wlb too, for a document split across ranks (its
+# remote prefix); ulysses exchanges heads instead.
+KV_EXCHANGING = ("local", "wlb", "percp", "cad")
 
 
 def plan_attention(pieces_per_rank: Sequence[Sequence[DocPiece]] | PieceTable, strategy: str = "cad", *,

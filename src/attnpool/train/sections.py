@@ -251,8 +251,8 @@ class ParallelSection(Section):
                                                      "LOCAL_WORLD_SIZE, else every rank on one node)", default=0)
     hierarchical_exchange: bool = _setting("hierarchical_exchange", "KV that servers of one node need from a rank of "
                                                                     "another crosses between the nodes once, and one "
-                                                                    "of them forwards it inside the node (cad and "
-                                                                    "percp; needs ranks on several nodes; not "
+                                                                    "of them forwards it inside the node (not "
+                                                                    "ulysses; needs ranks on several nodes; not "
                                                                     "measured faster yet)",
                                            default=False)
 

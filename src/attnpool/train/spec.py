@@ -230,9 +230,9 @@ def attention_topology(config: TrainConfig, dims: ParallelDims, world: int) -> T
                         relays=config.parallel.hierarchical_exchange)
     if config.parallel.hierarchical_exchange:
         if config.attention.strategy not in KV_EXCHANGING:
-            raise ConfigError("hierarchical_exchange", True, f"attention {config.attention.strategy} sends no KV "
-                                                             f"between ranks, so nothing would be relayed (it applies "
-                                                             f"to {' and '.join(KV_EXCHANGING)})")
+            raise ConfigError("hierarchical_exchange", True, f"attention {config.attention.strategy} exchanges "
+                                                             "heads, not KV rows, so nothing would be relayed (it "
+                                                             f"applies to {', '.join(KV_EXCHANGING)})")
         if topology.num_nodes == 1:
             raise ConfigError("hierarchical_exchange", True, f"the attention's {dims.dp} ranks are on one node "
                                                              f"(ranks_per_node={per_node}): nothing crosses between nodes")

@@ -2,7 +2,8 @@
 # End-to-end benchmark runs on 4 x H200 (device kind nvidia-h200-x4), one phase per device call:
 #   bash bench/gpu_e2e.sh PHASE [BENCH ARGS...]   (results under $OUT, or ./bench-out without it)
 # Each phase stays under the 10-minute command limit through --budget-s. NPROC=2 runs a phase on
-# two GPUs; extra arguments go to `attnpool bench` after the phase's own (the last one wins). A PYTHONPATH
+# two GPUs, and NODES=N splits the GPUs into N emulated nodes (bench/torchrun_nodes.sh); extra arguments go to
+# `attnpool bench` after the phase's own (the last one wins). A PYTHONPATH
 # given is kept after src: FA4's unpacked wheels there and `--attention-backend fa4` run the phase with FA4.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -11,7 +12,7 @@ mkdir -p "$OUT"
 bench() {  # bench NAME ARGS...: one torchrun of `attnpool bench`, its log and results kept under $OUT/NAME
   local name=$1; shift
   mkdir -p "$OUT/$name"
-  python3 -m torch.distributed.run --nproc_per_node "${NPROC:-4}" -m attnpool.cli.main bench --model llama3-8b \
+  bash bench/torchrun_nodes.sh -m attnpool.cli.main bench --model llama3-8b \
     --layers 4 --out "$OUT/$name" "$@" ${EXTRA[@]+"${EXTRA[@]}"} 2>&1 | grep --line-buffered -v "^\[rank" | tee "$OUT/$name/log"
 }
 pooled_runs() {  # pooled_runs NAME ARGS...: `attnpool bench` once per schedule of SCHEDULES (default "1f1b pooled"),
@@ -31,15 +32,23 @@ case "$PHASE" in
     bench smoke --configs prolong:32K --strategies local+sparse,cad+sparse --warmup 1 --steps 1 --budget-s 60 \
       --sparse-args min_doc_len=4096,slash_cap=192,vertical_cap=1024 ;;
   baselines)  # issue 43: every baseline beside cad, the network's all-to-all bandwidth measured first
-    python3 -m torch.distributed.run --nproc_per_node "${NPROC:-4}" bench/a2a_probe.py --out "$OUT/probe-nvlink.json"
+    bash bench/torchrun_nodes.sh bench/a2a_probe.py --out "$OUT/probe-nvlink.json"
     bench baselines --configs prolong:128K --strategies local,wlb,percp,ulysses,cad,cad+pingpong --warmup 2 \
       --steps 4 --budget-s 480 ;;
   baselines-emulated)  # the same over NCCL's socket transport on loopback (../shared/recipes/emulated-inter-node.md)
     export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_NSOCKS_PERTHREAD=4 \
       NCCL_SOCKET_NTHREADS=4
-    python3 -m torch.distributed.run --nproc_per_node "${NPROC:-4}" bench/a2a_probe.py --out "$OUT/probe-emulated.json"
+    bash bench/torchrun_nodes.sh bench/a2a_probe.py --out "$OUT/probe-emulated.json"
     bench baselines-emulated --configs prolong:128K --strategies local,wlb,percp,ulysses,cad,cad+pingpong --warmup 2 \
       --steps 4 --budget-s 480 ;;
+  two-tier)  # issue 43: NODES (default 2) emulated nodes on this host (bench/torchrun_nodes.sh): NVLink inside a node,
+    # NCCL's socket transport over loopback between them; every baseline, then cad with the hierarchical exchange
+    export NODES=${NODES:-2} NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_NSOCKS_PERTHREAD=4 NCCL_SOCKET_NTHREADS=4
+    bash bench/torchrun_nodes.sh bench/a2a_probe.py --out "$OUT/probe-two-tier.json"
+    bench two-tier --configs prolong:128K --strategies local,wlb,percp,ulysses,cad,cad+pingpong --warmup 2 \
+      --steps 4 --budget-s 330
+    bench two-tier-hierarchical --configs prolong:128K --strategies cad,cad+pingpong --hierarchical-exchange \
+      --warmup 2 --steps 4 --budget-s 180 ;;
   windows)  # issue 42: a Gemma-3-like model (five layers of a 1K-key sliding window to one global), cad against
     # local, and the same depth with every layer causal
     bench windows --layers 6 --sliding-window 1024 --layer-types 5/1 --configs prolong:128K \

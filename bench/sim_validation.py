@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import sys
 
 import numpy as np
@@ -38,8 +39,37 @@ from attnpool.sim.simulate import SimConfig, simulate_config
 from attnpool.sizes import parse_size
 
 MEASURED = "bench/results/2026-11-22-h200x4-e2e.json"  # 3 + 10 steps
-# simulator strategy -> benchmark strategy (and ulysses-u{GPUs}: ulysses over every GPU, as the benchmark runs it)
+# simulator strategy -> benchmark strategy (and ulysses-u{GPUs} and percp-cp{GPUs}: over every GPU, as the benchmark
+# runs them); runs with the hierarchical exchange are cad's relayed rows
 PAIRS = {"local": "local", "wlb": "wlb", "cad-serial": "cad", "cad": "cad+pingpong"}
+HIERARCHICAL_PAIRS = {"cad-hierarchical-serial": "cad", "cad-hierarchical": "cad+pingpong"}
+# a benchmark's checkpointing mode (the same in every layer) -> the simulator's recompute
+RECOMPUTE = {"none": "none", "keep_attention": "linear", "full": "full"}
+
+
+def run_settings(meta: dict, records: list[dict]) -> dict:
+    """What the measured runs were, as the simulator takes it: layers, GPUs of a node, tp, recompute, kernel, and
+    whether cad relayed KV (records written before the benchmark recorded these: 4 layers, one node,
+    keep_attention, flat)."""
+    layers = meta.get("layers")
+    if layers is None:
+        found = re.search(r"x (\d+) layers", meta.get("model", ""))
+        layers = int(found.group(1)) if found else 4
+    modes = set()
+    for r in records:
+        text = r.get("layer_checkpointing", "all layers keep_attention")
+        found = re.fullmatch(r"all (?:\d+ )?layers? (\w+)(, with activation offload)?", text)
+        if not found or found.group(1) not in RECOMPUTE:
+            raise SystemExit(f"{r['strategy']}: checkpointing {text!r} differs by layer; the simulator runs one "
+                             "recompute mode in every layer (give --recompute)")
+        modes.add(RECOMPUTE[found.group(1)])
+    tps = {r.get("tp", 1) for r in records}
+    if len(modes) > 1 or len(tps) > 1:
+        raise SystemExit(f"runs with different recompute {sorted(modes)} or tp {sorted(tps)}: compare them apart")
+    return {"layers": int(layers), "gpus_per_node": int(meta.get("ranks_per_node") or 0), "tp": tps.pop(),
+            "recompute": modes.pop() if modes else "linear", "attention_backend": meta.get("attention_backend"),
+            "hierarchical": bool(meta.get("hierarchical_exchange")) or any(r.get("hierarchical_exchange")
+                                                                           for r in records)}
 TARGET = 0.10  # issue 43 (issue 7's was 15%)
 
 
@@ -108,6 +138,11 @@ def main() -> int:
     parser.add_argument("--shared-link", action="store_true",
                         help="with --intra-gibps: the GPUs share one fabric (the emulated network's loopback), so a "
                              "skewed all-to-all runs at its total bytes")
+    parser.add_argument("--inter-gibps", type=float, default=None,
+                        help="the link between nodes, GiB/s per rank, where the runs spanned several (emulated: "
+                             "bench/gpu_e2e.sh two-tier, its probe's inter_node figure; loopback, so shared)")
+    parser.add_argument("--recompute", choices=sorted(set(RECOMPUTE.values())), default=None,
+                        help="the simulator's recompute (default: from the runs' checkpointing)")
     parser.add_argument("--name", default="", help="a suffix of the written files' names")
     args = parser.parse_args()
     if args.predict:
@@ -116,16 +151,29 @@ def main() -> int:
     if args.run is not None:
         data = data["runs"][args.run]
     meta, records = data["meta"], data["records"]
+    setting = run_settings(meta, records)
+    if args.recompute is not None:
+        setting["recompute"] = args.recompute
+    world = int(meta["machine"].split(" x ")[0])
+    per_node = setting["gpus_per_node"] or world
     costs = None
-    if args.intra_gibps is not None:
+    if args.intra_gibps is not None or args.inter_gibps is not None or setting["attention_backend"]:
         from attnpool.model.config import model_config
         from attnpool.sim.costs import Link, load_sim_costs
 
-        costs = load_sim_costs(model_config("llama3-8b", n_layers=4), "llama3-8b",
-                               intra=Link(args.intra_gibps * 2**30, 10e-6, "measured in the run's call",
-                                          shared=args.shared_link))
+        links = {}
+        if args.intra_gibps is not None:
+            links["intra"] = Link(args.intra_gibps * 2**30, 10e-6, "measured in the run's call", shared=args.shared_link)
+        if args.inter_gibps is not None:
+            links["inter"] = Link(args.inter_gibps * 2**30, 20e-6, "measured in the run's call (emulated)", shared=True)
+        # the kernel the runs used, where the profile has its table (flash's otherwise)
+        costs = load_sim_costs(model_config("llama3-8b", n_layers=setting["layers"]), "llama3-8b", **links,
+                               **({"attention_backend": setting["attention_backend"]}
+                                  if setting["attention_backend"] else {}))
     runs = {run["name"]: run for run in data.get("runs", [])}
-    world = int(meta["machine"].split(" x ")[0])
+    servers = world // setting["tp"]
+    pairs = {**(HIERARCHICAL_PAIRS if setting["hierarchical"] else PAIRS), f"ulysses-u{servers}": "ulysses",
+             f"percp-cp{servers}": "percp"}
     rows = []
     for dist, tokens in sorted({(r["dist"], r["tokens_per_gpu"]) for r in records}):
         measured = {r["strategy"]: r for r in records if (r["dist"], r["tokens_per_gpu"]) == (dist, tokens)}
@@ -133,12 +181,13 @@ def main() -> int:
                  for r in measured.values()}
         if len(steps) != 1:
             raise SystemExit(f"{dist} {tokens}: runs with different warm-up or step counts {sorted(steps)}")
-        batches = bench_batches(dist, tokens, world, *steps.pop())
-        config = SimConfig(model="llama3-8b", layers=4, gpus=world, tp=1, gpus_per_node=world, tokens_per_gpu=tokens,
-                           dist=dist, strategies=("local", "wlb", "ulysses", "cad"), batches=len(batches),
-                           recompute="linear")  # the benchmark's keep_attention checkpointing and chunked loss
+        batches = bench_batches(dist, tokens, world, *steps.pop(), tp=setting["tp"])
+        config = SimConfig(model="llama3-8b", layers=setting["layers"], gpus=world, tp=setting["tp"],
+                           gpus_per_node=per_node, tokens_per_gpu=tokens, dist=dist,
+                           strategies=("local", "wlb", "percp", "ulysses", "cad"), cp_degrees=(servers,),
+                           batches=len(batches), recompute=setting["recompute"], hierarchical=setting["hierarchical"])
         sim = simulate_config(config, costs, doc_batches=batches)["strategies"]
-        for sim_name, bench_name in {**PAIRS, f"ulysses-u{world}": "ulysses"}.items():
+        for sim_name, bench_name in pairs.items():
             if bench_name not in measured or sim_name not in sim:
                 continue
             pred = np.asarray(sim[sim_name]["per_batch_step_s"])
@@ -151,7 +200,10 @@ def main() -> int:
     lines = ["# Simulator against measured step times (issue 7 validation)", "",
              f"Date {datetime.date.today()}. Measured: `{args.measured}` ({meta['machine']}, {meta['model']}). "
              "Predicted: `attnpool.sim` with the shipped H200 profile, the same batches (regenerated from the "
-             f"benchmark's seed), {world} GPUs, TP 1, one node, recompute of the linear parts as the benchmark ran. Command: `python bench/sim_validation.py "
+             f"benchmark's seed), {world} GPUs, {setting['layers']} layers, TP {setting['tp']}, "
+             + (f"nodes of {per_node} GPUs" if per_node < world else "one node")
+             + (", cad with the hierarchical exchange" if setting["hierarchical"] else "")
+             + f", recompute {setting['recompute']} as the runs' checkpointing. Command: `python bench/sim_validation.py "
              + " ".join(sys.argv[1:]) + "`.", "",
              "Error = predicted / measured - 1 over the total of the measured steps, and the mean absolute per-step error. "
              f"Target: |error| <= {TARGET:.0%}.", "",

@@ -304,3 +304,27 @@ def test_ulysses_refused_before_any_run_where_the_ranks_cannot_split_the_heads(m
     assert "ulysses: not run: 3 ranks cannot split 32 query heads" in capsys.readouterr().out
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert "ulysses" in check_arguments(p.parse_args(["--out", "x", "--device", "cpu"]))[1]
+
+
+@background.job("test_bench_over_two_emulated_nodes_records_them_and_relays_only_where_kv_rows_move")
+def two_nodes_hierarchical(tmp):
+    """bench/torchrun_nodes.sh: two emulated nodes of 2 ranks, ulysses and cad with --hierarchical-exchange: its
+    --out and the run."""
+    cmd = ["bash", "bench/torchrun_nodes.sh", "-m", "attnpool.cli.main", "bench", "--device", "cpu", "--model", "tiny",
+           "--layers", "2", "--configs", "prolong:1K", "--strategies", "ulysses,cad", "--warmup", "0", "--steps", "1",
+           "--hierarchical-exchange", "--out", str(tmp)]
+    return tmp, background.run(cmd, env={"NODES": "2", "NPROC": "4", "PYTHON": sys.executable}, timeout=300)
+
+
+def test_bench_over_two_emulated_nodes_records_them_and_relays_only_where_kv_rows_move():
+    """ulysses, which exchanges heads, runs without the hierarchical exchange rather than being refused; the record
+    says how the ranks were launched, as bench/sim_validation.py reads it."""
+    tmp_path, r = two_nodes_hierarchical.result()
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    result = json.loads((tmp_path / "e2e.json").read_text())
+    meta = result["meta"]
+    assert (meta["layers"], meta["ranks_per_node"], meta["hierarchical_exchange"]) == (2, 2, True)
+    assert meta["command"].startswith("torchrun --nnodes 2 --nproc-per-node 2 ")
+    assert meta["command"].endswith(" --hierarchical-exchange")
+    assert {rec["strategy"]: rec["hierarchical_exchange"] for rec in result["records"]} == {"ulysses": False,
+                                                                                           "cad": True}

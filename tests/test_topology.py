@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import background
 import numpy as np
 import pytest
 
@@ -262,3 +263,37 @@ def test_simulated_relays_forward_after_the_first_all_to_all(costs):
     assert hop[0] > costs.intra.latency and relayed_out.latency[0] == costs.inter.latency
     assert relayed_out.transfer[0] <= flat_out.transfer[0]  # the first hop sends no more than the flat exchange
     assert hop[0] < 0.2 * flat_out.transfer[0]  # and the forwarding, spread, a fraction of it
+
+
+@background.job("test_emulated_nodes_number_ranks_node_by_node_and_the_probe_measures_each_tier")
+def two_emulated_nodes(tmp):
+    """bench/torchrun_nodes.sh: two emulated nodes of two processes each, running bench/a2a_probe.py (on gloo
+    here: the launch and the tiers' groups, not a network's figures). Returns the launch and the probe's record."""
+    import json
+    import sys
+
+    out = tmp / "probe.json"
+    done = background.run(["bash", "bench/torchrun_nodes.sh", "bench/a2a_probe.py", "--out", str(out), "--mib", "1",
+                           "--iters", "1"], env={"NODES": "2", "NPROC": "4", "PYTHON": sys.executable}, timeout=300)
+    return done, json.loads(out.read_text()) if out.exists() else None
+
+
+def test_emulated_nodes_number_ranks_node_by_node_and_the_probe_measures_each_tier():
+    import importlib.util
+    import pathlib
+
+    done, probe = two_emulated_nodes.result()
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    # LOCAL_WORLD_SIZE (ranks_per_node's default) is a node's share; rank 0 runs on node 0, with node 0's host id
+    assert probe["world"] == 4 and probe["ranks_per_node"] == 2
+    assert probe["nccl_env"]["NCCL_HOSTID"] == "attnpool-emulated-node-0"
+    # 1 MiB of float32 split over the group, the rank's own share not counted: 3/4 of it over all four ranks, 1/2
+    # inside a node and between the nodes
+    assert probe["bytes_out_per_rank"] == 3 * 2**20 // 4
+    assert probe["intra_node_bytes_out_per_rank"] == probe["inter_node_bytes_out_per_rank"] == 2**20 // 2
+    assert all(probe[f"{tier}GiBps_out_per_rank"] > 0 for tier in ("", "intra_node_", "inter_node_"))
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "a2a_probe.py"
+    spec = importlib.util.spec_from_file_location("a2a_probe", path)
+    probe_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe_module)
+    assert probe_module.tier_groups(8, 4) == ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]])

@@ -410,13 +410,19 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
                 r["loss_ok"] = dev <= LOSS_TOLERANCE
     os.makedirs(args.out, exist_ok=True)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU process (gloo)"
-    meta = {"date": str(datetime.date.today()), "machine": f"{world} x {device}",
+    # The ranks of a node as the runs' configs resolve them (attnpool.train.spec.ranks_per_node: torchrun's
+    # LOCAL_WORLD_SIZE), so that a run over several nodes, emulated ones too (bench/gpu_e2e.sh's NODES), says so
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    launch = (f"torchrun --nproc-per-node {world}" if per_node == world else
+              f"torchrun --nnodes {world // per_node} --nproc-per-node {per_node}")
+    meta = {"date": str(datetime.date.today()), "machine": f"{world} x {device}", "layers": args.layers,
+            "ranks_per_node": per_node, "hierarchical_exchange": args.hierarchical_exchange,
             "torch": torch.__version__, "model": f"{args.model} x {args.layers} layers" + (
                 f", sliding window {args.sliding_window} ({args.layer_types or 'every layer'})"
                 if args.sliding_window is not None else ""),
             "attention_backend": args.resolved_attention_backend, "warmup": args.warmup,
             "measured_steps": args.steps, "skipped": skipped, "complete": complete,
-            "command": f"torchrun --nproc-per-node {world} -m attnpool.cli.main bench --model {args.model} "
+            "command": f"{launch} -m attnpool.cli.main bench --model {args.model} "
                        f"--layers {args.layers} --configs {args.configs} "
                        + (f"--sliding-window {args.sliding_window} " if args.sliding_window is not None else "")
                        + (f"--layer-types {args.layer_types} " if args.layer_types else "") +
@@ -427,6 +433,7 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
                        + (f" --activation-checkpointing {args.activation_checkpointing}"
                           if args.activation_checkpointing != "keep_attention" else "")
                        + (" --activation-offload" if args.activation_offload else "")
+                       + (" --hierarchical-exchange" if args.hierarchical_exchange else "")
                        + "".join(f" --{k} {getattr(args, k)}" for k in ("tp", "pp", "microbatches")
                                  if getattr(args, k) != 1)
                        + (f" --pp-schedule {args.pp_schedule}" if args.pp > 1 and args.pp_schedule != "1f1b" else "")}

@@ -72,7 +72,8 @@ class SimConfig:
     # FSDP2's parameter gathers and gradient reductions over the servers (attnpool.sim.steptime); the pipeline's
     # stages leave them out
     fsdp: bool = True
-    # cad also with the hierarchical exchange (attnpool train's hierarchical_exchange), as "cad-hierarchical"
+    # cad also with the hierarchical exchange (attnpool train's hierarchical_exchange), as "cad-hierarchical" (and
+    # "cad-hierarchical-serial" without ping-pong, as "cad-serial")
     hierarchical: bool = False
 
     def model_config(self):
@@ -235,6 +236,7 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
             if config.hierarchical:  # planned for it: cad prices the KV a relay forwards inside its node
                 relayed = plan(lin, "cad", eps=config.eps, topology=replace(topology, relays=True))
                 add(model.plan_step(relayed, overlap=True, name="cad-hierarchical", hierarchical=True))
+                add(model.plan_step(relayed, overlap=False, name="cad-hierarchical-serial", hierarchical=True))
             for e in eps_sweep or ():
                 p = cad if e == config.eps else plan(lin, "cad", eps=e, topology=topology)
                 eps_acc.setdefault(float(e), _Acc()).add(model.plan_step(p, overlap=True, name="cad"))

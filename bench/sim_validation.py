@@ -14,13 +14,17 @@ strategy were measured twice, the later record is used.
 
 A file of several runs (``runs``: each a run's ``meta`` and ``records``, as 2026-11-28-h200x4-baselines.json) is
 compared one run at a time (``--run K``); ``--intra-gibps`` sets the GPUs' link to the bandwidth that run measured
-(an emulated network: the simulator does not count FSDP's own traffic, which such a link slows as well).
+(an emulated network), ``--inter-gibps`` the link between nodes (``bench/a2a_probe.py``'s ``inter_node`` figure of
+runs over emulated nodes, ``bench/gpu_e2e.sh two-tier``). The layers, tp, checkpointing (as the simulator's
+recompute), kernel, GPUs of a node and whether cad relayed KV come from the record (``run_settings``).
 
 With ``--predict`` nothing is compared: it predicts the step times of benchmark runs still to be made
-(``attnpool bench --tp T`` on ``--gpus`` GPUs of one node: each GPU holds the configuration's tokens,
-a dp rank, a TP group, tp times them), for each tensor-parallel size in ``--tp``:
+(``attnpool bench --tp T`` on ``--gpus`` GPUs, ``--gpus-per-node`` a node: each GPU holds the configuration's
+tokens, a dp rank, a TP group, tp times them), for each tensor-parallel size in ``--tp``:
 
     python bench/sim_validation.py --predict --gpus 4 --tp 1,2 --layers 32 --configs prolong:256K,pretrain:128K
+    python bench/sim_validation.py --predict --gpus 4 --gpus-per-node 2 --inter-gibps 5.5 --hierarchical \
+        --layers 32 --recompute full --attention-backend fa4 --configs prolong:128K --warmup 1 --steps 2
 """
 
 from __future__ import annotations
@@ -83,30 +87,65 @@ def bench_batches(dist: str, tokens: int, world: int, warmup: int, steps: int, t
     return lens[warmup:]
 
 
+def sim_costs(layers: int, args, backend: str | None):
+    """The simulator's costs for ``layers`` of Llama-3-8B: the links set by --intra-gibps / --inter-gibps, the table of
+    ``backend``'s kernel where the profile has one (flash's otherwise); None: the profile's defaults."""
+    if args.intra_gibps is None and args.inter_gibps is None and not backend:
+        return None
+    from attnpool.model.config import model_config
+    from attnpool.sim.costs import Link, load_sim_costs
+
+    links = {}
+    if args.intra_gibps is not None:
+        links["intra"] = Link(args.intra_gibps * 2**30, 10e-6, "measured in the run's call", shared=args.shared_link)
+    if args.inter_gibps is not None:  # (the emulated network between nodes is one host's loopback: shared)
+        links["inter"] = Link(args.inter_gibps * 2**30, 20e-6, "measured in the run's call (emulated)", shared=True)
+    return load_sim_costs(model_config("llama3-8b", n_layers=layers), "llama3-8b", **links,
+                          **({"attention_backend": backend} if backend else {}))
+
+
+def simulate_bench(dist: str, tokens: int, world: int, tp: int, per_node: int, layers: int, recompute: str,
+                   hierarchical: bool, batches, costs) -> tuple[dict, dict]:
+    """The simulator on a benchmark's batches: (its strategies' results, simulator name -> benchmark strategy)."""
+    servers = world // tp
+    config = SimConfig(model="llama3-8b", layers=layers, gpus=world, tp=tp, gpus_per_node=per_node,
+                       tokens_per_gpu=tokens, dist=dist, strategies=("local", "wlb", "percp", "ulysses", "cad"),
+                       cp_degrees=(servers,), batches=len(batches), recompute=recompute, hierarchical=hierarchical)
+    pairs = {**PAIRS, **(HIERARCHICAL_PAIRS if hierarchical else {}), f"ulysses-u{servers}": "ulysses",
+             f"percp-cp{servers}": "percp"}
+    return simulate_config(config, costs, doc_batches=batches)["strategies"], pairs
+
+
 def predict(args) -> int:
     """Predicted step times of benchmark runs to come, per configuration, tensor-parallel size and strategy."""
     rows = []
+    per_node = args.gpus_per_node or args.gpus
+    recompute = args.recompute or "linear"
+    costs = sim_costs(args.layers, args, args.attention_backend)
     for item in args.configs.split(","):
         dist, _, size = item.partition(":")
         tokens = parse_size(size)
         for tp in (int(t) for t in args.tp.split(",")):
             batches = bench_batches(dist, tokens, args.gpus, args.warmup, args.steps, tp)
-            config = SimConfig(model=args.model, layers=args.layers, gpus=args.gpus, tp=tp, gpus_per_node=args.gpus,
-                               tokens_per_gpu=tokens, dist=dist, strategies=("local", "wlb", "percp", "cad"),
-                               batches=len(batches), recompute="linear")
-            sim = simulate_config(config, doc_batches=batches)["strategies"]
-            for name in ("local", "wlb", "cad-serial", "cad"):
+            sim, pairs = simulate_bench(dist, tokens, args.gpus, tp, per_node, args.layers, recompute,
+                                        args.hierarchical, batches, costs)
+            for name, strategy in pairs.items():
                 if name in sim:
                     steps = np.asarray(sim[name]["per_batch_step_s"])
                     rows.append({"dist": dist, "tokens_per_gpu": tokens, "tp": tp, "dp": args.gpus // tp,
-                                 "strategy": PAIRS[name], "predicted_median_s": float(np.median(steps)),
+                                 "strategy": strategy + (" (hierarchical)" if name in HIERARCHICAL_PAIRS else ""),
+                                 "predicted_median_s": float(np.median(steps)),
                                  "predicted_total_s": float(steps.sum()), "predicted_s": steps.tolist()})
     command = "python bench/sim_validation.py " + " ".join(sys.argv[1:])
+    network = (f"nodes of {per_node} GPUs" if per_node < args.gpus else "one node") + (
+        f", {args.inter_gibps:g} GiB/s per GPU between nodes (one shared fabric, as the emulation's loopback)"
+        if args.inter_gibps is not None and per_node < args.gpus else "")
     lines = [f"# Predicted step times of benchmark runs to come: {args.model}, {args.layers} layers, {args.gpus} GPUs",
              "", f"Date {datetime.date.today()}. `attnpool.sim` with the shipped H200 profile on the batches `attnpool "
-             f"bench --tp T` will draw ({args.warmup} warm-up steps skipped, {args.steps} predicted), one node, "
-             "recompute of the linear parts (keep_attention). Tokens are per GPU: a dp rank (a TP group) holds tp "
-             f"times them. Predictions, not measurements. Command: `{command}`.", "",
+             f"bench --tp T` will draw ({args.warmup} warm-up steps skipped, {args.steps} predicted), {network}, "
+             f"recompute {recompute}, the {args.attention_backend or 'flash'} kernel's table where the profile has "
+             "it. Tokens are per GPU: a dp rank (a TP group) holds tp times them. Predictions, not measurements. "
+             f"Command: `{command}`.", "",
              "| dist | tokens/GPU | dp x tp | strategy | median step (s) | total (s) | vs `local` (total) |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -115,7 +154,8 @@ def predict(args) -> int:
         lines.append(f"| {r['dist']} | {r['tokens_per_gpu'] // 1024}K | {r['dp']} x {r['tp']} | {r['strategy']} | "
                      f"{r['predicted_median_s']:.2f} | {r['predicted_total_s']:.2f} | "
                      f"{local['predicted_total_s'] / r['predicted_total_s']:.2f}x |")
-    write_record(args.out, f"sim-predictions-{args.gpus}gpu-tp", {"command": command, "rows": rows}, lines)
+    write_record(args.out, f"sim-predictions-{args.gpus}gpu-tp" + (f"-{args.name}" if args.name else ""),
+                 {"command": command, "rows": rows}, lines)
     print("\n".join(lines))
     return 0
 
@@ -143,6 +183,12 @@ def main() -> int:
                              "bench/gpu_e2e.sh two-tier, its probe's inter_node figure; loopback, so shared)")
     parser.add_argument("--recompute", choices=sorted(set(RECOMPUTE.values())), default=None,
                         help="the simulator's recompute (default: from the runs' checkpointing)")
+    parser.add_argument("--gpus-per-node", type=int, default=0,
+                        help="GPUs of a node of the runs to come (--predict; default --gpus: one node)")
+    parser.add_argument("--hierarchical", action="store_true",
+                        help="also cad with the hierarchical exchange (--predict)")
+    parser.add_argument("--attention-backend", default=None,
+                        help="the kernel whose table prices attention (--predict; default flash's)")
     parser.add_argument("--name", default="", help="a suffix of the written files' names")
     args = parser.parse_args()
     if args.predict:
@@ -156,24 +202,8 @@ def main() -> int:
         setting["recompute"] = args.recompute
     world = int(meta["machine"].split(" x ")[0])
     per_node = setting["gpus_per_node"] or world
-    costs = None
-    if args.intra_gibps is not None or args.inter_gibps is not None or setting["attention_backend"]:
-        from attnpool.model.config import model_config
-        from attnpool.sim.costs import Link, load_sim_costs
-
-        links = {}
-        if args.intra_gibps is not None:
-            links["intra"] = Link(args.intra_gibps * 2**30, 10e-6, "measured in the run's call", shared=args.shared_link)
-        if args.inter_gibps is not None:
-            links["inter"] = Link(args.inter_gibps * 2**30, 20e-6, "measured in the run's call (emulated)", shared=True)
-        # the kernel the runs used, where the profile has its table (flash's otherwise)
-        costs = load_sim_costs(model_config("llama3-8b", n_layers=setting["layers"]), "llama3-8b", **links,
-                               **({"attention_backend": setting["attention_backend"]}
-                                  if setting["attention_backend"] else {}))
+    costs = sim_costs(setting["layers"], args, setting["attention_backend"])
     runs = {run["name"]: run for run in data.get("runs", [])}
-    servers = world // setting["tp"]
-    pairs = {**(HIERARCHICAL_PAIRS if setting["hierarchical"] else PAIRS), f"ulysses-u{servers}": "ulysses",
-             f"percp-cp{servers}": "percp"}
     rows = []
     for dist, tokens in sorted({(r["dist"], r["tokens_per_gpu"]) for r in records}):
         measured = {r["strategy"]: r for r in records if (r["dist"], r["tokens_per_gpu"]) == (dist, tokens)}
@@ -182,11 +212,11 @@ def main() -> int:
         if len(steps) != 1:
             raise SystemExit(f"{dist} {tokens}: runs with different warm-up or step counts {sorted(steps)}")
         batches = bench_batches(dist, tokens, world, *steps.pop(), tp=setting["tp"])
-        config = SimConfig(model="llama3-8b", layers=setting["layers"], gpus=world, tp=setting["tp"],
-                           gpus_per_node=per_node, tokens_per_gpu=tokens, dist=dist,
-                           strategies=("local", "wlb", "percp", "ulysses", "cad"), cp_degrees=(servers,),
-                           batches=len(batches), recompute=setting["recompute"], hierarchical=setting["hierarchical"])
-        sim = simulate_config(config, costs, doc_batches=batches)["strategies"]
+        sim, pairs = simulate_bench(dist, tokens, world, setting["tp"], per_node, setting["layers"],
+                                    setting["recompute"], setting["hierarchical"], batches, costs)
+        if setting["hierarchical"]:  # (the runs' cad rows are the relayed ones)
+            pairs = {name: strategy for name, strategy in pairs.items() if name not in PAIRS or strategy not in
+                     HIERARCHICAL_PAIRS.values()}
         for sim_name, bench_name in pairs.items():
             if bench_name not in measured or sim_name not in sim:
                 continue

@@ -47,3 +47,17 @@ def test_what_a_record_says_of_its_runs(validation):
     assert (old["layers"], old["recompute"], old["gpus_per_node"], old["hierarchical"]) == (4, "linear", 0, False)
     with pytest.raises(SystemExit, match="differs by layer"):  # auto's mixed choice: one recompute mode per run
         validation.run_settings(meta, [{"strategy": "cad", "layer_checkpointing": "layers 0-3 full, 4-31 none"}])
+
+
+def test_predictions_for_two_nodes_with_the_hierarchical_exchange(validation, tmp_path):
+    argv = ["sim_validation.py", "--predict", "--gpus", "4", "--gpus-per-node", "2", "--inter-gibps", "5.5",
+            "--hierarchical", "--layers", "2", "--configs", "prolong:64K", "--warmup", "0", "--steps", "2", "--out",
+            str(tmp_path), "--name", "check"]
+    with mock.patch.object(sys, "argv", argv):
+        assert validation.main() == 0
+    (written,) = tmp_path.glob("*-sim-predictions-4gpu-tp-check.json")
+    rows = {r["strategy"]: r for r in json.loads(written.read_text())["rows"]}
+    assert set(rows) == {"local", "wlb", "percp", "ulysses", "cad", "cad+pingpong", "cad (hierarchical)",
+                         "cad+pingpong (hierarchical)"}
+    assert all(len(r["predicted_s"]) == 2 and r["predicted_total_s"] > 0 for r in rows.values())
+    assert "nodes of 2 GPUs, 5.5 GiB/s per GPU between nodes" in next(tmp_path.glob("*-check.md")).read_text()

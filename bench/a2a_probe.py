@@ -81,7 +81,7 @@ def main() -> None:
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world % per_node:
         raise SystemExit(f"LOCAL_WORLD_SIZE={per_node}: does not divide the {world} ranks")
-    result = {"world": world, "ranks_per_node": per_node}
+    result = {"world": world, "ranks_per_node": per_node, "backend": dist.get_backend()}
     tiers = [("", None)]
     if world > per_node:
         inside, across = tier_groups(world, per_node)

@@ -41,14 +41,18 @@ case "$PHASE" in
     bash bench/torchrun_nodes.sh bench/a2a_probe.py --out "$OUT/probe-emulated.json"
     bench baselines-emulated --configs prolong:128K --strategies local,wlb,percp,ulysses,cad,cad+pingpong --warmup 2 \
       --steps 4 --budget-s 480 ;;
-  two-tier)  # issue 43: NODES (default 2) emulated nodes on this host (bench/torchrun_nodes.sh): NVLink inside a node,
-    # NCCL's socket transport over loopback between them; every baseline, then cad with the hierarchical exchange
-    export NODES=${NODES:-2} NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_NSOCKS_PERTHREAD=4 NCCL_SOCKET_NTHREADS=4
-    bash bench/torchrun_nodes.sh bench/a2a_probe.py --out "$OUT/probe-two-tier.json"
-    bench two-tier --configs prolong:128K --strategies local,wlb,percp,ulysses,cad,cad+pingpong --warmup 2 \
-      --steps 4 --budget-s 330
-    bench two-tier-hierarchical --configs prolong:128K --strategies cad,cad+pingpong --hierarchical-exchange \
-      --warmup 2 --steps 4 --budget-s 180 ;;
+  two-tier|two-tier-hierarchical)  # issue 43: NODES (default 2) emulated nodes on this host (bench/torchrun_nodes.sh):
+    # NVLink inside a node, NCCL's socket transport over loopback between them; every baseline, or cad with the
+    # hierarchical exchange (a phase each: each fits a call), the network's tiers measured first
+    export NODES=${NODES:-2} NCCL_NSOCKS_PERTHREAD=4 NCCL_SOCKET_NTHREADS=4
+    bash bench/torchrun_nodes.sh bench/a2a_probe.py --out "$OUT/probe-$PHASE.json"
+    if [ "$PHASE" = two-tier ]; then
+      bench two-tier --configs prolong:128K --strategies local,wlb,percp,ulysses,cad,cad+pingpong --warmup 2 \
+        --steps 4 --budget-s 480
+    else
+      bench two-tier-hierarchical --configs prolong:128K --strategies cad,cad+pingpong --hierarchical-exchange \
+        --warmup 2 --steps 4 --budget-s 480
+    fi ;;
   windows)  # issue 42: a Gemma-3-like model (five layers of a 1K-key sliding window to one global), cad against
     # local, and the same depth with every layer causal
     bench windows --layers 6 --sliding-window 1024 --layer-types 5/1 --configs prolong:128K \

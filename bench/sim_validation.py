@@ -23,8 +23,8 @@ With ``--predict`` nothing is compared: it predicts the step times of benchmark 
 tokens, a dp rank, a TP group, tp times them), for each tensor-parallel size in ``--tp``:
 
     python bench/sim_validation.py --predict --gpus 4 --tp 1,2 --layers 32 --configs prolong:256K,pretrain:128K
-    python bench/sim_validation.py --predict --gpus 4 --gpus-per-node 2 --inter-gibps 5.5 --hierarchical \
-        --layers 32 --recompute full --attention-backend fa4 --configs prolong:128K --warmup 1 --steps 2
+    python bench/sim_validation.py --predict --gpus 4 --gpus-per-node 2 --inter-gibps 5.5 --shared-link \
+        --hierarchical --layers 32 --recompute full --attention-backend fa4 --configs prolong:128K --warmup 1 --steps 2
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import numpy as np
 
 from attnpool.bench.record import write_record
 from attnpool.data import DocumentStream, make_source
+from attnpool.plan.plan import INTER_NODE_BYTE_COST
 from attnpool.sim.simulate import SimConfig, simulate_config
 from attnpool.sizes import parse_size
 
@@ -70,6 +71,16 @@ def run_settings(meta: dict, records: list[dict]) -> dict:
     tps = {r.get("tp", 1) for r in records}
     if len(modes) > 1 or len(tps) > 1:
         raise SystemExit(f"runs with different recompute {sorted(modes)} or tp {sorted(tps)}: compare them apart")
+    # what the comparison does not model: other models, windows, pipeline stages, activation offload
+    unmodelled = [what for what, found in (
+        (f"model {meta.get('model')!r}", not meta.get("model", "llama3-8b").startswith("llama3-8b x ")),
+        ("a sliding window", "sliding window" in meta.get("model", "")),
+        ("pipeline stages", any(r.get("pp", 1) > 1 for r in records)),
+        ("activation offload", any("activation offload" in r.get("layer_checkpointing", "") for r in records)))
+        if found]
+    if unmodelled:
+        raise SystemExit(f"the runs have {', '.join(unmodelled)}: the comparison simulates llama3-8b's causal layers "
+                         "on one stage, activations on the GPU")
     return {"layers": int(layers), "gpus_per_node": int(meta.get("ranks_per_node") or 0), "tp": tps.pop(),
             "recompute": modes.pop() if modes else "linear", "attention_backend": meta.get("attention_backend"),
             "hierarchical": bool(meta.get("hierarchical_exchange")) or any(r.get("hierarchical_exchange")
@@ -98,8 +109,8 @@ def sim_costs(layers: int, args, backend: str | None):
     links = {}
     if args.intra_gibps is not None:
         links["intra"] = Link(args.intra_gibps * 2**30, 10e-6, "measured in the run's call", shared=args.shared_link)
-    if args.inter_gibps is not None:  # (the emulated network between nodes is one host's loopback: shared)
-        links["inter"] = Link(args.inter_gibps * 2**30, 20e-6, "measured in the run's call (emulated)", shared=True)
+    if args.inter_gibps is not None:
+        links["inter"] = Link(args.inter_gibps * 2**30, 20e-6, "measured in the run's call", shared=args.shared_link)
     return load_sim_costs(model_config("llama3-8b", n_layers=layers), "llama3-8b", **links,
                           **({"attention_backend": backend} if backend else {}))
 
@@ -108,9 +119,11 @@ def simulate_bench(dist: str, tokens: int, world: int, tp: int, per_node: int, l
                    hierarchical: bool, batches, costs) -> tuple[dict, dict]:
     """The simulator on a benchmark's batches: (its strategies' results, simulator name -> benchmark strategy)."""
     servers = world // tp
+    # cad plans as attnpool train does, at its fixed price of a byte between nodes, whatever the links simulated
     config = SimConfig(model="llama3-8b", layers=layers, gpus=world, tp=tp, gpus_per_node=per_node,
                        tokens_per_gpu=tokens, dist=dist, strategies=("local", "wlb", "percp", "ulysses", "cad"),
-                       cp_degrees=(servers,), batches=len(batches), recompute=recompute, hierarchical=hierarchical)
+                       cp_degrees=(servers,), batches=len(batches), recompute=recompute, hierarchical=hierarchical,
+                       inter_node_byte_cost=INTER_NODE_BYTE_COST)
     pairs = {**PAIRS, **(HIERARCHICAL_PAIRS if hierarchical else {}), f"ulysses-u{servers}": "ulysses",
              f"percp-cp{servers}": "percp"}
     return simulate_config(config, costs, doc_batches=batches)["strategies"], pairs
@@ -138,7 +151,8 @@ def predict(args) -> int:
                                  "predicted_total_s": float(steps.sum()), "predicted_s": steps.tolist()})
     command = "python bench/sim_validation.py " + " ".join(sys.argv[1:])
     network = (f"nodes of {per_node} GPUs" if per_node < args.gpus else "one node") + (
-        f", {args.inter_gibps:g} GiB/s per GPU between nodes (one shared fabric, as the emulation's loopback)"
+        f", {args.inter_gibps:g} GiB/s per GPU between nodes" + (" (one fabric the GPUs share, as the emulation's "
+                                                                 "loopback)" if args.shared_link else "")
         if args.inter_gibps is not None and per_node < args.gpus else "")
     lines = [f"# Predicted step times of benchmark runs to come: {args.model}, {args.layers} layers, {args.gpus} GPUs",
              "", f"Date {datetime.date.today()}. `attnpool.sim` with the shipped H200 profile on the batches `attnpool "
@@ -176,11 +190,11 @@ def main() -> int:
     parser.add_argument("--intra-gibps", type=float, default=None,
                         help="the GPUs' all-to-all bandwidth, GiB/s per rank (default: the profile's)")
     parser.add_argument("--shared-link", action="store_true",
-                        help="with --intra-gibps: the GPUs share one fabric (the emulated network's loopback), so a "
-                             "skewed all-to-all runs at its total bytes")
+                        help="the links --intra-gibps and --inter-gibps set are one fabric the GPUs share (the emulated "
+                             "network's loopback), so a skewed all-to-all runs at its total bytes")
     parser.add_argument("--inter-gibps", type=float, default=None,
                         help="the link between nodes, GiB/s per rank, where the runs spanned several (emulated: "
-                             "bench/gpu_e2e.sh two-tier, its probe's inter_node figure; loopback, so shared)")
+                             "bench/gpu_e2e.sh two-tier, its probe's inter_node figure, with --shared-link)")
     parser.add_argument("--recompute", choices=sorted(set(RECOMPUTE.values())), default=None,
                         help="the simulator's recompute (default: from the runs' checkpointing)")
     parser.add_argument("--gpus-per-node", type=int, default=0,
@@ -214,9 +228,8 @@ def main() -> int:
         batches = bench_batches(dist, tokens, world, *steps.pop(), tp=setting["tp"])
         sim, pairs = simulate_bench(dist, tokens, world, setting["tp"], per_node, setting["layers"],
                                     setting["recompute"], setting["hierarchical"], batches, costs)
-        if setting["hierarchical"]:  # (the runs' cad rows are the relayed ones)
-            pairs = {name: strategy for name, strategy in pairs.items() if name not in PAIRS or strategy not in
-                     HIERARCHICAL_PAIRS.values()}
+        if setting["hierarchical"]:  # (only cad's relayed rows: the simulator models the others' exchanges flat)
+            pairs = HIERARCHICAL_PAIRS
         for sim_name, bench_name in pairs.items():
             if bench_name not in measured or sim_name not in sim:
                 continue
@@ -244,7 +257,8 @@ def main() -> int:
                      f"{r['predicted_total_s']:.2f} | {r['error_total']:+.1%} | {r['error_per_step_mean_abs']:.1%} |")
     write_record(args.out, "sim-validation" + (f"-{args.name}" if args.name else ""),
                  {"measured": args.measured, "run": args.run, "intra_gibps": args.intra_gibps,
-                  "shared_link": args.shared_link, "target": TARGET, "rows": rows}, lines)
+                  "inter_gibps": args.inter_gibps, "shared_link": args.shared_link, "settings": setting,
+                  "target": TARGET, "rows": rows}, lines)
     print("\n".join(lines[-len(rows) - 2:]))
     return 0
 

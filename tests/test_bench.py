@@ -326,5 +326,6 @@ def test_bench_over_two_emulated_nodes_records_them_and_relays_only_where_kv_row
     assert (meta["layers"], meta["ranks_per_node"], meta["hierarchical_exchange"]) == (2, 2, True)
     assert meta["command"].startswith("torchrun --nnodes 2 --nproc-per-node 2 ")
     assert meta["command"].endswith(" --hierarchical-exchange")
+    assert meta["nccl_env"]["NCCL_HOSTID"] == "attnpool-emulated-node-0"  # (rank 0's: the emulation shows)
     assert {rec["strategy"]: rec["hierarchical_exchange"] for rec in result["records"]} == {"ulysses": False,
                                                                                            "cad": True}

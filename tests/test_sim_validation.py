@@ -39,7 +39,7 @@ def test_the_recorded_emulated_run_is_predicted_within_the_target(validation, tm
 def test_what_a_record_says_of_its_runs(validation):
     meta = {"model": "llama3-8b x 32 layers", "attention_backend": "fa4", "ranks_per_node": 2,
             "hierarchical_exchange": True}
-    records = [{"strategy": "cad", "tp": 1, "layer_checkpointing": "all 32 layers full, with activation offload"}]
+    records = [{"strategy": "cad", "tp": 1, "layer_checkpointing": "all 32 layers full"}]
     assert validation.run_settings(meta, records) == {"layers": 32, "gpus_per_node": 2, "tp": 1, "recompute": "full",
                                                       "attention_backend": "fa4", "hierarchical": True}
     # records from before the benchmark recorded these: 4 layers' keep_attention on one node, flat
@@ -47,11 +47,18 @@ def test_what_a_record_says_of_its_runs(validation):
     assert (old["layers"], old["recompute"], old["gpus_per_node"], old["hierarchical"]) == (4, "linear", 0, False)
     with pytest.raises(SystemExit, match="differs by layer"):  # auto's mixed choice: one recompute mode per run
         validation.run_settings(meta, [{"strategy": "cad", "layer_checkpointing": "layers 0-3 full, 4-31 none"}])
+    # what the comparison does not simulate is refused, not simulated as something else
+    for changed, what in (({"layer_checkpointing": "all 32 layers full, with activation offload"}, "activation offload"),
+                          ({"pp": 2}, "pipeline stages")):
+        with pytest.raises(SystemExit, match=what):
+            validation.run_settings(meta, [{**records[0], **changed}])
+    with pytest.raises(SystemExit, match="model 'tiny x 2 layers'"):
+        validation.run_settings({**meta, "model": "tiny x 2 layers"}, records)
 
 
 def test_predictions_for_two_nodes_with_the_hierarchical_exchange(validation, tmp_path):
     argv = ["sim_validation.py", "--predict", "--gpus", "4", "--gpus-per-node", "2", "--inter-gibps", "5.5",
-            "--hierarchical", "--layers", "2", "--configs", "prolong:64K", "--warmup", "0", "--steps", "2", "--out",
+            "--shared-link", "--hierarchical", "--layers", "2", "--configs", "prolong:64K", "--warmup", "0", "--steps", "2", "--out",
             str(tmp_path), "--name", "check"]
     with mock.patch.object(sys, "argv", argv):
         assert validation.main() == 0
@@ -60,4 +67,4 @@ def test_predictions_for_two_nodes_with_the_hierarchical_exchange(validation, tm
     assert set(rows) == {"local", "wlb", "percp", "ulysses", "cad", "cad+pingpong", "cad (hierarchical)",
                          "cad+pingpong (hierarchical)"}
     assert all(len(r["predicted_s"]) == 2 and r["predicted_total_s"] > 0 for r in rows.values())
-    assert "nodes of 2 GPUs, 5.5 GiB/s per GPU between nodes" in next(tmp_path.glob("*-check.md")).read_text()
+    assert "nodes of 2 GPUs, 5.5 GiB/s per GPU between nodes (one fabric the GPUs share" in next(tmp_path.glob("*-check.md")).read_text()

@@ -285,7 +285,7 @@ def test_emulated_nodes_number_ranks_node_by_node_and_the_probe_measures_each_ti
     done, probe = two_emulated_nodes.result()
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     # LOCAL_WORLD_SIZE (ranks_per_node's default) is a node's share; rank 0 runs on node 0, with node 0's host id
-    assert probe["world"] == 4 and probe["ranks_per_node"] == 2
+    assert (probe["world"], probe["ranks_per_node"], probe["backend"]) == (4, 2, "gloo")
     assert probe["nccl_env"]["NCCL_HOSTID"] == "attnpool-emulated-node-0"
     # 1 MiB of float32 split over the group, the rank's own share not counted: 3/4 of it over all four ranks, 1/2
     # inside a node and between the nodes

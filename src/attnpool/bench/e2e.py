@@ -417,6 +417,8 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
               f"torchrun --nnodes {world // per_node} --nproc-per-node {per_node}")
     meta = {"date": str(datetime.date.today()), "machine": f"{world} x {device}", "layers": args.layers,
             "ranks_per_node": per_node, "hierarchical_exchange": args.hierarchical_exchange,
+            # (NCCL_HOSTID marks emulated nodes, bench/torchrun_nodes.sh; the socket settings an emulated network)
+            "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
             "torch": torch.__version__, "model": f"{args.model} x {args.layers} layers" + (
                 f", sliding window {args.sliding_window} ({args.layer_types or 'every layer'})"
                 if args.sliding_window is not None else ""),

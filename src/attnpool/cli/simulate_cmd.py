@@ -85,7 +85,8 @@ def add_parser(sub) -> None:
                    help=f"inter-node latency per collective, us (default {DEFAULT_INTER.latency * 1e6:.0f})")
     p.add_argument("--hierarchical-exchange", action="store_true",
                    help="also cad with the hierarchical exchange (attnpool train's hierarchical_exchange), as "
-                        "cad-hierarchical: KV into a node crosses once, a server there forwards it")
+                        "cad-hierarchical: KV into a node crosses once, a server there forwards it; "
+                        "cad-hierarchical-serial the same without ping-pong")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--plot-dir", help="write speedup.png, breakdown.png (and eps_sweep.png) here")
     p.add_argument("--report", metavar="DIR",

@@ -75,6 +75,10 @@ class SimConfig:
     # cad also with the hierarchical exchange (attnpool train's hierarchical_exchange), as "cad-hierarchical" (and
     # "cad-hierarchical-serial" without ping-pong, as "cad-serial")
     hierarchical: bool = False
+    # What a byte between nodes costs cad's planner against one inside a node: None, the links' bandwidth ratio (what
+    # the simulated cluster would make it worth); a run's, plan.plan.INTER_NODE_BYTE_COST (attnpool train plans with
+    # it whatever the network), to price the plans a run made
+    inter_node_byte_cost: float | None = None
 
     def model_config(self):
         fields = {"n_layers": self.layers} if self.layers is not None else {}
@@ -114,6 +118,8 @@ class SimConfig:
             raise ConfigError("max_doc_len", self.max_doc_len, "must be positive")
         if not self.memory_cap >= 1.0:
             raise ConfigError("memory_cap", self.memory_cap, "must be >= 1.0")
+        if self.inter_node_byte_cost is not None and not self.inter_node_byte_cost > 0:
+            raise ConfigError("inter_node_byte_cost", self.inter_node_byte_cost, "must be positive, or None")
 
 
 def check_eps(eps: float, field: str = "eps") -> None:
@@ -207,7 +213,8 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
     ideal = []
     plan_kw = dict(cost_model=costs.attn_fwd_bwd, min_shard_tokens=costs.min_shard_tokens, shape=model.shape)
     # cad prices a byte between nodes at the links' bandwidth ratio (plan.cad)
-    topology = Topology.of(S, cluster.servers_per_node, costs.intra.bandwidth / costs.inter.bandwidth)
+    topology = Topology.of(S, cluster.servers_per_node, config.inter_node_byte_cost
+                           or costs.intra.bandwidth / costs.inter.bandwidth)
 
     def add(st: StepTime):
         acc.setdefault(st.strategy, _Acc()).add(st)

@@ -308,12 +308,12 @@ def test_ulysses_refused_before_any_run_where_the_ranks_cannot_split_the_heads(m
 
 @background.job("test_bench_over_two_emulated_nodes_records_them_and_relays_only_where_kv_rows_move")
 def two_nodes_hierarchical(tmp):
-    """bench/torchrun_nodes.sh: two emulated nodes of 2 ranks, ulysses and cad with --hierarchical-exchange: its
-    --out and the run."""
+    """bench/torchrun_nodes.sh: two emulated nodes of one rank each (the probe's test has two a node), ulysses and
+    cad with --hierarchical-exchange: its --out and the run."""
     cmd = ["bash", "bench/torchrun_nodes.sh", "-m", "attnpool.cli.main", "bench", "--device", "cpu", "--model", "tiny",
            "--layers", "2", "--configs", "prolong:1K", "--strategies", "ulysses,cad", "--warmup", "0", "--steps", "1",
            "--hierarchical-exchange", "--out", str(tmp)]
-    return tmp, background.run(cmd, env={"NODES": "2", "NPROC": "4", "PYTHON": sys.executable}, timeout=300)
+    return tmp, background.run(cmd, env={"NODES": "2", "NPROC": "2", "PYTHON": sys.executable}, timeout=300)
 
 
 def test_bench_over_two_emulated_nodes_records_them_and_relays_only_where_kv_rows_move():
@@ -323,8 +323,8 @@ def test_bench_over_two_emulated_nodes_records_them_and_relays_only_where_kv_row
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     result = json.loads((tmp_path / "e2e.json").read_text())
     meta = result["meta"]
-    assert (meta["layers"], meta["ranks_per_node"], meta["hierarchical_exchange"]) == (2, 2, True)
-    assert meta["command"].startswith("torchrun --nnodes 2 --nproc-per-node 2 ")
+    assert (meta["layers"], meta["ranks_per_node"], meta["hierarchical_exchange"]) == (2, 1, True)
+    assert meta["command"].startswith("torchrun --nnodes 2 --nproc-per-node 1 ")
     assert meta["command"].endswith(" --hierarchical-exchange")
     assert meta["nccl_env"]["NCCL_HOSTID"] == "attnpool-emulated-node-0"  # (rank 0's: the emulation shows)
     assert {rec["strategy"]: rec["hierarchical_exchange"] for rec in result["records"]} == {"ulysses": False,

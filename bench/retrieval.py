@@ -34,8 +34,8 @@ Writes to ``--out``: ``<date>-<gpu>-retrieval.json`` (``-retrieval-text`` with t
 ``{"attention", "coverage", "context", "accuracy", "density"}``, passkey accuracy over all depths and the sparse
 layers' measured density there, 1.0 dense; ``details``: every task and depth; ``coverage_sweep``: with
 ``--eval-coverages``, every run evaluated again with vertical-slash patterns at each of those coverages, at
-evaluation only, with ``--eval-sparse-args``' options over the sparse runs' ``--sparse-args``), a Markdown file of
-the same name with the commands, the model, the loss curves and the accuracy heat maps (PNGs next to it). Runs and
+evaluation only, with each set of ``--eval-sparse-args``' options over the sparse runs' ``--sparse-args``;
+``losses``: every run's per-step training loss), a Markdown file of the same name with the commands, the model, the loss curves and the accuracy heat maps (PNGs next to it). Runs and
 checkpoints go to ``--work`` (a temporary directory by default).
 
     PYTHONPATH=src python3 bench/retrieval.py --out bench/results                 # one GPU, ~20 minutes
@@ -535,9 +535,11 @@ def main() -> int:
     ap.add_argument("--sparse-args", nargs="+", default=[], metavar="K=V",
                     help="the sparse runs' pattern options over the default ones (attnpool train --sparse-args: "
                          "slash_cap, vertical_cap, block, ...), e.g. slash_cap=128 vertical_cap=512")
-    ap.add_argument("--eval-sparse-args", nargs="+", default=[], metavar="K=V",
+    ap.add_argument("--eval-sparse-args", nargs="*", action="append", default=None, metavar="K=V",
                     help="the --eval-coverages patterns' options over the sparse runs' (e.g. caps, which bound a "
-                         "long document's density whatever the coverage)")
+                         "long document's density whatever the coverage); given again, another set, each set "
+                         "evaluated at every --eval-coverages coverage (a bare --eval-sparse-args: the sparse runs' "
+                         "own options)")
     ap.add_argument("--eval-instances", type=int, default=None, metavar="N",
                     help="held-out instances per needle depth and context (default 40 on GPU)")
     ap.add_argument("--mix-from", type=int, default=None, metavar="N",
@@ -587,7 +589,9 @@ def main() -> int:
     coverages, eval_coverages = (coverage_list(ap, flag, text) for flag, text in
                                  (("--coverages", args.coverages), ("--eval-coverages", args.eval_coverages)))
     setup["sparse_args"] = sparse_options(ap, "--sparse-args", args.sparse_args, setup["sparse_args"])
-    eval_sparse_args = sparse_options(ap, "--eval-sparse-args", args.eval_sparse_args, setup["sparse_args"])
+    eval_option_sets = list({json.dumps(o, sort_keys=True): o for o in (
+        sparse_options(ap, "--eval-sparse-args", items, setup["sparse_args"])
+        for items in (args.eval_sparse_args or [[]]))}.values())
     if (coverages or eval_coverages) and setup["sparse_min_doc_len"] > max_context:
         ap.error(f"--sparse-min-doc-len {setup['sparse_min_doc_len']}: no stage reaches it (the longest holds "
                  f"{max_context}-token documents), so nothing would be sparse")
@@ -708,14 +712,19 @@ def main() -> int:
     eval_key = {"tasks": tasks, "filler": args.filler, "contexts": eval_contexts, "depths": list(setup["eval_depths"]),
                 "instances": setup["eval_instances"], "seed": args.seed + 1, "step": total_steps}
     # What each run is evaluated with: the attention it trained with ("trained"), then vertical-slash patterns at
-    # each --eval-coverages coverage, from the sparse runs' length, at evaluation only.
-    sweep = {f"coverage {c:g}" + "".join(f" {k}={v}" for k, v in eval_sparse_args.items()
-                                         if setup["sparse_args"].get(k) != v): c for c in eval_coverages}
+    # each --eval-coverages coverage with each set of --eval-sparse-args, from the sparse runs' length, at
+    # evaluation only. A label names the options that differ from the sparse runs' (RUN/retrieval-eval.json's key).
+    sweep = {f"coverage {c:g}" + "".join(f" {k}={v}" for k, v in options.items()
+                                         if setup["sparse_args"].get(k) != v): (c, options)
+             for options in eval_option_sets for c in eval_coverages}
 
     def evaluate(model_obj, settings: dict, label: str) -> list:
-        sparse = (sparse_config_of(settings, "trained") if label == "trained" else
-                  sparse_config_of(settings, "sparse", coverage=sweep[label], min_doc_len=setup["sparse_min_doc_len"],
-                                   **eval_sparse_args))
+        if label == "trained":
+            sparse = sparse_config_of(settings, "trained")
+        else:
+            coverage, options = sweep[label]
+            sparse = sparse_config_of(settings, "sparse", coverage=coverage, min_doc_len=setup["sparse_min_doc_len"],
+                                      **options)
         return evaluate_retrieval(model_obj, tasks=tasks, contexts=eval_contexts, depths=setup["eval_depths"],
                                   instances=setup["eval_instances"], seed=args.seed + 1, sparse=sparse,
                                   filler=args.filler, device="cuda" if gpu else "cpu",
@@ -749,7 +758,8 @@ def main() -> int:
                     results.append({"attention": attention, "coverage": coverage, **row})
                 else:
                     kept = [c.needle_kept for c in mine if c.needle_kept is not None]
-                    swept.append({"run": name, "coverage": sweep[label], "sparse_args": eval_sparse_args, **row,
+                    coverage, options = sweep[label]
+                    swept.append({"run": name, "coverage": coverage, "sparse_args": options, **row,
                                   "needle_kept": float(np.mean(kept)) if kept else None})
         if "trained" in made:
             cells = made["trained"]
@@ -782,6 +792,8 @@ def main() -> int:
                                                         "instances": setup["eval_instances"], "contexts": eval_contexts},
            "results": results, "details": details, "coverage_sweep": swept, "unfinished": unfinished,
            "final_loss": {k: (v[-1]["loss"] if v else None) for k, v in runs.items()},
+           # every run's per-step training loss, [step, loss], from its metrics.jsonl
+           "losses": {k: [[r["step"], r["loss"]] for r in v] for k, v in runs.items()},
            "wall_s": clock.elapsed(), "train_commands": commands}
     log.add(ended=True, wall_s=round(clock.elapsed(), 1), unfinished=unfinished)
     doc["log"] = log.entries()  # every call on this --work: its command, stages, evaluations and end
@@ -844,17 +856,20 @@ def write_markdown(path: str, doc: dict, loss_png: str, heatmap_pngs: list[str])
                             [np.nan]) for n in contexts]
             lines.append(f"| {coverage} | " + " | ".join(f"{k:.3f}" for k in kept) + " |")
     if doc["coverage_sweep"]:
-        swept = {(r["run"], r["coverage"], r["context"]): r for r in doc["coverage_sweep"]}
-        options = doc["coverage_sweep"][0].get("sparse_args") or {}
+        def differing(row: dict) -> str:  # the row's --eval-sparse-args that differ from the sparse runs' options
+            return " ".join(f"{k}={v}" for k, v in (row.get("sparse_args") or {}).items()
+                            if doc["sparse_args"].get(k) != v) or "-"
+
+        swept = {(r["run"], r["coverage"], differing(r), r["context"]): r for r in doc["coverage_sweep"]}
         lines += ["", "Each run with vertical-slash patterns at other coverages, at evaluation only (`--eval-coverages`, "
-                      f"documents of {doc['sparse_min_doc_len']}+ tokens"
-                  + (f", `{' '.join(f'{k}={v}' for k, v in options.items())}`" if options else "")
-                  + "): passkey accuracy, (density) and the share of probes whose patterns reached the needle:", "",
-                  "| run | coverage | " + " | ".join(tokens_text(n) for n in contexts) + " |",
-                  "|---|---|" + "---|" * len(contexts)]
-        for run, coverage in dict.fromkeys((r["run"], r["coverage"]) for r in doc["coverage_sweep"]):
-            cells = [swept.get((run, coverage, n)) for n in contexts]
-            lines.append(f"| {run} | {coverage:g} | " + " | ".join(
+                      f"documents of {doc['sparse_min_doc_len']}+ tokens, with the `--eval-sparse-args` shown): "
+                      "passkey accuracy, (density) and the share of probes whose patterns reached the needle:", "",
+                  "| run | coverage | options | " + " | ".join(tokens_text(n) for n in contexts) + " |",
+                  "|---|---|---|" + "---|" * len(contexts)]
+        for run, coverage, options in dict.fromkeys((r["run"], r["coverage"], differing(r))
+                                                    for r in doc["coverage_sweep"]):
+            cells = [swept.get((run, coverage, options, n)) for n in contexts]
+            lines.append(f"| {run} | {coverage:g} | {options} | " + " | ".join(
                 "-" if c is None else f"{c['accuracy']:.3f} ({c['density']:.2f})"
                 + ("" if c["needle_kept"] is None else f" {c['needle_kept']:.2f}") for c in cells) + " |")
     stages = [e for e in doc.get("log", []) if "run" in e]

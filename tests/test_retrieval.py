@@ -271,7 +271,8 @@ sys.exit(script.main())
 
 
 SMOKE_ARGS = ["--device", "cpu", "--coverages", "0.95", "--tasks", "copy,passkey,multikey", "--mix-from", "128",
-              "--filler", "text", "--loss", "all-first", "--eval-coverages", "0.05", "--eval-sparse-args", "vertical_cap=8"]
+              "--filler", "text", "--loss", "all-first", "--eval-coverages", "0.05", "--eval-sparse-args", "vertical_cap=8",
+              "--eval-sparse-args"]
 
 
 @background.job("test_retrieval_bench_smoke_then_attnpool_eval")
@@ -342,12 +343,16 @@ def test_retrieval_bench_smoke_then_attnpool_eval(capsys):
     assert "Stages as run" in md and "| 2 | sparse-0.95 | 256 | 3-4 (to 4, checkpoint 4) |" in md and "Calls:" in md
     # --eval-coverages: every run again with patterns at 0.05, at evaluation only (read back above, not made
     # again); so low a coverage keeps fewer pairs than the sparse run's own 0.95 (its forced sinks and band remain)
-    assert {(r["run"], r["coverage"], r["context"]) for r in doc["coverage_sweep"]} == {
-        ("dense", 0.05, 256), ("sparse-0.95", 0.05, 256)}
-    # (and with --eval-sparse-args' cap on the columns over the sparse runs' options)
+    # with each set of --eval-sparse-args over the sparse runs' options: a cap on the columns, and a bare flag (the
+    # sparse runs' own, vertical_cap 64); the cap keeps no more pairs than the same coverage without it
+    sweep = {(r["run"], r["coverage"], r["sparse_args"]["vertical_cap"], r["context"]): r for r in doc["coverage_sweep"]}
+    assert set(sweep) == {(run, 0.05, cap, 256) for run in ("dense", "sparse-0.95") for cap in (8, 64)}
     trained_density = next(r["density"] for r in doc["results"] if r["attention"] == "sparse")
     assert all(0 < r["density"] < trained_density and 0 <= r["needle_kept"] <= 1 for r in doc["coverage_sweep"])
-    assert all(r["sparse_args"]["vertical_cap"] == 8 and r["sparse_args"]["block"] == 16 for r in doc["coverage_sweep"])
+    assert all(r["sparse_args"]["block"] == 16 for r in doc["coverage_sweep"])
+    assert all(sweep[run, 0.05, 8, 256]["density"] <= sweep[run, 0.05, 64, 256]["density"]
+               for run in ("dense", "sparse-0.95"))
+    assert "| dense | 0.05 | vertical_cap=8 |" in md and "| dense | 0.05 | - |" in md
     assert json.loads(result.read_text())["coverage_sweep"] == doc["coverage_sweep"]
     assert "at evaluation only" in md
     # With other training settings the same --work is refused before anything runs.
@@ -357,6 +362,7 @@ def test_retrieval_bench_smoke_then_attnpool_eval(capsys):
     dense_rows = [json.loads(line) for line in (tmp_path / "work" / "dense" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in sparse_rows] == [1, 2, 3, 4]
     assert [r["loss"] for r in sparse_rows[:2]] == [r["loss"] for r in dense_rows[:2]]  # the shared dense stage
+    assert doc["losses"]["sparse-0.95"] == [[r["step"], r["loss"]] for r in sparse_rows]
     assert sparse_rows[-1]["attention_density"] is not None and dense_rows[-1]["attention_density"] is None
     assert (out / result.name.replace(".json", "-loss.png")).stat().st_size > 5000
     from unittest import mock

@@ -23,7 +23,9 @@ The filler (``--filler``) is random words or real text. Over random words a mode
 sparse patterns that cover 90-95% of it keep most blocks (density 0.90-0.955 at 8K-16K on 2026-11-27). Over
 text, trained as language in the first stage (``--loss all-first``), it may concentrate as a language model's
 does: the sparse patterns' density at each context is measured and recorded beside the accuracy (issue 45). On
-2026-11-28 it did not, at 32K and 64K (density 0.89 and 0.70 at coverage 0.9).
+2026-11-28 it did not, at 32K and 64K (density 0.89 and 0.70 at coverage 0.9). Capped patterns did: on
+2026-11-29, at evaluation on a dense-trained model, ``slash_cap=128 vertical_cap=512`` kept dense's 64K accuracy
+(0.92) at density 0.017.
 
 A run of the script ended by its budget goes on where it stopped when called again with the same ``--work``
 (finished stages are skipped, finished evaluations read back from ``RUN/retrieval-eval.json``), so the
@@ -713,8 +715,9 @@ def main() -> int:
                 "instances": setup["eval_instances"], "seed": args.seed + 1, "step": total_steps}
     # What each run is evaluated with: the attention it trained with ("trained"), then vertical-slash patterns at
     # each --eval-coverages coverage with each set of --eval-sparse-args, from the sparse runs' length, at
-    # evaluation only. A label names the options that differ from the sparse runs' (RUN/retrieval-eval.json's key).
-    sweep = {f"coverage {c:g}" + "".join(f" {k}={v}" for k, v in options.items()
+    # evaluation only. A label names the options that differ from the sparse runs', in name order
+    # (RUN/retrieval-eval.json's key: the same set read back whatever order a later call gives it in).
+    sweep = {f"coverage {c:g}" + "".join(f" {k}={v}" for k, v in sorted(options.items())
                                          if setup["sparse_args"].get(k) != v): (c, options)
              for options in eval_option_sets for c in eval_coverages}
 
@@ -758,8 +761,8 @@ def main() -> int:
                     results.append({"attention": attention, "coverage": coverage, **row})
                 else:
                     kept = [c.needle_kept for c in mine if c.needle_kept is not None]
-                    coverage, options = sweep[label]
-                    swept.append({"run": name, "coverage": coverage, "sparse_args": options, **row,
+                    swept_coverage, options = sweep[label]
+                    swept.append({"run": name, "coverage": swept_coverage, "sparse_args": options, **row,
                                   "needle_kept": float(np.mean(kept)) if kept else None})
         if "trained" in made:
             cells = made["trained"]

@@ -58,6 +58,20 @@ def test_one_mode_for_every_layer_is_that_mode():
         assert auto.inputs.layer_modes == (mode,) * 6
 
 
+def test_one_mode_counts_every_layers_backward():
+    """Layer i's backward holds layers 0..i's activations, the later layers' sharded gradients and the next one's
+    float32 copy; the last layer's holds no gradient yet. With full recompute at 64K tokens and dp 4 a layer keeps
+    less than its gradients, so the layer before the last holds the most, one mode or several; offloaded, the
+    second (two layers' activations and nearly every gradient)."""
+    x = inputs()  # 6 layers of llama3-8b, full, dp 4
+    peak = estimate(x)
+    assert peak.phase == "layer 4 backward (full)"
+    kept = peak.breakdown["activations"] / 5  # one layer's
+    assert kept < peak.breakdown["gradients"]
+    offloaded = estimate(replace(x, activation_offload=True))
+    assert offloaded.phase == "layer 1 backward (full)" and offloaded.breakdown["activations"] == 2 * kept
+
+
 # (model fields, tokens, dp, tp, calibrated): long and short contexts (at 8K tokens a keep_attention layer's chunked
 # recompute holds more than a none layer's backward, so the peak is not monotone in the layers recomputed), tp, and
 # the packaged calibration's per-mode residuals

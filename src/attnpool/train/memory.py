@@ -494,12 +494,13 @@ def _rank_estimate(x: MemoryInputs, cal: Calibration) -> MemoryEstimate:
             phases[f"later micro-batches' {name}"] = {**terms, "activations": activations, "step inputs": loss_inputs,
                                                       **accumulated}
     host = (PARAM_BYTES + GRAD_BYTES + ADAM_BYTES) * owned if x.optimizer_offload else 0
-    if x.layer_modes:  # layers of different modes (no pipeline stages: one unit in flight, held_rows None)
-        saved = [sum(saved_per_layer(x, mode).values()) * home / x.tp for mode in x.layer_modes]
+    modes = _modes_by_layer(x, layers)
+    if modes:
+        saved = [sum(saved_per_layer(x, mode).values()) * home / x.tp for mode in modes]
         for terms in loss_phase.values():
-            terms["activations"] = max(map(sum, zip(saved, saved[1:]))) if x.activation_offload else sum(saved)
-        layer_phases = _mixed_layer_phases(x, saved, {**states, **compute, "step inputs": step_inputs, **accumulated},
-                                           backward, GRAD_BYTES * layer, layer / x.dp)
+            terms["activations"] = max(map(sum, zip(saved, saved[1:] or [0]))) if x.activation_offload else sum(saved)
+        layer_phases = _layer_phases(x, modes, saved, {**states, **compute, "step inputs": step_inputs, **accumulated},
+                                     backward, GRAD_BYTES * layer, layer / x.dp)
         return _peak_phase(x, {**loss_phase, **layer_phases, "optimizer step": phases["optimizer step"]}, cal, home,
                            host + (sum(saved) if x.activation_offload else 0))
     if x.activation_offload:
@@ -507,13 +508,24 @@ def _rank_estimate(x: MemoryInputs, cal: Calibration) -> MemoryEstimate:
     return _peak_phase(x, phases, cal, home, host)
 
 
-def _mixed_layer_phases(x: MemoryInputs, saved: list[float], held: dict, backward: dict, layer_gradient: float,
-                        layer_shard: float) -> dict[str, dict]:
-    """The backward phase of each layer, where layers' checkpointing modes differ (``saved``: each layer's kept
-    bytes, forward order): a layer's backward holds the activations of the layers before it (offloaded: its own and
-    the one before, prefetched), its mode's transient, and the gradients of the layers after it (sharded; the last
-    one's float32 copy besides). Every layer is a phase: activations grow with the index, gradients shrink."""
-    modes, last = x.layer_modes, len(x.layer_modes) - 1
+def _modes_by_layer(x: MemoryInputs, layers: int) -> tuple[str, ...]:
+    """Each layer's checkpointing mode where every layer's backward is a phase of its own (_layer_phases): auto's
+    choice, or without pipeline stages (one unit in flight, held_rows None) the one mode; else none (the pipeline's
+    phases are its first and last layer's)."""
+    if x.layer_modes:
+        return x.layer_modes
+    return (x.activation_checkpointing,) * layers if x.pp == 1 and x.held_rows is None else ()
+
+
+def _layer_phases(x: MemoryInputs, modes: tuple[str, ...], saved: list[float], held: dict, backward: dict,
+                  layer_gradient: float, layer_shard: float) -> dict[str, dict]:
+    """The backward phase of each layer (``modes``: each layer's checkpointing mode, ``saved``: its kept bytes,
+    forward order): a layer's backward holds the activations of the layers before it (offloaded: its own and the
+    one before, prefetched), its mode's transient, and the gradients of the layers after it (sharded; the last
+    one's float32 copy besides). Every layer is a phase, one mode or several: activations grow with the index,
+    gradients shrink, and the last layer's backward holds no gradient yet, so the peak may lie at any of them (the
+    layer before the last, where a layer keeps less than its gradients; offloaded, the second)."""
+    last = len(modes) - 1
     transient = {mode: layer_backward_transient(x, x.tokens_per_rank, mode) for mode in set(modes)}
     held_before = list(accumulate(saved))
     phases = {}

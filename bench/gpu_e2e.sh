@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# End-to-end benchmark runs on 4 x H200 (device kind nvidia-h200-x4), one phase per device call:
+# End-to-end benchmark runs on 2-4 GPUs (4 x H200 unless NPROC says otherwise), one phase per device call:
 #   bash bench/gpu_e2e.sh PHASE [BENCH ARGS...]   (results under $OUT, or ./bench-out without it)
 # Each phase stays under the 10-minute command limit through --budget-s. NPROC=2 runs a phase on
 # two GPUs, and NODES=N splits the GPUs into N emulated nodes (bench/torchrun_nodes.sh); extra arguments go to
@@ -25,30 +25,48 @@ pooled_runs() {  # pooled_runs NAME ARGS...: `attnpool bench` once per schedule 
       --layers 16 --microbatches 4 --warmup 1 --budget-s 300 "$@" ${ablation[@]+"${ablation[@]}"}
   done
 }
+probe() {  # probe NAME: the all-to-all bandwidth of the network the phase runs on, as $OUT/probe-NAME.json (a hung
+  # NCCL set-up stopped after 2 minutes rather than the call's limit)
+  timeout 120 bash bench/torchrun_nodes.sh bench/a2a_probe.py --out "$OUT/probe-$1.json" || exit 3
+}
+emulated_or_stop() {  # emulated_or_stop NAME KEY: stop unless the probe's KEY (GiB/s out per rank) is a socket's, so
+  # that a run NCCL kept on NVLink (its P2P, or its hosts not told apart) is never recorded as the emulated network
+  "${PYTHON:-python3}" - "$OUT/probe-$1.json" "$2" <<'PY' || exit 3
+import json, sys
+path, key = sys.argv[1:]
+value = json.load(open(path)).get(key)
+if value is None or not value < 50:
+    sys.exit(f"{path}: {key} {value} GiB/s: not an emulated network's (NCCL's sockets on loopback give about 5); "
+             "stopped before the runs")
+print(f"emulated network: {key} {value:.2f} GiB/s")
+PY
+}
 PHASE=${1:-}
 EXTRA=("${@:2}")
+# Issue 43's rows, cad's first (what the phase is for, kept if the budget cuts the rest) and Ulysses last (the
+# slowest at full depth in the simulator's predictions, 2026-11-29-cpu-sim-predictions-two-tier.md)
+BASELINES=cad+pingpong,cad,local,wlb,percp,ulysses
 case "$PHASE" in
   smoke)  # the sparse path once on GPUs, a few seconds of steps
     bench smoke --configs prolong:32K --strategies local+sparse,cad+sparse --warmup 1 --steps 1 --budget-s 60 \
       --sparse-args min_doc_len=4096,slash_cap=192,vertical_cap=1024 ;;
   baselines)  # issue 43: every baseline beside cad, the network's all-to-all bandwidth measured first
-    bash bench/torchrun_nodes.sh bench/a2a_probe.py --out "$OUT/probe-nvlink.json"
-    bench baselines --configs prolong:128K --strategies local,wlb,percp,ulysses,cad,cad+pingpong --warmup 2 \
-      --steps 4 --budget-s 480 ;;
+    probe nvlink
+    bench baselines --configs prolong:128K --strategies $BASELINES --warmup 2 --steps 4 --budget-s 480 ;;
   baselines-emulated)  # the same over NCCL's socket transport on loopback (../shared/recipes/emulated-inter-node.md)
     export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_NSOCKS_PERTHREAD=4 \
       NCCL_SOCKET_NTHREADS=4
-    bash bench/torchrun_nodes.sh bench/a2a_probe.py --out "$OUT/probe-emulated.json"
-    bench baselines-emulated --configs prolong:128K --strategies local,wlb,percp,ulysses,cad,cad+pingpong --warmup 2 \
-      --steps 4 --budget-s 480 ;;
+    probe emulated
+    emulated_or_stop emulated GiBps_out_per_rank
+    bench baselines-emulated --configs prolong:128K --strategies $BASELINES --warmup 2 --steps 4 --budget-s 480 ;;
   two-tier|two-tier-hierarchical)  # issue 43: NODES (default 2) emulated nodes on this host (bench/torchrun_nodes.sh):
     # NVLink inside a node, NCCL's socket transport over loopback between them; every baseline, or cad with the
     # hierarchical exchange (a phase each: each fits a call), the network's tiers measured first
     export NODES=${NODES:-2} NCCL_NSOCKS_PERTHREAD=4 NCCL_SOCKET_NTHREADS=4
-    bash bench/torchrun_nodes.sh bench/a2a_probe.py --out "$OUT/probe-$PHASE.json"
+    probe "$PHASE"
+    emulated_or_stop "$PHASE" inter_node_GiBps_out_per_rank
     if [ "$PHASE" = two-tier ]; then
-      bench two-tier --configs prolong:128K --strategies local,wlb,percp,ulysses,cad,cad+pingpong --warmup 2 \
-        --steps 4 --budget-s 480
+      bench two-tier --configs prolong:128K --strategies $BASELINES --warmup 2 --steps 4 --budget-s 480
     else
       bench two-tier-hierarchical --configs prolong:128K --strategies cad,cad+pingpong --hierarchical-exchange \
         --warmup 2 --steps 4 --budget-s 480
@@ -143,8 +161,8 @@ case "$PHASE" in
   # SCHEDULES and ABLATION: pooled_runs above.
   pooled-pp4) pooled_runs pooled-pp4 --pp 4 --steps 3 ;;
   pooled-pp2dp2) pooled_runs pooled-pp2dp2 --pp 2 --configs prolong:64K,pretrain:64K --steps 2 ;;
-  *) phases="smoke|prolong128|prolong256|pretrain64|pretrain64-memory|prolong64|pretrain128|pretrain128-baselines|pretrain256"
-     phases="$phases|pretrain256-baselines"
+  *) phases="smoke|baselines|baselines-emulated|two-tier|two-tier-hierarchical|windows|prolong128|prolong256|pretrain64"
+     phases="$phases|pretrain64-memory|prolong64|pretrain128|pretrain128-baselines|pretrain256|pretrain256-baselines"
      echo "usage: bash bench/gpu_e2e.sh $phases|prolong256-baselines|prolong256-sparse-pingpong|full-depth128|full-depth256|full-depth128-pretrain-cad|full-depth128-pretrain-local|full-depth256-baselines|full-depth256-sparse|parallel34b-tp4|parallel34b-pp2tp2|parallel34b-dp4|parallel8b-tp2|pooled-pp2|pooled-pp4|pooled-pp2dp2 [BENCH ARGS...]" >&2
      exit 2 ;;
 esac

@@ -329,3 +329,12 @@ def test_bench_over_two_emulated_nodes_records_them_and_relays_only_where_kv_row
     assert meta["nccl_env"]["NCCL_HOSTID"] == "attnpool-emulated-node-0"  # (rank 0's: the emulation shows)
     assert {rec["strategy"]: rec["hierarchical_exchange"] for rec in result["records"]} == {"ulysses": False,
                                                                                            "cad": True}
+
+
+def test_a_run_starts_only_where_one_as_long_as_the_longest_ends_within_the_budget():
+    from attnpool.bench.e2e import starts_within_budget
+
+    assert starts_within_budget(0.0, 0.0, 480)  # the first run: nothing measured yet
+    assert starts_within_budget(300.0, 150.0, 480)  # would end at 450 s
+    assert not starts_within_budget(400.0, 150.0, 480)  # would end at 550 s, past the budget (elapsed alone: 400 < 480)
+    assert starts_within_budget(1e6, 1e6, float("inf"))  # no budget given

@@ -296,6 +296,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def starts_within_budget(elapsed_s: float, longest_run_s: float, budget_s: float) -> bool:
+    """Whether the next run may start under ``--budget-s``: the time so far and the longest run so far fit in it,
+    so that a run as long as the longest ends within it. Started on elapsed time alone, a run begun just under the
+    budget would end far past it, where a GPU call's time limit cuts it (the finished runs' record is kept)."""
+    return elapsed_s + longest_run_s < budget_s
+
+
 def _run_all(args: argparse.Namespace, configs: list, strategies: list, cuda: bool) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if cuda:
@@ -303,16 +310,17 @@ def _run_all(args: argparse.Namespace, configs: list, strategies: list, cuda: bo
         wait_for_idle_gpus()
     cfg = model_config(args.model, **model_fields(args))
     t0 = time.perf_counter()
-    records, skipped = [], []
+    records, skipped, longest_run_s = [], [], 0.0
     work_dir = tempfile.mkdtemp(prefix="attnpool-bench-")
     for dist_name, tokens in configs:
         for name in strategies:
             # Every rank must take the same decision, or one would wait in a collective forever.
-            go = [time.perf_counter() - t0 < args.budget_s]
+            go = [starts_within_budget(time.perf_counter() - t0, longest_run_s, args.budget_s)]
             dist.broadcast_object_list(go, src=0)
             if not go[0]:
                 skipped.append(f"{dist_name}:{tokens}:{name}")
                 continue
+            run_t0 = time.perf_counter()
             with MemoryRecorder(args.memory_breakdown) as recorder:
                 if name == "ablation":
                     with tiny_messages():
@@ -327,6 +335,7 @@ def _run_all(args: argparse.Namespace, configs: list, strategies: list, cuda: bo
             if args.memory_breakdown:
                 _add_memory_breakdown(rec, recorder.breakdown(), args.out, f"{dist_name}-{tokens // 1024}K-{name}")
             records.append(rec)
+            longest_run_s = max(longest_run_s, time.perf_counter() - run_t0)
             # FSDP modules hold reference cycles: free this run's model and optimizer before
             # the next one, or its memory (and peak-memory figures) carry over.
             del rows

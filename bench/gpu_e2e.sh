@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end benchmark runs on 2-4 GPUs (4 x H200 unless NPROC says otherwise), one phase per device call:
 #   bash bench/gpu_e2e.sh PHASE [BENCH ARGS...]   (results under $OUT, or ./bench-out without it)
-# Each phase stays under the 10-minute command limit through --budget-s. NPROC=2 runs a phase on
+# Each phase stays under the 10-minute command limit through --budget-s or --end-by-s. NPROC=2 runs a phase on
 # two GPUs, and NODES=N splits the GPUs into N emulated nodes (bench/torchrun_nodes.sh); extra arguments go to
 # `attnpool bench` after the phase's own (the last one wins). A PYTHONPATH
 # given is kept after src: FA4's unpacked wheels there and `--attention-backend fa4` run the phase with FA4.
@@ -52,13 +52,13 @@ case "$PHASE" in
       --sparse-args min_doc_len=4096,slash_cap=192,vertical_cap=1024 ;;
   baselines)  # issue 43: every baseline beside cad, the network's all-to-all bandwidth measured first
     probe nvlink
-    bench baselines --configs prolong:128K --strategies $BASELINES --warmup 2 --steps 4 --budget-s 480 ;;
+    bench baselines --configs prolong:128K --strategies $BASELINES --warmup 2 --steps 4 --end-by-s 500 ;;
   baselines-emulated)  # the same over NCCL's socket transport on loopback (../shared/recipes/emulated-inter-node.md)
     export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_NSOCKS_PERTHREAD=4 \
       NCCL_SOCKET_NTHREADS=4
     probe emulated
     emulated_or_stop emulated GiBps_out_per_rank
-    bench baselines-emulated --configs prolong:128K --strategies $BASELINES --warmup 2 --steps 4 --budget-s 480 ;;
+    bench baselines-emulated --configs prolong:128K --strategies $BASELINES --warmup 2 --steps 4 --end-by-s 500 ;;
   two-tier|two-tier-hierarchical)  # issue 43: NODES (default 2) emulated nodes on this host (bench/torchrun_nodes.sh):
     # NVLink inside a node, NCCL's socket transport over loopback between them; every baseline, or cad with the
     # hierarchical exchange (a phase each: each fits a call), the network's tiers measured first
@@ -66,10 +66,10 @@ case "$PHASE" in
     probe "$PHASE"
     emulated_or_stop "$PHASE" inter_node_GiBps_out_per_rank
     if [ "$PHASE" = two-tier ]; then
-      bench two-tier --configs prolong:128K --strategies $BASELINES --warmup 2 --steps 4 --budget-s 480
+      bench two-tier --configs prolong:128K --strategies $BASELINES --warmup 2 --steps 4 --end-by-s 500
     else
       bench two-tier-hierarchical --configs prolong:128K --strategies cad,cad+pingpong --hierarchical-exchange \
-        --warmup 2 --steps 4 --budget-s 480
+        --warmup 2 --steps 4 --end-by-s 500
     fi ;;
   windows)  # issue 42: a Gemma-3-like model (five layers of a 1K-key sliding window to one global), cad against
     # local, and the same depth with every layer causal

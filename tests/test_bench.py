@@ -331,10 +331,12 @@ def test_bench_over_two_emulated_nodes_records_them_and_relays_only_where_kv_row
                                                                                            "cad": True}
 
 
-def test_a_run_starts_only_where_one_as_long_as_the_longest_ends_within_the_budget():
-    from attnpool.bench.e2e import starts_within_budget
+def test_a_run_starts_before_the_budget_and_where_one_like_the_longest_ends_by_end_by():
+    from attnpool.bench.e2e import may_start
 
-    assert starts_within_budget(0.0, 0.0, 480)  # the first run: nothing measured yet
-    assert starts_within_budget(300.0, 150.0, 480)  # would end at 450 s
-    assert not starts_within_budget(400.0, 150.0, 480)  # would end at 550 s, past the budget (elapsed alone: 400 < 480)
-    assert starts_within_budget(1e6, 1e6, float("inf"))  # no budget given
+    inf = float("inf")
+    assert may_start(0.0, 0.0, inf, 480)  # the first run: nothing measured yet
+    assert may_start(300.0, 150.0, inf, 480)  # would end at 450 s
+    assert not may_start(400.0, 150.0, inf, 480)  # would end at 550 s
+    assert may_start(400.0, 150.0, 480, inf) and not may_start(480.0, 0.0, 480, inf)  # --budget-s: elapsed alone
+    assert may_start(1e6, 1e6, inf, inf)  # neither given

@@ -296,11 +296,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def starts_within_budget(elapsed_s: float, longest_run_s: float, budget_s: float) -> bool:
-    """Whether the next run may start under ``--budget-s``: the time so far and the longest run so far fit in it,
-    so that a run as long as the longest ends within it. Started on elapsed time alone, a run begun just under the
-    budget would end far past it, where a GPU call's time limit cuts it (the finished runs' record is kept)."""
-    return elapsed_s + longest_run_s < budget_s
+def may_start(elapsed_s: float, longest_run_s: float, budget_s: float, end_by_s: float) -> bool:
+    """Whether the next run may start: before ``--budget-s`` (no run starts after it), and where a run as long as
+    the longest so far would end by ``--end-by-s``. The budget alone lets a run begun just under it end far past
+    it, where a GPU call's time limit cuts it (the finished runs' record is kept, that run lost)."""
+    return elapsed_s < budget_s and elapsed_s + longest_run_s < end_by_s
 
 
 def _run_all(args: argparse.Namespace, configs: list, strategies: list, cuda: bool) -> None:
@@ -315,7 +315,7 @@ def _run_all(args: argparse.Namespace, configs: list, strategies: list, cuda: bo
     for dist_name, tokens in configs:
         for name in strategies:
             # Every rank must take the same decision, or one would wait in a collective forever.
-            go = [starts_within_budget(time.perf_counter() - t0, longest_run_s, args.budget_s)]
+            go = [may_start(time.perf_counter() - t0, longest_run_s, args.budget_s, args.end_by_s)]
             dist.broadcast_object_list(go, src=0)
             if not go[0]:
                 skipped.append(f"{dist_name}:{tokens}:{name}")

@@ -46,7 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10, help="measured steps")
     p.add_argument("--ablation", action="store_true", help="also cad+pingpong (plain cad where --pp is above 1) with one-element messages: what the exchange's bytes cost")
-    p.add_argument("--budget-s", type=float, default=float("inf"), help="start a run only where the time so far plus the longest run so far is within this many seconds")
+    p.add_argument("--budget-s", type=float, default=float("inf"), help="start no new run after this many seconds")
+    p.add_argument("--end-by-s", type=float, default=float("inf"),
+                   help="start a run only where one as long as the longest so far would end within this many seconds")
     p.add_argument("--activation-checkpointing", default="keep_attention", choices=CHECKPOINTING,
                    help="what the backward recomputes (default: everything but core attention); 'none' shows what "
                         "the recompute costs, which the ideal leaves out, where memory allows")

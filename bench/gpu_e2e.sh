@@ -27,7 +27,9 @@ pooled_runs() {  # pooled_runs NAME ARGS...: `attnpool bench` once per schedule 
 }
 probe() {  # probe NAME: the all-to-all bandwidth of the network the phase runs on, as $OUT/probe-NAME.json (a hung
   # NCCL set-up stopped after 2 minutes rather than the call's limit)
-  timeout 120 bash bench/torchrun_nodes.sh bench/a2a_probe.py --out "$OUT/probe-$1.json" || exit 3
+  # (--foreground: the TERM goes to the script alone, whose trap passes it on to each torchrun once; a second one
+  # could stop a torchrun before it stops its workers, which would keep their GPUs)
+  timeout --foreground 120 bash bench/torchrun_nodes.sh bench/a2a_probe.py --out "$OUT/probe-$1.json" || exit 3
 }
 emulated_or_stop() {  # emulated_or_stop NAME KEY: stop unless the probe's KEY (GiB/s out per rank) is a socket's, so
   # that a run NCCL kept on NVLink (its P2P, or its hosts not told apart) is never recorded as the emulated network
@@ -43,6 +45,8 @@ PY
 }
 PHASE=${1:-}
 EXTRA=("${@:2}")
+# (--end-by-s counts from the bench's start: 540 s less what the script has spent, the probe's included, leaves a
+# 600 s call a minute for the bench's start-up and end.)
 # Issue 43's rows, cad's first (what the phase is for, kept if the budget cuts the rest) and Ulysses last (the
 # slowest at full depth in the simulator's predictions, 2026-11-29-cpu-sim-predictions-two-tier.md)
 BASELINES=cad+pingpong,cad,local,wlb,percp,ulysses
@@ -52,13 +56,13 @@ case "$PHASE" in
       --sparse-args min_doc_len=4096,slash_cap=192,vertical_cap=1024 ;;
   baselines)  # issue 43: every baseline beside cad, the network's all-to-all bandwidth measured first
     probe nvlink
-    bench baselines --configs prolong:128K --strategies $BASELINES --warmup 2 --steps 4 --end-by-s 500 ;;
+    bench baselines --configs prolong:128K --strategies $BASELINES --warmup 2 --steps 4 --end-by-s $((540 - SECONDS)) ;;
   baselines-emulated)  # the same over NCCL's socket transport on loopback (../shared/recipes/emulated-inter-node.md)
     export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_NSOCKS_PERTHREAD=4 \
       NCCL_SOCKET_NTHREADS=4
     probe emulated
     emulated_or_stop emulated GiBps_out_per_rank
-    bench baselines-emulated --configs prolong:128K --strategies $BASELINES --warmup 2 --steps 4 --end-by-s 500 ;;
+    bench baselines-emulated --configs prolong:128K --strategies $BASELINES --warmup 2 --steps 4 --end-by-s $((540 - SECONDS)) ;;
   two-tier|two-tier-hierarchical)  # issue 43: NODES (default 2) emulated nodes on this host (bench/torchrun_nodes.sh):
     # NVLink inside a node, NCCL's socket transport over loopback between them; every baseline, or cad with the
     # hierarchical exchange (a phase each: each fits a call), the network's tiers measured first
@@ -66,10 +70,10 @@ case "$PHASE" in
     probe "$PHASE"
     emulated_or_stop "$PHASE" inter_node_GiBps_out_per_rank
     if [ "$PHASE" = two-tier ]; then
-      bench two-tier --configs prolong:128K --strategies $BASELINES --warmup 2 --steps 4 --end-by-s 500
+      bench two-tier --configs prolong:128K --strategies $BASELINES --warmup 2 --steps 4 --end-by-s $((540 - SECONDS))
     else
       bench two-tier-hierarchical --configs prolong:128K --strategies cad,cad+pingpong --hierarchical-exchange \
-        --warmup 2 --steps 4 --end-by-s 500
+        --warmup 2 --steps 4 --end-by-s $((540 - SECONDS))
     fi ;;
   windows)  # issue 42: a Gemma-3-like model (five layers of a 1K-key sliding window to one global), cad against
     # local, and the same depth with every layer causal

@@ -72,6 +72,15 @@ def test_one_mode_counts_every_layers_backward():
     assert offloaded.phase == "layer 1 backward (full)" and offloaded.breakdown["activations"] == 2 * kept
 
 
+def test_a_later_micro_batchs_loss_holds_the_accumulated_gradients():
+    """With several micro-batches, each one's loss after the first runs with the gradients accumulated so far
+    (unsharded float32, every layer's and the root's): at few tokens that is the step's peak."""
+    x = MemoryInputs(model_config("llama3-8b", n_layers=2), 8 * 1024, activation_checkpointing="full", dp=8,
+                     microbatches=4)
+    peak = estimate(x)
+    assert peak.phase == "loss backward" and peak.breakdown["accumulated gradients"] > 0
+
+
 # (model fields, tokens, dp, tp, calibrated): long and short contexts (at 8K tokens a keep_attention layer's chunked
 # recompute holds more than a none layer's backward, so the peak is not monotone in the layers recomputed), tp, and
 # the packaged calibration's per-mode residuals

@@ -305,11 +305,11 @@ def may_start(elapsed_s: float, longest_run_s: float, budget_s: float, end_by_s:
 
 def _run_all(args: argparse.Namespace, configs: list, strategies: list, cuda: bool) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
+    t0 = time.perf_counter()  # (before the wait for idle GPUs, which --budget-s and --end-by-s must count)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         wait_for_idle_gpus()
     cfg = model_config(args.model, **model_fields(args))
-    t0 = time.perf_counter()
     records, skipped, longest_run_s = [], [], 0.0
     work_dir = tempfile.mkdtemp(prefix="attnpool-bench-")
     for dist_name, tokens in configs:

@@ -5,11 +5,10 @@ code's own choices (what autograd saves under each ``activation_checkpointing`` 
 FSDP2's copies), then takes the largest of the moments a step's memory can peak:
 
 - the loss's backward (every layer's saved activations still held, plus one chunk of logits and their
-  gradient);
-- the backward of the last layer (the same activations, plus that layer's recompute, its gradients
-  and core attention's backward buffers);
-- the backward of the first layer (one layer's activations left, every other layer's sharded gradient
-  accumulated);
+  gradient; with several micro-batches, the gradients accumulated so far);
+- the backward of each layer (the activations of the layers before it, plus that layer's recompute and core
+  attention's backward buffers, and the sharded gradients of the layers after it with the float32 copy of the
+  next one's); under pipeline stages, those of a stage's last and first layer;
 - the optimizer step (parameters, gradients and AdamW's two moments).
 
 Persistent state: FSDP2 keeps each parameter sharded over the ``dp`` ranks in float32, its gradient
@@ -441,13 +440,12 @@ def _rank_estimate(x: MemoryInputs, cal: Calibration) -> MemoryEstimate:
     layer = m.layer_params() / x.tp
     root /= x.tp
     owned = (layers * layer + root) / x.dp  # this rank's shard
-    in_flight = x.in_flight
 
     per_layer = sum(saved_per_layer(x).values()) * home / x.tp  # one unit's
     stage_layers = x.stage_layers or layers
-    saved_layers = stage_layers * in_flight
+    saved_layers = stage_layers * x.in_flight
     if x.held_rows is None:
-        held_home, held_per_layer = home * in_flight, per_layer * in_flight
+        held_home, held_per_layer = home * x.in_flight, per_layer * x.in_flight
     else:
         held_home = tokens * x.held_rows.home
         held_per_layer = sum(saved_per_layer(replace(x, rows=x.held_rows)).values()) * held_home / x.tp
@@ -497,8 +495,9 @@ def _rank_estimate(x: MemoryInputs, cal: Calibration) -> MemoryEstimate:
     modes = _modes_by_layer(x, layers)
     if modes:
         saved = [sum(saved_per_layer(x, mode).values()) * home / x.tp for mode in modes]
-        for terms in loss_phase.values():
-            terms["activations"] = max(map(sum, zip(saved, saved[1:] or [0]))) if x.activation_offload else sum(saved)
+        for terms in loss_phase.values():  # (a later micro-batch's loss holds the gradients accumulated so far)
+            terms.update(activations=max(map(sum, zip(saved, saved[1:] or [0]))) if x.activation_offload
+                         else sum(saved), **accumulated)
         layer_phases = _layer_phases(x, modes, saved, {**states, **compute, "step inputs": step_inputs, **accumulated},
                                      backward, GRAD_BYTES * layer, layer / x.dp)
         return _peak_phase(x, {**loss_phase, **layer_phases, "optimizer step": phases["optimizer step"]}, cal, home,

@@ -164,6 +164,42 @@ def without_manifest(run: str, where) -> tuple[str, str]:
     return out, checkpoint
 
 
+def test_a_manifest_that_is_not_an_object_is_a_damaged_checkpoint(tmp_path):
+    """Valid JSON but not the manifest's object ([] or null): a problem like any damage (a resume takes an older
+    checkpoint or names it), not a crash."""
+    _, checkpoint = copy_of(stopped_run.result(), tmp_path / "run")
+    for text in ("[]", "null"):
+        with open(os.path.join(checkpoint, MANIFEST), "w") as fh:
+            fh.write(text)
+        problem = verify_checkpoint(checkpoint, distributed=False)
+        assert problem is not None and "manifest is unreadable" in problem, problem
+
+
+def test_exports_are_never_lost_to_a_crash_or_to_their_names_order(tmp_path):
+    """A crash between write_directory_aside's two renames left the previous export aside: the next export puts it
+    back before anything else, so a failure then still leaves it in place. Per-checkpoint exports are pruned
+    newest by step, not by name."""
+    from attnpool.train.export import prune_exports, write_directory_aside
+
+    target = tmp_path / "hf"
+    (tmp_path / "hf.replaced").mkdir()
+    (tmp_path / "hf.replaced" / "model.safetensors").write_text("previous")
+
+    def disk_full(path):
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        write_directory_aside(str(target), disk_full)
+    assert (target / "model.safetensors").read_text() == "previous"
+    write_directory_aside(str(target), lambda path: (os.makedirs(path), open(os.path.join(path, "x"), "w").close()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"] and os.listdir(target) == ["x"]
+    exports = tmp_path / "hf-exports"
+    for step in (999_998, 999_999, 1_000_000):
+        (exports / f"step-{step:06d}").mkdir(parents=True)
+    prune_exports(str(exports), 2)
+    assert sorted(p.name for p in exports.iterdir()) == ["step-1000000", "step-999999"]
+
+
 @background.job("test_a_checkpoint_without_manifest_resumes_only_when_allowed", needs=(stopped_run,))
 def resumed_without_manifest(tmp):
     """Copies of the stopped run without their checkpoint's manifest, resumed with --allow-unverified: as it is (its

@@ -500,6 +500,15 @@ def test_export_of_a_pipelined_run_matches_one_process_and_loads_in_transformers
         assert main(["export", "--run", str(tmp_path / "pp"), "--out", str(tmp_path / out)]) == 2
         assert said in capsys.readouterr().err
     assert (tmp_path / "a-file").read_text() == "mine"
+    # Never the run it reads, a place inside its checkpoints, or a run's directory, --overwrite or not: replacing
+    # --out would delete what was trained
+    for out, said in ((tmp_path / "pp", "which the export reads"), (tmp_path / "pp" / "checkpoints" / "x", "which the "
+                      "export reads"), (tmp_path / "one", "holds a run's checkpoints")):
+        assert main(["export", "--run", str(tmp_path / "pp"), "--out", str(out), "--overwrite"]) == 2
+        assert said in capsys.readouterr().err
+    from attnpool.train.checkpoint import finished_checkpoints
+
+    assert all(finished_checkpoints(str(tmp_path / name)) for name in ("pp", "one"))
     assert main(["export", "--run", str(tmp_path / "pp"), "--out", str(tmp_path / "hf-one"), "--dtype", "fp32",
                  "--overwrite"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("hf-one")) == ["hf-one"]

@@ -462,7 +462,8 @@ def agree_on_call(plan: Plan, q: torch.Tensor, problem: str | None, group=None,
     the plan's fingerprint (and the sparse options) before the first collective that depends on them, so that
     a mismatch is a ConfigError on every rank, not a hang. A fully local plan launches none, so needs none."""
     rank, world = group_rank_size(group)
-    agreed = ("agreed", rank, id(group))
+    # (keyed by what is compared too: the same plan used again with other sparse options or nodes is checked again)
+    agreed = ("agreed", rank, id(group), sparse, relay_nodes)
     if agreed not in plan.runtime_cache:
         if not (plan.num_ranks == world and plan.is_fully_local()) or problem:
             device = q.device if world > 1 and dist.get_backend(group) == "nccl" else torch.device("cpu")

@@ -78,7 +78,7 @@ def read_manifest(path: str) -> dict | None:
     try:
         with open(file) as fh:
             manifest = json.load(fh)
-        if not isinstance(manifest.get("files"), dict):
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
             raise ValueError("no file list")
         return manifest
     except (OSError, ValueError) as exc:
@@ -231,7 +231,8 @@ def check_compatible(path: str, expected: dict[str, tuple]) -> None:
     raise ConfigError("resume", path, f"the checkpoint is of another model shape: {detail}")
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """A directory's entries on disk (a rename or a new file in it survives a power loss)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -304,7 +305,7 @@ def _put_in_place(partial: str, path: str, step: int, config: dict | None, files
     root = os.path.dirname(path)
     _write_json_atomically(os.path.join(partial, MANIFEST),
                            {"format": 1, "step": step, "config": config or {}, "files": files})
-    _fsync_dir(partial)  # (the manifest's entry on disk before the rename makes the checkpoint count)
+    fsync_dir(partial)  # (the manifest's entry on disk before the rename makes the checkpoint count)
     # Checkpoints of this step or later are ones a resume skipped as damaged (it takes the newest valid
     # one, and a run saves each step once): left as they are, later ones would stay the "newest" and outlive
     # `keep`, and this step's would be lost under the new one. Kept aside, for a look.
@@ -314,7 +315,7 @@ def _put_in_place(partial: str, path: str, step: int, config: dict | None, files
         shutil.rmtree(old + DAMAGED_SUFFIX, ignore_errors=True)
         os.replace(old, old + DAMAGED_SUFFIX)
     os.replace(partial, path)
-    _fsync_dir(root)
+    fsync_dir(root)
     if keep > 0:
         for _, old in finished_checkpoints(out)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from attnpool.errors import ConfigError, TrainingError, check_output_directory
 from attnpool.model import ModelSpec, model_spec
 from attnpool.parallel import RankMesh
-from attnpool.train.checkpoint import (checkpoint_config, checkpoint_path, read_dcp, select_checkpoint,
-                                       verify_checkpoint)
+from attnpool.train.checkpoint import (MANIFEST, checkpoint_config, checkpoint_path, fsync_dir, read_dcp,
+                                       select_checkpoint, verify_checkpoint)
 from attnpool.train.config import TrainConfig
 from attnpool.train.data_source import tokenizer_path
 
@@ -95,8 +95,9 @@ def export_run_model(model: torch.nn.Module, spec: ModelSpec, config: TrainConfi
     if dist.get_rank() == 0:
         try:
             _write_export(model, spec, config, full, directory)
-        except (ConfigError, OSError) as exc:
-            failure = [f"the Hugging Face export to {directory} failed: {exc}"]
+        except Exception as exc:  # noqa: BLE001 (every failure must reach the ranks waiting below: safetensors'
+            # I/O errors, a full disk among them, are not OSErrors; a TrainingError, final: a restart would fail alike)
+            failure = [f"the Hugging Face export to {directory} failed: {type(exc).__name__}: {exc}"]
     dist.broadcast_object_list(failure, src=0)
     if failure[0] is not None:
         raise TrainingError(failure[0])
@@ -105,8 +106,12 @@ def export_run_model(model: torch.nn.Module, spec: ModelSpec, config: TrainConfi
 
 def write_directory_aside(directory: str, write) -> None:
     """``write(path)`` a directory beside ``directory``, then rename it into place: what was there (a resumed run's
-    export of the same step, the end's again, an export replaced) goes only once the new one is whole."""
+    export of the same step, the end's again, an export replaced) goes only once the new one is whole, on disk
+    (its files and directory synced before the rename, the parent after). A crash between the two renames left the
+    previous export aside: it is put back first, not deleted."""
     partial, replaced = directory + ".partial", directory + ".replaced"
+    if not os.path.isdir(directory) and os.path.isdir(replaced):
+        os.replace(replaced, directory)
     for stale in (partial, replaced):
         shutil.rmtree(stale, ignore_errors=True)
     write(partial)
@@ -114,10 +119,16 @@ def write_directory_aside(directory: str, write) -> None:
     umask = os.umask(0)
     os.umask(umask)
     for name in os.listdir(partial):
-        os.chmod(os.path.join(partial, name), 0o666 & ~umask)
+        file = os.path.join(partial, name)
+        os.chmod(file, 0o666 & ~umask)
+        if os.path.isfile(file):
+            with open(file, "rb") as fh:
+                os.fsync(fh.fileno())
+    fsync_dir(partial)
     if os.path.isdir(directory):
         os.replace(directory, replaced)
     os.replace(partial, directory)
+    fsync_dir(os.path.dirname(os.path.abspath(directory)))
     shutil.rmtree(replaced, ignore_errors=True)
 
 
@@ -125,12 +136,18 @@ def _write_export(model: torch.nn.Module, spec: ModelSpec, config: TrainConfig, 
     tokenizer = tokenizer_files(tokenizer_path(config, spec))
     write_directory_aside(directory, lambda path: spec.save_hf(model, full, path, tokenizer_dir=tokenizer))
     exports = os.path.dirname(directory)
-    keep = config.checkpoint.keep
-    if keep > 0 and os.path.basename(exports) == HF_CHECKPOINT_EXPORTS_DIR:
-        finished = sorted(name for name in os.listdir(exports) if re.fullmatch(r"step-\d+", name))
-        for name in finished[:-keep]:
-            shutil.rmtree(os.path.join(exports, name), ignore_errors=True)
+    if config.checkpoint.keep > 0 and os.path.basename(exports) == HF_CHECKPOINT_EXPORTS_DIR:
+        prune_exports(exports, config.checkpoint.keep)
     print(f"hf export: {directory} (transformers: AutoModelForCausalLM.from_pretrained)", flush=True)
+
+
+def prune_exports(exports: str, keep: int) -> None:
+    """Delete the per-checkpoint exports (``step-N``) in ``exports`` but the newest ``keep``, newest by step
+    (step-1000000 after step-999999, which their names sort before)."""
+    steps = sorted((name for name in os.listdir(exports) if re.fullmatch(r"step-\d+", name)),
+                   key=lambda name: int(name.removeprefix("step-")))
+    for name in steps[:-keep]:
+        shutil.rmtree(os.path.join(exports, name), ignore_errors=True)
 
 
 def read_checkpoint_model(*, run_dir: str | None = None, checkpoint: str | None = None,
@@ -183,7 +200,7 @@ def export_hf(*, run_dir: str | None = None, checkpoint: str | None = None, out:
     newer ones skipped as damaged. Every file is checked against the manifest first."""
     if dtype not in (*DTYPES, "auto"):
         raise ConfigError("dtype", dtype, f"choose one of auto, {', '.join(DTYPES)}")
-    check_export_out(out, overwrite)
+    check_export_out(out, overwrite, reads=(run_dir, checkpoint))
     model, spec, settings, path, skipped = read_checkpoint_model(run_dir=run_dir, checkpoint=checkpoint,
                                                                  allow_unverified=allow_unverified)
     tokenizer = tokenizer_files(settings.get("tokenizer") or spec.tokenizer_dir)
@@ -192,9 +209,28 @@ def export_hf(*, run_dir: str | None = None, checkpoint: str | None = None, out:
     return path, skipped
 
 
-def check_export_out(out: str, overwrite: bool) -> None:
-    """Refuse an ``out`` the export cannot or should not write: a file, a directory with files in it (an earlier
-    export?) unless ``overwrite``, a place this process may not write."""
+def check_export_out(out: str, overwrite: bool, reads: tuple[str | None, ...] = ()) -> None:
+    """Refuse an ``out`` the export cannot or should not write: a file; the run or checkpoint it ``reads``, a
+    directory holding one, or a place inside a checkpoint (replacing ``out`` would delete what was trained); a
+    directory of a run's checkpoints (``checkpoints/`` or a manifest), ``overwrite`` or not; a directory with
+    other files in it (an earlier export?) unless ``overwrite``; a place this process may not write."""
     check_output_directory("out", out)
-    if os.path.isdir(out) and os.listdir(out) and not overwrite:
-        raise ConfigError("out", out, "holds files already: pass --overwrite to replace them, or choose another --out")
+    target = os.path.realpath(out)
+
+    def within(path: str, parent: str) -> bool:
+        return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
+
+    for source in filter(None, reads):
+        source = os.path.realpath(source)
+        checkpoints = os.path.join(source, "checkpoints") if os.path.isdir(os.path.join(source, "checkpoints")) \
+            else source  # (a run's checkpoints, or the checkpoint itself)
+        if within(source, target) or within(target, checkpoints):
+            raise ConfigError("out", out, f"is or holds {source}, or lies inside its checkpoints, which the export "
+                                          "reads: choose an --out outside them")
+    if os.path.isdir(out) and os.listdir(out):
+        if os.path.isdir(os.path.join(out, "checkpoints")) or os.path.isfile(os.path.join(out, MANIFEST)):
+            raise ConfigError("out", out, "holds a run's checkpoints: an export never replaces them; choose another "
+                                          "--out")
+        if not overwrite:
+            raise ConfigError("out", out, "holds files already: pass --overwrite to replace them, or choose another "
+                                          "--out")

@@ -303,6 +303,37 @@ def test_jsonl_source(tmp_path, tokenizer_dir):
     assert batches(stream, 3)[2].num_tokens == 4
 
 
+def test_documents_are_framed_as_the_tokenizer_frames_them_and_end_with_its_end_of_text(tmp_path):
+    """A Llama-like tokenizer (begin-of-text added by its post-processor, an end-of-text token): by default a
+    document is <s> text </s>, so that the model sees the framing it was pretrained with and learns where documents
+    end; </s> once where the tokenizer adds it itself; both can be turned off."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, "the": 3, "cat": 4, "sat": 5}
+    paths = {}
+    for name, template in (("bos", "<s> $A"), ("both", "<s> $A </s>")):
+        tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+        tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+        tok.post_processor = tokenizers.processors.TemplateProcessing(single=template,
+                                                                      special_tokens=[("<s>", 1), ("</s>", 2)])
+        paths[name] = tmp_path / name
+        transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>",
+                                             eos_token="</s>").save_pretrained(paths[name])
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"text": "the cat"}) + "\n" + json.dumps({"text": "cat sat"}) + "\n")
+    assert JsonlSource(docs, paths["bos"])[0].tolist() == [1, 3, 4, 2]
+    assert JsonlSource(docs, paths["both"])[1].tolist() == [1, 4, 5, 2]  # (its own </s>, not a second)
+    assert JsonlSource(docs, paths["bos"], add_special_tokens=False, append_eos=False)[0].tolist() == [3, 4]
+    assert JsonlSource(docs, paths["bos"], add_special_tokens=False)[0].tolist() == [3, 4, 2]
+    datasets = pytest.importorskip("datasets")  # hf: data the same way (tokenised once, cached)
+    from attnpool.data import make_source
+
+    parquet = tmp_path / "docs.parquet"
+    datasets.Dataset.from_dict({"text": ["the cat", "cat sat"]}).to_parquet(parquet)
+    source = make_source("hf", name=str(parquet), tokenizer=str(paths["bos"]), cache_dir=str(tmp_path / "cache"))
+    assert [source[i].tolist() for i in range(len(source))] == [[1, 3, 4, 2], [1, 4, 5, 2]]
+
+
 def test_jsonl_source_refuses_bad_input(tmp_path, tokenizer_dir):
     path = tmp_path / "docs.jsonl"
     path.write_text('{"text": "the cat"}\n{"body": "a dog"}\n')

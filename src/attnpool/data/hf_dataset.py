@@ -2,7 +2,8 @@
 
 NAME_OR_PATH is a local json/jsonl/parquet/text/csv file, a directory ``Dataset.save_to_disk`` wrote, a
 directory of data files, or a Hub dataset name. Each record's ``text_field`` is one document, tokenised with
-a Hugging Face tokenizer (without special tokens unless ``add_special_tokens``); empty texts are skipped.
+a Hugging Face tokenizer as it frames a text (``add_special_tokens``) and ended with its end-of-text token
+(``append_eos``; attnpool.data.sources.with_eos); empty texts are skipped.
 ``streaming`` reads records one batch at a time without converting the whole dataset to Arrow first (for
 large ones; ``documents`` stops after that many).
 
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from attnpool.data.sources import DocumentSource, load_tokenizer
+from attnpool.data.sources import DocumentSource, load_tokenizer, with_eos
 from attnpool.errors import ConfigError
 
 # A local file's loader, by its name's ending.
@@ -46,8 +47,8 @@ class HFDatasetSource(DocumentSource):
 
     def __init__(self, name: str, tokenizer: str, text_field: str = "text", split: str = "train",
                  subset: str | None = None, streaming: bool = False, documents: int | None = None,
-                 add_special_tokens: bool = False, cache_dir: str | None = None, progress: bool = False,
-                 model_vocab_size: int | None = None):
+                 add_special_tokens: bool = True, append_eos: bool = True, cache_dir: str | None = None,
+                 progress: bool = False, model_vocab_size: int | None = None):
         if documents is not None and (isinstance(documents, bool) or not isinstance(documents, int) or documents < 1):
             raise ConfigError("documents", documents, "must be a positive integer (or unset: all)")
         self.name, self.text_field = name, text_field
@@ -62,17 +63,17 @@ class HFDatasetSource(DocumentSource):
         with reading_errors(f"hf:{name}"):  # (a stream is read, and may fail, only from here)
             _check_text_field(dataset, name, text_field)
             key = _cache_key(dataset, name, split, subset, bool(streaming), text_field, documents,
-                             bool(add_special_tokens), self.tokenizer)
+                             bool(add_special_tokens), bool(append_eos), self.tokenizer)
             cache_entry = os.path.join(cache_dir or default_cache_dir(), key)
             cached = _read_cache(cache_entry)
             if cached is None:
-                cached = self._tokenize(dataset, documents, bool(add_special_tokens), progress)
+                cached = self._tokenize(dataset, documents, bool(add_special_tokens), bool(append_eos), progress)
                 _write_cache(cache_entry, *cached)
         self.tokens, self.offsets = cached
         if len(self.offsets) < 2:
             raise ConfigError("data", f"hf:{name}", f"holds no non-empty '{text_field}' texts")
 
-    def _tokenize(self, dataset, documents: int | None, add_special_tokens: bool,
+    def _tokenize(self, dataset, documents: int | None, add_special_tokens: bool, append_eos: bool,
                   progress: bool) -> tuple[np.ndarray, np.ndarray]:
         total = len(dataset) if hasattr(dataset, "__len__") else None
         if documents is not None and total is not None:
@@ -89,6 +90,7 @@ class HFDatasetSource(DocumentSource):
                                                                          f"a {type(text).__name__}, not a string")
                 ids = self.tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
                 for doc in ids:
+                    doc = with_eos(doc, self.tokenizer, append_eos)
                     if doc:
                         pieces.append(np.asarray(doc, dtype=np.int32))
                         lengths.append(len(doc))
@@ -221,13 +223,13 @@ def _files_identity(path: str) -> list:
             for p in files]
 
 
-def _cache_key(dataset, name, split, subset, streaming, text_field, documents, add_special_tokens,
+def _cache_key(dataset, name, split, subset, streaming, text_field, documents, add_special_tokens, append_eos,
                tokenizer) -> str:
     fingerprint = getattr(dataset, "_fingerprint", None)  # Arrow datasets: a hash of their files and history
     identity = fingerprint if fingerprint is not None and not streaming else (
         _files_identity(name) if os.path.exists(name) else name)
     settings = dict(format=CACHE_FORMAT, dataset=identity, split=split, subset=subset, text_field=text_field,
-                    documents=documents, add_special_tokens=add_special_tokens,
+                    documents=documents, add_special_tokens=add_special_tokens, append_eos=append_eos,
                     tokenizer=_tokenizer_identity(tokenizer))
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:32]
 

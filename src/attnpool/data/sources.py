@@ -284,19 +284,20 @@ class JsonlSource(DocumentSource):
     ``transformers.AutoTokenizer.from_pretrained`` reads; nothing is downloaded.
     Every line is checked when the source is built (valid JSON, the field present
     and a string), so a bad file fails before training; blank lines and empty
-    texts are skipped. Documents are tokenised when read, without special tokens
-    unless ``add_special_tokens``.
+    texts are skipped. Documents are tokenised when read, as the tokenizer frames a
+    text (``add_special_tokens``: a Llama's begin-of-text token, say), and end with
+    its end-of-text token (``append_eos``): :func:`tokenize_document`.
     """
 
     def __init__(self, path: str | Path, tokenizer_path: str | Path, text_field: str = "text",
-                 add_special_tokens: bool = False):
+                 add_special_tokens: bool = True, append_eos: bool = True):
         self.path = str(path)
         if not os.path.isfile(self.path):
             raise ConfigError("path", self.path, "no such file")
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.vocab_size = len(self.tokenizer)
         self.text_field = text_field
-        self.add_special_tokens = bool(add_special_tokens)
+        self.add_special_tokens, self.append_eos = bool(add_special_tokens), bool(append_eos)
         # Byte offset of every document's line: the texts stay on disk until read.
         starts = []
         with open(self.path, "rb") as f:
@@ -336,13 +337,21 @@ class JsonlSource(DocumentSource):
 
     def __getitem__(self, index: int) -> np.ndarray:
         ids = self.tokenizer(self.text(index), add_special_tokens=self.add_special_tokens)["input_ids"]
-        return np.asarray(ids, dtype=np.int64)
+        return np.asarray(with_eos(ids, self.tokenizer, self.append_eos), dtype=np.int64)
 
     def lengths(self) -> np.ndarray:
         """Tokenises every document once (then cached)."""
         if self._lengths is None:
             self._lengths = super().lengths()
         return self._lengths.copy()
+
+
+def with_eos(ids: list[int], tokenizer, append_eos: bool) -> list[int]:
+    """A document's token ids ending with the tokenizer's end-of-text token where ``append_eos`` and it has one
+    (once: not after one the tokenizer added itself), so that a model learns where documents end; empty stays
+    empty (a skipped document)."""
+    eos = tokenizer.eos_token_id if append_eos else None
+    return [*ids, eos] if eos is not None and ids and ids[-1] != eos else list(ids)
 
 
 def load_tokenizer(tokenizer_path: str | Path, field: str = "tokenizer_path"):

@@ -111,7 +111,7 @@ class DataSection(Section):
     path: str | None = _setting("data_path", "text: file, directory or glob; npy: tokens .npy; jsonl: .jsonl file",
                                 default=None)
     args: dict = _setting("data_args", "more source options, e.g. offsets_path=... tokenizer_path=... dist=prolong; hf: "
-                                       "text_field, split, subset, streaming, documents, add_special_tokens, cache_dir",
+                                       "text_field, split, subset, streaming, documents, add_special_tokens, append_eos, cache_dir",
                           default_factory=dict)
     tokenizer: str | None = _setting("tokenizer", "Hugging Face tokenizer directory for hf: and jsonl data (default: "
                                                   "the hf: model's directory)", default=None)

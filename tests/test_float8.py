@@ -183,6 +183,11 @@ def test_float8_gathers_of_weights_train_as_bf16_gathers_do(tmp_path):
         resolve_run_spec(uneven, 3, None, "cuda")
     assert err.value.field == "float8_all_gather"
     resolve_run_spec(uneven.replace(nproc=2), 2, None, "cuda")
+    # One dp rank (one GPU, or tp over them all) gathers nothing, and left torchao's wrapper on the weights the
+    # end-of-run export then could not write
+    for nproc, tp in ((1, 1), (2, 2)):
+        with pytest.raises(ConfigError, match="float8_all_gather=True: one dp rank gathers nothing"):
+            resolve_run_spec(uneven.replace(nproc=nproc, tp=tp), nproc, None, "cuda")
 
 
 def test_quality_table_compares_each_window_with_the_baseline(tmp_path):

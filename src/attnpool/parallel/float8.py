@@ -75,7 +75,11 @@ def float8_all_gather_problem(m, dp: int, tp: int = 1) -> str | None:
     float8 over ``dp`` ranks, each weight ``tp``-split as attnpool.parallel.tensor splits it, or None. FSDP2 pads the
     last shard of a weight whose rows dp does not divide, and torchao's float8 gather neither keeps such a shard's
     precomputed scale nor pads what it sends: the ranks' gathers then differ (in size, or one of them reduces its
-    scale alone) and the run hangs or aborts (emulated on CPU at dp=3)."""
+    scale alone) and the run hangs or aborts (emulated on CPU at dp=3). With one dp rank there is nothing to gather:
+    FSDP2 hands torchao's float8 wrapper back whole, and the run's Hugging Face export could not write it."""
+    if dp == 1:
+        return "one dp rank gathers nothing (the option saves bytes between dp ranks), and the export cannot write " \
+               "the weights it leaves wrapped"
     q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
     # (name, in_features, out_features, split by tp along the rows: the column-parallel ones)
     linears = [("q_proj", m.dim, q, True), ("k_proj", m.dim, kv, True), ("v_proj", m.dim, kv, True),

@@ -29,6 +29,9 @@ def test_only_the_decoder_layers_linear_layers_are_converted():
     floats = {name for name, module in model.named_modules() if isinstance(module, Float8Linear)}
     assert floats == set(converted)
     assert not isinstance(model.embed, Float8Linear) and "norm" not in " ".join(floats)
+    # under tp 4 a rank's k and v projections hold 32 / 4 = 8 output rows, no multiple of 16: they stay bf16
+    split = apply_float8(Transformer(model_config("tiny", **SHAPE)), "tensorwise", emulate=True, tp=4)
+    assert len(split) == 2 * 5 and not any(n.endswith(("k_proj", "v_proj")) for n in split), split
     # a micro-batch's tokens, the inner dimension of the weight gradient's matmul, need not be a multiple of 16
     # (ping-pong halves end at documents' ends): _scaled_mm refused 64499 of them on the GPU before padding
     assert all(module.config.pad_inner_dim for name, module in model.named_modules() if name in floats)

@@ -27,21 +27,29 @@ from torch import nn
 from attnpool.model.float8_options import RECIPES
 
 
-def float8_linears(model: nn.Module) -> list[str]:
-    """The names (within ``model``) of the linear layers float8 converts: every block's, with dimensions in
-    multiples of 16."""
+def converts(fan_in: int, fan_out: int, tp: int = 1) -> bool:
+    """Whether float8 converts a linear layer of these dimensions under ``tp``: each in multiples of 16 on every tp
+    rank (_scaled_mm's operands need them; pad_inner_dim pads only the inner one, and a tp split may cut either)."""
+    return fan_in % (16 * tp) == 0 and fan_out % (16 * tp) == 0
+
+
+def float8_linears(model: nn.Module, tp: int = 1) -> list[str]:
+    """The names (within ``model``) of the linear layers float8 converts: every block's whose dimensions it takes
+    (:func:`converts`)."""
     names = []
     for block_name, block in model.layers.items():
         for name, module in block.named_modules():
-            if isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0:
+            if isinstance(module, nn.Linear) and converts(module.in_features, module.out_features, tp):
                 names.append(f"layers.{block_name}.{name}")
     return names
 
 
-def apply_float8(model: nn.Module, recipe: str, emulate: bool = False, all_gather: bool = False) -> list[str]:
+def apply_float8(model: nn.Module, recipe: str, emulate: bool = False, all_gather: bool = False,
+                 tp: int = 1) -> list[str]:
     """Convert the decoder layers' linear layers of ``model`` (attnpool's Transformer, a pipeline stage of it, or a
     transformers model behind the adapter) to torchao's float8 training in place; returns the converted names.
-    ``all_gather``: FSDP2 gathers their weights in float8 (tensorwise)."""
+    ``all_gather``: FSDP2 gathers their weights in float8 (tensorwise). ``tp``: the tensor-parallel degree the model
+    is split by next (the layers' dimensions on each rank)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     if recipe not in RECIPES:
@@ -61,7 +69,7 @@ def apply_float8(model: nn.Module, recipe: str, emulate: bool = False, all_gathe
     config = Float8LinearConfig(**{**Float8LinearConfig.from_recipe_name(recipe).__dict__, "pad_inner_dim": True,
                                    "emulate": emulate, "enable_fsdp_float8_all_gather": all_gather,
                                    "round_scales_to_power_of_2": True})
-    converted = float8_linears(model)
+    converted = float8_linears(model, tp)
     wanted = set(converted)
     for block_name, block in model.layers.items():
         prefix = f"layers.{block_name}."
@@ -86,7 +94,7 @@ def float8_all_gather_problem(m, dp: int, tp: int = 1) -> str | None:
                ("o_proj", q, m.dim, False), ("gate_proj", m.dim, m.ffn_dim, True), ("up_proj", m.dim, m.ffn_dim, True),
                ("down_proj", m.ffn_dim, m.dim, False)]
     for name, fan_in, fan_out, by_rows in linears:
-        if fan_in % 16 or fan_out % 16:
+        if not converts(fan_in, fan_out, tp):
             continue  # (stays bf16)
         rows = fan_out // tp if by_rows else fan_out
         if rows % dp:

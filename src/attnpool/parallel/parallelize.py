@@ -54,7 +54,7 @@ def parallelize(model: nn.Module, spec: ParallelizeSpec, mesh: RankMesh | None =
     """``model`` (or a pipeline stage of it) with everything in the module docstring applied, in place, over
     ``mesh``'s "tp" and "dp" ranks (None: every rank is a dp rank)."""
     if spec.float8:
-        apply_float8(model, spec.float8, all_gather=spec.float8_all_gather)
+        apply_float8(model, spec.float8, all_gather=spec.float8_all_gather, tp=mesh.dims.tp if mesh is not None else 1)
     if mesh is not None and mesh.dims.tp > 1:
         apply_tensor_parallel(model, mesh.tp_mesh)
     if spec.compile:

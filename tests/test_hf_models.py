@@ -433,6 +433,8 @@ def bad_runs(tmp_path_factory, data_dir):
                                 f"cache_dir={tmp / 'cache'}"], "text_field='content'"),
         "tokenizer vocab": (["--model", f"hf:{small}", *data], "tokenizer="),
         "no tokenizer": (["--data", f"hf:{data_dir / 'docs.jsonl'}"], "tokenizer=None"),
+        "bytes for a tokenizer's model": (["--model", f"hf:{llama}", "--data", "stdlib"], "data='stdlib': is text as "
+                                                                                         "bytes"),
     }
     common = ["--device", "cpu", "--steps", "1", "--no-progress"]
     results = {}
@@ -443,7 +445,8 @@ def bad_runs(tmp_path_factory, data_dir):
 
 
 @pytest.mark.parametrize("case", ["no config.json", "unsupported architecture", "unsupported feature",
-                                  "missing text field", "tokenizer vocab", "no tokenizer"])
+                                  "missing text field", "tokenizer vocab", "no tokenizer",
+                                  "bytes for a tokenizer's model"])
 def test_bad_input_exits_2_with_one_line(bad_runs, case):
     code, stderr, needle = bad_runs[case]
     assert code == 2, stderr

@@ -22,6 +22,10 @@ def _main_process() -> bool:
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0
 
 
+# Sources whose token ids are a text's bytes: a model that comes with a tokenizer (hf:) reads ids of its own.
+BYTE_SOURCES = ("text", "stdlib")
+
+
 def build_source(config: TrainConfig, model: ModelSpec):
     """The document source the data settings name, checked against the model's vocabulary. A ConfigError names
     what the user typed: data, data_path, or data_args.KEY."""
@@ -31,6 +35,10 @@ def build_source(config: TrainConfig, model: ModelSpec):
         options[DATA_PATH_OPTION[d.source]] = d.path
     tokenizer = tokenizer_path(config, model)
     vocab_size = model.config.vocab_size
+    if d.source in BYTE_SOURCES and model.tokenizer_dir is not None:
+        raise ConfigError("data", d.source, f"is text as bytes (ids 0-255), not the tokens {model.name} was trained "
+                                            "on: give it as jsonl or hf: data, which its tokenizer reads, or "
+                                            "synthetic for lengths alone")
     if d.source.startswith(HF_PREFIX):
         kind, options["name"] = "hf", d.source[len(HF_PREFIX):]
         if tokenizer is None:

@@ -35,9 +35,11 @@ class RankBatch:
 
     ``positions`` are absolute within each document, so the second piece of a
     split document continues where the first stopped (RoPE needs that).
-    ``global_label_tokens`` counts label tokens of the whole global batch: divide
-    the rank's summed loss by it and the all-reduced loss is the mean over every
-    real token, however tokens are spread over ranks.
+    ``global_label_tokens`` counts label tokens of the global batch this one is cut
+    from (one micro-batch's, or a ping-pong half's, of every rank): divide the rank's
+    summed loss by it and the all-reduced loss is that batch's mean over every real
+    token, however tokens are spread over ranks. A step of several micro-batches
+    divides by their sum instead (train.runners.forward_backward).
     """
 
     rank: int

@@ -286,7 +286,7 @@ class JsonlSource(DocumentSource):
     and a string), so a bad file fails before training; blank lines and empty
     texts are skipped. Documents are tokenised when read, as the tokenizer frames a
     text (``add_special_tokens``: a Llama's begin-of-text token, say), and end with
-    its end-of-text token (``append_eos``): :func:`tokenize_document`.
+    its end-of-text token (``append_eos``): :func:`with_eos`.
     """
 
     def __init__(self, path: str | Path, tokenizer_path: str | Path, text_field: str = "text",

@@ -46,3 +46,19 @@ def test_a_run_reports_model_flops_and_no_mfu_on_the_cpu(tmp_path):
     rows = run_distributed(_rows, 1, str(tmp_path))[0]
     cfg = model_config("tiny", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
     assert all(r["mfu"] is None and r["model_flops"] >= linear_flops_per_token(cfg) * r["tokens"] for r in rows)
+
+
+def test_mfu_recount_turns_the_old_count_into_the_new():
+    """bench/mfu_recount.py: a step counted with attention as 3.5 forwards, counted again, is step_flops' count."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "mfu_recount.py"
+    spec = importlib.util.spec_from_file_location("mfu_recount", path)
+    recount = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recount)
+    cfg = model_config("llama3-8b", n_layers=4)
+    lens = [131072, 4096, 300]
+    linear = linear_flops_per_token(cfg) * sum(lens)
+    old = linear + (step_flops(cfg, lens) - linear) * 3.5 / 3
+    assert recount.recounted(old, linear) == pytest.approx(step_flops(cfg, lens), rel=1e-12)

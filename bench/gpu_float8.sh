@@ -4,7 +4,10 @@
 #   TORCHAO_WHEEL=.wheels/float8/torchao-0.18.0-....whl bash bench/gpu_float8.sh
 # Every run's per-step metrics and log's end in $OUT/float8.json; the runs' own directories under $RUNS.
 # Settings (environment):
-#   QUALITY="bf16:0 tensorwise:0 rowwise:0"   the quality runs, MODE:SEED each; a pair named twice runs twice
+#   QUALITY="bf16:0 tensorwise:0 rowwise:0"   the quality runs, MODE:SEED each; a pair named twice runs twice.
+#                                             Runs differing only in rounding end ~2% apart over 600 steps
+#                                             (bench/results/2026-11-29-h200-float8-noise-floor.md): name each
+#                                             pair several times and read the means the summary prints
 #   DETERMINISTIC=1                           the quality runs with --deterministic (a run repeats bit for bit)
 #   PARALLEL=1                                quality runs at once on the GPU (each holds about 16 GiB)
 #   SPEED=1                                   0 leaves out the speed runs
@@ -112,6 +115,18 @@ for name in names:
         line += f"  bitwise as its first run: {[r['loss'] for r in q] == [r['loss'] for r in same]}"
     steps = sorted(r["step_time_s"] for r in q[10:])
     print(line + f"  step {steps[len(steps) // 2]:.3f} s  peak {max(r['peak_memory_bytes'] for r in q) / 2**30:.1f} GiB")
+by_mode = {}  # (seed, mode) -> the last 50 steps' mean loss of each complete run
+for name in names:
+    q = rows(name)
+    if len(q) >= max(50, int(os.environ.get("STEPS", "200"))):
+        by_mode.setdefault((name.split("-")[2], name.split("-")[1]), []).append(statistics.mean(r["loss"] for r in q[-50:]))
+for (seed, mode), losses in by_mode.items():
+    base = by_mode.get((seed, "bf16"))
+    if len(losses) > 1 or (base and len(base) > 1):
+        line = f"  mean of {len(losses)} {mode}-{seed} runs: {statistics.mean(losses):.4f} (runs {min(losses):.4f} to {max(losses):.4f})"
+        if base and mode != "bf16":
+            line += f"  vs the mean of {len(base)} bf16 runs {statistics.mean(losses) / statistics.mean(base) - 1:+.4f}"
+        print(line)
 if rows("speed-bf16"):
     print("speed (median tokens/s of steps 4-8):")
     for mode in ("bf16", "tensorwise", "rowwise"):

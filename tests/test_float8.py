@@ -217,3 +217,30 @@ def test_quality_table_compares_each_window_with_the_baseline(tmp_path):
     assert two.endswith("| 1.00 / 3.00 |")
     with pytest.raises(SystemExit, match="q-rowwise-s0"):
         quality.load_runs([str(second), str(second)], steps=4)
+
+
+def test_quality_groups_compare_means_and_show_each_groups_spread(tmp_path):
+    """bench/float8_quality.py --group: each window reads a group's mean against the baseline group's mean, with the
+    group's lowest and highest runs, and a pattern that matches no run is refused."""
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "float8_quality.py"
+    spec = importlib.util.spec_from_file_location("float8_quality", path)
+    quality = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quality)
+    runs = {"bf16-a": {"loss": [1.9, 2.0]}, "bf16-b": {"loss": [2.1, 2.0]},
+            "f8-a": {"loss": [2.2, 2.0]}, "f8-b": {"loss": [1.8, 2.3]}}
+    record = tmp_path / "r.json"
+    record.write_text(json.dumps({"runs": {k: {**v, "grad_norm": [1.0, 1.0]} for k, v in runs.items()}}))
+    loaded = quality.load_runs([str(record)], steps=2)
+    groups = quality.group_runs(loaded, {"bf16": "bf16-*", "f8": "f8-*"})
+    assert groups == {"bf16": ["bf16-a", "bf16-b"], "f8": ["f8-a", "f8-b"]}
+    header, _, first, second = quality.group_table(loaded, groups, "bf16", window=1)
+    assert "bf16 loss (mean of 2)" in header and "f8 (mean of 2) [runs]" in header
+    # step 1: bf16's mean 2.0 (runs -5% and +5%); f8's mean 2.0, its runs 1.8 (-10%) and 2.2 (+10%)
+    assert first == "| 1-1 | 2.0000 | -5.00% to +5.00% | +0.00% [-10.00%, +10.00%] |"
+    assert second == "| 2-2 | 2.0000 | +0.00% to +0.00% | +7.50% [+0.00%, +15.00%] |"
+    with pytest.raises(SystemExit, match="--group tw=tw-\\*: matches none"):
+        quality.group_runs(loaded, {"tw": "tw-*"})

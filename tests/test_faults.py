@@ -175,6 +175,36 @@ def test_a_manifest_that_is_not_an_object_is_a_damaged_checkpoint(tmp_path):
         assert problem is not None and "manifest is unreadable" in problem, problem
 
 
+def test_a_checkpoint_that_does_not_read_is_retried_and_never_passed_over(tmp_path, monkeypatch):
+    """An I/O error is the storage's, not the checkpoint's: a read that fails once is tried again, and one that keeps
+    failing stops the resume (restartable) instead of going back to an older checkpoint, which would redo the steps
+    since and set this one aside as damaged at the next save."""
+    import errno
+
+    from attnpool.errors import TrainingError
+    from attnpool.train import checkpoint as ckpt
+
+    out, newest = copy_of(stopped_run.result(), tmp_path / "run")
+    shutil.copytree(newest, os.path.join(out, "checkpoints", "step-000001"))  # an older, valid one
+    hash_file, failures = ckpt._sha256, []
+    monkeypatch.setattr(ckpt.time, "sleep", lambda s: None)
+
+    def flaky(file, fail_times):
+        if file.startswith(newest) and len(failures) < fail_times:
+            failures.append(file)
+            raise OSError(errno.EIO, "Input/output error")
+        return hash_file(file)
+    monkeypatch.setattr(ckpt, "_sha256", lambda file: flaky(file, fail_times=1))
+    assert ckpt.select_checkpoint(out, distributed=False) == (newest, [])
+    assert len(failures) == 1
+    failures.clear()
+    monkeypatch.setattr(ckpt, "_sha256", lambda file: flaky(file, fail_times=10 ** 6))
+    with pytest.raises(TrainingError, match="a storage error, not a damaged checkpoint") as raised:
+        ckpt.select_checkpoint(out, distributed=False)
+    assert raised.value.restartable and "Input/output error" in str(raised.value) and newest in str(raised.value)
+    assert len(failures) == ckpt.READ_ATTEMPTS
+
+
 def test_exports_are_never_lost_to_a_crash_or_to_their_names_order(tmp_path):
     """A crash between write_directory_aside's two renames left the previous export aside: the next export puts it
     back before anything else, so a failure then still leaves it in place. Per-checkpoint exports are pruned
@@ -574,3 +604,43 @@ def test_a_metrics_log_cut_mid_line_resumes_and_one_damaged_before_is_named(tmp_
     path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n{"step": 3, "loss": 1.0}\n')
     with pytest.raises(TrainingError, match="metrics.jsonl: line 2 is not a metrics row"):
         MetricsLog(str(tmp_path), True, resume_step=2)
+
+
+def test_a_run_file_that_cannot_be_written_is_one_error_and_a_full_disk_is_not_restarted(tmp_path, monkeypatch):
+    """Rank 0's own writes (metrics.jsonl here; config.yaml and the summary alike) fail as a TrainingError naming
+    the file, which the launcher reports in one line: final for a full disk or a path through a file (a restart
+    would meet it again), restartable for an I/O error that may pass."""
+    import errno
+
+    from attnpool.errors import TrainingError
+    from attnpool.train import metrics
+
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    log = metrics.MetricsLog(str(blocker / "run"), True, resume_step=None)
+    with pytest.raises(TrainingError, match=f"{blocker}/run/metrics.jsonl could not be written") as raised:
+        log.start()
+    assert not raised.value.restartable
+    log = metrics.MetricsLog(str(tmp_path), True, resume_step=None)
+    log.start()
+    for code, restartable in ((errno.ENOSPC, False), (errno.EIO, True)):
+        def failing_open(*args, code=code, **kwargs):
+            raise OSError(code, os.strerror(code))
+        monkeypatch.setattr(metrics, "open", failing_open, raising=False)
+        with pytest.raises(TrainingError, match=os.strerror(code)) as raised:
+            log.append({"step": 1, "loss": 1.0})
+        assert raised.value.restartable == restartable
+
+
+def test_a_torchrun_restart_with_every_checkpoint_damaged_stops_saying_so(tmp_path, monkeypatch, capsys):
+    """torchrun started the workers again and no checkpoint of the run is valid: a final error saying that, not the
+    advice for a new run into an old directory ("pass --resume")."""
+    out, checkpoint = copy_of(stopped_run.result(), tmp_path / "run")
+    damage(checkpoint, "truncate")
+    for key, value in {"TORCHELASTIC_RUN_ID": "test", "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0",
+                       "TORCHELASTIC_RESTART_COUNT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    code = main(["train", *TINY_RUN, "--steps", "4", "--out", out, "--nproc", "1"])
+    err = capsys.readouterr().err
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "torchrun's restart 1: no valid checkpoint to restart from" in err and "--resume" not in err

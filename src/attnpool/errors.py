@@ -6,6 +6,7 @@ that names the field and the value. The CLI turns it into one line on stderr and
 exit code 2; distributed code raises it on every rank before any collective.
 """
 
+import errno
 import json
 import os
 import tempfile
@@ -30,6 +31,22 @@ class TrainingError(RuntimeError):
     def __init__(self, message: str, restartable: bool = False):
         self.restartable = restartable
         super().__init__(message)
+
+
+# An OSError for these is final (a restart would meet it again): no space, no permission, a read-only file system, a
+# path through a file. Others may pass (a rank lost during a save fails it too; a network file system's hiccup).
+PERMANENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR})
+
+
+def restartable(exc: BaseException) -> bool:
+    """Whether starting again may get past ``exc``: all but an OSError that PERMANENT_ERRNOS names."""
+    return not (isinstance(exc, OSError) and exc.errno in PERMANENT_ERRNOS)
+
+
+def storage_error(exc: OSError, what: str) -> TrainingError:
+    """The TrainingError for ``exc``, met writing ``what`` (a file of the run, named): one line from the launcher
+    instead of a traceback, and no restart into the same full disk."""
+    return TrainingError(f"{what} could not be written: {exc.strerror or exc}", restartable=restartable(exc))
 
 
 def read_json_file(field: str, path: "str | Path"):

@@ -17,12 +17,12 @@ only with ``allow_unverified``: their bytes cannot be checked.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
 import re
 import shutil
+import time
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from attnpool.errors import ConfigError, TrainingError
+from attnpool.errors import ConfigError, TrainingError, restartable
 from attnpool.model.spec import hf_model_dir
 from attnpool.train.config import load_config
 
@@ -40,6 +40,13 @@ DCP_METADATA = ".metadata"  # DCP's index of the tensors and where each is store
 PARTIAL_SUFFIX = ".partial"
 DAMAGED_SUFFIX = ".damaged"
 _HASH_CHUNK = 16 << 20
+READ_ATTEMPTS = 3  # a file that exists but does not read is tried this often, a second apart, before it counts
+
+
+class ReadFailure(str):
+    """A checkpoint's problem that is the storage's, not the checkpoint's: a file that exists but did not read (an
+    I/O error, a stale network mount). A resume does not pass over such a checkpoint, as it does a damaged one: the
+    one before it would redo the steps since, and the next save would set this one aside as damaged."""
 
 
 def checkpoint_root(out: str) -> str:
@@ -71,7 +78,8 @@ def latest_checkpoint(out: str) -> str | None:
 
 
 def read_manifest(path: str) -> dict | None:
-    """The checkpoint's manifest; None for a legacy checkpoint (no manifest). Refuses one that does not parse."""
+    """The checkpoint's manifest; None for a legacy checkpoint (no manifest). Refuses one that does not parse; an
+    OSError (the storage's, not the checkpoint's) is raised as it is."""
     file = os.path.join(path, MANIFEST)
     if not os.path.isfile(file):
         return None
@@ -81,7 +89,7 @@ def read_manifest(path: str) -> dict | None:
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
             raise ValueError("no file list")
         return manifest
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:  # (an OSError is the storage's: the caller's to judge)
         raise ConfigError("resume", file, f"the checkpoint's manifest is unreadable ({exc})") from None
 
 
@@ -96,7 +104,11 @@ def _sha256(file: str) -> str:
 def checkpoint_config(path: str, out: str) -> dict | None:
     """The settings of the run that wrote the checkpoint: its manifest's, or (a checkpoint older than
     manifests) the run directory's config.yaml."""
-    manifest = read_manifest(path)
+    try:
+        manifest = read_manifest(path)
+    except OSError as exc:
+        raise TrainingError(f"{os.path.join(path, MANIFEST)} did not read ({exc.strerror or exc}): a storage error",
+                            restartable=True) from None
     if manifest is not None:
         settings = manifest.get("config") or None
     else:
@@ -112,19 +124,23 @@ def _file_problem(path: str, name: str, expected: dict, checksum: bool) -> str |
     """What is wrong with one file of a checkpoint, or None. Never raises: every rank must reach the
     collective that follows, whatever its share of the files holds."""
     file = os.path.join(path, name)
-    try:
-        if not os.path.isfile(file):
-            return f"{file} is missing"
-        size = os.path.getsize(file)
-        if size != expected["bytes"]:
-            return f"{file} has {size} bytes, the manifest says {expected['bytes']} (truncated or overwritten)"
-        if checksum and _sha256(file) != expected["sha256"]:
-            return f"{file} does not match its SHA-256 in the manifest (corrupted)"
-    except OSError as exc:
-        return f"{file} cannot be read ({exc.strerror or exc})"
-    except (KeyError, TypeError):
-        return f"the manifest's entry for {file} is malformed"
-    return None
+    for attempt in range(READ_ATTEMPTS):
+        try:
+            if not os.path.isfile(file):
+                return f"{file} is missing"
+            size = os.path.getsize(file)
+            if size != expected["bytes"]:
+                return f"{file} has {size} bytes, the manifest says {expected['bytes']} (truncated or overwritten)"
+            if checksum and _sha256(file) != expected["sha256"]:
+                return f"{file} does not match its SHA-256 in the manifest (corrupted)"
+            return None
+        except OSError as exc:
+            failure = ReadFailure(f"{file} did not read ({exc.strerror or exc}, {READ_ATTEMPTS} attempts)")
+            if attempt + 1 < READ_ATTEMPTS:
+                time.sleep(1.0)
+        except (KeyError, TypeError):
+            return f"the manifest's entry for {file} is malformed"
+    return failure
 
 
 def _my_share(items: list, rank: int, world: int) -> list:
@@ -166,6 +182,8 @@ def verify_checkpoint(path: str, checksum: bool = True, distributed: bool = True
         manifest = read_manifest(path)
     except ConfigError as exc:
         manifest, problem = None, exc.problem
+    except OSError as exc:
+        manifest, problem = None, ReadFailure(f"{os.path.join(path, MANIFEST)} did not read ({exc.strerror or exc})")
     else:
         problem = None if manifest is not None else \
             _unverified_problem(path, allow_unverified) if os.path.isfile(os.path.join(path, DCP_METADATA)) else \
@@ -192,6 +210,10 @@ def select_checkpoint(out: str, checksum: bool = True, distributed: bool = True,
         problem = verify_checkpoint(path, checksum, distributed, allow_unverified)
         if problem is None:
             return path, skipped
+        if isinstance(problem, ReadFailure):  # (every rank alike: verify_checkpoint's answer is agreed)
+            raise TrainingError(f"{path}: {problem}: a storage error, not a damaged checkpoint, so the resume stops "
+                                "here rather than go back to an older one and redo the steps since; run it again "
+                                "once the storage reads", restartable=True)
         skipped.append((path, problem))
     return None, skipped
 
@@ -278,7 +300,7 @@ def save_checkpoint(path: str, model, optimizer, scheduler, stream, step: int, e
         dcp.save(state, checkpoint_id=partial)  # returns on every rank once DCP's metadata is written
     except (Exception, CheckpointException) as exc:  # (DCP gathers every rank's failure and raises it on each)
         raise TrainingError(f"{path}: the checkpoint was not written{_dcp_failure(exc)}",
-                            restartable=_restartable(_dcp_rank_failure(exc)[1])) from None
+                            restartable=restartable(_dcp_rank_failure(exc)[1])) from None
     # Each step below that touches files on one rank passes what went wrong through the collective after it, so
     # that every rank raises it rather than wait for the one that did.
     box = [None]
@@ -321,16 +343,6 @@ def _put_in_place(partial: str, path: str, step: int, config: dict | None, files
             shutil.rmtree(old, ignore_errors=True)
 
 
-# A save that failed for these is final (a restart would fail it again): no space, no permission, a read-only file
-# system, a path through a file. Others are restartable: a rank lost during the save fails it too, and a restart
-# from the last checkpoint is what gets past that.
-PERMANENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR})
-
-
-def _restartable(exc: BaseException) -> bool:
-    return not (isinstance(exc, OSError) and exc.errno in PERMANENT_ERRNOS)
-
-
 class _Failed(str):
     """What went wrong on a rank, passed through a collective in place of its result (and whether a restart may
     get past it, as ``restartable``: the str's own attribute survives the pickling as a tuple would not)."""
@@ -349,12 +361,12 @@ def _attempt(fn):
     try:
         return fn()
     except Exception as exc:  # noqa: BLE001 (every rank raises it after the collective)
-        return _Failed(f"{type(exc).__name__}: {exc}", _restartable(exc))
+        return _Failed(f"{type(exc).__name__}: {exc}", restartable(exc))
 
 
 def _raise_any(results: list, path: str, each: bool = False):
     """The first of ``results`` (every one with ``each``), or, where a rank's is a _Failed, a TrainingError on this
-    rank naming it (restartable unless PERMANENT_ERRNOS says otherwise)."""
+    rank naming it (restartable unless attnpool.errors.PERMANENT_ERRNOS says otherwise)."""
     for rank, result in enumerate(results):
         if isinstance(result, _Failed):
             where = f" on rank {rank}" if each else ""

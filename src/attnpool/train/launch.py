@@ -95,6 +95,9 @@ def _run_under_torchrun(config: TrainConfig) -> int:
             if rank == 0:
                 print(f"attnpool train: torchrun's restart {restart}: resuming from {path}", flush=True)
             config = config.replace(resume=True)
+        elif finished_checkpoints(config.run.out):  # (not the earlier run's that --resume would continue: this one's)
+            raise TrainingError(f"torchrun's restart {restart}: no valid checkpoint to restart from in "
+                                f"{checkpoint_root(config.run.out)}")
     try:
         _run_rank(config, rank, world, None)
     except (ConfigError, TrainingError) as exc:  # bad input, or a run that cannot go on: final

@@ -35,7 +35,7 @@ from torch import nn
 from attnpool.comm import agree, all_gather_flat, comm_stats
 from attnpool.comm.watchdog import RankRecords, is_collective_failure
 from attnpool.data import DocumentStream
-from attnpool.errors import ConfigError, TrainingError
+from attnpool.errors import ConfigError, TrainingError, storage_error
 from attnpool.parallel import build_rank_mesh
 from attnpool.parallel.float8 import refresh_float8_scales
 from attnpool.plan.metrics import imbalance
@@ -175,8 +175,11 @@ class Trainer:
     def _open_log(self) -> MetricsLog:
         config, resumed = self.config, self.resume_from is not None
         if self.rank == 0:
-            os.makedirs(config.run.out, exist_ok=True)
-            write_config(config, self.resume_from, self.step)
+            try:
+                os.makedirs(config.run.out, exist_ok=True)
+                write_config(config, self.resume_from, self.step)
+            except OSError as exc:  # (rank 0's alone: the launcher ends the others, and says this)
+                raise storage_error(exc, os.path.join(config.run.out, "config.yaml")) from None
         logger = open_logger(config.run.logger, config.run.out, config.to_dict()) if self.rank == 0 else None
         log = MetricsLog(config.run.out, write=self.rank == 0, resume_step=self.step if resumed else None,
                          logger=logger)
@@ -407,10 +410,13 @@ class Trainer:
                  "unit": getattr(spec.cost_model, "unit", "work")}
         summary = summarize(self.log.rows, loads, info)
         out = config.run.out
-        with open(os.path.join(out, SUMMARY_FILE), "w") as fh:
-            json.dump(summary, fh, indent=1)
         plot = os.path.join(out, PLOT_FILE)
-        plot_run(self.log.rows, loads, config.attention.strategy, plot)
+        try:
+            with open(os.path.join(out, SUMMARY_FILE), "w") as fh:
+                json.dump(summary, fh, indent=1)
+            plot_run(self.log.rows, loads, config.attention.strategy, plot)
+        except OSError as exc:
+            raise storage_error(exc, f"{os.path.join(out, SUMMARY_FILE)} or {plot}") from None
         checkpoint = checkpoint_path(out, self.step)
         print_summary(summary, [self.log.path, plot] + ([checkpoint] if os.path.isdir(checkpoint) else []))
         return summary

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from attnpool.console import text_console
-from attnpool.errors import TrainingError
+from attnpool.errors import TrainingError, storage_error
 from attnpool.kinds import CAUSAL
 from attnpool.train.memory import auto_choice
 
@@ -271,17 +271,23 @@ class MetricsLog:
     def start(self) -> None:
         """(Re)write the file with the rows kept so far, whole or not at all. Call once every rank has read it."""
         if self.write:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            with open(self.path + ".partial", "w") as fh:
-                for row in self.rows:
-                    fh.write(json_line(row))
-            os.replace(self.path + ".partial", self.path)
+            try:
+                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                with open(self.path + ".partial", "w") as fh:
+                    for row in self.rows:
+                        fh.write(json_line(row))
+                os.replace(self.path + ".partial", self.path)
+            except OSError as exc:
+                raise storage_error(exc, self.path) from None
 
     def append(self, row: dict) -> None:
         self.rows.append(row)
         if self.write:
-            with open(self.path, "a") as fh:
-                fh.write(json_line(row))
+            try:
+                with open(self.path, "a") as fh:
+                    fh.write(json_line(row))
+            except OSError as exc:  # (rank 0's alone: the launcher ends the others, and says this)
+                raise storage_error(exc, self.path) from None
         if self.logger is not None:
             self.logger.log(row)
 

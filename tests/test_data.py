@@ -357,3 +357,43 @@ def test_make_source(tmp_path):
         make_source("parquet")
     with pytest.raises(ConfigError, match="source.npy"):
         make_source("npy", tokens=tmp_path)
+
+
+def test_resume_refuses_data_that_changed_under_the_same_count():
+    """Other documents of the same count (files replaced, another tokenizer): the documents at the stream's place
+    are read and compared, and the resume is refused naming the field; a state from before fingerprints loads."""
+    first = DocumentStream(small_source(), 2, 400, seed=2)
+    batches(first, 3)
+    state = json.loads(json.dumps(first.state_dict()))
+    changed = DocumentStream(small_source(seed=1), 2, 400, seed=2)  # the same lengths, other tokens
+    with pytest.raises(ConfigError, match="data_state.fingerprint=.*the data changed since"):
+        changed.load_state_dict(state)
+    DocumentStream(small_source(), 2, 400, seed=2).load_state_dict(state)
+    DocumentStream(small_source(seed=1), 2, 400, seed=2).load_state_dict(state, same_documents=False)  # on purpose
+    older = {k: v for k, v in state.items() if k != "fingerprint"}
+    DocumentStream(small_source(seed=1), 2, 400, seed=2).load_state_dict(older)
+
+
+def _save_without_fingerprint_then_resume(rank, world, out):
+    import torch
+
+    from attnpool.model import Transformer, model_config
+    from attnpool.train.checkpoint import load_checkpoint, save_checkpoint
+
+    model = Transformer(model_config("tiny", dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=64))
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    before = DocumentStream(small_source(), world, 256, seed=0)
+    batches(before, 3)
+    old_state = before.state_dict
+    before.state_dict = lambda: {k: v for k, v in old_state().items() if k != "fingerprint"}  # as written before
+    save_checkpoint(f"{out}/step-000003", model, optimizer, scheduler, before, 3)
+    resumed = DocumentStream(small_source(), world, 256, seed=0)
+    step = load_checkpoint(f"{out}/step-000003", model, optimizer, scheduler, resumed)
+    return step, (resumed.epoch, resumed.cursor, resumed.pos) == (before.epoch, before.cursor, before.pos)
+
+
+def test_a_checkpoint_from_before_the_data_fingerprint_resumes(tmp_path):
+    from dist_harness import run_distributed
+
+    assert run_distributed(_save_without_fingerprint_then_resume, 1, str(tmp_path))[0] == (3, True)

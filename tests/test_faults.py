@@ -203,6 +203,25 @@ def test_a_checkpoint_that_does_not_read_is_retried_and_never_passed_over(tmp_pa
         ckpt.select_checkpoint(out, distributed=False)
     assert raised.value.restartable and "Input/output error" in str(raised.value) and newest in str(raised.value)
     assert len(failures) == ckpt.READ_ATTEMPTS
+    # A look at a file that fails (a stale mount: os.stat's EIO) is not a missing file either, and a permission
+    # error is final; what a rank found keeps that through the ranks' all-gather (pickled).
+    monkeypatch.setattr(ckpt, "_sha256", hash_file)
+    look = os.stat
+
+    def failing_stat(path, *args, **kwargs):
+        if str(path).startswith(newest) and str(path).endswith(MANIFEST):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return look(path, *args, **kwargs)
+    monkeypatch.setattr(ckpt.os, "stat", failing_stat)
+    problem = ckpt.verify_checkpoint(newest, distributed=False)
+    assert isinstance(problem, ckpt.ReadFailure) and "Permission denied" in problem and not problem.restartable
+    import pickle
+
+    again = pickle.loads(pickle.dumps(problem))
+    assert isinstance(again, ckpt.ReadFailure) and again == problem and again.restartable is False
+    with pytest.raises(TrainingError, match="its files cannot be looked at") as raised:
+        ckpt.select_checkpoint(out, distributed=False)
+    assert not raised.value.restartable
 
 
 def test_exports_are_never_lost_to_a_crash_or_to_their_names_order(tmp_path):
@@ -315,6 +334,20 @@ def test_resume_that_changes_the_run_asks_for_allow_config_change(tmp_path):
     # the new peak learning rate from the first resumed step (warm-up: step s at s/10 of it), not the checkpoint's
     assert [(r["step"], round(r["lr"], 12)) for r in metrics_rows(out)][2:] == [(3, 4.5e-4), (4, 6e-4), (5, 7.5e-4)]
     assert os.path.exists(os.path.join(out, "config.step-000002.yaml"))
+
+
+def test_data_changed_on_purpose_is_not_compared_with_the_checkpoints(tmp_path):
+    """With --allow-config-change and a data setting changed (another tokenizer, other data_args), the documents
+    at the checkpoint's place differ by intent: the resume does not compare them (changes_data); a change of
+    other settings alone still does."""
+    from attnpool.train.config import load_config
+    from attnpool.train.resume import changes_data
+
+    out, checkpoint = copy_of(stopped_run.result(), tmp_path / "run")
+    config = load_config(os.path.join(out, "config.yaml")).replace(out=out, allow_config_change=True)
+    assert not changes_data(config, checkpoint)
+    assert not changes_data(config.replace(lr=1e-3), checkpoint)
+    assert changes_data(config.replace(data="synthetic"), checkpoint)
 
 
 # --- Preemption, killed workers, stalled workers ----------------------------------------------------------
@@ -618,7 +651,7 @@ def test_a_run_file_that_cannot_be_written_is_one_error_and_a_full_disk_is_not_r
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
     log = metrics.MetricsLog(str(blocker / "run"), True, resume_step=None)
-    with pytest.raises(TrainingError, match=f"{blocker}/run/metrics.jsonl could not be written") as raised:
+    with pytest.raises(TrainingError, match=f"{blocker}/run/metrics.jsonl: Not a directory") as raised:
         log.start()
     assert not raised.value.restartable
     log = metrics.MetricsLog(str(tmp_path), True, resume_step=None)
@@ -633,8 +666,9 @@ def test_a_run_file_that_cannot_be_written_is_one_error_and_a_full_disk_is_not_r
 
 
 def test_a_torchrun_restart_with_every_checkpoint_damaged_stops_saying_so(tmp_path, monkeypatch, capsys):
-    """torchrun started the workers again and no checkpoint of the run is valid: a final error saying that, not the
-    advice for a new run into an old directory ("pass --resume")."""
+    """torchrun started the workers again and no checkpoint of the run is valid: a final error saying that (recorded,
+    so that torchrun's next restart stops at once), not the advice for a new run into an old directory ("pass
+    --resume")."""
     out, checkpoint = copy_of(stopped_run.result(), tmp_path / "run")
     damage(checkpoint, "truncate")
     for key, value in {"TORCHELASTIC_RUN_ID": "test", "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0",
@@ -644,3 +678,18 @@ def test_a_torchrun_restart_with_every_checkpoint_damaged_stops_saying_so(tmp_pa
     err = capsys.readouterr().err
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert "torchrun's restart 1: no valid checkpoint to restart from" in err and "--resume" not in err
+    from attnpool.train.launch import FINAL_ERROR, RANKS_DIR
+
+    assert os.path.isfile(os.path.join(out, RANKS_DIR, FINAL_ERROR))  # (torchrun's next restart stops at once)
+
+
+def test_checkpoints_set_aside_as_damaged_go_once_older_than_every_kept_one(tmp_path):
+    """A run that meets damaged checkpoints again and again does not fill its disk with them: one set aside is
+    deleted once every checkpoint the run keeps is newer."""
+    from attnpool.train.checkpoint import checkpoint_root, prune_damaged
+
+    root = checkpoint_root(str(tmp_path))
+    for name in ("step-000004.damaged", "step-000006.damaged", "step-000006", "step-000008", "notes.damaged"):
+        os.makedirs(os.path.join(root, name))
+    prune_damaged(str(tmp_path), below_step=6)
+    assert sorted(os.listdir(root)) == ["notes.damaged", "step-000006", "step-000006.damaged", "step-000008"]

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from attnpool.data import DocumentStream, stdlib_corpus
-from attnpool.errors import ConfigError
+from attnpool.errors import ConfigError, TrainingError
 from attnpool.model import model_config
 from attnpool.runtime import core_attention
 from attnpool.train import TrainConfig, load_config, train
@@ -214,11 +214,17 @@ def _agree_when_one_rank_fails(rank, world):
             raise ConfigError("data_path", "/only/on/rank/1", "no such file or directory")
         return "ok"
 
-    try:
-        agree(build)
-    except ConfigError as exc:
-        return str(exc)
-    return None
+    def read_checkpoint():  # (a storage error on one rank: a TrainingError, its restartable kept)
+        if rank == 1:
+            raise TrainingError("step-000004/manifest.json did not read: a storage error", restartable=True)
+        return "ok"
+    said = []
+    for check, error in ((build, ConfigError), (read_checkpoint, TrainingError)):
+        try:
+            agree(check)
+        except error as exc:
+            said.append((str(exc), getattr(exc, "restartable", None)))
+    return said
 
 
 def test_loss_and_gradients_do_not_depend_on_layout():
@@ -237,9 +243,11 @@ def test_loss_and_gradients_do_not_depend_on_layout():
 
 
 def test_a_problem_on_one_rank_is_raised_on_every_rank():
-    messages = run_distributed(_agree_when_one_rank_fails, 2)
-    assert messages[0] == messages[1]
-    assert "no such file" in messages[0] and "on rank 1" in messages[0]
+    said = run_distributed(_agree_when_one_rank_fails, 2)
+    assert said[0] == said[1] and len(said[0]) == 2
+    (config_error, _), (training_error, restartable) = said[0]
+    assert "no such file" in config_error and "on rank 1" in config_error
+    assert "a storage error" in training_error and "on rank 1" in training_error and restartable is True
 
 
 # --- Config and schedule -----------------------------------------------------------------------

@@ -44,9 +44,9 @@ def restartable(exc: BaseException) -> bool:
 
 
 def storage_error(exc: OSError, what: str) -> TrainingError:
-    """The TrainingError for ``exc``, met writing ``what`` (a file of the run, named): one line from the launcher
-    instead of a traceback, and no restart into the same full disk."""
-    return TrainingError(f"{what} could not be written: {exc.strerror or exc}", restartable=restartable(exc))
+    """The TrainingError for ``exc``, met writing (or reading, to rewrite) ``what``, a file of the run, named: one
+    line from the launcher instead of a traceback, and no restart into the same full disk."""
+    return TrainingError(f"{what}: {exc.strerror or exc} (a storage error)", restartable=restartable(exc))
 
 
 def read_json_file(field: str, path: "str | Path"):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from attnpool.comm.all_to_all import all_gather_flat
-from attnpool.errors import ConfigError
+from attnpool.errors import ConfigError, TrainingError
 
 _RECORD = 32 + 1 + 255  # fingerprint digest, status, message
 
@@ -56,19 +56,24 @@ def agree_on_plan(fingerprint_hex: str, problem: str | None, group=None, device=
 
 
 def agree(build):
-    """``build()`` on every rank; if it raises ConfigError on any rank, the same error is raised on every rank."""
+    """``build()`` on every rank; if it raises ConfigError (bad input) or TrainingError (a run that cannot go on: a
+    checkpoint's storage that does not read) on any rank, the same error is raised on every rank."""
     try:
         result, problem = build(), None
     except ConfigError as exc:
-        result, problem = None, portable(exc)
+        result, problem = None, ("config", *portable(exc))
+    except TrainingError as exc:
+        result, problem = None, ("training", str(exc), exc.restartable)
     problems = [None] * dist.get_world_size()
     dist.all_gather_object(problems, problem)
     failed = [(r, p) for r, p in enumerate(problems) if p is not None]
     if failed:
-        r, (field, value, text) = failed[0]
-        if len(failed) < len(problems):
-            text = f"{text} (on rank {r}; {len(failed)} of {len(problems)} ranks failed)"
-        raise ConfigError(field, value, text)
+        r, (kind, *said) = failed[0]
+        where = f" (on rank {r}; {len(failed)} of {len(problems)} ranks failed)" if len(failed) < len(problems) else ""
+        if kind == "training":
+            raise TrainingError(said[0] + where, restartable=said[1])
+        field, value, text = said
+        raise ConfigError(field, value, text + where)
     return result
 
 

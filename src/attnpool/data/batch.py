@@ -8,6 +8,7 @@ own :class:`RankBatch`.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -21,6 +22,9 @@ from attnpool.plan.documents import DocPiece, PieceTable
 IGNORE_INDEX = -100
 
 STATE_VERSION = 1
+# A resume reads this many documents, from the stream's place on, and compares their tokens with the checkpoint's:
+# data changed under the same name (other files, another tokenizer's output) and of the same document count.
+FINGERPRINT_DOCS = 4
 
 
 def _positive_int(field: str, value) -> int:
@@ -315,10 +319,23 @@ class DocumentStream:
     def state_dict(self) -> dict:
         """Where the stream stands, as JSON-able ints."""
         return {"version": STATE_VERSION, "seed": self.seed, "num_docs": self.num_docs, "step": self.step,
-                "epoch": self.epoch, "cursor": self.cursor, "pos": self.pos}
+                "epoch": self.epoch, "cursor": self.cursor, "pos": self.pos, "fingerprint": self._fingerprint()}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state``. The seed and the source's size must match; the batch size may change."""
+    def _fingerprint(self) -> str:
+        """A hash of the tokens of the next FINGERPRINT_DOCS documents of this epoch's order, from the cursor; "" (not
+        compared) where they do not read: a checkpoint is not lost to a document the run has not reached, and
+        reaching it will say what is wrong with it."""
+        digest = hashlib.sha256()
+        try:
+            for index in self._order[self.cursor:self.cursor + FINGERPRINT_DOCS]:
+                digest.update(np.asarray(self.source[int(index)], dtype=np.int64).tobytes())
+        except (OSError, ConfigError, ValueError):
+            return ""
+        return digest.hexdigest()[:16]
+
+    def load_state_dict(self, state: dict, same_documents: bool = True) -> None:
+        """Continue from ``state``. The seed, the source's size and (unless not ``same_documents``: data changed on
+        purpose) the documents at the stream's place must match; the batch size may change."""
         missing = [k for k in ("version", "seed", "num_docs", "step", "epoch", "cursor", "pos") if k not in state]
         if missing:
             raise ConfigError("data_state", sorted(state), f"missing keys {missing}")
@@ -332,3 +349,11 @@ class DocumentStream:
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
         self.cursor, self.pos = int(state["cursor"]), int(state["pos"])
         self._order = self._epoch_order(self.epoch)
+        # (a checkpoint from before fingerprints has none, and "" is one that did not read: nothing to compare)
+        ours = self._fingerprint() if same_documents and state.get("fingerprint") else ""
+        if ours and state["fingerprint"] != ours:
+            raise ConfigError("data_state.fingerprint", state["fingerprint"],
+                              f"the documents at the checkpoint's place in the data ({FINGERPRINT_DOCS} read from "
+                              f"document {self.cursor} of epoch {self.epoch}'s order) are not the ones it trained "
+                              "on: the data changed since, keeping its document count; resume with that data, or "
+                              "start a new run")

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import time
 
 import torch
@@ -44,9 +45,48 @@ READ_ATTEMPTS = 3  # a file that exists but does not read is tried this often, a
 
 
 class ReadFailure(str):
-    """A checkpoint's problem that is the storage's, not the checkpoint's: a file that exists but did not read (an
+    """A checkpoint's problem that is the storage's, not the checkpoint's: a file that is there but did not read (an
     I/O error, a stale network mount). A resume does not pass over such a checkpoint, as it does a damaged one: the
-    one before it would redo the steps since, and the next save would set this one aside as damaged."""
+    one before it would redo the steps since, and the next save would set this one aside as damaged. ``restartable``
+    as attnpool.errors.restartable judges the error (the str's own attribute, kept through pickling)."""
+
+    def __new__(cls, text: str, restartable: bool = True):
+        made = super().__new__(cls, text)
+        made.restartable = restartable
+        return made
+
+    def __reduce__(self):
+        return ReadFailure, (str(self), self.restartable)
+
+    @classmethod
+    def of(cls, file: str, exc: OSError) -> "ReadFailure":
+        return cls(f"{file} did not read ({exc.strerror or exc}, {READ_ATTEMPTS} attempts)", restartable(exc))
+
+
+_ABSENT = (FileNotFoundError, NotADirectoryError)
+
+
+def _is_file(path: str) -> bool:
+    """Whether ``path`` is a file. Unlike os.path.isfile, an error other than its absence (the storage's) is raised:
+    a checkpoint whose files cannot be looked at is not one that lacks them."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except _ABSENT:
+        return False
+
+
+def _retrying(read):
+    """``read()``, tried up to READ_ATTEMPTS times, a second apart, while it raises an OSError other than a file's
+    absence."""
+    for attempt in range(READ_ATTEMPTS):
+        try:
+            return read()
+        except _ABSENT:
+            raise
+        except OSError:
+            if attempt + 1 == READ_ATTEMPTS:
+                raise
+            time.sleep(1.0)
 
 
 def checkpoint_root(out: str) -> str:
@@ -67,7 +107,12 @@ def finished_checkpoints(out: str) -> list[tuple[int, str]]:
     for name in os.listdir(root):
         m = _STEP_DIR.match(name)
         path = os.path.join(root, name)
-        if m and (os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isfile(os.path.join(path, DCP_METADATA))):
+        try:
+            complete = m and (_is_file(os.path.join(path, MANIFEST)) or _is_file(os.path.join(path, DCP_METADATA)))
+        except OSError as exc:
+            raise TrainingError(f"{path}: its files cannot be looked at ({exc.strerror or exc}): a storage error",
+                                restartable=restartable(exc)) from None
+        if complete:
             found.append((int(m.group(1)), path))
     return sorted(found)
 
@@ -81,11 +126,16 @@ def read_manifest(path: str) -> dict | None:
     """The checkpoint's manifest; None for a legacy checkpoint (no manifest). Refuses one that does not parse; an
     OSError (the storage's, not the checkpoint's) is raised as it is."""
     file = os.path.join(path, MANIFEST)
-    if not os.path.isfile(file):
-        return None
-    try:
+
+    def read():  # (absent: no text at all; "null" is a manifest's text, and damaged)
+        if not _is_file(file):
+            return None, False
         with open(file) as fh:
-            manifest = json.load(fh)
+            return json.load(fh), True
+    try:
+        manifest, present = _retrying(read)
+        if not present:
+            return None
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
             raise ValueError("no file list")
         return manifest
@@ -108,7 +158,7 @@ def checkpoint_config(path: str, out: str) -> dict | None:
         manifest = read_manifest(path)
     except OSError as exc:
         raise TrainingError(f"{os.path.join(path, MANIFEST)} did not read ({exc.strerror or exc}): a storage error",
-                            restartable=True) from None
+                            restartable=restartable(exc)) from None
     if manifest is not None:
         settings = manifest.get("config") or None
     else:
@@ -124,23 +174,24 @@ def _file_problem(path: str, name: str, expected: dict, checksum: bool) -> str |
     """What is wrong with one file of a checkpoint, or None. Never raises: every rank must reach the
     collective that follows, whatever its share of the files holds."""
     file = os.path.join(path, name)
-    for attempt in range(READ_ATTEMPTS):
-        try:
-            if not os.path.isfile(file):
-                return f"{file} is missing"
-            size = os.path.getsize(file)
-            if size != expected["bytes"]:
-                return f"{file} has {size} bytes, the manifest says {expected['bytes']} (truncated or overwritten)"
-            if checksum and _sha256(file) != expected["sha256"]:
-                return f"{file} does not match its SHA-256 in the manifest (corrupted)"
-            return None
-        except OSError as exc:
-            failure = ReadFailure(f"{file} did not read ({exc.strerror or exc}, {READ_ATTEMPTS} attempts)")
-            if attempt + 1 < READ_ATTEMPTS:
-                time.sleep(1.0)
-        except (KeyError, TypeError):
-            return f"the manifest's entry for {file} is malformed"
-    return failure
+
+    def check() -> str | None:
+        if not _is_file(file):
+            return f"{file} is missing"
+        size = os.path.getsize(file)
+        if size != expected["bytes"]:
+            return f"{file} has {size} bytes, the manifest says {expected['bytes']} (truncated or overwritten)"
+        if checksum and _sha256(file) != expected["sha256"]:
+            return f"{file} does not match its SHA-256 in the manifest (corrupted)"
+        return None
+    try:
+        return _retrying(check)
+    except _ABSENT:  # (gone between the look and the read)
+        return f"{file} is missing"
+    except OSError as exc:
+        return ReadFailure.of(file, exc)
+    except (KeyError, TypeError):
+        return f"the manifest's entry for {file} is malformed"
 
 
 def _my_share(items: list, rank: int, world: int) -> list:
@@ -183,7 +234,7 @@ def verify_checkpoint(path: str, checksum: bool = True, distributed: bool = True
     except ConfigError as exc:
         manifest, problem = None, exc.problem
     except OSError as exc:
-        manifest, problem = None, ReadFailure(f"{os.path.join(path, MANIFEST)} did not read ({exc.strerror or exc})")
+        manifest, problem = None, ReadFailure.of(os.path.join(path, MANIFEST), exc)
     else:
         problem = None if manifest is not None else \
             _unverified_problem(path, allow_unverified) if os.path.isfile(os.path.join(path, DCP_METADATA)) else \
@@ -213,7 +264,7 @@ def select_checkpoint(out: str, checksum: bool = True, distributed: bool = True,
         if isinstance(problem, ReadFailure):  # (every rank alike: verify_checkpoint's answer is agreed)
             raise TrainingError(f"{path}: {problem}: a storage error, not a damaged checkpoint, so the resume stops "
                                 "here rather than go back to an older one and redo the steps since; run it again "
-                                "once the storage reads", restartable=True)
+                                "once the storage reads", restartable=problem.restartable)
         skipped.append((path, problem))
     return None, skipped
 
@@ -339,8 +390,20 @@ def _put_in_place(partial: str, path: str, step: int, config: dict | None, files
     os.replace(partial, path)
     fsync_dir(root)
     if keep > 0:
-        for _, old in finished_checkpoints(out)[:-keep]:
+        finished = finished_checkpoints(out)
+        for _, old in finished[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+        prune_damaged(out, finished[-keep:][0][0])
+
+
+def prune_damaged(out: str, below_step: int) -> None:
+    """Delete the checkpoints set aside as damaged (``step-NNNNNN.damaged``) of steps before ``below_step``, the
+    oldest one kept: kept for a look while the run still holds checkpoints around them, not for ever."""
+    root = checkpoint_root(out)
+    for name in os.listdir(root):
+        m = _STEP_DIR.match(name.removesuffix(DAMAGED_SUFFIX))
+        if name.endswith(DAMAGED_SUFFIX) and m and int(m.group(1)) < below_step:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 class _Failed(str):
@@ -413,8 +476,9 @@ def _optimizer_options(keys) -> StateDictOptions | None:
 
 
 def load_checkpoint(path: str, model, optimizer, scheduler, stream, extra: dict | None = None,
-                    device: torch.device | None = None) -> int:
-    """Restore everything :func:`save_checkpoint` wrote; returns the step it was taken after.
+                    device: torch.device | None = None, same_data: bool = True) -> int:
+    """Restore everything :func:`save_checkpoint` wrote; returns the step it was taken after. ``same_data``: the
+    stream's documents are the checkpoint's (False where the run changed its data on purpose: not compared).
 
     Each ``extra`` object the checkpoint holds state for gets ``load_state_dict``; one it
     holds none for (a checkpoint of a run without it) keeps its fresh state."""
@@ -423,8 +487,9 @@ def load_checkpoint(path: str, model, optimizer, scheduler, stream, extra: dict 
     options = _optimizer_options(keys)
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
     device = device or next(model.parameters()).device
+    # (the stream's entries the checkpoint holds: one from before its fingerprint lacks that)
     state = {"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict(),
-             "data": stream.state_dict(), "step": 0}
+             "data": {k: v for k, v in stream.state_dict().items() if f"data.{k}" in keys}, "step": 0}
     # The RNG state is per rank; a run resumed on more ranks than it was saved from
     # keeps its fresh seed on the new ones.
     has_rng = any(k.startswith(_rng_key(rank) + ".") for k in keys)
@@ -441,7 +506,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler, stream, extra: dict 
         obj.load_state_dict(state[name])
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     scheduler.load_state_dict(state["scheduler"])
-    stream.load_state_dict(state["data"])
+    stream.load_state_dict(state["data"], same_documents=same_data)
     if has_rng:
         rng = state[_rng_key(rank)]
         torch.set_rng_state(rng["cpu"])

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from attnpool.errors import ConfigError, TrainingError, check_output_directory
 from attnpool.model import ModelSpec, model_spec
 from attnpool.parallel import RankMesh
-from attnpool.train.checkpoint import (MANIFEST, checkpoint_config, checkpoint_path, fsync_dir, read_dcp,
-                                       select_checkpoint, verify_checkpoint)
+from attnpool.train.checkpoint import (MANIFEST, ReadFailure, checkpoint_config, checkpoint_path, fsync_dir,
+                                       read_dcp, select_checkpoint, verify_checkpoint)
 from attnpool.train.config import TrainConfig
 from attnpool.train.data_source import tokenizer_path
 
@@ -163,6 +163,8 @@ def read_checkpoint_model(*, run_dir: str | None = None, checkpoint: str | None 
         if not os.path.isdir(checkpoint):
             raise ConfigError("checkpoint", checkpoint, "no such directory")
         problem = verify_checkpoint(checkpoint, distributed=False, allow_unverified=allow_unverified)
+        if isinstance(problem, ReadFailure):  # (the storage's, not bad input)
+            raise TrainingError(f"{checkpoint}: {problem}: a storage error", restartable=problem.restartable)
         if problem is not None:
             raise ConfigError("checkpoint", checkpoint, problem)
         path, run_dir = checkpoint, os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))

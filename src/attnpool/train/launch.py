@@ -88,17 +88,9 @@ def _run_under_torchrun(config: TrainConfig) -> int:
         refuse_overwriting_a_run(config)
     if not restart and rank == 0 and os.path.isfile(final):
         os.remove(final)  # an earlier run's
-    if restart and not config.checkpoint.resume:  # torchrun --max-restarts started this worker again
-        path, _ = select_checkpoint(config.run.out, checksum=False, distributed=False,
-                                    allow_unverified=config.checkpoint.allow_unverified)
-        if path is not None:
-            if rank == 0:
-                print(f"attnpool train: torchrun's restart {restart}: resuming from {path}", flush=True)
-            config = config.replace(resume=True)
-        elif finished_checkpoints(config.run.out):  # (not the earlier run's that --resume would continue: this one's)
-            raise TrainingError(f"torchrun's restart {restart}: no valid checkpoint to restart from in "
-                                f"{checkpoint_root(config.run.out)}")
     try:
+        if restart and not config.checkpoint.resume:  # torchrun --max-restarts started this worker again
+            config = _resumed_by_restart(config, restart, rank)
         _run_rank(config, rank, world, None)
     except (ConfigError, TrainingError) as exc:  # bad input, or a run that cannot go on: final
         if not getattr(exc, "restartable", False):
@@ -110,6 +102,21 @@ def _run_under_torchrun(config: TrainConfig) -> int:
             os.replace(f"{final}.{rank}.tmp", final)
         raise
     return 0
+
+
+def _resumed_by_restart(config: TrainConfig, restart: int, rank: int) -> TrainConfig:
+    """``config`` for torchrun's restart ``restart`` of a worker: resumed from the run's latest valid checkpoint, or
+    as it was where the run has none yet; a run whose every checkpoint is damaged cannot restart."""
+    path, _ = select_checkpoint(config.run.out, checksum=False, distributed=False,
+                                allow_unverified=config.checkpoint.allow_unverified)
+    if path is not None:
+        if rank == 0:
+            print(f"attnpool train: torchrun's restart {restart}: resuming from {path}", flush=True)
+        return config.replace(resume=True)
+    if finished_checkpoints(config.run.out):  # (not an earlier run's, which --resume would continue: this one's)
+        raise TrainingError(f"torchrun's restart {restart}: no valid checkpoint to restart from in "
+                            f"{checkpoint_root(config.run.out)}")
+    return config
 
 
 def _free_port() -> int:

@@ -53,7 +53,7 @@ from attnpool.train.metrics import (PLOT_FILE, SUMMARY_FILE, MetricsLog, Progres
 from attnpool.train.optim import agree_finite, apply_optim_settings, build_optimizer, build_scheduler, clip_gradients
 from attnpool.train.schedule_choice import same_schedule
 from attnpool.train.planning import StepPlan
-from attnpool.train.resume import verified_checkpoint, write_config
+from attnpool.train.resume import changes_data, verified_checkpoint, write_config
 from attnpool.train.runners import build_runner
 from attnpool.train.setup import prepare
 from attnpool.train.signals import Preemption
@@ -165,7 +165,8 @@ class Trainer:
         self.step = 0
         if self.resume_from is not None:
             self.step = load_checkpoint(self.resume_from, self.model, self.optimizer, self.scheduler, self.stream,
-                                        self.extra_state, self.device)
+                                        self.extra_state, self.device,
+                                        same_data=not changes_data(config, self.resume_from))
             apply_optim_settings(self.optimizer, self.scheduler, config.optim)
         self.start_step = self.step
         self.log = self._open_log()

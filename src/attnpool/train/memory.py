@@ -473,14 +473,24 @@ def _rank_estimate(x: MemoryInputs, cal: Calibration) -> MemoryEstimate:
             **held_loss_gradients(x, home),
         },
     }
-    phases = {
+    optimizer_step = {"optimizer step": {**states, "gradients": 0 if x.optimizer_offload else GRAD_BYTES * owned}}
+    host = (PARAM_BYTES + GRAD_BYTES + ADAM_BYTES) * owned if x.optimizer_offload else 0
+    modes = _modes_by_layer(x, layers)
+    held = {**states, **compute, "step inputs": step_inputs, **accumulated}
+    if modes:  # every layer's backward a phase of its own
+        saved = [sum(saved_per_layer(x, mode).values()) * home / x.tp for mode in modes]
+        for terms in loss_phase.values():  # (a later micro-batch's loss holds the gradients accumulated so far)
+            terms.update(activations=max(map(sum, zip(saved, saved[1:] or [0]))) if x.activation_offload
+                         else sum(saved), **accumulated)
+        layer_phases = _layer_phases(x, modes, saved, held, backward, GRAD_BYTES * layer, layer / x.dp)
+        return _peak_phase(x, {**loss_phase, **layer_phases, **optimizer_step}, cal, home,
+                           host + (sum(saved) if x.activation_offload else 0))
+    phases = {  # pipeline stages: their first and last layer's backward (and below, a later micro-batch's)
         **(loss_phase if has_loss else {}),
-        "last layer backward": {**states, **compute, "activations": all_layers,
-                                "step inputs": step_inputs, **backward, **accumulated},
-        "first layer backward": {**states, **compute, "activations": per_layer, "step inputs": step_inputs,
-                                 **backward, **accumulated,
+        "last layer backward": {**held, "activations": all_layers, **backward},
+        "first layer backward": {**held, "activations": per_layer, **backward,
                                  "gradients": later_gradients + (GRAD_BYTES * layer if layers > 1 else 0)},
-        "optimizer step": {**states, "gradients": 0 if x.optimizer_offload else GRAD_BYTES * owned},
+        **optimizer_step,
     }
     if accumulated and x.pp > 1 and not x.activation_offload:
         phases["last layer backward"]["accumulated gradients"] = 0  # the first micro-batch's backward: none yet
@@ -491,17 +501,6 @@ def _rank_estimate(x: MemoryInputs, cal: Calibration) -> MemoryEstimate:
         for name, terms in loss_phase.items() if has_loss else ():  # a later micro-batch's loss, gradients held
             phases[f"later micro-batches' {name}"] = {**terms, "activations": activations, "step inputs": loss_inputs,
                                                       **accumulated}
-    host = (PARAM_BYTES + GRAD_BYTES + ADAM_BYTES) * owned if x.optimizer_offload else 0
-    modes = _modes_by_layer(x, layers)
-    if modes:
-        saved = [sum(saved_per_layer(x, mode).values()) * home / x.tp for mode in modes]
-        for terms in loss_phase.values():  # (a later micro-batch's loss holds the gradients accumulated so far)
-            terms.update(activations=max(map(sum, zip(saved, saved[1:] or [0]))) if x.activation_offload
-                         else sum(saved), **accumulated)
-        layer_phases = _layer_phases(x, modes, saved, {**states, **compute, "step inputs": step_inputs, **accumulated},
-                                     backward, GRAD_BYTES * layer, layer / x.dp)
-        return _peak_phase(x, {**loss_phase, **layer_phases, "optimizer step": phases["optimizer step"]}, cal, home,
-                           host + (sum(saved) if x.activation_offload else 0))
     if x.activation_offload:
         host += stage_layers * held_per_layer
     return _peak_phase(x, phases, cal, home, host)

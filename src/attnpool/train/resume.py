@@ -38,6 +38,16 @@ def config_changes(config: TrainConfig, checkpoint: str) -> list[tuple[str, obje
     return changes
 
 
+# The settings that choose the documents a run reads: changed with allow_config_change, the data at a checkpoint's
+# place is another by intent (attnpool.data.DocumentStream's fingerprint is then not compared).
+DATA_FIELDS = frozenset({"data", "data_path", "data_args", "tokenizer"})
+
+
+def changes_data(config: TrainConfig, checkpoint: str) -> bool:
+    """Whether resuming ``config`` from ``checkpoint`` changes the data on purpose (allowed config changes)."""
+    return any(key in DATA_FIELDS for key, _, _ in config_changes(config, checkpoint))
+
+
 def refuse_damaged(out: str, skipped: list[tuple[str, str]]) -> None:
     """Refuse a resume whose every checkpoint is damaged, naming the newest one's problem."""
     if skipped:

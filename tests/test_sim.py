@@ -407,3 +407,31 @@ def test_cp_group_inside_a_node_uses_nvlink(costs):
     b = across.percp_step(wlb_pieces(lens, 1, 131072), 2)
     assert a.bytes_moved == b.bytes_moved > 0
     assert a.comm_total < b.comm_total
+
+
+def test_one_part_of_a_link_given_keeps_the_profiles_measured_other():
+    """--intra-latency-us alone keeps the packaged profile's measured all-to-all bandwidth (and --intra-bw alone its
+    latency): a partial override is not a swap for the built-in assumption."""
+    from attnpool.cli.main import build_parser
+    from attnpool.cli.simulate_cmd import _overrides
+
+    measured = load_sim_costs(CFG, "llama3-8b").intra
+    for flags, bandwidth, latency in ((["--intra-latency-us", "20"], measured.bandwidth, 20e-6),
+                                      (["--intra-bw", "400"], 400e9, measured.latency)):
+        args = build_parser().parse_args(["simulate", *flags])
+        link = load_sim_costs(CFG, "llama3-8b", **_overrides(args)).intra
+        assert (link.bandwidth, link.latency) == pytest.approx((bandwidth, latency)), flags
+        assert link.source.startswith("given: ") and ("otherwise measured" in link.source), link.source
+
+
+def test_percp_priced_as_attnpools_percp_plan_on_request_and_never_a_grid_baseline():
+    """SimConfig(percp_plan=True): percp also as the plan attnpool bench's percp runs (the linear layout kept: its
+    tokens stay, queries and KV prefixes travel), beside the analytic per-document CP; the grid's best baseline is
+    chosen among the analytic models only."""
+    r = simulate_config(SimConfig(gpus=4, tp=1, gpus_per_node=4, tokens_per_gpu=8192, max_doc_len=32768, batches=1,
+                                  strategies=("local", "wlb", "percp", "cad"), percp_plan=True))
+    plan = r["strategies"]["percp-plan"]
+    assert plan["max_tokens_per_server"] == 8192 and plan["bytes_moved"] > 0
+    assert r["best_baseline"]["strategy"] != "percp-plan" and "percp-cp4" in r["strategies"]
+    assert "percp-plan" not in simulate_config(SimConfig(gpus=4, tp=1, gpus_per_node=4, tokens_per_gpu=8192,
+                                                         max_doc_len=32768, batches=1))["strategies"]

@@ -22,8 +22,8 @@ def validation():
 
 
 def test_the_recorded_emulated_run_is_predicted_within_the_target(validation, tmp_path):
-    """2026-11-28's 4 x H200 baselines over the emulated network: every strategy, percp included (as the
-    simulator's percp over all 4 GPUs), within issue 43's 10%, as bench/results/2026-11-29-cpu-sim-validation-percp.md
+    """2026-11-28's 4 x H200 baselines over the emulated network: every strategy, percp included (priced as the
+    percp plan the benchmark runs), within issue 43's 10%, as bench/results/2026-11-29-cpu-sim-validation-percp.md
     records."""
     argv = ["sim_validation.py", "--measured", str(ROOT / "bench/results/2026-11-28-h200x4-baselines.json"), "--run",
             "1", "--intra-gibps", "5.37", "--shared-link", "--out", str(tmp_path), "--name", "check"]
@@ -33,7 +33,7 @@ def test_the_recorded_emulated_run_is_predicted_within_the_target(validation, tm
     rows = {r["strategy"]: r for r in json.loads(written.read_text())["rows"]}
     assert set(rows) == {"local", "wlb", "percp", "ulysses", "cad", "cad+pingpong"}
     assert all(abs(r["error_total"]) <= validation.TARGET for r in rows.values()), rows
-    assert rows["percp"]["error_total"] == pytest.approx(-0.0584, abs=5e-4)
+    assert rows["percp"]["error_total"] == pytest.approx(0.0210, abs=5e-4)
 
 
 def test_what_a_record_says_of_its_runs(validation):

@@ -297,3 +297,21 @@ def test_emulated_nodes_number_ranks_node_by_node_and_the_probe_measures_each_ti
     probe_module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe_module)
     assert probe_module.tier_groups(8, 4) == ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]])
+
+
+def test_a_ulysses_group_across_two_nodes_sends_only_the_other_nodes_share_across(costs):
+    """16 servers of one GPU, 8 a node, one ulysses group of 16: each server's exchange sends 7 peers' share over
+    NVLink and 8 peers' over the network (as cad's exchanges are priced, pair by pair), not all 15 across."""
+    B = 8192
+    model = StepModel(CFG, Cluster(gpus=16, tp=1, gpus_per_node=8, tokens_per_gpu=B), costs)
+    seen = []
+    collective = model._collective
+
+    def recording(intra, inter, c, G):
+        seen.append((np.asarray(intra, dtype=float).copy(), np.asarray(inter, dtype=float).copy()))
+        return collective(intra, inter, c, G)
+    model._collective = recording
+    model.ulysses_step(wlb_pieces([B] * 16, 1, 16 * B), 16)  # whole documents: no prefix to fetch
+    q, kv, _ = (SHAPE.q_bytes / 16, SHAPE.kv_bytes / 8, SHAPE.o_bytes / 16)  # per peer: 2 query heads, 1 KV head
+    intra, inter = seen[0]  # the forward's exchange out
+    assert intra == pytest.approx(np.full(16, 7 * B * (q + kv))) and inter == pytest.approx(np.full(16, 8 * B * (q + kv)))

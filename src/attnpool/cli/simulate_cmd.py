@@ -15,7 +15,7 @@ from attnpool.errors import ConfigError, read_json_file
 from attnpool.kernels.names import GPU_BACKENDS
 from attnpool.model.config import MODEL_PRESETS
 from attnpool.plan.cost import TOP_LEVEL_BACKEND
-from attnpool.sim.costs import DEFAULT_INTER, DEFAULT_INTRA, Link, load_sim_costs
+from attnpool.sim.costs import DEFAULT_INTER, DEFAULT_INTRA, load_sim_costs
 from attnpool.sim.simulate import (DEFAULT_EPS_SWEEP, STRATEGY_GROUPS, SimConfig, assumptions, check_eps, expand,
                                    simulate_config, simulate_many)
 
@@ -78,7 +78,7 @@ def add_parser(sub) -> None:
     p.add_argument("--linear-tflops", type=float, default=None, help="override linear-layer throughput per GPU, TFLOP/s")
     p.add_argument("--intra-bw", type=float, default=None,
                    help=f"intra-node bandwidth per GPU, GB/s (default: profile, else {DEFAULT_INTRA.bandwidth / 1e9:.0f})")
-    p.add_argument("--intra-latency-us", type=float, default=None, help=f"intra-node latency per collective, us (default {DEFAULT_INTRA.latency * 1e6:.0f})")
+    p.add_argument("--intra-latency-us", type=float, default=None, help=f"intra-node latency per collective, us (default: profile, else {DEFAULT_INTRA.latency * 1e6:.0f})")
     p.add_argument("--inter-bw", type=float, default=None,
                    help=f"inter-node bandwidth per GPU, GB/s (default {DEFAULT_INTER.bandwidth / 1e9:.0f}, the paper's assumption)")
     p.add_argument("--inter-latency-us", type=float, default=None,
@@ -97,14 +97,17 @@ def add_parser(sub) -> None:
 
 def _overrides(args) -> dict:
     out = {"attention_backend": args.attention_backend}
-    if args.intra_bw is not None or args.intra_latency_us is not None:
-        bw = args.intra_bw * 1e9 if args.intra_bw is not None else DEFAULT_INTRA.bandwidth
-        lat = args.intra_latency_us * 1e-6 if args.intra_latency_us is not None else DEFAULT_INTRA.latency
-        out["intra"] = Link(bw, lat, f"given: {bw / 1e9:g} GB/s, {lat * 1e6:g} us").check("--intra-bw")
-    if args.inter_bw is not None or args.inter_latency_us is not None:
-        bw = args.inter_bw * 1e9 if args.inter_bw is not None else DEFAULT_INTER.bandwidth
-        lat = args.inter_latency_us * 1e-6 if args.inter_latency_us is not None else DEFAULT_INTER.latency
-        out["inter"] = Link(bw, lat, f"given: {bw / 1e9:g} GB/s per GPU, {lat * 1e6:g} us").check("--inter-bw")
+    # (either part of a link alone: the other stays the profile's measured one, or the default)
+    for link in ("intra", "inter"):
+        bw, lat = getattr(args, f"{link}_bw"), getattr(args, f"{link}_latency_us")
+        if bw is not None:
+            if not bw > 0:
+                raise ConfigError(f"--{link}-bw", bw, "must be a positive bandwidth (GB/s per GPU)")
+            out[f"{link}_bandwidth"] = bw * 1e9
+        if lat is not None:
+            if not lat >= 0:
+                raise ConfigError(f"--{link}-latency-us", lat, "must be >= 0 microseconds")
+            out[f"{link}_latency"] = lat * 1e-6
     if args.linear_tflops is not None:
         out["linear_tflops"] = args.linear_tflops
     return out

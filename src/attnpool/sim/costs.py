@@ -197,13 +197,28 @@ def intra_from_profile(obj: dict) -> Link | None:
     return Link(bw, max(0.0, lat), f"measured: all-to-all, {comm.get('world_size', '?')} GPUs of one node").check("intra")
 
 
+def with_given(link: Link, bandwidth: float | None, latency: float | None, name: str) -> Link:
+    """``link`` with the bandwidth (bytes/s) and latency (s) a user gave, either or both (None: ``link``'s own, so
+    that giving one keeps a profile's measured other)."""
+    if bandwidth is None and latency is None:
+        return link.check(name)
+    given = ([f"{bandwidth / 1e9:g} GB/s"] if bandwidth is not None else []) + \
+        ([f"{latency * 1e6:g} us"] if latency is not None else [])
+    rest = "" if bandwidth is not None and latency is not None else f"; otherwise {link.source}"
+    return Link(link.bandwidth if bandwidth is None else bandwidth, link.latency if latency is None else latency,
+                f"given: {', '.join(given)}{rest}", link.shared).check(name)
+
+
 def load_sim_costs(cfg, model_name: str, profile=None, *, intra: Link | None = None, inter: Link | None = None,
                    linear_tflops: float | None = None, min_shard_tokens: int | None = None,
-                   attention_backend: str = TOP_LEVEL_BACKEND, any_head_dim: bool = False) -> SimCosts:
+                   attention_backend: str = TOP_LEVEL_BACKEND, any_head_dim: bool = False,
+                   intra_bandwidth: float | None = None, intra_latency: float | None = None,
+                   inter_bandwidth: float | None = None, inter_latency: float | None = None) -> SimCosts:
     """Costs for ``cfg`` from ``profile`` (a path, a dict, or None for the packaged H200 table), core attention
     from the table of ``attention_backend``'s kernel (flash's where the profile has none for it). ``any_head_dim``:
     a table measured for another head_dim prices this model's FLOPs at its rates (an approximation, for comparing
-    two schedules of one run) instead of being refused."""
+    two schedules of one run) instead of being refused. ``intra``/``inter``: the links whole; ``*_bandwidth`` and
+    ``*_latency`` (bytes/s, s): a part of one given, the rest the profile's or the default's (:func:`with_given`)."""
     if isinstance(profile, dict):
         obj, where = profile, "profile"
     else:
@@ -219,8 +234,8 @@ def load_sim_costs(cfg, model_name: str, profile=None, *, intra: Link | None = N
     else:
         linear = linear_from_profile(obj, cfg, model_name) or LinearCost.from_flops(
             cfg, DEFAULT_LINEAR_TFLOPS, f"assumed: {DEFAULT_LINEAR_TFLOPS:g} TFLOP/s (about 60% of H200 bf16 peak)")
-    intra = (intra or intra_from_profile(obj) or DEFAULT_INTRA).check("intra")
-    inter = (inter or DEFAULT_INTER).check("inter")
+    intra = with_given(intra or intra_from_profile(obj) or DEFAULT_INTRA, intra_bandwidth, intra_latency, "intra")
+    inter = with_given(inter or DEFAULT_INTER, inter_bandwidth, inter_latency, "inter")
     if min_shard_tokens is None:
         min_shard_tokens = default_min_shard_tokens(fwd_bwd)
     if min_shard_tokens < 1:

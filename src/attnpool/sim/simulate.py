@@ -61,6 +61,9 @@ class SimConfig:
     seed: int = 0
     eps: float = 0.02
     strategies: tuple = STRATEGY_GROUPS
+    # percp also as attnpool's own percp plan prices it ("percp-plan": the linear layout kept, queries and KV
+    # prefixes sent out, outputs back, as attnpool bench's percp runs), beside the analytic per-document CP model
+    percp_plan: bool = False
     memory_cap: float = 1.1
     elongate: float | None = None  # None: max_doc_len / 64K for pretrain, 1 otherwise
     upsample: bool = True
@@ -224,7 +227,7 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
 
     for bi, lens in enumerate(doc_batches):
         ideal.append(model.ideal(lens))
-        if "local" in want or "cad" in want:
+        if "local" in want or "cad" in want or config.percp_plan:
             lin = linear_table(lens, S, B)
         if "local" in want:
             add(model.plan_step(plan(lin, "local"), overlap=False))
@@ -233,6 +236,8 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
         if "percp" in want:
             for c in cps:
                 add(model.percp_step(wlb_pieces(lens, S // c, c * B, config.memory_cap), c))
+            if config.percp_plan:
+                add(model.plan_step(plan(lin, "percp"), overlap=False, name="percp-plan"))
         if "ulysses" in want:
             for u in ulysses_degrees:
                 add(model.ulysses_step(wlb_pieces(lens, S // u, u * B, config.memory_cap), u))

@@ -263,10 +263,10 @@ class StepModel:
         by_window = {window: layer_of_window(window) for window in dict.fromkeys(self.layer_windows)}
         return [by_window[window] for window in self.layer_windows]
 
-    def _a2a(self, src, dst, nbytes, group_size: int) -> Collective:
-        """One all-to-all over groups of ``group_size`` consecutive servers (bytes src -> dst)."""
+    def _a2a(self, src, dst, nbytes, group_size: int, inter_extra=0.0) -> Collective:
+        """One all-to-all over groups of ``group_size`` consecutive servers (bytes src -> dst), each pair's bytes on
+        the link between the two (``inter_extra``: per server, bytes across nodes besides)."""
         S, c = self.cluster.servers, group_size
-        G = S // c
         keep = (src != dst) & (nbytes > 0)
         src, dst, nbytes = src[keep], dst[keep], nbytes[keep].astype(np.float64)
         inter = self.cluster.node(src) != self.cluster.node(dst)
@@ -274,7 +274,7 @@ class StepModel:
         recv_i = np.bincount(dst, weights=np.where(inter, 0, nbytes), minlength=S)
         send_x = np.bincount(src, weights=np.where(inter, nbytes, 0), minlength=S)
         recv_x = np.bincount(dst, weights=np.where(inter, nbytes, 0), minlength=S)
-        return self._collective(np.maximum(send_i, recv_i), np.maximum(send_x, recv_x), c, G)
+        return self._collective(np.maximum(send_i, recv_i), np.maximum(send_x, recv_x) + inter_extra, c, S // c)
 
     def _collective(self, intra_bytes, inter_bytes, c: int, G: int) -> Collective:
         transfer = np.maximum(self._link_seconds(intra_bytes, self.costs.intra, c, G),
@@ -441,13 +441,12 @@ class StepModel:
         out_bytes = tokens * (u - 1) * (q + kv) * tp
         back_bytes = tokens * (u - 1) * o * tp
         prefix = np.repeat(np.bincount(grp, weights=start, minlength=G) / u, u) * sh.kv_bytes
-        first_server = np.arange(G) * u
-        spans = np.repeat(self.cluster.node(first_server) != self.cluster.node(first_server + u - 1), u)
-
-        def exchange(nbytes, extra=0.0):
-            return self._collective(np.where(spans, 0.0, nbytes), np.where(spans, nbytes, 0.0) + extra, u, G)
-
-        out, back = exchange(out_bytes, prefix), exchange(back_bytes)
+        # every pair of a group's servers, each pair's bytes on its own link (a group may span nodes: only the
+        # pairs on different nodes cross them)
+        members = np.arange(S).reshape(G, u)
+        src, dst = np.repeat(members, u, axis=1).ravel(), np.tile(members, (1, u)).ravel()
+        out = self._a2a(src, dst, (tokens * (q + kv) * tp)[src], u, inter_extra=prefix)
+        back = self._a2a(src, dst, (tokens * o * tp)[src], u)
         moved = out_bytes + back_bytes + prefix
         layers = [(*attention, (out, back), (back, out)) for attention in self._per_layer(layer_attention)]
         return self._simulate(name or f"ulysses-u{u}", tokens, layers, group_size=u, nano=1,

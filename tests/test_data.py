@@ -355,8 +355,27 @@ def test_make_source(tmp_path):
     assert make_source("synthetic", dist=[4, 5], vocab_size=7, options=PLAIN).vocab_size == 7
     with pytest.raises(ConfigError, match="unknown"):
         make_source("parquet")
-    with pytest.raises(ConfigError, match="source.npy"):
+    with pytest.raises(ConfigError, match="tokens=.*is not an option of npy data; its options: .*tokens_path"):
         make_source("npy", tokens=tmp_path)
+    with pytest.raises(ConfigError, match="tokens_path=None: npy data needs it"):
+        make_source("npy")
+
+
+def test_data_errors_name_what_the_user_typed(tmp_path):
+    """A source's own option names mapped to the flags: --data-path, --tokenizer, --data-args KEY (given or
+    missing), never the source's internals (source.npy=[...])."""
+    from attnpool.model import model_spec
+    from attnpool.train import TrainConfig
+    from attnpool.train.data_source import build_source
+
+    model = model_spec("tiny")
+    np.save(tmp_path / "t.npy", np.arange(10))
+    for overrides, needle in ((dict(data="npy", data_path=str(tmp_path / "t.npy")), "data_args.offsets_path=None"),
+                              (dict(data="jsonl", data_path=str(tmp_path / "f.jsonl")), "tokenizer=None: jsonl data "
+                                                                                        "needs a tokenizer"),
+                              (dict(data_args={"foo": 1}), "data_args.foo=1: is not an option of stdlib data")):
+        with pytest.raises(ConfigError, match=needle):
+            build_source(TrainConfig(device="cpu", **overrides), model)
 
 
 def test_resume_refuses_data_that_changed_under_the_same_count():

@@ -425,7 +425,22 @@ def bad_runs(tmp_path_factory, data_dir):
     dropout = tmp / "dropout"
     transformers.LlamaConfig(**SHAPE, attention_dropout=0.1).save_pretrained(dropout)
     data = ["--data", f"hf:{data_dir / 'docs.jsonl'}", "--tokenizer", str(data_dir / "tokenizer")]
+    # weights that cannot be read: never trained from random weights in their place
+    bin_only = save_model(tmp / "bin-only", "llama", randomize=False)
+    (bin_only / "pytorch_model.bin").write_bytes(b"not read")
+    missing_shard = save_model(tmp / "missing-shard", "llama", randomize=False)
+    (missing_shard / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))
+    corrupt = save_model(tmp / "corrupt", "llama", randomize=False)
+    (corrupt / "model.safetensors").write_bytes(b"garbage")
+    synthetic = ["--data", "synthetic"]
     cases = {
+        "weights not as safetensors": (["--model", f"hf:{bin_only}", *synthetic], "holds weights as pytorch_model.bin"),
+        "a shard missing": (["--model", f"hf:{missing_shard}", *synthetic],
+                            "lists model-00001-of-00002.safetensors, which is not there"),
+        "damaged safetensors": (["--model", f"hf:{corrupt}", *synthetic], "does not read as safetensors"),
+        "damaged safetensors, transformers' modules": (["--model", f"hf:{corrupt}", "--model-impl", "transformers",
+                                                        *synthetic], "does not read as safetensors"),
         "no config.json": (["--model", f"hf:{tmp / 'no-config'}"], "has no config.json"),
         "unsupported architecture": (["--model", f"hf:{gpt2}"], "model_type 'gpt2'"),
         "unsupported feature": (["--model", f"hf:{dropout}"], "attention_dropout=0.1"),
@@ -446,7 +461,8 @@ def bad_runs(tmp_path_factory, data_dir):
 
 @pytest.mark.parametrize("case", ["no config.json", "unsupported architecture", "unsupported feature",
                                   "missing text field", "tokenizer vocab", "no tokenizer",
-                                  "bytes for a tokenizer's model"])
+                                  "bytes for a tokenizer's model", "weights not as safetensors", "a shard missing",
+                                  "damaged safetensors", "damaged safetensors, transformers' modules"])
 def test_bad_input_exits_2_with_one_line(bad_runs, case):
     code, stderr, needle = bad_runs[case]
     assert code == 2, stderr

@@ -423,6 +423,10 @@ def bad_runs(tmp_path_factory):
         "dense layers": (["--sparse", "vertical-slash", "--dense-layers", "4"], "dense_layers=4"),
         "sparse cost file": (["--sparse", "vertical-slash", "--sparse-args", f"cost_coefficients={tmp / 'nope.json'}"],
                              "sparse_cost_coefficients="),
+        "sparse options of a dense run": (["--sparse-args", "slash_cap=128"], "sparse is none"),
+        "infinite weight decay": (["--weight-decay", "inf"], "weight_decay=inf"),
+        "infinite memory cap": (["--memory-cap", "inf"], "memory_cap=inf"),
+        "unknown model field": (["--model-args", "n_layerz=2"], "model_args.n_layerz=2: is not a model field"),
     }
     results = {}
     for name, (args, needle) in cases.items():
@@ -436,7 +440,9 @@ def bad_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("case", ["unknown key", "unknown flag", "heads", "token budget", "missing data path",
                                   "empty corpus", "token id beyond vocab", "other model shape", "earlier run",
-                                  "sparse coverage", "sparse cap", "sparse mode", "dense layers", "sparse cost file"])
+                                  "sparse coverage", "sparse cap", "sparse mode", "dense layers", "sparse cost file",
+                                  "sparse options of a dense run", "infinite weight decay", "infinite memory cap",
+                                  "unknown model field"])
 def test_cli_bad_input_exits_2(bad_runs, case):
     code, stderr, needle = bad_runs[case]
     assert code == 2, stderr
@@ -512,3 +518,19 @@ def test_third_party_warnings_a_user_cannot_act_on_are_quiet(monkeypatch):
         warnings.warn("something else")
     assert [str(w.message) for w in caught] == ["something else"]
     assert os.environ["PYTHONWARNINGS"] == "default,ignore:resource_tracker:UserWarning"
+
+
+def test_a_config_file_with_a_key_given_twice_is_refused_naming_it(tmp_path):
+    """YAML itself keeps the last of two values silently; a run's settings must not be one of two the user wrote."""
+    from attnpool.train.config import load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("steps: 5\nlr: 1e-3\nsteps: 6\n")
+    with pytest.raises(ConfigError, match="the key 'steps' is given twice.*line 3"):
+        load_config(str(path))
+    path.write_text("model_args: {n_layers: 2, n_layers: 3}\n")  # nested mappings alike
+    with pytest.raises(ConfigError, match="the key 'n_layers' is given twice"):
+        load_config(str(path))
+    path.write_text("steps: [5\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(path))

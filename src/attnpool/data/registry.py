@@ -31,8 +31,22 @@ def make_source(kind: str, **options) -> DocumentSource:
         raise ConfigError("source", kind, f"unknown; choose one of {', '.join(SOURCES)}, hf")
     else:
         build = SOURCES[kind]
-    try:
-        inspect.signature(build).bind(**options)
-    except TypeError as exc:
-        raise ConfigError(f"source.{kind}", sorted(options), f"bad options: {exc}") from None
+    params = inspect.signature(build).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(set(options) - set(params))
+        if unknown:  # (the option's own name: the caller maps it to what the user typed)
+            known = f"its options: {', '.join(sorted(params))}" if params else "it takes none"
+            raise ConfigError(unknown[0], options[unknown[0]], f"is not an option of {kind} data; {known}")
+    missing = [name for name, p in params.items() if p.default is p.empty and name not in options
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if missing:
+        raise ConfigError(missing[0], None, f"{kind} data needs it")
     return build(**options)
+
+
+def source_options(kind: str) -> set[str]:
+    """The options ``make_source(kind, ...)`` takes."""
+    if kind == "hf":
+        from attnpool.data.hf_dataset import HFDatasetSource
+        return set(inspect.signature(HFDatasetSource).parameters)
+    return set(inspect.signature(SOURCES[kind]).parameters) if kind in SOURCES else set()

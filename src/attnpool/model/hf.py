@@ -298,38 +298,60 @@ def safetensors_files(directory: Path) -> list[Path]:
     """The checkpoint's weight files: those its index lists, else every ``*.safetensors``."""
     index = directory / INDEX_FILE
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [directory / name for name in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = [directory / name for name in sorted(set(weight_map.values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError("model", str(index), f"is not a safetensors index ({type(exc).__name__}: {exc})") from None
+        absent = [path.name for path in files if not path.is_file()]
+        if absent:
+            raise ConfigError("model", str(directory), f"{INDEX_FILE} lists {absent[0]}, which is not there "
+                                                       f"({len(absent)} of {len(files)} files missing: an interrupted "
+                                                       "download?)")
+        return files
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ConfigError("directory", str(directory), "has no *.safetensors files")
     return files
 
 
-def check_hf_weights(directory, config: ModelConfig) -> dict[str, Path]:
-    """Check the checkpoint's tensors against a model with ``config``, reading the files' headers only: a
-    missing, surplus or misshapen tensor is refused with a ConfigError naming it. Layers past ``config.n_layers``
-    are left unread (a run may take fewer layers than the checkpoint has), and so is ``lm_head.weight`` where the
-    model ties it to the embedding. Returns the file of each tensor the model reads."""
+def safetensors_headers(directory) -> dict[str, tuple[tuple, Path]]:
+    """Every tensor of the checkpoint in ``directory``: its shape and file, from the files' headers only. A file
+    that does not read as safetensors, one its index lists that is not there and one it does not list are refused
+    with a ConfigError naming it."""
     directory = Path(directory)
-    expected = hf_tensors(config)
     files = safetensors_files(directory)
     unlisted = sorted(set(directory.glob("*.safetensors")) - set(files))
     if unlisted:  # the reader reads every file of the directory: one the index does not list could shadow a tensor
         raise ConfigError(str(unlisted[0]), None, f"is not listed in {INDEX_FILE}; move it out of the model directory")
-    found: dict[str, Path] = {}
+    headers: dict[str, tuple[tuple, Path]] = {}
     for path in files:
-        with safe_open(path, framework="pt") as f:
+        try:
+            opened = safe_open(path, framework="pt")
+        except Exception as exc:  # (safetensors' own error for a damaged header, an OSError)
+            raise ConfigError("model", str(path), f"does not read as safetensors ({str(exc).splitlines()[0]})") from None
+        with opened as f:
             for name in f.keys():
-                if name in _IGNORED_TENSORS or (name == "lm_head.weight" and config.tie_embeddings) \
-                        or _layer_index(name) >= config.n_layers:
-                    continue
-                shape = tuple(f.get_slice(name).get_shape())
-                if name not in expected:
-                    raise ConfigError(name, shape, f"is in {path.name} but not in a model with this config.json")
-                if shape != tuple(expected[name][1]):
-                    raise ConfigError(name, shape, f"expected shape {tuple(expected[name][1])} from config.json")
-                found[name] = path
+                headers[name] = (tuple(f.get_slice(name).get_shape()), path)
+    return headers
+
+
+def check_hf_weights(directory, config: ModelConfig) -> dict[str, Path]:
+    """Check the checkpoint's tensors against a model with ``config``, reading the files' headers only
+    (:func:`safetensors_headers`): a missing, surplus or misshapen tensor is refused with a ConfigError naming it.
+    Layers past ``config.n_layers`` are left unread (a run may take fewer layers than the checkpoint has), and so is
+    ``lm_head.weight`` where the model ties it to the embedding. Returns the file of each tensor the model reads."""
+    expected = hf_tensors(config)
+    found: dict[str, Path] = {}
+    for name, (shape, path) in safetensors_headers(directory).items():
+        if name in _IGNORED_TENSORS or (name == "lm_head.weight" and config.tie_embeddings) \
+                or _layer_index(name) >= config.n_layers:
+            continue
+        if name not in expected:
+            raise ConfigError(name, shape, f"is in {path.name} but not in a model with this config.json")
+        if shape != tuple(expected[name][1]):
+            raise ConfigError(name, shape, f"expected shape {tuple(expected[name][1])} from config.json")
+        found[name] = path
     missing = [name for name in expected if name not in found]
     if missing:
         raise ConfigError(missing[0], None, f"missing from the checkpoint ({len(missing)} tensors missing in all)")

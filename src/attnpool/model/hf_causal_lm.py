@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from attnpool.errors import ConfigError
 from attnpool.model.config import ModelConfig
 from attnpool.model.hf import GEMMA_TYPES, QK_NORM_TYPES, SANDWICH_NORM_TYPES, hf_config_dtype, save_tokenizer
+from attnpool.model.hf import safetensors_headers
 from attnpool.model.hf_config import architecture, attention_settings, has_safetensors, read_hf_config
 from attnpool.model.llama import chunked_cross_entropy, soft_capped, summed_loss
 from attnpool.model.spec import ADAPTER_CANNOT, HF_PREFIX, ModelSpec
@@ -92,8 +93,12 @@ def load_hf_spec(path: str, model_args: dict | None = None) -> HFAdapterSpec:
 
 
 def adapter_spec(path: str, hf_config) -> HFAdapterSpec:
-    """The adapter's spec of ``path`` with its config read and checked."""
-    return HFAdapterSpec(path, hf_config, planning_config(hf_config), has_safetensors(path))
+    """The adapter's spec of ``path`` with its config read and checked, its weight files' headers read (a file
+    that does not read is refused here, not in every rank's from_pretrained)."""
+    weights = has_safetensors(path)
+    if weights:
+        safetensors_headers(path)
+    return HFAdapterSpec(path, hf_config, planning_config(hf_config), weights)
 
 
 def planning_config(hf_config) -> ModelConfig:

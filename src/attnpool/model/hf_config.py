@@ -49,9 +49,23 @@ def model_type_of(path: str) -> str | None:
         return None
 
 
+# Weights in formats attnpool does not read: a directory with only these is refused, not trained from random weights.
+OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+
+
 def has_safetensors(path: str) -> bool:
-    """Whether the directory holds safetensors weights (else a model is initialised from its config)."""
-    return any(name.endswith(".safetensors") for name in os.listdir(path))
+    """Whether the directory holds safetensors weights, or an index of them (their files then checked, a missing
+    one named); else a model is initialised from its config. A directory whose only weights are in another format
+    (pytorch_model.bin, ...) is refused: training it from random weights would be silently wrong."""
+    names = os.listdir(path)
+    if any(name.endswith((".safetensors", ".safetensors.index.json")) for name in names):
+        return True
+    others = sorted(name for name in names if name.endswith(OTHER_WEIGHT_SUFFIXES))
+    if others:
+        raise ConfigError("model", HF_PREFIX + path, f"holds weights as {others[0]}, which attnpool does not read: save "
+                                                     "them as safetensors (transformers: model.save_pretrained(DIR)), "
+                                                     "or move them out to train from random weights")
+    return False
 
 
 def read_hf_config(path: str, model_args: dict | None = None):

@@ -240,16 +240,33 @@ def _as_sections(values: dict, where: str = "") -> dict:
     return out
 
 
+class _RefusingDuplicateKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently: a file with
+    ``steps: 5`` and later ``steps: 6`` would train 6 steps with no word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | os.PathLike) -> dict:
-    """The mapping in a YAML config file (refused with ConfigError if missing or malformed)."""
+    """The mapping in a YAML config file (refused with ConfigError if missing or malformed, or a key given twice)."""
     path = str(path)
     if not os.path.isfile(path):
         raise ConfigError("config", path, "no such file")
     try:
         with open(path) as fh:
-            data = yaml.safe_load(fh)
+            data = yaml.load(fh, Loader=_RefusingDuplicateKeys)
     except yaml.YAMLError as exc:
-        raise ConfigError("config", path, f"not valid YAML ({str(exc).splitlines()[0]})") from None
+        lines = str(exc).splitlines()
+        said = "; ".join(line.strip() for line in lines[:3] if line.strip() and not line.strip().startswith("^"))
+        raise ConfigError("config", path, f"not valid YAML ({said})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

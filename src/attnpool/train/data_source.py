@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from attnpool.data import make_source
+from attnpool.data.registry import source_options
 from attnpool.errors import ConfigError
 from attnpool.model import ModelSpec
 from attnpool.model.spec import HF_PREFIX
@@ -57,11 +58,14 @@ def build_source(config: TrainConfig, model: ModelSpec):
         options.setdefault("vocab_size", vocab_size)  # token ids are then checked against the model
     try:
         source = make_source(kind, **options)
-    except ConfigError as exc:  # name what the user typed: --data-path, or --data-args KEY
-        path_option = DATA_PATH_OPTION.get(d.source)
-        if exc.field == path_option and d.path is not None:
+    except ConfigError as exc:  # name what the user typed: --data-path, --tokenizer, or --data-args KEY
+        if exc.field == DATA_PATH_OPTION.get(d.source):
             raise ConfigError("data_path", exc.value, exc.problem) from None
-        if exc.field in d.args:
+        if exc.field == "tokenizer_path":
+            problem = exc.problem if exc.value is not None else \
+                f"{d.source} data needs a tokenizer: --tokenizer DIR (an hf: model's directory is the default)"
+            raise ConfigError("tokenizer", exc.value, problem) from None
+        if exc.field in d.args or exc.field in source_options(kind):
             raise ConfigError(f"data_args.{exc.field}", exc.value, exc.problem) from None
         raise
     if source.vocab_size is not None and source.vocab_size > vocab_size:

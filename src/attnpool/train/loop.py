@@ -201,6 +201,9 @@ class Trainer:
               f"{self.world} x {self.device.type}{layout}, {config.attention.strategy} attention ({spec.backend_name} "
               f"kernel), {dims.dp} x {microbatches * config.data.tokens_per_rank} tokens per step{micro}, steps "
               f"{self.step + 1}..{config.last_step} of {config.optim.steps}{resumed} -> {config.run.out}", flush=True)
+        if getattr(spec.model, "has_weights", None) is False:  # (an hf: directory with a config.json alone)
+            print(f"{spec.model.name}: no safetensors weights in its directory: initialised at random from its "
+                  "config.json", flush=True)
         if spec.mixed_kinds:  # each kind of layer planned and served on its own (attnpool.kinds)
             counts = Counter(kind.describe() for kind in spec.layer_kinds)
             print("attention kinds: " + "; ".join(f"{n} x {what}" for what, n in counts.items())

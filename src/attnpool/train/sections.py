@@ -164,8 +164,8 @@ class AttentionSection(Section):
             _at_least("min_shard", self.min_shard, 1)
         if not 0.0 <= self.eps < 1.0:
             raise ConfigError("eps", self.eps, "must be in [0, 1)")
-        if not self.memory_cap >= 1.0:
-            raise ConfigError("memory_cap", self.memory_cap, "must be >= 1.0")
+        if not (math.isfinite(self.memory_cap) and self.memory_cap >= 1.0):
+            raise ConfigError("memory_cap", self.memory_cap, "must be a finite number >= 1.0")
         if self.backend not in ATTENTION_BACKENDS:
             raise ConfigError("attention_backend", self.backend,
                               f"unknown attention backend; choose one of {', '.join(ATTENTION_BACKENDS)}")
@@ -191,6 +191,9 @@ class SparseSection(Section):
     def sparse_config(self) -> SparseConfig | None:
         """The SparseConfig of ``--sparse`` and its options, or None for dense attention."""
         if self.mode == "none":
+            if self.args:  # (options of a sparse mode a dense run would ignore: a forgotten --sparse)
+                raise ConfigError("sparse_args", self.args, "vertical-slash options, and sparse is none: give "
+                                                            "--sparse vertical-slash, or leave them out")
             SparseConfig(mode="none", coverage=self.coverage, min_doc_len=self.min_doc_len,
                          dense_layers=self.dense_layers)  # still refuses bad values
             return None
@@ -223,8 +226,8 @@ class OptimSection(Section):
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError("min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
         _at_least("warmup_steps", self.warmup_steps, 0)
-        if not self.weight_decay >= 0:
-            raise ConfigError("weight_decay", self.weight_decay, "must be >= 0")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ConfigError("weight_decay", self.weight_decay, "must be a finite number >= 0")
         for key, value in (("beta1", self.beta1), ("beta2", self.beta2)):
             if not 0.0 <= value < 1.0:
                 raise ConfigError(key, value, "must be in [0, 1)")

@@ -156,7 +156,12 @@ def resolve_run_spec(config: TrainConfig, world: int, device: torch.device | Non
     (default: the configured device, or this machine's; given, the run is planned for another machine, whose
     installed packages are not this one's to check). Refused with a ConfigError naming the key where the
     model's shape or the device cannot run it."""
-    model = model_spec(config.model.name, config.model.args, config.data.max_doc_len, config.model.impl)
+    try:
+        model = model_spec(config.model.name, config.model.args, config.data.max_doc_len, config.model.impl)
+    except ConfigError as exc:  # name what the user typed: --model-args KEY
+        if exc.field in config.model.args:
+            raise ConfigError(f"model_args.{exc.field}", exc.value, exc.problem) from None
+        raise
     dims = ParallelDims.of(world, config.parallel.tp, config.parallel.pp)  # (first: a layout the ranks cannot take)
     check_model_shape(config, model.config)
     if config.model.float8_all_gather:

@@ -403,6 +403,7 @@ def bad_runs(tmp_path_factory):
     the ranks (a background job)."""
     tmp = tmp_path_factory.mktemp("bad")
     (tmp / "unknown.yaml").write_text("steps: 3\nlearning_rate: 0.1\n")
+    (tmp / "not-a-table.json").write_text('{"steps": 3}')
     (tmp / "empty").mkdir()
     (tmp / "empty" / "a.txt").write_text("")
     (tmp / "empty" / "b.txt").write_text("")
@@ -427,6 +428,7 @@ def bad_runs(tmp_path_factory):
         "infinite weight decay": (["--weight-decay", "inf"], "weight_decay=inf"),
         "infinite memory cap": (["--memory-cap", "inf"], "memory_cap=inf"),
         "unknown model field": (["--model-args", "n_layerz=2"], "model_args.n_layerz=2: is not a model field"),
+        "not a cost table": (["--cost-model", str(tmp / "not-a-table.json")], "is not a cost table"),
     }
     results = {}
     for name, (args, needle) in cases.items():
@@ -442,7 +444,7 @@ def bad_runs(tmp_path_factory):
                                   "empty corpus", "token id beyond vocab", "other model shape", "earlier run",
                                   "sparse coverage", "sparse cap", "sparse mode", "dense layers", "sparse cost file",
                                   "sparse options of a dense run", "infinite weight decay", "infinite memory cap",
-                                  "unknown model field"])
+                                  "unknown model field", "not a cost table"])
 def test_cli_bad_input_exits_2(bad_runs, case):
     code, stderr, needle = bad_runs[case]
     assert code == 2, stderr

@@ -315,7 +315,13 @@ def load_cost_model(spec: str | Path | None, phase: str = "fwd+bwd", backend: st
         return PairsCost()
     if not Path(spec).is_file():
         raise ConfigError("cost_model", str(spec), "not 'pairs', 'table' or an existing JSON file")
-    return TableCost.from_json(read_json_file("cost_model", spec), phase, backend)
+    try:
+        return TableCost.from_json(read_json_file("cost_model", spec), phase, backend)
+    except ConfigError as exc:  # (the table's own field, named as what the user gave: the file)
+        if exc.field == "cost_model":
+            raise
+        raise ConfigError("cost_model", str(spec), f"is not a cost table: {exc.field}={exc.value!r}: "
+                                                   f"{exc.problem}") from None
 
 
 def default_min_shard_tokens(model=None, efficiency: float = 0.8, prefix: int = 32768) -> int:

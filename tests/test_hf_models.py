@@ -513,3 +513,25 @@ def test_hf_model_refuses_what_it_cannot_run():
         TrainConfig(model="tiny", model_impl="transformers")
     with pytest.raises(ConfigError, match="logger='mlflow'"):
         TrainConfig(logger="mlflow")
+
+
+def test_weights_in_other_formats_are_told_from_a_trainers_files(tmp_path):
+    """pytorch_model.bin (or a shard of it, Meta's consolidated.00.pth, a .gguf) alone: weights attnpool does not
+    read, refused; a trainer's training_args.bin, optimizer.pt and rng_state.pth beside a config.json alone are not
+    weights (random initialisation, as with the config alone); safetensors or their index: weights."""
+    from attnpool.errors import ConfigError
+    from attnpool.model.hf_config import has_safetensors
+
+    for name in ("pytorch_model-00001-of-00002.bin", "consolidated.00.pth", "model.gguf"):
+        directory = tmp_path / name
+        directory.mkdir()
+        (directory / name).write_bytes(b"")
+        with pytest.raises(ConfigError, match=f"holds weights as {name}"):
+            has_safetensors(str(directory))
+    trainer = tmp_path / "trainer"
+    trainer.mkdir()
+    for name in ("training_args.bin", "optimizer.pt", "rng_state.pth", "config.json"):
+        (trainer / name).write_bytes(b"")
+    assert not has_safetensors(str(trainer))
+    (trainer / "model.safetensors.index.json").write_text("{}")
+    assert has_safetensors(str(trainer))

@@ -50,7 +50,14 @@ def model_type_of(path: str) -> str | None:
 
 
 # Weights in formats attnpool does not read: a directory with only these is refused, not trained from random weights.
+# By name as well as suffix: a trainer's checkpoint directory also holds training_args.bin, optimizer.pt and
+# rng_state.pth, which are not weights.
 OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+OTHER_WEIGHT_PREFIXES = ("pytorch_model", "model", "tf_model", "flax_model", "consolidated")
+
+
+def _other_weights(name: str) -> bool:
+    return name.endswith(".gguf") or (name.startswith(OTHER_WEIGHT_PREFIXES) and name.endswith(OTHER_WEIGHT_SUFFIXES))
 
 
 def has_safetensors(path: str) -> bool:
@@ -60,7 +67,7 @@ def has_safetensors(path: str) -> bool:
     names = os.listdir(path)
     if any(name.endswith((".safetensors", ".safetensors.index.json")) for name in names):
         return True
-    others = sorted(name for name in names if name.endswith(OTHER_WEIGHT_SUFFIXES))
+    others = sorted(name for name in names if _other_weights(name))
     if others:
         raise ConfigError("model", HF_PREFIX + path, f"holds weights as {others[0]}, which attnpool does not read: save "
                                                      "them as safetensors (transformers: model.save_pretrained(DIR)), "

@@ -203,8 +203,14 @@ class SparseSection(Section):
             raise ConfigError("sparse_args", unknown[0], f"unknown option; choose from {', '.join(allowed)}")
         args = {k: (_parse_size(f"sparse_args.{k}", v) if isinstance(v, str) and k in SPARSE_SIZE_ARGS else v)
                 for k, v in self.args.items()}
-        return SparseConfig(mode=self.mode, coverage=self.coverage, min_doc_len=self.min_doc_len,
-                            dense_layers=self.dense_layers, **args)
+        try:
+            return SparseConfig(mode=self.mode, coverage=self.coverage, min_doc_len=self.min_doc_len,
+                                dense_layers=self.dense_layers, **args)
+        except ConfigError as exc:  # name what the user typed: --sparse-args KEY
+            key = exc.field.removeprefix("sparse_")
+            if key in args:
+                raise ConfigError(f"sparse_args.{key}", exc.value, exc.problem) from None
+            raise
 
 
 @dataclass(frozen=True)

@@ -191,6 +191,9 @@ def test_float8_gathers_of_weights_train_as_bf16_gathers_do(tmp_path):
     for nproc, tp in ((1, 1), (2, 2)):
         with pytest.raises(ConfigError, match="float8_all_gather=True: one dp rank gathers nothing"):
             resolve_run_spec(uneven.replace(nproc=nproc, tp=tp), nproc, None, "cuda")
+    # On CPU the first thing to say is that float8 cannot run there at all
+    with pytest.raises(ConfigError, match="float8=True: float8 matmuls run on CUDA GPUs"):
+        resolve_run_spec(uneven.replace(nproc=1), 1, None, "cpu")
 
 
 def test_quality_table_compares_each_window_with_the_baseline(tmp_path):

@@ -164,10 +164,6 @@ def resolve_run_spec(config: TrainConfig, world: int, device: torch.device | Non
         raise
     dims = ParallelDims.of(world, config.parallel.tp, config.parallel.pp)  # (first: a layout the ranks cannot take)
     check_model_shape(config, model.config)
-    if config.model.float8_all_gather:
-        problem = float8_all_gather_problem(model.config, dims.dp, dims.tp)
-        if problem is not None:
-            raise ConfigError("float8_all_gather", True, problem)
     here = device is not None or device_type is None
     device_type = device_kind(config, device, device_type)
     bf16 = uses_bf16(config, device_type)
@@ -179,6 +175,10 @@ def resolve_run_spec(config: TrainConfig, world: int, device: torch.device | Non
             if device is not None or device_type != "cuda" else None
         if problem:
             raise ConfigError("float8", True, problem)
+    if config.model.float8_all_gather:  # (after float8 itself: a GPU without float8 is the first thing to say)
+        problem = float8_all_gather_problem(model.config, dims.dp, dims.tp)
+        if problem is not None:
+            raise ConfigError("float8_all_gather", True, problem)
     loss_kernel = config.model.loss_kernel
     if device is not None or loss_kernel == "auto":  # (without a device, liger's import is left to the ranks)
         loss_kernel = resolve_loss_kernel(loss_kernel, device_type, dims.tp)

@@ -25,12 +25,7 @@ SOURCES = {
 def make_source(kind: str, **options) -> DocumentSource:
     """Build a source by name (``synthetic``, ``text``, ``npy``, ``jsonl``, ``stdlib``, ``retrieval``, or ``hf``:
     a ``datasets`` dataset, attnpool.data.hf_dataset) from keyword options."""
-    if kind == "hf":
-        from attnpool.data.hf_dataset import HFDatasetSource as build  # imports datasets only when used
-    elif kind not in SOURCES:
-        raise ConfigError("source", kind, f"unknown; choose one of {', '.join(SOURCES)}, hf")
-    else:
-        build = SOURCES[kind]
+    build = _builder(kind)
     params = inspect.signature(build).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         unknown = sorted(set(options) - set(params))
@@ -44,9 +39,16 @@ def make_source(kind: str, **options) -> DocumentSource:
     return build(**options)
 
 
-def source_options(kind: str) -> set[str]:
-    """The options ``make_source(kind, ...)`` takes."""
+def _builder(kind: str):
+    """What ``make_source(kind, ...)`` calls."""
     if kind == "hf":
-        from attnpool.data.hf_dataset import HFDatasetSource
-        return set(inspect.signature(HFDatasetSource).parameters)
-    return set(inspect.signature(SOURCES[kind]).parameters) if kind in SOURCES else set()
+        from attnpool.data.hf_dataset import HFDatasetSource  # imports datasets only when used
+        return HFDatasetSource
+    if kind not in SOURCES:
+        raise ConfigError("source", kind, f"unknown; choose one of {', '.join(SOURCES)}, hf")
+    return SOURCES[kind]
+
+
+def source_options(kind: str) -> set[str]:
+    """The options ``make_source(kind, ...)`` takes (none for a kind it does not know)."""
+    return set(inspect.signature(_builder(kind)).parameters) if kind == "hf" or kind in SOURCES else set()

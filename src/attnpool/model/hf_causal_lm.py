@@ -27,8 +27,8 @@ from torch import Tensor, nn
 
 from attnpool.errors import ConfigError
 from attnpool.model.config import ModelConfig
-from attnpool.model.hf import GEMMA_TYPES, QK_NORM_TYPES, SANDWICH_NORM_TYPES, hf_config_dtype, save_tokenizer
-from attnpool.model.hf import safetensors_headers
+from attnpool.model.hf import (GEMMA_TYPES, QK_NORM_TYPES, SANDWICH_NORM_TYPES, hf_config_dtype, safetensors_headers,
+                               save_tokenizer)
 from attnpool.model.hf_config import architecture, attention_settings, has_safetensors, read_hf_config
 from attnpool.model.llama import chunked_cross_entropy, soft_capped, summed_loss
 from attnpool.model.spec import ADAPTER_CANNOT, HF_PREFIX, ModelSpec

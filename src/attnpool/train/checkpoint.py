@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from attnpool.errors import ConfigError, TrainingError, restartable
+from attnpool.errors import ConfigError, TrainingError, restartable, storage_error
 from attnpool.model.spec import hf_model_dir
 from attnpool.train.config import load_config
 
@@ -44,11 +44,9 @@ _HASH_CHUNK = 16 << 20
 READ_ATTEMPTS = 3  # a file that exists but does not read is tried this often, a second apart, before it counts
 
 
-class ReadFailure(str):
-    """A checkpoint's problem that is the storage's, not the checkpoint's: a file that is there but did not read (an
-    I/O error, a stale network mount). A resume does not pass over such a checkpoint, as it does a damaged one: the
-    one before it would redo the steps since, and the next save would set this one aside as damaged. ``restartable``
-    as attnpool.errors.restartable judges the error (the str's own attribute, kept through pickling)."""
+class _Failed(str):
+    """What went wrong on a rank, passed through a collective in place of its result (and whether a restart may
+    get past it, as ``restartable``: the str's own attribute survives the pickling as a tuple would not)."""
 
     def __new__(cls, text: str, restartable: bool = True):
         made = super().__new__(cls, text)
@@ -56,11 +54,22 @@ class ReadFailure(str):
         return made
 
     def __reduce__(self):
-        return ReadFailure, (str(self), self.restartable)
+        return type(self), (str(self), self.restartable)
+
+
+class ReadFailure(_Failed):
+    """A checkpoint's problem that is the storage's, not the checkpoint's: a file that is there but did not read (an
+    I/O error, a stale network mount). A resume does not pass over such a checkpoint, as it does a damaged one: the
+    one before it would redo the steps since, and the next save would set this one aside as damaged. ``restartable``
+    as attnpool.errors.restartable judges the error."""
 
     @classmethod
     def of(cls, file: str, exc: OSError) -> "ReadFailure":
         return cls(f"{file} did not read ({exc.strerror or exc}, {READ_ATTEMPTS} attempts)", restartable(exc))
+
+    def error(self, path: str, consequence: str = "") -> TrainingError:
+        """The TrainingError that stops what read checkpoint ``path`` (``consequence``: what it means there)."""
+        return TrainingError(f"{path}: {self}: a storage error{consequence}", restartable=self.restartable)
 
 
 _ABSENT = (FileNotFoundError, NotADirectoryError)
@@ -110,8 +119,7 @@ def finished_checkpoints(out: str) -> list[tuple[int, str]]:
         try:
             complete = m and (_is_file(os.path.join(path, MANIFEST)) or _is_file(os.path.join(path, DCP_METADATA)))
         except OSError as exc:
-            raise TrainingError(f"{path}: its files cannot be looked at ({exc.strerror or exc}): a storage error",
-                                restartable=restartable(exc)) from None
+            raise storage_error(exc, f"{path}: its files cannot be looked at") from None
         if complete:
             found.append((int(m.group(1)), path))
     return sorted(found)
@@ -157,8 +165,7 @@ def checkpoint_config(path: str, out: str) -> dict | None:
     try:
         manifest = read_manifest(path)
     except OSError as exc:
-        raise TrainingError(f"{os.path.join(path, MANIFEST)} did not read ({exc.strerror or exc}): a storage error",
-                            restartable=restartable(exc)) from None
+        raise storage_error(exc, f"{os.path.join(path, MANIFEST)} did not read") from None
     if manifest is not None:
         settings = manifest.get("config") or None
     else:
@@ -262,9 +269,8 @@ def select_checkpoint(out: str, checksum: bool = True, distributed: bool = True,
         if problem is None:
             return path, skipped
         if isinstance(problem, ReadFailure):  # (every rank alike: verify_checkpoint's answer is agreed)
-            raise TrainingError(f"{path}: {problem}: a storage error, not a damaged checkpoint, so the resume stops "
-                                "here rather than go back to an older one and redo the steps since; run it again "
-                                "once the storage reads", restartable=problem.restartable)
+            raise problem.error(path, ", not a damaged checkpoint, so the resume stops here rather than go back to "
+                                      "an older one and redo the steps since; run it again once the storage reads")
         skipped.append((path, problem))
     return None, skipped
 
@@ -404,19 +410,6 @@ def prune_damaged(out: str, below_step: int) -> None:
         m = _STEP_DIR.match(name.removesuffix(DAMAGED_SUFFIX))
         if name.endswith(DAMAGED_SUFFIX) and m and int(m.group(1)) < below_step:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-
-
-class _Failed(str):
-    """What went wrong on a rank, passed through a collective in place of its result (and whether a restart may
-    get past it, as ``restartable``: the str's own attribute survives the pickling as a tuple would not)."""
-
-    def __new__(cls, text: str, restartable: bool = True):
-        made = super().__new__(cls, text)
-        made.restartable = restartable
-        return made
-
-    def __reduce__(self):
-        return _Failed, (str(self), self.restartable)
 
 
 def _attempt(fn):

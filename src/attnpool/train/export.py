@@ -164,7 +164,7 @@ def read_checkpoint_model(*, run_dir: str | None = None, checkpoint: str | None 
             raise ConfigError("checkpoint", checkpoint, "no such directory")
         problem = verify_checkpoint(checkpoint, distributed=False, allow_unverified=allow_unverified)
         if isinstance(problem, ReadFailure):  # (the storage's, not bad input)
-            raise TrainingError(f"{checkpoint}: {problem}: a storage error", restartable=problem.restartable)
+            raise problem.error(checkpoint)
         if problem is not None:
             raise ConfigError("checkpoint", checkpoint, problem)
         path, run_dir = checkpoint, os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))

@@ -139,6 +139,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.window < 1 or args.steps < 1:
         ap.error(f"--window {args.window} / --steps {args.steps}: must be positive")
+    if args.plot and args.group:
+        ap.error("--plot draws single runs against --baseline's; it does not draw --group's means")
     runs = load_runs(args.records, args.steps)
     if args.group:
         if any("=" not in g for g in args.group):

@@ -229,7 +229,7 @@ def test_model_args_change_an_hf_models_config(tmp_path, hf_training):
     computes with the config changed by hand, a run trains with it and exports it; what the checkpoint's weights
     fix, or what the config lacks, is refused by name."""
     directory = str(save_model(tmp_path / "llama", "llama"))
-    args = {"rope_theta": 500000.0, "max_position_embeddings": 4096, "num_hidden_layers": 1}
+    args = {"rope_theta": 500000.0, "max_position_embeddings": "4K", "num_hidden_layers": 1}  # (a size, as written)
     spec = load_hf_spec(directory, model_args=args)
     assert spec.hf_config.rope_parameters == {"rope_theta": 500000.0, "rope_type": "default"}
     assert spec.hf_config.max_position_embeddings == 4096 and spec.config.n_layers == 1
@@ -257,7 +257,8 @@ def test_model_args_change_an_hf_models_config(tmp_path, hf_training):
     for bad, field in ((dict(hidden_size=64), "model_args.hidden_size"), (dict(num_hidden_layers=3), "model_args."
                        "num_hidden_layers"), (dict(n_layers=2), "model_args.n_layers"),
                        (dict(rope_scaling=2.0), "model_args.rope_scaling"),
-                       (dict(rope_scaling={"rope_type": "yarn"}), "model_args")):  # yarn needs its factor
+                       (dict(rope_scaling={"rope_type": "yarn"}), "model_args"),  # yarn needs its factor
+                       (dict(max_position_embeddings="4Q"), "model_args.max_position_embeddings")):
         with pytest.raises(ConfigError) as err:
             load_hf_spec(directory, model_args=bad)
         assert err.value.field == field, bad

@@ -422,6 +422,18 @@ def test_presets_take_a_layers_override():
         model_config("tiny", layers=2, n_layers=3)
 
 
+def test_presets_take_token_counts_as_sizes():
+    """A window or a context length as people write them (model_args: sliding_window=4K); anything else that is
+    not a count is refused by name."""
+    config = model_config("tiny", sliding_window="4K", max_position="128K")
+    assert (config.sliding_window, config.max_position) == (4096, 131072)
+    with pytest.raises(ConfigError, match="not a token count") as err:
+        model_config("tiny", sliding_window="4 kilo")
+    assert err.value.field == "sliding_window"
+    with pytest.raises(ConfigError, match="positive integer"):
+        model_config("tiny", n_heads="4K")  # (a size only where the field counts tokens)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
 def test_rmsnorm_matches_float64_formula(dtype, tol):
     """x * weight / sqrt(mean(x^2) + eps), output and both gradients, rounded once to the input's dtype."""

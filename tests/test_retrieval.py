@@ -201,6 +201,26 @@ def test_bad_options_are_refused_by_name(options, field):
     assert err.value.field == field
 
 
+def test_a_run_that_would_cut_every_task_is_refused():
+    """A task cut in two has its question apart from its key: a batch (dp x tokens_per_rank) or max_doc_len
+    shorter than the context is refused by name; a batch of several ranks holds a task longer than one rank's
+    share (the stream lays a document across ranks)."""
+    from attnpool.train.config import load_config
+    from attnpool.train.data_source import check_documents_fit
+
+    source = make_source("retrieval", context="4K", num_docs=8)
+    config = load_config(None, {"data": "retrieval", "tokens_per_rank": 2048})
+    with pytest.raises(ConfigError, match="longer than a step's batch of 2048 tokens") as err:
+        check_documents_fit(config, source, dp=1)
+    assert err.value.field == "data_args.context"
+    check_documents_fit(config, source, dp=2)
+    config = load_config(None, {"data": "retrieval", "tokens_per_rank": 8192, "max_doc_len": 2048})
+    with pytest.raises(ConfigError, match="every task would lose its key") as err:
+        check_documents_fit(config, source, dp=1)
+    assert err.value.field == "max_doc_len"
+    check_documents_fit(config, make_source("stdlib"), dp=1)  # text, cut or not, is still text
+
+
 class CopyModel(torch.nn.Module):
     """A model that knows every next token (it reads it from the input): hidden state = one-hot of the token
     after each position, output weights = identity. Evaluated correctly, it answers every instance."""

@@ -14,7 +14,7 @@ from attnpool.plan import PieceTable, TableCost, plan_attention
 from attnpool.plan.cost import attention_flops
 from attnpool.plan.documents import causal_pairs
 from attnpool.sim.costs import DEFAULT_LINEAR_TFLOPS, layer_flops_per_token, load_sim_costs
-from attnpool.plan.layout import linear_table, wlb_pieces
+from attnpool.plan.layout import linear_table, nano_batch_bounds, wlb_pieces
 from attnpool.sim.report import paper_report
 from attnpool.sim.simulate import SimConfig, simulate_config
 from attnpool.sim.steptime import Cluster, StepModel
@@ -105,6 +105,28 @@ def test_pingpong_hides_communication_and_slower_network_costs_more(costs):
     assert overlap.comm_exposed < serial.comm_exposed
     slow = StepModel(CFG, cl, replace(costs, inter=replace(costs.inter, bandwidth=costs.inter.bandwidth / 100)))
     assert slow.plan_step(plan, overlap=True).step > overlap.step
+
+
+def test_pingpong_runs_the_nano_batches_the_runtime_makes(costs):
+    """cad's ping-pong as the runtime runs it: nano-batches of whole documents (data.batch.GlobalBatch's split),
+    each planned alone. One nano-batch is the serial step; a batch of one document cannot be split, so its
+    ping-pong hides nothing (the even halves of one plan would have hidden half its exchanges); documents that
+    split evenly hide some."""
+    lens = [60000, 3000, 2000, 1000, 30000, 500, 20000, 14572]
+    cl = Cluster(gpus=8, tp=1, gpus_per_node=1, tokens_per_gpu=16384)
+    model = StepModel(CFG, cl, costs)
+    plan = plan_attention(linear_table(lens, 8, 16384), "cad", cost_model=costs.attn_fwd_bwd, eps=0.05, shape=model.shape)
+    assert model.nano_step([plan]) == model.plan_step(plan, overlap=False)
+    nanos = [plan_attention(linear_table(lens[d0:d1], 8, -(-sum(lens[d0:d1]) // 8)), "cad",
+                            cost_model=costs.attn_fwd_bwd, eps=0.05, shape=model.shape)
+             for d0, d1 in nano_batch_bounds(lens, 2)]
+    assert len(nanos) == 2 and model.nano_step(nanos).comm_exposed < model.plan_step(plan).comm_exposed
+
+    one = replace(SMALL, gpus=8, tp=1, gpus_per_node=1, tokens_per_gpu=16384, batches=1, strategies=("cad",))
+    whole = simulate_config(one, costs, doc_batches=[[131072]])["strategies"]
+    assert whole["cad"]["step_s"] == pytest.approx(whole["cad-serial"]["step_s"], rel=1e-12)
+    halves = simulate_config(one, costs, doc_batches=[lens])["strategies"]
+    assert halves["cad"]["step_s"] < halves["cad-serial"]["step_s"]
 
 
 def test_fsdp_gathers_and_reductions_exposed_where_compute_cannot_hide_them(costs):

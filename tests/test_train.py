@@ -429,6 +429,8 @@ def bad_runs(tmp_path_factory):
         "infinite memory cap": (["--memory-cap", "inf"], "memory_cap=inf"),
         "unknown model field": (["--model-args", "n_layerz=2"], "model_args.n_layerz=2: is not a model field"),
         "not a cost table": (["--cost-model", str(tmp / "not-a-table.json")], "is not a cost table"),
+        "task longer than a batch": (["--data", "retrieval", "--data-args", "context=4K", "--tokens-per-rank", "2K"],
+                                     "data_args.context=4096: longer than a step's batch of 2048 tokens"),
     }
     results = {}
     for name, (args, needle) in cases.items():
@@ -444,7 +446,7 @@ def bad_runs(tmp_path_factory):
                                   "empty corpus", "token id beyond vocab", "other model shape", "earlier run",
                                   "sparse coverage", "sparse cap", "sparse mode", "dense layers", "sparse cost file",
                                   "sparse options of a dense run", "infinite weight decay", "infinite memory cap",
-                                  "unknown model field", "not a cost table"])
+                                  "unknown model field", "not a cost table", "task longer than a batch"])
 def test_cli_bad_input_exits_2(bad_runs, case):
     code, stderr, needle = bad_runs[case]
     assert code == 2, stderr

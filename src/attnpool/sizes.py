@@ -24,6 +24,20 @@ def parse_size(text) -> int:
     return int(value)
 
 
+def with_token_counts(values: dict, keys, field_prefix: str = "") -> dict:
+    """``values`` with each of ``keys`` given as a size ('4K', '128K') turned into its token count, as a context
+    length or a window is written; other values as they are (their own checks follow)."""
+    out = dict(values)
+    for key in keys:
+        if isinstance(out.get(key), str):
+            try:
+                out[key] = parse_size(out[key])
+            except ValueError:
+                raise ConfigError(f"{field_prefix}{key}", out[key], "is not a token count (e.g. 4096, 4K, 128K)") \
+                    from None
+    return out
+
+
 def format_tokens(tokens: int) -> str:
     """131072 -> '128K', 1572864 -> '1.5M', 1000 -> '1000'."""
     for unit, size in (("M", 1 << 20), ("K", 1 << 10)):

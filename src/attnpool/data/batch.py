@@ -16,6 +16,7 @@ import numpy as np
 
 from attnpool.errors import ConfigError
 from attnpool.plan.documents import DocPiece, PieceTable
+from attnpool.plan.layout import nano_batch_bounds
 
 # Label of a token with no target (the last token of a document). PyTorch's
 # cross_entropy ignores it by default; ``loss_mask`` says the same as a float.
@@ -167,15 +168,11 @@ class GlobalBatch:
                            np.r_[self.doc_source_start, np.zeros(len(lens), dtype=np.int64)])
 
     def split_documents(self, parts: int) -> list["GlobalBatch"]:
-        """Up to ``parts`` batches of whole documents, cut at the document boundaries nearest to
-        equal token counts (ping-pong nano-batches). Cutting a document would change what its
-        tokens attend to, so a batch of fewer documents than ``parts`` gives fewer batches."""
+        """Up to ``parts`` batches of whole documents (ping-pong nano-batches), cut as
+        :func:`attnpool.plan.layout.nano_batch_bounds` says."""
         offsets = self.doc_offsets
-        targets = np.arange(1, parts) * self.num_tokens / parts
-        cuts = np.unique(np.clip(np.searchsorted(offsets, targets), 1, self.num_docs))
-        bounds = [0, *[int(c) for c in cuts if 0 < c < self.num_docs], self.num_docs]
         out = []
-        for d0, d1 in zip(bounds[:-1], bounds[1:]):
+        for d0, d1 in nano_batch_bounds(self.doc_lens, parts):
             t0, t1 = int(offsets[d0]), int(offsets[d1])
             out.append(GlobalBatch(self.step, self.num_ranks, -(-(t1 - t0) // self.num_ranks), self.doc_lens[d0:d1],
                                    self.tokens[t0:t1], self.labels[t0:t1], self.loss_mask[t0:t1],

@@ -318,6 +318,9 @@ class RetrievalSource(DocumentSource):
     def __len__(self) -> int:
         return self.num_docs
 
+    def whole_documents(self) -> tuple[str, int]:
+        return "context", self.shape.context
+
     @lru_cache(maxsize=4)  # the stream reads a document's tokens, then its targets
     def document(self, index: int) -> tuple[np.ndarray, np.ndarray | None]:
         """(tokens, targets) of document ``index``; targets None for an ordinary document."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 from attnpool.errors import ConfigError
 from attnpool.kinds import AttentionKind, expand_layer_types, layer_kinds
+from attnpool.sizes import with_token_counts
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,9 @@ def _check_positive_int(name, value):
         raise ConfigError(name, value, "must be a positive integer")
 
 
+# Fields that count tokens, which model_args may give as sizes ('4K')
+TOKEN_COUNT_FIELDS = ("max_position", "sliding_window")
+
 MODEL_PRESETS: dict[str, dict] = {
     # A CPU demo on byte-level tokens.
     "tiny": dict(
@@ -213,6 +217,7 @@ def model_config(name: str, **overrides) -> ModelConfig:
             raise ConfigError("layers", overrides["layers"], "give layers or n_layers, not both")
         overrides["n_layers"] = overrides.pop("layers")
     known_fields = {f.name for f in fields(ModelConfig)}
+    overrides = with_token_counts(overrides, TOKEN_COUNT_FIELDS)
     for key in overrides:
         if key not in known_fields:
             raise ConfigError(key, overrides[key], f"is not a model field; fields: {', '.join(sorted(known_fields))}")

@@ -15,6 +15,7 @@ import os
 
 from attnpool.errors import ConfigError
 from attnpool.model.spec import HF_PREFIX
+from attnpool.sizes import with_token_counts
 
 # model_type -> its family. Each was read in transformers 5.24's modeling code: between the embedding and
 # the output projection tokens mix only in attention, the attention function gets q, k and v after RoPE
@@ -102,6 +103,8 @@ def read_hf_config(path: str, model_args: dict | None = None):
     return hf_config
 
 
+# Settings that count tokens, which model_args may give as sizes ('4K', '128K')
+HF_TOKEN_COUNT_SETTINGS = ("max_position_embeddings", "sliding_window")
 # Settings a checkpoint's weights fix: changed, its tensors would not load.
 WEIGHT_SHAPE_SETTINGS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                          "head_dim")
@@ -117,6 +120,7 @@ def config_with_args(hf_config, model_args: dict, has_weights: bool):
     arch = architecture(hf_config)
     values = hf_config.to_dict()
     rope = values.get("rope_parameters")
+    model_args = with_token_counts(model_args, HF_TOKEN_COUNT_SETTINGS, "model_args.")
     for key, value in model_args.items():
         field = f"model_args.{key}"
         if key in ("rope_theta", "rope_scaling"):

@@ -9,6 +9,9 @@
   to the cap; a document that fits nowhere is split over the ranks with the
   most room.
 
+Ping-pong splits a batch into nano-batches of whole documents first (:func:`nano_batch_bounds`), each then laid
+out over every rank.
+
 Each comes as a :class:`PieceTable` (``*_table``, what planners and the
 simulator use; vectorised or O(documents log ranks)) and as lists of
 :class:`DocPiece` per rank (``*_layout``). Document ids are indices into
@@ -53,6 +56,21 @@ def _budget(lens: np.ndarray, num_ranks: int, tokens_per_rank: int | None) -> in
         raise ConfigError("doc_lens", f"{total} tokens",
                           f"more than {num_ranks} ranks x {tokens_per_rank} tokens can hold")
     return int(tokens_per_rank)
+
+
+def nano_batch_bounds(doc_lens: Sequence[int], parts: int) -> list[tuple[int, int]]:
+    """The documents [d0, d1) of up to ``parts`` nano-batches of whole documents (ping-pong's: the runtime's,
+    data.batch.GlobalBatch.split_documents, and the simulator's), each cut after the document that reaches an
+    equal share of the tokens. Cutting a document would change what its tokens attend to, so fewer documents than
+    ``parts`` give fewer nano-batches and one long document makes them unequal. Where the document that reaches
+    a share is the batch's last, no cut is made there: the batch stays one nano-batch, though a cut before that
+    document would still give two, unequal ones."""
+    lens = np.asarray(doc_lens, dtype=np.int64)
+    offsets = np.r_[0, np.cumsum(lens)]
+    targets = np.arange(1, parts) * offsets[-1] / parts
+    cuts = np.unique(np.clip(np.searchsorted(offsets, targets), 1, len(lens)))
+    bounds = [0, *[int(c) for c in cuts if 0 < c < len(lens)], len(lens)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def linear_table(doc_lens: Sequence[int], num_ranks: int, tokens_per_rank: int | None = None) -> PieceTable:

@@ -11,8 +11,9 @@ For each batch of ``gpus x tokens_per_gpu`` tokens drawn with the paper's recipe
 - ``ulysses-u{u}``: WLB-LLM packing over ``servers / u`` DP groups and Ulysses (head-parallel
   attention) of degree u inside each, for every u that splits the heads per server
   (:meth:`StepModel.ulysses_step`).
-- ``cad``: the linear layout planned by the real ``cad`` scheduler, ping-pong
-  overlap; ``cad-serial`` is the same plan without overlap. The planner knows the
+- ``cad``: the linear layout planned by the real ``cad`` scheduler, with ping-pong as the runtime runs it
+  (two nano-batches of whole documents, each laid out and planned on its own, interleaved:
+  :meth:`StepModel.nano_step`); ``cad-serial`` is the whole batch's plan without overlap. The planner knows the
   nodes: a byte between them costs it the intra/inter bandwidth ratio.
 - WLB-ideal: the best of ``wlb`` and every ``percp-cp{c}`` by total step time
   over the batches (one DP x CP for the whole run, as the paper sweeps it).
@@ -34,7 +35,7 @@ from attnpool.errors import ConfigError
 from attnpool.model.config import model_config
 from attnpool.plan.api import plan_attention
 from attnpool.sim.costs import SimCosts, load_sim_costs
-from attnpool.plan.layout import linear_table, wlb_pieces, wlb_table
+from attnpool.plan.layout import linear_table, nano_batch_bounds, wlb_pieces, wlb_table
 from attnpool.plan.plan import Topology
 from attnpool.plan.ulysses import ulysses_problem
 from attnpool.sim.steptime import Cluster, StepModel, StepTime
@@ -242,16 +243,21 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
             for u in ulysses_degrees:
                 add(model.ulysses_step(wlb_pieces(lens, S // u, u * B, config.memory_cap), u))
         if "cad" in want:
-            cad = plan(lin, "cad", eps=config.eps, topology=topology)
-            add(model.plan_step(cad, overlap=True, name="cad"))
-            add(model.plan_step(cad, overlap=False, name="cad-serial"))
+            # ping-pong as the runtime runs it: nano-batches of whole documents, each laid out and planned alone
+            nanos = [linear_table(lens[d0:d1], S, -(-sum(lens[d0:d1]) // S)) for d0, d1 in nano_batch_bounds(lens, 2)]
+
+            def cad_step(name, eps, topology, **kw):
+                return model.nano_step([plan(t, "cad", eps=eps, topology=topology) for t in nanos], name=name, **kw)
+
+            add(cad_step("cad", config.eps, topology))
+            add(model.plan_step(plan(lin, "cad", eps=config.eps, topology=topology), overlap=False, name="cad-serial"))
             if config.hierarchical:  # planned for it: cad prices the KV a relay forwards inside its node
-                relayed = plan(lin, "cad", eps=config.eps, topology=replace(topology, relays=True))
-                add(model.plan_step(relayed, overlap=True, name="cad-hierarchical", hierarchical=True))
-                add(model.plan_step(relayed, overlap=False, name="cad-hierarchical-serial", hierarchical=True))
+                relays = replace(topology, relays=True)
+                add(cad_step("cad-hierarchical", config.eps, relays, hierarchical=True))
+                add(model.plan_step(plan(lin, "cad", eps=config.eps, topology=relays), overlap=False,
+                                    name="cad-hierarchical-serial", hierarchical=True))
             for e in eps_sweep or ():
-                p = cad if e == config.eps else plan(lin, "cad", eps=e, topology=topology)
-                eps_acc.setdefault(float(e), _Acc()).add(model.plan_step(p, overlap=True, name="cad"))
+                eps_acc.setdefault(float(e), _Acc()).add(cad_step("cad", e, topology))
         if progress:
             progress(bi + 1, len(doc_batches))
 

@@ -33,10 +33,14 @@ Overlap. A tiny two-stream event simulation per layer: a compute stream per
 server, and collectives that start when every server of the group has reached
 them and the previous collective of the group is done. Without overlap (one
 nano-batch) every collective is exposed. With DistCA's ping-pong, the
-micro-batch is split into two nano-batches (half the tokens, half the attention
-work, half the bytes each; the latency is paid per collective) and the
-compute stream runs  pre(a) pre(b) attn(a) attn(b) post+pre(a) post+pre(b) ...
-while nano-batch a's collectives run behind nano-batch b's compute.
+micro-batch is split into two nano-batches and the compute stream runs
+pre(a) pre(b) attn(a) attn(b) post+pre(a) post+pre(b) ...  while nano-batch a's
+collectives run behind nano-batch b's compute. :meth:`StepModel.nano_step` takes
+the nano-batches as the runtime makes them (whole documents, each planned alone,
+so one long document makes them unequal, or leaves one); ``plan_step(overlap=True)``
+approximates them by exact halves of one plan (half the tokens, work and bytes
+each; the latency paid per collective), which hid 2.3-5.0% more of a measured
+step on the emulated network's runs (bench/results/2026-11-29-cpu-sim-nano-batches.md).
 
 FSDP2 (``fsdp``, as attnpool.parallel.parallelize applies it over the servers): each
 layer's weights (its GPU's 1/tp share) are all-gathered in bf16 before its forward
@@ -123,8 +127,12 @@ class Collective:
     def active(self) -> bool:
         return bool(np.any(self.transfer > 0))
 
-    def duration(self, nano: int) -> np.ndarray:
-        return np.where(self.transfer > 0, self.latency + self.transfer / nano, 0.0)
+    def duration(self) -> np.ndarray:
+        return np.where(self.transfer > 0, self.latency + self.transfer, 0.0)
+
+    def part(self, parts: int) -> "Collective":
+        """The collective of one of ``parts`` equal parts of the batch: its share of the bytes, the whole latency."""
+        return Collective(self.latency, self.transfer / parts)
 
     @staticmethod
     def serial(*collectives: "Collective") -> "Collective":
@@ -297,23 +305,35 @@ class StepModel:
         whose layers differ in kind, ``plan`` maps each window to its plan (plan_attention(..., window=w)) and
         each layer runs its window's.
 
+        ``overlap``: ping-pong approximated as two exact halves of this one plan (for callers without the
+        planner at hand; :meth:`nano_step` runs ping-pong's nano-batches as the runtime plans them).
         ``task_seconds``: per-GPU (fwd, bwd) seconds of each of the plan's tasks, where the dense table does
         not price them (sparse attention: bench/sim_sparse.py). ``hierarchical``: the hierarchical exchange
         (attnpool train's hierarchical_exchange): KV a relay forwards goes from it, inside its node, in a second
         all-to-all after the first, on the compute path as runtime.core_attention runs it (backward: the forwarded
         rows' gradients back to the relay, then across)."""
+        tokens, layers = self._nano_batch(plan, task_seconds, hierarchical)
+        return self._simulate(name or _strategy(plan), _even_parts(tokens, layers, 2 if overlap else 1),
+                              group_size=self.cluster.servers, **_bytes_of([layers]))
+
+    def nano_step(self, nano_plans: list, name: str | None = None, hierarchical: bool = False) -> StepTime:
+        """Step time of ping-pong as the runtime runs it: the micro-batch's nano-batches of whole documents
+        (plan.layout.nano_batch_bounds), each laid out over every server and planned on its own (``nano_plans``:
+        each one's plan, or plans by window as :meth:`plan_step` takes them), interleaved layer by layer. One
+        long document makes them unequal, and the smaller then hides less of the larger's exchanges."""
+        nanos = [self._nano_batch(plan, None, hierarchical) for plan in nano_plans]
+        return self._simulate(name or _strategy(nano_plans[0]), nanos, group_size=self.cluster.servers,
+                              **_bytes_of([layers for _, layers in nanos]))
+
+    def _nano_batch(self, plan: Plan | dict, task_seconds, hierarchical: bool) -> tuple[np.ndarray, list]:
+        """(tokens per server, per layer its entry of :meth:`_plan_layer`) of one (nano-)batch's plan."""
         plans = plan if isinstance(plan, dict) else {window: plan for window in set(self.layer_windows)}
         layers = self._per_layer(lambda window: self._plan_layer(plans[window], task_seconds, hierarchical))
-        first = next(iter(plans.values()))
-        # bytes of one layer (the layers' mean where their kinds move different amounts)
-        return self._simulate(name or first.strategy, first.pieces.tokens_per_rank.astype(np.float64),
-                              [layer[:4] for layer in layers], group_size=self.cluster.servers,
-                              nano=2 if overlap else 1, bytes_moved=int(np.mean([layer[4] for layer in layers])),
-                              max_bytes=int(max(layer[5] for layer in layers)))
+        return next(iter(plans.values())).pieces.tokens_per_rank.astype(np.float64), layers
 
     def _plan_layer(self, plan: Plan, task_seconds=None, hierarchical: bool = False) -> tuple:
         """One layer under ``plan``: (attention fwd, bwd per server, forward and backward exchanges, bytes moved,
-        the most one server moves)."""
+        the bytes each server moves)."""
         S = self.cluster.servers
         if plan.num_ranks != S:
             raise ConfigError("plan.num_ranks", plan.num_ranks, f"the cluster has {S} servers")
@@ -336,13 +356,13 @@ class StepModel:
         forwarded = np.r_[np.zeros(len(home), bool), kv_src != x.src]
         out = self._a2a(src[~forwarded], dst[~forwarded], nbytes[~forwarded], S)  # Q + KV out (fwd), dQ + dKV back (bwd)
         if forwarded.any():
-            relay_s = float(self._a2a(src[forwarded], dst[forwarded], nbytes[forwarded], S).duration(1).max())
+            relay_s = float(self._a2a(src[forwarded], dst[forwarded], nbytes[forwarded], S).duration().max())
             attn_f, attn_b = attn_f + relay_s, attn_b + relay_s
         back = self._a2a(srv, home, ln * sh.o_bytes, S)  # O back (fwd), dO out (bwd)
         moved = np.where(src != dst, nbytes, 0)
         o_moved = np.where(srv != home, ln * sh.o_bytes, 0)
         per_server = (np.bincount(src, weights=moved, minlength=S) + np.bincount(srv, weights=o_moved, minlength=S))
-        return attn_f, attn_b, (out, back), (back, out), moved.sum() + o_moved.sum(), per_server.max()
+        return attn_f, attn_b, (out, back), (back, out), moved.sum() + o_moved.sum(), per_server
 
     def percp_step(self, group_pieces, cp: int, name: str | None = None) -> StepTime:
         """WLB-LLM packing over DP groups + per-document CP of degree ``cp`` inside each group, analytically.
@@ -407,7 +427,7 @@ class StepModel:
 
         layers = self._per_layer(layer)
         moved = [total for _, total in layers]
-        return self._simulate(name or f"percp-cp{c}", tokens, [entry for entry, _ in layers], group_size=c, nano=1,
+        return self._simulate(name or f"percp-cp{c}", [(tokens, [entry for entry, _ in layers])], group_size=c,
                               bytes_moved=int(np.mean([total.sum() for total in moved])),
                               max_bytes=int(max(total.max() for total in moved)))
 
@@ -449,64 +469,76 @@ class StepModel:
         back = self._a2a(src, dst, (tokens * o * tp)[src], u)
         moved = out_bytes + back_bytes + prefix
         layers = [(*attention, (out, back), (back, out)) for attention in self._per_layer(layer_attention)]
-        return self._simulate(name or f"ulysses-u{u}", tokens, layers, group_size=u, nano=1,
+        return self._simulate(name or f"ulysses-u{u}", [(tokens, layers)], group_size=u,
                               bytes_moved=int(moved.sum()), max_bytes=int(moved.max()))
 
     # --- the event simulation ---
 
-    def _simulate(self, name, tokens, layers, group_size, nano, bytes_moved, max_bytes) -> StepTime:
-        """``layers``: per layer, (attention forward and backward seconds per server, the forward's exchanges
-        (before, after core attention), the backward's); backward runs the layers in reverse."""
-        S, c = self.cluster.servers, group_size
-        G = S // c
-        m = nano
+    def _passes(self, tokens, layers) -> tuple:
+        """One nano-batch's forward and backward passes for :meth:`_simulate`: each (compute before its first
+        layer's core attention, between two layers', after its last layer's, and per layer (attention seconds,
+        (exchange before, exchange after)))."""
         fwd_pre, fwd_post = tokens * self.tok_fwd_pre, tokens * self.tok_fwd_post
         bwd_pre, bwd_post = tokens * self.tok_bwd_pre, tokens * self.tok_bwd_post
         head_f, head_b = tokens * self.tok_head_fwd, tokens * self.tok_head_bwd
+        forward = [(layer[0], layer[2]) for layer in layers]
+        backward = []
+        for layer in reversed(layers):
+            bwd_comm = layer[3]
+            if self.attention_again:  # the recomputed forward's exchanges precede the backward's own
+                bwd_comm = (Collective.serial(*layer[2], bwd_comm[0]), bwd_comm[1])
+            backward.append((layer[1], bwd_comm))
+        return ((fwd_pre, fwd_post + fwd_pre, fwd_post + head_f, forward),
+                (head_b + bwd_post, bwd_post + bwd_pre, bwd_pre, backward))
+
+    def _simulate(self, name, nanos, group_size, bytes_moved, max_bytes) -> StepTime:
+        """``nanos``: per nano-batch (one without ping-pong), its tokens per server and its layers: per layer,
+        (attention forward and backward seconds per server, the forward's exchanges (before, after core
+        attention), the backward's, ...); backward runs the layers in reverse. Each layer runs every nano-batch's
+        part before core attention in turn, then every core attention, one's exchanges behind the next one's
+        compute."""
+        S, c = self.cluster.servers, group_size
+        G = S // c
+        m = len(nanos)
         cf = np.zeros(S)
         mf = np.zeros(G)
         comm_total = np.zeros(G)
-        forward = [(attn_f, fwd_comm) for attn_f, _, fwd_comm, _ in layers]
-        backward = []
-        for attn_f, attn_b, fwd_comm, bwd_comm in reversed(layers):
-            if self.attention_again:  # the recomputed forward's exchanges precede the backward's own
-                bwd_comm = (Collective.serial(*fwd_comm, bwd_comm[0]), bwd_comm[1])
-            backward.append((attn_b, bwd_comm))
-        passes = (
-            (fwd_pre, fwd_post + fwd_pre, fwd_post + head_f, forward),
-            (head_b + bwd_post, bwd_post + bwd_pre, bwd_pre, backward),
-        )
-        for first, mid, last, pass_layers in passes:
-            first, mid, last = first / m, mid / m, last / m
+        passes = [self._passes(tokens, layers) for tokens, layers in nanos]  # per nano-batch: (forward, backward)
+        for p in range(2):
             ready = [None] * m  # per nano-batch: when its previous 'after' collective ends (G,)
-            for layer, (attn, (before, after)) in enumerate(pass_layers):
-                attn = attn / m
-                d_before, d_after = before.duration(m), after.duration(m)
-                pre = first if layer == 0 else mid
+            for layer in range(len(nanos[0][1])):
                 dispatched = [None] * m
                 for x in range(m):
+                    first, mid, _, pass_layers = passes[x][p]
+                    _, (before, _) = pass_layers[layer]
+                    pre = first if layer == 0 else mid
                     cf = cf + pre if ready[x] is None else np.maximum(cf, np.repeat(ready[x], c)) + pre
                     if before.active:
-                        mf = np.maximum(mf, cf.reshape(G, c).max(1)) + d_before
-                        comm_total += d_before
+                        mf = np.maximum(mf, cf.reshape(G, c).max(1)) + before.duration()
+                        comm_total += before.duration()
                         dispatched[x] = mf
                 for x in range(m):
+                    attn, (_, after) = passes[x][p][3][layer]
                     cf = cf + attn if dispatched[x] is None else np.maximum(cf, np.repeat(dispatched[x], c)) + attn
                     if after.active:
-                        mf = np.maximum(mf, cf.reshape(G, c).max(1)) + d_after
-                        comm_total += d_after
+                        mf = np.maximum(mf, cf.reshape(G, c).max(1)) + after.duration()
+                        comm_total += after.duration()
                         ready[x] = mf
                     else:
                         ready[x] = None
             for x in range(m):
+                last = passes[x][p][2]
                 cf = cf + last if ready[x] is None else np.maximum(cf, np.repeat(ready[x], c)) + last
+        tokens = sum(t for t, _ in nanos)
+        attn_fwd = [sum(layers[i][0] for _, layers in nanos) for i in range(len(nanos[0][1]))]
+        attn_bwd = [sum(layers[i][1] for _, layers in nanos) for i in range(len(nanos[0][1]))]
         fsdp = self.fsdp_exposed(
-            np.array([float((fwd_pre + fwd_post + attn_f).max()) for attn_f, _, _, _ in layers]),
-            np.array([float((bwd_pre + bwd_post + attn_b).max()) for _, attn_b, _, _ in layers]),
-            float(head_b.max())) if self.counts_fsdp else 0.0
+            np.array([float((tokens * (self.tok_fwd_pre + self.tok_fwd_post) + f).max()) for f in attn_fwd]),
+            np.array([float((tokens * (self.tok_bwd_pre + self.tok_bwd_post) + b).max()) for b in attn_bwd]),
+            float((tokens * self.tok_head_bwd).max())) if self.counts_fsdp else 0.0
         step = float(cf.max()) + fsdp
         lin = tokens * self.linear_per_token_step()
-        attn = sum(attn_f + attn_b for attn_f, attn_b, _, _ in layers)
+        attn = sum(attn_fwd) + sum(attn_bwd)
         compute = lin + attn
         mean_attn = float(attn.mean())
         return StepTime(
@@ -517,3 +549,25 @@ class StepModel:
             attention_max_over_mean=float(attn.max() / mean_attn) if mean_attn > 0 else 1.0, fsdp_exposed=fsdp,
         )
 
+
+
+def _strategy(plan: Plan | dict) -> str:
+    return next(iter(plan.values())).strategy if isinstance(plan, dict) else plan.strategy
+
+
+def _even_parts(tokens: np.ndarray, layers: list, parts: int) -> list:
+    """``parts`` equal nano-batches of one batch (tokens, layers): each a share of the tokens, attention and
+    bytes, every collective's latency whole."""
+    if parts == 1:
+        return [(tokens, layers)]
+    part = [(f / parts, b / parts, tuple(x.part(parts) for x in fwd), tuple(x.part(parts) for x in bwd), *rest)
+            for f, b, fwd, bwd, *rest in layers]
+    return [(tokens / parts, part)] * parts
+
+
+def _bytes_of(nano_layers: list) -> dict:
+    """bytes_moved (one layer's, the layers' mean where their kinds move different amounts) and max_bytes (the
+    most one server moves in a layer) of plan-based nano-batches' layers (their bytes summed)."""
+    per_layer = list(zip(*nano_layers))
+    return dict(bytes_moved=int(np.mean([sum(layer[4] for layer in nanos) for nanos in per_layer])),
+                max_bytes=int(max(sum(layer[5] for layer in nanos).max() for nanos in per_layer)))

@@ -72,3 +72,21 @@ def build_source(config: TrainConfig, model: ModelSpec):
         raise ConfigError("data", d.source, f"has {source.vocab_size} token ids but the model's vocab_size is "
                                             f"{vocab_size}; raise it with --model-args vocab_size=N")
     return source
+
+
+def check_documents_fit(config: TrainConfig, source, dp: int) -> None:
+    """Refuse a batch (``dp`` x ``tokens_per_rank``) or a ``max_doc_len`` shorter than the longest document of a
+    source whose documents must stay whole: the stream would cut every one, each task's question apart from its
+    key, and the run would train on nothing it could answer."""
+    whole = source.whole_documents()
+    if whole is None:
+        return
+    option, longest = whole
+    d = config.data
+    if d.max_doc_len is not None and d.max_doc_len < longest:
+        raise ConfigError("max_doc_len", d.max_doc_len, f"cuts the {d.source} documents ({option}={longest} tokens): "
+                                                        "every task would lose its key; raise it or leave it unset")
+    if dp * d.tokens_per_rank < longest:
+        raise ConfigError(f"data_args.{option}", longest, f"longer than a step's batch of {dp * d.tokens_per_rank} "
+                                                          f"tokens (dp {dp} x tokens_per_rank {d.tokens_per_rank}): "
+                                                          "every task would be cut from its key")

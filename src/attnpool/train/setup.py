@@ -20,7 +20,7 @@ import torch
 
 from attnpool.errors import ConfigError, check_output_directory
 from attnpool.train.config import TrainConfig
-from attnpool.train.data_source import build_source
+from attnpool.train.data_source import build_source, check_documents_fit
 from attnpool.train.memory import MemoryEstimate
 from attnpool.train.memory_check import check_memory, rank_capacity, ranks_on_this_machine, resolve_auto_checkpointing
 from attnpool.train.memory_fit import Capacity
@@ -56,6 +56,7 @@ def prepare(config: TrainConfig, world: int, device: torch.device | None = None,
         raise ConfigError("logger", config.run.logger, problem)
     spec = resolve_run_spec(config, world, device, device_type)
     source = build_source(config, spec.model)
+    check_documents_fit(config, source, spec.dims.dp)
     resume_from = None
     if config.run.out != NO_RUN_DIRECTORY:
         check_output_directory("out", config.run.out)

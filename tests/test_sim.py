@@ -129,6 +129,20 @@ def test_pingpong_runs_the_nano_batches_the_runtime_makes(costs):
     assert halves["cad"]["step_s"] < halves["cad-serial"]["step_s"]
 
 
+def test_ulysses_fetches_only_a_windows_keys_of_a_remote_prefix(costs):
+    """A piece that starts inside its document, in another Ulysses group, fetches the keys before it: all of them
+    in a causal layer, the window's last ones (window - 1) in a sliding layer, as percp's model does."""
+    cl = Cluster(gpus=4, tp=1, gpus_per_node=1, tokens_per_gpu=32768)
+    pieces = wlb_pieces([131072], 2, 65536, 1.1)  # one document over two groups of two
+    start = pieces[3]
+    assert start.max() > 1024
+    causal = StepModel(CFG, cl, costs).ulysses_step(pieces, 2)
+    windowed = StepModel(model_config("llama3-8b", sliding_window=1024), cl, costs).ulysses_step(pieces, 2)
+    kv_bytes = 2 * CFG.n_kv_heads * CFG.head_dim * 2
+    assert causal.bytes_moved - windowed.bytes_moved == pytest.approx(
+        float((start - np.minimum(start, 1023)).sum()) * kv_bytes, rel=1e-12)
+
+
 def test_fsdp_gathers_and_reductions_exposed_where_compute_cannot_hide_them(costs):
     """FSDP2 over 4 servers of one GPU on 4 nodes: where each layer's compute hides its neighbours' collectives,
     the step grows by what nothing hides, counted here from the model's sizes: the root's bf16 gather (embedding

@@ -263,6 +263,9 @@ def test_simulated_relays_forward_after_the_first_all_to_all(costs):
     assert hop[0] > costs.intra.latency and relayed_out.latency[0] == costs.inter.latency
     assert relayed_out.transfer[0] <= flat_out.transfer[0]  # the first hop sends no more than the flat exchange
     assert hop[0] < 0.2 * flat_out.transfer[0]  # and the forwarding, spread, a fraction of it
+    full = StepModel(CFG, model.cluster, costs, recompute="full")  # a recomputed forward relays again
+    (flat_f, flat_b), (relay_f, relay_b) = full._plan_layer(plan)[:2], full._plan_layer(plan, hierarchical=True)[:2]
+    assert np.allclose(relay_f - flat_f, hop[0]) and np.allclose(relay_b - flat_b, 2 * hop[0])
 
 
 @background.job("test_emulated_nodes_number_ranks_node_by_node_and_the_probe_measures_each_tier")

@@ -357,7 +357,8 @@ class StepModel:
         out = self._a2a(src[~forwarded], dst[~forwarded], nbytes[~forwarded], S)  # Q + KV out (fwd), dQ + dKV back (bwd)
         if forwarded.any():
             relay_s = float(self._a2a(src[forwarded], dst[forwarded], nbytes[forwarded], S).duration().max())
-            attn_f, attn_b = attn_f + relay_s, attn_b + relay_s
+            # backward sends the forwarded rows' gradients back to the relays; a recomputed forward relays again
+            attn_f, attn_b = attn_f + relay_s, attn_b + relay_s * (2 if self.attention_again else 1)
         back = self._a2a(srv, home, ln * sh.o_bytes, S)  # O back (fwd), dO out (bwd)
         moved = np.where(src != dst, nbytes, 0)
         o_moved = np.where(srv != home, ln * sh.o_bytes, 0)
@@ -460,17 +461,23 @@ class StepModel:
         q, kv, o = bytes_per_peer(u, gpu_shape)  # each of the server's tp GPUs sends its heads' share
         out_bytes = tokens * (u - 1) * (q + kv) * tp
         back_bytes = tokens * (u - 1) * o * tp
-        prefix = np.repeat(np.bincount(grp, weights=start, minlength=G) / u, u) * sh.kv_bytes
         # every pair of a group's servers, each pair's bytes on its own link (a group may span nodes: only the
         # pairs on different nodes cross them)
         members = np.arange(S).reshape(G, u)
         src, dst = np.repeat(members, u, axis=1).ravel(), np.tile(members, (1, u)).ravel()
-        out = self._a2a(src, dst, (tokens * (q + kv) * tp)[src], u, inter_extra=prefix)
         back = self._a2a(src, dst, (tokens * o * tp)[src], u)
-        moved = out_bytes + back_bytes + prefix
-        layers = [(*attention, (out, back), (back, out)) for attention in self._per_layer(layer_attention)]
-        return self._simulate(name or f"ulysses-u{u}", [(tokens, layers)], group_size=u,
-                              bytes_moved=int(moved.sum()), max_bytes=int(moved.max()))
+
+        def layer(window):  # a piece inside its document fetches the prefix: whole, or under a window its last keys
+            first_key = start if window is None else np.minimum(start, window - 1)
+            prefix = np.repeat(np.bincount(grp, weights=first_key, minlength=G) / u, u) * sh.kv_bytes
+            out = self._a2a(src, dst, (tokens * (q + kv) * tp)[src], u, inter_extra=prefix)
+            return (*layer_attention(window), (out, back), (back, out)), out_bytes + back_bytes + prefix
+
+        layers = self._per_layer(layer)
+        moved = [total for _, total in layers]
+        return self._simulate(name or f"ulysses-u{u}", [(tokens, [entry for entry, _ in layers])], group_size=u,
+                              bytes_moved=int(np.mean([total.sum() for total in moved])),
+                              max_bytes=int(max(total.max() for total in moved)))
 
     # --- the event simulation ---
 

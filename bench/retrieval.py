@@ -187,12 +187,13 @@ def check_stage(ap, cmd: list[str]) -> None:
     from attnpool.cli.train_cmd import config_from_args
     from attnpool.errors import ConfigError
     from attnpool.model import model_spec
-    from attnpool.train.data_source import build_source
+    from attnpool.train.data_source import build_source, check_documents_fit
 
     try:
         config = config_from_args(build_parser().parse_args(cmd[cmd.index("train"):]))
-        build_source(config, model_spec(config.model.name, config.model.args, config.data.max_doc_len,
-                                        config.model.impl))
+        source = build_source(config, model_spec(config.model.name, config.model.args, config.data.max_doc_len,
+                                                 config.model.impl))
+        check_documents_fit(config, source, config.run.nproc)  # (a stage runs its processes as dp ranks)
     except ConfigError as exc:
         ap.error(f"a stage's attnpool train would refuse {exc}")
 

@@ -319,7 +319,8 @@ class RetrievalSource(DocumentSource):
         return self.num_docs
 
     def whole_documents(self) -> tuple[str, int]:
-        return "context", self.shape.context
+        shortest = int(self._lengths.min())  # (min_context: lengths drawn from [min_context, context])
+        return ("context" if shortest == self.shape.context else "min_context"), shortest
 
     @lru_cache(maxsize=4)  # the stream reads a document's tokens, then its targets
     def document(self, index: int) -> tuple[np.ndarray, np.ndarray | None]:

@@ -244,6 +244,7 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
                 add(model.ulysses_step(wlb_pieces(lens, S // u, u * B, config.memory_cap), u))
         if "cad" in want:
             # ping-pong as the runtime runs it: nano-batches of whole documents, each laid out and planned alone
+            # (the runtime also pads a nano-batch's ranks to a multiple of tp: at most tp - 1 tokens, left out)
             nanos = [linear_table(lens[d0:d1], S, -(-sum(lens[d0:d1]) // S)) for d0, d1 in nano_batch_bounds(lens, 2)]
 
             def cad_step(name, eps, topology, **kw):

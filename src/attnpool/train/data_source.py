@@ -75,18 +75,19 @@ def build_source(config: TrainConfig, model: ModelSpec):
 
 
 def check_documents_fit(config: TrainConfig, source, dp: int) -> None:
-    """Refuse a batch (``dp`` x ``tokens_per_rank``) or a ``max_doc_len`` shorter than the longest document of a
-    source whose documents must stay whole: the stream would cut every one, each task's question apart from its
-    key, and the run would train on nothing it could answer."""
+    """Refuse a batch (``dp`` x ``tokens_per_rank``, one micro-batch) or a ``max_doc_len`` shorter than every
+    document of a source whose documents must stay whole: the stream would cut each one, its question apart from
+    its key, and the run would train on nothing it could answer."""
     whole = source.whole_documents()
     if whole is None:
         return
-    option, longest = whole
+    option, shortest = whole
     d = config.data
-    if d.max_doc_len is not None and d.max_doc_len < longest:
-        raise ConfigError("max_doc_len", d.max_doc_len, f"cuts the {d.source} documents ({option}={longest} tokens): "
-                                                        "every task would lose its key; raise it or leave it unset")
-    if dp * d.tokens_per_rank < longest:
-        raise ConfigError(f"data_args.{option}", longest, f"longer than a step's batch of {dp * d.tokens_per_rank} "
-                                                          f"tokens (dp {dp} x tokens_per_rank {d.tokens_per_rank}): "
-                                                          "every task would be cut from its key")
+    if d.max_doc_len is not None and d.max_doc_len < shortest:
+        raise ConfigError("max_doc_len", d.max_doc_len, f"cuts every {d.source} document ({option}={shortest} "
+                                                        "tokens): each task would lose its key; raise it or leave "
+                                                        "it unset")
+    if dp * d.tokens_per_rank < shortest:
+        raise ConfigError(f"data_args.{option}", shortest, f"longer than a micro-batch's {dp * d.tokens_per_rank} "
+                                                           f"tokens (dp {dp} x tokens_per_rank {d.tokens_per_rank}): "
+                                                           "every task would be cut from its key")

@@ -193,7 +193,7 @@ def check_stage(ap, cmd: list[str]) -> None:
         config = config_from_args(build_parser().parse_args(cmd[cmd.index("train"):]))
         source = build_source(config, model_spec(config.model.name, config.model.args, config.data.max_doc_len,
                                                  config.model.impl))
-        check_documents_fit(config, source, config.run.nproc)  # (a stage runs its processes as dp ranks)
+        check_documents_fit(config, source, dp=1)  # (a stage trains in one process: train_command gives no --nproc)
     except ConfigError as exc:
         ap.error(f"a stage's attnpool train would refuse {exc}")
 

@@ -430,7 +430,7 @@ def bad_runs(tmp_path_factory):
         "unknown model field": (["--model-args", "n_layerz=2"], "model_args.n_layerz=2: is not a model field"),
         "not a cost table": (["--cost-model", str(tmp / "not-a-table.json")], "is not a cost table"),
         "task longer than a batch": (["--data", "retrieval", "--data-args", "context=4K", "--tokens-per-rank", "2K"],
-                                     "data_args.context=4096: longer than a micro-batch's 2048 tokens"),
+                                     "data_args.context=4096: retrieval's tasks (4096 tokens) are longer than a micro-batch's 2048"),
     }
     results = {}
     for name, (args, needle) in cases.items():

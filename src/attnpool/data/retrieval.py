@@ -299,9 +299,11 @@ class RetrievalSource(DocumentSource):
         self.num_docs = _int_option("num_docs", num_docs, 1)
         self.seed = check_seed("seed", seed)
         self._lengths = np.full(self.num_docs, self.shape.context, dtype=np.int64)
+        self.min_context = None
         if min_context is not None:
             # (at least what the tasks need, at most the context)
-            low = _int_option("min_context", min_context, self.shape.min_context(), self.shape.context)
+            low = self.min_context = _int_option("min_context", min_context, self.shape.min_context(),
+                                                 self.shape.context)
             rng = np.random.default_rng((self.seed, _LENGTH_STREAM))
             drawn = np.exp(rng.uniform(np.log(low), np.log(self.shape.context + 1), size=self.num_docs))
             self._lengths = np.clip(drawn.astype(np.int64), low, self.shape.context)
@@ -319,8 +321,9 @@ class RetrievalSource(DocumentSource):
         return self.num_docs
 
     def whole_documents(self) -> tuple[str, int]:
-        shortest = int(self._lengths.min())  # (min_context: lengths drawn from [min_context, context])
-        return ("context" if shortest == self.shape.context else "min_context"), shortest
+        if self.min_context is None:
+            return "context", self.shape.context, self.shape.context
+        return "min_context", self.min_context, int(self._lengths.min())  # (lengths drawn from [min_context, context])
 
     @lru_cache(maxsize=4)  # the stream reads a document's tokens, then its targets
     def document(self, index: int) -> tuple[np.ndarray, np.ndarray | None]:

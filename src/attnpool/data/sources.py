@@ -54,11 +54,11 @@ class DocumentSource:
         model's loss). A task source marks its answers, so the loss is the task's (data.retrieval)."""
         return None
 
-    def whole_documents(self) -> tuple[str, int] | None:
-        """(the option that sets it, the shortest such document) for a source whose documents lose their meaning
-        when cut (a task's question apart from its key: data.retrieval), so that a batch or ``max_doc_len`` too
-        short to hold any of them whole is refused (train.data_source.check_documents_fit); None where a cut
-        document is still text to learn from."""
+    def whole_documents(self) -> tuple[str, int, int] | None:
+        """(the option that sets their lengths, its value, the shortest document) for a source whose documents lose
+        their meaning when cut (a task's question apart from its key: data.retrieval), so that a batch or
+        ``max_doc_len`` too short to hold any of them whole is refused (train.data_source.check_documents_fit);
+        None where a cut document is still text to learn from."""
         return None
 
     def __iter__(self) -> Iterator[np.ndarray]:

@@ -81,13 +81,16 @@ def check_documents_fit(config: TrainConfig, source, dp: int) -> None:
     whole = source.whole_documents()
     if whole is None:
         return
-    option, shortest = whole
-    d = config.data
+    option, value, shortest = whole
+    d, batch = config.data, dp * config.data.tokens_per_rank
+    if shortest == value:
+        tasks, are = f"{d.source}'s tasks ({value} tokens)", "are"
+    else:
+        tasks, are = f"{d.source}'s shortest task ({shortest} tokens, data_args.{option}={value})", "is"
     if d.max_doc_len is not None and d.max_doc_len < shortest:
-        raise ConfigError("max_doc_len", d.max_doc_len, f"cuts every {d.source} document ({option}={shortest} "
-                                                        "tokens): each task would lose its key; raise it or leave "
-                                                        "it unset")
-    if dp * d.tokens_per_rank < shortest:
-        raise ConfigError(f"data_args.{option}", shortest, f"longer than a micro-batch's {dp * d.tokens_per_rank} "
-                                                           f"tokens (dp {dp} x tokens_per_rank {d.tokens_per_rank}): "
-                                                           "every task would be cut from its key")
+        raise ConfigError("max_doc_len", d.max_doc_len, f"shorter than {tasks}: every task would be cut from its "
+                                                        "key; raise it or leave it unset")
+    if batch < shortest:
+        raise ConfigError(f"data_args.{option}", value, f"{tasks} {are} longer than a micro-batch's {batch} tokens (dp "
+                                                        f"{dp} x tokens_per_rank {d.tokens_per_rank}): every task "
+                                                        "would be cut from its key")

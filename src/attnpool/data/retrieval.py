@@ -320,7 +320,7 @@ class RetrievalSource(DocumentSource):
     def __len__(self) -> int:
         return self.num_docs
 
-    def whole_documents(self) -> tuple[str, int]:
+    def whole_documents(self) -> tuple[str, int, int]:
         if self.min_context is None:
             return "context", self.shape.context, self.shape.context
         return "min_context", self.min_context, int(self._lengths.min())  # (lengths drawn from [min_context, context])

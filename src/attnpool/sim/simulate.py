@@ -250,7 +250,8 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
             def cad_step(name, eps, topology, **kw):
                 return model.nano_step([plan(t, "cad", eps=eps, topology=topology) for t in nanos], name=name, **kw)
 
-            add(cad_step("cad", config.eps, topology))
+            pingpong = cad_step("cad", config.eps, topology)
+            add(pingpong)
             add(model.plan_step(plan(lin, "cad", eps=config.eps, topology=topology), overlap=False, name="cad-serial"))
             if config.hierarchical:  # planned for it: cad prices the KV a relay forwards inside its node
                 relays = replace(topology, relays=True)
@@ -258,7 +259,7 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
                 add(model.plan_step(plan(lin, "cad", eps=config.eps, topology=relays), overlap=False,
                                     name="cad-hierarchical-serial", hierarchical=True))
             for e in eps_sweep or ():
-                eps_acc.setdefault(float(e), _Acc()).add(cad_step("cad", e, topology))
+                eps_acc.setdefault(float(e), _Acc()).add(pingpong if e == config.eps else cad_step("cad", e, topology))
         if progress:
             progress(bi + 1, len(doc_batches))
 

@@ -76,6 +76,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from attnpool.errors import ConfigError
+from attnpool.plan.documents import key_start
 from attnpool.plan.plan import AttentionShape, Plan
 from attnpool.plan.stages import layer_weights
 from attnpool.plan.ulysses import bytes_per_peer, ulysses_problem
@@ -421,7 +422,7 @@ class StepModel:
         none = Collective(np.zeros(G), np.zeros(G))
 
         def layer(window):  # a remote prefix is fetched whole, or under a window its last window - 1 keys
-            prefix = start[upiece] if window is None else np.minimum(start[upiece], window - 1)
+            prefix = start[upiece] - key_start(start[upiece], window)
             prefix_b = np.bincount(userver, weights=prefix.astype(np.float64), minlength=S) * kvb
             ag = self._collective(np.where(spans, 0.0, gather_b), np.where(spans, gather_b, 0.0) + prefix_b, c, G)
             return (*layer_attention(window), (ag, none), (ag, ag)), gather_b + prefix_b
@@ -468,8 +469,8 @@ class StepModel:
         back = self._a2a(src, dst, (tokens * o * tp)[src], u)
 
         def layer(window):  # a piece inside its document fetches the prefix: whole, or under a window its last keys
-            first_key = start if window is None else np.minimum(start, window - 1)
-            prefix = np.repeat(np.bincount(grp, weights=first_key, minlength=G) / u, u) * sh.kv_bytes
+            remote_keys = start - key_start(start, window)
+            prefix = np.repeat(np.bincount(grp, weights=remote_keys, minlength=G) / u, u) * sh.kv_bytes
             out = self._a2a(src, dst, (tokens * (q + kv) * tp)[src], u, inter_extra=prefix)
             return (*layer_attention(window), (out, back), (back, out)), out_bytes + back_bytes + prefix
 
@@ -521,15 +522,17 @@ class StepModel:
                     pre = first if layer == 0 else mid
                     cf = cf + pre if ready[x] is None else np.maximum(cf, np.repeat(ready[x], c)) + pre
                     if before.active:
-                        mf = np.maximum(mf, cf.reshape(G, c).max(1)) + before.duration()
-                        comm_total += before.duration()
+                        took = before.duration()
+                        mf = np.maximum(mf, cf.reshape(G, c).max(1)) + took
+                        comm_total += took
                         dispatched[x] = mf
                 for x in range(m):
                     attn, (_, after) = passes[x][p][3][layer]
                     cf = cf + attn if dispatched[x] is None else np.maximum(cf, np.repeat(dispatched[x], c)) + attn
                     if after.active:
-                        mf = np.maximum(mf, cf.reshape(G, c).max(1)) + after.duration()
-                        comm_total += after.duration()
+                        took = after.duration()
+                        mf = np.maximum(mf, cf.reshape(G, c).max(1)) + took
+                        comm_total += took
                         ready[x] = mf
                     else:
                         ready[x] = None
@@ -555,7 +558,6 @@ class StepModel:
             max_tokens_per_server=int(tokens.max()),
             attention_max_over_mean=float(attn.max() / mean_attn) if mean_attn > 0 else 1.0, fsdp_exposed=fsdp,
         )
-
 
 
 def _strategy(plan: Plan | dict) -> str:

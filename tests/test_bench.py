@@ -37,7 +37,7 @@ def every_strategy(tmp):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "attnpool.cli.main", "bench",
            "--device", "cpu", "--model", "tiny", "--layers", "1", "--configs", "prolong:1K", "--strategies",
            "local,ulysses,cad,cad+pingpong,local+sparse,cad+sparse,cad+sparse+readkv", "--warmup", "1", "--steps", "1", "--ablation",
-           "--trace", "cad", "--out", str(tmp)]
+           "--trace", "ulysses,cad", "--out", str(tmp)]
     return tmp, background.run(cmd, timeout=300)
 
 
@@ -61,8 +61,9 @@ def test_bench_runs_every_strategy_and_writes_results(capsys):
         assert rec["ideal_step_with_recompute_s"] > rec["ideal_step_s"] > 0
     assert records[0]["attention_density"] is None and 0 < records[5]["attention_density"] <= 1
     assert records[0]["sparse_imbalance_measured"] is None and records[5]["sparse_imbalance_measured"] >= 1
-    assert (tmp_path / "trace-prolong-1K-cad.txt").read_text().strip()  # the profiled extra step
-    assert (tmp_path / "trace-prolong-1K-cad.json.gz").stat().st_size > 0
+    for traced in ("ulysses", "cad"):  # each profiled extra step
+        assert (tmp_path / f"trace-prolong-1K-{traced}.txt").read_text().strip()
+        assert (tmp_path / f"trace-prolong-1K-{traced}.json.gz").stat().st_size > 0
     assert "| prolong | 1K | cad |" in (tmp_path / "e2e.md").read_text()
     # auto on the CPU: the reference kernel, named in every record and in the table's heading
     assert {rec["attention_backend"] for rec in records} == {"reference"}
@@ -340,3 +341,32 @@ def test_a_run_starts_before_the_budget_and_where_one_like_the_longest_ends_by_e
     assert not may_start(400.0, 150.0, inf, 480)  # would end at 550 s
     assert may_start(400.0, 150.0, 480, inf) and not may_start(480.0, 0.0, 480, inf)  # --budget-s: elapsed alone
     assert may_start(1e6, 1e6, inf, inf)  # neither given
+
+
+def test_trace_breakdown_puts_kernels_under_the_phase_that_launched_them():
+    """bench/trace_breakdown.py: a kernel goes under the longest enclosing core attention op on its launching thread
+    (a backward node named apart), grouped by kind; a kernel launched outside any phase is "other"."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    from trace_breakdown import breakdown
+
+    def op(name, ts, dur, tid=1):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    def launch(ts, correlation, tid=1):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": tid,
+                "args": {"correlation": correlation}}
+
+    def kernel(name, correlation, dur_us):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": 0, "dur": dur_us, "args": {"correlation": correlation}}
+
+    events = [op("_Serve", 100, 50), op("aten::index_put_", 105, 5), launch(106, 1), launch(120, 2),
+              op("autograd::engine::evaluate_function: _CollectBackward", 300, 20, tid=2), launch(310, 3, tid=2),
+              launch(400, 4), launch(130, 5, tid=2),  # outside any phase; a phase's time on another thread
+              kernel("void at::native::index_elementwise_kernel<128, 4>", 1, 3000),
+              kernel("kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90", 2, 8000),
+              kernel("void at::native::vectorized_gather_kernel<16, long>", 3, 1000),
+              kernel("nvjet_sm90_tst_320x128", 4, 9000), kernel("ncclDevKernel_SendRecv", 5, 2000)]
+    table = breakdown(events)
+    assert table["_Serve"] == {"indexed copy": 3.0, "attention kernel": 8.0}
+    assert table["_Collect (backward)"] == {"indexed copy": 1.0}
+    assert table["other"] == {"other": 9.0, "collective": 2.0}

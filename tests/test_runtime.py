@@ -296,6 +296,51 @@ def test_segment_groups_bound_their_keys():
     assert segment_groups(np.array([], dtype=np.int64), 10) == []
 
 
+def _rows_of_runs(rng, runs: int, size: int) -> np.ndarray:
+    """Row indices in ``runs`` runs of consecutive rows below ``size`` (runs may touch, overlap or repeat)."""
+    starts = rng.integers(0, size - 8, runs)
+    return np.concatenate([np.arange(a, a + rng.integers(1, 8)) for a in starts])
+
+
+@pytest.mark.parametrize("runs", [0, 1, 3, 40])
+def test_rows_copy_by_slices_or_index_alike(runs):
+    """Rows and RowMap give what indexing gives, whether they copy slice by slice (few runs: one run taken is a
+    view) or through the index (more than MAX_ROW_RUNS); a row listed twice gets both additions."""
+    from attnpool.runtime.dispatch import MAX_ROW_RUNS, RowMap, Rows
+
+    rng = np.random.default_rng(runs)
+    x = torch.randn(64, 3, 2, dtype=torch.float64)
+    rows_np = _rows_of_runs(rng, runs, 64) if runs else np.zeros(0, dtype=np.int64)
+    rows = Rows.of(rows_np, "cpu")
+    index = torch.as_tensor(rows_np)
+    assert (rows.runs is None) == (runs > MAX_ROW_RUNS) and len(rows) == len(rows_np)
+    assert torch.equal(rows.take(x), x[index]) and torch.equal(rows.take(x, own=True), x[index])
+    one_run = rows.runs is not None and len(rows.runs) == 1
+    assert one_run == (runs == 1) and (rows.take(x).untyped_storage().data_ptr() == x.untyped_storage().data_ptr()) == one_run
+    assert rows.take(x, own=True).untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    src = torch.randn(len(rows_np), 3, 2, dtype=torch.float64)
+    assert torch.allclose(rows.add(x.clone(), src), x.clone().index_add_(0, index, src))
+    unique = np.unique(rows_np)  # placing is defined for distinct rows
+    rng.shuffle(unique) if runs > MAX_ROW_RUNS else None
+    placed, expected = x.clone(), x.clone()
+    Rows.of(unique, "cpu").put(placed, src[:len(unique)])
+    expected[torch.as_tensor(unique)] = src[:len(unique)]
+    assert torch.equal(placed, expected)
+    # a map from rows of x to distinct rows of y, and back
+    dst_np = rng.permutation(96)[:len(unique)] if runs > MAX_ROW_RUNS else np.arange(5, 5 + len(unique))
+    mapping = RowMap.of(dst_np, unique, "cpu")
+    dst, src_idx = torch.as_tensor(dst_np), torch.as_tensor(unique)
+    y, want = torch.zeros(96, 3, 2, dtype=torch.float64), torch.zeros(96, 3, 2, dtype=torch.float64)
+    mapping.copy(y, x)
+    want[dst] = x[src_idx]
+    assert torch.equal(y, want)
+    back, want_back = torch.zeros_like(x), torch.zeros_like(x)
+    mapping.copy_back(back, y)
+    want_back[src_idx] = y[dst]
+    assert torch.equal(back, want_back)
+    assert torch.allclose(mapping.add_back(x.clone(), y), x.clone().index_add_(0, src_idx, y[dst]))
+
+
 def test_saved_for_backward_is_the_servers_buffers_alone(world_results):
     """No row is held twice: backward keeps the server's Q, unique KV and LSE, of its outputs only the
     rows it returned to other ranks (the local ones are in the rank's output), and none of the caller's

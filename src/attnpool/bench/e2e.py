@@ -18,7 +18,7 @@ ping-pong (without it where the run is pipelined: ping-pong does not run there) 
 that the step it saves is what the core attention exchange's bytes cost. The bf16 losses of every strategy are
 checked against `local` over the first steps (those of the ``+sparse``
 strategies, which train with vertical-slash sparse attention, against
-``local+sparse``). ``--trace`` profiles two extra steps of one strategy.
+``local+sparse``). ``--trace`` profiles two extra steps of each strategy it names.
 """
 
 from __future__ import annotations
@@ -99,6 +99,11 @@ def relays_kv(name, args) -> bool:
     """Whether strategy ``name`` runs with the hierarchical exchange: --hierarchical-exchange, where its plans send
     KV rows (ulysses's run without it)."""
     return args.hierarchical_exchange and STRATEGIES[name][0] in KV_EXCHANGING
+
+
+def traced_strategies(args) -> list[str]:
+    """The strategies ``--trace`` names (a comma-separated list; none without it)."""
+    return [s for s in (args.trace or "").split(",") if s]
 
 
 def run_one(name, dist_name, tokens, args, out_dir, trace=False):
@@ -247,8 +252,9 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
         problem = sparse_device_problem(int(os.environ.get("LOCAL_RANK", 0)))
         if problem is not None:
             raise ConfigError("--strategies", ",".join(sparse), problem)
-    if args.trace is not None and args.trace not in strategies:
-        raise ConfigError("--trace", args.trace, f"must be one of the strategies run: {', '.join(strategies)}")
+    traced = traced_strategies(args)
+    if any(s not in strategies for s in traced):
+        raise ConfigError("--trace", args.trace, f"must name strategies run: {', '.join(strategies)}")
     if args.memory_breakdown and args.device != "cuda":
         raise ConfigError("--memory-breakdown", True, "records the CUDA allocator: needs --device cuda")
     if args.tp < 1 or args.pp < 1 or int(os.environ["WORLD_SIZE"]) % (args.tp * args.pp):
@@ -326,7 +332,7 @@ def _run_all(args: argparse.Namespace, configs: list, strategies: list, cuda: bo
                     with tiny_messages():
                         rows, predicted, settings = run_one(ablated_strategy(args), dist_name, tokens, args, work_dir)
                 else:
-                    trace = name == args.trace and (dist_name, tokens) == configs[0]
+                    trace = name in traced_strategies(args) and (dist_name, tokens) == configs[0]
                     rows, predicted, settings = run_one(name, dist_name, tokens, args, work_dir, trace)
             label = f"{ablated_strategy(args)} (1-element messages)" if name == "ablation" else name
             rec = summarize(label, dist_name, tokens, rows, args, world, cfg, settings)

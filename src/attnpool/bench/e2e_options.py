@@ -67,6 +67,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-breakdown", action="store_true",
                    help="record the CUDA allocator's history during each run and write what was live at the peak "
                         "of the rank with the highest one, by allocating code (memory-*.md; slows the steps)")
-    p.add_argument("--trace", default=None, metavar="STRATEGY",
-                   help="profile two extra steps of this strategy in the first configuration with torch.profiler "
+    p.add_argument("--trace", default=None, metavar="STRATEGY[,STRATEGY...]",
+                   help="profile two extra steps of each of these strategies in the first configuration with torch.profiler "
                         "(not part of the measured steps): trace-*.txt (ops by GPU time) and trace-*.json.gz")

@@ -50,7 +50,7 @@ from attnpool.kernels import get_backend
 from attnpool.kernels.base import Backend
 from attnpool.kinds import AttentionKind
 from attnpool.plan.plan import Plan
-from attnpool.runtime.dispatch import DispatchLayout, KVRelay, backward_in_parts
+from attnpool.runtime.dispatch import DispatchLayout, KVRelay, RowMap, Rows, backward_in_parts
 from attnpool.runtime.sparse import SparseServing, SparseStats
 from attnpool.runtime.sparse_kv import withheld_segments
 from attnpool.sparse import SparseConfig
@@ -97,10 +97,18 @@ class _ServerRows:
     def __init__(self, num_rows: int, sh: "_Shapes"):
         self.num_rows, self.sh, self.rows = num_rows, sh, None
 
-    def place(self, positions, rows):
+    def buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """The buffer, made on first use (the local and the received rows cover it)."""
         if self.rows is None:
-            self.rows = rows.new_empty(self.num_rows, self.sh.H_q, self.sh.D)  # local and received rows cover it
-        self.rows[positions] = rows.view(-1, self.sh.H_q, self.sh.D)
+            self.rows = like.new_empty(self.num_rows, self.sh.H_q, self.sh.D)
+        return self.rows
+
+    def place(self, positions: Rows, rows: torch.Tensor) -> None:
+        positions.put(self.buffer(rows), rows.view(-1, self.sh.H_q, self.sh.D))
+
+    def place_local(self, local_q: RowMap, rows: torch.Tensor) -> None:
+        """Place the server's local rows, taken from ``rows`` (the rank's own)."""
+        local_q.copy(self.buffer(rows), rows)
 
     def take(self) -> torch.Tensor:
         rows, self.rows = self.rows, None
@@ -142,8 +150,8 @@ class _DispatchStart(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, L: DispatchLayout, sh: _Shapes, handle: _Handle, group):
-        q_out = q[L.q_send_rows].reshape(-1, sh.q_width)
-        kv_out = torch.stack([k[L.kv_send_rows], v[L.kv_send_rows]], 1).reshape(-1, sh.kv_width)
+        q_out = L.q_send_rows.take(q).reshape(-1, sh.q_width)
+        kv_out = torch.stack([L.kv_send_rows.take(k), L.kv_send_rows.take(v)], 1).reshape(-1, sh.kv_width)
         send = _pack(torch.split(q_out, L.q_send_splits), torch.split(kv_out, L.kv_send_splits))
         recv = handle.launch(send, _sizes(L.q_send_splits, L.kv_send_splits, sh.q_width, sh.kv_width),
                              _sizes(L.q_recv_splits, L.kv_recv_splits, sh.q_width, sh.kv_width), group, "dispatch")
@@ -157,11 +165,11 @@ class _DispatchStart(torch.autograd.Function):
         grad_recv = handle.wait()  # filled by the exchange _DispatchWait.backward launched
         dq_rows, dkv_rows = _unpack(grad_recv, L.q_send_splits, L.kv_send_splits, sh.q_width, sh.kv_width)
         dq = grad_recv.new_zeros(q_shape)
-        dq[L.q_send_rows] = dq_rows.view(-1, sh.H_q, sh.D)
+        L.q_send_rows.put(dq, dq_rows.view(-1, sh.H_q, sh.D))
         # A KV row sent to several servers gets every server's gradient summed.
         dkv = dkv_rows.view(-1, 2, sh.H_kv, sh.D)
-        dk = grad_recv.new_zeros(k_shape).index_add_(0, L.kv_send_rows, dkv[:, 0])
-        dv = grad_recv.new_zeros(k_shape).index_add_(0, L.kv_send_rows, dkv[:, 1])
+        dk = L.kv_send_rows.add(grad_recv.new_zeros(k_shape), dkv[:, 0])
+        dv = L.kv_send_rows.add(grad_recv.new_zeros(k_shape), dkv[:, 1])
         return dq, dk, dv, None, None, None, None
 
 
@@ -192,7 +200,7 @@ class _Relay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kv_recv, relay: KVRelay, sh: _Shapes, group):
         width = sh.kv_width
-        relayed = all_to_all_flat(kv_recv[relay.send_rows].reshape(-1), [n * width for n in relay.send_splits],
+        relayed = all_to_all_flat(relay.send_rows.take(kv_recv).reshape(-1), [n * width for n in relay.send_splits],
                                   [n * width for n in relay.recv_splits], group, tag="relay")
         ctx.meta = (relay, sh, group, kv_recv.shape[0])
         return torch.cat([kv_recv, relayed.view(-1, width)])
@@ -203,21 +211,21 @@ class _Relay(torch.autograd.Function):
         width = sh.kv_width
         back = all_to_all_flat(grad[dispatched:].reshape(-1), [n * width for n in relay.recv_splits],
                                [n * width for n in relay.send_splits], group, tag="relay_grad")
-        return grad[:dispatched].index_add(0, relay.send_rows, back.view(-1, width)), None, None, None
+        return relay.send_rows.add(grad[:dispatched].clone(), back.view(-1, width)), None, None, None
 
 
 def _server_inputs(L: DispatchLayout, sh: _Shapes, q, k, v, q_recv, kv_recv):
     """The server's Q in task order and its unique K, V buffers."""
     q_srv = q.new_empty(L.num_server_q, sh.H_q, sh.D)
-    q_srv[L.local_q_pos] = q[L.local_q_rows]
-    q_srv[L.recv_q_pos] = q_recv.view(-1, sh.H_q, sh.D)
+    L.local_q.copy(q_srv, q)
+    L.recv_q_pos.put(q_srv, q_recv.view(-1, sh.H_q, sh.D))
     k_u = k.new_empty(L.num_unique_kv, sh.H_kv, sh.D)  # withheld rows (kv_transfer="read"): see sparse_kv
     v_u = v.new_empty(L.num_unique_kv, sh.H_kv, sh.D)
-    k_u[L.local_kv_pos] = k[L.local_kv_rows]
-    v_u[L.local_kv_pos] = v[L.local_kv_rows]
+    L.local_kv.copy(k_u, k)
+    L.local_kv.copy(v_u, v)
     kv = kv_recv.view(-1, 2, sh.H_kv, sh.D)
-    k_u[L.recv_kv_pos] = kv[:, 0]
-    v_u[L.recv_kv_pos] = kv[:, 1]
+    L.recv_kv_pos.put(k_u, kv[:, 0])
+    L.recv_kv_pos.put(v_u, kv[:, 1])
     return q_srv, k_u, v_u
 
 
@@ -250,13 +258,13 @@ class _Serve(torch.autograd.Function):
         dq_srv, dk_u, dv_u = serve_backward(L, backend, dout_srv.contiguous(), q_srv, k_u, v_u,
                                             out_srv_rows.take(), lse, scale)
         dq = dq_srv.new_zeros(q_shape)
-        dq[L.local_q_rows] = dq_srv[L.local_q_pos]
-        dk = dk_u.new_zeros(k_shape).index_add_(0, L.local_kv_rows, dk_u[L.local_kv_pos])
-        dv = dv_u.new_zeros(k_shape).index_add_(0, L.local_kv_rows, dv_u[L.local_kv_pos])
+        L.local_q.copy_back(dq, dq_srv)
+        dk = L.local_kv.add_back(dk_u.new_zeros(k_shape), dk_u)
+        dv = L.local_kv.add_back(dv_u.new_zeros(k_shape), dv_u)
         if serving is not None and serving.read is not None:
             serving.read.return_grads(dk_u, dv_u, dk, dv, serving.group)
-        dq_recv = dq_srv[L.recv_q_pos].reshape(-1, sh.q_width)
-        dkv_recv = torch.stack([dk_u[L.recv_kv_pos], dv_u[L.recv_kv_pos]], 1).reshape(-1, sh.kv_width)
+        dq_recv = L.recv_q_pos.take(dq_srv, own=True).reshape(-1, sh.q_width)
+        dkv_recv = torch.stack([L.recv_kv_pos.take(dk_u), L.recv_kv_pos.take(dv_u)], 1).reshape(-1, sh.kv_width)
         return dq, dk, dv, dq_recv, dkv_recv, None, None, None, None, None
 
 
@@ -349,7 +357,7 @@ class _ReturnStart(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out_srv, L: DispatchLayout, sh: _Shapes, handle: _Handle, group, out_srv_rows: _ServerRows,
                 dout_srv_rows: _ServerRows):
-        o_send = out_srv[L.recv_q_pos].reshape(-1)
+        o_send = L.recv_q_pos.take(out_srv, own=True).reshape(-1)
         recv = handle.launch(o_send, [n * sh.q_width for n in L.q_recv_splits],
                              [n * sh.q_width for n in L.q_send_splits], group, "return")
         ctx.save_for_backward(o_send)  # the server's rows of other ranks' outputs (see _ServerRows)
@@ -373,10 +381,10 @@ class _Collect(torch.autograd.Function):
     def forward(ctx, out_srv, o_recv, L: DispatchLayout, sh: _Shapes, handle: _Handle | None, group,
                 out_srv_rows: _ServerRows, dout_srv_rows: _ServerRows):
         out = out_srv.new_empty(L.num_tokens, sh.H_q, sh.D)
-        out[L.local_q_rows] = out_srv[L.local_q_pos]
+        L.local_q.copy_back(out, out_srv)
         if handle is not None:
             handle.wait()
-            out[L.q_send_rows] = o_recv.view(-1, sh.H_q, sh.D)
+            L.q_send_rows.put(out, o_recv.view(-1, sh.H_q, sh.D))
         # The caller's next layer keeps its input: saving it here costs nothing, and it holds the
         # server's local rows (see _ServerRows).
         ctx.save_for_backward(out)
@@ -386,12 +394,12 @@ class _Collect(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         L, sh, handle, group, out_srv_rows, dout_srv_rows = ctx.meta
-        out_srv_rows.place(L.local_q_pos, ctx.saved_tensors[0][L.local_q_rows])
+        out_srv_rows.place_local(L.local_q, ctx.saved_tensors[0])
         dout = dout.contiguous()
-        dout_srv_rows.place(L.local_q_pos, dout[L.local_q_rows])
+        dout_srv_rows.place_local(L.local_q, dout)
         if handle is None:  # no _ReturnStart: every server row is local
             return dout_srv_rows.take(), None, None, None, None, None, None, None
-        handle.launch(dout[L.q_send_rows].reshape(-1), [n * sh.q_width for n in L.q_send_splits],
+        handle.launch(L.q_send_rows.take(dout, own=True).reshape(-1), [n * sh.q_width for n in L.q_send_splits],
                       [n * sh.q_width for n in L.q_recv_splits], group, "dispatch_grad")
         return None, None, None, None, None, None, None, None  # _ReturnStart's backward returns the whole dO
 

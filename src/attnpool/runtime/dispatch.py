@@ -26,6 +26,9 @@ sender and its receiver agree without talking:
   (``KVTransfers.relays``): the dispatch carries each such range across the network once, and a second all-to-all
   inside the node forwards the nested ranges from the relay's received rows (``KVRelay``); the relayed rows
   follow the dispatched ones in the server's received KV.
+- Each row map (the rows a rank sends, its rows served at home and where they go in the server's buffers, the
+  received rows' places) is a ``Rows`` or a pair of them (``RowMap``): copied slice by slice where the rows are a few
+  runs of consecutive rows, as they mostly are, rather than by an indexed kernel at a fraction of the bandwidth.
 - The kernel's backward runs over groups of consecutive segments of at most
   ``BACKWARD_GROUP_KEYS`` key rows (``backward_groups``), one call each: FlashAttention-2's
   backward allocates a workspace in proportion to its call (with GQA, dK and dV for every
@@ -50,6 +53,116 @@ def index_tensor(a, dtype=torch.int64, *, device) -> torch.Tensor:
     """A host-built index array on ``device``: built once per plan, never per layer (a host-to-device
     copy per layer would synchronise the host with the GPU)."""
     return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype).to(device)
+
+
+# Runs of consecutive rows up to which Rows and RowMap copy slice by slice: a slice is a kernel launch and a few
+# microseconds of Python, an indexed copy a single kernel that moves rows at a fraction of a contiguous copy's speed.
+MAX_ROW_RUNS = 16
+
+
+def _runs(*arrays: np.ndarray) -> np.ndarray | None:
+    """Where equal-length index arrays are all consecutive together: the first position of each run and the end
+    (``np.r_[starts, len]``); None where there are more than MAX_ROW_RUNS runs."""
+    n = len(arrays[0])
+    step = np.zeros(max(n - 1, 0), dtype=bool)
+    for a in arrays:
+        step |= np.diff(a) != 1
+    breaks = np.flatnonzero(step) + 1
+    return None if len(breaks) >= MAX_ROW_RUNS else np.r_[0, breaks, n] if n else np.zeros(1, dtype=np.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class Rows:
+    """Rows of a buffer, in order, built once per plan, and taken (``x[rows]``), placed (``x[rows] = y``) or added to
+    (``x.index_add_(0, rows, y)``) through slices where they are a few runs of consecutive rows, as a rank's rows
+    mostly are (its tasks served at home, the tasks it sends a server), else through the index. An indexed copy
+    moves rows at a fraction of a slice copy's bandwidth: on an H200 the dispatch's and collect's indexed copies
+    took two thirds as long as the attention kernels they fed (bench/results/2026-11-29-h200x2-cad-copies.md)."""
+
+    index: torch.Tensor
+    runs: tuple[tuple[int, int], ...] | None  # (first row, rows) per run; None: more than MAX_ROW_RUNS runs
+
+    @classmethod
+    def of(cls, rows, device) -> "Rows":
+        rows = np.asarray(rows, dtype=np.int64)
+        bounds = _runs(rows)
+        runs = None if bounds is None else tuple((int(rows[a]), int(b - a)) for a, b in zip(bounds[:-1], bounds[1:]))
+        return cls(index_tensor(rows, device=device), runs)
+
+    def __len__(self) -> int:
+        return self.index.numel()
+
+    def take(self, x: torch.Tensor, own: bool = False) -> torch.Tensor:
+        """``x[rows]``. Where they are one run, a view of ``x`` unless ``own``: one to read at once, not to keep
+        (saved for backward or held by an exchange in flight it would keep the whole of ``x`` alive)."""
+        if self.runs is None:
+            return x[self.index]
+        if len(self.runs) == 1:
+            first, n = self.runs[0]
+            return x[first:first + n].clone() if own else x[first:first + n]
+        return torch.cat([x[first:first + n] for first, n in self.runs]) if self.runs else x.new_empty(0, *x.shape[1:])
+
+    def put(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst[rows] = src``."""
+        if self.runs is None:
+            dst[self.index] = src
+            return
+        at = 0
+        for first, n in self.runs:
+            dst[first:first + n] = src[at:at + n]
+            at += n
+
+    def add(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """``dst.index_add_(0, rows, src)``: a row listed twice gets both (runs added one after another)."""
+        if self.runs is None:
+            return dst.index_add_(0, self.index, src)
+        at = 0
+        for first, n in self.runs:
+            dst[first:first + n] += src[at:at + n]
+            at += n
+        return dst
+
+
+@dataclass(frozen=True, eq=False)
+class RowMap:
+    """Rows ``src`` of one buffer paired with rows ``dst`` of another, in order: ``copy`` is ``x[dst] = y[src]``,
+    ``copy_back`` and ``add_back`` the reverse, through slices where both are consecutive together in few runs."""
+
+    dst: Rows
+    src: Rows
+    runs: tuple[tuple[int, int, int], ...] | None  # (first dst row, first src row, rows) per run; None: index
+
+    @classmethod
+    def of(cls, dst, src, device) -> "RowMap":
+        dst, src = np.asarray(dst, dtype=np.int64), np.asarray(src, dtype=np.int64)
+        bounds = _runs(dst, src)
+        runs = None if bounds is None else tuple((int(dst[a]), int(src[a]), int(b - a))
+                                                 for a, b in zip(bounds[:-1], bounds[1:]))
+        return cls(Rows.of(dst, device), Rows.of(src, device), runs)
+
+    def copy(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """``x[dst] = y[src]``."""
+        if self.runs is None:
+            self.dst.put(x, self.src.take(y))
+            return
+        for d, s, n in self.runs:
+            x[d:d + n] = y[s:s + n]
+
+    def copy_back(self, y: torch.Tensor, x: torch.Tensor) -> None:
+        """``y[src] = x[dst]``."""
+        if self.runs is None:
+            self.src.put(y, self.dst.take(x))
+            return
+        for d, s, n in self.runs:
+            y[s:s + n] = x[d:d + n]
+
+    def add_back(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``y.index_add_(0, src, x[dst])``."""
+        if self.runs is None:
+            return self.src.add(y, self.dst.take(x))
+        for d, s, n in self.runs:
+            y[s:s + n] += x[d:d + n]
+        return y
 
 
 # Key rows (expanded) per backward kernel call: bounds the backward's workspace, while each call
@@ -286,7 +399,7 @@ class KVRelay:
     received KV it forwards to its node's other servers, grouped by server, and what it receives from its node's
     relays (appended after its dispatched rows; their places in the unique buffer are in ``recv_kv_pos``)."""
 
-    send_rows: torch.Tensor  # rows of the received KV, destination-ordered
+    send_rows: Rows  # rows of the received KV, destination-ordered
     send_splits: list[int]
     recv_splits: list[int]
 
@@ -306,16 +419,14 @@ class DispatchLayout:
     kv_send_splits: list[int]
     q_recv_splits: list[int]
     kv_recv_splits: list[int]
-    q_send_rows: torch.Tensor  # local rows, peer-ordered
-    kv_send_rows: torch.Tensor
+    q_send_rows: Rows  # local rows, peer-ordered
+    kv_send_rows: Rows
     # server side: tasks in canonical order
-    local_q_rows: torch.Tensor  # local rows of tasks served here ...
-    local_q_pos: torch.Tensor  # ... and their positions in the server's Q buffer
-    recv_q_pos: torch.Tensor  # position in the server's Q buffer of each received Q row
+    local_q: RowMap  # local rows of tasks served here (src) and their positions in the server's Q buffer (dst)
+    recv_q_pos: Rows  # position in the server's Q buffer of each received Q row
     num_server_q: int
-    local_kv_rows: torch.Tensor  # local rows that are part of the unique KV buffer ...
-    local_kv_pos: torch.Tensor  # ... and their positions in it
-    recv_kv_pos: torch.Tensor  # position in the unique KV buffer of each received KV row (relayed ones last)
+    local_kv: RowMap  # local rows that are part of the unique KV buffer (src) and their positions in it (dst)
+    recv_kv_pos: Rows  # position in the unique KV buffer of each received KV row (relayed ones last)
     num_unique_kv: int
     kv_expand_identity: bool  # expanded == unique (one segment per served document): no copy needed
     cu_q: torch.Tensor  # int32
@@ -403,7 +514,7 @@ class DispatchLayout:
             inward = np.flatnonzero(relay_of[seg] >= 0)
             inward = inward[np.argsort(x.server[relay_of[seg[inward]]], kind="stable")]
             recv_kv_pos = np.r_[recv_kv_pos, ranges(seg_pos[inward], x.length[seg[inward]])]
-            relay = KVRelay(index_tensor(send_rows, device=device), _splits(x.server[out], x.length[out], W),
+            relay = KVRelay(Rows.of(send_rows, device), _splits(x.server[out], x.length[out], W),
                             _splits(x.server[relay_of[seg[inward]]], x.length[seg[inward]], W))
 
         # Each KV group's rows start where its first segment does (segments of a (server, doc, range) group
@@ -435,10 +546,10 @@ class DispatchLayout:
             rank=rank, world=W, num_tokens=int(t.tokens_per_rank[rank]), any_traffic=not plan.is_fully_local(),
             q_send_splits=q_send_splits, kv_send_splits=kv_send_splits,
             q_recv_splits=q_recv_splits, kv_recv_splits=kv_recv_splits,
-            q_send_rows=dev(q_send_rows), kv_send_rows=dev(kv_send_rows),
-            local_q_rows=dev(local_q_rows), local_q_pos=dev(local_q_pos), recv_q_pos=dev(recv_q_pos),
+            q_send_rows=Rows.of(q_send_rows, device), kv_send_rows=Rows.of(kv_send_rows, device),
+            local_q=RowMap.of(local_q_pos, local_q_rows, device), recv_q_pos=Rows.of(recv_q_pos, device),
             num_server_q=int(n[mine].sum()),
-            local_kv_rows=dev(local_kv_rows), local_kv_pos=dev(local_kv_pos), recv_kv_pos=dev(recv_kv_pos),
+            local_kv=RowMap.of(local_kv_pos, local_kv_rows, device), recv_kv_pos=Rows.of(recv_kv_pos, device),
             num_unique_kv=num_unique_kv,
             kv_expand_identity=kv_expand_identity,
             cu_q=dev(cu_q, torch.int32), cu_k=dev(cu_k, torch.int32),

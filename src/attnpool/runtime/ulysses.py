@@ -137,6 +137,10 @@ class UlyssesAttention:
         return self.plan.runtime_cache[key]
 
     def __call__(self, q, k, v, *, layer: int | None = None) -> torch.Tensor:
+        with torch.profiler.record_function("ulysses_attention"):  # its copies in a trace (bench/trace_breakdown.py)
+            return self._call(q, k, v)
+
+    def _call(self, q, k, v) -> torch.Tensor:
         L = self.layout(q, k, v)
         if L.world == 1:
             qh, kh, vh = q, k, v

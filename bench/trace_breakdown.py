@@ -1,0 +1,83 @@
+"""GPU time of a traced step by the core attention phase that launched each kernel: what `attnpool bench --trace`'s
+trace (trace-*.json.gz) spends in the attention kernels and in the copies and exchanges around them.
+
+    python bench/trace_breakdown.py OUT/trace-prolong-128K-cad.json.gz [--json breakdown.json]
+
+A kernel is put under the longest enclosing CPU op, on the thread that launched it, whose name holds one of
+``PHASES`` (core attention's autograd functions, forward and backward; Ulysses' forward, its exchanges and its
+kernel call, whose backward nodes it names; its backward's reordering copies are IndexBackward0, under "other");
+kernels launched elsewhere fall under "other" (the model's linear layers, norms, the loss, FSDP's collectives). Within a phase the
+kernels are grouped as attention kernels, indexed copies (index, gather, scatter, index_add), collectives, and the
+rest, so that a change to the dispatch's copies shows as a change in one column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import gzip
+import json
+
+PHASES = ("_DispatchStart", "_DispatchWait", "_Serve", "_ReturnStart", "_Collect", "_Relay",  # cad's
+          "ulysses_attention", "_Exchange", "_Attention")  # Ulysses' forward (a record_function), exchanges, kernel
+KINDS = (("attention kernel", ("flash_attn", "flash_fwd", "flash_bwd", "FlashAttention", "fmha")),
+         ("indexed copy", ("index_elementwise", "indexFunc", "gather", "scatter", "index_put")),
+         ("collective", ("nccl",)),
+         ("other", ("",)))
+
+
+def kind_of(kernel: str) -> str:
+    return next(name for name, keys in KINDS if any(key in kernel for key in keys))
+
+
+def breakdown(events: list[dict]) -> dict[str, dict[str, float]]:
+    """Milliseconds of kernel time by phase and kind."""
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    ops = collections.defaultdict(list)  # per thread: the phases' ops, by start
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "python_function", "user_annotation") \
+                and any(p in e["name"] for p in PHASES):
+            ops[e["tid"]].append(e)
+    starts = {}
+    for tid, list_ in ops.items():
+        list_.sort(key=lambda e: e["ts"])
+        starts[tid] = [e["ts"] for e in list_]
+    table: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
+    for k in (e for e in events if e.get("cat") == "kernel"):
+        launch = launches.get(k.get("args", {}).get("correlation"))
+        phase = "other"
+        if launch is not None and launch["tid"] in ops:
+            candidates = ops[launch["tid"]][:bisect.bisect_right(starts[launch["tid"]], launch["ts"])]
+            enclosing = [o for o in candidates if o["ts"] + o["dur"] >= launch["ts"]]
+            if enclosing:
+                name = max(enclosing, key=lambda o: o["dur"])["name"]
+                phase = next(p for p in PHASES if p in name) + (" (backward)" if "Backward" in name else "")
+        table[phase][kind_of(k["name"])] += k["dur"] / 1e3
+    return {phase: dict(kinds) for phase, kinds in table.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace", help="a trace-*.json.gz (or .json) of attnpool bench --trace")
+    parser.add_argument("--json", default=None, help="also write the breakdown here")
+    args = parser.parse_args()
+    opener = gzip.open if args.trace.endswith(".gz") else open
+    with opener(args.trace, "rt") as f:
+        table = breakdown(json.load(f)["traceEvents"])
+    kinds = [name for name, _ in KINDS]
+    print("| phase | " + " | ".join(f"{k} (ms)" for k in kinds) + " |")
+    print("|---" * (len(kinds) + 1) + "|")
+    for phase in sorted(table, key=lambda p: (p == "other", p)):
+        print(f"| {phase} | " + " | ".join(f"{table[phase].get(k, 0.0):.1f}" for k in kinds) + " |")
+    attention = {k: sum(row.get(k, 0.0) for p, row in table.items() if p != "other") for k in kinds}
+    print("| all core attention | " + " | ".join(f"{attention[k]:.1f}" for k in kinds) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"trace": args.trace, "ms_by_phase_and_kind": table}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

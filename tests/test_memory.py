@@ -468,19 +468,44 @@ def test_offload_leaves_parameters_and_small_tensors_alone():
     assert offload.offloaded_bytes == 0 and empty.grad.shape == (0, 8)
 
 
-def test_host_pieces_are_powers_of_two_above_the_floor():
-    """The pinned allocator rounds each block up to a power of two: a region's pieces are powers of two
-    (in bytes) down to the floor, largest first, and one piece below the floor holds the rest."""
+def test_host_pieces_are_powers_of_two_between_floor_and_ceiling():
+    """The pinned allocator rounds each block up to a power of two: a region's pieces are the ceiling as often
+    as it fits, then powers of two (in bytes) down to the floor, largest first, and one piece below the floor
+    holds the rest."""
     for numel in (1, 5, 1000, 12345, (1 << 20) + 3, 3 << 20):
         for element_size in (2, 4, 8):
-            sizes = piece_sizes(numel, element_size, floor_bytes=1024)
+            sizes = piece_sizes(numel, element_size, floor_bytes=1024, ceiling_bytes=1 << 16)
             assert sum(sizes) == numel
             whole = [s * element_size for s in sizes if s * element_size >= 1024]
-            assert all(b & (b - 1) == 0 for b in whole) and whole == sorted(whole, reverse=True)
+            assert all(b & (b - 1) == 0 and b <= 1 << 16 for b in whole) and whole == sorted(whole, reverse=True)
+            assert len(set(b for b in whole if b < 1 << 16)) == len([b for b in whole if b < 1 << 16])
             assert len(sizes) - len(whole) <= 1 and sum(sizes[len(whole):]) * element_size < 1024
     assert piece_sizes(0, 2) == []
-    # 2.3 GiB of bf16 (a 300K-token layer input of Llama-3-8B): 2 GiB + 256 MiB + ..., not one 4 GiB block
-    assert piece_sizes(int(2.3 * 2**30) // 2, 2)[:2] == [1 << 30, 1 << 27]
+    # 2.3 GiB of bf16 (a 300K-token layer input of Llama-3-8B): 18 pieces of 128 MiB, 32 MiB, 16 MiB and the rest
+    # below the floor, not one 4 GiB block
+    assert piece_sizes(int(2.3 * 2**30) // 2, 2)[:20] == [1 << 26] * 18 + [1 << 24, 1 << 23]
+
+
+def test_host_cache_stays_near_a_step_when_regions_change_size():
+    """PyTorch's pinned cache serves a request only from blocks of its own power of two (ATen's
+    CachingHostAllocator: free lists by log2 of the size). Over steps whose layer inputs change size (wlb: each
+    rank's tokens differ every step), what the cache ends up holding, the most blocks of each size any step
+    used, stays within a ceiling per region of the largest step's need; whole powers of two held about twice it."""
+    def cached_and_needed(steps, **kw):
+        most = {}  # power-of-two block size -> the most blocks of it in use at once
+        needed = 0
+        for tokens in steps:
+            blocks = [1 << (n * 2 - 1).bit_length() for n in piece_sizes(tokens * 4096, 2, **kw)] * 32  # 32 layers
+            needed = max(needed, sum(blocks))
+            for size in set(blocks):
+                most[size] = max(most.get(size, 0), blocks.count(size))
+        return sum(size * count for size, count in most.items()), needed
+
+    steps = [270_000, 250_000, 288_000, 241_000]  # a wlb rank's tokens at a 256K budget, cap 1.1
+    cached, needed = cached_and_needed(steps)
+    assert cached <= needed + 32 * (128 << 20)
+    cached_whole, needed_whole = cached_and_needed(steps, ceiling_bytes=1 << 40)
+    assert cached_whole > 1.4 * needed_whole
 
 
 def _offload_dtensors(rank, world):

@@ -104,6 +104,7 @@ class Rows:
 
     def put(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst[rows] = src``."""
+        assert src.shape[0] == len(self), (src.shape, len(self))  # slices would not check it, as indexing does
         if self.runs is None:
             dst[self.index] = src
             return
@@ -114,6 +115,7 @@ class Rows:
 
     def add(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         """``dst.index_add_(0, rows, src)``: a row listed twice gets both (runs added one after another)."""
+        assert src.shape[0] == len(self), (src.shape, len(self))
         if self.runs is None:
             return dst.index_add_(0, self.index, src)
         at = 0

@@ -27,7 +27,12 @@ it in backward.
 A region's host copy is held in pieces whose sizes are powers of two: PyTorch's pinned-memory allocator
 rounds every block up to a power of two and keeps freed blocks cached, so a 2.3 GiB layer input held
 whole would take a 4 GiB block (twice the host memory the memory model counts). The pieces waste less
-than ``PIECE_FLOOR_BYTES`` per region.
+than ``PIECE_FLOOR_BYTES`` per region. A cached block serves only requests of its own power of two, so the
+pieces are at most ``PIECE_CEILING_BYTES`` each: regions whose sizes change from step to step (``wlb``'s ranks
+hold different token counts every step) reuse the same blocks, and the cache holds at most a ceiling per region
+beyond a step's own need. With whole powers of two a 2.1 GiB region (2 GiB + ...) and a 1.9 GiB one (1 GiB +
+512 MiB + ...) in the next step would hold both, about twice the host memory: what killed `wlb` at 256K tokens
+per rank with activation offload on a 251 GiB host of two H200 (bench/results/2026-11-29-h200x2-full-depth-baselines.md).
 
 On a CPU run the "host copy" is a copy in the same memory (the same pieces, unpinned): the same
 function, nothing saved; training turns offload on there only so that its path runs in tests.
@@ -47,12 +52,18 @@ from torch.distributed.tensor import DTensor
 
 DEFAULT_MIN_BYTES = 1 << 20
 PIECE_FLOOR_BYTES = 16 << 20
+PIECE_CEILING_BYTES = 128 << 20  # a 2 GiB layer input: 16 copies each way, a few microseconds each
 
 
-def piece_sizes(numel: int, element_size: int, floor_bytes: int = PIECE_FLOOR_BYTES) -> list[int]:
-    """Element counts of a region's host pieces: the powers of two (in bytes) of its size down to
-    ``floor_bytes``, largest first, then what is left in one piece (below ``floor_bytes``)."""
-    sizes, left = [], numel * element_size
+def piece_sizes(numel: int, element_size: int, floor_bytes: int = PIECE_FLOOR_BYTES,
+                ceiling_bytes: int = PIECE_CEILING_BYTES) -> list[int]:
+    """Element counts of a region's host pieces: as many of ``ceiling_bytes`` as fit, then the powers of two
+    (in bytes) of the rest down to ``floor_bytes``, largest first, then what is left in one piece (below
+    ``floor_bytes``). ``ceiling_bytes``: a power of two."""
+    assert ceiling_bytes & (ceiling_bytes - 1) == 0 and ceiling_bytes % element_size == 0, ceiling_bytes
+    left = numel * element_size
+    sizes = [ceiling_bytes // element_size] * (left // ceiling_bytes)
+    left -= ceiling_bytes * len(sizes)
     piece = 1 << (left.bit_length() - 1) if left else 0
     while piece >= max(floor_bytes, element_size):
         if left >= piece:

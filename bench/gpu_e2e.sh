@@ -63,6 +63,15 @@ case "$PHASE" in
     probe emulated
     emulated_or_stop emulated GiBps_out_per_rank
     bench baselines-emulated --configs prolong:128K --strategies $BASELINES --warmup 2 --steps 4 --end-by-s $((540 - SECONDS)) ;;
+  copies)  # where cad's and Ulysses' core attention spend their time: one traced step each (4 layers, prolong 128K,
+    # full checkpointing), broken down by phase on the device (bench/trace_breakdown.py) and the traces dropped, so that
+    # the call's few returned files hold the tables (2026-11-29-h200x2-cad-copies.md)
+    bench copies --configs prolong:128K --strategies ulysses,cad --trace ulysses,cad --activation-checkpointing full \
+      --warmup 1 --steps 2 --budget-s 300
+    for trace in "$OUT"/copies/trace-*.json.gz; do
+      echo "$trace"
+      "${PYTHON:-python3}" bench/trace_breakdown.py "$trace" --json "${trace%.json.gz}-breakdown.json" && rm "$trace"
+    done ;;
   two-tier|two-tier-hierarchical)  # issue 43: NODES (default 2) emulated nodes on this host (bench/torchrun_nodes.sh):
     # NVLink inside a node, NCCL's socket transport over loopback between them; every baseline, or cad with the
     # hierarchical exchange (a phase each: each fits a call), the network's tiers measured first
@@ -165,7 +174,7 @@ case "$PHASE" in
   # SCHEDULES and ABLATION: pooled_runs above.
   pooled-pp4) pooled_runs pooled-pp4 --pp 4 --steps 3 ;;
   pooled-pp2dp2) pooled_runs pooled-pp2dp2 --pp 2 --configs prolong:64K,pretrain:64K --steps 2 ;;
-  *) phases="smoke|baselines|baselines-emulated|two-tier|two-tier-hierarchical|windows|prolong128|prolong256|pretrain64"
+  *) phases="smoke|baselines|baselines-emulated|copies|two-tier|two-tier-hierarchical|windows|prolong128|prolong256|pretrain64"
      phases="$phases|pretrain64-memory|prolong64|pretrain128|pretrain128-baselines|pretrain256|pretrain256-baselines"
      echo "usage: bash bench/gpu_e2e.sh $phases|prolong256-baselines|prolong256-sparse-pingpong|full-depth128|full-depth256|full-depth128-pretrain-cad|full-depth128-pretrain-local|full-depth256-baselines|full-depth256-sparse|parallel34b-tp4|parallel34b-pp2tp2|parallel34b-dp4|parallel8b-tp2|pooled-pp2|pooled-pp4|pooled-pp2dp2 [BENCH ARGS...]" >&2
      exit 2 ;;

@@ -71,21 +71,26 @@ def run_settings(meta: dict, records: list[dict]) -> dict:
     tps = {r.get("tp", 1) for r in records}
     if len(modes) > 1 or len(tps) > 1:
         raise SystemExit(f"runs with different recompute {sorted(modes)} or tp {sorted(tps)}: compare them apart")
-    # what the comparison does not model: other models, windows, pipeline stages, activation offload
+    # what the comparison does not model: other models, windows, pipeline stages
     unmodelled = [what for what, found in (
         (f"model {meta.get('model')!r}", not meta.get("model", "llama3-8b").startswith("llama3-8b x ")),
         ("a sliding window", "sliding window" in meta.get("model", "")),
-        ("pipeline stages", any(r.get("pp", 1) > 1 for r in records)),
-        ("activation offload", any("activation offload" in r.get("layer_checkpointing", "") for r in records)))
+        ("pipeline stages", any(r.get("pp", 1) > 1 for r in records)))
         if found]
     if unmodelled:
         raise SystemExit(f"the runs have {', '.join(unmodelled)}: the comparison simulates llama3-8b's causal layers "
-                         "on one stage, activations on the GPU")
+                         "on one stage")
     return {"layers": int(layers), "gpus_per_node": int(meta.get("ranks_per_node") or 0), "tp": tps.pop(),
             "recompute": modes.pop() if modes else "linear", "attention_backend": meta.get("attention_backend"),
             "hierarchical": bool(meta.get("hierarchical_exchange")) or any(r.get("hierarchical_exchange")
-                                                                           for r in records)}
+                                                                           for r in records),
+            "activation_offload": any("activation offload" in r.get("layer_checkpointing", "") for r in records)}
 TARGET = 0.10  # issue 43 (issue 7's was 15%)
+# The simulator has no activation offload: its copies run on a side stream over PCIe, a layer input of 2 GiB in about
+# 40 ms against the second or more that layer computes, and cost 0.6-1.8% of a step on one H200
+# (bench/results/2026-11-25-h200-memory.md). Runs with it are compared as if the copies were hidden, and say so.
+OFFLOAD_AS_HIDDEN = (", with activation offload in the runs, which the simulator takes as hidden behind compute (its "
+                     "copies cost 0.6-1.8% of a step on one H200)")
 
 
 def bench_batches(dist: str, tokens: int, world: int, warmup: int, steps: int, tp: int = 1) -> list[list[int]]:
@@ -248,7 +253,9 @@ def main() -> int:
              f"benchmark's seed), {world} GPUs, {setting['layers']} layers, TP {setting['tp']}, "
              + (f"nodes of {per_node} GPUs" if per_node < world else "one node")
              + (", cad with the hierarchical exchange" if setting["hierarchical"] else "")
-             + f", recompute {setting['recompute']} as the runs' checkpointing. Command: `python bench/sim_validation.py "
+             + f", recompute {setting['recompute']} as the runs' checkpointing"
+             + (OFFLOAD_AS_HIDDEN if setting["activation_offload"] else "")
+             + ". Command: `python bench/sim_validation.py "
              + " ".join(sys.argv[1:]) + "`.", "",
              "Error = predicted / measured - 1 over the total of the measured steps, and the mean absolute per-step error. "
              f"Target: |error| <= {TARGET:.0%}.", "",

@@ -693,3 +693,21 @@ def test_checkpoints_set_aside_as_damaged_go_once_older_than_every_kept_one(tmp_
         os.makedirs(os.path.join(root, name))
     prune_damaged(str(tmp_path), below_step=6)
     assert sorted(os.listdir(root)) == ["notes.damaged", "step-000006", "step-000006.damaged", "step-000008"]
+
+
+def test_a_resume_that_writes_a_token_count_otherwise_changes_nothing(tmp_path):
+    """model_args' token counts are compared as counts: the window written '4K' in the checkpoint's run and 4096 now
+    is the same run; 2048 is a change, refused by name."""
+    from attnpool.errors import ConfigError
+    from attnpool.train.config import TrainConfig
+    from attnpool.train.resume import config_changes
+
+    def run(window):
+        return TrainConfig(model="tiny", model_args={"sliding_window": window}, out=str(tmp_path), device="cpu")
+
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / MANIFEST).write_text(json.dumps({"config": run("4K").to_dict(), "files": {}}))
+    assert config_changes(run(4096), str(checkpoint)) == []
+    with pytest.raises(ConfigError, match="model_args"):
+        config_changes(run(2048), str(checkpoint))

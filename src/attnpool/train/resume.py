@@ -16,6 +16,9 @@ import torch.distributed as dist
 from attnpool.comm import agree
 from attnpool.errors import ConfigError
 from attnpool.model import ModelSpec
+from attnpool.model.config import TOKEN_COUNT_FIELDS
+from attnpool.model.hf_config import HF_TOKEN_COUNT_SETTINGS
+from attnpool.sizes import with_token_counts
 from attnpool.train.checkpoint import (check_compatible, checkpoint_config, checkpoint_root, finished_checkpoints,
                                        select_checkpoint)
 from attnpool.train.config import RUN_FIELDS, TrainConfig, load_config, save_config
@@ -29,13 +32,28 @@ def config_changes(config: TrainConfig, checkpoint: str) -> list[tuple[str, obje
     if saved is None:
         return []
     now = config.to_dict()
-    changes = [(k, saved[k], now[k]) for k in RUN_FIELDS if k in saved and saved[k] != now[k]]
+    changes = [(k, saved[k], now[k]) for k in RUN_FIELDS if k in saved and not _same_setting(k, saved[k], now[k])]
     if changes and not config.checkpoint.allow_config_change:
         key, before, after = changes[0]
         also = f" (also {', '.join(k for k, _, _ in changes[1:])})" if len(changes) > 1 else ""
         raise ConfigError(key, after, f"the checkpoint's run has {key}={before!r}{also}: resuming with another value "
                                       "changes the run; pass --allow-config-change to continue with it")
     return changes
+
+
+# model_args keys that hold a token count, which a user may write as a size ('4K') or a number (4096), for either
+# kind of model (attnpool's presets, a Hugging Face config)
+TOKEN_COUNT_MODEL_ARGS = tuple(dict.fromkeys(TOKEN_COUNT_FIELDS + HF_TOKEN_COUNT_SETTINGS))
+
+
+def _same_setting(key: str, saved, now) -> bool:
+    """Whether a setting is unchanged; model_args' token counts compared as counts, so '4K' is 4096."""
+    if key == "model_args" and isinstance(saved, dict) and isinstance(now, dict):
+        try:
+            return with_token_counts(saved, TOKEN_COUNT_MODEL_ARGS) == with_token_counts(now, TOKEN_COUNT_MODEL_ARGS)
+        except ConfigError:  # not a count either way: compared as written
+            pass
+    return saved == now
 
 
 # The settings that choose the documents a run reads: changed with allow_config_change, the data at a checkpoint's

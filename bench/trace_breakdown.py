@@ -33,8 +33,9 @@ def kind_of(kernel: str) -> str:
 
 def breakdown(events: list[dict]) -> dict[str, dict[str, float]]:
     """Milliseconds of kernel time by phase and kind."""
+    # (NCCL and CuTe DSL kernels are launched through the driver API: cuLaunchKernelEx, category cuda_driver)
     launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     ops = collections.defaultdict(list)  # per thread: the phases' ops, by start
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "python_function", "user_annotation") \

@@ -362,11 +362,13 @@ def test_trace_breakdown_puts_kernels_under_the_phase_that_launched_them():
     events = [op("_Serve", 100, 50), op("aten::index_put_", 105, 5), launch(106, 1), launch(120, 2),
               op("autograd::engine::evaluate_function: _CollectBackward", 300, 20, tid=2), launch(310, 3, tid=2),
               launch(400, 4), launch(130, 5, tid=2),  # outside any phase; a phase's time on another thread
+              {**launch(112, 6), "cat": "cuda_driver", "name": "cuLaunchKernelEx"},  # NCCL's launches: the driver's
               kernel("void at::native::index_elementwise_kernel<128, 4>", 1, 3000),
               kernel("kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90", 2, 8000),
               kernel("void at::native::vectorized_gather_kernel<16, long>", 3, 1000),
-              kernel("nvjet_sm90_tst_320x128", 4, 9000), kernel("ncclDevKernel_SendRecv", 5, 2000)]
+              kernel("nvjet_sm90_tst_320x128", 4, 9000), kernel("ncclDevKernel_SendRecv", 5, 2000),
+              kernel("ncclDevKernel_SendRecv", 6, 4000)]
     table = breakdown(events)
-    assert table["_Serve"] == {"indexed copy": 3.0, "attention kernel": 8.0}
+    assert table["_Serve"] == {"indexed copy": 3.0, "attention kernel": 8.0, "collective": 4.0}
     assert table["_Collect (backward)"] == {"indexed copy": 1.0}
     assert table["other"] == {"other": 9.0, "collective": 2.0}

@@ -63,6 +63,7 @@ def test_plan_on_nodes_counts_the_bytes_between_them(capsys):
     (["--servers", "0"], "--servers"),
     (["--tokens-per-server", "0"], "--tokens-per-server"),
     (["--tokens-per-server", "12Q"], "not a size"),
+    (["--tokens-per-server", "9" * 400], "too large a size"),
     (["--bogus-flag"], "unrecognized arguments"),
     (["--eps", "-1"], "eps"),
     (["--seed", "-1"], "--seed"),

@@ -490,7 +490,8 @@ def test_host_cache_stays_near_a_step_when_regions_change_size():
     """PyTorch's pinned cache serves a request only from blocks of its own power of two (ATen's
     CachingHostAllocator: free lists by log2 of the size). Over steps whose layer inputs change size (wlb: each
     rank's tokens differ every step), what the cache ends up holding, the most blocks of each size any step
-    used, stays within a ceiling per region of the largest step's need; whole powers of two held about twice it."""
+    used, stays within a ceiling and a floor per region of the largest step's need; whole powers of two held about
+    twice it."""
     def cached_and_needed(steps, **kw):
         most = {}  # power-of-two block size -> the most blocks of it in use at once
         needed = 0
@@ -503,7 +504,8 @@ def test_host_cache_stays_near_a_step_when_regions_change_size():
 
     steps = [270_000, 250_000, 288_000, 241_000]  # a wlb rank's tokens at a 256K budget, cap 1.1
     cached, needed = cached_and_needed(steps)
-    assert cached <= needed + 32 * (128 << 20)
+    assert cached <= needed + 32 * ((128 << 20) + (16 << 20))
+    assert cached_and_needed(steps[:2]) == (66 * 2**30 + 2**26, 66 * 2**30)  # the two steps the record counts
     cached_whole, needed_whole = cached_and_needed(steps, ceiling_bytes=1 << 40)
     assert cached_whole > 1.4 * needed_whole
 

@@ -42,10 +42,12 @@ def test_what_a_record_says_of_its_runs(validation):
     records = [{"strategy": "cad", "tp": 1, "layer_checkpointing": "all 32 layers full"}]
     assert validation.run_settings(meta, records) == {"layers": 32, "gpus_per_node": 2, "tp": 1, "recompute": "full",
                                                       "attention_backend": "fa4", "hierarchical": True,
-                                                      "activation_offload": False}
+                                                      "activation_offload": []}
     # activation offload: compared with its copies taken as hidden, and marked so
     offloaded = [{**records[0], "layer_checkpointing": "all 32 layers full, with activation offload"}]
-    assert validation.run_settings(meta, offloaded)["activation_offload"] is True
+    assert validation.run_settings(meta, offloaded)["activation_offload"] == ["cad"]
+    with pytest.raises(SystemExit, match="bound by PCIe"):  # everything offloaded: not hidden
+        validation.run_settings(meta, [{**records[0], "layer_checkpointing": "all 32 layers none, with activation offload"}])
     # records from before the benchmark recorded these: 4 layers' keep_attention on one node, flat
     old = validation.run_settings({"model": "llama3-8b x 4 layers"}, [{"strategy": "local"}])
     assert (old["layers"], old["recompute"], old["gpus_per_node"], old["hierarchical"]) == (4, "linear", 0, False)

@@ -19,6 +19,8 @@ def parse_size(text) -> int:
     if not m:
         raise ValueError(f"{text!r} is not a size (e.g. 4096, 128K, 1M)")
     value = float(m.group(1)) * _MULTIPLIER[m.group(2).lower()]
+    if not math.isfinite(value):  # a number of hundreds of digits
+        raise ValueError(f"{text!r} is too large a size")
     if value != int(value):
         raise ValueError(f"{text!r} is not a whole number of tokens")
     return int(value)

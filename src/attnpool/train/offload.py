@@ -29,8 +29,8 @@ rounds every block up to a power of two and keeps freed blocks cached, so a 2.3 
 whole would take a 4 GiB block (twice the host memory the memory model counts). The pieces waste less
 than ``PIECE_FLOOR_BYTES`` per region. A cached block serves only requests of its own power of two, so the
 pieces are at most ``PIECE_CEILING_BYTES`` each: regions whose sizes change from step to step (``wlb``'s ranks
-hold different token counts every step) reuse the same blocks, and the cache holds at most a ceiling per region
-beyond a step's own need. With whole powers of two a 2.1 GiB region (2 GiB + ...) and a 1.9 GiB one (1 GiB +
+hold different token counts every step) reuse the same blocks, and the cache holds at most about a ceiling and a
+floor per region beyond a step's own need (a block in each bin below the ceiling, two in the floor's). With whole powers of two a 2.1 GiB region (2 GiB + ...) and a 1.9 GiB one (1 GiB +
 512 MiB + ...) in the next step would hold both, about twice the host memory: what killed `wlb` at 256K tokens
 per rank with activation offload on a 251 GiB host of two H200 (bench/results/2026-11-29-h200x2-full-depth-baselines.md).
 

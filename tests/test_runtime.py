@@ -335,10 +335,11 @@ def test_rows_copy_by_slices_or_index_alike(runs):
     want[dst] = x[src_idx]
     assert torch.equal(y, want)
     back, want_back = torch.zeros_like(x), torch.zeros_like(x)
-    mapping.copy_back(back, y)
+    mapping.inverse.copy(back, y)
     want_back[src_idx] = y[dst]
     assert torch.equal(back, want_back)
-    assert torch.allclose(mapping.add_back(x.clone(), y), x.clone().index_add_(0, src_idx, y[dst]))
+    assert torch.allclose(mapping.inverse.add(x.clone(), y), x.clone().index_add_(0, src_idx, y[dst]))
+    assert torch.allclose(mapping.add(y.clone(), x), y.clone().index_add_(0, dst, x[src_idx]))
 
 
 def test_saved_for_backward_is_the_servers_buffers_alone(world_results):

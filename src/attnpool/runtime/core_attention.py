@@ -258,9 +258,9 @@ class _Serve(torch.autograd.Function):
         dq_srv, dk_u, dv_u = serve_backward(L, backend, dout_srv.contiguous(), q_srv, k_u, v_u,
                                             out_srv_rows.take(), lse, scale)
         dq = dq_srv.new_zeros(q_shape)
-        L.local_q.copy_back(dq, dq_srv)
-        dk = L.local_kv.add_back(dk_u.new_zeros(k_shape), dk_u)
-        dv = L.local_kv.add_back(dv_u.new_zeros(k_shape), dv_u)
+        L.local_q.inverse.copy(dq, dq_srv)
+        dk = L.local_kv.inverse.add(dk_u.new_zeros(k_shape), dk_u)
+        dv = L.local_kv.inverse.add(dv_u.new_zeros(k_shape), dv_u)
         if serving is not None and serving.read is not None:
             serving.read.return_grads(dk_u, dv_u, dk, dv, serving.group)
         dq_recv = L.recv_q_pos.take(dq_srv, own=True).reshape(-1, sh.q_width)
@@ -381,7 +381,7 @@ class _Collect(torch.autograd.Function):
     def forward(ctx, out_srv, o_recv, L: DispatchLayout, sh: _Shapes, handle: _Handle | None, group,
                 out_srv_rows: _ServerRows, dout_srv_rows: _ServerRows):
         out = out_srv.new_empty(L.num_tokens, sh.H_q, sh.D)
-        L.local_q.copy_back(out, out_srv)
+        L.local_q.inverse.copy(out, out_srv)
         if handle is not None:
             handle.wait()
             L.q_send_rows.put(out, o_recv.view(-1, sh.H_q, sh.D))

@@ -127,8 +127,9 @@ class Rows:
 
 @dataclass(frozen=True, eq=False)
 class RowMap:
-    """Rows ``src`` of one buffer paired with rows ``dst`` of another, in order: ``copy`` is ``x[dst] = y[src]``,
-    ``copy_back`` and ``add_back`` the reverse, through slices where both are consecutive together in few runs."""
+    """Rows ``src`` of one buffer paired with rows ``dst`` of another, in order: ``copy`` is ``x[dst] = y[src]`` and
+    ``add`` is ``x.index_add_(0, dst, y[src])``, through slices where both are consecutive together in few runs;
+    ``inverse`` pairs them the other way round (``dst`` from ``src``)."""
 
     dst: Rows
     src: Rows
@@ -142,6 +143,10 @@ class RowMap:
                                                  for a, b in zip(bounds[:-1], bounds[1:]))
         return cls(Rows.of(dst, device), Rows.of(src, device), runs)
 
+    @functools.cached_property
+    def inverse(self) -> "RowMap":
+        return RowMap(self.src, self.dst, None if self.runs is None else tuple((s, d, n) for d, s, n in self.runs))
+
     def copy(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """``x[dst] = y[src]``."""
         if self.runs is None:
@@ -150,21 +155,13 @@ class RowMap:
         for d, s, n in self.runs:
             x[d:d + n] = y[s:s + n]
 
-    def copy_back(self, y: torch.Tensor, x: torch.Tensor) -> None:
-        """``y[src] = x[dst]``."""
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``x.index_add_(0, dst, y[src])``."""
         if self.runs is None:
-            self.src.put(y, self.dst.take(x))
-            return
+            return self.dst.add(x, self.src.take(y))
         for d, s, n in self.runs:
-            y[s:s + n] = x[d:d + n]
-
-    def add_back(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``y.index_add_(0, src, x[dst])``."""
-        if self.runs is None:
-            return self.src.add(y, self.dst.take(x))
-        for d, s, n in self.runs:
-            y[s:s + n] += x[d:d + n]
-        return y
+            x[d:d + n] += y[s:s + n]
+        return x
 
 
 # Key rows (expanded) per backward kernel call: bounds the backward's workspace, while each call

@@ -7,8 +7,9 @@ A kernel is put under the longest enclosing CPU op, on the thread that launched 
 ``PHASES`` (core attention's autograd functions, forward and backward; Ulysses' forward, its exchanges and its
 kernel call, whose backward nodes it names; its backward's reordering copies are IndexBackward0, under "other");
 kernels launched elsewhere fall under "other" (the model's linear layers, norms, the loss, FSDP's collectives). Within a phase the
-kernels are grouped as attention kernels, indexed copies (index, gather, scatter, index_add), collectives, and the
-rest, so that a change to the dispatch's copies shows as a change in one column.
+kernels are grouped as attention kernels, indexed copies (index, gather, scatter, index_add), plain copies (device
+to device memcpy, which a contiguous slice's copy is, and copy or cat kernels), collectives, and the rest, so that a
+change to the dispatch's copies shows as a change in two columns. Memcpy and memset are counted with the kernels.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ PHASES = ("_DispatchStart", "_DispatchWait", "_Serve", "_ReturnStart", "_Collect
           "ulysses_attention", "_Exchange", "_Attention")  # Ulysses' forward (a record_function), exchanges, kernel
 KINDS = (("attention kernel", ("flash_attn", "flash_fwd", "flash_bwd", "FlashAttention", "fmha")),
          ("indexed copy", ("index_elementwise", "indexFunc", "gather", "scatter", "index_put")),
+         ("plain copy", ("Memcpy", "copy_kernel", "CatArrayBatchedCopy")),
          ("collective", ("nccl",)),
          ("other", ("",)))
 
@@ -32,7 +34,7 @@ def kind_of(kernel: str) -> str:
 
 
 def breakdown(events: list[dict]) -> dict[str, dict[str, float]]:
-    """Milliseconds of kernel time by phase and kind."""
+    """Milliseconds of kernel time (memcpy and memset included) by phase and kind."""
     # (NCCL and CuTe DSL kernels are launched through the driver API: cuLaunchKernelEx, category cuda_driver)
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
@@ -46,7 +48,8 @@ def breakdown(events: list[dict]) -> dict[str, dict[str, float]]:
         list_.sort(key=lambda e: e["ts"])
         starts[tid] = [e["ts"] for e in list_]
     table: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
-    for k in (e for e in events if e.get("cat") == "kernel"):
+    # (a slice's copy between contiguous buffers is a cudaMemcpyAsync: category gpu_memcpy, not kernel)
+    for k in (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")):
         launch = launches.get(k.get("args", {}).get("correlation"))
         phase = "other"
         if launch is not None and launch["tid"] in ops:

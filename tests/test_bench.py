@@ -367,8 +367,10 @@ def test_trace_breakdown_puts_kernels_under_the_phase_that_launched_them():
               kernel("kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90", 2, 8000),
               kernel("void at::native::vectorized_gather_kernel<16, long>", 3, 1000),
               kernel("nvjet_sm90_tst_320x128", 4, 9000), kernel("ncclDevKernel_SendRecv", 5, 2000),
-              kernel("ncclDevKernel_SendRecv", 6, 4000)]
+              kernel("ncclDevKernel_SendRecv", 6, 4000),
+              {**launch(115, 7), "name": "cudaMemcpyAsync"},  # a contiguous slice's copy: a memcpy, not a kernel
+              {**kernel("Memcpy DtoD (Device -> Device)", 7, 500), "cat": "gpu_memcpy"}]
     table = breakdown(events)
-    assert table["_Serve"] == {"indexed copy": 3.0, "attention kernel": 8.0, "collective": 4.0}
+    assert table["_Serve"] == {"indexed copy": 3.0, "attention kernel": 8.0, "collective": 4.0, "plain copy": 0.5}
     assert table["_Collect (backward)"] == {"indexed copy": 1.0}
     assert table["other"] == {"other": 9.0, "collective": 2.0}

@@ -48,6 +48,8 @@ MEASURED = "bench/results/2026-11-22-h200x4-e2e.json"  # 3 + 10 steps
 # runs them); runs with the hierarchical exchange are cad's relayed rows
 PAIRS = {"local": "local", "wlb": "wlb", "cad-serial": "cad", "cad": "cad+pingpong"}
 HIERARCHICAL_PAIRS = {"cad-hierarchical-serial": "cad", "cad-hierarchical": "cad+pingpong"}
+BALANCED_PAIRS = {"local-balanced": "local+balanced", "cad-balanced-serial": "cad+balanced",
+                  "cad-balanced": "cad+pingpong+balanced"}
 # a benchmark's checkpointing mode (the same in every layer) -> the simulator's recompute
 RECOMPUTE = {"none": "none", "keep_attention": "linear", "full": "full"}
 
@@ -138,11 +140,11 @@ def simulate_bench(dist: str, tokens: int, world: int, tp: int, per_node: int, l
     config = SimConfig(model="llama3-8b", layers=layers, gpus=world, tp=tp, gpus_per_node=per_node,
                        tokens_per_gpu=tokens, dist=dist, strategies=("local", "wlb", "percp", "ulysses", "cad"),
                        cp_degrees=(servers,), batches=len(batches), recompute=recompute, hierarchical=hierarchical,
-                       inter_node_byte_cost=INTER_NODE_BYTE_COST, percp_plan=True)
+                       inter_node_byte_cost=INTER_NODE_BYTE_COST, percp_plan=True, balanced=True)
     # percp as the benchmark runs it: attnpool's percp plan (the simulator's analytic percp-cpN gathers whole
     # documents' KV instead, a layout the benchmark does not run)
     pairs = {**PAIRS, **(HIERARCHICAL_PAIRS if hierarchical else {}), f"ulysses-u{servers}": "ulysses",
-             "percp-plan": "percp"}
+             "percp-plan": "percp", **BALANCED_PAIRS}
     return simulate_config(config, costs, doc_batches=batches)["strategies"], pairs
 
 

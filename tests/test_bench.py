@@ -36,7 +36,8 @@ def every_strategy(tmp):
     """torchrun's 2 ranks through every strategy, with the ablation and a traced step: its --out and the run."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "attnpool.cli.main", "bench",
            "--device", "cpu", "--model", "tiny", "--layers", "1", "--configs", "prolong:1K", "--strategies",
-           "local,ulysses,cad,cad+pingpong,local+sparse,cad+sparse,cad+sparse+readkv", "--warmup", "1", "--steps", "1", "--ablation",
+           "local,ulysses,cad,cad+pingpong,cad+pingpong+balanced,local+sparse,cad+sparse,cad+sparse+readkv", "--warmup", "1",
+           "--steps", "1", "--ablation",
            "--trace", "ulysses,cad", "--out", str(tmp)]
     return tmp, background.run(cmd, timeout=300)
 
@@ -46,21 +47,21 @@ def test_bench_runs_every_strategy_and_writes_results(capsys):
     assert r.returncode == 0, r.stderr[-3000:]
     records = json.loads((tmp_path / "e2e.json").read_text())["records"]
     names = [rec["strategy"] for rec in records]
-    assert names == ["local", "ulysses", "cad", "cad+pingpong", "local+sparse", "cad+sparse", "cad+sparse+readkv",
-                     "cad+pingpong (1-element messages)"]
+    assert names == ["local", "ulysses", "cad", "cad+pingpong", "cad+pingpong+balanced", "local+sparse", "cad+sparse",
+                     "cad+sparse+readkv", "cad+pingpong (1-element messages)"]
     for rec in records:
         for key in ("strategy", "dist", "tokens_per_gpu", "step_time_s", "tokens_per_s", "speedup_vs_local",
                     "speedup_vs_local_total", "total_time_s", "plan_time_s",
                     "efficiency", "efficiency_with_recompute", "mfu", "imbalance_after", "bytes_sent_per_gpu", "peak_memory_bytes"):
             assert key in rec
-    assert all(rec["loss_ok"] for rec in records[:7])  # same batches, same initial weights
+    assert all(rec["loss_ok"] for rec in records[:8])  # same batches, same initial weights
     assert json.loads((tmp_path / "e2e.json").read_text())["meta"]["complete"]
     assert "Partial" not in (tmp_path / "e2e.md").read_text()
     _partial_results_are_written_quietly(tmp_path, records, capsys)
     for rec in records:  # keep_attention recomputes the linear parts: a longer ideal, never a shorter one
         assert rec["ideal_step_with_recompute_s"] > rec["ideal_step_s"] > 0
-    assert records[0]["attention_density"] is None and 0 < records[5]["attention_density"] <= 1
-    assert records[0]["sparse_imbalance_measured"] is None and records[5]["sparse_imbalance_measured"] >= 1
+    assert records[0]["attention_density"] is None and 0 < records[6]["attention_density"] <= 1
+    assert records[0]["sparse_imbalance_measured"] is None and records[6]["sparse_imbalance_measured"] >= 1
     for traced in ("ulysses", "cad"):  # each profiled extra step
         assert (tmp_path / f"trace-prolong-1K-{traced}.txt").read_text().strip()
         assert (tmp_path / f"trace-prolong-1K-{traced}.json.gz").stat().st_size > 0
@@ -259,6 +260,17 @@ def test_memory_breakdown_needs_cuda(monkeypatch):
     assert err.value.field == "--memory-breakdown"
 
 
+def bench_arguments(monkeypatch, world: int) -> argparse.ArgumentParser:
+    """`attnpool bench`'s parser, as rank 0 of ``world`` under torchrun would check its arguments."""
+    from attnpool.bench.e2e_options import add_arguments
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p
+
+
 def test_sparse_strategies_refused_before_any_run_on_a_gpu_older_than_hopper(monkeypatch):
     """Refused among the arguments: refused in the sparse strategy's own run, the results of the
     strategies before it would be lost."""
@@ -266,16 +278,12 @@ def test_sparse_strategies_refused_before_any_run_on_a_gpu_older_than_hopper(mon
     import torch
 
     from attnpool.bench.e2e import check_arguments
-    from attnpool.bench.e2e_options import add_arguments
     from attnpool.errors import ConfigError
 
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
+    p = bench_arguments(monkeypatch, 1)
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    p = argparse.ArgumentParser()
-    add_arguments(p)
     dense = p.parse_args(["--out", "x", "--strategies", "local,cad"])
     assert check_arguments(dense)[1] == ["local", "cad"]
     args = p.parse_args(["--out", "x", "--strategies", "local,cad+sparse"])
@@ -284,19 +292,31 @@ def test_sparse_strategies_refused_before_any_run_on_a_gpu_older_than_hopper(mon
     assert err.value.field == "--strategies" and err.value.value == "cad+sparse"
 
 
+def test_balanced_after_a_strategy_runs_it_over_the_balanced_layout_and_not_wlb(monkeypatch):
+    from attnpool.bench.e2e import check_arguments
+    from attnpool.bench.e2e_options import strategy_settings
+    from attnpool.errors import ConfigError
+
+    assert strategy_settings("cad+pingpong+balanced") == ("cad", True, None, "balanced")
+    assert strategy_settings("cad+sparse+balanced") == ("cad", False, "prefix", "balanced")
+    assert strategy_settings("local") == ("local", False, None, "linear")
+    assert strategy_settings("wlb+balanced") is None and strategy_settings("cad+balanced+pingpong") is None
+    p = bench_arguments(monkeypatch, 2)
+    with pytest.raises(ConfigError, match="each but wlb also with \\+balanced") as err:
+        check_arguments(p.parse_args(["--out", "x", "--device", "cpu", "--strategies", "local,wlb+balanced"]))
+    assert err.value.field == "--strategies" and "wlb+balanced" in str(err.value)
+
+
 def test_ulysses_refused_before_any_run_where_the_ranks_cannot_split_the_heads(monkeypatch, capsys):
     """3 ranks and Llama-3-8B's 32 query heads: named, ulysses is refused among the arguments; among the
     defaults it is left out, and the bench says why."""
     import pytest
 
     from attnpool.bench.e2e import check_arguments
-    from attnpool.bench.e2e_options import DEFAULT_STRATEGIES, add_arguments
+    from attnpool.bench.e2e_options import DEFAULT_STRATEGIES
     from attnpool.errors import ConfigError
 
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "3")
-    p = argparse.ArgumentParser()
-    add_arguments(p)
+    p = bench_arguments(monkeypatch, 3)
     with pytest.raises(ConfigError, match="3 ranks cannot split 32 query heads") as err:
         check_arguments(p.parse_args(["--out", "x", "--device", "cpu", "--strategies", "local,ulysses"]))
     assert err.value.field == "--strategies"

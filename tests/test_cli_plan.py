@@ -22,6 +22,17 @@ def test_plan_json_all_strategies(capsys):
     assert out["strategies"]["cad"]["imbalance_after"] <= 1.03
 
 
+def test_plan_over_the_balanced_layout_moves_fewer_bytes_from_the_same_before(capsys):
+    args = ["plan", "--servers", "2", "--tokens-per-server", "128K", "--strategy", "cad", "--json"]
+    assert main(args) == 0
+    linear = json.loads(capsys.readouterr().out)
+    assert main([*args, "--layout", "balanced"]) == 0
+    balanced = json.loads(capsys.readouterr().out)
+    assert balanced["batch"]["layout"] == "balanced"
+    assert balanced["strategies"]["cad"]["imbalance_before"] == linear["strategies"]["cad"]["imbalance_before"]
+    assert balanced["strategies"]["cad"]["bytes_moved"] < linear["strategies"]["cad"]["bytes_moved"] / 2
+
+
 def test_plan_table_and_plot(tmp_path, capsys):
     png = tmp_path / "loads.png"
     assert main(["plan", "--servers", "4", "--tokens-per-server", "32K", "--strategy", "all", "--plot", str(png)]) == 0

@@ -460,6 +460,21 @@ def test_one_part_of_a_link_given_keeps_the_profiles_measured_other():
         assert link.source.startswith("given: ") and ("otherwise measured" in link.source), link.source
 
 
+def test_balanced_layout_simulated_on_request_beside_the_linear_one():
+    """SimConfig(balanced=True): local and cad also over the balanced layout (equal tokens, whole documents placed to
+    even out attention first): local's imbalance falls at no byte, and cad moves fewer bytes to its balance."""
+    config = SimConfig(gpus=2, tp=1, gpus_per_node=2, tokens_per_gpu=32768, max_doc_len=8192, batches=3,
+                       strategies=("local", "cad"), balanced=True)
+    s = simulate_config(config)["strategies"]
+    assert {"local-balanced", "cad-balanced", "cad-balanced-serial"} <= set(s)
+    assert s["local-balanced"]["max_tokens_per_server"] == s["local"]["max_tokens_per_server"] == 32768
+    # (bytes: only a document split at a rank's end sends its prefix's KV, as under the linear layout)
+    assert s["local-balanced"]["bytes_moved"] <= s["local"]["bytes_moved"]
+    assert s["local-balanced"]["attention_max_over_mean"] < s["local"]["attention_max_over_mean"]
+    assert s["cad-balanced-serial"]["bytes_moved"] < s["cad-serial"]["bytes_moved"]
+    assert "local-balanced" not in simulate_config(replace(config, balanced=False))["strategies"]
+
+
 def test_percp_priced_as_attnpools_percp_plan_on_request_and_never_a_grid_baseline():
     """SimConfig(percp_plan=True): percp also as the plan attnpool bench's percp runs (the linear layout kept: its
     tokens stay, queries and KV prefixes travel), beside the analytic per-document CP; the grid's best baseline is

@@ -188,7 +188,8 @@ def _loss_and_grads(rank, world, strategies, global_tokens):
     """Per strategy: the loss and full gradients at the initial weights on each of the first two batches."""
     out = {}
     for strategy in strategies:
-        cfg = tiny_config("unused", attention=strategy, tokens_per_rank=global_tokens // world)
+        attention, _, layout = strategy.partition("/")
+        cfg = tiny_config("unused", attention=attention, layout=layout or "linear", tokens_per_rank=global_tokens // world)
         spec = resolve_run_spec(cfg, world, torch.device("cpu"))
         model = build_model(spec)
         stream = DocumentStream(stdlib_corpus(), world, cfg.data.tokens_per_rank, cfg.data.seed)
@@ -203,7 +204,8 @@ def _loss_and_grads(rank, world, strategies, global_tokens):
             grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
             model.zero_grad(set_to_none=True)
             steps.append((float(loss_sum) / batch.num_label_tokens, grads,
-                          np.bincount(step.plan.pieces.rank, minlength=world).tolist(), step.imbalance_planned))
+                          np.bincount(step.plan.pieces.rank, minlength=world).tolist(), step.imbalance_planned,
+                          step.plan.pieces.tokens_per_rank.tolist(), step.plan.pieces.doc.tolist()))
         out[strategy] = steps
     return out
 
@@ -230,9 +232,10 @@ def _agree_when_one_rank_fails(rank, world):
 def test_loss_and_gradients_do_not_depend_on_layout():
     global_tokens = 512
     single = run_distributed(_loss_and_grads, 1, ("local",), global_tokens)[0]["local"]
-    double = run_distributed(_loss_and_grads, 2, ("local", "wlb", "cad"), global_tokens)[0]
+    double = run_distributed(_loss_and_grads, 2, ("local", "wlb", "cad", "local/balanced", "cad/balanced"),
+                             global_tokens)[0]
     for strategy, steps in double.items():
-        for (loss, grads, _, _), (ref_loss, ref_grads, _, _) in zip(steps, single):
+        for (loss, grads, *_), (ref_loss, ref_grads, *_) in zip(steps, single):
             assert abs(loss - ref_loss) <= 1e-5 * ref_loss, strategy
             for name, g in ref_grads.items():
                 # A wrong normalisation (FSDP's average over ranks) would be off by 2x here.
@@ -240,6 +243,9 @@ def test_loss_and_gradients_do_not_depend_on_layout():
     # wlb really re-packed: its ranks hold different numbers of pieces or tokens than linear's split.
     assert any(s[2] != d[2] for s, d in zip(double["wlb"], double["local"])) or \
         any(s[3] != d[3] for s, d in zip(double["wlb"], double["local"]))
+    # the balanced layout kept linear's tokens per rank, and really placed documents elsewhere
+    assert all(s[4] == d[4] for s, d in zip(double["local/balanced"], double["local"]))
+    assert any(s[5] != d[5] for s, d in zip(double["local/balanced"], double["local"]))
 
 
 def test_a_problem_on_one_rank_is_raised_on_every_rank():
@@ -538,3 +544,12 @@ def test_a_config_file_with_a_key_given_twice_is_refused_naming_it(tmp_path):
     path.write_text("steps: [5\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(str(path))
+
+
+def test_layout_is_linear_or_balanced_and_wlb_keeps_its_own_packing():
+    for overrides, said in ((dict(layout="zigzag"), "choose one of linear, balanced"),
+                            (dict(attention="wlb", layout="balanced"), "wlb lays documents out by its own packing")):
+        with pytest.raises(ConfigError, match=said) as err:
+            tiny_config("unused", **overrides)
+        assert err.value.field == "layout"
+    assert tiny_config("unused", layout="balanced", pp=2).attention.layout == "balanced"  # equal tokens: stages may

@@ -39,7 +39,7 @@ from importlib import resources
 import torch
 import torch.distributed as dist
 
-from attnpool.bench.e2e_options import DEFAULT_STRATEGIES, STRATEGIES
+from attnpool.bench.e2e_options import BALANCED, DEFAULT_STRATEGIES, STRATEGIES, strategy_settings
 from attnpool.bench.memory import MemoryRecorder, breakdown_markdown
 from attnpool.comm import process_group
 from attnpool.comm.all_to_all import tiny_messages
@@ -98,7 +98,7 @@ def model_fields(args) -> dict:
 def relays_kv(name, args) -> bool:
     """Whether strategy ``name`` runs with the hierarchical exchange: --hierarchical-exchange, where its plans send
     KV rows (ulysses's run without it)."""
-    return args.hierarchical_exchange and STRATEGIES[name][0] in KV_EXCHANGING
+    return args.hierarchical_exchange and strategy_settings(name)[0] in KV_EXCHANGING
 
 
 def traced_strategies(args) -> list[str]:
@@ -107,7 +107,7 @@ def traced_strategies(args) -> list[str]:
 
 
 def run_one(name, dist_name, tokens, args, out_dir, trace=False):
-    attention, pingpong, kv_transfer = STRATEGIES[name]
+    attention, pingpong, kv_transfer, layout = strategy_settings(name)
     sparse = {}
     if kv_transfer is not None:
         sparse = sparse_options(args.sparse_args)
@@ -123,7 +123,7 @@ def run_one(name, dist_name, tokens, args, out_dir, trace=False):
         tokens_per_rank=tokens * args.tp, tp=args.tp, pp=args.pp, pp_schedule=args.pp_schedule,
         microbatches=args.microbatches, steps=args.warmup + args.steps + TRACE_STEPS,
         stop_at=None if trace else args.warmup + args.steps, warmup_steps=2, lr=1e-4, seed=0,
-        attention=attention, pingpong=pingpong, **sparse, hierarchical_exchange=relays_kv(name, args),
+        attention=attention, layout=layout, pingpong=pingpong, **sparse, hierarchical_exchange=relays_kv(name, args),
         activation_checkpointing=args.activation_checkpointing, activation_offload=args.activation_offload,
         precision="bf16", attention_backend=args.attention_backend,
         device=args.device, progress=False, checkpoint_every=-1, out=os.path.join(out_dir, f"{dist_name}-{tokens}-{name}"),
@@ -243,11 +243,12 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
             raise ConfigError("--configs", item, "tokens per GPU must be positive")
         configs.append((dist_name, tokens))
     strategies = args.strategies.split(",")
-    unknown = [s for s in strategies if s not in STRATEGIES]
+    unknown = [s for s in strategies if strategy_settings(s) is None]
     if unknown:
-        raise ConfigError("--strategies", ",".join(unknown), f"unknown; choose from {', '.join(STRATEGIES)}")
+        raise ConfigError("--strategies", ",".join(unknown),
+                          f"unknown; choose from {', '.join(STRATEGIES)}, each but wlb also with {BALANCED} after it")
     TrainConfig(**sparse_options(args.sparse_args))  # refuses bad sparse options before any process group
-    sparse = [s for s in strategies if STRATEGIES[s][2] is not None]
+    sparse = [s for s in strategies if strategy_settings(s)[2] is not None]
     if sparse and args.device == "cuda":  # here, not in the sparse strategy's run: that would lose the ones before
         problem = sparse_device_problem(int(os.environ.get("LOCAL_RANK", 0)))
         if problem is not None:
@@ -263,12 +264,13 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
     if args.steps < 1 or args.warmup < 0 or args.layers < 1:
         raise ConfigError("--steps/--warmup/--layers", (args.steps, args.warmup, args.layers),
                           "need at least 1 measured step, 0 or more warm-up steps and 1 or more layers")
-    if "ulysses" in strategies:  # here, not in its run: that would lose the strategies after it
+    head_parallel = [s for s in strategies if strategy_settings(s)[0] == "ulysses"]
+    if head_parallel:  # here, not in its run: that would lose the strategies after it
         cfg = model_config(args.model, **model_fields(args))
         dp = int(os.environ["WORLD_SIZE"]) // (args.tp * args.pp)
         problem = ulysses_problem(dp, cfg.n_heads // args.tp, cfg.n_kv_heads // args.tp)
         if problem and args.strategies != ",".join(DEFAULT_STRATEGIES):
-            raise ConfigError("--strategies", "ulysses", problem)
+            raise ConfigError("--strategies", ",".join(head_parallel), problem)
         if problem:  # among the defaults: left out, and said
             strategies.remove("ulysses")
             if int(os.environ["RANK"]) == 0:
@@ -416,7 +418,7 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
             # The median hides the few batches with a long document, where balancing matters most.
             r["speedup_vs_local_total"] = local["total_time_s"] / r["total_time_s"] if local else None
             # Sparse training computes another function: its losses are checked against sparse local.
-            sparse = STRATEGIES.get(r["strategy"], (None, None, None))[2] is not None
+            sparse = (strategy_settings(r["strategy"]) or (None, None, None))[2] is not None
             same = next((x for x in recs if x["strategy"] == "local+sparse"), None) if sparse else local
             if same and "1-element" not in r["strategy"]:
                 n = min(5, len(r["losses"]), len(same["losses"]))

@@ -21,6 +21,15 @@ STRATEGIES = {  # name -> (attention, pingpong, vertical-slash sparse attention:
     "cad+sparse+readkv": ("cad", False, "read"),  # servers receive only the KV their patterns read
 }
 DEFAULT_STRATEGIES = ("local", "wlb", "percp", "ulysses", "cad", "cad+pingpong")
+BALANCED = "+balanced"  # after any strategy but wlb: laid out by attnpool train's layout balanced
+
+
+def strategy_settings(name: str) -> tuple[str, bool, str | None, str] | None:
+    """A benchmark strategy's (attention, pingpong, sparse kv_transfer or None, layout); None for an unknown name."""
+    base = name.removesuffix(BALANCED)
+    if base not in STRATEGIES or (base != name and STRATEGIES[base][0] == "wlb"):
+        return None
+    return (*STRATEGIES[base], "balanced" if base != name else "linear")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="dist:tokens_per_gpu pairs, comma-separated (pretrain is elongated to the global batch)")
     p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
                    help=f"comma-separated, from {', '.join(STRATEGIES)} (the +sparse ones train with "
-                        "--sparse vertical-slash at the default coverage; +readkv with kv_transfer=read)")
+                        "--sparse vertical-slash at the default coverage; +readkv with kv_transfer=read), each "
+                        f"but wlb also with {BALANCED} after it (layout balanced)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10, help="measured steps")
     p.add_argument("--ablation", action="store_true", help="also cad+pingpong (plain cad where --pp is above 1) with one-element messages: what the exchange's bytes cost")

@@ -11,7 +11,7 @@ import sys
 from attnpool.cli.common import parse_size
 from attnpool.data.lengths import DISTRIBUTIONS, SamplingOptions, sample_batches
 from attnpool.errors import ConfigError
-from attnpool.plan import STRATEGIES, AttentionShape, linear_table, load_cost_model, plan_attention, wlb_table
+from attnpool.plan import LAYOUTS, STRATEGIES, AttentionShape, layout_table, linear_table, load_cost_model, plan_attention
 from attnpool.plan.plan import Topology, inter_node_bytes
 from attnpool.plan.ulysses import ulysses_problem
 from attnpool.plan.metrics import PlanMetrics, home_loads, imbalance
@@ -32,6 +32,10 @@ def add_parser(sub) -> None:
     p.add_argument("--min-shard", type=parse_size, default=None, help="smallest query shard a scheduler may cut (default from the cost table: 512)")
     p.add_argument("--cost-model", default="table", help="'table' (measured H200 default), 'pairs', or a cost-table JSON file")
     p.add_argument("--memory-cap", type=float, default=1.1, help="wlb: tokens per server may reach this multiple of the budget (default 1.1)")
+    p.add_argument("--layout", default="linear", choices=LAYOUTS,
+                   help="which server holds which documents before planning (attnpool train's layout): linear, poured "
+                        "in order, or balanced, equal tokens with whole documents placed to even out attention first "
+                        "(wlb packs by its own --memory-cap) (default linear)")
     p.add_argument("--no-upsample", action="store_true", help="draw documents plainly instead of the paper's long-document up-sampling")
     p.add_argument("--elongate", type=float, default=1.0, help="multiply every document length by this factor (paper: context / 64K)")
     p.add_argument("--max-doc-len", type=parse_size, default=None, help="cut longer documents into pieces of this length")
@@ -90,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     linear = linear_table(doc_lens, args.servers, args.tokens_per_server)
     results = {}
     for strategy in strategies:
-        table = wlb_table(doc_lens, args.servers, args.tokens_per_server, args.memory_cap) if strategy == "wlb" else linear
+        table = layout_table(args.layout, doc_lens, args.servers, args.tokens_per_server, strategy, args.memory_cap)
         plan = plan_attention(table, strategy, cost_model=cost_model, min_shard_tokens=args.min_shard, eps=args.eps,
                               shape=shape, window=args.window, topology=topology)
         metrics = PlanMetrics.of(plan, cost_model, shape,
@@ -98,12 +102,12 @@ def run(args: argparse.Namespace) -> int:
         if topology is not None:  # (ulysses sends every token's Q, KV and O across all ranks, not as tasks)
             metrics.inter_node_bytes = (None if strategy == "ulysses" else
                                         int(inter_node_bytes(plan, topology.rank_node, shape, args.hierarchical_exchange)))
-        if strategy == "wlb":  # "before" is the linear layout served locally, as for the others
+        if strategy == "wlb" or args.layout != "linear":  # "before" is the linear layout served locally, as for all
             before = home_loads(linear, cost_model, args.window)
             metrics.load_before, metrics.imbalance_before = before.tolist(), imbalance(before)
         results[strategy] = metrics
     batch = {"dist": args.dist, "servers": args.servers, "tp": args.tp, "tokens_per_server": args.tokens_per_server,
-             "seed": args.seed,
+             "seed": args.seed, "layout": args.layout,
              "num_docs": len(doc_lens), "max_doc_len": max(doc_lens), "cost_model": getattr(cost_model, "name", ""),
              "eps": args.eps, "window": args.window, "ranks_per_node": args.ranks_per_node or None,
              "hierarchical_exchange": args.hierarchical_exchange}
@@ -129,6 +133,8 @@ def print_table(batch: dict, results: dict[str, PlanMetrics]) -> None:
     window = "" if batch.get("window") is None else f", window {batch['window']}"
     if batch.get("ranks_per_node"):
         window += f", {batch['ranks_per_node']} GPUs a node" + (", hierarchical" if batch["hierarchical_exchange"] else "")
+    if batch.get("layout", "linear") != "linear":
+        window += f", layout {batch['layout']} (before: linear)"
     title = (f"{batch['dist']}: {servers} x {batch['tokens_per_server']} tokens, "
              f"{batch['num_docs']} documents (longest {batch['max_doc_len']}), seed {batch['seed']}{window}")
     table = Table(title=title)

@@ -68,6 +68,9 @@ def add_parser(sub) -> None:
     p.add_argument("--cp", type=_list(int, "CP degrees"), default=None,
                    help="CP degrees for percp / WLB-ideal (default every divisor of the number of servers)")
     p.add_argument("--memory-cap", type=float, default=1.1, help="WLB-LLM token cap relative to the budget (default 1.1)")
+    p.add_argument("--balanced-layout", action="store_true",
+                   help="also local and cad over attnpool train's layout balanced (equal tokens, whole documents placed "
+                        "to even out attention first): local-balanced, cad-balanced, cad-balanced-serial")
     p.add_argument("--elongate", default="auto", help="length multiplier; 'auto' = max-doc-len / 64K for pretrain, 1 otherwise (paper)")
     p.add_argument("--no-upsample", action="store_true", help="draw documents plainly instead of the paper's long-document up-sampling")
     p.add_argument("--batch-file", help="JSON list of batches (lists of document lengths) instead of sampling")
@@ -131,6 +134,7 @@ def _base(args) -> SimConfig:
                      batches=args.batches, seed=args.seed, eps=args.eps, strategies=tuple(dict.fromkeys(args.strategies)),
                      memory_cap=args.memory_cap, elongate=elongate, upsample=not args.no_upsample,
                      cp_degrees=tuple(args.cp) if args.cp else None, hierarchical=args.hierarchical_exchange,
+                     balanced=args.balanced_layout,
                      model=(args.model or ["llama3-8b"])[0], dist=(args.dist or ["prolong"])[0],
                      max_doc_len=(args.max_doc_len or [parse_size("512K")])[0], gpus=(args.gpus or [64])[0])
 

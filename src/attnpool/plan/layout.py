@@ -8,6 +8,14 @@
   a memory cap, so attention work evens out while token counts may differ by up
   to the cap; a document that fits nowhere is split over the ranks with the
   most room.
+- :func:`balanced_table`: the same packing with no room beyond the budget, so
+  every rank keeps equal tokens (as linear's) while whole documents already even
+  out attention work. Which rank holds a document is free: its tokens are read
+  there in any case, so the balance it gives costs no byte, and ``cad`` has less
+  to move: on 2-4 ranks of the benchmark's ProLong batches 1.3-53x fewer bytes in
+  most steps (its greedy moves can also cost more from a balanced start), about
+  as many on 8-16 ranks, whose longest documents must be split anyway
+  (bench/results/2026-11-29-cpu-balanced-layout.md).
 
 Ping-pong splits a batch into nano-batches of whole documents first (:func:`nano_batch_bounds`), each then laid
 out over every rank.
@@ -151,6 +159,13 @@ def wlb_table(doc_lens: Sequence[int], num_ranks: int, tokens_per_rank: int | No
     return PieceTable.from_arrays(num_ranks, lens, rank, doc, start, length)
 
 
+def balanced_table(doc_lens: Sequence[int], num_ranks: int, tokens_per_rank: int | None = None) -> PieceTable:
+    """Equal tokens per rank (as :func:`linear_table`), documents placed as :func:`wlb_table` places them (longest
+    first, to the rank with the least causal pairs that has room), a document that fits nowhere whole split over
+    the ranks with the most room."""
+    return wlb_table(doc_lens, num_ranks, tokens_per_rank, memory_cap=1.0)
+
+
 def linear_layout(doc_lens: Sequence[int], num_ranks: int, tokens_per_rank: int | None = None) -> list[list[DocPiece]]:
     return linear_table(doc_lens, num_ranks, tokens_per_rank).to_pieces()
 
@@ -160,7 +175,17 @@ def wlb_layout(doc_lens: Sequence[int], num_ranks: int, tokens_per_rank: int | N
     return wlb_table(doc_lens, num_ranks, tokens_per_rank, memory_cap).to_pieces()
 
 
-LAYOUTS = {"linear": linear_table, "wlb": wlb_table}
+LAYOUTS = ("linear", "balanced")  # the layouts a strategy may be planned over (wlb's own packing is the wlb strategy)
+
+
+def layout_table(layout: str, doc_lens: Sequence[int], num_ranks: int, tokens_per_rank: int | None = None,
+                 strategy: str = "local", memory_cap: float = 1.1) -> PieceTable:
+    """The batch laid out for ``strategy``: wlb's packing under ``memory_cap`` for ``wlb``, else ``layout``."""
+    if strategy == "wlb":
+        return wlb_table(doc_lens, num_ranks, tokens_per_rank, memory_cap)
+    if layout not in LAYOUTS:
+        raise ConfigError("layout", layout, f"unknown; choose one of {', '.join(LAYOUTS)}")
+    return (balanced_table if layout == "balanced" else linear_table)(doc_lens, num_ranks, tokens_per_rank)
 
 
 def pad_ranks(table: PieceTable, multiple: int) -> PieceTable:

@@ -15,6 +15,9 @@ For each batch of ``gpus x tokens_per_gpu`` tokens drawn with the paper's recipe
   (two nano-batches of whole documents, each laid out and planned on its own, interleaved:
   :meth:`StepModel.nano_step`); ``cad-serial`` is the whole batch's plan without overlap. The planner knows the
   nodes: a byte between them costs it the intra/inter bandwidth ratio.
+- With ``SimConfig.balanced``: ``local-balanced``, ``cad-balanced`` and ``cad-balanced-serial``, the same over the
+  balanced layout (attnpool train's ``layout: balanced``: equal tokens, whole documents placed to even out attention
+  work first).
 - WLB-ideal: the best of ``wlb`` and every ``percp-cp{c}`` by total step time
   over the batches (one DP x CP for the whole run, as the paper sweeps it).
 - Best baseline: the best of those and every ``ulysses-u{u}``.
@@ -35,7 +38,7 @@ from attnpool.errors import ConfigError
 from attnpool.model.config import model_config
 from attnpool.plan.api import plan_attention
 from attnpool.sim.costs import SimCosts, load_sim_costs
-from attnpool.plan.layout import linear_table, nano_batch_bounds, wlb_pieces, wlb_table
+from attnpool.plan.layout import balanced_table, linear_table, nano_batch_bounds, wlb_pieces, wlb_table
 from attnpool.plan.plan import Topology
 from attnpool.plan.ulysses import ulysses_problem
 from attnpool.sim.steptime import Cluster, StepModel, StepTime
@@ -83,6 +86,9 @@ class SimConfig:
     # the simulated cluster would make it worth); a run's, plan.plan.INTER_NODE_BYTE_COST (attnpool train plans with
     # it whatever the network), to price the plans a run made
     inter_node_byte_cost: float | None = None
+    # local and cad also over the balanced layout (attnpool train's layout balanced: equal tokens, whole documents
+    # placed to even out attention first), as "local-balanced", "cad-balanced" (ping-pong) and "cad-balanced-serial"
+    balanced: bool = False
 
     def model_config(self):
         fields = {"n_layers": self.layers} if self.layers is not None else {}
@@ -242,17 +248,24 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
         if "ulysses" in want:
             for u in ulysses_degrees:
                 add(model.ulysses_step(wlb_pieces(lens, S // u, u * B, config.memory_cap), u))
+        if config.balanced and "local" in want:
+            add(model.plan_step(plan(balanced_table(lens, S, B), "local"), overlap=False, name="local-balanced"))
         if "cad" in want:
             # ping-pong as the runtime runs it: nano-batches of whole documents, each laid out and planned alone
             # (the runtime also pads a nano-batch's ranks to a multiple of tp: at most tp - 1 tokens, left out)
-            nanos = [linear_table(lens[d0:d1], S, -(-sum(lens[d0:d1]) // S)) for d0, d1 in nano_batch_bounds(lens, 2)]
+            bounds = nano_batch_bounds(lens, 2)
 
-            def cad_step(name, eps, topology, **kw):
+            def cad_step(name, eps, topology, layout=linear_table, **kw):
+                nanos = [layout(lens[d0:d1], S, -(-sum(lens[d0:d1]) // S)) for d0, d1 in bounds]
                 return model.nano_step([plan(t, "cad", eps=eps, topology=topology) for t in nanos], name=name, **kw)
 
             pingpong = cad_step("cad", config.eps, topology)
             add(pingpong)
             add(model.plan_step(plan(lin, "cad", eps=config.eps, topology=topology), overlap=False, name="cad-serial"))
+            if config.balanced:
+                add(cad_step("cad-balanced", config.eps, topology, layout=balanced_table))
+                add(model.plan_step(plan(balanced_table(lens, S, B), "cad", eps=config.eps, topology=topology),
+                                    overlap=False, name="cad-balanced-serial"))
             if config.hierarchical:  # planned for it: cad prices the KV a relay forwards inside its node
                 relays = replace(topology, relays=True)
                 add(cad_step("cad-hierarchical", config.eps, relays, hierarchical=True))

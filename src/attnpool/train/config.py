@@ -5,7 +5,7 @@ A run's settings are ten sections, each a frozen dataclass that checks its own v
     model       model, model_impl, model_args, precision, compile, float8, float8_recipe, float8_all_gather,
                 loss_kernel
     data        data, data_path, data_args, tokenizer, tokens_per_rank, max_doc_len, seed
-    attention   attention, cost_model, min_shard, eps, memory_cap, attention_backend, pingpong
+    attention   attention, layout, cost_model, min_shard, eps, memory_cap, attention_backend, pingpong
     sparse      sparse, sparse_coverage, sparse_min_doc_len, dense_layers, sparse_args
     optim       steps, lr, min_lr_ratio, warmup_steps, weight_decay, beta1, beta2, grad_clip
     parallel    tp, pp, pp_schedule, microbatches, ranks_per_node, hierarchical_exchange

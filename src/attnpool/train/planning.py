@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnpool.data import GlobalBatch
-from attnpool.plan import PieceTable, linear_table, pad_ranks, plan_attention, wlb_table
+from attnpool.plan import PieceTable, layout_table, linear_table, pad_ranks, plan_attention
 from attnpool.plan.metrics import home_loads, imbalance, server_loads
 from attnpool.plan.plan import Plan
 from attnpool.plan.stages import POOLED, pooled_table, schedule_stage_layers, slot_presence, ticks
@@ -36,7 +36,7 @@ class StepPlan:
 
 def plan_batch(batch: GlobalBatch, spec: RunSpec, sparse_prior: SparsePrior | None = None,
                strategy: str | None = None) -> StepPlan:
-    """Lay out the batch over the dp ranks (linear, or wlb's re-packing) and plan its core attention for the
+    """Lay out the batch over the dp ranks (the run's layout, or wlb's re-packing) and plan its core attention for the
     run's strategy (or ``strategy``: "local" where only the layout is wanted, as a pooled pipeline plans its ticks
     itself).
 
@@ -45,7 +45,7 @@ def plan_batch(batch: GlobalBatch, spec: RunSpec, sparse_prior: SparsePrior | No
     (plan.layout.pad_ranks), which the returned ``batch`` holds."""
     a, dp = spec.config.attention, spec.dims.dp
     linear = linear_table(batch.doc_lens, dp, batch.tokens_per_rank)
-    table = wlb_table(batch.doc_lens, dp, batch.tokens_per_rank, a.memory_cap) if a.strategy == "wlb" else linear
+    table = layout_table(a.layout, batch.doc_lens, dp, batch.tokens_per_rank, a.strategy, a.memory_cap)
     if spec.tokens_multiple > 1:
         table = pad_ranks(table, spec.tokens_multiple)
         batch = batch.padded(table.doc_len[batch.num_docs:])

@@ -13,7 +13,7 @@ from attnpool.model.float8_options import RECIPES as FLOAT8_RECIPES
 from attnpool.model.loss_kernels import LOSS_KERNELS
 from attnpool.model.hf_config import OWN_MODEL_TYPES
 from attnpool.model.spec import HF_PREFIX, MODEL_IMPLS
-from attnpool.plan import STRATEGIES
+from attnpool.plan import LAYOUTS, STRATEGIES
 from attnpool.sizes import parse_size
 from attnpool.sparse import SparseConfig
 
@@ -143,6 +143,10 @@ class DataSection(Section):
 class AttentionSection(Section):
     TITLE = "attention"
     strategy: str = _setting("attention", f"core attention strategy: {', '.join(STRATEGIES)}", default="cad")
+    layout: str = _setting("layout", "which dp rank holds which documents of a step, before core attention is planned: "
+                                     "linear (poured in order, as DistCA) or balanced (equal tokens too, whole "
+                                     "documents placed to even out attention work first, so that cad moves less; "
+                                     "wlb packs by its own memory_cap)", default="linear")
     cost_model: str = _setting("cost_model", "attention cost model: table (measured H200), pairs, or a cost-table JSON",
                                default="table")
     min_shard: int | None = _setting("min_shard", "smallest query shard a scheduler may cut (default: from the cost "
@@ -160,6 +164,11 @@ class AttentionSection(Section):
     def check(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ConfigError("attention", self.strategy, f"unknown strategy; choose one of {', '.join(STRATEGIES)}")
+        if self.layout not in LAYOUTS:
+            raise ConfigError("layout", self.layout, f"unknown layout; choose one of {', '.join(LAYOUTS)}")
+        if self.strategy == "wlb" and self.layout != "linear":
+            raise ConfigError("layout", self.layout, "wlb lays documents out by its own packing (memory_cap); the "
+                                                     "layout is for the other strategies")
         if self.min_shard is not None:
             _at_least("min_shard", self.min_shard, 1)
         if not 0.0 <= self.eps < 1.0:

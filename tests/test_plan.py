@@ -134,11 +134,12 @@ def test_fast_layouts_equal_the_simple_reference():
 
 def test_balanced_layout_keeps_linears_tokens_and_evens_out_attention_before_cad_moves_any():
     """layout balanced: every rank the tokens linear gives it, whole documents placed to even out causal pairs first,
-    so that cad reaches its balance moving fewer bytes in most batches (on the benchmark's ProLong batches over 2 ranks:
-    1.9-53x in 5 of 6 steps)."""
+    so that cad reaches its balance moving fewer bytes in most batches (the benchmark's ProLong batches over 2 ranks:
+    2.0-53x fewer in each of 4 steps; one document long enough to place whole on a rank can make it worse, as in one
+    step over 4 ranks: bench/results/2026-11-29-cpu-balanced-layout.md)."""
     rng = np.random.default_rng(1)
     shape = AttentionShape(32, 8, 128, 2)
-    fewer = 0
+    evener = fewer = 0
     for trial in range(20):
         W = int(rng.integers(2, 5))
         lens = rng.integers(200, 6000, size=int(rng.integers(W, 40)))
@@ -153,10 +154,12 @@ def test_balanced_layout_keeps_linears_tokens_and_evens_out_attention_before_cad
         plans = [plan_attention(t, "cad", cost_model="pairs", min_shard_tokens=64, shape=shape) for t in (linear, balanced)]
         for plan in plans:
             check_plan(plan, 64)
-        before = [PlanMetrics.of(p, PairsCost(), shape) for p in plans]
-        assert before[1].imbalance_before <= before[0].imbalance_before + 1e-9, trial
-        fewer += before[1].bytes_moved < before[0].bytes_moved
-    assert fewer >= 15, fewer  # (a cut that the linear layout happens to balance can need a move the balanced one does not)
+        linear_m, balanced_m = (PlanMetrics.of(p, PairsCost(), shape) for p in plans)
+        evener += balanced_m.imbalance_before < linear_m.imbalance_before
+        fewer += balanced_m.bytes_moved < linear_m.bytes_moved
+    # (most, not all: the linear layout's cuts can happen to balance a batch, and cad's greedy moves can cost more from
+    # a better start)
+    assert evener >= 18 and fewer >= 15, (evener, fewer)
     with pytest.raises(ConfigError, match="layout"):
         layout_table("zigzag", [5], 1)
 

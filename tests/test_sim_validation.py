@@ -70,6 +70,6 @@ def test_predictions_for_two_nodes_with_the_hierarchical_exchange(validation, tm
     (written,) = tmp_path.glob("*-sim-predictions-4gpu-tp-check.json")
     rows = {r["strategy"]: r for r in json.loads(written.read_text())["rows"]}
     assert set(rows) == {"local", "wlb", "percp", "ulysses", "cad", "cad+pingpong", "cad (hierarchical)",
-                         "cad+pingpong (hierarchical)"}
+                         "cad+pingpong (hierarchical)", "local+balanced", "cad+balanced", "cad+pingpong+balanced"}
     assert all(len(r["predicted_s"]) == 2 and r["predicted_total_s"] > 0 for r in rows.values())
     assert "nodes of 2 GPUs, 5.5 GiB/s per GPU between nodes (one fabric the GPUs share" in next(tmp_path.glob("*-check.md")).read_text()

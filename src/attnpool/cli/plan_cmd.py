@@ -134,7 +134,7 @@ def print_table(batch: dict, results: dict[str, PlanMetrics]) -> None:
     if batch.get("ranks_per_node"):
         window += f", {batch['ranks_per_node']} GPUs a node" + (", hierarchical" if batch["hierarchical_exchange"] else "")
     if batch.get("layout", "linear") != "linear":
-        window += f", layout {batch['layout']} (before: linear)"
+        window += f", layout {batch['layout']} (wlb: its own packing; before: linear)"
     title = (f"{batch['dist']}: {servers} x {batch['tokens_per_server']} tokens, "
              f"{batch['num_docs']} documents (longest {batch['max_doc_len']}), seed {batch['seed']}{window}")
     table = Table(title=title)

@@ -13,7 +13,7 @@ stage's dp ranks); the schedule passes the micro-batch's index with its inputs, 
 micro-batch's core attention. The last stage returns its micro-batch's summed token loss times the step's
 ``loss_scale`` (one over the step's label tokens), so the summed gradients are those of the mean loss
 over every token of the step. Pipeline stages exchange fixed shapes: every dp rank must hold the same
-number of tokens in every micro-batch (the linear layout; not wlb, not ping-pong's halves).
+number of tokens in every micro-batch (the linear or the balanced layout; not wlb, not ping-pong's halves).
 """
 
 from __future__ import annotations

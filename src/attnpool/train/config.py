@@ -58,7 +58,7 @@ KEYS = {key: (section, name) for section, cls in SECTIONS.items() for key, name 
 FIELDS = {f.metadata["key"]: f for cls in SECTIONS.values() for f in fields(cls)}
 # What the run computes: a resume that changes one of these asks for allow_config_change. The rest may
 # change freely: attention strategy, kernels and memory settings compute the same function, and a
-# resume on another layout (nproc, tp, pp) is what DCP's resharding is for (another dp changes the
+# resume on another parallel layout (nproc, tp, pp) is what DCP's resharding is for (another dp changes the
 # global batch from there on, as any resume on more or fewer data-parallel ranks does).
 RUN_FIELDS = ("model", "model_impl", "model_args", "data", "data_path", "data_args", "tokenizer", "tokens_per_rank", "max_doc_len",
               "seed", "sparse", "sparse_coverage", "sparse_min_doc_len", "dense_layers", "sparse_args", "steps", "lr",

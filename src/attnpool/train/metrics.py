@@ -415,7 +415,8 @@ def print_summary(summary: dict, files: list[str]) -> None:
               f"{s['world']} ranks (dp {s['dp']} x tp {s['tp']}), {s['dp']} dp ranks x" if s.get("tp", 1) > 1
               else f"{s['world']} ranks x")
     console.print(f"[bold]attnpool train[/]: {s['model']} ({s['params'] / 1e6:.2f}M params), {layout} "
-                  f"{s['tokens_per_rank']} tokens, {s['strategy']} attention", highlight=False)
+                  f"{s['tokens_per_rank']} tokens, {s['strategy']} attention"
+                  + (f" over the {s['layout']} layout" if s.get("layout", "linear") != "linear" else ""), highlight=False)
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold")
     table.add_column()

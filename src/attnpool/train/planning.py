@@ -85,29 +85,32 @@ def plan_microbatch(batch: GlobalBatch, spec: RunSpec, sparse_prior: SparsePrior
     return [plan_batch(nano, spec, sparse_prior, strategy) for nano in nanos]
 
 
-def plan_pooled_ticks(tables: list[PieceTable], spec: RunSpec) -> list[list[StepPlan | None]]:
+def plan_pooled_ticks(tables: list[PieceTable], spec: RunSpec,
+                      linear_tables: list[PieceTable] | None = None) -> list[list[StepPlan | None]]:
     """Every tick's plans of a pooled pipeline step (attnpool.parallel.pooled_pipeline) over all stages' dp
     ranks, per layer slot: one plan for each set of stages with a layer in the slot (plan.stages.slot_presence;
     slots of the same set share it), None where no stage has tokens in it. Loads are divided by the model's
     layers: each micro-batch's tokens are in as many slots as it has layers, so the slots' summed loads are the
-    step's attention work per layer, as a step's plans count it without pooling."""
+    step's attention work per layer, as a step's plans count it without pooling. ``linear_tables``: the
+    micro-batches' linear layouts, whose loads at home are the "before" of every layout (default ``tables``)."""
     stages, layers = spec.dims.pp, spec.model.config.n_layers
     presence = slot_presence([len(r) for r in schedule_stage_layers(spec.model.config, POOLED, stages)])
     out = []
     for tick in range(ticks(len(tables), stages)):
-        by_presence = {present: _pooled_plan(pooled_table(tables, tick, stages, present), spec, layers)
+        by_presence = {present: _pooled_plan(pooled_table(tables, tick, stages, present), spec, layers,
+                                             pooled_table(linear_tables or tables, tick, stages, present))
                        for present in set(presence)}
         out.append([by_presence[present] for present in presence])
     return out
 
 
-def _pooled_plan(table: PieceTable | None, spec: RunSpec, layers: int) -> StepPlan | None:
+def _pooled_plan(table: PieceTable | None, spec: RunSpec, layers: int, linear: PieceTable | None) -> StepPlan | None:
     if table is None:
         return None
     a = spec.config.attention
     plan = plan_attention(table, a.strategy, cost_model=spec.cost_model, min_shard_tokens=a.min_shard, eps=a.eps,
                           shape=spec.attention_shape)
-    local, planned = home_loads(table, spec.cost_model) / layers, server_loads(plan, spec.cost_model) / layers
+    local, planned = home_loads(linear, spec.cost_model) / layers, server_loads(plan, spec.cost_model) / layers
     return StepPlan(plan, None, local.tolist(), planned.tolist(), imbalance(local), imbalance(planned))
 
 

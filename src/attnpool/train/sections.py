@@ -372,8 +372,9 @@ class RunSection(Section):
     logger: str = _setting("logger", f"also send every step's metrics to: {', '.join(LOGGERS)} (rank 0; wandb follows "
                                      "WANDB_MODE, WANDB_PROJECT)", default="none")
     deterministic: bool = _setting("deterministic", "the same run gives the same losses bit for bit (on the same GPUs, "
-                                                   "software and layout): torch's deterministic algorithms, FlashAttention's "
-                                                   "deterministic backward, cuBLAS's fixed workspace; slower",
+                                                   "software and parallel layout): torch's deterministic algorithms, "
+                                                   "FlashAttention's deterministic backward, cuBLAS's fixed workspace; "
+                                                   "slower",
                                    default=False)
 
     def check(self) -> None:

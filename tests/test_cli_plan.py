@@ -162,3 +162,15 @@ def test_boolean_flags_take_the_values_a_yaml_config_writes():
         assert config_from_args(parser.parse_args(argv)).run.progress is want, argv
     with pytest.raises(argparse.ArgumentError, match="takes true or false"):
         parser.parse_args(["--progress", "maybe"])
+
+
+def test_output_cut_short_by_its_reader_ends_without_a_traceback():
+    """`attnpool plan --json | head`: the reader goes away (here before anything is written: `true` reads nothing);
+    exit code 1, nothing on stderr."""
+    import subprocess
+    import sys
+
+    pipe = subprocess.run(f"{sys.executable} -m attnpool.cli.main plan --servers 8 --tokens-per-server 64K --json | true; "
+                          "echo ${PIPESTATUS[0]}", shell=True, executable="/bin/bash", capture_output=True, text=True,
+                          timeout=120)
+    assert pipe.stdout == "1\n" and pipe.stderr == "", pipe.stderr

@@ -283,10 +283,25 @@ def test_memory_sizes_parse_and_bad_ones_are_refused():
     assert parse_memory_size("gpu_memory", "139.8GiB") == int(139.8 * 2**30)
     assert parse_memory_size("gpu_memory", "80G") == 80 * 2**30
     assert parse_memory_size("gpu_memory", "81559MiB") == 81559 * 2**20
-    assert parse_memory_size("gpu_memory", "1000") == 1000
-    for bad in ("lots", "12XB", "-3GB", "0", "nanGB"):
+    assert parse_memory_size("gpu_memory", str(80 << 30)) == 80 << 30  # plain bytes
+    for bad in ("lots", "12XB", "-3GB", "0", "nanGB", "80", "128 b"):  # (80 and 128 without a unit: bytes, surely not)
         with pytest.raises(ConfigError, match="gpu_memory"):
             parse_memory_size("gpu_memory", bad)
+
+
+def test_a_smaller_models_calibrated_residual_is_in_proportion_to_what_its_layers_keep():
+    """The calibration was fitted on Llama-3-8B's widths: the 8B and larger models take its residual whole, a smaller
+    one in proportion, so a tiny model's estimate stays above zero and has a largest token count (it had neither:
+    at 16M tokens -54,564 MiB, and 2^41 tokens "fit" 79 GiB)."""
+    from attnpool.train.memory import residual_share
+
+    eight_b = MemoryInputs(model_config("llama3-8b", n_layers=4), 64 * 1024, "none")
+    assert residual_share(eight_b, "none") == residual_share(eight_b, "full") == 1.0
+    assert residual_share(replace(eight_b, model=model_config("llama-34b", n_layers=2)), "none") == 1.0
+    tiny = MemoryInputs(model_config("tiny"), 16 << 20, "none")
+    assert 0 < residual_share(tiny, "none") < 0.05
+    assert estimate(tiny).allocated_bytes > 0
+    assert 0 < largest_tokens(replace(tiny, tokens_per_rank=2048), Capacity(79 << 30, "a 79 GiB GPU")) < 1 << 30
 
 
 def test_calibration_loads_and_a_foreign_file_is_refused(tmp_path):
@@ -361,10 +376,24 @@ def test_memory_command_predicts_a_cpu_run_for_the_cpu(capsys):
     assert main(["memory", "--config", "configs/demo-cpu.yaml", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["device"] == "this machine's memory for each of its 4 ranks" and data["fits"] is True
-    assert data["calibration"] == Calibration.none().source
+    assert data["calibration"] == Calibration.cpu().source
     assert {(s["activation_offload"], s["optimizer_offload"]) for s in data["settings"]} == {(False, False)}
     assert main(["memory", "--config", "configs/demo-cpu.yaml", "--gpu-memory", "80GB"]) == 2
     assert "gpu_memory='80GB': the config runs on the CPU" in capsys.readouterr().err
+
+
+def test_a_cpu_rank_counts_its_process_and_too_many_ranks_are_refused(monkeypatch, capsys):
+    """Each CPU rank holds its process's own memory besides the model's (Python, torch, gloo: about 400 MiB), and
+    the ranks share this machine's: 64 ranks of 16 GiB are refused, naming nproc and saying to start fewer."""
+    import attnpool.train.memory_check as memory_check
+    from attnpool.cli.main import main
+
+    monkeypatch.setattr(memory_check, "host_memory_bytes", lambda: 16 << 30)
+    assert main(["memory", "--config", "configs/demo-cpu.yaml", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["breakdown"]["process (Python, torch, gloo)"] == 400 << 20
+    assert main(["memory", "--config", "configs/demo-cpu.yaml", "--nproc", "64"]) == 2
+    assert "nproc=64" in (err := capsys.readouterr().err) and "start fewer processes" in err
 
 
 def test_memory_command_needs_a_gpu_or_its_size():

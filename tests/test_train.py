@@ -270,6 +270,16 @@ def test_config_file_and_overrides(tmp_path):
     assert cfg.model.args == {"n_layers": 3, "dim": 64}
     with pytest.raises(ConfigError, match="unknown key"):
         load_config(None, {"stepz": 3})
+    # a dict flag given twice adds up, as one flag with both; a key given twice in them is refused
+    from attnpool.cli.main import build_parser
+    from attnpool.cli.train_cmd import config_from_args
+
+    args = build_parser().parse_args(["train", "--config", str(path), "--model-args", "n_layers=3",
+                                      "--model-args", "n_heads=2"])
+    assert config_from_args(args).model.args == {"n_layers": 3, "dim": 64, "n_heads": 2}
+    args = build_parser().parse_args(["train", "--model-args", "n_layers=3", "--model-args", "n_layers=4"])
+    with pytest.raises(ConfigError, match="'n_layers' is given twice"):
+        config_from_args(args)
 
 
 def test_config_in_sections_is_the_flat_config(tmp_path):
@@ -555,3 +565,15 @@ def test_layout_is_linear_or_balanced_and_wlb_keeps_its_own_packing():
             tiny_config("unused", **overrides)
         assert err.value.field == "layout"
     assert tiny_config("unused", layout="balanced", pp=2).attention.layout == "balanced"  # equal tokens: stages may
+
+
+def test_a_run_stopped_before_its_first_step_does_not_block_its_out(tmp_path):
+    """Its metrics.jsonl is empty: nothing to lose, so the run, its input fixed, starts again there without
+    --overwrite; one that logged a step is kept."""
+    from attnpool.train.resume import refuse_overwriting_a_run
+
+    (tmp_path / "metrics.jsonl").write_text("")
+    refuse_overwriting_a_run(tiny_config(tmp_path))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ConfigError, match="holds an earlier run's metrics.jsonl"):
+        refuse_overwriting_a_run(tiny_config(tmp_path))

@@ -50,7 +50,8 @@ def format_tokens(tokens: int) -> str:
 
 
 def parse_memory_size(field_name: str, text) -> int:
-    """'141GB' (decimal), '139.8GiB' or '139.8G' (binary), '80000MiB', or plain bytes."""
+    """'141GB' (decimal), '139.8GiB' or '139.8G' (binary), '80000MiB', or plain bytes (at least a MiB of them: a
+    number without its unit, '80', is refused rather than read as 80 bytes)."""
     units = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20,
              "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
     s = str(text).strip().lower()
@@ -62,6 +63,8 @@ def parse_memory_size(field_name: str, text) -> int:
         raise ConfigError(field_name, text, "is not a memory size (e.g. 141GB, 139.8GiB, 80G, 81559MiB)") from None
     if not math.isfinite(value) or value <= 0:
         raise ConfigError(field_name, text, "must be a positive size")
+    if unit in ("", "b") and value < 1 << 20:  # "80" meant 80 GiB, not 80 bytes: no device or host is that small
+        raise ConfigError(field_name, text, f"is {int(value)} bytes; give a unit, e.g. {number}GiB or {number}GB")
     return int(value)
 
 

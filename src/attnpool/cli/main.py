@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 
@@ -61,6 +62,9 @@ def entry() -> None:
     """The ``attnpool`` command (console script and ``python -m attnpool.cli.main``)."""
     try:
         code = main()
+    except BrokenPipeError:  # the reader of the output went away (`attnpool plan --json | head`): no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's flush at exit would fail again)
+        code = 1
     except Exception:
         if not _opened_process_group():
             raise

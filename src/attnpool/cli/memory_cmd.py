@@ -63,7 +63,7 @@ def _cpu_capacity(args, ranks: int):
     if args.host_memory is not None:
         return Capacity(parse_memory_size("host_memory", args.host_memory), f"--host-memory {args.host_memory}")
     return Capacity(host_memory_bytes() // ranks, "this machine's memory" + (f" for each of its {ranks} ranks"
-                                                                             if ranks > 1 else ""))
+                                                                             if ranks > 1 else ""), shared_by_ranks=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         if args.gpu_memory is not None:
             raise ConfigError("gpu_memory", args.gpu_memory, "the config runs on the CPU (device: cpu); leave it "
                                                              "out, or give --device cuda to plan for GPUs")
-        capacity, calibration = _cpu_capacity(args, config.run.nproc), Calibration.none()
+        capacity, calibration = _cpu_capacity(args, config.run.nproc), Calibration.cpu()
     else:
         capacity, calibration = _capacity(args, config.run.nproc), Calibration.load()
     # The run resolved for its device (the kernels it would run), with nothing of its run directory read.

@@ -34,7 +34,8 @@ def _list(item_type, what):
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "simulate", help="predict step times of local/wlb/percp/cad at 64 to 1024 GPUs from a calibrated cost model",
+        "simulate", help="predict step times of local, wlb, percp, ulysses and cad on any number of GPUs from a calibrated "
+                         "cost model",
         description="Sample batches with the paper's recipe, lay them out, plan them with the real planner and time "
                     "every strategy with the cost model (kernel table, linear time per token, network). Comma lists "
                     "sweep: one configuration per combination of --model, --dist, --max-doc-len and --gpus.")

@@ -50,7 +50,9 @@ def _add_key(group, f, aliases: dict, kind: str) -> None:
         group.add_argument(*("--no-" + flag[2:] for flag in flags), dest=name, action="store_false", default=None,
                            help=argparse.SUPPRESS)
     elif kind == "dict":
-        group.add_argument(*flags, dest=name, nargs="+", metavar="KEY=VALUE", default=None, help=help_text)
+        # (given twice, --model-args a=1 --model-args b=2: both, as one --model-args a=1 b=2)
+        group.add_argument(*flags, dest=name, nargs="+", action="extend", metavar="KEY=VALUE", default=None,
+                           help=help_text)
     else:
         # Kept as text: the config reads numbers (3e-4, 4K) and 'none' itself.
         group.add_argument(*flags, dest=name, metavar=kind.upper(), default=None, help=help_text)
@@ -73,6 +75,8 @@ def _key_values(field: str, items: list[str]) -> dict:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ConfigError(field, item, "expected KEY=VALUE")
+        if key in out:
+            raise ConfigError(field, item, f"the key {key!r} is given twice")
         try:
             out[key] = yaml.safe_load(text)
         except yaml.YAMLError:

@@ -45,7 +45,7 @@ from importlib import resources
 from itertools import accumulate
 
 from attnpool.errors import ConfigError
-from attnpool.model.config import ModelConfig
+from attnpool.model.config import ModelConfig, model_config
 from attnpool.model.llama import loss_chunk_tokens
 from attnpool.parallel.checkpointing import LINEAR_CHUNK_TOKENS
 from attnpool.parallel.checkpointing import MODES as CHECKPOINTING_MODES
@@ -57,6 +57,10 @@ AUTO = "auto"
 # The checkpointing modes each kind of layer module runs (keep_attention recomputes attnpool's own linear parts).
 LAYER_CHECKPOINTING = {"attnpool": CHECKPOINTING_MODES, "transformers": ("none", "full")}
 CALIBRATION_RESOURCE = "memory_calibration.json"
+# A CPU rank's own memory before any tensor: Python, torch, gloo (407-530 MiB resident per rank of the tiny model)
+CPU_PROCESS_BYTES = 400 << 20
+# The model the packaged calibration was fitted on (bench/gpu_memory.py: its dimensions, 2 layers)
+CALIBRATION_MODEL = "llama3-8b"
 # Bytes a parameter costs on its owner: float32 master weight, float32 gradient, AdamW's two moments.
 PARAM_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
 
@@ -169,13 +173,20 @@ class Calibration:
     residual_per_token: dict  # mode -> bytes per home token
     residual_constant: dict  # mode -> bytes
     fragmentation: float  # reserved / allocated at the peak
-    cuda_context_bytes: int
+    cuda_context_bytes: int  # what the device holds outside the allocator (on CPU: the process's own memory)
     source: str = "hand count only"
+    context_name: str = "CUDA context"
 
     @classmethod
     def none(cls) -> "Calibration":
         zero = {mode: 0.0 for mode in CHECKPOINTING_MODES}
         return cls(dict(zero), dict(zero), 1.0, 0)
+
+    @classmethod
+    def cpu(cls) -> "Calibration":
+        """A CPU rank's: the hand count, and the process's own memory before any tensor (Python, torch, gloo)."""
+        return replace(cls.none(), cuda_context_bytes=CPU_PROCESS_BYTES, source="hand count and a CPU process's own",
+                       context_name="process (Python, torch, gloo)")
 
     @classmethod
     def load(cls, path: str | None = None) -> "Calibration":
@@ -548,13 +559,21 @@ def _peak_phase(x: MemoryInputs, phases: dict[str, dict], cal: Calibration, home
     breakdown = dict(phases[phase])
     modes = x.layer_modes or (x.activation_checkpointing,)
     if phase != "optimizer step":
-        breakdown["calibrated residual"] = sum(cal.residual_per_token[m] * home + cal.residual_constant[m]
-                                               for m in modes) / len(modes)
+        breakdown["calibrated residual"] = sum((cal.residual_per_token[m] * home + cal.residual_constant[m])
+                                               * residual_share(x, m) for m in modes) / len(modes)
     allocated = sum(breakdown.values())
     breakdown["allocator fragmentation"] = (cal.fragmentation - 1.0) * allocated
-    breakdown["CUDA context"] = cal.cuda_context_bytes
+    breakdown[cal.context_name] = cal.cuda_context_bytes
     breakdown = {name: int(round(value)) for name, value in breakdown.items()}
     return MemoryEstimate(x, phase, breakdown, int(round(allocated)), sum(breakdown.values()), int(host))
+
+
+def residual_share(x: MemoryInputs, mode: str) -> float:
+    """The share of the calibration's residual (fitted on CALIBRATION_MODEL's widths) a model takes under ``mode``:
+    what one of its layers keeps per token over the calibration model's, at most 1 (taken whole, a tenth of the 8B's
+    widths was predicted below zero: bench/results/2026-11-29-cpu-memory-residual-share.md)."""
+    own, calibrated = (sum(saved_per_layer(m, mode).values()) for m in (x, replace(x, model=model_config(CALIBRATION_MODEL))))
+    return min(1.0, own / calibrated) if calibrated > 0 else 1.0
 
 
 def saved_bytes_per_layer(x: MemoryInputs) -> int:

@@ -213,13 +213,13 @@ def ranks_on_this_machine(config: TrainConfig, world: int) -> int:
 def rank_capacity(device: torch.device, local_ranks: int) -> tuple[Capacity, Calibration]:
     """What a rank on ``device`` may use, with ``local_ranks`` ranks on its machine, and the calibration its
     prediction takes: on GPU the device's memory (with the packaged calibration) and, for offloaded state, this
-    machine's memory shared by its ranks; on CPU that shared memory alone (the hand count alone)."""
+    machine's memory shared by its ranks; on CPU that shared memory alone (the hand count and each process's own memory)."""
     host = host_memory_bytes() // local_ranks
     for_each = f" for each of its {local_ranks} ranks" if local_ranks > 1 else ""
     if device.type == "cuda":
         return Capacity(torch.cuda.get_device_properties(device).total_memory, torch.cuda.get_device_name(device),
                         host), Calibration.load()
-    return Capacity(host, "this machine's memory" + for_each), Calibration.none()
+    return Capacity(host, "this machine's memory" + for_each, shared_by_ranks=True), Calibration.cpu()
 
 
 def smallest_capacity(config: TrainConfig, world: int, device: torch.device) -> Capacity:

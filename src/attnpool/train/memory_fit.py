@@ -23,6 +23,7 @@ class Capacity:
     device_bytes: int
     device_name: str
     host_bytes: int | None = None
+    shared_by_ranks: bool = False  # a machine's memory split among its ranks (CPU runs): more ranks, less each
 
     def holds(self, e: MemoryEstimate) -> bool:
         return e.peak_bytes <= self.device_bytes and (self.host_bytes is None or e.host_bytes <= self.host_bytes)
@@ -179,6 +180,9 @@ class MemoryReport:
             return ConfigError("tokens_per_rank", x.tokens_per_rank,
                                f"{said}, and no memory setting holds that many tokens per rank: the most any holds "
                                f"is {format_tokens(best.largest_tokens)}, with {best.inputs.setting}{hint}")
+        if cap.shared_by_ranks:  # each rank's share shrinks with more of them: fewer, not more
+            return ConfigError("nproc", x.dp, f"{said}, and no memory setting fits even one token per rank: start "
+                                              f"fewer processes{hint}")
         return ConfigError("nproc", x.dp, f"{said}, and no memory setting fits even one token per rank: shard the "
                                           f"model over more ranks{hint}")
 

@@ -85,8 +85,10 @@ def refuse_overwriting_a_run(config: TrainConfig) -> None:
     they would be replaced. (With checkpoints, setup's refuse_earlier_run says so; a launcher asks this once,
     before its first attempt: a restart's workers find the metrics of the attempt before.)"""
     out = config.run.out
-    if config.checkpoint.resume or config.run.overwrite or not os.path.isfile(os.path.join(out, METRICS_FILE)) \
-            or finished_checkpoints(out):
+    metrics = os.path.join(out, METRICS_FILE)
+    # (an empty one is a run that stopped before its first step: nothing of it to lose)
+    if config.checkpoint.resume or config.run.overwrite or not os.path.isfile(metrics) \
+            or os.path.getsize(metrics) == 0 or finished_checkpoints(out):
         return
     raise ConfigError("out", out, "holds an earlier run's metrics.jsonl: pass --overwrite to replace them, or "
                                   "choose another --out")

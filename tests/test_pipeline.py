@@ -487,6 +487,8 @@ def test_export_of_a_pipelined_run_matches_one_process_and_loads_in_transformers
         assert main(["export", "--run", str(tmp_path / name), "--out", str(tmp_path / f"hf-{name}"),
                      "--dtype", "fp32"]) == 0
         assert "step-000003" in capsys.readouterr().out
+    assert main(["export", "--run", str(tmp_path / "one"), "--out", str(tmp_path / "hf-auto")]) == 0  # dtype auto:
+    assert capsys.readouterr().out.rstrip().endswith("safetensors, bfloat16)")  # the dtype it wrote, said
     pp, one = (load_file(str(tmp_path / f"hf-{n}" / "model.safetensors")) for n in ("pp", "one"))
     assert set(pp) == set(one)
     for key in one:

@@ -270,16 +270,15 @@ def test_config_file_and_overrides(tmp_path):
     assert cfg.model.args == {"n_layers": 3, "dim": 64}
     with pytest.raises(ConfigError, match="unknown key"):
         load_config(None, {"stepz": 3})
-    # a dict flag given twice adds up, as one flag with both; a key given twice in them is refused
+    # a dict flag given twice adds up, as one flag with both; a key given again takes its later value
     from attnpool.cli.main import build_parser
     from attnpool.cli.train_cmd import config_from_args
 
     args = build_parser().parse_args(["train", "--config", str(path), "--model-args", "n_layers=3",
                                       "--model-args", "n_heads=2"])
     assert config_from_args(args).model.args == {"n_layers": 3, "dim": 64, "n_heads": 2}
-    args = build_parser().parse_args(["train", "--model-args", "n_layers=3", "--model-args", "n_layers=4"])
-    with pytest.raises(ConfigError, match="'n_layers' is given twice"):
-        config_from_args(args)
+    args = build_parser().parse_args(["train", "--model-args", "n_layers=3", "dim=32", "--model-args", "n_layers=4"])
+    assert config_from_args(args).model.args == {"n_layers": 4, "dim": 32}
 
 
 def test_config_in_sections_is_the_flat_config(tmp_path):

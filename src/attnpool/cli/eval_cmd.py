@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     tasks = tasks_of(settings)
     sparse = sparse_config_of(settings, args.attention, **patterns)
     trained = sparse_config_of(settings, "trained")
-    trained_dense = sparse is not None and trained is None
+    trained_dense = trained is None  # (the run's own attention, whatever this evaluation's)
     print(f"attnpool eval: {path} ({settings['model']}, {spec.num_params(model) / 1e6:.1f}M params), "
           f"{'sparse' if sparse else 'dense'} attention"
           + (f" (coverage {sparse.coverage:g} from {sparse.min_doc_len} tokens"

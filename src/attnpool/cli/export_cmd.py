@@ -11,6 +11,8 @@ pipeline parallel), so one process reads every shard and writes one ``config.jso
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 
 def add_parser(sub) -> None:
@@ -39,5 +41,7 @@ def run(args: argparse.Namespace) -> int:
                               overwrite=args.overwrite, allow_unverified=args.allow_unverified)
     for bad, problem in skipped:
         print(f"skipping {bad}: {problem}")
-    print(f"attnpool export: {path} -> {args.out} (config.json, safetensors, {args.dtype})")
+    written = json.loads(Path(args.out, "config.json").read_text())  # (auto: the dtype it resolved to, said)
+    dtype = written.get("torch_dtype") or written.get("dtype") or args.dtype
+    print(f"attnpool export: {path} -> {args.out} (config.json, safetensors, {dtype})")
     return 0

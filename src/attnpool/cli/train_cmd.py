@@ -50,7 +50,8 @@ def _add_key(group, f, aliases: dict, kind: str) -> None:
         group.add_argument(*("--no-" + flag[2:] for flag in flags), dest=name, action="store_false", default=None,
                            help=argparse.SUPPRESS)
     elif kind == "dict":
-        # (given twice, --model-args a=1 --model-args b=2: both, as one --model-args a=1 b=2)
+        # (given twice, --model-args a=1 --model-args b=2: both, as one --model-args a=1 b=2; a key given again
+        # takes its later value, as any flag given twice does)
         group.add_argument(*flags, dest=name, nargs="+", action="extend", metavar="KEY=VALUE", default=None,
                            help=help_text)
     else:
@@ -75,8 +76,6 @@ def _key_values(field: str, items: list[str]) -> dict:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ConfigError(field, item, "expected KEY=VALUE")
-        if key in out:
-            raise ConfigError(field, item, f"the key {key!r} is given twice")
         try:
             out[key] = yaml.safe_load(text)
         except yaml.YAMLError:

@@ -199,8 +199,9 @@ class Trainer:
         micro = f" in {microbatches} micro-batches" if microbatches > 1 else ""
         print(f"attnpool train: {spec.model.name} ({spec.model.num_params(self.model) / 1e6:.2f}M params) on "
               f"{self.world} x {self.device.type}{layout}, {config.attention.strategy} attention ({spec.backend_name} "
-              f"kernel), {dims.dp} x {microbatches * config.data.tokens_per_rank} tokens per step{micro}, steps "
-              f"{self.step + 1}..{config.last_step} of {config.optim.steps}{resumed} -> {config.run.out}", flush=True)
+              f"kernel), {dims.dp} x {microbatches * config.data.tokens_per_rank} tokens per step{micro}, "
+              + (f"steps {self.step + 1}..{config.last_step}" if self.step < config.last_step else "no step left")
+              + f" of {config.optim.steps}{resumed} -> {config.run.out}", flush=True)
         if getattr(spec.model, "has_weights", None) is False:  # (an hf: directory with a config.json alone)
             print(f"{spec.model.name}: no safetensors weights in its directory: initialised at random from its "
                   "config.json", flush=True)

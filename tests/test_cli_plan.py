@@ -174,3 +174,15 @@ def test_output_cut_short_by_its_reader_ends_without_a_traceback():
                           "echo ${PIPESTATUS[0]}", shell=True, executable="/bin/bash", capture_output=True, text=True,
                           timeout=120)
     assert pipe.stdout == "1\n" and pipe.stderr == "", pipe.stderr
+
+
+@pytest.mark.parametrize("command", ["export --run /no/such/run --out /tmp/unused", "eval --checkpoint /no/such/step"])
+def test_reading_a_run_that_is_not_there_is_refused_before_torch_loads(command):
+    """At once (torch takes seconds to load): the run or checkpoint named, exit 2."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from attnpool.cli.main import main; rc = main(sys.argv[1:]); "
+            "print(rc, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, *command.split()], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "2 False" and "no such" in out.stderr, out.stdout + out.stderr

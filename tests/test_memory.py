@@ -394,6 +394,7 @@ def test_a_cpu_rank_counts_its_process_and_too_many_ranks_are_refused(monkeypatc
     assert data["breakdown"]["process (Python, torch, gloo)"] == 400 << 20
     assert main(["memory", "--config", "configs/demo-cpu.yaml", "--nproc", "64"]) == 2
     assert "nproc=64" in (err := capsys.readouterr().err) and "start fewer processes" in err
+    assert "--no-memory-check" not in err  # (a run's check says how to skip it; this command checks nothing to skip)
 
 
 def test_memory_command_needs_a_gpu_or_its_size():

@@ -63,6 +63,16 @@ def read_json_file(field: str, path: "str | Path"):
         raise ConfigError(field, str(path), f"not valid JSON ({exc.msg} at line {exc.lineno})") from None
 
 
+def check_checkpoint_source(run_dir: str | None, checkpoint: str | None) -> None:
+    """Refuse a checkpoint to read (``checkpoint``, else the newest of ``run_dir``) whose directory does not exist:
+    here, before a command that reads it loads torch (seconds)."""
+    if checkpoint is not None:
+        if not os.path.isdir(checkpoint):
+            raise ConfigError("checkpoint", checkpoint, "no such directory")
+    elif run_dir is None or not os.path.isdir(run_dir):
+        raise ConfigError("run", run_dir, "no such run directory")
+
+
 def check_output_directory(field: str, path: str) -> None:
     """Refuse a directory to write that cannot be: ``path`` a file, or where the nearest existing directory above it
     is not one this process may create entries in."""

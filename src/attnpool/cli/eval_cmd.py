@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 from attnpool.cli.common import parse_size
-from attnpool.errors import ConfigError
+from attnpool.errors import ConfigError, check_checkpoint_source
 
 DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
 
@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--sparse-coverage", args.sparse_coverage, "must be in (0, 1]")
     if args.sparse_min_doc_len is not None and args.sparse_min_doc_len < 1:
         raise ConfigError("--sparse-min-doc-len", args.sparse_min_doc_len, "must be >= 1")
+    check_checkpoint_source(args.run, args.checkpoint)  # (a missing one refused at once, before torch loads)
     import os
 
     import torch  # only once the command runs

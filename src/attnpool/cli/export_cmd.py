@@ -14,6 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
+from attnpool.errors import check_checkpoint_source
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory",
@@ -35,6 +37,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_checkpoint_source(args.run, args.checkpoint)  # (a missing one refused at once, before torch loads)
     from attnpool.train.export import export_hf  # torch: only once the command runs
 
     path, skipped = export_hf(run_dir=args.run, checkpoint=args.checkpoint, out=args.out, dtype=args.dtype,

@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         if choice is not None:
             print(f"pp_schedule auto: {choice['chosen']} ({choice['why']})")
     if result.first_fitting() is None:
-        raise result.refusal()
+        raise result.refusal(in_a_run=False)
     return 0
 
 

@@ -17,7 +17,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from attnpool.errors import ConfigError, TrainingError, check_output_directory
+from attnpool.errors import ConfigError, TrainingError, check_checkpoint_source, check_output_directory
 from attnpool.model import ModelSpec, model_spec
 from attnpool.parallel import RankMesh
 from attnpool.train.checkpoint import (MANIFEST, ReadFailure, checkpoint_config, checkpoint_path, fsync_dir,
@@ -159,9 +159,8 @@ def read_checkpoint_model(*, run_dir: str | None = None, checkpoint: str | None 
     spec)``, where given, runs before the model is built and its weights read: a caller's refusal that depends
     on the run's settings costs no read of a large model."""
     skipped: list[tuple[str, str]] = []
+    check_checkpoint_source(run_dir, checkpoint)
     if checkpoint is not None:
-        if not os.path.isdir(checkpoint):
-            raise ConfigError("checkpoint", checkpoint, "no such directory")
         problem = verify_checkpoint(checkpoint, distributed=False, allow_unverified=allow_unverified)
         if isinstance(problem, ReadFailure):  # (the storage's, not bad input)
             raise problem.error(checkpoint)
@@ -169,8 +168,6 @@ def read_checkpoint_model(*, run_dir: str | None = None, checkpoint: str | None 
             raise ConfigError("checkpoint", checkpoint, problem)
         path, run_dir = checkpoint, os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))
     else:
-        if run_dir is None or not os.path.isdir(run_dir):
-            raise ConfigError("run", run_dir, "no such run directory")
         path, skipped = select_checkpoint(run_dir, distributed=False, allow_unverified=allow_unverified)
         if path is None:
             why = f"no valid checkpoint: {skipped[0][1]}" if skipped else "holds no checkpoint"

@@ -153,8 +153,9 @@ class MemoryReport:
         """The fastest setting that fits the configured tokens."""
         return next((s for s in self.settings if s.fits), None)
 
-    def refusal(self) -> ConfigError:
-        """Why the configuration cannot run, naming the field to change and the largest value that fits."""
+    def refusal(self, in_a_run: bool = True) -> ConfigError:
+        """Why the configuration cannot run, naming the field to change and the largest value that fits (``in_a_run``:
+        with where to see more and how to skip the check, for a run's memory check; not for `attnpool memory`)."""
         x, e, cap = self.configured.inputs, self.configured.estimate, self.capacity
         if e.peak_bytes > cap.device_bytes:
             said = (f"predicted peak {format_bytes(e.peak_bytes)} per rank with {x.setting} is more than the "
@@ -162,7 +163,8 @@ class MemoryReport:
         else:
             said = (f"with {x.setting} the offloaded state needs {format_bytes(e.host_bytes)} of host memory per "
                     f"rank, more than the {format_bytes(cap.host_bytes)} this machine has for each")
-        hint = "; `attnpool memory` with the same flags shows the breakdown, --no-memory-check skips this check"
+        hint = "; `attnpool memory` with the same flags shows the breakdown, --no-memory-check skips this check" \
+            if in_a_run else ""
         alternative = self.first_fitting()
         other = f"; {alternative.inputs.setting} fits it ({format_bytes(alternative.estimate.peak_bytes)})" \
             if alternative is not None else ""

@@ -94,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     linear = linear_table(doc_lens, args.servers, args.tokens_per_server)
     results = {}
     for strategy in strategies:
-        table = layout_table(args.layout, doc_lens, args.servers, args.tokens_per_server, strategy, args.memory_cap)
+        table = layout_table(args.layout, doc_lens, args.servers, args.tokens_per_server, strategy, args.memory_cap,
+                             linear)
         plan = plan_attention(table, strategy, cost_model=cost_model, min_shard_tokens=args.min_shard, eps=args.eps,
                               shape=shape, window=args.window, topology=topology)
         metrics = PlanMetrics.of(plan, cost_model, shape,

@@ -179,13 +179,16 @@ LAYOUTS = ("linear", "balanced")  # the layouts a strategy may be planned over (
 
 
 def layout_table(layout: str, doc_lens: Sequence[int], num_ranks: int, tokens_per_rank: int | None = None,
-                 strategy: str = "local", memory_cap: float = 1.1) -> PieceTable:
-    """The batch laid out for ``strategy``: wlb's packing under ``memory_cap`` for ``wlb``, else ``layout``."""
+                 strategy: str = "local", memory_cap: float = 1.1, linear: PieceTable | None = None) -> PieceTable:
+    """The batch laid out for ``strategy``: wlb's packing under ``memory_cap`` for ``wlb``, else ``layout``
+    (``linear``: the batch's linear table where the caller has it already, for the "before" loads)."""
     if strategy == "wlb":
         return wlb_table(doc_lens, num_ranks, tokens_per_rank, memory_cap)
     if layout not in LAYOUTS:
         raise ConfigError("layout", layout, f"unknown; choose one of {', '.join(LAYOUTS)}")
-    return (balanced_table if layout == "balanced" else linear_table)(doc_lens, num_ranks, tokens_per_rank)
+    if layout == "balanced":
+        return balanced_table(doc_lens, num_ranks, tokens_per_rank)
+    return linear if linear is not None else linear_table(doc_lens, num_ranks, tokens_per_rank)
 
 
 def pad_ranks(table: PieceTable, multiple: int) -> PieceTable:

@@ -248,8 +248,9 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
         if "ulysses" in want:
             for u in ulysses_degrees:
                 add(model.ulysses_step(wlb_pieces(lens, S // u, u * B, config.memory_cap), u))
-        if config.balanced and "local" in want:
-            add(model.plan_step(plan(balanced_table(lens, S, B), "local"), overlap=False, name="local-balanced"))
+        balanced = balanced_table(lens, S, B) if config.balanced else None
+        if balanced is not None and "local" in want:
+            add(model.plan_step(plan(balanced, "local"), overlap=False, name="local-balanced"))
         if "cad" in want:
             # ping-pong as the runtime runs it: nano-batches of whole documents, each laid out and planned alone
             # (the runtime also pads a nano-batch's ranks to a multiple of tp: at most tp - 1 tokens, left out)
@@ -262,10 +263,10 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
             pingpong = cad_step("cad", config.eps, topology)
             add(pingpong)
             add(model.plan_step(plan(lin, "cad", eps=config.eps, topology=topology), overlap=False, name="cad-serial"))
-            if config.balanced:
+            if balanced is not None:
                 add(cad_step("cad-balanced", config.eps, topology, layout=balanced_table))
-                add(model.plan_step(plan(balanced_table(lens, S, B), "cad", eps=config.eps, topology=topology),
-                                    overlap=False, name="cad-balanced-serial"))
+                add(model.plan_step(plan(balanced, "cad", eps=config.eps, topology=topology), overlap=False,
+                                    name="cad-balanced-serial"))
             if config.hierarchical:  # planned for it: cad prices the KV a relay forwards inside its node
                 relays = replace(topology, relays=True)
                 add(cad_step("cad-hierarchical", config.eps, relays, hierarchical=True))

@@ -60,7 +60,7 @@ CALIBRATION_RESOURCE = "memory_calibration.json"
 # A CPU rank's own memory before any tensor: Python, torch, gloo (407-530 MiB resident per rank of the tiny model)
 CPU_PROCESS_BYTES = 400 << 20
 # The model the packaged calibration was fitted on (bench/gpu_memory.py: its dimensions, 2 layers)
-CALIBRATION_MODEL = "llama3-8b"
+CALIBRATION_MODEL = model_config("llama3-8b")
 # Bytes a parameter costs on its owner: float32 master weight, float32 gradient, AdamW's two moments.
 PARAM_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
 
@@ -572,7 +572,7 @@ def residual_share(x: MemoryInputs, mode: str) -> float:
     """The share of the calibration's residual (fitted on CALIBRATION_MODEL's widths) a model takes under ``mode``:
     what one of its layers keeps per token over the calibration model's, at most 1 (taken whole, a tenth of the 8B's
     widths was predicted below zero: bench/results/2026-11-29-cpu-memory-residual-share.md)."""
-    own, calibrated = (sum(saved_per_layer(m, mode).values()) for m in (x, replace(x, model=model_config(CALIBRATION_MODEL))))
+    own, calibrated = (sum(saved_per_layer(m, mode).values()) for m in (x, replace(x, model=CALIBRATION_MODEL)))
     return min(1.0, own / calibrated) if calibrated > 0 else 1.0
 
 

@@ -45,7 +45,7 @@ def plan_batch(batch: GlobalBatch, spec: RunSpec, sparse_prior: SparsePrior | No
     (plan.layout.pad_ranks), which the returned ``batch`` holds."""
     a, dp = spec.config.attention, spec.dims.dp
     linear = linear_table(batch.doc_lens, dp, batch.tokens_per_rank)
-    table = layout_table(a.layout, batch.doc_lens, dp, batch.tokens_per_rank, a.strategy, a.memory_cap)
+    table = layout_table(a.layout, batch.doc_lens, dp, batch.tokens_per_rank, a.strategy, a.memory_cap, linear)
     if spec.tokens_multiple > 1:
         table = pad_ranks(table, spec.tokens_multiple)
         batch = batch.padded(table.doc_len[batch.num_docs:])

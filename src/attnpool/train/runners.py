@@ -257,9 +257,10 @@ class PooledRunner(_StagedRunner):
         """The micro-batches laid out over their stage's dp ranks, and every tick's plans over all stages' ranks,
         one per layer slot: those plans are what runs, and the step's balance is theirs (the slots run in turn)."""
         units = [plan_microbatch(batch, self.spec, prior, strategy="local") for batch in micro_batches]
-        dp = self.spec.dims.dp  # (the linear layouts: what every rank would have served at home, the "before")
-        ticks = plan_pooled_ticks([unit[0].plan.pieces for unit in units], self.spec,
-                                  [linear_table(batch.doc_lens, dp, batch.tokens_per_rank) for batch in micro_batches])
+        dp = self.spec.dims.dp  # (over another layout, the linear one's: what every rank would have served at home)
+        linear = None if self.spec.config.attention.layout == "linear" else \
+            [linear_table(batch.doc_lens, dp, batch.tokens_per_rank) for batch in micro_batches]
+        ticks = plan_pooled_ticks([unit[0].plan.pieces for unit in units], self.spec, linear)
         slots = [plan for tick in ticks for plan in tick if plan is not None]
         return PlannedStep(units, combine_plans(slots, in_turn=True), ticks)
 

@@ -10,6 +10,11 @@ kernels launched elsewhere fall under "other" (the model's linear layers, norms,
 kernels are grouped as attention kernels, indexed copies (index, gather, scatter, index_add), plain copies (device
 to device memcpy, which a contiguous slice's copy is, and copy or cat kernels), collectives, and the rest, so that a
 change to the dispatch's copies shows as a change in two columns. Memcpy and memset are counted with the kernels.
+
+It also says how much of core attention's collective kernels' time another collective ran beside them on the same
+GPU (one under "other": FSDP's gathers and reductions): on a network where every collective shares one slow link
+(bench/gpu_e2e.sh emulated-trace), an exchange of a few MiB that runs for tens of milliseconds beside FSDP's
+transfers is waiting for them, not moving its own bytes.
 """
 
 from __future__ import annotations
@@ -35,6 +40,46 @@ def kind_of(kernel: str) -> str:
 
 def breakdown(events: list[dict]) -> dict[str, dict[str, float]]:
     """Milliseconds of kernel time (memcpy and memset included) by phase and kind."""
+    table: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
+    for phase, kind, k in classified(events):
+        table[phase][kind] += k["dur"] / 1e3
+    return {phase: dict(kinds) for phase, kinds in table.items()}
+
+
+def beside_other_collectives(events: list[dict]) -> dict[str, float]:
+    """Milliseconds of core attention's collective kernels, and of that time the part during which a collective
+    launched outside core attention ran on the same device (each instant counted once)."""
+    attention, other = collections.defaultdict(list), collections.defaultdict(list)
+    for phase, kind, k in classified(events):
+        if kind == "collective":
+            device = k.get("args", {}).get("device")
+            (other if phase == "other" else attention)[device].append((k["ts"], k["ts"] + k["dur"]))
+    total = beside = 0.0
+    for device, spans in attention.items():
+        merged = _merged(other.get(device, []))
+        ends = [end for _, end in merged]
+        for start, end in spans:
+            total += end - start
+            i = bisect.bisect_right(ends, start)
+            while i < len(merged) and merged[i][0] < end:
+                beside += min(end, merged[i][1]) - max(start, merged[i][0])
+                i += 1
+    return {"attention_collectives_ms": total / 1e3, "beside_other_collectives_ms": beside / 1e3}
+
+
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of (start, end) spans, as disjoint spans in order."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def classified(events: list[dict]):
+    """Each kernel, memcpy and memset of the trace as (phase, kind, event)."""
     # (NCCL and CuTe DSL kernels are launched through the driver API: cuLaunchKernelEx, category cuda_driver)
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
@@ -47,7 +92,6 @@ def breakdown(events: list[dict]) -> dict[str, dict[str, float]]:
     for tid, list_ in ops.items():
         list_.sort(key=lambda e: e["ts"])
         starts[tid] = [e["ts"] for e in list_]
-    table: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
     # (a slice's copy between contiguous buffers is a cudaMemcpyAsync: category gpu_memcpy, not kernel)
     for k in (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")):
         launch = launches.get(k.get("args", {}).get("correlation"))
@@ -58,8 +102,7 @@ def breakdown(events: list[dict]) -> dict[str, dict[str, float]]:
             if enclosing:
                 name = max(enclosing, key=lambda o: o["dur"])["name"]
                 phase = next(p for p in PHASES if p in name) + (" (backward)" if "Backward" in name else "")
-        table[phase][kind_of(k["name"])] += k["dur"] / 1e3
-    return {phase: dict(kinds) for phase, kinds in table.items()}
+        yield phase, kind_of(k["name"]), k
 
 
 def main() -> int:
@@ -69,7 +112,8 @@ def main() -> int:
     args = parser.parse_args()
     opener = gzip.open if args.trace.endswith(".gz") else open
     with opener(args.trace, "rt") as f:
-        table = breakdown(json.load(f)["traceEvents"])
+        events = json.load(f)["traceEvents"]
+    table, beside = breakdown(events), beside_other_collectives(events)
     kinds = [name for name, _ in KINDS]
     print("| phase | " + " | ".join(f"{k} (ms)" for k in kinds) + " |")
     print("|---" * (len(kinds) + 1) + "|")
@@ -77,9 +121,11 @@ def main() -> int:
         print(f"| {phase} | " + " | ".join(f"{table[phase].get(k, 0.0):.1f}" for k in kinds) + " |")
     attention = {k: sum(row.get(k, 0.0) for p, row in table.items() if p != "other") for k in kinds}
     print("| all core attention | " + " | ".join(f"{attention[k]:.1f}" for k in kinds) + " |")
+    print(f"core attention's collectives {beside['attention_collectives_ms']:.1f} ms, of it "
+          f"{beside['beside_other_collectives_ms']:.1f} ms beside another collective (FSDP's) on the same GPU")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"trace": args.trace, "ms_by_phase_and_kind": table}, f, indent=1)
+            json.dump({"trace": args.trace, "ms_by_phase_and_kind": table, **beside}, f, indent=1)
     return 0
 
 

@@ -394,3 +394,26 @@ def test_trace_breakdown_puts_kernels_under_the_phase_that_launched_them():
     assert table["_Serve"] == {"indexed copy": 3.0, "attention kernel": 8.0, "collective": 4.0, "plain copy": 0.5}
     assert table["_Collect (backward)"] == {"indexed copy": 1.0}
     assert table["other"] == {"other": 9.0, "collective": 2.0}
+
+
+def test_trace_breakdown_counts_the_time_an_exchange_ran_beside_another_collective():
+    """bench/trace_breakdown.py: of core attention's collective kernels, the time a collective launched elsewhere
+    (FSDP's) ran on the same device, each instant once; another device's collectives and other kernels are not."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    from trace_breakdown import beside_other_collectives
+
+    def at(name, ts, dur, correlation, device=0, phase=True):
+        tid = 1 if phase else 2
+        return [{"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": ts, "dur": 1, "tid": tid,
+                 "args": {"correlation": correlation}},
+                {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
+                 "args": {"correlation": correlation, "device": device}}]
+
+    events = [{"ph": "X", "cat": "cpu_op", "name": "_DispatchStart", "ts": 0, "dur": 10_000, "tid": 1},
+              *at("ncclDevKernel_AllToAll", 1000, 3000, 1),  # 1,000-4,000 us
+              *at("ncclDevKernel_AllToAll", 6000, 1000, 2),  # 6,000-7,000 us: beside nothing
+              *at("ncclDevKernel_AllGather", 500, 1500, 3, phase=False),  # 500-2,000: 1,000 beside the first
+              *at("ncclDevKernel_ReduceScatter", 1500, 1000, 4, phase=False),  # overlaps the gather: union to 2,500
+              *at("ncclDevKernel_AllGather", 3500, 3000, 5, device=1, phase=False),  # another GPU's
+              *at("nvjet_sm90_tst", 3000, 500, 6, phase=False)]  # not a collective
+    assert beside_other_collectives(events) == {"attention_collectives_ms": 4.0, "beside_other_collectives_ms": 1.5}

@@ -164,6 +164,26 @@ def test_balanced_layout_keeps_linears_tokens_and_evens_out_attention_before_cad
         layout_table("zigzag", [5], 1)
 
 
+def test_cad_cuts_a_long_document_at_the_cuts_own_rate_rather_than_moving_dearer_whole_ones():
+    """Under the kernel table a cut aimed at the deficit at its document's mean rate can overshoot the receiver's
+    room by a few percent. cad aims it again at the cut's own rate instead of passing it over: on this ping-pong
+    nano-batch of the benchmark (ProLong, 2 ranks, the balanced layout), it moved 9 whole short documents and a
+    prefix of the 23,671-token one, 283.5 MiB a rank, where a suffix of the long one does it with 70 MiB
+    (bench/results/2026-11-30-cpu-cad-cut-rate.md)."""
+    lens = [4129, 23671, 1194, 1967, 2104, 1312, 2316, 2815, 2586, 2573, 1099, 2815, 2971, 2501, 748, 10355, 1801,
+            2869, 3627, 928, 4397, 1541, 2261, 1469, 6116, 775, 1694, 913, 7932, 4772, 2756, 779, 866, 1216, 615,
+            3110, 2422, 742, 2723, 1154, 398]
+    shape, cost = AttentionShape(32, 8, 128, 2), default_cost_model(backend="fa4")  # (the flash table's rates fit)
+    table = balanced_table(lens, 2, -(-sum(lens) // 2))
+    plan = plan_attention(table, "cad", cost_model=cost, min_shard_tokens=512, shape=shape)
+    check_plan(plan, 512)
+    metrics = PlanMetrics.of(plan, cost, shape)
+    assert metrics.imbalance_before > 1.2 and metrics.imbalance_after <= 1.02
+    moved = plan.task_server != plan.task_home
+    assert metrics.bytes_moved / 2 < 120 * 2**20, metrics.bytes_moved / 2**21
+    assert plan.task_doc[moved].tolist() == [1], plan.task_doc[moved]  # a part of the long document alone
+
+
 def test_default_min_shard_from_measured_rates():
     assert default_min_shard_tokens() == 512
 

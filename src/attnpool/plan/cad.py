@@ -285,6 +285,24 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
         moved = np.where(valid, cost(opt_a, np.where(valid, opt_b, opt_a + 1), np.tile(items.doc[it], 3)), 0.0)
         receiver = np.tile(cr, 3)
         after = loads[receiver] + moved
+        if not exact_cost:
+            # Under the kernel table a part's rate is not its item's, so a cut aimed at the deficit at the item's rate
+            # can overshoot the receiver's room by a few percent and be passed over for dearer whole moves. Such a cut
+            # is aimed once more at its own rate (_refine_cut then fits the chosen one as closely as the shard allows).
+            over = np.flatnonzero(valid & (after > mean * (1.0 + tol)) & (np.arange(opt_a.size) >= a.size))
+            if over.size:
+                item_a, item_b = np.tile(a, 3)[over], np.tile(b, 3)[over]
+                target_own = np.tile(delta, 3)[over] * window_pairs(opt_a[over], opt_b[over], window) / np.maximum(moved[over], 1e-300)
+                suffix = over < 2 * a.size
+                new_a = np.where(suffix, np.minimum(_suffix_cut(item_a, item_b, target_own, window),
+                                                    item_b - min_shard_tokens), item_a)
+                new_b = np.where(suffix, item_b, np.maximum(_prefix_cut(item_a, item_b, target_own, window),
+                                                            item_a + min_shard_tokens))
+                ok = np.where(suffix, new_a - item_a, item_b - new_b) >= min_shard_tokens
+                over, new_a, new_b = over[ok], new_a[ok], new_b[ok]
+                opt_a[over], opt_b[over] = new_a, new_b
+                moved[over] = cost(new_a, new_b, np.tile(items.doc[it], 3)[over])
+                after[over] = loads[receiver[over]] + moved[over]
         fits = valid & (after <= mean * (1.0 + tol))
         if fits.any():
             # Fewest bytes per unit of work: Q out + O back + KV the receiver lacks.

@@ -76,10 +76,12 @@ def test_plan_on_nodes_counts_the_bytes_between_them(capsys):
     (["--tokens-per-server", "12Q"], "not a size"),
     (["--tokens-per-server", "9" * 400], "too large a size"),
     (["--bogus-flag"], "unrecognized arguments"),
-    (["--eps", "-1"], "eps"),
+    (["--eps", "-1"], "--eps=-1.0"),
     (["--seed", "-1"], "--seed"),
     (["--memory-cap", "inf", "--strategy", "wlb"], "--memory-cap"),
-    (["--elongate", "inf"], "elongate"),
+    (["--elongate", "inf"], "--elongate=inf"),
+    (["--min-shard", "0"], "--min-shard=0"),  # (the flag, not the planner's min_shard_tokens)
+    (["--max-doc-len", "0"], "--max-doc-len=0"),
     (["--plot", "/nonexistent-dir/loads.png"], "--plot"),
 ])
 def test_bad_input_exits_2(args, needle):

@@ -246,3 +246,27 @@ def test_model_impl_picks_the_model(checkpoints):
     directories, _ = checkpoints
     assert type(model_spec(f"hf:{directories['qwen3']}")).__name__ == "HFCheckpointSpec"
     assert type(model_spec(f"hf:{directories['qwen3']}", impl="transformers")).__name__ == "HFAdapterSpec"
+
+
+def test_a_checkpoint_fed_documents_past_its_trained_context_is_told_so_at_start(checkpoints):
+    """A checkpoint's weights know positions up to its max_position_embeddings: where documents may pass it (data's
+    max_doc_len, or without one a whole step), the run's start says so and names both ways out; not where they fit,
+    and not for random weights (a preset)."""
+    from attnpool.train.spec import context_note
+
+    directories, _ = checkpoints
+
+    def note(model, **settings):
+        cfg = TrainConfig(model=model, nproc=2, device="cpu", attention="local", tokens_per_rank=80, progress=False,
+                          **settings)
+        spec = resolve_run_spec(cfg, 2, torch.device("cpu"))
+        return context_note(cfg, spec.model, spec.dims.dp)
+
+    for impl in ("attnpool", "transformers"):  # (both the own model's spec and transformers' adapter)
+        llama = dict(model_impl=impl, model_args={"max_position_embeddings": 64})
+        line = note(f"hf:{directories['llama']}", max_doc_len=128, **llama)
+        assert "up to 128 tokens (data.max_doc_len) pass its max_position_embeddings 64" in line, line
+        assert "max_position_embeddings=128" in line and "--max-doc-len 64" in line
+        assert note(f"hf:{directories['llama']}", max_doc_len=64, **llama) is None
+        assert "up to 160 tokens (no data.max_doc_len" in note(f"hf:{directories['llama']}", **llama)
+    assert note("tiny", max_doc_len=128, model_args={"max_position": 64}) is None

@@ -225,7 +225,9 @@ def load_sim_costs(cfg, model_name: str, profile=None, *, intra: Link | None = N
         obj, where = _load_profile(profile)
     fwd, fwd_bwd = _tables(obj, where, attention_backend)
     if int(fwd.head_dim) != int(cfg.head_dim) and not any_head_dim:
-        raise ConfigError("profile", where, f"was measured for head_dim={fwd.head_dim}; model {model_name} has head_dim={cfg.head_dim}: profile it with --model {model_name}")
+        raise ConfigError("profile", where, (f"was measured for head_dim={fwd.head_dim}; model {model_name} has head_dim={cfg.head_dim}: "
+                                           f"measure one on its GPU with `attnpool profile --model {model_name} --out FILE` and "
+                                           "pass --profile FILE"))
     fwd, fwd_bwd = fwd.scaled_to(cfg.n_heads, cfg.head_dim), fwd_bwd.scaled_to(cfg.n_heads, cfg.head_dim)
     if linear_tflops is not None:
         if not linear_tflops > 0:

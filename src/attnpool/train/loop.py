@@ -57,7 +57,7 @@ from attnpool.train.resume import changes_data, verified_checkpoint, write_confi
 from attnpool.train.runners import build_runner
 from attnpool.train.setup import prepare
 from attnpool.train.signals import Preemption
-from attnpool.train.spec import rank_device, same_attention_backend
+from attnpool.train.spec import context_note, rank_device, same_attention_backend
 
 
 @dataclass
@@ -205,6 +205,9 @@ class Trainer:
         if getattr(spec.model, "has_weights", None) is False:  # (an hf: directory with a config.json alone)
             print(f"{spec.model.name}: no safetensors weights in its directory: initialised at random from its "
                   "config.json", flush=True)
+        note = context_note(config, spec.model, dims.dp)
+        if note is not None:
+            print(note, flush=True)
         if spec.mixed_kinds:  # each kind of layer planned and served on its own (attnpool.kinds)
             counts = Counter(kind.describe() for kind in spec.layer_kinds)
             print("attention kinds: " + "; ".join(f"{n} x {what}" for what, n in counts.items())

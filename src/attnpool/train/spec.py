@@ -197,6 +197,26 @@ def resolve_run_spec(config: TrainConfig, world: int, device: torch.device | Non
                    check_sparse(config, m, device, device_type, here), attention_topology(config, dims, world), kinds)
 
 
+def context_note(config: TrainConfig, model, dp: int) -> str | None:
+    """A line for the run's start where documents may be longer than the context a checkpoint's weights were trained
+    for (its config.json's max_position_embeddings): positions past it are ones the model never saw unless its RoPE
+    is scaled for them, which a context extension sets with ``--model-args``. None for random weights (a preset, or a
+    config.json alone) and where every document fits."""
+    trained = getattr(model.config, "max_position", None)
+    if not getattr(model, "has_weights", False) or trained is None:
+        return None
+    longest, why = config.data.max_doc_len, "data.max_doc_len"
+    if longest is None:  # without a cap a document may fill a step
+        longest = dp * config.parallel.microbatches * config.data.tokens_per_rank
+        why = "no data.max_doc_len: a document may fill the step"
+    if longest <= trained:
+        return None
+    return (f"{model.name}: documents up to {longest:,} tokens ({why}) pass its max_position_embeddings {trained:,}; "
+            f"to extend its context give --model-args rope_scaling=... max_position_embeddings={longest} (docs/"
+            f"models-and-data.md, 'Extend the context of your model'), or --max-doc-len {trained} to cut documents "
+            "to it")
+
+
 def check_layer_kinds(config: TrainConfig, m: ModelConfig, dims: ParallelDims, backend_name: str,
                       backend: Backend | None) -> tuple[AttentionKind, ...]:
     """The model's layer kinds, refused by name where the run cannot compute them: sparse attention and the

@@ -184,6 +184,17 @@ def test_cad_cuts_a_long_document_at_the_cuts_own_rate_rather_than_moving_dearer
     assert plan.task_doc[moved].tolist() == [1], plan.task_doc[moved]  # a part of the long document alone
 
 
+def test_cad_keeps_the_balance_whole_moves_reach_where_a_cut_aimed_at_its_own_rate_stalls():
+    """The cut aimed at its own rate fits its receiver but can leave the donor above the tolerance (its kept part
+    costs more than the whole less the cut), and with 1024-token shards nothing fits after it: 1.026 where moving
+    whole tasks reached 1.005. cad then also runs the greedy without the aim and keeps the less busy result."""
+    cost, shape = default_cost_model(backend="fa4"), AttentionShape(32, 8, 128, 2)
+    table = linear_table([4583, 7208, 770, 24577, 2532, 186, 6275], 5)
+    plan = plan_attention(table, "cad", cost_model=cost, min_shard_tokens=1024, shape=shape)
+    check_plan(plan, 1024)
+    assert PlanMetrics.of(plan, cost, shape).imbalance_after <= 1.02
+
+
 def test_default_min_shard_from_measured_rates():
     assert default_min_shard_tokens() == 512
 

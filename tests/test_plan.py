@@ -195,6 +195,31 @@ def test_cad_keeps_the_balance_whole_moves_reach_where_a_cut_aimed_at_its_own_ra
     assert PlanMetrics.of(plan, cost, shape).imbalance_after <= 1.02
 
 
+def test_least_total_work_is_below_every_way_of_cutting_the_documents():
+    """cad skips percp's plan where its busiest server is within eps of the least total work over the servers
+    (no plan's busiest carries less). That floor must hold for any cut of the documents under any table: the
+    measured tables are not monotone in shard length, so each part is priced at the best rate of a task no larger
+    than its document; causal and windowed, flash's and fa4's tables, parts as small as one token."""
+    rng = np.random.default_rng(7)
+    models = [PairsCost(), PairsCost(1024)]
+    for backend in ("flash", "fa4"):
+        table = default_cost_model(backend=backend)
+        models += [table, table.windowed(1024), table.scaled_to(8, 128)]
+    for model in models:
+        for _ in range(40):
+            lens = rng.integers(1, 200_000, size=int(rng.integers(1, 6)))
+            a, b = [], []
+            for length in lens.tolist():
+                cuts = np.unique(np.r_[0, rng.integers(0, length, size=int(rng.integers(0, 12))), length])
+                a += cuts[:-1].tolist()
+                b += cuts[1:].tolist()
+            parts = float(model.cost(np.array(a), np.array(b)).sum())
+            floor = model.least_total(lens)
+            whole = float(model.cost(np.zeros_like(lens), lens).sum())
+            assert floor <= parts * (1 + 1e-12) and floor <= whole * (1 + 1e-12), (model, lens, floor, parts)
+            assert floor >= 0.5 * whole  # (a floor, not zero: it lets cad skip percp's plan)
+
+
 def test_default_min_shard_from_measured_rates():
     assert default_min_shard_tokens() == 512
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import numpy as np
 
@@ -39,6 +40,12 @@ from attnpool.plan.documents import PieceTable, key_start, prefix_pairs, prefix_
 from attnpool.plan.local import home_tasks
 from attnpool.plan.percp import schedule_percp
 from attnpool.plan.plan import AttentionShape, Topology, canonical_tasks, inter_node_bytes, make_plan
+
+
+def _three(x: np.ndarray) -> np.ndarray:
+    """``x`` three times over, as the candidates of one move are laid out (whole, suffix, prefix): np.tile's
+    work without its per-call overhead, which the greedy's small arrays pay hundreds of times a plan."""
+    return np.concatenate((x, x, x))
 
 
 def _suffix_cut(a, b, pairs, window=None):
@@ -51,6 +58,26 @@ def _prefix_cut(a, b, pairs, window=None):
     """Largest c in [a, b] with window_pairs(a, c, window) <= pairs (vectorised)."""
     root = prefix_pairs_inverse(prefix_pairs(np.asarray(a), window) + np.asarray(pairs, dtype=np.float64), window)
     return np.minimum(np.maximum(np.floor(root + 1e-9), a), b).astype(np.int64)
+
+
+def _cut_root1(pairs: float, window: int | None) -> float:
+    """prefix_pairs_inverse of one number in plain Python (the same float64 arithmetic, without NumPy's per-call
+    overhead: _refine_cut runs it a few hundred times a plan)."""
+    causal = (-1.0 + math.sqrt(max(0.0, 1.0 + 8.0 * pairs))) / 2.0
+    if window is None:
+        return causal
+    full = window * (window + 1) / 2.0
+    return causal if pairs <= full else window + (pairs - full) / window
+
+
+def _suffix_cut1(a: int, b: int, pairs: float, window: int | None = None) -> int:
+    """_suffix_cut of one task."""
+    return min(max(math.ceil(_cut_root1(float(prefix_pairs(b, window)) - float(pairs), window) - 1e-9), a), b)
+
+
+def _prefix_cut1(a: int, b: int, pairs: float, window: int | None = None) -> int:
+    """_prefix_cut of one task."""
+    return min(max(math.floor(_cut_root1(float(prefix_pairs(a, window)) + float(pairs), window) + 1e-9), a), b)
 
 
 class _Items:
@@ -131,7 +158,6 @@ def _schedule(table: PieceTable, cost_model, min_shard_tokens: int, eps: float, 
                                         min_shard_tokens, eps, shape, topology, window)
     if table.num_ranks == 1:
         return tasks
-    percp = schedule_percp(table, min_shard_tokens)
     loads = functools.partial(_server_loads, cost=cost, num_ranks=table.num_ranks)
     busiest = lambda plan_tasks: float(loads(plan_tasks).max())  # noqa: E731
     # Balanced is not enough under the kernel table, where cuts change the total work: balanced around a
@@ -140,8 +166,18 @@ def _schedule(table: PieceTable, cost_model, min_shard_tokens: int, eps: float, 
     # need not be as the plan holds its tasks (contiguous shards merged, which the table costs otherwise: a
     # 19K-token document over 5 ranks in 256-token shards, max/mean 1.026 held, 1.6% above percp's).
     held = loads(tasks)
-    if balanced and held.max() <= (1.0 + eps) * held.mean() and held.max() <= busiest(percp) * (1.0 + eps):
-        return tasks
+    if balanced and held.max() <= (1.0 + eps) * held.mean():
+        # No plan's busiest server carries less than the least total work over the servers, so within (1 + eps)
+        # of that, cad's cannot be above percp's by more: percp's plan, about half of the planning time at 64
+        # servers (bench/results/2026-11-30-cpu-plan.md), is not needed.
+        least_total = getattr(cost_model, "least_total", None)
+        if least_total is not None and held.max() <= least_total(table.doc_len) / table.num_ranks * (1.0 + eps):
+            return tasks
+        percp = schedule_percp(table, min_shard_tokens)
+        if held.max() <= busiest(percp) * (1.0 + eps):
+            return tasks
+    else:
+        percp = schedule_percp(table, min_shard_tokens)
     seeded, _, _ = _greedy(table, percp, cost, cost1, isinstance(cost_model, PairsCost), min_shard_tokens, eps, shape,
                            topology, window)
     candidates = [tasks, seeded, percp, home]
@@ -292,8 +328,8 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
         opt_a = np.concatenate([a, cs, a])
         opt_b = np.concatenate([b, b, cp])
         valid = np.concatenate([np.ones(a.size, bool), cs - a >= min_shard_tokens, b - cp >= min_shard_tokens])
-        moved = np.where(valid, cost(opt_a, np.where(valid, opt_b, opt_a + 1), np.tile(items.doc[it], 3)), 0.0)
-        receiver = np.tile(cr, 3)
+        moved = np.where(valid, cost(opt_a, np.where(valid, opt_b, opt_a + 1), _three(items.doc[it])), 0.0)
+        receiver = _three(cr)
         after = loads[receiver] + moved
         if aim_cuts_at_own_rate and not exact_cost:
             # Under the kernel table a part's rate is not its item's, so a cut aimed at the deficit at the item's rate
@@ -301,30 +337,31 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
             # is aimed once more at its own rate (_refine_cut then fits the chosen one as closely as the shard allows).
             over = np.flatnonzero(valid & (after > mean * (1.0 + tol)) & (np.arange(opt_a.size) >= a.size))
             if over.size:
-                item_a, item_b = np.tile(a, 3)[over], np.tile(b, 3)[over]
+                of = over % a.size  # (the candidate's index among the whole moves)
+                item_a, item_b = a[of], b[of]
                 own_rate = window_pairs(opt_a[over], opt_b[over], window) / moved[over]  # (moved > room > 0)
-                target_own = np.tile(delta, 3)[over] * own_rate
+                target_own = delta[of] * own_rate
                 suffix = over < 2 * a.size
                 new_a = np.where(suffix, np.minimum(_suffix_cut(item_a, item_b, target_own, window),
                                                     item_b - min_shard_tokens), item_a)
                 new_b = np.where(suffix, item_b, np.maximum(_prefix_cut(item_a, item_b, target_own, window),
                                                             item_a + min_shard_tokens))
                 opt_a[over], opt_b[over] = new_a, new_b
-                moved[over] = cost(new_a, new_b, np.tile(items.doc[it], 3)[over])
+                moved[over] = cost(new_a, new_b, items.doc[it][of])
                 after[over] = loads[receiver[over]] + moved[over]
         fits = valid & (after <= mean * (1.0 + tol))
         if fits.any():
             # Fewest bytes per unit of work: Q out + O back + KV the receiver lacks.
             # KV the receiver lacks: the part's keys [first key, b) less what it holds of them
             first_key = key_start(opt_a, window)
-            held_start, held_end = np.tile(held[:, 0], 3), np.tile(held[:, 1], 3)
+            held_start, held_end = _three(held[:, 0]), _three(held[:, 1])
             overlap = np.maximum(0, np.minimum(opt_b, held_end) - np.maximum(first_key, held_start))
             nbytes = qo_bytes * (opt_b - opt_a) + kv_bytes * (opt_b - first_key - overlap)
             if nodes is not None:  # the item's Q (and, mostly, its KV) comes from its piece's rank
-                crossing = nodes[table.rank[np.tile(items.piece[it], 3)]] != nodes[receiver]
+                crossing = nodes[table.rank[_three(items.piece[it])]] != nodes[receiver]
                 inside = 0.0  # KV bytes of a crossing move that come from a relay inside the receiver's node
                 if relays:
-                    n, g = node_of[receiver], np.tile(items.doc[it], 3)
+                    n, g = node_of[receiver], _three(items.doc[it])
                     in_node = np.maximum(0, np.minimum(opt_b, node_end[n, g]) - np.maximum(first_key, node_start[n, g]))
                     inside = kv_bytes * np.maximum(0, in_node - overlap)
                 nbytes = np.where(crossing, (nbytes - inside) * topology.inter_node_byte_cost + inside, nbytes)
@@ -385,12 +422,12 @@ def _refine_cut(cost1, kind, a, b, ma, mb, delta, room, min_shard, mcost, window
     for _ in range(3):
         target = delta * window_pairs(ma, mb, window) / max(mcost, 1e-300)
         if kind == SUFFIX:  # smallest c with pairs(c, b) <= target
-            ma = int(_suffix_cut(a, b, target, window))
+            ma = _suffix_cut1(a, b, target, window)
             ma = min(max(ma, a), b - min_shard)
             if ma - a < min_shard:
                 break
         else:  # largest c with pairs(a, c) <= target
-            mb = int(_prefix_cut(a, b, target, window))
+            mb = _prefix_cut1(a, b, target, window)
             mb = max(min(mb, b), a + min_shard)
             if b - mb < min_shard:
                 break

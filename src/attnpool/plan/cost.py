@@ -128,6 +128,11 @@ class PairsCost:
         b = np.asarray(b, dtype=np.int64)
         return window_pairs(a, b, self.window).astype(np.float64)
 
+    def least_total(self, doc_len) -> float:
+        """The least summed cost of tasks that cover each document of ``doc_len`` once, however cut: its pairs."""
+        lens = np.asarray(doc_len, dtype=np.int64)
+        return float(window_pairs(np.zeros_like(lens), lens, self.window).sum())
+
 
 @dataclass(frozen=True, eq=False)
 class TableCost:
@@ -159,6 +164,8 @@ class TableCost:
         fk = 2.0 ** (lk0 + np.arange(nk) / self.STEPS_PER_OCTAVE)
         fine = self.interpolate(fq[:, None], fk[None, :])
         object.__setattr__(self, "_fine", fine)
+        # the best rate of any task of at most q queries over at most k keys (least_total)
+        object.__setattr__(self, "_fine_best", np.maximum.accumulate(np.maximum.accumulate(fine, axis=0), axis=1))
         object.__setattr__(self, "_origin", (lq0, lk0))
 
     def interpolate(self, q_len, k_len) -> np.ndarray:
@@ -183,6 +190,20 @@ class TableCost:
         ik = np.rint((np.log2(np.maximum(k_len, 1)) - self._origin[1]) * s).astype(np.int64)
         # np.minimum/maximum, not np.clip: clip's per-call overhead dominates on small arrays.
         return fine[np.minimum(np.maximum(iq, 0), fine.shape[0] - 1), np.minimum(np.maximum(ik, 0), fine.shape[1] - 1)]
+
+    def least_total(self, doc_len) -> float:
+        """A lower bound on the summed cost of tasks that cover each document of ``doc_len`` once, however cut and
+        wherever served: a part of a document of L tokens has at most L queries over at most L keys, so it runs at
+        most at the best rate the table has for such tasks (the table is measured, not monotone), and the parts'
+        pairs add up to the document's."""
+        lens = np.asarray(doc_len, dtype=np.int64)
+        s = self.STEPS_PER_OCTAVE
+        at = lambda origin, n: np.minimum(np.maximum(  # noqa: E731  (rate()'s index of L: a part's is no larger)
+            np.rint((np.log2(np.maximum(lens, 1)) - origin) * s).astype(np.int64), 0), n - 1)
+        best = self._fine_best[at(self._origin[0], self._fine.shape[0]), at(self._origin[1], self._fine.shape[1])]
+        flops = attention_flops(window_pairs(np.zeros_like(lens), lens, self.window), self.n_q_heads, self.head_dim,
+                                self.phase)
+        return float((flops / (best * 1e12)).sum())
 
     def windowed(self, window: int | None) -> "TableCost":
         """The same kernel's table for tasks under a sliding window of ``window`` keys (None: causal): a task's

@@ -421,6 +421,8 @@ def _refine_cut(cost1, kind, a, b, ma, mb, delta, room, min_shard, mcost, window
     best = (ma, mb, mcost)
     for _ in range(3):
         target = delta * window_pairs(ma, mb, window) / max(mcost, 1e-300)
+        if not math.isfinite(target):  # (a model that prices a part at nothing: keep the cut there is)
+            break
         if kind == SUFFIX:  # smallest c with pairs(c, b) <= target
             ma = _suffix_cut1(a, b, target, window)
             ma = min(max(ma, a), b - min_shard)

@@ -141,7 +141,8 @@ def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: floa
 def _schedule(table: PieceTable, cost_model, min_shard_tokens: int, eps: float, shape: AttentionShape,
               topology: Topology | None):
     """The greedy from every piece at home; where that misses the tolerance or its busiest server carries
-    more than (1 + eps) x percp's, also the greedy from ``percp``'s plan, and of those two and the
+    more than (1 + eps) x percp's, also the greedy from ``percp``'s plan (and, where it missed the tolerance
+    under a table, the greedy from home without aiming cuts at their own rate), and of those and the
     baselines' own plans the one whose busiest server carries the least work.
 
     Each greedy returns the best state it passed through, never one worse than its start, so

@@ -38,19 +38,19 @@ def kind_of(kernel: str) -> str:
     return next(name for name, keys in KINDS if any(key in kernel for key in keys))
 
 
-def breakdown(events: list[dict]) -> dict[str, dict[str, float]]:
-    """Milliseconds of kernel time (memcpy and memset included) by phase and kind."""
+def breakdown(kernels: list[tuple]) -> dict[str, dict[str, float]]:
+    """Milliseconds of kernel time (memcpy and memset included) by phase and kind, of :func:`classified`'s kernels."""
     table: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
-    for phase, kind, k in classified(events):
+    for phase, kind, k in kernels:
         table[phase][kind] += k["dur"] / 1e3
     return {phase: dict(kinds) for phase, kinds in table.items()}
 
 
-def beside_other_collectives(events: list[dict]) -> dict[str, float]:
-    """Milliseconds of core attention's collective kernels, and of that time the part during which a collective
-    launched outside core attention ran on the same device (each instant counted once)."""
+def beside_other_collectives(kernels: list[tuple]) -> dict[str, float]:
+    """Milliseconds of core attention's collective kernels (:func:`classified`'s), and of that time the part during
+    which a collective launched outside core attention ran on the same device (each instant counted once)."""
     attention, other = collections.defaultdict(list), collections.defaultdict(list)
-    for phase, kind, k in classified(events):
+    for phase, kind, k in kernels:
         if kind == "collective":
             device = k.get("args", {}).get("device")
             (other if phase == "other" else attention)[device].append((k["ts"], k["ts"] + k["dur"]))
@@ -113,7 +113,8 @@ def main() -> int:
     opener = gzip.open if args.trace.endswith(".gz") else open
     with opener(args.trace, "rt") as f:
         events = json.load(f)["traceEvents"]
-    table, beside = breakdown(events), beside_other_collectives(events)
+    kernels = list(classified(events))
+    table, beside = breakdown(kernels), beside_other_collectives(kernels)
     kinds = [name for name, _ in KINDS]
     print("| phase | " + " | ".join(f"{k} (ms)" for k in kinds) + " |")
     print("|---" * (len(kinds) + 1) + "|")

@@ -367,7 +367,7 @@ def test_trace_breakdown_puts_kernels_under_the_phase_that_launched_them():
     """bench/trace_breakdown.py: a kernel goes under the longest enclosing core attention op on its launching thread
     (a backward node named apart), grouped by kind; a kernel launched outside any phase is "other"."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-    from trace_breakdown import breakdown
+    from trace_breakdown import breakdown, classified
 
     def op(name, ts, dur, tid=1):
         return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid}
@@ -390,7 +390,7 @@ def test_trace_breakdown_puts_kernels_under_the_phase_that_launched_them():
               kernel("ncclDevKernel_SendRecv", 6, 4000),
               {**launch(115, 7), "name": "cudaMemcpyAsync"},  # a contiguous slice's copy: a memcpy, not a kernel
               {**kernel("Memcpy DtoD (Device -> Device)", 7, 500), "cat": "gpu_memcpy"}]
-    table = breakdown(events)
+    table = breakdown(list(classified(events)))
     assert table["_Serve"] == {"indexed copy": 3.0, "attention kernel": 8.0, "collective": 4.0, "plain copy": 0.5}
     assert table["_Collect (backward)"] == {"indexed copy": 1.0}
     assert table["other"] == {"other": 9.0, "collective": 2.0}
@@ -400,7 +400,7 @@ def test_trace_breakdown_counts_the_time_an_exchange_ran_beside_another_collecti
     """bench/trace_breakdown.py: of core attention's collective kernels, the time a collective launched elsewhere
     (FSDP's) ran on the same device, each instant once; another device's collectives and other kernels are not."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-    from trace_breakdown import beside_other_collectives
+    from trace_breakdown import beside_other_collectives, classified
 
     def at(name, ts, dur, correlation, device=0, phase=True):
         tid = 1 if phase else 2
@@ -416,4 +416,4 @@ def test_trace_breakdown_counts_the_time_an_exchange_ran_beside_another_collecti
               *at("ncclDevKernel_ReduceScatter", 1500, 1000, 4, phase=False),  # overlaps the gather: union to 2,500
               *at("ncclDevKernel_AllGather", 3500, 3000, 5, device=1, phase=False),  # another GPU's
               *at("nvjet_sm90_tst", 3000, 500, 6, phase=False)]  # not a collective
-    assert beside_other_collectives(events) == {"attention_collectives_ms": 4.0, "beside_other_collectives_ms": 1.5}
+    assert beside_other_collectives(list(classified(events))) == {"attention_collectives_ms": 4.0, "beside_other_collectives_ms": 1.5}

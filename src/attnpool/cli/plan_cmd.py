@@ -52,7 +52,21 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+# The planner's and the sampler's names for what this command's flags set: their refusals name the flag typed.
+FLAG_OF_FIELD = {"eps": "--eps", "elongate": "--elongate", "max_doc_len": "--max-doc-len",
+                 "min_shard_tokens": "--min-shard"}
+
+
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _plan(args)
+    except ConfigError as exc:
+        if exc.field in FLAG_OF_FIELD:
+            raise ConfigError(FLAG_OF_FIELD[exc.field], exc.value, exc.problem) from None
+        raise
+
+
+def _plan(args: argparse.Namespace) -> int:
     if args.servers < 1:
         raise ConfigError("--servers", args.servers, "need at least one server")
     shape = AttentionShape()
@@ -66,14 +80,6 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--memory-cap", args.memory_cap, "must be a finite number >= 1.0")
     if args.window is not None and args.window < 1:
         raise ConfigError("--window", args.window, "a sliding window is a positive number of keys")
-    if not (math.isfinite(args.eps) and 0 <= args.eps < 1):
-        raise ConfigError("--eps", args.eps, "must be in [0, 1)")
-    if not (math.isfinite(args.elongate) and args.elongate > 0):
-        raise ConfigError("--elongate", args.elongate, "must be a positive finite number")
-    if args.min_shard is not None and args.min_shard < 1:
-        raise ConfigError("--min-shard", args.min_shard, "must be at least 1 token")
-    if args.max_doc_len is not None and args.max_doc_len < 1:
-        raise ConfigError("--max-doc-len", args.max_doc_len, "must be at least 1 token")
     topology = None
     if args.ranks_per_node:
         gpus = args.servers * args.tp

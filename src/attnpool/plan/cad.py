@@ -36,7 +36,8 @@ import math
 import numpy as np
 
 from attnpool.plan.cost import PairsCost, doc_costs
-from attnpool.plan.documents import PieceTable, key_start, prefix_pairs, prefix_pairs_inverse, window_pairs
+from attnpool.plan.documents import (PieceTable, key_start, prefix_pairs, prefix_pairs_inverse,
+                                     prefix_pairs_inverse1, window_pairs)
 from attnpool.plan.local import home_tasks
 from attnpool.plan.percp import schedule_percp
 from attnpool.plan.plan import AttentionShape, Topology, canonical_tasks, inter_node_bytes, make_plan
@@ -60,24 +61,16 @@ def _prefix_cut(a, b, pairs, window=None):
     return np.minimum(np.maximum(np.floor(root + 1e-9), a), b).astype(np.int64)
 
 
-def _cut_root1(pairs: float, window: int | None) -> float:
-    """prefix_pairs_inverse of one number in plain Python (the same float64 arithmetic, without NumPy's per-call
-    overhead: _refine_cut runs it a few hundred times a plan)."""
-    causal = (-1.0 + math.sqrt(max(0.0, 1.0 + 8.0 * pairs))) / 2.0
-    if window is None:
-        return causal
-    full = window * (window + 1) / 2.0
-    return causal if pairs <= full else window + (pairs - full) / window
-
-
 def _suffix_cut1(a: int, b: int, pairs: float, window: int | None = None) -> int:
     """_suffix_cut of one task."""
-    return min(max(math.ceil(_cut_root1(float(prefix_pairs(b, window)) - float(pairs), window) - 1e-9), a), b)
+    root = prefix_pairs_inverse1(float(prefix_pairs(b, window)) - float(pairs), window)
+    return min(max(math.ceil(root - 1e-9), a), b)
 
 
 def _prefix_cut1(a: int, b: int, pairs: float, window: int | None = None) -> int:
     """_prefix_cut of one task."""
-    return min(max(math.floor(_cut_root1(float(prefix_pairs(a, window)) + float(pairs), window) + 1e-9), a), b)
+    root = prefix_pairs_inverse1(float(prefix_pairs(a, window)) + float(pairs), window)
+    return min(max(math.floor(root + 1e-9), a), b)
 
 
 class _Items:

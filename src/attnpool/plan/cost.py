@@ -184,12 +184,14 @@ class TableCost:
 
     def rate(self, q_len, k_len) -> np.ndarray:
         """TFLOP/s for tasks of ``q_len`` query tokens over ``k_len`` keys (fine-grid lookup)."""
-        fine = self._fine
-        s = self.STEPS_PER_OCTAVE
-        iq = np.rint((np.log2(np.maximum(q_len, 1)) - self._origin[0]) * s).astype(np.int64)
-        ik = np.rint((np.log2(np.maximum(k_len, 1)) - self._origin[1]) * s).astype(np.int64)
+        return self._fine[self._fine_index(q_len, 0), self._fine_index(k_len, 1)]
+
+    def _fine_index(self, lengths, axis: int) -> np.ndarray:
+        """The fine grid's row (axis 0: query lengths) or column (axis 1: key lengths) of ``lengths``, clamped to
+        the grid; never smaller for a larger length."""
+        i = np.rint((np.log2(np.maximum(lengths, 1)) - self._origin[axis]) * self.STEPS_PER_OCTAVE).astype(np.int64)
         # np.minimum/maximum, not np.clip: clip's per-call overhead dominates on small arrays.
-        return fine[np.minimum(np.maximum(iq, 0), fine.shape[0] - 1), np.minimum(np.maximum(ik, 0), fine.shape[1] - 1)]
+        return np.minimum(np.maximum(i, 0), self._fine.shape[axis] - 1)
 
     def least_total(self, doc_len) -> float:
         """A lower bound on the summed cost of tasks that cover each document of ``doc_len`` once, however cut and
@@ -197,10 +199,7 @@ class TableCost:
         most at the best rate the table has for such tasks (the table is measured, not monotone), and the parts'
         pairs add up to the document's."""
         lens = np.asarray(doc_len, dtype=np.int64)
-        s = self.STEPS_PER_OCTAVE
-        at = lambda origin, n: np.minimum(np.maximum(  # noqa: E731  (rate()'s index of L: a part's is no larger)
-            np.rint((np.log2(np.maximum(lens, 1)) - origin) * s).astype(np.int64), 0), n - 1)
-        best = self._fine_best[at(self._origin[0], self._fine.shape[0]), at(self._origin[1], self._fine.shape[1])]
+        best = self._fine_best[self._fine_index(lens, 0), self._fine_index(lens, 1)]  # (a part's index is no larger)
         flops = attention_flops(window_pairs(np.zeros_like(lens), lens, self.window), self.n_q_heads, self.head_dim,
                                 self.phase)
         return float((flops / (best * 1e12)).sum())

@@ -74,7 +74,8 @@ case "$PHASE" in
     done ;;
   emulated-trace)  # why local lost 4 s a step on the emulated network where wlb lost 0.4 (2026-11-29-h200x2-full-depth-
     # baselines.md, run 13): one traced step each of local, local over the balanced layout, wlb and cad (4 layers,
-    # prolong 128K, full checkpointing), core attention's exchanges measured beside FSDP's collectives
+    # prolong 128K, full checkpointing), core attention's exchanges measured beside FSDP's collectives (KEEP_TRACES=1
+    # keeps the traces beside their breakdowns)
     export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_NSOCKS_PERTHREAD=4 \
       NCCL_SOCKET_NTHREADS=4
     probe emulated
@@ -83,7 +84,8 @@ case "$PHASE" in
       --trace local,local+balanced,wlb,cad --activation-checkpointing full --warmup 1 --steps 2 --budget-s 360
     for trace in "$OUT"/emulated-trace/trace-*.json.gz; do
       echo "$trace"
-      "${PYTHON:-python3}" bench/trace_breakdown.py "$trace" --json "${trace%.json.gz}-breakdown.json" && rm "$trace"
+      "${PYTHON:-python3}" bench/trace_breakdown.py "$trace" --json "${trace%.json.gz}-breakdown.json" &&
+        [ "${KEEP_TRACES:-0}" = 0 ] && rm "$trace"
     done ;;
   two-tier|two-tier-hierarchical)  # issue 43: NODES (default 2) emulated nodes on this host (bench/torchrun_nodes.sh):
     # NVLink inside a node, NCCL's socket transport over loopback between them; every baseline, or cad with the

@@ -164,6 +164,23 @@ def test_every_layout_starts_from_the_one_process_weights(world, tp, pp):
         assert torch.equal(held[name], weight), name
 
 
+def _attention_group(rank, world, tp, pp):
+    import torch.distributed as dist
+    mesh = build_rank_mesh(ParallelDims.of(world, tp, pp), "cpu")
+    ranks = dist.get_process_group_ranks(mesh.attention_group)
+    return ranks, dist.get_process_group_ranks(mesh.dp_mesh.get_group()), mesh.attention_group is mesh.dp_mesh.get_group()
+
+
+@pytest.mark.parametrize("world, tp, pp", [(4, 2, 1), (4, 1, 2), (2, 1, 1)])
+def test_core_attention_has_a_communicator_of_its_own(world, tp, pp):
+    """Core attention exchanges over the dp ranks of its pipeline and tp index, on a communicator of its own: on
+    the dp mesh's, which FSDP2 gathers and reduces over, NCCL ran each exchange after the collectives FSDP had
+    issued before it (attnpool.parallel.mesh)."""
+    for ranks, dp_ranks, shared in run_distributed(_attention_group, world, tp, pp):
+        assert ranks == dp_ranks and len(ranks) == world // (tp * pp)
+        assert not shared
+
+
 def _train_cut(rank, world, out, tp, resume, stop_at):
     result = train(tiny_config(out, attention="cad", steps=6, stop_at=stop_at, tp=tp, resume=resume))
     return [r["loss"] for r in result.rows]

@@ -7,6 +7,12 @@ the same tokens, split by sequence between layers and by heads inside them (attn
 its pipeline ranks run its layers in stages (attnpool.parallel.pipeline). Core attention's plan is made
 over the dp ranks; each (pipeline rank, tp rank) runs it with the dp ranks of the same indices only,
 over ``RankMesh.attention_group``.
+
+That group is a communicator of its own, not the dp mesh's that FSDP2 gathers and reduces over. NCCL runs one
+communicator's operations one after another, whatever streams they are issued on (a trace shows it), so on a
+shared one each layer's exchange in backward waited for the gradient reduction and the gather FSDP had issued
+before it: a hundred milliseconds a layer at 5 GiB/s for the 8B's layers
+(``bench/results/2026-11-30-h200x2-attention-communicator.md``).
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ class RankMesh:
     pp_rank: int
     dp_rank: int
     tp_rank: int
-    attention_group: object  # the dp ranks of this pipeline and tp index: core attention's plan runs over them
+    attention_group: object  # the dp ranks of this pipeline and tp index, a communicator of core attention's own
 
     @property
     def dp_mesh(self) -> DeviceMesh:
@@ -68,15 +74,7 @@ class RankMesh:
 
     def new_attention_group(self):
         """Another communicator over this rank's dp ranks (a collective: every rank calls it together)."""
-        d = self.dims
-        mine = None
-        for p in range(d.pp):
-            for t in range(d.tp):
-                group = dist.new_group([(p * d.dp + i) * d.tp + t for i in range(d.dp)])
-                if (p, t) == (self.pp_rank, self.tp_rank):
-                    mine = group
-        return mine
-
+        return _new_dp_group(self.dims, self.pp_rank, self.tp_rank)
 
     def pp_peers(self) -> list[int]:
         """The global ranks of this rank's dp and tp index on every pipeline stage, in stage order."""
@@ -108,13 +106,28 @@ class RankMesh:
         return mine
 
 
+def _new_dp_group(dims: ParallelDims, pp_rank: int, tp_rank: int):
+    """A new communicator over the dp ranks of each (pipeline rank, tp rank); this rank's. A collective: every rank
+    creates every group, in the same order."""
+    mine = None
+    for p in range(dims.pp):
+        for t in range(dims.tp):
+            group = dist.new_group([(p * dims.dp + i) * dims.tp + t for i in range(dims.dp)])
+            if (p, t) == (pp_rank, tp_rank):
+                mine = group
+    return mine
+
+
 def build_rank_mesh(dims: ParallelDims, device_type: str) -> RankMesh:
-    """The ("pp", "dp", "tp") DeviceMesh over the initialised default group (a collective)."""
+    """The ("pp", "dp", "tp") DeviceMesh over the initialised default group, and core attention's own communicator
+    (a collective)."""
     mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
     if dims.dp > 1 and dims.tp > 1:
         # A reduction over parameters sharded on both dims (the gradient norm) then takes one collective
         # over all of a stage's ranks instead of one per dim (DeviceMesh has no public name for this yet).
         mesh[("dp", "tp")]._flatten(mesh_dim_name="dp_tp")
     rank = dist.get_rank()
-    return RankMesh(dims, mesh, rank // (dims.dp * dims.tp), (rank // dims.tp) % dims.dp, rank % dims.tp,
-                    mesh["dp"].get_group())
+    pp_rank, dp_rank, tp_rank = rank // (dims.dp * dims.tp), (rank // dims.tp) % dims.dp, rank % dims.tp
+    # (one dp rank has no peer to exchange with: the dp mesh's group serves, and no communicator is made)
+    attention_group = _new_dp_group(dims, pp_rank, tp_rank) if dims.dp > 1 else mesh["dp"].get_group()
+    return RankMesh(dims, mesh, pp_rank, dp_rank, tp_rank, attention_group)

@@ -56,6 +56,9 @@ strategy but for how much compute hides it; it matters where the link is slow.
 FSDP's collectives are not made to share the links with the core attention
 exchanges: counted so, Ulysses on the emulated network came out 7.5-7.9% long
 where it is 1.8-6.1% as it is (bench/results/2026-11-28-sim-validation-baselines.md).
+Nor does an exchange wait for them: core attention has a communicator of its own
+(attnpool.parallel.mesh); on FSDP's, NCCL ran each backward exchange after FSDP's
+reduction and gather, and this model was 12.8-21.4% low on those runs.
 Assumed: bf16 training (bf16 gathers; a float32 run gathers twice the bytes); the
 norms counted as if TP split them (a rounding error).
 

@@ -75,6 +75,22 @@ def test_split_point_keeps_label_and_position():
     assert np.array_equal(one.tokens, r1.tokens)
 
 
+def test_ping_pong_nano_batches_cut_before_a_last_document_that_reaches_the_share():
+    """Ping-pong's nano-batches are whole documents, cut after the one that reaches half the tokens; where that is
+    the batch's last, before it (two unequal nano-batches hide part of each other's exchanges, one hides nothing).
+    One document stays one nano-batch. The runtime's split and the simulator's bounds are the same."""
+    from attnpool.plan.layout import nano_batch_bounds
+    lens = [3000, 2000, 1000, 500, 20000]  # the last document holds 75% of the tokens
+    assert nano_batch_bounds(lens, 2) == [(0, 4), (4, 5)]
+    assert nano_batch_bounds([3000, 2000, 1000, 6000], 2) == [(0, 3), (3, 4)]
+    assert nano_batch_bounds([20000, 3000, 2000], 2) == [(0, 1), (1, 3)]  # (the first reaches it: cut after it)
+    assert nano_batch_bounds([26500], 2) == [(0, 1)]
+    batch = GlobalBatch.from_documents([np.arange(n) for n in lens], num_ranks=2, tokens_per_rank=13250)
+    nanos = batch.split_documents(2)
+    assert [list(n.doc_lens) for n in nanos] == [lens[:4], lens[4:]]
+    assert np.array_equal(np.concatenate([n.tokens for n in nanos]), batch.tokens)
+
+
 def test_to_torch_dtypes():
     batch = GlobalBatch.from_documents([np.arange(5), np.arange(3)], num_ranks=2, tokens_per_rank=4)
     t = batch.split(linear_layout(batch.doc_lens, 2, 4))[1].to_torch("cpu")

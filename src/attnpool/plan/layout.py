@@ -71,12 +71,14 @@ def nano_batch_bounds(doc_lens: Sequence[int], parts: int) -> list[tuple[int, in
     data.batch.GlobalBatch.split_documents, and the simulator's), each cut after the document that reaches an
     equal share of the tokens. Cutting a document would change what its tokens attend to, so fewer documents than
     ``parts`` give fewer nano-batches and one long document makes them unequal. Where the document that reaches
-    a share is the batch's last, no cut is made there: the batch stays one nano-batch, though a cut before that
-    document would still give two, unequal ones."""
+    a share is the batch's last, the cut is made before it: two unequal nano-batches still hide part of each
+    other's exchanges, where one hides nothing (pretrain 128K on 2 GPUs: a 164,712-token document after six
+    shorter ones; bench/results/2026-11-30-cpu-nano-batch-cut.md)."""
     lens = np.asarray(doc_lens, dtype=np.int64)
     offsets = np.r_[0, np.cumsum(lens)]
     targets = np.arange(1, parts) * offsets[-1] / parts
-    cuts = np.unique(np.clip(np.searchsorted(offsets, targets), 1, len(lens)))
+    # (searchsorted gives the cut after the document that reaches each share; after the last it is moved before it)
+    cuts = np.unique(np.clip(np.searchsorted(offsets, targets), 1, max(len(lens) - 1, 1)))
     bounds = [0, *[int(c) for c in cuts if 0 < c < len(lens)], len(lens)]
     return list(zip(bounds[:-1], bounds[1:]))
 

@@ -165,20 +165,26 @@ def test_every_layout_starts_from_the_one_process_weights(world, tp, pp):
 
 
 def _attention_group(rank, world, tp, pp):
+    from datetime import timedelta
+
     import torch.distributed as dist
-    mesh = build_rank_mesh(ParallelDims.of(world, tp, pp), "cpu")
-    ranks = dist.get_process_group_ranks(mesh.attention_group)
-    return ranks, dist.get_process_group_ranks(mesh.dp_mesh.get_group()), mesh.attention_group is mesh.dp_mesh.get_group()
+    mesh = build_rank_mesh(ParallelDims.of(world, tp, pp), "cpu", timedelta(seconds=7))
+    group = mesh.attention_group
+    timeout = group._get_backend(torch.device("cpu")).options._timeout
+    return (dist.get_process_group_ranks(group), dist.get_process_group_ranks(mesh.dp_mesh.get_group()),
+            group is mesh.dp_mesh.get_group(), timeout.total_seconds())
 
 
 @pytest.mark.parametrize("world, tp, pp", [(4, 2, 1), (4, 1, 2), (2, 1, 1)])
 def test_core_attention_has_a_communicator_of_its_own(world, tp, pp):
     """Core attention exchanges over the dp ranks of its pipeline and tp index, on a communicator of its own: on
     the dp mesh's, which FSDP2 gathers and reduces over, NCCL ran each exchange after the collectives FSDP had
-    issued before it (attnpool.parallel.mesh)."""
-    for ranks, dp_ranks, shared in run_distributed(_attention_group, world, tp, pp):
+    issued before it (attnpool.parallel.mesh). It waits on a silent peer for the run's collective timeout, not
+    torch's default of 30 minutes (tests/test_faults.py stalls a worker)."""
+    for ranks, dp_ranks, shared, timeout_s in run_distributed(_attention_group, world, tp, pp):
         assert ranks == dp_ranks and len(ranks) == world // (tp * pp)
         assert not shared
+        assert timeout_s == 7
 
 
 def _train_cut(rank, world, out, tp, resume, stop_at):

@@ -18,6 +18,7 @@ before it: a hundred milliseconds a layer at 5 GiB/s for the 8B's layers
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -59,6 +60,9 @@ class RankMesh:
     dp_rank: int
     tp_rank: int
     attention_group: object  # the dp ranks of this pipeline and tp index, a communicator of core attention's own
+    # The collective timeout of the groups made for this mesh (the run's collective_timeout_s; None: torch's default
+    # of 30 minutes on gloo, 10 on NCCL, so that a stalled peer would hold every rank in such a group that long)
+    timeout: timedelta | None = None
 
     @property
     def dp_mesh(self) -> DeviceMesh:
@@ -74,7 +78,7 @@ class RankMesh:
 
     def new_attention_group(self):
         """Another communicator over this rank's dp ranks (a collective: every rank calls it together)."""
-        return _new_dp_group(self.dims, self.pp_rank, self.tp_rank)
+        return _new_dp_group(self.dims, self.pp_rank, self.tp_rank, self.timeout)
 
     def pp_peers(self) -> list[int]:
         """The global ranks of this rank's dp and tp index on every pipeline stage, in stage order."""
@@ -89,7 +93,7 @@ class RankMesh:
         mine = None
         for i in range(d.dp):
             for t in range(d.tp):
-                group = dist.new_group([i * d.tp + t, ((d.pp - 1) * d.dp + i) * d.tp + t])
+                group = dist.new_group([i * d.tp + t, ((d.pp - 1) * d.dp + i) * d.tp + t], timeout=self.timeout)
                 if (i, t) == (self.dp_rank, self.tp_rank) and self.pp_rank in (0, d.pp - 1):
                     mine = group
         return mine
@@ -100,27 +104,28 @@ class RankMesh:
         d = self.dims
         mine = None
         for t in range(d.tp):
-            group = dist.new_group([(p * d.dp + i) * d.tp + t for p in range(d.pp) for i in range(d.dp)])
+            group = dist.new_group([(p * d.dp + i) * d.tp + t for p in range(d.pp) for i in range(d.dp)],
+                                   timeout=self.timeout)
             if t == self.tp_rank:
                 mine = group
         return mine
 
 
-def _new_dp_group(dims: ParallelDims, pp_rank: int, tp_rank: int):
+def _new_dp_group(dims: ParallelDims, pp_rank: int, tp_rank: int, timeout: timedelta | None):
     """A new communicator over the dp ranks of each (pipeline rank, tp rank); this rank's. A collective: every rank
     creates every group, in the same order."""
     mine = None
     for p in range(dims.pp):
         for t in range(dims.tp):
-            group = dist.new_group([(p * dims.dp + i) * dims.tp + t for i in range(dims.dp)])
+            group = dist.new_group([(p * dims.dp + i) * dims.tp + t for i in range(dims.dp)], timeout=timeout)
             if (p, t) == (pp_rank, tp_rank):
                 mine = group
     return mine
 
 
-def build_rank_mesh(dims: ParallelDims, device_type: str) -> RankMesh:
+def build_rank_mesh(dims: ParallelDims, device_type: str, timeout: timedelta | None = None) -> RankMesh:
     """The ("pp", "dp", "tp") DeviceMesh over the initialised default group, and core attention's own communicator
-    (a collective)."""
+    (a collective). ``timeout``: the collective timeout of the communicators made here (the run's)."""
     mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
     if dims.dp > 1 and dims.tp > 1:
         # A reduction over parameters sharded on both dims (the gradient norm) then takes one collective
@@ -129,5 +134,5 @@ def build_rank_mesh(dims: ParallelDims, device_type: str) -> RankMesh:
     rank = dist.get_rank()
     pp_rank, dp_rank, tp_rank = rank // (dims.dp * dims.tp), (rank // dims.tp) % dims.dp, rank % dims.tp
     # (one dp rank has no peer to exchange with: the dp mesh's group serves, and no communicator is made)
-    attention_group = _new_dp_group(dims, pp_rank, tp_rank) if dims.dp > 1 else mesh["dp"].get_group()
-    return RankMesh(dims, mesh, pp_rank, dp_rank, tp_rank, attention_group)
+    attention_group = _new_dp_group(dims, pp_rank, tp_rank, timeout) if dims.dp > 1 else mesh["dp"].get_group()
+    return RankMesh(dims, mesh, pp_rank, dp_rank, tp_rank, attention_group, timeout)

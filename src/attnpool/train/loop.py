@@ -26,6 +26,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -148,7 +149,7 @@ class Trainer:
         # The plan is made over the dp ranks; this rank holds its dp rank's tokens and runs core attention
         # on its share of the heads (and, pipelined, its stage's layers) with the dp ranks of its tp and
         # pipeline index (attnpool.parallel.mesh).
-        self.mesh = build_rank_mesh(spec.dims, self.device.type)
+        self.mesh = build_rank_mesh(spec.dims, self.device.type, timedelta(seconds=config.faults.collective_timeout_s))
         self.records = RankRecords(config.run.out, self.rank, self.world)
         self.peak_flops = bf16_peak_flops(self.device) if spec.bf16 else None  # MFU's denominator, per GPU
         self.resume_from = verified_checkpoint(config, spec.model, self.setup.resume_from) \

@@ -78,17 +78,28 @@ def test_split_point_keeps_label_and_position():
 def test_ping_pong_nano_batches_cut_before_a_last_document_that_reaches_the_share():
     """Ping-pong's nano-batches are whole documents, cut after the one that reaches half the tokens; where that is
     the batch's last, before it (two unequal nano-batches hide part of each other's exchanges, one hides nothing).
-    One document stays one nano-batch. The runtime's split and the simulator's bounds are the same."""
+    One document stays one nano-batch, and no cut leaves a nano-batch too small to give every rank a token (a
+    batch's leftover of a document before a long one). The runtime's split and the simulator's bounds agree."""
     from attnpool.plan.layout import nano_batch_bounds
     lens = [3000, 2000, 1000, 500, 20000]  # the last document holds 75% of the tokens
-    assert nano_batch_bounds(lens, 2) == [(0, 4), (4, 5)]
-    assert nano_batch_bounds([3000, 2000, 1000, 6000], 2) == [(0, 3), (3, 4)]
-    assert nano_batch_bounds([20000, 3000, 2000], 2) == [(0, 1), (1, 3)]  # (the first reaches it: cut after it)
-    assert nano_batch_bounds([26500], 2) == [(0, 1)]
+    assert nano_batch_bounds(lens, 2, 2) == [(0, 4), (4, 5)]
+    assert nano_batch_bounds([3000, 2000, 1000, 6000], 2, 2) == [(0, 3), (3, 4)]
+    assert nano_batch_bounds([20000, 3000, 2000], 2, 2) == [(0, 1), (1, 3)]  # (the first reaches it: cut after it)
+    assert nano_batch_bounds([26500], 2, 2) == [(0, 1)]
+    assert nano_batch_bounds([1, 511], 2, 2) == [(0, 2)]  # 1 token over 2 ranks would leave one empty
+    assert nano_batch_bounds([10, 2038], 2, 8) == [(0, 2)] and nano_batch_bounds([64, 1984], 2, 8) == [(0, 1), (1, 2)]
+    assert nano_batch_bounds([2047, 1], 2, 2) == [(0, 2)]
     batch = GlobalBatch.from_documents([np.arange(n) for n in lens], num_ranks=2, tokens_per_rank=13250)
     nanos = batch.split_documents(2)
     assert [list(n.doc_lens) for n in nanos] == [lens[:4], lens[4:]]
     assert np.array_equal(np.concatenate([n.tokens for n in nanos]), batch.tokens)
+    for n in (1, 2, 3, 10, 63, 64, 65, 200):  # every rank of every nano-batch holds a token
+        for ranks in (2, 3, 8):
+            doc_lens = [n, 8192 - n]
+            for d0, d1 in nano_batch_bounds(doc_lens, 2, ranks):
+                tokens = sum(doc_lens[d0:d1])
+                per_rank = -(-tokens // ranks)
+                assert -(-tokens // per_rank) == ranks, (n, ranks, d0, d1)
 
 
 def test_to_torch_dtypes():

@@ -119,7 +119,7 @@ def test_pingpong_runs_the_nano_batches_the_runtime_makes(costs):
     assert model.nano_step([plan]) == model.plan_step(plan, overlap=False)
     nanos = [plan_attention(linear_table(lens[d0:d1], 8, -(-sum(lens[d0:d1]) // 8)), "cad",
                             cost_model=costs.attn_fwd_bwd, eps=0.05, shape=model.shape)
-             for d0, d1 in nano_batch_bounds(lens, 2)]
+             for d0, d1 in nano_batch_bounds(lens, 2, 8)]
     assert len(nanos) == 2 and model.nano_step(nanos).comm_exposed < model.plan_step(plan).comm_exposed
 
     one = replace(SMALL, gpus=8, tp=1, gpus_per_node=1, tokens_per_gpu=16384, batches=1, strategies=("cad",))

@@ -172,7 +172,7 @@ class GlobalBatch:
         :func:`attnpool.plan.layout.nano_batch_bounds` says."""
         offsets = self.doc_offsets
         out = []
-        for d0, d1 in nano_batch_bounds(self.doc_lens, parts):
+        for d0, d1 in nano_batch_bounds(self.doc_lens, parts, self.num_ranks):
             t0, t1 = int(offsets[d0]), int(offsets[d1])
             out.append(GlobalBatch(self.step, self.num_ranks, -(-(t1 - t0) // self.num_ranks), self.doc_lens[d0:d1],
                                    self.tokens[t0:t1], self.labels[t0:t1], self.loss_mask[t0:t1],

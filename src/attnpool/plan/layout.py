@@ -66,20 +66,29 @@ def _budget(lens: np.ndarray, num_ranks: int, tokens_per_rank: int | None) -> in
     return int(tokens_per_rank)
 
 
-def nano_batch_bounds(doc_lens: Sequence[int], parts: int) -> list[tuple[int, int]]:
+def nano_batch_bounds(doc_lens: Sequence[int], parts: int, num_ranks: int) -> list[tuple[int, int]]:
     """The documents [d0, d1) of up to ``parts`` nano-batches of whole documents (ping-pong's: the runtime's,
     data.batch.GlobalBatch.split_documents, and the simulator's), each cut after the document that reaches an
     equal share of the tokens. Cutting a document would change what its tokens attend to, so fewer documents than
     ``parts`` give fewer nano-batches and one long document makes them unequal. Where the document that reaches
     a share is the batch's last, the cut is made before it: two unequal nano-batches still hide part of each
     other's exchanges, where one hides nothing (pretrain 128K on 2 GPUs: a 164,712-token document after six
-    shorter ones; bench/results/2026-11-30-cpu-nano-batch-cut.md)."""
+    shorter ones; bench/results/2026-11-30-cpu-nano-batch-cut.md).
+
+    No cut leaves a nano-batch of fewer than ``num_ranks`` squared tokens: each is laid out over the ``num_ranks``
+    dp ranks at ceil(n / num_ranks) tokens a rank, which leaves a rank empty where n <= num_ranks (num_ranks - 1),
+    and a rank cannot run a layer on no tokens (a batch's leftover of a document followed by a long one)."""
     lens = np.asarray(doc_lens, dtype=np.int64)
     offsets = np.r_[0, np.cumsum(lens)]
     targets = np.arange(1, parts) * offsets[-1] / parts
     # (searchsorted gives the cut after the document that reaches each share; after the last it is moved before it)
     cuts = np.unique(np.clip(np.searchsorted(offsets, targets), 1, max(len(lens) - 1, 1)))
-    bounds = [0, *[int(c) for c in cuts if 0 < c < len(lens)], len(lens)]
+    smallest = num_ranks * num_ranks
+    bounds = [0]
+    for c in (int(c) for c in cuts if 0 < c < len(lens)):
+        if offsets[c] - offsets[bounds[-1]] >= smallest and offsets[-1] - offsets[c] >= smallest:
+            bounds.append(c)
+    bounds.append(len(lens))
     return list(zip(bounds[:-1], bounds[1:]))
 
 

@@ -254,7 +254,7 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
         if "cad" in want:
             # ping-pong as the runtime runs it: nano-batches of whole documents, each laid out and planned alone
             # (the runtime also pads a nano-batch's ranks to a multiple of tp: at most tp - 1 tokens, left out)
-            bounds = nano_batch_bounds(lens, 2)
+            bounds = nano_batch_bounds(lens, 2, S)
 
             def cad_step(name, eps, topology, layout=linear_table, **kw):
                 nanos = [layout(lens[d0:d1], S, -(-sum(lens[d0:d1]) // S)) for d0, d1 in bounds]

@@ -170,21 +170,25 @@ def _attention_group(rank, world, tp, pp):
     import torch.distributed as dist
     mesh = build_rank_mesh(ParallelDims.of(world, tp, pp), "cpu", timedelta(seconds=7))
     group = mesh.attention_group
-    timeout = group._get_backend(torch.device("cpu")).options._timeout
+
+    def timeout_s(g):
+        return g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+    timeouts = {timeout_s(g) for g in (group, mesh.dp_mesh.get_group(), mesh.tp_mesh.get_group(), mesh.pp_group)}
     return (dist.get_process_group_ranks(group), dist.get_process_group_ranks(mesh.dp_mesh.get_group()),
-            group is mesh.dp_mesh.get_group(), timeout.total_seconds())
+            group is mesh.dp_mesh.get_group(), timeouts)
 
 
 @pytest.mark.parametrize("world, tp, pp", [(4, 2, 1), (4, 1, 2), (2, 1, 1)])
 def test_core_attention_has_a_communicator_of_its_own(world, tp, pp):
     """Core attention exchanges over the dp ranks of its pipeline and tp index, on a communicator of its own: on
     the dp mesh's, which FSDP2 gathers and reduces over, NCCL ran each exchange after the collectives FSDP had
-    issued before it (attnpool.parallel.mesh). It waits on a silent peer for the run's collective timeout, not
-    torch's default of 30 minutes (tests/test_faults.py stalls a worker)."""
-    for ranks, dp_ranks, shared, timeout_s in run_distributed(_attention_group, world, tp, pp):
+    issued before it (attnpool.parallel.mesh). It, and the mesh's own groups, wait on a silent peer for the run's
+    collective timeout, not torch's default of 30 minutes (tests/test_faults.py stalls a worker)."""
+    for ranks, dp_ranks, shared, timeouts in run_distributed(_attention_group, world, tp, pp):
         assert ranks == dp_ranks and len(ranks) == world // (tp * pp)
         assert not shared
-        assert timeout_s == 7
+        assert timeouts == {7}
 
 
 def _train_cut(rank, world, out, tp, resume, stop_at):

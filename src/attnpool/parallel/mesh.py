@@ -22,6 +22,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from attnpool.errors import ConfigError
 
@@ -127,10 +128,16 @@ def build_rank_mesh(dims: ParallelDims, device_type: str, timeout: timedelta | N
     """The ("pp", "dp", "tp") DeviceMesh over the initialised default group, and core attention's own communicator
     (a collective). ``timeout``: the collective timeout of the communicators made here (the run's)."""
     mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
+    groups = mesh.get_all_groups()
     if dims.dp > 1 and dims.tp > 1:
         # A reduction over parameters sharded on both dims (the gradient norm) then takes one collective
         # over all of a stage's ranks instead of one per dim (DeviceMesh has no public name for this yet).
-        mesh[("dp", "tp")]._flatten(mesh_dim_name="dp_tp")
+        groups.append(mesh[("dp", "tp")]._flatten(mesh_dim_name="dp_tp").get_group())
+    if timeout is not None:
+        # DeviceMesh makes its sub-groups with torch's default timeout (10 minutes on NCCL, 30 on gloo) and takes
+        # none; c10d's setter is what TorchTitan uses for the same.
+        for group in groups:
+            _set_pg_timeout(timeout, group)
     rank = dist.get_rank()
     pp_rank, dp_rank, tp_rank = rank // (dims.dp * dims.tp), (rank // dims.tp) % dims.dp, rank % dims.tp
     # (one dp rank has no peer to exchange with: the dp mesh's group serves, and no communicator is made)

@@ -36,7 +36,7 @@ def compare(dist: str, tokens: int, gpus: int, shape: AttentionShape, cost_model
     for step, lens in enumerate(bench_batches(dist, tokens, gpus, 1, 2)):
         parts = [("whole", lens, tokens)]
         parts += [(f"nano-batch {k + 1}", lens[d0:d1], -(-sum(lens[d0:d1]) // gpus))
-                  for k, (d0, d1) in enumerate(nano_batch_bounds(lens, 2)) if (d0, d1) != (0, len(lens))]
+                  for k, (d0, d1) in enumerate(nano_batch_bounds(lens, 2, gpus)) if (d0, d1) != (0, len(lens))]
         for part, part_lens, budget in parts:
             row = {"dist": dist, "tokens_per_gpu": tokens, "gpus": gpus, "step": step, "part": part,
                    "documents": len(part_lens), "longest": max(part_lens)}

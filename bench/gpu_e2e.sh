@@ -72,10 +72,10 @@ case "$PHASE" in
       echo "$trace"
       "${PYTHON:-python3}" bench/trace_breakdown.py "$trace" --json "${trace%.json.gz}-breakdown.json" && rm "$trace"
     done ;;
-  emulated-trace)  # why local lost 4 s a step on the emulated network where wlb lost 0.4 (2026-11-29-h200x2-full-depth-
-    # baselines.md, run 13): one traced step each of local, local over the balanced layout, wlb and cad (4 layers,
-    # prolong 128K, full checkpointing), core attention's exchanges measured beside FSDP's collectives (KEEP_TRACES=1
-    # keeps the traces beside their breakdowns)
+  emulated-trace)  # core attention's exchanges beside FSDP's collectives on the emulated network: one traced step
+    # each of local, local over the balanced layout, wlb and cad (4 layers, prolong 128K, full checkpointing); it found
+    # the exchanges queued behind FSDP's on a shared communicator (2026-11-30-h200x2-attention-communicator.md)
+    # (KEEP_TRACES=1 keeps the traces beside their breakdowns)
     export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_NSOCKS_PERTHREAD=4 \
       NCCL_SOCKET_NTHREADS=4
     probe emulated

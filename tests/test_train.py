@@ -390,6 +390,13 @@ def test_deterministic_turns_on_torchs_deterministic_algorithms_and_is_refused_w
     assert err.value.field == "sparse"
 
 
+def test_ping_pong_is_refused_with_wlb(tmp_path):
+    """wlb has no exchange for ping-pong to hide, and its packing of a small nano-batch can leave a rank empty."""
+    with pytest.raises(ConfigError, match="nothing to hide") as err:
+        tiny_config(tmp_path, attention="wlb", pingpong=True)
+    assert err.value.field == "pingpong"
+
+
 def test_progress_lines_mark_skipped_steps(capsys):
     from attnpool.train.metrics import Progress
 

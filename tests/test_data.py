@@ -79,7 +79,8 @@ def test_ping_pong_nano_batches_cut_before_a_last_document_that_reaches_the_shar
     """Ping-pong's nano-batches are whole documents, cut after the one that reaches half the tokens; where that is
     the batch's last, before it (two unequal nano-batches hide part of each other's exchanges, one hides nothing).
     One document stays one nano-batch, and no cut leaves a nano-batch too small to give every rank a token (a
-    batch's leftover of a document before a long one). The runtime's split and the simulator's bounds agree."""
+    batch's leftover of a document before a long one: it would hide nothing). The runtime's split and the
+    simulator's bounds agree."""
     from attnpool.plan.layout import nano_batch_bounds
     lens = [3000, 2000, 1000, 500, 20000]  # the last document holds 75% of the tokens
     assert nano_batch_bounds(lens, 2, 2) == [(0, 4), (4, 5)]

@@ -191,6 +191,35 @@ def test_core_attention_has_a_communicator_of_its_own(world, tp, pp):
         assert timeouts == {7}
 
 
+def _step_with_an_empty_rank(rank, world, strategy):
+    """One forward and backward where the layout leaves every rank but 0 without tokens (as wlb's packing can, of
+    long documents over many ranks): the summed loss and the full gradients."""
+    from attnpool.plan import PieceTable, plan_attention
+    cfg = tiny_config("unused", attention="local")
+    spec = resolve_run_spec(cfg, world, torch.device("cpu"))
+    mesh = build_rank_mesh(spec.dims, "cpu")
+    model = build_model(spec, mesh)
+    docs = [np.arange(100) % 50 + 3, np.arange(60) % 40 + 5]
+    batch = GlobalBatch.from_documents(docs, num_ranks=world, tokens_per_rank=160)
+    lens = batch.doc_lens
+    table = PieceTable.from_arrays(world, lens, np.zeros(2, np.int64), np.arange(2), np.zeros(2, np.int64), lens)
+    plan = plan_attention(table, strategy, cost_model="pairs", min_shard_tokens=16)
+    tensors = batch.rank_batch(plan.pieces, rank).to_torch()
+    loss = forward_backward(model, [tensors], [CoreAttention(plan, mesh.attention_group)], batch.num_label_tokens)
+    return float(loss), {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("strategy", ["local", "cad"])
+def test_a_rank_without_tokens_trains(strategy):
+    """A rank the layout gives no tokens runs its layers on none (and, under cad, serves attention for the others):
+    the losses and gradients are one process's."""
+    (one_loss, one_grads), = run_distributed(_step_with_an_empty_rank, 1, "local")
+    ranks = run_distributed(_step_with_an_empty_rank, 2, strategy)
+    assert ranks[1][0] == 0.0 and abs(ranks[0][0] - one_loss) <= 1e-5 * abs(one_loss)
+    for name, grad in one_grads.items():
+        assert torch.allclose(ranks[0][1][name], grad, rtol=1e-4, atol=1e-6), name
+
+
 def _train_cut(rank, world, out, tp, resume, stop_at):
     result = train(tiny_config(out, attention="cad", steps=6, stop_at=stop_at, tp=tp, resume=resume))
     return [r["loss"] for r in result.rows]

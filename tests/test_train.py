@@ -391,7 +391,7 @@ def test_deterministic_turns_on_torchs_deterministic_algorithms_and_is_refused_w
 
 
 def test_ping_pong_is_refused_with_wlb(tmp_path):
-    """wlb has no exchange for ping-pong to hide, and its packing of a small nano-batch can leave a rank empty."""
+    """wlb has no exchange for ping-pong to hide."""
     with pytest.raises(ConfigError, match="nothing to hide") as err:
         tiny_config(tmp_path, attention="wlb", pingpong=True)
     assert err.value.field == "pingpong"

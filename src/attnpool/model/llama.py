@@ -165,10 +165,11 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q (T, H_q, D), k and v (T, H_kv, D), with q and k rotated to each token's position."""
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, -1, self.head_dim)
-        k = self.k_proj(x).view(T, -1, self.head_dim)
-        v = self.v_proj(x).view(T, -1, self.head_dim)
+        # (unflatten, not view(T, -1, D): a rank may hold no tokens, e.g. under wlb's packing, and a view of no
+        # elements cannot infer the head count)
+        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))
+        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -75,9 +75,10 @@ def nano_batch_bounds(doc_lens: Sequence[int], parts: int, num_ranks: int) -> li
     other's exchanges, where one hides nothing (pretrain 128K on 2 GPUs: a 164,712-token document after six
     shorter ones; bench/results/2026-11-30-cpu-nano-batch-cut.md).
 
-    No cut leaves a nano-batch of fewer than ``num_ranks`` squared tokens: each is laid out over the ``num_ranks``
-    dp ranks at ceil(n / num_ranks) tokens a rank, which can leave a rank empty for n up to (num_ranks - 1)
-    squared, and a rank cannot run a layer on no tokens (a batch's leftover of a document followed by a long one)."""
+    No cut leaves a nano-batch of fewer than ``num_ranks`` squared tokens (a batch's leftover of a document before
+    a long one): each is laid out over the ``num_ranks`` dp ranks at ceil(n / num_ranks) tokens a rank, which can
+    leave a rank empty for n up to (num_ranks - 1) squared, and so small a nano-batch hides nothing of the other's
+    exchanges (a rank without tokens runs, but only waits)."""
     lens = np.asarray(doc_lens, dtype=np.int64)
     offsets = np.r_[0, np.cumsum(lens)]
     targets = np.arange(1, parts) * offsets[-1] / parts

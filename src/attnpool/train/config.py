@@ -143,8 +143,7 @@ class TrainConfig:
                                                           "dK and dV with atomics, in no fixed order")
         if self.attention.strategy == "wlb" and self.attention.pingpong:
             raise ConfigError("pingpong", True, "wlb runs no exchange inside core attention, so ping-pong has nothing "
-                                                "to hide, and wlb's packing of a small nano-batch can leave a rank "
-                                                "with no tokens; use it with cad, local or percp")
+                                                "to hide; use it with cad, local or percp")
         if self.parallel.pp > 1 and self.attention.pingpong:
             raise ConfigError("pingpong", True, "ping-pong's nano-batches differ in size, and pipeline stages exchange "
                                                 "hidden states of one shape; the pipeline's micro-batches overlap instead")

@@ -105,6 +105,7 @@ def test_pingpong_trains_the_same(tmp_path):
     results = run_distributed(_train_with_and_without_pingpong, 2, str(tmp_path))[0]
     (plain_rows, plain_w), (pp_rows, pp_w) = results[False], results[True]
     assert all(r["attention_time_s"] is None for r in pp_rows)  # two interleaved nano-batches every step
+    assert all(r["nano_batches"] == [2] for r in pp_rows) and all(r["nano_batches"] == [1] for r in plain_rows)
     assert all(r["comm_bytes"] > 0 for r in pp_rows)
     assert rel_diff([r["loss"] for r in pp_rows], [r["loss"] for r in plain_rows]) <= 1e-5
     for name, w in plain_w.items():

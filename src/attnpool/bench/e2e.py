@@ -219,6 +219,8 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg, as_run: dict):
         "sparse_imbalance_measured": None if measured[0].get("sparse_imbalance_measured") is None
         else statistics.mean(r["sparse_imbalance_measured"] for r in measured),
         "longest_doc": max(r["longest_doc"] for r in rows),
+        # per measured step, per micro-batch: the nano-batches it ran as (ping-pong hides nothing in a step of 1)
+        "nano_batches": [r.get("nano_batches") for r in measured],
         "layer_checkpointing": auto_choice(modes, offload),
     }
     rec["efficiency"] = rec["ideal_step_s"] / step

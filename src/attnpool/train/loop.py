@@ -55,7 +55,7 @@ from attnpool.train.optim import agree_finite, apply_optim_settings, build_optim
 from attnpool.train.schedule_choice import same_schedule
 from attnpool.train.planning import StepPlan
 from attnpool.train.resume import changes_data, verified_checkpoint, write_config
-from attnpool.train.runners import build_runner
+from attnpool.train.runners import PlannedStep, build_runner
 from attnpool.train.setup import prepare
 from attnpool.train.signals import Preemption
 from attnpool.train.spec import context_note, rank_device, same_attention_backend
@@ -310,7 +310,7 @@ class Trainer:
             self.prior.update(*sparse_sums[:3], by_length=by_length)
         values = {"step_time_s": time.perf_counter() - t0, "plan_time_s": plan_time, "lr": lr,
                   "grad_norm": float(grad_norm)}
-        row = self._row(micro_batches, planned.balance, per_rank, sparse_sums, served, values, outcome.timed, finite,
+        row = self._row(micro_batches, planned, per_rank, sparse_sums, served, values, outcome.timed, finite,
                         max(1, targets))
         return StepEnd(row, planned.balance, finite, stop)
 
@@ -324,10 +324,11 @@ class Trainer:
         out = all_gather_flat(torch.tensor(values, dtype=torch.float64, device=device))
         return out.cpu().numpy().reshape(dist.get_world_size(), len(values))
 
-    def _row(self, micro_batches, balance: StepPlan, per_rank: np.ndarray, sparse_sums: np.ndarray, served: np.ndarray,
-             values: dict, attention_timed: bool, finite: bool, label_tokens: int) -> dict:
+    def _row(self, micro_batches, planned: PlannedStep, per_rank: np.ndarray, sparse_sums: np.ndarray,
+             served: np.ndarray, values: dict, attention_timed: bool, finite: bool, label_tokens: int) -> dict:
         """The step's metrics row (attnpool.train.metrics says what each means); ``values``: this rank's times,
         learning rate and gradient norm."""
+        balance = planned.balance
         step_tokens = sum(b.num_tokens for b in micro_batches)
         cuda, sparse = self.device.type == "cuda", self.spec.sparse is not None
         flops = sum(step_flops(self.spec.model.config, b.doc_lens) for b in micro_batches)
@@ -358,6 +359,7 @@ class Trainer:
             "imbalance_after": balance.imbalance_planned,
             "num_docs": sum(b.num_docs for b in micro_batches),
             "longest_doc": int(max(b.doc_lens.max() for b in micro_batches)),
+            "nano_batches": [len(unit) for unit in planned.microbatches],
             "skipped_step": not finite,
             "nonfinite_steps": self.nonfinite_total,
         }

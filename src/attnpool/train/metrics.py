@@ -19,6 +19,9 @@ Times (all in seconds, per step):
   peak, allocated bytes plus what it caches, which is what the GPU must hold.
 - ``activation_offload_bytes`` (with ``activation_offload``): the bytes of saved
   activations the largest rank copied to host memory in the step.
+- ``nano_batches``: per micro-batch, how many nano-batches it ran as: 2 where ping-pong split it, 1 without
+  ping-pong or where it could not split (a single document, or a cut that would leave a nano-batch of fewer than
+  ranks squared tokens: attnpool.plan.layout.nano_batch_bounds).
 - ``model_flops``: the step's model FLOPs, linear layers and causal attention,
   forward and backward (attnpool.train.flops); ``mfu`` those over the step's time
   and every GPU's bf16 peak (null on the CPU, in float32, or on a GPU without a

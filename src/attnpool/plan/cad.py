@@ -160,18 +160,16 @@ def _schedule(table: PieceTable, cost_model, min_shard_tokens: int, eps: float, 
     # need not be as the plan holds its tasks (contiguous shards merged, which the table costs otherwise: a
     # 19K-token document over 5 ranks in 256-token shards, max/mean 1.026 held, 1.6% above percp's).
     held = loads(tasks)
-    if balanced and held.max() <= (1.0 + eps) * held.mean():
-        # No plan's busiest server carries less than the least total work over the servers, so within (1 + eps)
-        # of that, cad's cannot be above percp's by more: percp's plan, about half of the planning time at 64
-        # servers (bench/results/2026-11-30-cpu-plan.md), is not needed.
-        least_total = getattr(cost_model, "least_total", None)
-        if least_total is not None and held.max() <= least_total(table.doc_len) / table.num_ranks * (1.0 + eps):
-            return tasks
-        percp = schedule_percp(table, min_shard_tokens)
-        if held.max() <= busiest(percp) * (1.0 + eps):
-            return tasks
-    else:
-        percp = schedule_percp(table, min_shard_tokens)
+    within = balanced and held.max() <= (1.0 + eps) * held.mean()
+    # No plan's busiest server carries less than the least total work over the servers, so within (1 + eps) of
+    # that, cad's cannot be above percp's by more: percp's plan, about half of the planning time at 64 servers
+    # (bench/results/2026-11-30-cpu-plan.md), is not needed.
+    least_total = getattr(cost_model, "least_total", None)
+    if within and least_total is not None and held.max() <= least_total(table.doc_len) / table.num_ranks * (1.0 + eps):
+        return tasks
+    percp = schedule_percp(table, min_shard_tokens)
+    if within and held.max() <= busiest(percp) * (1.0 + eps):
+        return tasks
     seeded, _, _ = _greedy(table, percp, cost, cost1, isinstance(cost_model, PairsCost), min_shard_tokens, eps, shape,
                            topology, window)
     candidates = [tasks, seeded, percp, home]

@@ -87,7 +87,13 @@ def run_settings(meta: dict, records: list[dict]) -> dict:
     if offload_none:  # everything a layer saves goes to the host: PCIe-bound, not hidden (+61%, docs/training.md)
         raise SystemExit(f"{', '.join(offload_none)}: activation offload with checkpointing none is bound by PCIe; "
                          "the comparison takes offload's copies as hidden only under keep_attention or full")
+    # core attention's head groups: the bench gives --head-chunks to the strategies that exchange inside it, and one
+    # group to wlb and ulysses, as the simulator does
+    chunks = {r.get("head_chunks", 1) for r in records} - {1}
+    if len(chunks) > 1:
+        raise SystemExit(f"runs with different head_chunks {sorted(chunks)}: compare them apart")
     return {"layers": int(layers), "gpus_per_node": int(meta.get("ranks_per_node") or 0), "tp": tps.pop(),
+            "head_chunks": chunks.pop() if chunks else 1,
             "recompute": modes.pop() if modes else "linear", "attention_backend": meta.get("attention_backend"),
             "hierarchical": bool(meta.get("hierarchical_exchange")) or any(r.get("hierarchical_exchange")
                                                                            for r in records),
@@ -133,14 +139,15 @@ def sim_costs(layers: int, args, backend: str | None):
 
 
 def simulate_bench(dist: str, tokens: int, world: int, tp: int, per_node: int, layers: int, recompute: str,
-                   hierarchical: bool, batches, costs) -> tuple[dict, dict]:
+                   hierarchical: bool, batches, costs, head_chunks: int = 1) -> tuple[dict, dict]:
     """The simulator on a benchmark's batches: (its strategies' results, simulator name -> benchmark strategy)."""
     servers = world // tp
     # cad plans as attnpool train does, at its fixed price of a byte between nodes, whatever the links simulated
     config = SimConfig(model="llama3-8b", layers=layers, gpus=world, tp=tp, gpus_per_node=per_node,
                        tokens_per_gpu=tokens, dist=dist, strategies=("local", "wlb", "percp", "ulysses", "cad"),
                        cp_degrees=(servers,), batches=len(batches), recompute=recompute, hierarchical=hierarchical,
-                       inter_node_byte_cost=INTER_NODE_BYTE_COST, percp_plan=True, balanced=True)
+                       inter_node_byte_cost=INTER_NODE_BYTE_COST, percp_plan=True, balanced=True,
+                       head_chunks=head_chunks)
     # percp as the benchmark runs it: attnpool's percp plan (the simulator's analytic percp-cpN gathers whole
     # documents' KV instead, a layout the benchmark does not run)
     pairs = {**PAIRS, **(HIERARCHICAL_PAIRS if hierarchical else {}), f"ulysses-u{servers}": "ulysses",
@@ -160,7 +167,7 @@ def predict(args) -> int:
         for tp in (int(t) for t in args.tp.split(",")):
             batches = bench_batches(dist, tokens, args.gpus, args.warmup, args.steps, tp)
             sim, pairs = simulate_bench(dist, tokens, args.gpus, tp, per_node, args.layers, recompute,
-                                        args.hierarchical, batches, costs)
+                                        args.hierarchical, batches, costs, args.head_chunks)
             for name, strategy in pairs.items():
                 if name in sim:
                     steps = np.asarray(sim[name]["per_batch_step_s"])
@@ -176,7 +183,9 @@ def predict(args) -> int:
     lines = [f"# Predicted step times of benchmark runs to come: {args.model}, {args.layers} layers, {args.gpus} GPUs",
              "", f"Date {datetime.date.today()}. `attnpool.sim` with the shipped H200 profile on the batches `attnpool "
              f"bench --tp T` will draw ({args.warmup} warm-up steps skipped, {args.steps} predicted), {network}, "
-             f"recompute {recompute}, the {args.attention_backend or 'flash'} kernel's table where the profile has "
+             f"recompute {recompute}, " + (f"core attention in {args.head_chunks} groups of heads for local, percp "
+                                            "and cad, " if args.head_chunks > 1 else "") +
+             f"the {args.attention_backend or 'flash'} kernel's table where the profile has "
              "it. Tokens are per GPU: a dp rank (a TP group) holds tp times them. Predictions, not measurements. "
              f"Command: `{command}`.", "",
              "| dist | tokens/GPU | dp x tp | strategy | median step (s) | total (s) | vs `local` (total) |",
@@ -220,6 +229,9 @@ def main() -> int:
                         help="GPUs of a node of the runs to come (--predict; default --gpus: one node)")
     parser.add_argument("--hierarchical", action="store_true",
                         help="also cad with the hierarchical exchange (--predict)")
+    parser.add_argument("--head-chunks", type=int, default=1,
+                        help="core attention in this many groups of heads for local, percp and cad, as attnpool bench "
+                             "--head-chunks runs them (--predict; a comparison takes the runs' own)")
     parser.add_argument("--attention-backend", default=None,
                         help="the kernel whose table prices attention (--predict; default flash's)")
     parser.add_argument("--name", default="", help="a suffix of the written files' names")
@@ -246,7 +258,8 @@ def main() -> int:
             raise SystemExit(f"{dist} {tokens}: runs with different warm-up or step counts {sorted(steps)}")
         batches = bench_batches(dist, tokens, world, *steps.pop(), tp=setting["tp"])
         sim, pairs = simulate_bench(dist, tokens, world, setting["tp"], per_node, setting["layers"],
-                                    setting["recompute"], setting["hierarchical"], batches, costs)
+                                    setting["recompute"], setting["hierarchical"], batches, costs,
+                                    setting["head_chunks"])
         if setting["hierarchical"]:  # (only cad's relayed rows: the simulator models the others' exchanges flat)
             pairs = HIERARCHICAL_PAIRS
         for sim_name, bench_name in pairs.items():
@@ -265,6 +278,8 @@ def main() -> int:
              f"benchmark's seed), {world} GPUs, {setting['layers']} layers, TP {setting['tp']}, "
              + (f"nodes of {per_node} GPUs" if per_node < world else "one node")
              + (", cad with the hierarchical exchange" if setting["hierarchical"] else "")
+             + (f", core attention in {setting['head_chunks']} groups of heads for local, percp and cad as run"
+                if setting["head_chunks"] > 1 else "")
              + f", recompute {setting['recompute']} as the runs' checkpointing"
              + (offload_as_hidden(setting["activation_offload"]) if setting["activation_offload"] else "")
              + ". Command: `python bench/sim_validation.py "

@@ -37,7 +37,7 @@ def every_strategy(tmp):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "attnpool.cli.main", "bench",
            "--device", "cpu", "--model", "tiny", "--layers", "1", "--configs", "prolong:1K", "--strategies",
            "local,ulysses,cad,cad+pingpong,cad+pingpong+balanced,local+sparse,cad+sparse,cad+sparse+readkv", "--warmup", "1",
-           "--steps", "1", "--ablation",
+           "--steps", "1", "--ablation", "--head-chunks", "2",
            "--trace", "ulysses,cad", "--out", str(tmp)]
     return tmp, background.run(cmd, timeout=300)
 
@@ -55,7 +55,10 @@ def test_bench_runs_every_strategy_and_writes_results(capsys):
                     "efficiency", "efficiency_with_recompute", "mfu", "imbalance_after", "bytes_sent_per_gpu", "peak_memory_bytes"):
             assert key in rec
     assert all(rec["loss_ok"] for rec in records[:8])  # same batches, same initial weights
-    assert json.loads((tmp_path / "e2e.json").read_text())["meta"]["complete"]
+    # --head-chunks: core attention in 2 groups of heads where it exchanges and is dense, else in one
+    assert [rec["head_chunks"] for rec in records] == [2, 1, 2, 2, 2, 1, 1, 1, 2]
+    meta = json.loads((tmp_path / "e2e.json").read_text())["meta"]
+    assert meta["complete"] and " --head-chunks 2" in meta["command"]
     assert "Partial" not in (tmp_path / "e2e.md").read_text()
     _partial_results_are_written_quietly(tmp_path, records, capsys)
     for rec in records:  # keep_attention recomputes the linear parts: a longer ideal, never a shorter one
@@ -186,7 +189,7 @@ def test_summary_of_ping_pong_steps_with_one_document():
                               hierarchical_exchange=False)
     cfg = model_config("tiny", n_layers=1)
     as_run = {"layer_checkpointing": ("keep_attention",), "activation_offload": False, "pp_schedule": None,
-              "pp_schedule_choice": None}
+              "pp_schedule_choice": None, "head_chunks": 1}
     mixed = summarize("cad+pingpong", "pretrain", 2048, [row(None), row(0.3), row(None), row(0.2)], args, 2, cfg,
                       as_run)
     assert mixed["attention_time_s"] is None

@@ -16,7 +16,8 @@ from attnpool import ConfigError, DocPiece, core_attention, plan_attention
 from attnpool.comm import comm_stats
 from attnpool.kernels import reference as reference_kernels
 from attnpool.plan import AttentionShape, linear_layout
-from attnpool.runtime.core_attention import dispatch_layout
+from attnpool.runtime.core_attention import CoreAttention, dispatch_layout
+from attnpool.sparse import SparseConfig
 from dist_harness import run_distributed
 
 STRATEGIES = ("local", "percp", "cad")
@@ -57,11 +58,11 @@ def local_rows(tensors, pieces, which):
         torch.zeros(0, *tensors[next(iter(tensors))][which].shape[1:], dtype=torch.float64)
 
 
-def worker(rank, world, dtype_name, backward_group_keys=None, copies=False, relay_nodes=None):
+def worker(rank, world, dtype_name, backward_group_keys=None, copies=False, relay_nodes=None, head_chunks=1):
     """``copies``: the reference backend without its PositionKernel, so that documents with several
     segments on a server run as prefix copies (as under flash) rather than one call each; without, every
     such server runs without copies, however few they are (these documents are short). ``relay_nodes``: each
-    rank's node, for the hierarchical exchange."""
+    rank's node, for the hierarchical exchange. ``head_chunks``: each call in that many groups of heads."""
     import attnpool.runtime.dispatch as dispatch
 
     # this process only (the harness runs every worker in its own)
@@ -83,7 +84,8 @@ def worker(rank, world, dtype_name, backward_group_keys=None, copies=False, rela
                 comm_stats.reset()
                 saved = []
                 with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-                    out = core_attention(q, k, v, plan, backend=backend, relay_nodes=relay_nodes)
+                    out = core_attention(q, k, v, plan, backend=backend, relay_nodes=relay_nodes,
+                                         head_chunks=head_chunks)
                 layout = dispatch_layout(plan, q, k, v, relay_nodes=relay_nodes)
                 out.backward(dout)
                 results[(case, strategy, heads)] = dict(
@@ -424,6 +426,84 @@ def test_hierarchical_exchange_computes_the_same_and_sends_kv_across_nodes_once(
                         stats = got["stats"]
                         assert stats["relay"][1] == stats["relay_grad"][2] and stats["relay"][2] == stats["relay_grad"][1]
     assert relayed_somewhere  # (the document spanning every rank, served on both nodes)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_head_chunks_compute_the_same_with_the_same_bytes_and_memory(world):
+    """Each call in two groups of heads (every strategy, GQA and MHA, a rank without tokens; on 4 ranks through the
+    hierarchical exchange of 2 nodes): the reference's outputs and gradients; backward keeps the server's buffers
+    alone, as one call does; every exchange carries the same bytes in all as one call's, in twice the launches."""
+    relay_nodes = RELAY_NODES if world == 4 else None
+    chunked = run_distributed(worker, world, "float32", None, False, relay_nodes, 2)
+    assert_matches_reference(world, chunked, tolerance=1e-5)
+    whole = run_distributed(worker, world, "float32", None, False, relay_nodes)
+    for rank in range(world):
+        for key, got in chunked[rank].items():
+            assert got["saved_numel"] == got["server_numel"] and not got["saved_inputs"], key
+            one = whole[rank][key]["stats"]
+            assert {tag: s[1:] for tag, s in got["stats"].items()} == {tag: s[1:] for tag, s in one.items()}, key
+            assert all(got["stats"][tag][0] == 2 * n for tag, (n, _, _) in one.items()), key
+
+
+def launch_order_worker(rank, world):
+    """The order in which each head group's exchanges are launched and waited for, forward and backward: events
+    (what, tag, head group), the group of a handle known from the forward launch it was made for."""
+    import importlib
+
+    runtime = importlib.import_module("attnpool.runtime.core_attention")  # (the package's core_attention is the function)
+
+    events, group_of, forward_launches = [], {}, {}
+    launch, wait = runtime._Handle.launch, runtime._Handle.wait
+
+    def logged_launch(handle, send, send_sizes, recv_sizes, group, tag):
+        if tag in ("dispatch", "return"):
+            group_of[id(handle)] = forward_launches[tag] = forward_launches.get(tag, -1) + 1
+        events.append(("launch", tag, group_of[id(handle)]))
+        handle.logged_tag = tag
+        return launch(handle, send, send_sizes, recv_sizes, group, tag)
+
+    def logged_wait(handle):
+        events.append(("wait", handle.logged_tag, group_of[id(handle)]))
+        return wait(handle)
+
+    runtime._Handle.launch, runtime._Handle.wait = logged_launch, logged_wait
+    try:
+        pieces = linear_layout([300, 40, 500, 60], world)
+        plan = plan_attention(pieces, "cad", cost_model="pairs", min_shard_tokens=32)
+        data = global_inputs(pieces, 4, 4, seed=1)
+        q, k, v, dout = (local_rows(data, pieces[rank], i).float().requires_grad_(i < 3) for i in range(4))
+        core_attention(q, k, v, plan, head_chunks=4).backward(dout)
+    finally:
+        runtime._Handle.launch, runtime._Handle.wait = launch, wait
+    return events
+
+
+def test_head_groups_exchanges_are_launched_in_the_order_that_overlaps_them():
+    """Forward: every group's Q/KV out, then each group's outputs home in group order (group g's once its kernel
+    ran). Backward, as autograd serves the groups last to first: every group's dO out, last group first, then each
+    group's dQ/dKV back in the same order, so that a group's kernel backward runs while the next group's dO is
+    in flight and the one before's gradients go home."""
+    for events in run_distributed(launch_order_worker, 2):
+        launches = [(tag, g) for what, tag, g in events if what == "launch"]
+        assert launches == ([("dispatch", g) for g in range(4)] + [("return", g) for g in range(4)]
+                            + [("dispatch_grad", g) for g in (3, 2, 1, 0)]
+                            + [("return_grad", g) for g in (3, 2, 1, 0)]), launches
+        # each group's kernel backward waits for its own dO only, and launches its gradients before the next waits
+        backward = [e for e in events if e[1] in ("dispatch_grad", "return_grad")]
+        assert backward.index(("launch", "return_grad", 3)) < backward.index(("wait", "dispatch_grad", 2))
+
+
+def test_head_chunks_are_refused_where_they_cannot_split_the_heads():
+    pieces = linear_layout([40, 30], 1)
+    plan = plan_attention(pieces, "cad", cost_model="pairs")
+    q, k = torch.randn(70, 4, HEAD_DIM), torch.randn(70, 2, HEAD_DIM)
+    with pytest.raises(ConfigError, match="head_chunks.*must divide the 2 KV heads"):
+        core_attention(q, k, k, plan, head_chunks=4)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ConfigError, match="head_chunks"):
+            CoreAttention(plan, head_chunks=bad)
+    with pytest.raises(ConfigError, match="head_chunks.*sparse"):
+        CoreAttention(plan, head_chunks=2, sparse=SparseConfig(mode="vertical-slash"))
 
 
 def test_bfloat16_within_tolerance():

@@ -129,6 +129,34 @@ def test_pingpong_runs_the_nano_batches_the_runtime_makes(costs):
     assert halves["cad"]["step_s"] < halves["cad-serial"]["step_s"]
 
 
+def test_head_chunks_hide_exchanges_behind_the_other_groups_kernels(costs):
+    """Core attention in groups of heads: the same bytes in more collectives (each with its latency), a shorter
+    step where the exchanges were exposed, and nothing changed for a plan without exchanges. A batch of one
+    document, which ping-pong cannot split, hides most of its exchanges so."""
+    lens = [60000, 3000, 2000, 1000, 30000, 500, 20000, 14572]
+    cl = Cluster(gpus=8, tp=1, gpus_per_node=1, tokens_per_gpu=16384)
+    slow = StepModel(CFG, cl, replace(costs, inter=replace(costs.inter, bandwidth=costs.inter.bandwidth / 20)))
+    plan = plan_attention(linear_table(lens, 8, 16384), "cad", cost_model=costs.attn_fwd_bwd, eps=0.05,
+                          shape=slow.shape)
+    one, two, four = (slow.plan_step(plan, head_chunks=n) for n in (1, 2, 4))
+    assert four.step < two.step < one.step
+    assert four.step > max(one.step - one.comm_exposed, 0)  # the first group's exchange stays exposed
+    collectives = 4 * CFG.n_layers  # Q/KV out, O back, dO out, dQ/dKV back in every layer
+    for chunked, n in ((two, 2), (four, 4)):
+        assert chunked.comm_total == pytest.approx(one.comm_total + (n - 1) * collectives * costs.inter.latency,
+                                                   rel=1e-9)
+    local = plan_attention(linear_table([16384] * 8, 8, 16384), "local", cost_model=costs.attn_fwd_bwd)
+    unchunked, chunked = slow.plan_step(local), slow.plan_step(local, head_chunks=4)
+    assert chunked.comm_total == unchunked.comm_total == 0
+    assert chunked.step == pytest.approx(unchunked.step, rel=1e-12)  # (the kernel's time in four parts)
+    config = replace(SMALL, gpus=8, tp=1, gpus_per_node=1, tokens_per_gpu=16384, batches=1, strategies=("cad",))
+    whole = {n: simulate_config(replace(config, head_chunks=n), costs, doc_batches=[[131072]])["strategies"]
+             for n in (1, 2)}
+    assert whole[2]["cad"]["step_s"] < whole[1]["cad"]["step_s"]
+    with pytest.raises(ConfigError, match="head_chunks"):
+        replace(config, head_chunks=3).check()  # llama3-8b's 8 KV heads
+
+
 def test_ulysses_fetches_only_a_windows_keys_of_a_remote_prefix(costs):
     """A piece that starts inside its document, in another Ulysses group, fetches the keys before it: all of them
     in a causal layer, the window's last ones (window - 1) in a sliding layer, as percp's model does."""

@@ -42,7 +42,7 @@ def test_what_a_record_says_of_its_runs(validation):
     records = [{"strategy": "cad", "tp": 1, "layer_checkpointing": "all 32 layers full"}]
     assert validation.run_settings(meta, records) == {"layers": 32, "gpus_per_node": 2, "tp": 1, "recompute": "full",
                                                       "attention_backend": "fa4", "hierarchical": True,
-                                                      "activation_offload": []}
+                                                      "activation_offload": [], "head_chunks": 1}
     # activation offload: compared with its copies taken as hidden, and marked so
     offloaded = [{**records[0], "layer_checkpointing": "all 32 layers full, with activation offload"}]
     assert validation.run_settings(meta, offloaded)["activation_offload"] == ["cad"]
@@ -53,6 +53,12 @@ def test_what_a_record_says_of_its_runs(validation):
     assert (old["layers"], old["recompute"], old["gpus_per_node"], old["hierarchical"]) == (4, "linear", 0, False)
     with pytest.raises(SystemExit, match="differs by layer"):  # auto's mixed choice: one recompute mode per run
         validation.run_settings(meta, [{"strategy": "cad", "layer_checkpointing": "layers 0-3 full, 4-31 none"}])
+    # core attention's head groups: the runs' own (wlb's and ulysses' one group beside them), one count per comparison
+    chunked = [{**records[0], "head_chunks": 2}, {**records[0], "strategy": "wlb", "head_chunks": 1}]
+    assert validation.run_settings(meta, chunked)["head_chunks"] == 2
+    assert validation.run_settings(meta, records)["head_chunks"] == 1
+    with pytest.raises(SystemExit, match="different head_chunks"):
+        validation.run_settings(meta, [{**records[0], "head_chunks": 2}, {**records[0], "head_chunks": 4}])
     # what the comparison does not simulate is refused, not simulated as something else
     for changed, what in (({"pp": 2}, "pipeline stages"),):
         with pytest.raises(SystemExit, match=what):

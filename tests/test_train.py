@@ -93,23 +93,50 @@ def test_strategies_give_the_same_training(tmp_path):
 
 def _train_with_and_without_pingpong(rank, world, out):
     results = {}
-    for pingpong in (False, True):
-        # Documents of at most 96 tokens, so every step has several to split into nano-batches.
-        config = tiny_config(Path(out) / f"pingpong-{pingpong}", attention="cad", max_doc_len=96, steps=6, pingpong=pingpong)
+    for pingpong, head_chunks in ((False, 1), (True, 1), (False, 2), (True, 2)):
+        # Documents of at most 96 tokens, so every step has several to split into nano-batches. Both overlaps
+        # together under full checkpointing, whose recompute runs the interleaved layer's exchanges again.
+        both = pingpong and head_chunks > 1
+        config = tiny_config(Path(out) / f"pingpong-{pingpong}-{head_chunks}", attention="cad", max_doc_len=96,
+                             steps=6, pingpong=pingpong, head_chunks=head_chunks,
+                             activation_checkpointing="full" if both else "none")
         result = train(config)
-        results[pingpong] = (result.rows, full_weights(result.model))
+        results[pingpong, head_chunks] = (result.rows, full_weights(result.model))
     return results
 
 
-def test_pingpong_trains_the_same(tmp_path):
+def test_pingpong_and_head_chunks_train_the_same(tmp_path):
+    """Two nano-batches interleaved, core attention in two groups of heads, and both (with full checkpointing):
+    one batch's losses and weights."""
     results = run_distributed(_train_with_and_without_pingpong, 2, str(tmp_path))[0]
-    (plain_rows, plain_w), (pp_rows, pp_w) = results[False], results[True]
-    assert all(r["attention_time_s"] is None for r in pp_rows)  # two interleaved nano-batches every step
-    assert all(r["nano_batches"] == [2] for r in pp_rows) and all(r["nano_batches"] == [1] for r in plain_rows)
-    assert all(r["comm_bytes"] > 0 for r in pp_rows)
-    assert rel_diff([r["loss"] for r in pp_rows], [r["loss"] for r in plain_rows]) <= 1e-5
-    for name, w in plain_w.items():
-        torch.testing.assert_close(pp_w[name], w, rtol=1e-4, atol=1e-5, msg=name)
+    plain_rows, plain_w = results[False, 1]
+    for (pingpong, head_chunks), (rows, weights) in results.items():
+        if pingpong:
+            assert all(r["attention_time_s"] is None for r in rows)  # two interleaved nano-batches every step
+        assert all(r["nano_batches"] == [2 if pingpong else 1] for r in rows)
+        same_groups = zip(rows, results[pingpong, 1][0])
+        if pingpong and head_chunks > 1:  # (full checkpointing: the recompute's exchanges are counted too)
+            assert all(r["comm_bytes"] > p["comm_bytes"] for r, p in same_groups)
+        else:  # the same bytes in more, smaller exchanges
+            assert all(r["comm_bytes"] == p["comm_bytes"] for r, p in same_groups)
+        assert rel_diff([r["loss"] for r in rows], [r["loss"] for r in plain_rows]) <= 1e-5, (pingpong, head_chunks)
+        for name, w in plain_w.items():
+            torch.testing.assert_close(weights[name], w, rtol=1e-4, atol=1e-5, msg=(pingpong, head_chunks, name))
+    assert all(r["comm_bytes"] > 0 for r in results[True, 1][0])
+
+
+def test_head_chunks_are_refused_where_they_cannot_help_or_split(tmp_path):
+    for overrides, message in (
+            (dict(attention="wlb", head_chunks=2), "wlb runs no exchange"),
+            (dict(attention="ulysses", head_chunks=2), "not with ulysses"),
+            (dict(head_chunks=2, **SPARSE), "not with sparse attention"),
+            (dict(head_chunks=0), "must be at least 1")):
+        with pytest.raises(ConfigError, match="head_chunks") as raised:
+            tiny_config(tmp_path, **overrides)
+        assert message in str(raised.value), (overrides, raised.value)
+    # TINY's 2 KV heads: 4 groups cannot split them, found on every rank when the model is known
+    for field, message in run_distributed(refused_config, 2, dict(head_chunks=4)):
+        assert field == "head_chunks" and "must divide the 2 KV heads a rank holds" in message, message
 
 
 # --- Sparse attention trains the same under every strategy -------------------------------------

@@ -101,6 +101,13 @@ def relays_kv(name, args) -> bool:
     return args.hierarchical_exchange and strategy_settings(name)[0] in KV_EXCHANGING
 
 
+def head_chunks(name, args) -> int:
+    """Core attention's head groups for strategy ``name``: --head-chunks where it exchanges inside core attention
+    and is dense (attnpool train refuses them with wlb, ulysses and sparse attention), else 1."""
+    attention, _, kv_transfer, _ = strategy_settings(name)
+    return args.head_chunks if attention in ("local", "percp", "cad") and kv_transfer is None else 1
+
+
 def traced_strategies(args) -> list[str]:
     """The strategies ``--trace`` names (a comma-separated list; none without it)."""
     return [s for s in (args.trace or "").split(",") if s]
@@ -124,29 +131,32 @@ def run_one(name, dist_name, tokens, args, out_dir, trace=False):
         microbatches=args.microbatches, steps=args.warmup + args.steps + TRACE_STEPS,
         stop_at=None if trace else args.warmup + args.steps, warmup_steps=2, lr=1e-4, seed=0,
         attention=attention, layout=layout, pingpong=pingpong, **sparse, hierarchical_exchange=relays_kv(name, args),
+        head_chunks=head_chunks(name, args),
         activation_checkpointing=args.activation_checkpointing, activation_offload=args.activation_offload,
         precision="bf16", attention_backend=args.attention_backend,
         device=args.device, progress=False, checkpoint_every=-1, out=os.path.join(out_dir, f"{dist_name}-{tokens}-{name}"),
     )
     if not trace:
-        return _with_prediction(train(config))
+        return _with_prediction(train(config), config)
     tag = f"{dist_name}-{tokens // 1024}K-{name}".replace("+", "_")
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda" else [])
     schedule = torch.profiler.schedule(skip_first=args.warmup + args.steps, wait=0, warmup=1, active=1, repeat=1)
     with torch.profiler.profile(activities=activities, schedule=schedule,
                                 on_trace_ready=functools.partial(_write_trace, args.out, tag, args.device)) as prof:
-        rows, predicted, settings = _with_prediction(train(config, on_step=prof.step))
+        rows, predicted, settings = _with_prediction(train(config, on_step=prof.step), config)
     return rows[:args.warmup + args.steps], predicted, settings
 
 
-def _with_prediction(result) -> tuple[list, int | None, dict]:
+def _with_prediction(result, config: TrainConfig) -> tuple[list, int | None, dict]:
     """The run's rows, the memory model's allocated peak of its busiest rank (None where unchecked), and its settings
-    as it ran where auto chooses them: each layer's checkpointing mode, activation offload, the pipeline schedule."""
+    as it ran where auto chooses them (each layer's checkpointing mode, activation offload, the pipeline schedule)
+    or the strategy does (core attention's head groups)."""
     predicted = [None] * dist.get_world_size()
     dist.all_gather_object(predicted, result.memory.allocated_bytes if result.memory else None)
     return (result.rows, max((p for p in predicted if p is not None), default=None),
             {"layer_checkpointing": result.layer_checkpointing, "activation_offload": result.activation_offload,
-             "pp_schedule": result.pp_schedule, "pp_schedule_choice": result.pp_schedule_choice})
+             "pp_schedule": result.pp_schedule, "pp_schedule_choice": result.pp_schedule_choice,
+             "head_chunks": config.attention.head_chunks})
 
 
 def sparse_options(text: str) -> dict:
@@ -190,6 +200,7 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg, as_run: dict):
     rec = {
         "strategy": name, "dist": dist_name, "tokens_per_gpu": tokens, "gpus": world, "tp": args.tp, "pp": args.pp,
         "microbatches": args.microbatches, "hierarchical_exchange": relays_kv(name, args),
+        "head_chunks": as_run["head_chunks"],
         "pp_schedule": as_run["pp_schedule"],
         "pp_schedule_choice": as_run["pp_schedule_choice"],
         "step_time_s": step, "step_times_s": [r["step_time_s"] for r in measured],
@@ -263,6 +274,13 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
     if args.tp < 1 or args.pp < 1 or int(os.environ["WORLD_SIZE"]) % (args.tp * args.pp):
         raise ConfigError("--tp/--pp", (args.tp, args.pp),
                           f"tp x pp must divide the number of processes ({os.environ['WORLD_SIZE']})")
+    if args.head_chunks < 1:
+        raise ConfigError("--head-chunks", args.head_chunks, "must be at least 1")
+    if args.head_chunks > 1:  # here, not in the first run's: that would have set up its process groups
+        kv_heads = model_config(args.model, **model_fields(args)).n_kv_heads
+        if (kv_heads // args.tp) % args.head_chunks:
+            raise ConfigError("--head-chunks", args.head_chunks, f"must divide the {kv_heads // args.tp} KV heads of a "
+                                                                 f"GPU ({args.model}'s {kv_heads} over --tp {args.tp})")
     if args.steps < 1 or args.warmup < 0 or args.layers < 1:
         raise ConfigError("--steps/--warmup/--layers", (args.steps, args.warmup, args.layers),
                           "need at least 1 measured step, 0 or more warm-up steps and 1 or more layers")
@@ -455,6 +473,7 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
                           if args.activation_checkpointing != "keep_attention" else "")
                        + (" --activation-offload" if args.activation_offload else "")
                        + (" --hierarchical-exchange" if args.hierarchical_exchange else "")
+                       + (f" --head-chunks {args.head_chunks}" if args.head_chunks != 1 else "")
                        + "".join(f" --{k} {getattr(args, k)}" for k in ("tp", "pp", "microbatches")
                                  if getattr(args, k) != 1)
                        + (f" --pp-schedule {args.pp_schedule}" if args.pp > 1 and args.pp_schedule != "1f1b" else "")}

@@ -72,6 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="core attention's KV crosses between nodes once per node, a server there forwarding it "
                         "(attnpool train's hierarchical_exchange; needs ranks on several nodes); ulysses, which "
                         "exchanges heads, runs without it")
+    p.add_argument("--head-chunks", type=int, default=1,
+                   help="core attention in this many groups of heads, one group's kernel while another's exchanges "
+                        "are on the wire (attnpool train's head_chunks), for the strategies that exchange inside it "
+                        "(local, percp, cad; wlb, ulysses and the +sparse ones run without)")
     p.add_argument("--activation-offload", action="store_true",
                    help="keep the activations saved for backward in host memory (attnpool train's activation_offload)")
     p.add_argument("--memory-breakdown", action="store_true",

@@ -30,7 +30,8 @@ def attention_for(plan: Plan, group=None, *, backend: str | Backend | None = Non
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, group=None, *,
                    backend: str | Backend | None = None, scale: float | None = None,
                    sparse: SparseConfig | None = None, layer: int | None = None,
-                   softcap: float | None = None, relay_nodes: tuple[int, ...] | None = None) -> torch.Tensor:
+                   softcap: float | None = None, relay_nodes: tuple[int, ...] | None = None,
+                   head_chunks: int = 1) -> torch.Tensor:
     """Causal attention of every token over its own document's earlier tokens, wherever they live.
 
     q (T_r, H_q, D), k and v (T_r, H_kv, D) hold this rank's tokens in the order of its
@@ -38,10 +39,11 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan
     made for a sliding window (``plan_attention(..., window=w)``) computes each token over the ``w`` keys
     ending at it. ``softcap``: scores soft-capped (c * tanh(s / c)). ``sparse`` and ``layer``:
     vertical-slash sparse attention, as :class:`CoreAttention` takes them. ``relay_nodes``: each rank's node, for
-    the hierarchical exchange (:class:`CoreAttention`; a head-parallel plan exchanges no KV and takes none).
+    the hierarchical exchange, and ``head_chunks``: the call in that many groups of heads, one's exchanges behind
+    another's kernel (:class:`CoreAttention`; a head-parallel plan takes neither).
     """
     return attention_for(plan, group, backend=backend, scale=scale, sparse=sparse, softcap=softcap,
-                         relay_nodes=relay_nodes)(q, k, v, layer=layer)
+                         relay_nodes=relay_nodes, head_chunks=head_chunks)(q, k, v, layer=layer)
 
 
 def plan_layer_kinds(kinds, pieces, strategy: str = "cad", group=None, *, backend=None, scale: float | None = None,

@@ -39,6 +39,7 @@ before backward.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from dataclasses import dataclass, replace
 
 import torch
@@ -375,33 +376,51 @@ class _ReturnStart(torch.autograd.Function):
 
 
 class _Collect(torch.autograd.Function):
-    """Wait for the outputs of remote tasks and assemble this rank's output. Backward: launch dO to servers."""
+    """Wait for the outputs of remote tasks and assemble this rank's output: every head group's (CoreAttention's
+    ``head_chunks``) into its heads of one tensor, saved once. Backward: launch dO to the servers, the last group's
+    first, as autograd serves the groups last to first."""
 
     @staticmethod
-    def forward(ctx, out_srv, o_recv, L: DispatchLayout, sh: _Shapes, handle: _Handle | None, group,
-                out_srv_rows: _ServerRows, dout_srv_rows: _ServerRows):
-        out = out_srv.new_empty(L.num_tokens, sh.H_q, sh.D)
-        L.local_q.inverse.copy(out, out_srv)
-        if handle is not None:
-            handle.wait()
-            L.q_send_rows.put(out, o_recv.view(-1, sh.H_q, sh.D))
+    def forward(ctx, parts: tuple, group, *tensors):
+        """``parts``: per head group, (layout, shapes, handle or None, out_srv_rows, dout_srv_rows); ``tensors``: per
+        head group, its server output and the rows that came home (None without a return exchange)."""
+        L, sh = parts[0][0], parts[0][1]
+        out = tensors[0].new_empty(L.num_tokens, sum(part[1].H_q for part in parts), sh.D)
+        for (L, sh, handle, _, _), heads, out_srv, o_recv in zip(parts, _head_slices(parts), tensors[0::2],
+                                                                 tensors[1::2]):
+            part_out = out[:, heads]
+            L.local_q.inverse.copy(part_out, out_srv)
+            if handle is not None:
+                handle.wait()
+                L.q_send_rows.put(part_out, o_recv.view(-1, sh.H_q, sh.D))
         # The caller's next layer keeps its input: saving it here costs nothing, and it holds the
         # server's local rows (see _ServerRows).
         ctx.save_for_backward(out)
-        ctx.meta = (L, sh, handle, group, out_srv_rows, dout_srv_rows)
+        ctx.meta = (parts, group)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        L, sh, handle, group, out_srv_rows, dout_srv_rows = ctx.meta
-        out_srv_rows.place_local(L.local_q, ctx.saved_tensors[0])
-        dout = dout.contiguous()
-        dout_srv_rows.place_local(L.local_q, dout)
-        if handle is None:  # no _ReturnStart: every server row is local
-            return dout_srv_rows.take(), None, None, None, None, None, None, None
-        handle.launch(L.q_send_rows.take(dout, own=True).reshape(-1), [n * sh.q_width for n in L.q_send_splits],
-                      [n * sh.q_width for n in L.q_recv_splits], group, "dispatch_grad")
-        return None, None, None, None, None, None, None, None  # _ReturnStart's backward returns the whole dO
+        parts, group = ctx.meta
+        out = ctx.saved_tensors[0]
+        grads = [None] * (2 * len(parts))
+        for i, heads in reversed(list(enumerate(_head_slices(parts)))):
+            L, sh, handle, out_srv_rows, dout_srv_rows = parts[i]
+            out_srv_rows.place_local(L.local_q, out[:, heads])
+            part_dout = dout[:, heads]  # (rows are copied out of it: a strided view of the heads will do)
+            dout_srv_rows.place_local(L.local_q, part_dout)
+            if handle is None:  # no _ReturnStart: every server row is local
+                grads[2 * i] = dout_srv_rows.take()
+                continue
+            handle.launch(L.q_send_rows.take(part_dout, own=True).reshape(-1), [n * sh.q_width for n in L.q_send_splits],
+                          [n * sh.q_width for n in L.q_recv_splits], group, "dispatch_grad")
+        return (None, None, *grads)  # where a group sent outputs home, _ReturnStart's backward returns its whole dO
+
+
+def _head_slices(parts) -> list[slice]:
+    """Each head group's query heads in the assembled output."""
+    ends = itertools.accumulate(part[1].H_q for part in parts)
+    return [slice(end - part[1].H_q, end) for part, end in zip(parts, ends)]
 
 
 @dataclass
@@ -527,9 +546,15 @@ class CoreAttention:
     activation checkpointing, so that backward runs with the forward's patterns --
     so make one CoreAttention per forward and backward pass, as the training loop does.
     ``pattern_group``: the group (of the same ranks, in the same order) for the sparse
-    exchanges; with ping-pong give them one of their own (see __init__).
+    exchanges and the hierarchical exchange's forwarding; with ping-pong or head groups give them one of their own
+    (see __init__).
     ``relay_nodes``: the node of each rank of ``group``; KV bound for several servers of one node then crosses
     between nodes once (the hierarchical exchange: plan.plan.KVTransfers.relays).
+    ``head_chunks``: split the call into this many groups of heads (of KV heads, and their query heads), each
+    dispatched, served and returned on its own: one group's kernel runs while the next group's Q/KV and the last
+    one's outputs are on the wire, so that a single batch hides most of its exchanges, as two nano-batches of
+    ping-pong would, where no second nano-batch exists (one long document, a pipeline's micro-batch). The same
+    rows and bytes in more, smaller exchanges; dense attention only (a layer's sparse patterns cover every head).
 
     A plan made for a sliding window (``plan.window``) computes windowed attention; ``softcap`` soft-caps
     the scores (the layer kind's, attnpool.kinds). Neither goes with sparse attention.
@@ -537,16 +562,22 @@ class CoreAttention:
 
     def __init__(self, plan: Plan, group=None, *, backend: str | Backend | None = None, scale: float | None = None,
                  sparse: SparseConfig | None = None, sparse_stats: SparseStats | None = None, pattern_group=None,
-                 softcap: float | None = None, relay_nodes: tuple[int, ...] | None = None):
+                 softcap: float | None = None, relay_nodes: tuple[int, ...] | None = None, head_chunks: int = 1):
         self.plan, self.group, self.backend, self.scale, self.softcap = plan, group, backend, scale, softcap
         self.relay_nodes = relay_nodes
         self.sparse = sparse if sparse is not None and sparse.enabled else None
+        if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
+            raise ConfigError("head_chunks", head_chunks, "must be a whole number >= 1")
+        if head_chunks > 1 and self.sparse is not None:
+            raise ConfigError("head_chunks", head_chunks, "not with sparse attention, whose patterns are estimated "
+                                                          "over every head of a layer at once")
+        self.head_chunks = head_chunks
         if self.sparse is not None and (plan.window is not None or softcap is not None):
             raise ConfigError("sparse", "enabled", f"sparse attention computes causal attention without a window "
                                                    f"or soft-cap (window={plan.window}, softcap={softcap})")
         self.sparse_stats = sparse_stats
-        # The sparse exchanges (a few queries, packed patterns) happen inside compute. On the
-        # group of the Q/KV/O traffic they would queue behind the other nano-batch's dispatch
+        # The sparse exchanges (a few queries, packed patterns) and the relay's forwarding happen inside compute. On
+        # the group of the Q/KV/O traffic they would queue behind the other nano-batch's or head group's dispatch
         # (one NCCL communicator runs in order); a group of the same ranks of their own does not.
         self.pattern_group = group if pattern_group is None else pattern_group
         self._serving = {}  # layer -> its SparseServing, whose patterns a recompute reuses
@@ -560,14 +591,23 @@ class CoreAttention:
         self.compute(pending)
         return self.collect(pending)
 
-    def dispatch(self, q, k, v, *, layer: int | None = None) -> _InFlight:
+    def dispatch(self, q, k, v, *, layer: int | None = None) -> list[_InFlight]:
+        """Launch Q and KV to their servers; returns what compute and collect take (one entry per head group)."""
         read_kv = self.sparse if self._sparse_layer(layer) and self.sparse.kv_transfer == "read" else None
         layout = dispatch_layout(self.plan, q, k, v, self.group, read_kv, self.sparse, self.relay_nodes)
-        p = _InFlight(q, k, v, layout, _Shapes(q.shape[1], k.shape[1], q.shape[2]), layer)
-        if layout.any_traffic:
-            p.handle = _Handle()
-            p.recv = _DispatchStart.apply(q, k, v, layout, p.shapes, p.handle, self.group)
-        return p
+        chunks = self.head_chunks
+        if k.shape[1] % chunks:  # (every rank has the model's heads: each refuses alike, before any exchange)
+            raise ConfigError("head_chunks", chunks, f"must divide the {k.shape[1]} KV heads of a rank's call")
+        # (split: one node in backward concatenates every group's dQ, where slices would each make a whole zero dQ)
+        groups = zip(q.chunk(chunks, 1), k.chunk(chunks, 1), v.chunk(chunks, 1)) if chunks > 1 else [(q, k, v)]
+        pending = []
+        for q_g, k_g, v_g in groups:
+            p = _InFlight(q_g, k_g, v_g, layout, _Shapes(q_g.shape[1], k_g.shape[1], q_g.shape[2]), layer)
+            if layout.any_traffic:
+                p.handle = _Handle()
+                p.recv = _DispatchStart.apply(q_g, k_g, v_g, layout, p.shapes, p.handle, self.group)
+            pending.append(p)
+        return pending
 
     def _backend(self, q, layer):
         dense = kernel_backend(self.backend, q, self.plan.window, self.softcap)
@@ -584,7 +624,13 @@ class CoreAttention:
     def _sparse_layer(self, layer: int | None) -> bool:
         return self.sparse is not None and (layer is None or self.sparse.is_sparse_layer(layer))
 
-    def compute(self, p: _InFlight) -> None:
+    def compute(self, pending: list[_InFlight]) -> None:
+        """Serve what this rank was sent and launch the outputs home, one head group after another (each waits
+        only for its own Q and KV)."""
+        for p in pending:
+            self._compute(p)
+
+    def _compute(self, p: _InFlight) -> None:
         L, sh = p.layout, p.shapes
         if L.any_traffic:
             q_recv, kv_recv = _DispatchWait.apply(p.recv, L, sh, p.handle, self.group)
@@ -599,7 +645,8 @@ class CoreAttention:
             p.handle = _Handle()
             p.recv = _ReturnStart.apply(p.out_srv, L, sh, p.handle, self.group, p.out_srv_rows, p.dout_srv_rows)
 
-    def collect(self, p: _InFlight) -> torch.Tensor:
-        return _Collect.apply(p.out_srv, p.recv, p.layout, p.shapes, p.handle, self.group, p.out_srv_rows,
-                              p.dout_srv_rows)
+    def collect(self, pending: list[_InFlight]) -> torch.Tensor:
+        """This rank's output (tokens, query heads, head_dim), every head group's outputs home."""
+        parts = tuple((p.layout, p.shapes, p.handle, p.out_srv_rows, p.dout_srv_rows) for p in pending)
+        return _Collect.apply(parts, self.group, *(t for p in pending for t in (p.out_srv, p.recv)))
 

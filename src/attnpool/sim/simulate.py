@@ -89,6 +89,9 @@ class SimConfig:
     # local and cad also over the balanced layout (attnpool train's layout balanced: equal tokens, whole documents
     # placed to even out attention first), as "local-balanced", "cad-balanced" (ping-pong) and "cad-balanced-serial"
     balanced: bool = False
+    # core attention in this many groups of heads (attnpool train's head_chunks), for the strategies that run it so:
+    # local, percp-plan and every cad (wlb and the analytic percp and ulysses models in one)
+    head_chunks: int = 1
 
     def model_config(self):
         fields = {"n_layers": self.layers} if self.layers is not None else {}
@@ -128,6 +131,11 @@ class SimConfig:
             raise ConfigError("max_doc_len", self.max_doc_len, "must be positive")
         if not self.memory_cap >= 1.0:
             raise ConfigError("memory_cap", self.memory_cap, "must be >= 1.0")
+        if isinstance(self.head_chunks, bool) or not isinstance(self.head_chunks, int) or self.head_chunks < 1:
+            raise ConfigError("head_chunks", self.head_chunks, "must be a positive integer")
+        kv_heads = (model_cfg or self.model_config()).n_kv_heads // self.tp
+        if kv_heads % self.head_chunks:
+            raise ConfigError("head_chunks", self.head_chunks, f"must divide the {kv_heads} KV heads of a GPU")
         if self.inter_node_byte_cost is not None and not self.inter_node_byte_cost > 0:
             raise ConfigError("inter_node_byte_cost", self.inter_node_byte_cost, "must be positive, or None")
 
@@ -232,25 +240,26 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
     def plan(table, strategy, **kw) -> dict:  # one plan per distinct window of the model's layers
         return {w: plan_attention(table, strategy, window=w, **plan_kw, **kw) for w in dict.fromkeys(model.layer_windows)}
 
+    chunks = config.head_chunks
     for bi, lens in enumerate(doc_batches):
         ideal.append(model.ideal(lens))
         if "local" in want or "cad" in want or config.percp_plan:
             lin = linear_table(lens, S, B)
         if "local" in want:
-            add(model.plan_step(plan(lin, "local"), overlap=False))
+            add(model.plan_step(plan(lin, "local"), overlap=False, head_chunks=chunks))
         if "wlb" in want:
             add(model.plan_step(plan(wlb_table(lens, S, B, config.memory_cap), "local"), overlap=False, name="wlb"))
         if "percp" in want:
             for c in cps:
                 add(model.percp_step(wlb_pieces(lens, S // c, c * B, config.memory_cap), c))
             if config.percp_plan:
-                add(model.plan_step(plan(lin, "percp"), overlap=False, name="percp-plan"))
+                add(model.plan_step(plan(lin, "percp"), overlap=False, name="percp-plan", head_chunks=chunks))
         if "ulysses" in want:
             for u in ulysses_degrees:
                 add(model.ulysses_step(wlb_pieces(lens, S // u, u * B, config.memory_cap), u))
         balanced = balanced_table(lens, S, B) if config.balanced else None
         if balanced is not None and "local" in want:
-            add(model.plan_step(plan(balanced, "local"), overlap=False, name="local-balanced"))
+            add(model.plan_step(plan(balanced, "local"), overlap=False, name="local-balanced", head_chunks=chunks))
         if "cad" in want:
             # ping-pong as the runtime runs it: nano-batches of whole documents, each laid out and planned alone
             # (the runtime also pads a nano-batch's ranks to a multiple of tp: at most tp - 1 tokens, left out)
@@ -258,20 +267,22 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
 
             def cad_step(name, eps, topology, layout=linear_table, **kw):
                 nanos = [layout(lens[d0:d1], S, -(-sum(lens[d0:d1]) // S)) for d0, d1 in bounds]
-                return model.nano_step([plan(t, "cad", eps=eps, topology=topology) for t in nanos], name=name, **kw)
+                return model.nano_step([plan(t, "cad", eps=eps, topology=topology) for t in nanos], name=name,
+                                       head_chunks=chunks, **kw)
 
             pingpong = cad_step("cad", config.eps, topology)
             add(pingpong)
-            add(model.plan_step(plan(lin, "cad", eps=config.eps, topology=topology), overlap=False, name="cad-serial"))
+            add(model.plan_step(plan(lin, "cad", eps=config.eps, topology=topology), overlap=False, name="cad-serial",
+                                head_chunks=chunks))
             if balanced is not None:
                 add(cad_step("cad-balanced", config.eps, topology, layout=balanced_table))
                 add(model.plan_step(plan(balanced, "cad", eps=config.eps, topology=topology), overlap=False,
-                                    name="cad-balanced-serial"))
+                                    name="cad-balanced-serial", head_chunks=chunks))
             if config.hierarchical:  # planned for it: cad prices the KV a relay forwards inside its node
                 relays = replace(topology, relays=True)
                 add(cad_step("cad-hierarchical", config.eps, relays, hierarchical=True))
                 add(model.plan_step(plan(lin, "cad", eps=config.eps, topology=relays), overlap=False,
-                                    name="cad-hierarchical-serial", hierarchical=True))
+                                    name="cad-hierarchical-serial", hierarchical=True, head_chunks=chunks))
             for e in eps_sweep or ():
                 eps_acc.setdefault(float(e), _Acc()).add(pingpong if e == config.eps else cad_step("cad", e, topology))
         if progress:

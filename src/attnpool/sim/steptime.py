@@ -304,7 +304,8 @@ class StepModel:
     # --- strategies ---
 
     def plan_step(self, plan: Plan | dict, overlap: bool = False, name: str | None = None,
-                  task_seconds: tuple[np.ndarray, np.ndarray] | None = None, hierarchical: bool = False) -> StepTime:
+                  task_seconds: tuple[np.ndarray, np.ndarray] | None = None, hierarchical: bool = False,
+                  head_chunks: int = 1) -> StepTime:
         """Step time of a plan from the real planner (local, wlb, cad): all-to-alls over all servers. For a model
         whose layers differ in kind, ``plan`` maps each window to its plan (plan_attention(..., window=w)) and
         each layer runs its window's.
@@ -315,19 +316,21 @@ class StepModel:
         not price them (sparse attention: bench/sim_sparse.py). ``hierarchical``: the hierarchical exchange
         (attnpool train's hierarchical_exchange): KV a relay forwards goes from it, inside its node, in a second
         all-to-all after the first, on the compute path as runtime.core_attention runs it (backward: the forwarded
-        rows' gradients back to the relay, then across)."""
+        rows' gradients back to the relay, then across). ``head_chunks``: core attention in that many groups of
+        heads (attnpool train's head_chunks; :meth:`_simulate`)."""
         tokens, layers = self._nano_batch(plan, task_seconds, hierarchical)
         return self._simulate(name or _strategy(plan), _even_parts(tokens, layers, 2 if overlap else 1),
-                              group_size=self.cluster.servers, **_bytes_of([layers]))
+                              group_size=self.cluster.servers, head_chunks=head_chunks, **_bytes_of([layers]))
 
-    def nano_step(self, nano_plans: list, name: str | None = None, hierarchical: bool = False) -> StepTime:
+    def nano_step(self, nano_plans: list, name: str | None = None, hierarchical: bool = False,
+                  head_chunks: int = 1) -> StepTime:
         """Step time of ping-pong as the runtime runs it: the micro-batch's nano-batches of whole documents
         (plan.layout.nano_batch_bounds), each laid out over every server and planned on its own (``nano_plans``:
         each one's plan, or plans by window as :meth:`plan_step` takes them), interleaved layer by layer. One
         long document makes them unequal, and the smaller then hides less of the larger's exchanges."""
         nanos = [self._nano_batch(plan, None, hierarchical) for plan in nano_plans]
         return self._simulate(name or _strategy(nano_plans[0]), nanos, group_size=self.cluster.servers,
-                              **_bytes_of([layers for _, layers in nanos]))
+                              head_chunks=head_chunks, **_bytes_of([layers for _, layers in nanos]))
 
     def _nano_batch(self, plan: Plan | dict, task_seconds, hierarchical: bool) -> tuple[np.ndarray, list]:
         """(tokens per server, per layer its entry of :meth:`_plan_layer`) of one (nano-)batch's plan."""
@@ -502,12 +505,17 @@ class StepModel:
         return ((fwd_pre, fwd_post + fwd_pre, fwd_post + head_f, forward),
                 (head_b + bwd_post, bwd_post + bwd_pre, bwd_pre, backward))
 
-    def _simulate(self, name, nanos, group_size, bytes_moved, max_bytes) -> StepTime:
+    def _simulate(self, name, nanos, group_size, bytes_moved, max_bytes, head_chunks: int = 1) -> StepTime:
         """``nanos``: per nano-batch (one without ping-pong), its tokens per server and its layers: per layer,
         (attention forward and backward seconds per server, the forward's exchanges (before, after core
         attention), the backward's, ...); backward runs the layers in reverse. Each layer runs every nano-batch's
         part before core attention in turn, then every core attention, one's exchanges behind the next one's
-        compute."""
+        compute. With ``head_chunks`` each core attention is that many equal groups of heads, as
+        runtime.core_attention runs them: every group's exchange before it in turn (each with the whole
+        latency), then each group's kernel once its own exchange is in and its exchange after it, so that a
+        group's kernel runs behind the next group's transfer. In backward the recompute's exchanges and dO's
+        are taken as one exchange before, split the same way (an approximation of the recompute's own
+        groups)."""
         S, c = self.cluster.servers, group_size
         G = S // c
         m = len(nanos)
@@ -525,20 +533,22 @@ class StepModel:
                     pre = first if layer == 0 else mid
                     cf = cf + pre if ready[x] is None else np.maximum(cf, np.repeat(ready[x], c)) + pre
                     if before.active:
-                        took = before.duration()
-                        mf = np.maximum(mf, cf.reshape(G, c).max(1)) + took
-                        comm_total += took
-                        dispatched[x] = mf
+                        took = before.part(head_chunks).duration()
+                        dispatched[x] = []
+                        for _ in range(head_chunks):
+                            mf = np.maximum(mf, cf.reshape(G, c).max(1)) + took
+                            comm_total += took
+                            dispatched[x].append(mf)
                 for x in range(m):
                     attn, (_, after) = passes[x][p][3][layer]
-                    cf = cf + attn if dispatched[x] is None else np.maximum(cf, np.repeat(dispatched[x], c)) + attn
-                    if after.active:
-                        took = after.duration()
-                        mf = np.maximum(mf, cf.reshape(G, c).max(1)) + took
-                        comm_total += took
-                        ready[x] = mf
-                    else:
-                        ready[x] = None
+                    took = after.part(head_chunks).duration() if after.active else None
+                    for group in range(head_chunks):
+                        arrived = cf if dispatched[x] is None else np.maximum(cf, np.repeat(dispatched[x][group], c))
+                        cf = arrived + attn / head_chunks
+                        if took is not None:
+                            mf = np.maximum(mf, cf.reshape(G, c).max(1)) + took
+                            comm_total += took
+                    ready[x] = mf if took is not None else None
             for x in range(m):
                 last = passes[x][p][2]
                 cf = cf + last if ready[x] is None else np.maximum(cf, np.repeat(ready[x], c)) + last

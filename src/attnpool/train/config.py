@@ -5,7 +5,8 @@ A run's settings are ten sections, each a frozen dataclass that checks its own v
     model       model, model_impl, model_args, precision, compile, float8, float8_recipe, float8_all_gather,
                 loss_kernel
     data        data, data_path, data_args, tokenizer, tokens_per_rank, max_doc_len, seed
-    attention   attention, layout, cost_model, min_shard, eps, memory_cap, attention_backend, pingpong
+    attention   attention, layout, cost_model, min_shard, eps, memory_cap, attention_backend, pingpong,
+                head_chunks
     sparse      sparse, sparse_coverage, sparse_min_doc_len, dense_layers, sparse_args
     optim       steps, lr, min_lr_ratio, warmup_steps, weight_decay, beta1, beta2, grad_clip
     parallel    tp, pp, pp_schedule, microbatches, ranks_per_node, hierarchical_exchange
@@ -133,7 +134,8 @@ class TrainConfig:
             # Ulysses' exchanges are whole-batch all-to-alls around one kernel call: nothing of CAD's task layout
             # (ping-pong's phases, the sparse serving, the pooled pipeline's idle servers) applies to them.
             refused = {"pingpong": self.attention.pingpong, "sparse": self.sparse.mode != "none",
-                       "pp_schedule": self.parallel.pp > 1 and self.parallel.pp_schedule == "pooled"}
+                       "pp_schedule": self.parallel.pp > 1 and self.parallel.pp_schedule == "pooled",
+                       "head_chunks": self.attention.head_chunks > 1}
             for key, asked in refused.items():
                 if asked:
                     raise ConfigError(key, self.value(key), "not with ulysses attention, which runs every document "
@@ -144,6 +146,13 @@ class TrainConfig:
         if self.attention.strategy == "wlb" and self.attention.pingpong:
             raise ConfigError("pingpong", True, "wlb runs no exchange inside core attention, so ping-pong has nothing "
                                                 "to hide; use it with cad, local or percp")
+        if self.attention.head_chunks > 1 and self.attention.strategy == "wlb":
+            raise ConfigError("head_chunks", self.attention.head_chunks, "wlb runs no exchange inside core attention, "
+                                                                         "so head groups have nothing to hide; use "
+                                                                         "them with cad, local or percp")
+        if self.attention.head_chunks > 1 and self.sparse.mode != "none":
+            raise ConfigError("head_chunks", self.attention.head_chunks, "not with sparse attention, whose patterns "
+                                                                         "are estimated over every head of a layer")
         if self.parallel.pp > 1 and self.attention.pingpong:
             raise ConfigError("pingpong", True, "ping-pong's nano-batches differ in size, and pipeline stages exchange "
                                                 "hidden states of one shape; the pipeline's micro-batches overlap instead")

@@ -160,6 +160,11 @@ class AttentionSection(Section):
     pingpong: bool = _setting("pingpong", "split each step's batch into two nano-batches of whole documents, each "
                                           "planned on its own, and overlap one's attention traffic with the other's "
                                           "compute", default=False)
+    head_chunks: int = _setting("head_chunks", "run each layer's core attention in this many groups of heads, one "
+                                               "group's kernel while another's Q/KV and outputs are on the wire: it "
+                                               "hides exchanges where ping-pong has no second nano-batch (one long "
+                                               "document, pipeline stages); must divide the KV heads a rank holds",
+                                default=1)
 
     def check(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -175,6 +180,7 @@ class AttentionSection(Section):
             raise ConfigError("eps", self.eps, "must be in [0, 1)")
         if not (math.isfinite(self.memory_cap) and self.memory_cap >= 1.0):
             raise ConfigError("memory_cap", self.memory_cap, "must be a finite number >= 1.0")
+        _at_least("head_chunks", self.head_chunks, 1)
         if self.backend not in ATTENTION_BACKENDS:
             raise ConfigError("attention_backend", self.backend,
                               f"unknown attention backend; choose one of {', '.join(ATTENTION_BACKENDS)}")

@@ -184,6 +184,10 @@ def resolve_run_spec(config: TrainConfig, world: int, device: torch.device | Non
         loss_kernel = resolve_loss_kernel(loss_kernel, device_type, dims.tp)
     m = model.config
     shape = AttentionShape(m.n_heads // dims.tp, m.n_kv_heads // dims.tp, m.head_dim, 2 if bf16 else 4)
+    if shape.n_kv_heads % config.attention.head_chunks:
+        raise ConfigError("head_chunks", config.attention.head_chunks,
+                          f"must divide the {shape.n_kv_heads} KV heads a rank holds ({model.name}'s {m.n_kv_heads}"
+                          + (f" over tp={dims.tp})" if dims.tp > 1 else ")"))
     if config.attention.strategy == "ulysses":
         problem = ulysses_problem(dims.dp, shape.n_q_heads, shape.n_kv_heads)
         if problem:

@@ -31,6 +31,13 @@ probe() {  # probe NAME: the all-to-all bandwidth of the network the phase runs 
   # could stop a torchrun before it stops its workers, which would keep their GPUs)
   timeout --foreground 120 bash bench/torchrun_nodes.sh bench/a2a_probe.py --out "$OUT/probe-$1.json" || exit 3
 }
+probe_after() {  # probe_after NAME: the same network measured again after the phase's runs, as
+  # $OUT/probe-NAME-after.json: the loopback link's rate moved between calls (2.1-6.3 GiB/s) and within them (Ulysses'
+  # exchanges ran at 4.30 GiB/s in a call probed at 2.14), so a figure at the start alone does not fix a run's rate;
+  # not fatal, the runs being done
+  timeout --foreground 120 bash bench/torchrun_nodes.sh bench/a2a_probe.py --out "$OUT/probe-$1-after.json" ||
+    echo "the probe after the runs failed (exit $?)"
+}
 emulated_or_stop() {  # emulated_or_stop NAME KEY: stop unless the probe's KEY (GiB/s out per rank) is a socket's, so
   # that a run NCCL kept on NVLink (its P2P, or its hosts not told apart) is never recorded as the emulated network
   "${PYTHON:-python3}" - "$OUT/probe-$1.json" "$2" <<'PY' || exit 3
@@ -62,7 +69,8 @@ case "$PHASE" in
       NCCL_SOCKET_NTHREADS=4
     probe emulated
     emulated_or_stop emulated GiBps_out_per_rank
-    bench baselines-emulated --configs prolong:128K --strategies $BASELINES --warmup 2 --steps 4 --end-by-s $((540 - SECONDS)) ;;
+    bench baselines-emulated --configs prolong:128K --strategies $BASELINES --warmup 2 --steps 4 --end-by-s $((540 - SECONDS))
+    probe_after emulated ;;
   copies)  # where cad's and Ulysses' core attention spend their time: one traced step each (4 layers, prolong 128K,
     # full checkpointing), broken down by phase on the device (bench/trace_breakdown.py) and the traces dropped, so that
     # the call's few returned files hold the tables (2026-11-29-h200x2-cad-copies.md)
@@ -98,7 +106,8 @@ case "$PHASE" in
     else
       bench two-tier-hierarchical --configs prolong:128K --strategies cad,cad+pingpong --hierarchical-exchange \
         --warmup 2 --steps 4 --end-by-s $((540 - SECONDS))
-    fi ;;
+    fi
+    probe_after "$PHASE" ;;
   windows)  # issue 42: a Gemma-3-like model (five layers of a 1K-key sliding window to one global), cad against
     # local, and the same depth with every layer causal
     bench windows --layers 6 --sliding-window 1024 --layer-types 5/1 --configs prolong:128K \

@@ -10,8 +10,9 @@ Times (all in seconds, per step):
   where its phases interleave with the other nano-batch's work.
 - ``comm_time_s``: time inside core attention's all-to-all calls, the slowest
   rank's. Measured, not estimated (wall time on CPU, CUDA events on GPU); it
-  includes waiting for the slowest peer; with ping-pong it runs from launch to
-  wait, so it includes compute overlapped with the transfer. ``comm_bytes`` are
+  includes waiting for the slowest peer; with ping-pong or head groups
+  (``head_chunks``) it runs from launch to wait, so it includes compute
+  overlapped with the transfer. ``comm_bytes`` are
   the bytes all ranks sent to other ranks.
 - ``peak_memory_bytes``: the largest rank's peak: CUDA allocator peak during the
   step on GPU, the process's peak resident set size (since start) on CPU.

@@ -87,8 +87,8 @@ def run_settings(meta: dict, records: list[dict]) -> dict:
     if offload_none:  # everything a layer saves goes to the host: PCIe-bound, not hidden (+61%, docs/training.md)
         raise SystemExit(f"{', '.join(offload_none)}: activation offload with checkpointing none is bound by PCIe; "
                          "the comparison takes offload's copies as hidden only under keep_attention or full")
-    # core attention's head groups: the bench gives --head-chunks to the strategies that exchange inside it, and one
-    # group to wlb and ulysses, as the simulator does
+    # core attention's head groups: the bench gives --head-chunks to the strategies whose exchanges run through it,
+    # and one group to ulysses, as the simulator does
     chunks = {r.get("head_chunks", 1) for r in records} - {1}
     if len(chunks) > 1:
         raise SystemExit(f"runs with different head_chunks {sorted(chunks)}: compare them apart")
@@ -183,8 +183,8 @@ def predict(args) -> int:
     lines = [f"# Predicted step times of benchmark runs to come: {args.model}, {args.layers} layers, {args.gpus} GPUs",
              "", f"Date {datetime.date.today()}. `attnpool.sim` with the shipped H200 profile on the batches `attnpool "
              f"bench --tp T` will draw ({args.warmup} warm-up steps skipped, {args.steps} predicted), {network}, "
-             f"recompute {recompute}, " + (f"core attention in {args.head_chunks} groups of heads for local, percp "
-                                            "and cad, " if args.head_chunks > 1 else "") +
+             f"recompute {recompute}, " + (f"core attention in {args.head_chunks} groups of heads for local, wlb, "
+                                            "percp and cad, " if args.head_chunks > 1 else "") +
              f"the {args.attention_backend or 'flash'} kernel's table where the profile has "
              "it. Tokens are per GPU: a dp rank (a TP group) holds tp times them. Predictions, not measurements. "
              f"Command: `{command}`.", "",
@@ -230,7 +230,7 @@ def main() -> int:
     parser.add_argument("--hierarchical", action="store_true",
                         help="also cad with the hierarchical exchange (--predict)")
     parser.add_argument("--head-chunks", type=int, default=1,
-                        help="core attention in this many groups of heads for local, percp and cad, as attnpool bench "
+                        help="core attention in this many groups of heads for local, wlb, percp and cad, as attnpool bench "
                              "--head-chunks runs them (--predict; a comparison takes the runs' own)")
     parser.add_argument("--attention-backend", default=None,
                         help="the kernel whose table prices attention (--predict; default flash's)")
@@ -278,7 +278,7 @@ def main() -> int:
              f"benchmark's seed), {world} GPUs, {setting['layers']} layers, TP {setting['tp']}, "
              + (f"nodes of {per_node} GPUs" if per_node < world else "one node")
              + (", cad with the hierarchical exchange" if setting["hierarchical"] else "")
-             + (f", core attention in {setting['head_chunks']} groups of heads for local, percp and cad as run"
+             + (f", core attention in {setting['head_chunks']} groups of heads for local, wlb, percp and cad as run"
                 if setting["head_chunks"] > 1 else "")
              + f", recompute {setting['recompute']} as the runs' checkpointing"
              + (offload_as_hidden(setting["activation_offload"]) if setting["activation_offload"] else "")

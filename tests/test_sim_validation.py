@@ -53,8 +53,8 @@ def test_what_a_record_says_of_its_runs(validation):
     assert (old["layers"], old["recompute"], old["gpus_per_node"], old["hierarchical"]) == (4, "linear", 0, False)
     with pytest.raises(SystemExit, match="differs by layer"):  # auto's mixed choice: one recompute mode per run
         validation.run_settings(meta, [{"strategy": "cad", "layer_checkpointing": "layers 0-3 full, 4-31 none"}])
-    # core attention's head groups: the runs' own (wlb's and ulysses' one group beside them), one count per comparison
-    chunked = [{**records[0], "head_chunks": 2}, {**records[0], "strategy": "wlb", "head_chunks": 1}]
+    # core attention's head groups: the runs' own (ulysses' one group beside them), one count per comparison
+    chunked = [{**records[0], "head_chunks": 2}, {**records[0], "strategy": "ulysses", "head_chunks": 1}]
     assert validation.run_settings(meta, chunked)["head_chunks"] == 2
     assert validation.run_settings(meta, records)["head_chunks"] == 1
     with pytest.raises(SystemExit, match="different head_chunks"):

@@ -125,9 +125,8 @@ def test_pingpong_and_head_chunks_train_the_same(tmp_path):
     assert all(r["comm_bytes"] > 0 for r in results[True, 1][0])
 
 
-def test_head_chunks_are_refused_where_they_cannot_help_or_split(tmp_path):
+def test_head_chunks_are_refused_where_they_cannot_apply_or_split(tmp_path):
     for overrides, message in (
-            (dict(attention="wlb", head_chunks=2), "wlb runs no exchange"),
             (dict(attention="ulysses", head_chunks=2), "not with ulysses"),
             (dict(head_chunks=2, **SPARSE), "not with sparse attention"),
             (dict(head_chunks=0), "must be at least 1")):
@@ -419,8 +418,8 @@ def test_deterministic_turns_on_torchs_deterministic_algorithms_and_is_refused_w
 
 
 def test_ping_pong_is_refused_with_wlb(tmp_path):
-    """wlb has no exchange for ping-pong to hide."""
-    with pytest.raises(ConfigError, match="nothing to hide") as err:
+    """wlb packs whole documents on ranks; ping-pong is for the strategies that move work."""
+    with pytest.raises(ConfigError, match="not with wlb") as err:
         tiny_config(tmp_path, attention="wlb", pingpong=True)
     assert err.value.field == "pingpong"
 

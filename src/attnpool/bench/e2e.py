@@ -102,10 +102,10 @@ def relays_kv(name, args) -> bool:
 
 
 def head_chunks(name, args) -> int:
-    """Core attention's head groups for strategy ``name``: --head-chunks where it exchanges inside core attention
-    and is dense (attnpool train refuses them with wlb, ulysses and sparse attention), else 1."""
+    """Core attention's head groups for strategy ``name``: --head-chunks where its exchanges run through it and it
+    is dense (attnpool train refuses them with ulysses, whose exchange is its own, and sparse attention), else 1."""
     attention, _, kv_transfer, _ = strategy_settings(name)
-    return args.head_chunks if attention in ("local", "percp", "cad") and kv_transfer is None else 1
+    return args.head_chunks if attention in KV_EXCHANGING and kv_transfer is None else 1
 
 
 def traced_strategies(args) -> list[str]:

@@ -74,8 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "exchanges heads, runs without it")
     p.add_argument("--head-chunks", type=int, default=1,
                    help="core attention in this many groups of heads, one group's kernel while another's exchanges "
-                        "are on the wire (attnpool train's head_chunks), for the strategies that exchange inside it "
-                        "(local, percp, cad; wlb, ulysses and the +sparse ones run without)")
+                        "are on the wire (attnpool train's head_chunks), for the strategies whose exchanges run "
+                        "through it (local, wlb, percp, cad; ulysses and the +sparse ones run without)")
     p.add_argument("--activation-offload", action="store_true",
                    help="keep the activations saved for backward in host memory (attnpool train's activation_offload)")
     p.add_argument("--memory-breakdown", action="store_true",

@@ -92,7 +92,7 @@ def add_parser(sub) -> None:
                         "cad-hierarchical: KV into a node crosses once, a server there forwards it; "
                         "cad-hierarchical-serial the same without ping-pong")
     p.add_argument("--head-chunks", type=int, default=1,
-                   help="core attention in this many groups of heads for local, cad and percp-plan (attnpool train's "
+                   help="core attention in this many groups of heads for local, wlb, cad and percp-plan (attnpool train's "
                         "head_chunks: one group's kernel while another's exchanges are on the wire; default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--plot-dir", help="write speedup.png, breakdown.png (and eps_sweep.png) here")

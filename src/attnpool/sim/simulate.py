@@ -90,7 +90,7 @@ class SimConfig:
     # placed to even out attention first), as "local-balanced", "cad-balanced" (ping-pong) and "cad-balanced-serial"
     balanced: bool = False
     # core attention in this many groups of heads (attnpool train's head_chunks), for the strategies that run it so:
-    # local, percp-plan and every cad (wlb and the analytic percp and ulysses models in one)
+    # local, wlb, percp-plan and every cad (the analytic percp and ulysses models in one)
     head_chunks: int = 1
 
     def model_config(self):
@@ -248,7 +248,8 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
         if "local" in want:
             add(model.plan_step(plan(lin, "local"), overlap=False, head_chunks=chunks))
         if "wlb" in want:
-            add(model.plan_step(plan(wlb_table(lens, S, B, config.memory_cap), "local"), overlap=False, name="wlb"))
+            add(model.plan_step(plan(wlb_table(lens, S, B, config.memory_cap), "local"), overlap=False, name="wlb",
+                                head_chunks=chunks))
         if "percp" in want:
             for c in cps:
                 add(model.percp_step(wlb_pieces(lens, S // c, c * B, config.memory_cap), c))

@@ -144,12 +144,8 @@ class TrainConfig:
             raise ConfigError("sparse", self.sparse.mode, "not with deterministic: sparse attention's backward adds "
                                                           "dK and dV with atomics, in no fixed order")
         if self.attention.strategy == "wlb" and self.attention.pingpong:
-            raise ConfigError("pingpong", True, "wlb runs no exchange inside core attention, so ping-pong has nothing "
-                                                "to hide; use it with cad, local or percp")
-        if self.attention.head_chunks > 1 and self.attention.strategy == "wlb":
-            raise ConfigError("head_chunks", self.attention.head_chunks, "wlb runs no exchange inside core attention, "
-                                                                         "so head groups have nothing to hide; use "
-                                                                         "them with cad, local or percp")
+            raise ConfigError("pingpong", True, "not with wlb, which packs whole documents on ranks and exchanges only "
+                                                "for those it splits; use it with cad, local or percp")
         if self.attention.head_chunks > 1 and self.sparse.mode != "none":
             raise ConfigError("head_chunks", self.attention.head_chunks, "not with sparse attention, whose patterns "
                                                                          "are estimated over every head of a layer")

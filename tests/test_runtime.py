@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import zlib
 
@@ -126,10 +127,17 @@ def rel_err(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+@functools.cache
+def one_group_results(world, relay_nodes=None):
+    """The float32 worker's results in one group of heads, flat or through the hierarchical exchange: computed once
+    for the tests that read them."""
+    return run_distributed(worker, world, "float32", None, False, relay_nodes)
+
+
 @pytest.fixture(scope="module", params=[2, 4])
 def world_results(request):
     world = request.param
-    return world, run_distributed(worker, world, "float32")
+    return world, one_group_results(world)
 
 
 def assert_matches_reference(world, results, tolerance):
@@ -390,7 +398,7 @@ def test_hierarchical_exchange_computes_the_same_and_sends_kv_across_nodes_once(
     server there (counted here by loops over the plan's segments, apart from the layout's vectorised choice);
     relays forward only inside their node; and the relayed KV's gradients come back the way it went."""
     world = 4
-    results = run_distributed(worker, world, "float32", None, False, RELAY_NODES)
+    results = one_group_results(world, RELAY_NODES)
     assert_matches_reference(world, results, tolerance=1e-5)
     relayed_somewhere = False
     for case, pieces in make_cases(world):
@@ -436,7 +444,7 @@ def test_head_chunks_compute_the_same_with_the_same_bytes_and_memory(world):
     relay_nodes = RELAY_NODES if world == 4 else None
     chunked = run_distributed(worker, world, "float32", None, False, relay_nodes, 2)
     assert_matches_reference(world, chunked, tolerance=1e-5)
-    whole = run_distributed(worker, world, "float32", None, False, relay_nodes)
+    whole = one_group_results(world, relay_nodes)
     for rank in range(world):
         for key, got in chunked[rank].items():
             assert got["saved_numel"] == got["server_numel"] and not got["saved_inputs"], key

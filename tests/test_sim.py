@@ -294,6 +294,20 @@ def test_cli_json_has_speedup(capsys, tmp_path):
     assert (tmp_path / "breakdown.png").stat().st_size > 5000
 
 
+def test_cli_simulates_core_attention_in_groups_of_heads(capsys):
+    """--head-chunks: cad's exchanges hidden behind its own kernels over a slow link; refused where it cannot split
+    a GPU's KV heads (llama3-8b's 8 over --tp 8: one)."""
+    steps = {}
+    for n in (1, 4):
+        assert main(["simulate", "--gpus", "8", "--tp", "1", "--gpus-per-node", "1", "--tokens-per-gpu", "16K",
+                     "--max-doc-len", "128K", "--dist", "pretrain", "--batches", "1", "--strategies", "cad",
+                     "--inter-bw", "5", "--head-chunks", str(n), "--json"]) == 0
+        steps[n] = json.loads(capsys.readouterr().out)["configs"][0]["strategies"]["cad-serial"]["step_s"]
+    assert steps[4] < steps[1]
+    assert main(["simulate", "--tp", "8", "--head-chunks", "2", "--batches", "1"]) == 2
+    assert "head_chunks" in capsys.readouterr().err
+
+
 def test_cli_sweep_gives_speedup_per_configuration(capsys):
     assert main(["simulate", "--gpus", "16,32", "--tokens-per-gpu", "8K", "--max-doc-len", "32K,64K", "--batches", "1",
                  "--strategies", "wlb,cad", "--json"]) == 0

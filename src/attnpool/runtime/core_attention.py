@@ -8,6 +8,10 @@ compute   wait, run one fused kernel call over every CA-task this rank serves,
           send outputs back to their homes                    (all-to-all, async)
 collect   wait, assemble this rank's output
 
+With ``head_chunks`` N (CoreAttention) each phase runs for N groups of heads in turn under the one plan:
+every group's dispatch, then each group's kernel as its own rows arrive and its return, so that one group's
+kernel overlaps the next group's transfer within one batch.
+
 Backward mirrors it: dO goes to the servers, dQ and dKV come back, and the KV
 gradients of every copy are summed once at the source. Every communication is
 an autograd pair (start, wait) sharing a handle: in forward, start launches and

@@ -135,10 +135,11 @@ def test_head_chunks_hide_exchanges_behind_the_other_groups_kernels(costs):
     document, which ping-pong cannot split, hides most of its exchanges so."""
     lens = [60000, 3000, 2000, 1000, 30000, 500, 20000, 14572]
     cl = Cluster(gpus=8, tp=1, gpus_per_node=1, tokens_per_gpu=16384)
-    slow = StepModel(CFG, cl, replace(costs, inter=replace(costs.inter, bandwidth=costs.inter.bandwidth / 20)))
+    slow_costs = replace(costs, inter=replace(costs.inter, bandwidth=costs.inter.bandwidth / 20))
+    slow = {n: StepModel(CFG, cl, slow_costs, head_chunks=n) for n in (1, 2, 4)}
     plan = plan_attention(linear_table(lens, 8, 16384), "cad", cost_model=costs.attn_fwd_bwd, eps=0.05,
-                          shape=slow.shape)
-    one, two, four = (slow.plan_step(plan, head_chunks=n) for n in (1, 2, 4))
+                          shape=slow[1].shape)
+    one, two, four = (slow[n].plan_step(plan) for n in (1, 2, 4))
     assert four.step < two.step < one.step
     assert four.step > max(one.step - one.comm_exposed, 0)  # the first group's exchange stays exposed
     collectives = 4 * CFG.n_layers  # Q/KV out, O back, dO out, dQ/dKV back in every layer
@@ -146,7 +147,7 @@ def test_head_chunks_hide_exchanges_behind_the_other_groups_kernels(costs):
         assert chunked.comm_total == pytest.approx(one.comm_total + (n - 1) * collectives * costs.inter.latency,
                                                    rel=1e-9)
     local = plan_attention(linear_table([16384] * 8, 8, 16384), "local", cost_model=costs.attn_fwd_bwd)
-    unchunked, chunked = slow.plan_step(local), slow.plan_step(local, head_chunks=4)
+    unchunked, chunked = slow[1].plan_step(local), slow[4].plan_step(local)
     assert chunked.comm_total == unchunked.comm_total == 0
     assert chunked.step == pytest.approx(unchunked.step, rel=1e-12)  # (the kernel's time in four parts)
     config = replace(SMALL, gpus=8, tp=1, gpus_per_node=1, tokens_per_gpu=16384, batches=1, strategies=("cad",))

@@ -47,7 +47,7 @@ from attnpool.data.lengths import DISTRIBUTIONS
 from attnpool.errors import ConfigError, TrainingError
 from attnpool.kernels.sparse import device_problem as sparse_device_problem
 from attnpool.model import model_config
-from attnpool.plan import KV_EXCHANGING
+from attnpool.plan import KV_EXCHANGING, head_chunks_problem
 from attnpool.plan.ulysses import ulysses_problem
 from attnpool.sizes import parse_size
 from attnpool.train.config import TrainConfig
@@ -274,13 +274,12 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
     if args.tp < 1 or args.pp < 1 or int(os.environ["WORLD_SIZE"]) % (args.tp * args.pp):
         raise ConfigError("--tp/--pp", (args.tp, args.pp),
                           f"tp x pp must divide the number of processes ({os.environ['WORLD_SIZE']})")
-    if args.head_chunks < 1:
-        raise ConfigError("--head-chunks", args.head_chunks, "must be at least 1")
-    if args.head_chunks > 1:  # here, not in the first run's: that would have set up its process groups
+    if args.head_chunks != 1:  # here, not in the first run's: that would have set up its process groups
         kv_heads = model_config(args.model, **model_fields(args)).n_kv_heads
-        if (kv_heads // args.tp) % args.head_chunks:
-            raise ConfigError("--head-chunks", args.head_chunks, f"must divide the {kv_heads // args.tp} KV heads of a "
-                                                                 f"GPU ({args.model}'s {kv_heads} over --tp {args.tp})")
+        problem = head_chunks_problem(args.head_chunks, kv_heads // args.tp)
+        if problem:
+            raise ConfigError("--head-chunks", args.head_chunks,
+                              f"{problem} ({args.model}'s {kv_heads} over --tp {args.tp})")
     if args.steps < 1 or args.warmup < 0 or args.layers < 1:
         raise ConfigError("--steps/--warmup/--layers", (args.steps, args.warmup, args.layers),
                           "need at least 1 measured step, 0 or more warm-up steps and 1 or more layers")

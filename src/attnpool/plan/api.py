@@ -27,6 +27,16 @@ STRATEGIES = tuple(SCHEDULERS)
 KV_EXCHANGING = ("local", "wlb", "percp", "cad")
 
 
+def head_chunks_problem(head_chunks, kv_heads: int | None = None) -> str | None:
+    """What is wrong with running core attention in ``head_chunks`` groups of heads (runtime.CoreAttention), each
+    of whole KV heads out of the ``kv_heads`` a rank holds (None: not known yet), or None."""
+    if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
+        return "must be a whole number >= 1"
+    if kv_heads is not None and kv_heads % head_chunks:
+        return f"must divide the {kv_heads} KV heads a rank holds"
+    return None
+
+
 def plan_attention(pieces_per_rank: Sequence[Sequence[DocPiece]] | PieceTable, strategy: str = "cad", *,
                    cost_model=None, min_shard_tokens: int | None = None, eps: float = 0.02,
                    shape: AttentionShape = AttentionShape(), topology: Topology | None = None,

@@ -54,6 +54,7 @@ from attnpool.errors import ConfigError
 from attnpool.kernels import get_backend
 from attnpool.kernels.base import Backend
 from attnpool.kinds import AttentionKind
+from attnpool.plan import head_chunks_problem
 from attnpool.plan.plan import Plan
 from attnpool.runtime.dispatch import DispatchLayout, KVRelay, RowMap, Rows, backward_in_parts
 from attnpool.runtime.sparse import SparseServing, SparseStats
@@ -570,8 +571,9 @@ class CoreAttention:
         self.plan, self.group, self.backend, self.scale, self.softcap = plan, group, backend, scale, softcap
         self.relay_nodes = relay_nodes
         self.sparse = sparse if sparse is not None and sparse.enabled else None
-        if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
-            raise ConfigError("head_chunks", head_chunks, "must be a whole number >= 1")
+        problem = head_chunks_problem(head_chunks)
+        if problem:
+            raise ConfigError("head_chunks", head_chunks, problem)
         if head_chunks > 1 and self.sparse is not None:
             raise ConfigError("head_chunks", head_chunks, "not with sparse attention, whose patterns are estimated "
                                                           "over every head of a layer at once")
@@ -600,8 +602,9 @@ class CoreAttention:
         read_kv = self.sparse if self._sparse_layer(layer) and self.sparse.kv_transfer == "read" else None
         layout = dispatch_layout(self.plan, q, k, v, self.group, read_kv, self.sparse, self.relay_nodes)
         chunks = self.head_chunks
-        if k.shape[1] % chunks:  # (every rank has the model's heads: each refuses alike, before any exchange)
-            raise ConfigError("head_chunks", chunks, f"must divide the {k.shape[1]} KV heads of a rank's call")
+        problem = head_chunks_problem(chunks, k.shape[1])
+        if problem:  # (every rank has the model's heads: each refuses alike, before any exchange)
+            raise ConfigError("head_chunks", chunks, problem)
         # (split: one node in backward concatenates every group's dQ, where slices would each make a whole zero dQ)
         groups = zip(q.chunk(chunks, 1), k.chunk(chunks, 1), v.chunk(chunks, 1)) if chunks > 1 else [(q, k, v)]
         pending = []

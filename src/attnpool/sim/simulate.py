@@ -36,7 +36,7 @@ import numpy as np
 from attnpool.data.lengths import SamplingOptions, sample_batches
 from attnpool.errors import ConfigError
 from attnpool.model.config import model_config
-from attnpool.plan.api import plan_attention
+from attnpool.plan.api import head_chunks_problem, plan_attention
 from attnpool.sim.costs import SimCosts, load_sim_costs
 from attnpool.plan.layout import balanced_table, linear_table, nano_batch_bounds, wlb_pieces, wlb_table
 from attnpool.plan.plan import Topology
@@ -131,11 +131,9 @@ class SimConfig:
             raise ConfigError("max_doc_len", self.max_doc_len, "must be positive")
         if not self.memory_cap >= 1.0:
             raise ConfigError("memory_cap", self.memory_cap, "must be >= 1.0")
-        if isinstance(self.head_chunks, bool) or not isinstance(self.head_chunks, int) or self.head_chunks < 1:
-            raise ConfigError("head_chunks", self.head_chunks, "must be a positive integer")
-        kv_heads = (model_cfg or self.model_config()).n_kv_heads // self.tp
-        if kv_heads % self.head_chunks:
-            raise ConfigError("head_chunks", self.head_chunks, f"must divide the {kv_heads} KV heads of a GPU")
+        problem = head_chunks_problem(self.head_chunks, (model_cfg or self.model_config()).n_kv_heads // self.tp)
+        if problem:
+            raise ConfigError("head_chunks", self.head_chunks, problem)
         if self.inter_node_byte_cost is not None and not self.inter_node_byte_cost > 0:
             raise ConfigError("inter_node_byte_cost", self.inter_node_byte_cost, "must be positive, or None")
 
@@ -207,7 +205,7 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
     if costs is None:
         costs = load_sim_costs(cfg, config.model, profile)
     check_tokens(cluster, costs)
-    model = StepModel(cfg, cluster, costs, config.recompute, fsdp=config.fsdp)
+    model = StepModel(cfg, cluster, costs, config.recompute, fsdp=config.fsdp, head_chunks=config.head_chunks)
     S, B = cluster.servers, cluster.tokens_per_server
     if doc_batches is None:
         doc_batches = sample(config, cluster)
@@ -240,27 +238,25 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
     def plan(table, strategy, **kw) -> dict:  # one plan per distinct window of the model's layers
         return {w: plan_attention(table, strategy, window=w, **plan_kw, **kw) for w in dict.fromkeys(model.layer_windows)}
 
-    chunks = config.head_chunks
     for bi, lens in enumerate(doc_batches):
         ideal.append(model.ideal(lens))
         if "local" in want or "cad" in want or config.percp_plan:
             lin = linear_table(lens, S, B)
         if "local" in want:
-            add(model.plan_step(plan(lin, "local"), overlap=False, head_chunks=chunks))
+            add(model.plan_step(plan(lin, "local"), overlap=False))
         if "wlb" in want:
-            add(model.plan_step(plan(wlb_table(lens, S, B, config.memory_cap), "local"), overlap=False, name="wlb",
-                                head_chunks=chunks))
+            add(model.plan_step(plan(wlb_table(lens, S, B, config.memory_cap), "local"), overlap=False, name="wlb"))
         if "percp" in want:
             for c in cps:
                 add(model.percp_step(wlb_pieces(lens, S // c, c * B, config.memory_cap), c))
             if config.percp_plan:
-                add(model.plan_step(plan(lin, "percp"), overlap=False, name="percp-plan", head_chunks=chunks))
+                add(model.plan_step(plan(lin, "percp"), overlap=False, name="percp-plan"))
         if "ulysses" in want:
             for u in ulysses_degrees:
                 add(model.ulysses_step(wlb_pieces(lens, S // u, u * B, config.memory_cap), u))
         balanced = balanced_table(lens, S, B) if config.balanced else None
         if balanced is not None and "local" in want:
-            add(model.plan_step(plan(balanced, "local"), overlap=False, name="local-balanced", head_chunks=chunks))
+            add(model.plan_step(plan(balanced, "local"), overlap=False, name="local-balanced"))
         if "cad" in want:
             # ping-pong as the runtime runs it: nano-batches of whole documents, each laid out and planned alone
             # (the runtime also pads a nano-batch's ranks to a multiple of tp: at most tp - 1 tokens, left out)
@@ -268,22 +264,20 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
 
             def cad_step(name, eps, topology, layout=linear_table, **kw):
                 nanos = [layout(lens[d0:d1], S, -(-sum(lens[d0:d1]) // S)) for d0, d1 in bounds]
-                return model.nano_step([plan(t, "cad", eps=eps, topology=topology) for t in nanos], name=name,
-                                       head_chunks=chunks, **kw)
+                return model.nano_step([plan(t, "cad", eps=eps, topology=topology) for t in nanos], name=name, **kw)
 
             pingpong = cad_step("cad", config.eps, topology)
             add(pingpong)
-            add(model.plan_step(plan(lin, "cad", eps=config.eps, topology=topology), overlap=False, name="cad-serial",
-                                head_chunks=chunks))
+            add(model.plan_step(plan(lin, "cad", eps=config.eps, topology=topology), overlap=False, name="cad-serial"))
             if balanced is not None:
                 add(cad_step("cad-balanced", config.eps, topology, layout=balanced_table))
                 add(model.plan_step(plan(balanced, "cad", eps=config.eps, topology=topology), overlap=False,
-                                    name="cad-balanced-serial", head_chunks=chunks))
+                                    name="cad-balanced-serial"))
             if config.hierarchical:  # planned for it: cad prices the KV a relay forwards inside its node
                 relays = replace(topology, relays=True)
                 add(cad_step("cad-hierarchical", config.eps, relays, hierarchical=True))
                 add(model.plan_step(plan(lin, "cad", eps=config.eps, topology=relays), overlap=False,
-                                    name="cad-hierarchical-serial", hierarchical=True, head_chunks=chunks))
+                                    name="cad-hierarchical-serial", hierarchical=True))
             for e in eps_sweep or ():
                 eps_acc.setdefault(float(e), _Acc()).add(pingpong if e == config.eps else cad_step("cad", e, topology))
         if progress:

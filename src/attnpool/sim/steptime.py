@@ -173,9 +173,11 @@ class StepModel:
     """Step times for one model, cluster and set of costs."""
 
     def __init__(self, cfg, cluster: Cluster, costs: SimCosts, recompute: str = "none", head: bool = True,
-                 fsdp: bool = False):
+                 fsdp: bool = False, head_chunks: int = 1):
         """``head``: the servers run the output projection (a pipeline's stages but the last do not); ``fsdp``:
-        count FSDP2's parameter gathers and gradient reductions over the servers (the module's docstring)."""
+        count FSDP2's parameter gathers and gradient reductions over the servers (the module's docstring);
+        ``head_chunks``: the plans' core attention (:meth:`plan_step`, :meth:`nano_step`) in that many groups of
+        heads, as attnpool train's head_chunks runs it (:meth:`_simulate`)."""
         if recompute not in RECOMPUTE:
             raise ConfigError("recompute", recompute, f"choose one of {', '.join(RECOMPUTE)}")
         self.cfg = cfg
@@ -206,6 +208,7 @@ class StepModel:
         self.tp_comm_per_token = tp_comm
         self.fsdp = fsdp
         self.counts_fsdp = fsdp and cluster.servers > 1  # (one server shards nothing)
+        self.head_chunks = head_chunks
 
     def fsdp_seconds(self) -> dict[str, float]:
         """One FSDP2 collective's time on each GPU's link: a layer's gather ("layer_gather", bf16) and gradient
@@ -304,8 +307,7 @@ class StepModel:
     # --- strategies ---
 
     def plan_step(self, plan: Plan | dict, overlap: bool = False, name: str | None = None,
-                  task_seconds: tuple[np.ndarray, np.ndarray] | None = None, hierarchical: bool = False,
-                  head_chunks: int = 1) -> StepTime:
+                  task_seconds: tuple[np.ndarray, np.ndarray] | None = None, hierarchical: bool = False) -> StepTime:
         """Step time of a plan from the real planner (local, wlb, cad): all-to-alls over all servers. For a model
         whose layers differ in kind, ``plan`` maps each window to its plan (plan_attention(..., window=w)) and
         each layer runs its window's.
@@ -316,21 +318,19 @@ class StepModel:
         not price them (sparse attention: bench/sim_sparse.py). ``hierarchical``: the hierarchical exchange
         (attnpool train's hierarchical_exchange): KV a relay forwards goes from it, inside its node, in a second
         all-to-all after the first, on the compute path as runtime.core_attention runs it (backward: the forwarded
-        rows' gradients back to the relay, then across). ``head_chunks``: core attention in that many groups of
-        heads (attnpool train's head_chunks; :meth:`_simulate`)."""
+        rows' gradients back to the relay, then across)."""
         tokens, layers = self._nano_batch(plan, task_seconds, hierarchical)
         return self._simulate(name or _strategy(plan), _even_parts(tokens, layers, 2 if overlap else 1),
-                              group_size=self.cluster.servers, head_chunks=head_chunks, **_bytes_of([layers]))
+                              group_size=self.cluster.servers, head_chunks=self.head_chunks, **_bytes_of([layers]))
 
-    def nano_step(self, nano_plans: list, name: str | None = None, hierarchical: bool = False,
-                  head_chunks: int = 1) -> StepTime:
+    def nano_step(self, nano_plans: list, name: str | None = None, hierarchical: bool = False) -> StepTime:
         """Step time of ping-pong as the runtime runs it: the micro-batch's nano-batches of whole documents
         (plan.layout.nano_batch_bounds), each laid out over every server and planned on its own (``nano_plans``:
         each one's plan, or plans by window as :meth:`plan_step` takes them), interleaved layer by layer. One
         long document makes them unequal, and the smaller then hides less of the larger's exchanges."""
         nanos = [self._nano_batch(plan, None, hierarchical) for plan in nano_plans]
         return self._simulate(name or _strategy(nano_plans[0]), nanos, group_size=self.cluster.servers,
-                              head_chunks=head_chunks, **_bytes_of([layers for _, layers in nanos]))
+                              head_chunks=self.head_chunks, **_bytes_of([layers for _, layers in nanos]))
 
     def _nano_batch(self, plan: Plan | dict, task_seconds, hierarchical: bool) -> tuple[np.ndarray, list]:
         """(tokens per server, per layer its entry of :meth:`_plan_layer`) of one (nano-)batch's plan."""

@@ -135,7 +135,7 @@ class StepRunner:
         # With ping-pong or head groups, the exchanges inside compute (sparse patterns, the hierarchical exchange's
         # forwarding) get a communicator of their own (CoreAttention.pattern_group).
         inside = spec.sparse or spec.relay_nodes is not None
-        overlapped = spec.pingpong or spec.config.attention.head_chunks > 1
+        overlapped = spec.pingpong or spec.head_chunks > 1
         self.pattern_group = mesh.new_attention_group() if inside and overlapped else None
 
     def plan(self, micro_batches: list[GlobalBatch], prior: SparsePrior | None = None) -> PlannedStep:
@@ -164,7 +164,7 @@ class StepRunner:
         def attention(plan, softcap=None):
             return attention_for(plan, self.mesh.attention_group, backend=s.backend, sparse=s.sparse,
                                  sparse_stats=stats, pattern_group=self.pattern_group, softcap=softcap,
-                                 relay_nodes=s.relay_nodes, head_chunks=s.config.attention.head_chunks)
+                                 relay_nodes=s.relay_nodes, head_chunks=s.head_chunks)
 
         if s.mixed_kinds:  # each layer runs its kind's plan
             attentions = [[LayerKinds(s.layer_kinds, p.plans, attention) for p in unit]
@@ -271,9 +271,8 @@ class PooledRunner(_StagedRunner):
         def tick_attention(tick: int) -> list:
             """Tick ``tick``'s core attention per layer slot (one per distinct plan; None where no rank has tokens)."""
             made: dict[int, CoreAttention] = {}
-            chunks = self.spec.config.attention.head_chunks
             return [None if p is None else made.setdefault(id(p), CoreAttention(p.plan, self.group, backend=backend,
-                                                                               head_chunks=chunks))
+                                                                               head_chunks=self.spec.head_chunks))
                     for p in planned.ticks[tick]]
 
         return StepOutcome(self._run_schedule(planned, tick_attention, label_tokens), [])

@@ -33,7 +33,7 @@ from attnpool.parallel import ParallelDims, tensor_parallel_problem
 from attnpool.parallel.float8 import float8_all_gather_problem
 from attnpool.parallel.pipeline import pipeline_problem
 from attnpool.parallel.pooled_pipeline import POOLED, pooled_problem
-from attnpool.plan import KV_EXCHANGING, AttentionShape, load_cost_model
+from attnpool.plan import KV_EXCHANGING, AttentionShape, head_chunks_problem, load_cost_model
 from attnpool.kinds import AttentionKind, plan_windows
 from attnpool.plan.plan import Topology
 from attnpool.plan.ulysses import ulysses_problem
@@ -97,6 +97,7 @@ class RunSpec:
     float8 = property(lambda self: self.config.model.float8_recipe if self.config.model.float8 else None)
     float8_all_gather = property(lambda self: self.config.model.float8_all_gather)
     pingpong = property(lambda self: self.config.attention.pingpong)
+    head_chunks = property(lambda self: self.config.attention.head_chunks)
     optimizer_offload = property(lambda self: self.config.memory.optimizer_offload)
 
     @property
@@ -184,10 +185,10 @@ def resolve_run_spec(config: TrainConfig, world: int, device: torch.device | Non
         loss_kernel = resolve_loss_kernel(loss_kernel, device_type, dims.tp)
     m = model.config
     shape = AttentionShape(m.n_heads // dims.tp, m.n_kv_heads // dims.tp, m.head_dim, 2 if bf16 else 4)
-    if shape.n_kv_heads % config.attention.head_chunks:
+    problem = head_chunks_problem(config.attention.head_chunks, shape.n_kv_heads)
+    if problem:
         raise ConfigError("head_chunks", config.attention.head_chunks,
-                          f"must divide the {shape.n_kv_heads} KV heads a rank holds ({model.name}'s {m.n_kv_heads}"
-                          + (f" over tp={dims.tp})" if dims.tp > 1 else ")"))
+                          f"{problem} ({model.name}'s {m.n_kv_heads}" + (f" over tp={dims.tp})" if dims.tp > 1 else ")"))
     if config.attention.strategy == "ulysses":
         problem = ulysses_problem(dims.dp, shape.n_q_heads, shape.n_kv_heads)
         if problem:

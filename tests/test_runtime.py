@@ -501,6 +501,35 @@ def test_head_groups_exchanges_are_launched_in_the_order_that_overlaps_them():
         assert backward.index(("launch", "return_grad", 3)) < backward.index(("wait", "dispatch_grad", 2))
 
 
+def test_exchanges_in_flight_together_count_once_in_comm_time():
+    """Head groups keep several exchanges in flight: their time is the union of the spans, never more than the
+    wall time they cover (the summary reads it as part of core attention's time)."""
+    from attnpool.comm.all_to_all import CommStats, covered_seconds
+
+    assert covered_seconds([]) == 0.0
+    assert covered_seconds([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.8)]) == pytest.approx(4.0)
+    assert covered_seconds([(1.0, 3.0), (0.0, 2.0)]) == pytest.approx(3.0)
+
+    class Event:  # a recorded CUDA event's time (s), as CommStats reads it: elapsed_time in ms
+        def __init__(self, t):
+            self.t = t
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+        def synchronize(self):
+            pass
+
+    stats = CommStats(timing=True)
+    stats._origin = Event(10.0)
+    stats._events = [(Event(10.0), Event(12.0)), (Event(10.5), Event(12.5)), (Event(13.0), Event(13.25))]
+    assert stats.seconds() == pytest.approx(2.75)
+    stats._events = [(Event(14.0), Event(15.0))]
+    assert stats.seconds() == pytest.approx(3.75)
+    stats.reset()
+    assert stats.seconds() == 0.0 and stats._origin is None
+
+
 def test_head_chunks_are_refused_where_they_cannot_split_the_heads():
     pieces = linear_layout([40, 30], 1)
     plan = plan_attention(pieces, "cad", cost_model="pairs")

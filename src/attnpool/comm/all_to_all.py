@@ -18,6 +18,16 @@ import torch
 import torch.distributed as dist
 
 
+def covered_seconds(spans: list[tuple[float, float]]) -> float:
+    """The time at least one of the (start, end) spans covers: spans in flight together count once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 @dataclass
 class CommStats:
     """Bytes this process sent to and received from other ranks (self-traffic excluded).
@@ -27,7 +37,8 @@ class CommStats:
     ``wait()``: the communication time not hidden behind compute. On CUDA it is
     measured by events on the current stream, from the launch to the return of
     ``wait()`` (or of a blocking call): for an async call that span includes any
-    compute overlapped with it. Either way it includes waiting for the slowest peer.
+    compute overlapped with it, and where calls are in flight together (ping-pong, head groups) the time counts
+    once, as the union of their spans. Either way it includes waiting for the slowest peer.
     """
 
     calls: int = 0
@@ -37,19 +48,24 @@ class CommStats:
     timing: bool = False
     _seconds: float = 0.0
     _events: list = field(default_factory=list)  # (start, end) CUDA events not yet read
+    _origin: object = None  # the first start event since the last reset: every span is read from it
 
     def reset(self) -> None:
         self.calls = self.bytes_sent = self.bytes_received = 0
         self.by_tag = {}
         self._seconds = 0.0
         self._events = []
+        self._origin = None
 
     def seconds(self) -> float:
         """Time inside timed calls since the last reset (waits for pending CUDA events)."""
-        for start, end in self._events:
-            end.synchronize()
-            self._seconds += start.elapsed_time(end) / 1e3
-        self._events = []
+        if self._events:
+            # every event is on the current stream, so each span's offsets from the first start order them
+            for _, end in self._events:
+                end.synchronize()
+            self._seconds += covered_seconds([(self._origin.elapsed_time(start) / 1e3,
+                                               self._origin.elapsed_time(end) / 1e3) for start, end in self._events])
+            self._events = []
         return self._seconds
 
     def _finish(self, start, t0: float) -> None:
@@ -126,6 +142,8 @@ def all_to_all_flat(send: torch.Tensor, send_splits: list[int], recv_splits: lis
     if timed and send.is_cuda:
         start = torch.cuda.Event(enable_timing=True)
         start.record()
+        if comm_stats._origin is None:
+            comm_stats._origin = start
     t0 = time.perf_counter()
     if _tiny_messages:
         recv.zero_()

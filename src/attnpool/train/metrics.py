@@ -12,7 +12,8 @@ Times (all in seconds, per step):
   rank's. Measured, not estimated (wall time on CPU, CUDA events on GPU); it
   includes waiting for the slowest peer; with ping-pong or head groups
   (``head_chunks``) it runs from launch to wait, so it includes compute
-  overlapped with the transfer. ``comm_bytes`` are
+  overlapped with the transfer, and exchanges in flight together count once
+  (the union of their spans). ``comm_bytes`` are
   the bytes all ranks sent to other ranks.
 - ``peak_memory_bytes``: the largest rank's peak: CUDA allocator peak during the
   step on GPU, the process's peak resident set size (since start) on CPU.

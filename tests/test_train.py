@@ -91,6 +91,43 @@ def test_strategies_give_the_same_training(tmp_path):
     assert ref_rows[0]["loss"] > ref_rows[-1]["loss"] + 0.5  # it learns
 
 
+def _train_with_a_compiling_position_kernel(rank, world, out):
+    """The keys of each document the position kernel served, in call order, per strategy, with the reference's
+    kernel marked as compiling on its first call (as fa4's is)."""
+    import dataclasses
+    from attnpool.kernels import reference
+
+    original = reference.BACKEND
+    kernel, seen = original.positions, []
+
+    def forward(q, k, v, handle, **kinds):
+        seen.append(handle.num_keys)
+        return kernel.forward(q, k, v, handle, **kinds)
+
+    reference.BACKEND = dataclasses.replace(original, positions=dataclasses.replace(
+        kernel, forward=forward, compiles_on_first_call=True))
+    try:
+        results = {}
+        for strategy in ("percp", "ulysses"):
+            seen.clear()
+            train(tiny_config(Path(out) / strategy, attention=strategy, steps=2))
+            results[strategy] = list(seen)
+        return results
+    finally:
+        reference.BACKEND = original
+
+
+def test_a_compiling_position_kernel_is_compiled_before_the_first_step(tmp_path):
+    """fa4's position kernel compiles on its first call, seconds that would land in a step (percp's measured
+    single-document step on GPUs): a run that may serve a document in several shards calls it once first, on a
+    small document; Ulysses, which never serves one so, does not."""
+    from attnpool.kernels.base import COMPILE_KEYS
+
+    for results in run_distributed(_train_with_a_compiling_position_kernel, 2, str(tmp_path)):
+        assert results["percp"][0] == COMPILE_KEYS and results["percp"].count(COMPILE_KEYS) == 1
+        assert COMPILE_KEYS not in results["ulysses"]
+
+
 def _train_with_and_without_pingpong(rank, world, out):
     results = {}
     for pingpong, head_chunks in ((False, 1), (True, 1), (False, 2), (True, 2)):

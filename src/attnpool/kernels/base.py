@@ -64,6 +64,34 @@ class PositionKernel:
     supports: Callable[..., bool] = lambda device, head_dim: True
     takes_window: bool = False  # forward and backward take ``window`` (keys (position - w, position])
     takes_softcap: bool = False  # ... and ``softcap``
+    # Whether the kernel compiles on its first call (per dtype, head_dim, GQA ratio; not per length): seconds that
+    # would land in whichever step first serves a document in several shards, so the run compiles it before its
+    # first step (compile_positions)
+    compiles_on_first_call: bool = False
+
+
+# The document compile_positions runs: keys [0, 2048) queried at [0, 512) and [1536, 2048), as a percp server's
+# head and tail shards are. Several 128-row blocks of queries and of keys (FA4's compile cache keys on a call having
+# a single block either way, so a smaller document would compile another kernel than a real call's).
+COMPILE_KEYS = 2048
+COMPILE_POSITIONS = np.r_[0:512, 1536:2048]
+
+
+def compile_positions(kernel: PositionKernel, device, dtype: torch.dtype, n_q_heads: int, n_kv_heads: int,
+                      head_dim: int) -> None:
+    """Run ``kernel`` forward and backward once on a small document with the run's dtype, heads and head_dim: a
+    kernel that compiles on its first call compiles there, milliseconds of work besides."""
+    generator = torch.Generator().manual_seed(0)
+
+    def random(rows: int, heads: int) -> torch.Tensor:
+        return torch.randn(rows, heads, head_dim, generator=generator).to(device, dtype)
+
+    handle = kernel.prepare(COMPILE_POSITIONS, COMPILE_KEYS, device)
+    q, k, v = random(len(COMPILE_POSITIONS), n_q_heads), random(COMPILE_KEYS, n_kv_heads), random(COMPILE_KEYS, n_kv_heads)
+    out, lse = kernel.forward(q, k, v, handle)
+    # into=: the runtime's backward writes into rows of its gradient buffers (core_attention._documents_backward)
+    kernel.backward(torch.ones_like(out), q, k, v, out, lse, handle,
+                    into=(torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
 
 
 @dataclass(frozen=True)

@@ -269,5 +269,6 @@ def position_backward(dout, q, k, v, out, lse, handle: PositionTables, scale=Non
 
 
 BACKEND = Backend("fa4", forward, backward, splits_by_segment=True, backward_into=True,
-                  positions=PositionKernel(prepare_positions, position_forward, position_backward, supports_positions),
+                  positions=PositionKernel(prepare_positions, position_forward, position_backward, supports_positions,
+                                           compiles_on_first_call=True),
                   takes_window=True, takes_softcap=True)

@@ -37,8 +37,10 @@ from attnpool.comm import agree, all_gather_flat, comm_stats
 from attnpool.comm.watchdog import RankRecords, is_collective_failure
 from attnpool.data import DocumentStream
 from attnpool.errors import ConfigError, TrainingError, storage_error
+from attnpool.kernels.base import compile_positions
 from attnpool.parallel import build_rank_mesh
 from attnpool.parallel.float8 import refresh_float8_scales
+from attnpool.plan import KV_EXCHANGING
 from attnpool.plan.metrics import imbalance
 from attnpool.runtime.sparse import SparseStats
 from attnpool.sizes import format_bytes
@@ -171,8 +173,30 @@ class Trainer:
             apply_optim_settings(self.optimizer, self.scheduler, config.optim)
         self.start_step = self.step
         self.log = self._open_log()
+        self._compile_position_kernel()
         self.nonfinite_total = sum(1 for r in self.log.rows if r.get("skipped_step"))  # resumed: the earlier steps'
         self.nonfinite_in_a_row = 0
+
+    def _compile_position_kernel(self) -> None:
+        """The backend's position kernel compiled before the first step, where one may serve a document in several
+        shards (runtime.dispatch.DocumentServing: percp's head and tail shards, a balanced layout's, cad's tasks of
+        one document). FA4 compiles it on its first call, 8-11 s on an H200 (bench/results/2026-11-27-h200-h100-
+        fa4-positions.md), which otherwise lands in whichever step first serves such a document: in a benchmark a
+        measured one (percp's single-document step at pretrain 128K, 2026-11-30-h200x2-head-chunks.md)."""
+        spec = self.spec
+        kernel = spec.backend.positions if spec.backend is not None else None
+        if (kernel is None or not kernel.compiles_on_first_call or spec.prefix_copies or spec.sparse is not None
+                or spec.dims.dp == 1 or self.config.attention.strategy not in KV_EXCHANGING):
+            return
+        t0 = time.perf_counter()
+        shape, groups = spec.attention_shape, spec.head_chunks
+        compile_positions(kernel, self.device, spec.compute_dtype, shape.n_q_heads // groups,
+                          shape.n_kv_heads // groups, shape.head_dim)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.rank == 0:
+            print(f"{spec.backend_name}: its position kernel compiled in {time.perf_counter() - t0:.1f} s, before the "
+                  "first step", flush=True)
 
     def _open_log(self) -> MetricsLog:
         config, resumed = self.config, self.resume_from is not None

@@ -528,6 +528,8 @@ def test_exchanges_in_flight_together_count_once_in_comm_time():
     assert stats.seconds() == pytest.approx(3.75)
     stats.reset()
     assert stats.seconds() == 0.0 and stats._origin is None
+    stats._events = [(Event(20.0), Event(21.0))]  # launched before the reset, waited for after it
+    assert stats.seconds() == pytest.approx(1.0)
 
 
 def test_head_chunks_are_refused_where_they_cannot_split_the_heads():

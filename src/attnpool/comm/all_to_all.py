@@ -63,8 +63,11 @@ class CommStats:
             # every event is on the current stream, so each span's offsets from the first start order them
             for _, end in self._events:
                 end.synchronize()
-            self._seconds += covered_seconds([(self._origin.elapsed_time(start) / 1e3,
-                                               self._origin.elapsed_time(end) / 1e3) for start, end in self._events])
+            # (an exchange launched before the last reset and waited for after it leaves no origin: any event serves,
+            # the offsets need only order the spans)
+            origin = self._origin if self._origin is not None else self._events[0][0]
+            self._seconds += covered_seconds([(origin.elapsed_time(start) / 1e3, origin.elapsed_time(end) / 1e3)
+                                              for start, end in self._events])
             self._events = []
         return self._seconds
 

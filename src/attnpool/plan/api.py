@@ -25,6 +25,10 @@ STRATEGIES = tuple(SCHEDULERS)
 # the hierarchical exchange relays, Topology.relays): local and wlb too, for a document split across ranks (its
 # remote prefix); ulysses exchanges heads instead.
 KV_EXCHANGING = ("local", "wlb", "percp", "cad")
+# The strategies whose plans may give a server several shards of one document (percp's head and tail, cad's tasks):
+# the runtime then serves them in one call at their positions where the backend can (runtime.dispatch
+# .DocumentServing). local and wlb serve each rank's own pieces, one per document on every layout.
+SHARD_SERVING = ("percp", "cad")
 
 
 def head_chunks_problem(head_chunks, kv_heads: int | None = None) -> str | None:

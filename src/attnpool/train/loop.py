@@ -40,7 +40,7 @@ from attnpool.errors import ConfigError, TrainingError, storage_error
 from attnpool.kernels.base import compile_positions
 from attnpool.parallel import build_rank_mesh
 from attnpool.parallel.float8 import refresh_float8_scales
-from attnpool.plan import KV_EXCHANGING
+from attnpool.plan import SHARD_SERVING
 from attnpool.plan.metrics import imbalance
 from attnpool.runtime.sparse import SparseStats
 from attnpool.sizes import format_bytes
@@ -178,15 +178,18 @@ class Trainer:
         self.nonfinite_in_a_row = 0
 
     def _compile_position_kernel(self) -> None:
-        """The backend's position kernel compiled before the first step, where one may serve a document in several
-        shards (runtime.dispatch.DocumentServing: percp's head and tail shards, a balanced layout's, cad's tasks of
-        one document). FA4 compiles it on its first call, 8-11 s on an H200 (bench/results/2026-11-27-h200-h100-
-        fa4-positions.md), which otherwise lands in whichever step first serves such a document: in a benchmark a
-        measured one (percp's single-document step at pretrain 128K, 2026-11-30-h200x2-head-chunks.md)."""
+        """The backend's position kernel compiled before the first step, where a server may get several shards of
+        one document (runtime.dispatch.DocumentServing: percp's head and tail shards, cad's tasks of one document)
+        and some dense layer serves them at their positions. FA4 compiles it on its first call, 8-11 s on an H200
+        (bench/results/2026-11-27-h200-h100-fa4-positions.md), which otherwise lands in whichever step first serves
+        such a document: in a benchmark a measured one (percp's single-document step at pretrain 128K,
+        2026-11-30-h200x2-head-chunks.md)."""
         spec = self.spec
         kernel = spec.backend.positions if spec.backend is not None else None
-        if (kernel is None or not kernel.compiles_on_first_call or spec.prefix_copies or spec.sparse is not None
-                or spec.dims.dp == 1 or self.config.attention.strategy not in KV_EXCHANGING):
+        servers = spec.dims.dp * (spec.dims.pp if spec.pooled else 1)  # the ranks a plan spreads over
+        dense = spec.sparse is None or spec.sparse.dense_layers > 0  # (sparse layers serve through their patterns)
+        if (kernel is None or not kernel.compiles_on_first_call or self.config.attention.strategy not in SHARD_SERVING
+                or servers == 1 or not dense or all(spec.prefix_copies_of(kind) for kind in spec.layer_kinds)):
             return
         t0 = time.perf_counter()
         shape, groups = spec.attention_shape, spec.head_chunks

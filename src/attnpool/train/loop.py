@@ -180,7 +180,7 @@ class Trainer:
     def _compile_position_kernel(self) -> None:
         """The backend's position kernel compiled before the first step, where a server may get several shards of
         one document (runtime.dispatch.DocumentServing: percp's head and tail shards, cad's tasks of one document)
-        and some dense layer serves them at their positions. FA4 compiles it on its first call, 8-11 s on an H200
+        and some dense layer serves them at their positions. FA4 compiles it on its first call, 8-11 s (2 x H200)
         (bench/results/2026-11-27-h200-h100-fa4-positions.md), which otherwise lands in whichever step first serves
         such a document: in a benchmark a measured one (percp's single-document step at pretrain 128K,
         2026-11-30-h200x2-head-chunks.md)."""

@@ -59,11 +59,13 @@ def local_rows(tensors, pieces, which):
         torch.zeros(0, *tensors[next(iter(tensors))][which].shape[1:], dtype=torch.float64)
 
 
-def worker(rank, world, dtype_name, backward_group_keys=None, copies=False, relay_nodes=None, head_chunks=1):
+def worker(rank, world, dtype_name, backward_group_keys=None, copies=False, relay_nodes=None, head_chunks=1,
+           heads=None):
     """``copies``: the reference backend without its PositionKernel, so that documents with several
     segments on a server run as prefix copies (as under flash) rather than one call each; without, every
     such server runs without copies, however few they are (these documents are short). ``relay_nodes``: each
-    rank's node, for the hierarchical exchange. ``head_chunks``: each call in that many groups of heads."""
+    rank's node, for the hierarchical exchange. ``head_chunks``: each call in that many groups of heads.
+    ``heads``: the (query, KV) head counts to run, by name (default HEADS)."""
     import attnpool.runtime.dispatch as dispatch
 
     # this process only (the harness runs every worker in its own)
@@ -72,11 +74,11 @@ def worker(rank, world, dtype_name, backward_group_keys=None, copies=False, rela
     if backward_group_keys is not None:
         dispatch.BACKWARD_GROUP_KEYS = backward_group_keys
     dtype = getattr(torch, dtype_name)
-    results = {}
+    heads_run, results = heads, {}
     for case, pieces in make_cases(world):
         for strategy in STRATEGIES:
             plan = plan_attention(pieces, strategy, cost_model="pairs", min_shard_tokens=32)
-            for heads, (n_q, n_kv) in HEADS.items():
+            for heads, (n_q, n_kv) in (heads_run or HEADS).items():
                 data = global_inputs(pieces, n_q, n_kv, seed=case_seed(case, heads))
                 mine = pieces[rank]
                 q, k, v, dout = (local_rows(data, mine, i).to(dtype) for i in range(4))
@@ -93,8 +95,10 @@ def worker(rank, world, dtype_name, backward_group_keys=None, copies=False, rela
                     out=out.detach().double(), dq=q.grad.double(), dk=k.grad.double(), dv=v.grad.double(),
                     stats={t: list(v) for t, v in comm_stats.by_tag.items()}, calls=comm_stats.calls,
                     kv_sent=layout.kv_send_splits, relay_sent=None if layout.relay is None else layout.relay.send_splits,
-                    # The output itself is saved too: the caller's next layer keeps it anyway.
-                    saved_numel=sum(t.numel() for t in saved if not (out.numel() and t.data_ptr() == out.data_ptr())),
+                    # The output itself is saved too: the caller's next layer keeps it anyway. A tensor saved by
+                    # several nodes (head groups sharing KV buffers) is held once.
+                    saved_numel=sum({(t.data_ptr(), t.numel()): t.numel() for t in saved
+                                     if not (out.numel() and t.data_ptr() == out.data_ptr())}.values()),
                     saved_inputs=any(t.data_ptr() == x.data_ptr() for t in saved for x in (q, k, v) if x.numel()),
                     backward_groups=len(layout.backward_groups),
                     document_calls=0 if copies or layout.documents is None else len(layout.documents.calls),
@@ -140,9 +144,9 @@ def world_results(request):
     return world, one_group_results(world)
 
 
-def assert_matches_reference(world, results, tolerance):
+def assert_matches_reference(world, results, tolerance, heads_run=None):
     for case, pieces in make_cases(world):
-        for heads, (n_q, n_kv) in HEADS.items():
+        for heads, (n_q, n_kv) in (heads_run or HEADS).items():
             ref = reference(pieces, n_q, n_kv, seed=case_seed(case, heads))
             for strategy in STRATEGIES:
                 for rank in range(world):
@@ -453,6 +457,28 @@ def test_head_chunks_compute_the_same_with_the_same_bytes_and_memory(world):
             assert all(got["stats"][tag][0] == 2 * n for tag, (n, _, _) in one.items()), key
 
 
+# Head groups finer than the KV heads: four groups over two KV heads and over one
+FINER_HEADS = {"gqa": (4, 2), "one_kv": (4, 1)}
+
+
+def test_head_groups_finer_than_the_kv_heads_compute_the_same_with_the_same_bytes_and_memory(world=4):
+    """Four groups of query heads over two KV heads and over one (a KV head's first group sends it, the others read
+    it on the server): the reference's outputs and gradients for every strategy (on 4 ranks through the
+    hierarchical exchange); every exchange carries the same bytes in all as one call's, in four times the launches;
+    backward keeps the server's buffers alone, each KV buffer once however many groups read it."""
+    relay_nodes = RELAY_NODES
+    finer = run_distributed(worker, world, "float32", None, False, relay_nodes, 4, FINER_HEADS)
+    assert_matches_reference(world, finer, tolerance=1e-5, heads_run=FINER_HEADS)
+    whole = run_distributed(worker, world, "float32", None, False, relay_nodes, 1, FINER_HEADS)
+    for rank in range(world):
+        for key, got in finer[rank].items():
+            assert got["saved_numel"] == got["server_numel"] and not got["saved_inputs"], key
+            one = whole[rank][key]["stats"]
+            assert {tag: s[1:] for tag, s in got["stats"].items()} == {tag: s[1:] for tag, s in one.items()}, key
+            assert all(got["stats"][tag][0] == 4 * n for tag, (n, _, _) in one.items()
+                       if tag not in ("relay", "relay_grad")), key
+
+
 def launch_order_worker(rank, world):
     """The order in which each head group's exchanges are launched and waited for, forward and backward: events
     (what, tag, head group), the group of a handle known from the forward launch it was made for."""
@@ -536,8 +562,9 @@ def test_head_chunks_are_refused_where_they_cannot_split_the_heads():
     pieces = linear_layout([40, 30], 1)
     plan = plan_attention(pieces, "cad", cost_model="pairs")
     q, k = torch.randn(70, 4, HEAD_DIM), torch.randn(70, 2, HEAD_DIM)
-    with pytest.raises(ConfigError, match="head_chunks.*must divide the 2 KV heads"):
-        core_attention(q, k, k, plan, head_chunks=4)
+    for bad in (3, 8):  # neither divides the 2 KV heads nor, a multiple of them, the 4 query heads
+        with pytest.raises(ConfigError, match="head_chunks.*must divide the 2 KV heads.* 4 query heads"):
+            core_attention(q, k, k, plan, head_chunks=bad)
     for bad in (0, 1.5, True):
         with pytest.raises(ConfigError, match="head_chunks"):
             CoreAttention(plan, head_chunks=bad)

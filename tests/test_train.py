@@ -130,7 +130,8 @@ def test_a_compiling_position_kernel_is_compiled_before_the_first_step(tmp_path)
 
 def _train_with_and_without_pingpong(rank, world, out):
     results = {}
-    for pingpong, head_chunks in ((False, 1), (True, 1), (False, 2), (True, 2)):
+    # (4 groups: finer than TINY's 2 KV heads, two groups of query heads reading each)
+    for pingpong, head_chunks in ((False, 1), (True, 1), (False, 2), (True, 2), (False, 4)):
         # Documents of at most 96 tokens, so every step has several to split into nano-batches. Both overlaps
         # together under full checkpointing, whose recompute runs the interleaved layer's exchanges again.
         both = pingpong and head_chunks > 1
@@ -143,8 +144,8 @@ def _train_with_and_without_pingpong(rank, world, out):
 
 
 def test_pingpong_and_head_chunks_train_the_same(tmp_path):
-    """Two nano-batches interleaved, core attention in two groups of heads, and both (with full checkpointing):
-    one batch's losses and weights."""
+    """Two nano-batches interleaved, core attention in two groups of heads (or four, finer than the KV heads), and
+    both (with full checkpointing): one batch's losses and weights."""
     results = run_distributed(_train_with_and_without_pingpong, 2, str(tmp_path))[0]
     plain_rows, plain_w = results[False, 1]
     for (pingpong, head_chunks), (rows, weights) in results.items():
@@ -170,8 +171,9 @@ def test_head_chunks_are_refused_where_they_cannot_apply_or_split(tmp_path):
         with pytest.raises(ConfigError, match="head_chunks") as raised:
             tiny_config(tmp_path, **overrides)
         assert message in str(raised.value), (overrides, raised.value)
-    # TINY's 2 KV heads: 4 groups cannot split them, found on every rank when the model is known
-    for field, message in run_distributed(refused_config, 2, dict(head_chunks=4)):
+    # TINY's 2 KV heads and 4 query heads: 3 groups can neither split the KV heads nor share them, found on every
+    # rank when the model is known
+    for field, message in run_distributed(refused_config, 2, dict(head_chunks=3)):
         assert field == "head_chunks" and "must divide the 2 KV heads a rank holds" in message, message
 
 

@@ -275,11 +275,12 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
         raise ConfigError("--tp/--pp", (args.tp, args.pp),
                           f"tp x pp must divide the number of processes ({os.environ['WORLD_SIZE']})")
     if args.head_chunks != 1:  # here, not in the first run's: that would have set up its process groups
-        kv_heads = model_config(args.model, **model_fields(args)).n_kv_heads
-        problem = head_chunks_problem(args.head_chunks, kv_heads // args.tp)
+        m = model_config(args.model, **model_fields(args))
+        problem = head_chunks_problem(args.head_chunks, m.n_kv_heads // args.tp, m.n_heads // args.tp)
         if problem:
             raise ConfigError("--head-chunks", args.head_chunks,
-                              f"{problem} ({args.model}'s {kv_heads} over --tp {args.tp})")
+                              f"{problem} ({args.model}'s {m.n_kv_heads} KV and {m.n_heads} query heads over --tp "
+                              f"{args.tp})")
     if args.steps < 1 or args.warmup < 0 or args.layers < 1:
         raise ConfigError("--steps/--warmup/--layers", (args.steps, args.warmup, args.layers),
                           "need at least 1 measured step, 0 or more warm-up steps and 1 or more layers")

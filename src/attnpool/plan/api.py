@@ -31,14 +31,25 @@ KV_EXCHANGING = ("local", "wlb", "percp", "cad")
 SHARD_SERVING = ("percp", "cad")
 
 
-def head_chunks_problem(head_chunks, kv_heads: int | None = None) -> str | None:
-    """What is wrong with running core attention in ``head_chunks`` groups of heads (runtime.CoreAttention), each
-    of whole KV heads out of the ``kv_heads`` a rank holds (None: not known yet), or None."""
+def head_chunks_problem(head_chunks, kv_heads: int | None = None, q_heads: int | None = None) -> str | None:
+    """What is wrong with running core attention in ``head_chunks`` groups of heads (runtime.CoreAttention) on a
+    rank holding ``kv_heads`` KV heads and ``q_heads`` query heads (None: not known yet), or None. A group is whole
+    KV heads and their query heads, or, past the KV heads (a multiple of them), a share of one KV head's query heads
+    (head_group_heads)."""
     if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
         return "must be a whole number >= 1"
-    if kv_heads is not None and kv_heads % head_chunks:
-        return f"must divide the {kv_heads} KV heads a rank holds"
-    return None
+    if kv_heads is None or kv_heads % head_chunks == 0:
+        return None
+    if head_chunks % kv_heads == 0 and (q_heads is None or q_heads % head_chunks == 0):
+        return None
+    return (f"must divide the {kv_heads} KV heads a rank holds, or be a multiple of them that divides its"
+            + (f" {q_heads}" if q_heads is not None else "") + " query heads")
+
+
+def head_group_heads(head_chunks: int, q_heads: int, kv_heads: int) -> tuple[int, int]:
+    """The (query, KV) heads of each of ``head_chunks`` groups (head_chunks_problem: none). Past the KV heads, a
+    group's queries share one KV head with the groups beside them: each group's kernel reads one."""
+    return q_heads // head_chunks, max(1, kv_heads // head_chunks)
 
 
 def plan_attention(pieces_per_rank: Sequence[Sequence[DocPiece]] | PieceTable, strategy: str = "cad", *,

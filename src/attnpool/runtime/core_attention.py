@@ -10,7 +10,9 @@ collect   wait, assemble this rank's output
 
 With ``head_chunks`` N (CoreAttention) each phase runs for N groups of heads in turn under the one plan:
 every group's dispatch, then each group's kernel as its own rows arrive and its return, so that one group's
-kernel overlaps the next group's transfer within one batch.
+kernel overlaps the next group's transfer within one batch. N may exceed the KV heads (a multiple of them that
+divides the query heads, e.g. one KV head a rank under tp=8): then a KV head's first group sends it with its
+queries, and the other groups of its queries send theirs alone and read its buffers on the server.
 
 Backward mirrors it: dO goes to the servers, dQ and dKV come back, and the KV
 gradients of every copy are summed once at the source. Every communication is
@@ -133,7 +135,9 @@ def _sizes(a_splits, b_splits, a_width, b_width):
 
 def _unpack(flat, a_splits, b_splits, a_width, b_width):
     parts = torch.split(flat, [x for na, nb in zip(a_splits, b_splits) for x in (na * a_width, nb * b_width)])
-    return torch.cat(parts[0::2]).view(-1, a_width), torch.cat(parts[1::2]).view(-1, b_width)
+    # (rows counted, not inferred: a head group that reuses another's KV sends rows of width 0)
+    return (torch.cat(parts[0::2]).view(sum(a_splits), a_width),
+            torch.cat(parts[1::2]).view(sum(b_splits), b_width))
 
 
 @dataclass
@@ -157,7 +161,7 @@ class _DispatchStart(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, L: DispatchLayout, sh: _Shapes, handle: _Handle, group):
         q_out = L.q_send_rows.take(q).reshape(-1, sh.q_width)
-        kv_out = torch.stack([L.kv_send_rows.take(k), L.kv_send_rows.take(v)], 1).reshape(-1, sh.kv_width)
+        kv_out = torch.stack([L.kv_send_rows.take(k), L.kv_send_rows.take(v)], 1).flatten(1)
         send = _pack(torch.split(q_out, L.q_send_splits), torch.split(kv_out, L.kv_send_splits))
         recv = handle.launch(send, _sizes(L.q_send_splits, L.kv_send_splits, sh.q_width, sh.kv_width),
                              _sizes(L.q_recv_splits, L.kv_recv_splits, sh.q_width, sh.kv_width), group, "dispatch")
@@ -173,7 +177,7 @@ class _DispatchStart(torch.autograd.Function):
         dq = grad_recv.new_zeros(q_shape)
         L.q_send_rows.put(dq, dq_rows.view(-1, sh.H_q, sh.D))
         # A KV row sent to several servers gets every server's gradient summed.
-        dkv = dkv_rows.view(-1, 2, sh.H_kv, sh.D)
+        dkv = dkv_rows.view(len(dkv_rows), 2, sh.H_kv, sh.D)
         dk = L.kv_send_rows.add(grad_recv.new_zeros(k_shape), dkv[:, 0])
         dv = L.kv_send_rows.add(grad_recv.new_zeros(k_shape), dkv[:, 1])
         return dq, dk, dv, None, None, None, None
@@ -220,11 +224,24 @@ class _Relay(torch.autograd.Function):
         return relay.send_rows.add(grad[:dispatched].clone(), back.view(-1, width)), None, None, None
 
 
-def _server_inputs(L: DispatchLayout, sh: _Shapes, q, k, v, q_recv, kv_recv):
-    """The server's Q in task order and its unique K, V buffers."""
+def _server_q(L: DispatchLayout, sh: _Shapes, q, q_recv) -> torch.Tensor:
+    """The server's Q in task order."""
     q_srv = q.new_empty(L.num_server_q, sh.H_q, sh.D)
     L.local_q.copy(q_srv, q)
     L.recv_q_pos.put(q_srv, q_recv.view(-1, sh.H_q, sh.D))
+    return q_srv
+
+
+def _q_grads(L: DispatchLayout, sh: _Shapes, dq_srv, q_shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """dQ of this rank's own queries and of those it was sent, from the server's dQ in task order."""
+    dq = dq_srv.new_zeros(q_shape)
+    L.local_q.inverse.copy(dq, dq_srv)
+    return dq, L.recv_q_pos.take(dq_srv, own=True).reshape(-1, sh.q_width)
+
+
+def _server_inputs(L: DispatchLayout, sh: _Shapes, q, k, v, q_recv, kv_recv):
+    """The server's Q in task order and its unique K, V buffers."""
+    q_srv = _server_q(L, sh, q, q_recv)
     k_u = k.new_empty(L.num_unique_kv, sh.H_kv, sh.D)  # withheld rows (kv_transfer="read"): see sparse_kv
     v_u = v.new_empty(L.num_unique_kv, sh.H_kv, sh.D)
     L.local_kv.copy(k_u, k)
@@ -243,6 +260,9 @@ class _Serve(torch.autograd.Function):
     With kv_transfer="read" the serving also fetches the withheld KV rows the
     patterns read (runtime.sparse_kv), and backward sends their gradients home;
     its saved unique KV then holds zeros in the withheld rows the patterns skip.
+
+    Returns the output and the unique K, V buffers: head groups finer than the KV heads serve their queries over
+    them (_ServeShared), whose KV gradients come back here, summed by autograd, and go home with this call's.
     """
 
     @staticmethod
@@ -255,23 +275,48 @@ class _Serve(torch.autograd.Function):
         out_srv, lse = serve_forward(L, backend, q_srv, k_u, v_u, scale)
         ctx.save_for_backward(q_srv, k_u, v_u, lse)
         ctx.meta = (L, sh, backend, scale, serving, q.shape, k.shape, out_srv_rows)
+        ctx.set_materialize_grads(False)  # (no zero KV gradients where no group shares the buffers)
+        return out_srv, k_u, v_u
+
+    @staticmethod
+    def backward(ctx, dout_srv, dk_shared, dv_shared):
+        q_srv, k_u, v_u, lse = ctx.saved_tensors
+        L, sh, backend, scale, serving, q_shape, k_shape, out_srv_rows = ctx.meta
+        dq_srv, dk_u, dv_u = serve_backward(L, backend, dout_srv.contiguous(), q_srv, k_u, v_u,
+                                            out_srv_rows.take(), lse, scale)
+        if dk_shared is not None:  # the groups that served their queries over these buffers
+            dk_u += dk_shared
+            dv_u += dv_shared
+        dq, dq_recv = _q_grads(L, sh, dq_srv, q_shape)
+        dk = L.local_kv.inverse.add(dk_u.new_zeros(k_shape), dk_u)
+        dv = L.local_kv.inverse.add(dv_u.new_zeros(k_shape), dv_u)
+        if serving is not None and serving.read is not None:
+            serving.read.return_grads(dk_u, dv_u, dk, dv, serving.group)
+        dkv_recv = torch.stack([L.recv_kv_pos.take(dk_u), L.recv_kv_pos.take(dv_u)], 1).reshape(-1, sh.kv_width)
+        return dq, dk, dv, dq_recv, dkv_recv, None, None, None, None, None
+
+
+class _ServeShared(torch.autograd.Function):
+    """A head group finer than the KV heads: its queries' kernel call over the unique K, V buffers an earlier group
+    of the same KV heads built (_Serve's), which keeps them: nothing of them is sent or saved twice. Backward: dQ
+    home, and the KV gradients to that group's buffers."""
+
+    @staticmethod
+    def forward(ctx, q, q_recv, k_u, v_u, L: DispatchLayout, sh: _Shapes, backend, scale, out_srv_rows: _ServerRows):
+        q_srv = _server_q(L, sh, q, q_recv)
+        out_srv, lse = serve_forward(L, backend, q_srv, k_u, v_u, scale)
+        ctx.save_for_backward(q_srv, k_u, v_u, lse)
+        ctx.meta = (L, sh, backend, scale, q.shape, out_srv_rows)
         return out_srv
 
     @staticmethod
     def backward(ctx, dout_srv):
         q_srv, k_u, v_u, lse = ctx.saved_tensors
-        L, sh, backend, scale, serving, q_shape, k_shape, out_srv_rows = ctx.meta
+        L, sh, backend, scale, q_shape, out_srv_rows = ctx.meta
         dq_srv, dk_u, dv_u = serve_backward(L, backend, dout_srv.contiguous(), q_srv, k_u, v_u,
                                             out_srv_rows.take(), lse, scale)
-        dq = dq_srv.new_zeros(q_shape)
-        L.local_q.inverse.copy(dq, dq_srv)
-        dk = L.local_kv.inverse.add(dk_u.new_zeros(k_shape), dk_u)
-        dv = L.local_kv.inverse.add(dv_u.new_zeros(k_shape), dv_u)
-        if serving is not None and serving.read is not None:
-            serving.read.return_grads(dk_u, dv_u, dk, dv, serving.group)
-        dq_recv = L.recv_q_pos.take(dq_srv, own=True).reshape(-1, sh.q_width)
-        dkv_recv = torch.stack([L.recv_kv_pos.take(dk_u), L.recv_kv_pos.take(dv_u)], 1).reshape(-1, sh.kv_width)
-        return dq, dk, dv, dq_recv, dkv_recv, None, None, None, None, None
+        dq, dq_recv = _q_grads(L, sh, dq_srv, q_shape)
+        return dq, dq_recv, dk_u, dv_u, None, None, None, None, None
 
 
 def serve_forward(L: DispatchLayout, backend: Backend, q_srv, k_u, v_u, scale=None):
@@ -422,6 +467,25 @@ class _Collect(torch.autograd.Function):
         return (None, None, *grads)  # where a group sent outputs home, _ReturnStart's backward returns its whole dO
 
 
+def _head_groups(q, k, v, chunks: int):
+    """(q, k, v, shares) of each of ``chunks`` head groups: whole KV heads and their query heads where ``chunks``
+    divides the KV heads; past them, a share of one KV head's query heads each, the first of which sends the KV head
+    and the rest none (``shares``: the group reads the KV the group before it read; its k and v have no heads and
+    no gradient). Split, not sliced: one node in backward concatenates every group's dQ, where slices would each
+    make a whole zero dQ."""
+    if chunks == 1:
+        return [(q, k, v, False)]
+    q_groups, kv_heads = q.chunk(chunks, 1), k.shape[1]
+    if kv_heads % chunks == 0:
+        return [(q_g, k_g, v_g, False) for q_g, k_g, v_g in zip(q_groups, k.chunk(chunks, 1), v.chunk(chunks, 1))]
+    per_kv, none = chunks // kv_heads, k.new_empty(k.shape[0], 0, k.shape[2])
+    groups = []
+    for j, (k_j, v_j) in enumerate(zip(k.chunk(kv_heads, 1), v.chunk(kv_heads, 1))):
+        for i, q_g in enumerate(q_groups[j * per_kv:(j + 1) * per_kv]):
+            groups.append((q_g, k_j, v_j, False) if i == 0 else (q_g, none, none, True))
+    return groups
+
+
 def _head_slices(parts) -> list[slice]:
     """Each head group's query heads in the assembled output."""
     ends = itertools.accumulate(part[1].H_q for part in parts)
@@ -443,6 +507,9 @@ class _InFlight:
     out_srv: torch.Tensor | None = None
     out_srv_rows: _ServerRows | None = None
     dout_srv_rows: _ServerRows | None = None
+    kv_from: "_InFlight | None" = None  # the group whose KV heads this one's queries read (finer than the KV heads)
+    k_u: torch.Tensor | None = None  # the server's unique K and V buffers, where later groups read them
+    v_u: torch.Tensor | None = None
 
 
 def call_problem(q, k, v, plan: Plan, rank: int, world: int, group) -> str | None:
@@ -555,7 +622,8 @@ class CoreAttention:
     (see __init__).
     ``relay_nodes``: the node of each rank of ``group``; KV bound for several servers of one node then crosses
     between nodes once (the hierarchical exchange: plan.plan.KVTransfers.relays).
-    ``head_chunks``: split the call into this many groups of heads (of KV heads, and their query heads), each
+    ``head_chunks``: split the call into this many groups of heads (of KV heads, and their query heads; or, a
+    multiple of the KV heads, of one KV head's query heads, the first sending the KV head), each
     dispatched, served and returned on its own: one group's kernel runs while the next group's Q/KV and the last
     one's outputs are on the wire, so that a single batch hides most of its exchanges, as two nano-batches of
     ping-pong would, where no second nano-batch exists (one long document, a pipeline's micro-batch). The same
@@ -602,14 +670,14 @@ class CoreAttention:
         read_kv = self.sparse if self._sparse_layer(layer) and self.sparse.kv_transfer == "read" else None
         layout = dispatch_layout(self.plan, q, k, v, self.group, read_kv, self.sparse, self.relay_nodes)
         chunks = self.head_chunks
-        problem = head_chunks_problem(chunks, k.shape[1])
+        problem = head_chunks_problem(chunks, k.shape[1], q.shape[1])
         if problem:  # (every rank has the model's heads: each refuses alike, before any exchange)
             raise ConfigError("head_chunks", chunks, problem)
-        # (split: one node in backward concatenates every group's dQ, where slices would each make a whole zero dQ)
-        groups = zip(q.chunk(chunks, 1), k.chunk(chunks, 1), v.chunk(chunks, 1)) if chunks > 1 else [(q, k, v)]
         pending = []
-        for q_g, k_g, v_g in groups:
-            p = _InFlight(q_g, k_g, v_g, layout, _Shapes(q_g.shape[1], k_g.shape[1], q_g.shape[2]), layer)
+        for q_g, k_g, v_g, shares in _head_groups(q, k, v, chunks):
+            source = (pending[-1].kv_from or pending[-1]) if shares else None
+            p = _InFlight(q_g, k_g, v_g, layout, _Shapes(q_g.shape[1], k_g.shape[1], q_g.shape[2]), layer,
+                          kv_from=source)
             if layout.any_traffic:
                 p.handle = _Handle()
                 p.recv = _DispatchStart.apply(q_g, k_g, v_g, layout, p.shapes, p.handle, self.group)
@@ -641,13 +709,18 @@ class CoreAttention:
         L, sh = p.layout, p.shapes
         if L.any_traffic:
             q_recv, kv_recv = _DispatchWait.apply(p.recv, L, sh, p.handle, self.group)
-            if L.relay is not None:  # (inside compute, as the sparse exchanges: on their group, for the same reason)
-                kv_recv = _Relay.apply(kv_recv, L.relay, sh, self.pattern_group)
+            if L.relay is not None and p.kv_from is None:  # (inside compute, as the sparse exchanges: on their
+                kv_recv = _Relay.apply(kv_recv, L.relay, sh, self.pattern_group)  # group, for the same reason)
         else:
             q_recv, kv_recv = p.q.new_empty(0, sh.q_width), p.k.new_empty(0, sh.kv_width)
         p.out_srv_rows, p.dout_srv_rows = _ServerRows(L.num_server_q, sh), _ServerRows(L.num_server_q, sh)
-        p.out_srv = _Serve.apply(p.q, p.k, p.v, q_recv, kv_recv, L, sh, self._backend(p.q, p.layer), self.scale,
-                                 p.out_srv_rows)
+        backend = self._backend(p.q, p.layer)
+        if p.kv_from is not None:
+            p.out_srv = _ServeShared.apply(p.q, q_recv, p.kv_from.k_u, p.kv_from.v_u, L, sh, backend, self.scale,
+                                           p.out_srv_rows)
+        else:
+            p.out_srv, p.k_u, p.v_u = _Serve.apply(p.q, p.k, p.v, q_recv, kv_recv, L, sh, backend, self.scale,
+                                                   p.out_srv_rows)
         if L.any_traffic:
             p.handle = _Handle()
             p.recv = _ReturnStart.apply(p.out_srv, L, sh, p.handle, self.group, p.out_srv_rows, p.dout_srv_rows)

@@ -131,7 +131,8 @@ class SimConfig:
             raise ConfigError("max_doc_len", self.max_doc_len, "must be positive")
         if not self.memory_cap >= 1.0:
             raise ConfigError("memory_cap", self.memory_cap, "must be >= 1.0")
-        problem = head_chunks_problem(self.head_chunks, (model_cfg or self.model_config()).n_kv_heads // self.tp)
+        m = model_cfg or self.model_config()
+        problem = head_chunks_problem(self.head_chunks, m.n_kv_heads // self.tp, m.n_heads // self.tp)
         if problem:
             raise ConfigError("head_chunks", self.head_chunks, problem)
         if self.inter_node_byte_cost is not None and not self.inter_node_byte_cost > 0:

@@ -510,7 +510,8 @@ class StepModel:
         (attention forward and backward seconds per server, the forward's exchanges (before, after core
         attention), the backward's, ...); backward runs the layers in reverse. Each layer runs every nano-batch's
         part before core attention in turn, then every core attention, one's exchanges behind the next one's
-        compute. With ``head_chunks`` each core attention is that many equal groups of heads, as
+        compute. With ``head_chunks`` each core attention is that many equal groups of heads (finer than the KV heads,
+        a KV head's first group carries it, the others less: taken as equal all the same), as
         runtime.core_attention runs them: every group's exchange before it in turn (each with the whole
         latency), then each group's kernel once its own exchange is in and its exchange after it, so that a
         group's kernel runs behind the next group's transfer. In backward the recompute's exchanges and dO's

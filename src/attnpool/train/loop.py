@@ -40,7 +40,7 @@ from attnpool.errors import ConfigError, TrainingError, storage_error
 from attnpool.kernels.base import compile_positions
 from attnpool.parallel import build_rank_mesh
 from attnpool.parallel.float8 import refresh_float8_scales
-from attnpool.plan import SHARD_SERVING
+from attnpool.plan import SHARD_SERVING, head_group_heads
 from attnpool.plan.metrics import imbalance
 from attnpool.runtime.sparse import SparseStats
 from attnpool.sizes import format_bytes
@@ -192,9 +192,9 @@ class Trainer:
                 or servers == 1 or not dense or all(spec.prefix_copies_of(kind) for kind in spec.layer_kinds)):
             return
         t0 = time.perf_counter()
-        shape, groups = spec.attention_shape, spec.head_chunks
-        compile_positions(kernel, self.device, spec.compute_dtype, shape.n_q_heads // groups,
-                          shape.n_kv_heads // groups, shape.head_dim)
+        shape = spec.attention_shape
+        compile_positions(kernel, self.device, spec.compute_dtype,
+                          *head_group_heads(spec.head_chunks, shape.n_q_heads, shape.n_kv_heads), shape.head_dim)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.rank == 0:

@@ -163,7 +163,9 @@ class AttentionSection(Section):
     head_chunks: int = _setting("head_chunks", "run each layer's core attention in this many groups of heads, one "
                                                "group's kernel while another's Q/KV and outputs are on the wire: it "
                                                "hides exchanges where ping-pong has no second nano-batch (one long "
-                                               "document, pipeline stages); must divide the KV heads a rank holds. "
+                                               "document, pipeline stages); must divide the KV heads a rank holds, or "
+                                               "be a multiple of them that divides its query heads (groups of one KV "
+                                               "head's queries, which its first group sends). "
                                                "4 for links between nodes (over an emulated one, pretrain 128K's "
                                                "steps 1.18x faster in two calls, 1.19x predicted at one rate); 1 "
                                                "inside an NVLink node (4 slowed steps there by up to 1.8 percent)",

@@ -185,10 +185,11 @@ def resolve_run_spec(config: TrainConfig, world: int, device: torch.device | Non
         loss_kernel = resolve_loss_kernel(loss_kernel, device_type, dims.tp)
     m = model.config
     shape = AttentionShape(m.n_heads // dims.tp, m.n_kv_heads // dims.tp, m.head_dim, 2 if bf16 else 4)
-    problem = head_chunks_problem(config.attention.head_chunks, shape.n_kv_heads)
+    problem = head_chunks_problem(config.attention.head_chunks, shape.n_kv_heads, shape.n_q_heads)
     if problem:
         raise ConfigError("head_chunks", config.attention.head_chunks,
-                          f"{problem} ({model.name}'s {m.n_kv_heads}" + (f" over tp={dims.tp})" if dims.tp > 1 else ")"))
+                          f"{problem} ({model.name}'s {m.n_kv_heads} KV and {m.n_heads} query heads"
+                          + (f" over tp={dims.tp})" if dims.tp > 1 else ")"))
     if config.attention.strategy == "ulysses":
         problem = ulysses_problem(dims.dp, shape.n_q_heads, shape.n_kv_heads)
         if problem:

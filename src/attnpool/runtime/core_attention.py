@@ -262,61 +262,100 @@ class _Serve(torch.autograd.Function):
     its saved unique KV then holds zeros in the withheld rows the patterns skip.
 
     Returns the output and the unique K, V buffers: head groups finer than the KV heads serve their queries over
-    them (_ServeShared), whose KV gradients come back here, summed by autograd, and go home with this call's.
+    them (_ServeShared, through ``shared``), whose KV gradients are added to this call's before they go home. (The
+    buffers are outputs so that autograd runs this backward after the readers': they return no gradient for them.)
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, q_recv, kv_recv, L: DispatchLayout, sh: _Shapes, backend, scale, out_srv_rows: _ServerRows):
+    def forward(ctx, q, k, v, q_recv, kv_recv, L: DispatchLayout, sh: _Shapes, backend, scale, out_srv_rows: _ServerRows,
+                shared: "_SharedKV | None" = None):
         q_srv, k_u, v_u = _server_inputs(L, sh, q, k, v, q_recv, kv_recv)
+        if shared is not None:
+            shared.k_u, shared.v_u = k_u, v_u
         serving = None
         if isinstance(backend, SparseServing):
             serving, backend = backend, backend.bind(q, q_srv, k_u)
             serving.fetch_read_kv(k, v, k_u, v_u)  # withheld rows the patterns read, into k_u and v_u
         out_srv, lse = serve_forward(L, backend, q_srv, k_u, v_u, scale)
         ctx.save_for_backward(q_srv, k_u, v_u, lse)
-        ctx.meta = (L, sh, backend, scale, serving, q.shape, k.shape, out_srv_rows)
-        ctx.set_materialize_grads(False)  # (no zero KV gradients where no group shares the buffers)
+        ctx.meta = (L, sh, backend, scale, serving, q.shape, k.shape, out_srv_rows, shared)
+        ctx.set_materialize_grads(False)  # (the buffers' gradients: none, not zeros)
         return out_srv, k_u, v_u
 
     @staticmethod
-    def backward(ctx, dout_srv, dk_shared, dv_shared):
+    def backward(ctx, dout_srv, _dk_u, _dv_u):
         q_srv, k_u, v_u, lse = ctx.saved_tensors
-        L, sh, backend, scale, serving, q_shape, k_shape, out_srv_rows = ctx.meta
+        L, sh, backend, scale, serving, q_shape, k_shape, out_srv_rows, shared = ctx.meta
         dq_srv, dk_u, dv_u = serve_backward(L, backend, dout_srv.contiguous(), q_srv, k_u, v_u,
                                             out_srv_rows.take(), lse, scale)
-        if dk_shared is not None:  # the groups that served their queries over these buffers
-            dk_u += dk_shared
-            dv_u += dv_shared
+        if shared is not None:  # the groups that served their queries over these buffers
+            dk_u, dv_u = shared.add_to(dk_u, dv_u)
         dq, dq_recv = _q_grads(L, sh, dq_srv, q_shape)
         dk = L.local_kv.inverse.add(dk_u.new_zeros(k_shape), dk_u)
         dv = L.local_kv.inverse.add(dv_u.new_zeros(k_shape), dv_u)
         if serving is not None and serving.read is not None:
             serving.read.return_grads(dk_u, dv_u, dk, dv, serving.group)
         dkv_recv = torch.stack([L.recv_kv_pos.take(dk_u), L.recv_kv_pos.take(dv_u)], 1).reshape(-1, sh.kv_width)
-        return dq, dk, dv, dq_recv, dkv_recv, None, None, None, None, None
+        return dq, dk, dv, dq_recv, dkv_recv, None, None, None, None, None, None
+
+
+class _SharedKV:
+    """One KV head's server buffers where head groups finer than the KV heads share it: built by the head's first
+    group (_Serve), read by the others' _ServeShared and dropped after the last of them, so that no buffer outlives
+    its readers. In backward the readers' KV gradients are summed here in float32 (the kernel sums a KV head's
+    query heads so), and added once to the first group's."""
+
+    def __init__(self, readers: int):
+        self.readers, self.k_u, self.v_u, self.dk, self.dv = readers, None, None, None, None
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffers, for one reader."""
+        buffers = self.k_u, self.v_u
+        self.readers -= 1
+        if self.readers == 0:
+            self.k_u = self.v_u = None
+        return buffers
+
+    def add(self, dk_u: torch.Tensor, dv_u: torch.Tensor) -> None:
+        if self.dk is None:
+            self.dk, self.dv = dk_u.float(), dv_u.float()
+        else:
+            self.dk += dk_u
+            self.dv += dv_u
+
+    def add_to(self, dk_u: torch.Tensor, dv_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first group's KV gradients with the readers' added (in float32, rounded once)."""
+        dk, dv, self.dk, self.dv = self.dk, self.dv, None, None
+        if dk is None:  # (no reader's output took part in the loss)
+            return dk_u, dv_u
+        return dk.add_(dk_u).to(dk_u.dtype), dv.add_(dv_u).to(dv_u.dtype)
 
 
 class _ServeShared(torch.autograd.Function):
-    """A head group finer than the KV heads: its queries' kernel call over the unique K, V buffers an earlier group
-    of the same KV heads built (_Serve's), which keeps them: nothing of them is sent or saved twice. Backward: dQ
-    home, and the KV gradients to that group's buffers."""
+    """A head group finer than the KV heads: its queries' kernel call over the unique K, V buffers the first group
+    of its KV head built (_Serve's, through ``shared``): nothing of them is sent or saved twice. Backward: dQ home,
+    and the KV gradients summed into ``shared`` for the first group's backward, which runs after this one (the
+    buffers come in as that group's outputs, so autograd orders it so; they get no gradient of their own)."""
 
     @staticmethod
-    def forward(ctx, q, q_recv, k_u, v_u, L: DispatchLayout, sh: _Shapes, backend, scale, out_srv_rows: _ServerRows):
+    def forward(ctx, q, q_recv, k_u, v_u, L: DispatchLayout, sh: _Shapes, backend, scale, out_srv_rows: _ServerRows,
+                shared: _SharedKV):
         q_srv = _server_q(L, sh, q, q_recv)
         out_srv, lse = serve_forward(L, backend, q_srv, k_u, v_u, scale)
         ctx.save_for_backward(q_srv, k_u, v_u, lse)
-        ctx.meta = (L, sh, backend, scale, q.shape, out_srv_rows)
+        ctx.meta = (L, sh, backend, scale, q.shape, out_srv_rows, shared)
         return out_srv
 
     @staticmethod
     def backward(ctx, dout_srv):
         q_srv, k_u, v_u, lse = ctx.saved_tensors
-        L, sh, backend, scale, q_shape, out_srv_rows = ctx.meta
+        L, sh, backend, scale, q_shape, out_srv_rows, shared = ctx.meta
         dq_srv, dk_u, dv_u = serve_backward(L, backend, dout_srv.contiguous(), q_srv, k_u, v_u,
                                             out_srv_rows.take(), lse, scale)
+        shared.add(dk_u, dv_u)
+        del dk_u, dv_u
         dq, dq_recv = _q_grads(L, sh, dq_srv, q_shape)
-        return dq, dq_recv, dk_u, dv_u, None, None, None, None, None
+        return dq, dq_recv, None, None, None, None, None, None, None, None
 
 
 def serve_forward(L: DispatchLayout, backend: Backend, q_srv, k_u, v_u, scale=None):
@@ -507,9 +546,8 @@ class _InFlight:
     out_srv: torch.Tensor | None = None
     out_srv_rows: _ServerRows | None = None
     dout_srv_rows: _ServerRows | None = None
-    kv_from: "_InFlight | None" = None  # the group whose KV heads this one's queries read (finer than the KV heads)
-    k_u: torch.Tensor | None = None  # the server's unique K and V buffers, where later groups read them
-    v_u: torch.Tensor | None = None
+    shared: _SharedKV | None = None  # head groups finer than the KV heads: the KV head's buffers this group shares
+    reads_shared: bool = False  # ... as a reader (else as the first group, which builds them)
 
 
 def call_problem(q, k, v, plan: Plan, rank: int, world: int, group) -> str | None:
@@ -673,11 +711,11 @@ class CoreAttention:
         problem = head_chunks_problem(chunks, k.shape[1], q.shape[1])
         if problem:  # (every rank has the model's heads: each refuses alike, before any exchange)
             raise ConfigError("head_chunks", chunks, problem)
-        pending = []
+        pending, readers = [], chunks // k.shape[1]  # (past the KV heads: the groups of one KV head's queries)
         for q_g, k_g, v_g, shares in _head_groups(q, k, v, chunks):
-            source = (pending[-1].kv_from or pending[-1]) if shares else None
+            shared = pending[-1].shared if shares else _SharedKV(readers - 1) if readers > 1 else None
             p = _InFlight(q_g, k_g, v_g, layout, _Shapes(q_g.shape[1], k_g.shape[1], q_g.shape[2]), layer,
-                          kv_from=source)
+                          shared=shared, reads_shared=shares)
             if layout.any_traffic:
                 p.handle = _Handle()
                 p.recv = _DispatchStart.apply(q_g, k_g, v_g, layout, p.shapes, p.handle, self.group)
@@ -709,18 +747,18 @@ class CoreAttention:
         L, sh = p.layout, p.shapes
         if L.any_traffic:
             q_recv, kv_recv = _DispatchWait.apply(p.recv, L, sh, p.handle, self.group)
-            if L.relay is not None and p.kv_from is None:  # (inside compute, as the sparse exchanges: on their
+            if L.relay is not None and not p.reads_shared:  # (inside compute, as the sparse exchanges: on their
                 kv_recv = _Relay.apply(kv_recv, L.relay, sh, self.pattern_group)  # group, for the same reason)
         else:
             q_recv, kv_recv = p.q.new_empty(0, sh.q_width), p.k.new_empty(0, sh.kv_width)
         p.out_srv_rows, p.dout_srv_rows = _ServerRows(L.num_server_q, sh), _ServerRows(L.num_server_q, sh)
         backend = self._backend(p.q, p.layer)
-        if p.kv_from is not None:
-            p.out_srv = _ServeShared.apply(p.q, q_recv, p.kv_from.k_u, p.kv_from.v_u, L, sh, backend, self.scale,
-                                           p.out_srv_rows)
+        if p.reads_shared:
+            p.out_srv = _ServeShared.apply(p.q, q_recv, *p.shared.take(), L, sh, backend, self.scale, p.out_srv_rows,
+                                           p.shared)
         else:
-            p.out_srv, p.k_u, p.v_u = _Serve.apply(p.q, p.k, p.v, q_recv, kv_recv, L, sh, backend, self.scale,
-                                                   p.out_srv_rows)
+            p.out_srv, _, _ = _Serve.apply(p.q, p.k, p.v, q_recv, kv_recv, L, sh, backend, self.scale, p.out_srv_rows,
+                                           p.shared)
         if L.any_traffic:
             p.handle = _Handle()
             p.recv = _ReturnStart.apply(p.out_srv, L, sh, p.handle, self.group, p.out_srv_rows, p.dout_srv_rows)

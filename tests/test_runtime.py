@@ -479,6 +479,49 @@ def test_head_groups_finer_than_the_kv_heads_compute_the_same_with_the_same_byte
                        if tag not in ("relay", "relay_grad")), key
 
 
+def kv_alive_worker(rank, world, chunks):
+    """Elements of the server's unique K/V buffers still alive when collect starts, in a checkpointed forward."""
+    import gc
+    import importlib
+    import weakref
+
+    from torch.utils.checkpoint import checkpoint
+
+    runtime = importlib.import_module("attnpool.runtime.core_attention")
+    buffers, alive = [], []
+    server_inputs, collect = runtime._server_inputs, runtime._Collect.forward
+
+    def recorded_server_inputs(*args):
+        made = server_inputs(*args)
+        buffers.extend(weakref.ref(t) for t in made[1:])
+        return made
+
+    def counted_collect(ctx, *args):
+        gc.collect()
+        alive.append(sum(t().numel() for t in buffers if t() is not None))
+        return collect(ctx, *args)
+
+    runtime._server_inputs, runtime._Collect.forward = recorded_server_inputs, staticmethod(counted_collect)
+    try:
+        pieces = linear_layout([300, 40, 500, 60], world)
+        plan = plan_attention(pieces, "cad", cost_model="pairs", min_shard_tokens=32)
+        data = global_inputs(pieces, 4, 2, seed=1)
+        q, k, v, dout = (local_rows(data, pieces[rank], i).float().requires_grad_(i < 3) for i in range(4))
+        out = checkpoint(lambda *qkv: core_attention(*qkv, plan, head_chunks=chunks), q, k, v, use_reentrant=False)
+        out.backward(dout)
+    finally:
+        runtime._server_inputs, runtime._Collect.forward = server_inputs, staticmethod(collect)
+    return alive[0], len(buffers) > 0
+
+
+def test_server_kv_buffers_do_not_outlive_their_readers():
+    """Under activation checkpointing the first forward keeps nothing: the server's K/V buffers go after their
+    kernel, in one group and in groups finer than the KV heads (whose buffers the other groups of a KV head read)."""
+    for chunks in (1, 4):
+        for alive, made in run_distributed(kv_alive_worker, 2, chunks):
+            assert made and alive == 0, (chunks, alive)
+
+
 def launch_order_worker(rank, world):
     """The order in which each head group's exchanges are launched and waited for, forward and backward: events
     (what, tag, head group), the group of a handle known from the forward launch it was made for."""

@@ -17,7 +17,7 @@ from attnpool.sim.costs import DEFAULT_LINEAR_TFLOPS, layer_flops_per_token, loa
 from attnpool.plan.layout import linear_table, nano_batch_bounds, wlb_pieces
 from attnpool.sim.report import paper_report
 from attnpool.sim.simulate import SimConfig, simulate_config
-from attnpool.sim.steptime import Cluster, StepModel
+from attnpool.sim.steptime import Cluster, Collective, StepModel
 from command import run_command
 
 CFG = model_config("llama3-8b")
@@ -156,6 +156,32 @@ def test_head_chunks_hide_exchanges_behind_the_other_groups_kernels(costs):
     assert whole[2]["cad"]["step_s"] < whole[1]["cad"]["step_s"]
     with pytest.raises(ConfigError, match="head_chunks"):
         replace(config, head_chunks=3).check()  # llama3-8b's 8 KV heads
+
+
+def test_head_groups_finer_than_the_kv_heads_carry_each_kv_head_with_one_group(costs):
+    """Past the KV heads (llama3-8b's 8 a GPU, 16 groups) a KV head's bytes go with one of its groups: the same
+    bytes in all, the groups' shares unequal, and so less hidden than the same count of equal groups."""
+    whole = Collective(np.array([1e-5]), np.array([2.0]), kv_fraction=0.75)
+    shares = [whole.head_group(g, 16, 8).transfer[0] for g in range(16)]
+    assert sum(shares) == pytest.approx(2.0)
+    assert shares[0] == pytest.approx(2.0 * (0.25 / 16 + 0.75 / 8)) and shares[1] == pytest.approx(2.0 * 0.25 / 16)
+    backward = [whole.head_group(g, 16, 8, reverse=True).transfer[0] for g in range(16)]
+    assert backward[1] == shares[0] and backward[0] == shares[1]  # served last to first: the KV with the last
+    assert [whole.head_group(g, 8, 8).transfer[0] for g in range(8)] == [2.0 / 8] * 8
+    lens = [60000, 3000, 2000, 1000, 30000, 500, 20000, 14572]
+    cl = Cluster(gpus=8, tp=1, gpus_per_node=1, tokens_per_gpu=16384)
+    slow_costs = replace(costs, inter=replace(costs.inter, bandwidth=costs.inter.bandwidth / 20))
+    finer = StepModel(CFG, cl, slow_costs, head_chunks=16)
+    plan = plan_attention(linear_table(lens, 8, 16384), "cad", cost_model=costs.attn_fwd_bwd, eps=0.05,
+                          shape=finer.shape)
+    step = finer.plan_step(plan).step
+    equal = Collective.head_group
+    try:  # the same count taken as equal groups, as the model did before
+        Collective.head_group = lambda self, index, groups, kv_heads, reverse=False: self.part(groups)
+        equal_step = finer.plan_step(plan).step
+    finally:
+        Collective.head_group = equal
+    assert step > equal_step
 
 
 def test_ulysses_fetches_only_a_windows_keys_of_a_remote_prefix(costs):

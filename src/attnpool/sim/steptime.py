@@ -126,6 +126,7 @@ class Collective:
 
     latency: np.ndarray  # (G,)
     transfer: np.ndarray  # (G,)
+    kv_fraction: float = 0.0  # the share of its bytes that are K and V (or their gradients): see head_group
 
     @property
     def active(self) -> bool:
@@ -136,13 +137,27 @@ class Collective:
 
     def part(self, parts: int) -> "Collective":
         """The collective of one of ``parts`` equal parts of the batch: its share of the bytes, the whole latency."""
-        return Collective(self.latency, self.transfer / parts)
+        return Collective(self.latency, self.transfer / parts, self.kv_fraction)
+
+    def head_group(self, index: int, groups: int, kv_heads: int, reverse: bool = False) -> "Collective":
+        """Head group ``index``'s of ``groups`` (runtime.core_attention's head_chunks) on GPUs of ``kv_heads`` KV
+        heads: an equal part where the groups split the KV heads; past them, each KV head's bytes go with the first
+        of its groups (``reverse``: the last, as backward serves the groups last to first) and the queries' are
+        shared by all. The whole latency either way."""
+        if groups <= kv_heads:
+            return self.part(groups)
+        per_kv = groups // kv_heads
+        carries = index % per_kv == (per_kv - 1 if reverse else 0)
+        share = (1 - self.kv_fraction) / groups + (self.kv_fraction / kv_heads if carries else 0.0)
+        return Collective(self.latency, self.transfer * share, self.kv_fraction)
 
     @staticmethod
     def serial(*collectives: "Collective") -> "Collective":
         """The collectives one after another, as one."""
-        return Collective(sum(np.where(c.transfer > 0, c.latency, 0.0) for c in collectives),
-                          sum(c.transfer for c in collectives))
+        transfer = sum(c.transfer for c in collectives)
+        total = float(np.sum(transfer))
+        kv = sum(c.kv_fraction * float(np.sum(c.transfer)) for c in collectives) / total if total else 0.0
+        return Collective(sum(np.where(c.transfer > 0, c.latency, 0.0) for c in collectives), transfer, kv)
 
 
 @dataclass
@@ -362,6 +377,8 @@ class StepModel:
         # server's compute path, not hidden behind the other nano-batch), and backward the gradients the other way.
         forwarded = np.r_[np.zeros(len(home), bool), kv_src != x.src]
         out = self._a2a(src[~forwarded], dst[~forwarded], nbytes[~forwarded], S)  # Q + KV out (fwd), dQ + dKV back (bwd)
+        sent = np.where((src != dst) & ~forwarded, nbytes, 0)
+        out.kv_fraction = float(sent[len(home):].sum() / sent.sum()) if sent.sum() else 0.0
         if forwarded.any():
             relay_s = float(self._a2a(src[forwarded], dst[forwarded], nbytes[forwarded], S).duration().max())
             # backward sends the forwarded rows' gradients back to the relays; a recomputed forward relays again
@@ -431,6 +448,7 @@ class StepModel:
             prefix = start[upiece] - key_start(start[upiece], window)
             prefix_b = np.bincount(userver, weights=prefix.astype(np.float64), minlength=S) * kvb
             ag = self._collective(np.where(spans, 0.0, gather_b), np.where(spans, gather_b, 0.0) + prefix_b, c, G)
+            ag.kv_fraction = 1.0  # KV alone: each server's queries stay home
             return (*layer_attention(window), (ag, none), (ag, ag)), gather_b + prefix_b
 
         layers = self._per_layer(layer)
@@ -510,8 +528,8 @@ class StepModel:
         (attention forward and backward seconds per server, the forward's exchanges (before, after core
         attention), the backward's, ...); backward runs the layers in reverse. Each layer runs every nano-batch's
         part before core attention in turn, then every core attention, one's exchanges behind the next one's
-        compute. With ``head_chunks`` each core attention is that many equal groups of heads (finer than the KV heads,
-        a KV head's first group carries it, the others less: taken as equal all the same), as
+        compute. With ``head_chunks`` each core attention is that many groups of heads (Collective.head_group: equal
+        parts, or past the KV heads each KV head's bytes with its first group, in backward its last), as
         runtime.core_attention runs them: every group's exchange before it in turn (each with the whole
         latency), then each group's kernel once its own exchange is in and its exchange after it, so that a
         group's kernel runs behind the next group's transfer. In backward the recompute's exchanges and dO's
@@ -520,6 +538,7 @@ class StepModel:
         S, c = self.cluster.servers, group_size
         G = S // c
         m = len(nanos)
+        kv_heads = max(1, self.shape.n_kv_heads // self.cluster.tp)  # a GPU's
         cf = np.zeros(S)
         mf = np.zeros(G)
         comm_total = np.zeros(G)
@@ -534,18 +553,19 @@ class StepModel:
                     pre = first if layer == 0 else mid
                     cf = cf + pre if ready[x] is None else np.maximum(cf, np.repeat(ready[x], c)) + pre
                     if before.active:
-                        took = before.part(head_chunks).duration()
                         dispatched[x] = []
-                        for _ in range(head_chunks):
+                        for group in range(head_chunks):
+                            took = before.head_group(group, head_chunks, kv_heads, reverse=p == 1).duration()
                             mf = np.maximum(mf, cf.reshape(G, c).max(1)) + took
                             comm_total += took
                             dispatched[x].append(mf)
                 for x in range(m):
                     attn, (_, after) = passes[x][p][3][layer]
-                    took = after.part(head_chunks).duration() if after.active else None
                     for group in range(head_chunks):
                         arrived = cf if dispatched[x] is None else np.maximum(cf, np.repeat(dispatched[x][group], c))
                         cf = arrived + attn / head_chunks
+                        took = after.head_group(group, head_chunks, kv_heads, reverse=p == 1).duration() \
+                            if after.active else None
                         if took is not None:
                             mf = np.maximum(mf, cf.reshape(G, c).max(1)) + took
                             comm_total += took

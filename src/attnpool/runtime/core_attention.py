@@ -507,21 +507,23 @@ class _Collect(torch.autograd.Function):
 
 
 def _head_groups(q, k, v, chunks: int):
-    """(q, k, v, shares) of each of ``chunks`` head groups: whole KV heads and their query heads where ``chunks``
-    divides the KV heads; past them, a share of one KV head's query heads each, the first of which sends the KV head
-    and the rest none (``shares``: the group reads the KV the group before it read; its k and v have no heads and
-    no gradient). Split, not sliced: one node in backward concatenates every group's dQ, where slices would each
-    make a whole zero dQ."""
+    """(q, k, v, shared, reads_shared) of each of ``chunks`` head groups: whole KV heads and their query heads where
+    ``chunks`` divides the KV heads (``shared`` None); past them, a share of one KV head's query heads each, all of a
+    KV head's groups with one _SharedKV: the first sends the KV head and builds its buffers, the others
+    (``reads_shared``: their k and v have no heads and no gradient) read them. Split, not sliced: one node in
+    backward concatenates every group's dQ, where slices would each make a whole zero dQ."""
     if chunks == 1:
-        return [(q, k, v, False)]
+        return [(q, k, v, None, False)]
     q_groups, kv_heads = q.chunk(chunks, 1), k.shape[1]
     if kv_heads % chunks == 0:
-        return [(q_g, k_g, v_g, False) for q_g, k_g, v_g in zip(q_groups, k.chunk(chunks, 1), v.chunk(chunks, 1))]
+        return [(q_g, k_g, v_g, None, False)
+                for q_g, k_g, v_g in zip(q_groups, k.chunk(chunks, 1), v.chunk(chunks, 1))]
     per_kv, none = chunks // kv_heads, k.new_empty(k.shape[0], 0, k.shape[2])
     groups = []
     for j, (k_j, v_j) in enumerate(zip(k.chunk(kv_heads, 1), v.chunk(kv_heads, 1))):
+        shared = _SharedKV(readers=per_kv - 1)
         for i, q_g in enumerate(q_groups[j * per_kv:(j + 1) * per_kv]):
-            groups.append((q_g, k_j, v_j, False) if i == 0 else (q_g, none, none, True))
+            groups.append((q_g, k_j, v_j, shared, False) if i == 0 else (q_g, none, none, shared, True))
     return groups
 
 
@@ -711,11 +713,10 @@ class CoreAttention:
         problem = head_chunks_problem(chunks, k.shape[1], q.shape[1])
         if problem:  # (every rank has the model's heads: each refuses alike, before any exchange)
             raise ConfigError("head_chunks", chunks, problem)
-        pending, readers = [], chunks // k.shape[1]  # (past the KV heads: the groups of one KV head's queries)
-        for q_g, k_g, v_g, shares in _head_groups(q, k, v, chunks):
-            shared = pending[-1].shared if shares else _SharedKV(readers - 1) if readers > 1 else None
+        pending = []
+        for q_g, k_g, v_g, shared, reads_shared in _head_groups(q, k, v, chunks):
             p = _InFlight(q_g, k_g, v_g, layout, _Shapes(q_g.shape[1], k_g.shape[1], q_g.shape[2]), layer,
-                          shared=shared, reads_shared=shares)
+                          shared=shared, reads_shared=reads_shared)
             if layout.any_traffic:
                 p.handle = _Handle()
                 p.recv = _DispatchStart.apply(q_g, k_g, v_g, layout, p.shapes, p.handle, self.group)

@@ -79,3 +79,18 @@ def test_predictions_for_two_nodes_with_the_hierarchical_exchange(validation, tm
                          "cad+pingpong (hierarchical)", "local+balanced", "cad+balanced", "cad+pingpong+balanced"}
     assert all(len(r["predicted_s"]) == 2 and r["predicted_total_s"] > 0 for r in rows.values())
     assert "nodes of 2 GPUs, 5.5 GiB/s per GPU between nodes (one fabric the GPUs share" in next(tmp_path.glob("*-check.md")).read_text()
+
+
+def test_a_run_kept_from_its_printed_summary_is_compared_by_its_total(validation, tmp_path):
+    """Run 36 of the 2 x H200 full-depth record lost its e2e.json and keeps only the total of its two steps: it is
+    compared on that total, with no per-step error, and written so (the simulator's -1.0% the record states)."""
+    argv = ["sim_validation.py", "--measured", str(ROOT / "bench/results/2026-11-29-h200x2-full-depth-baselines.json"),
+            "--run", "36", "--out", str(tmp_path), "--name", "total"]
+    with mock.patch.object(sys, "argv", argv):
+        assert validation.main() == 0
+    (written,) = tmp_path.glob("*-sim-validation-total.json")
+    (row,) = json.loads(written.read_text())["rows"]
+    assert row["strategy"] == "percp" and row["measured_s"] is None and row["error_per_step_mean_abs"] is None
+    assert row["measured_total_s"] == pytest.approx(127.326)
+    assert row["error_total"] == pytest.approx(-0.0099, abs=5e-4)
+    assert "(total only)" in next(tmp_path.glob("*-sim-validation-total.md")).read_text()

@@ -3,12 +3,15 @@
 import argparse
 import json
 import os
+import pathlib
 import sys
 import warnings
 
 import background
 import pytest
 import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _partial_results_are_written_quietly(tmp_path, records, capsys):
@@ -127,6 +130,39 @@ def test_bench_refuses_a_kernel_that_cannot_run_before_any_process_group():
     assert r.returncode == 2, r.stderr[-2000:]
     assert "attention_backend" in r.stderr and "fa4" in r.stderr
     assert not (tmp_path / "e2e.json").exists()
+
+
+@background.job("test_warm_up_on_small_batches_measures_the_batches_a_full_warm_up_would")
+def small_warm_up(tmp):
+    """torchrun's 2 ranks, local and cad, warmed up on batches of 256 tokens per GPU: its --out and the run."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "attnpool.cli.main", "bench",
+           "--device", "cpu", "--model", "tiny", "--layers", "1", "--configs", "prolong:1K", "--strategies", "local,cad",
+           "--warmup", "1", "--warmup-tokens", "256", "--steps", "1", "--out", str(tmp)]
+    return tmp, background.run(cmd, timeout=300)
+
+
+def test_warm_up_on_small_batches_measures_the_batches_a_full_warm_up_would():
+    """--warmup-tokens: the warm-up step runs on a 256-token batch, in a run of its own, and the measured step is
+    still the stream's second batch, as in the run warmed up on a full batch (every_strategy): the same plan, and the
+    second batch's longest document (the first batch's is shorter, the warm-up's at most 512 tokens)."""
+    tmp_path, r = small_warm_up.result()
+    assert r.returncode == 0, r.stderr[-3000:]
+    written = json.loads((tmp_path / "e2e.json").read_text())
+    assert written["meta"]["warmup_tokens"] == 256 and " --warmup-tokens 256 " in written["meta"]["command"]
+    assert "1 warm-up (on batches of 256 tokens per GPU, a run of their own)" in (tmp_path / "e2e.md").read_text()
+    sys.path.insert(0, str(ROOT / "bench"))
+    from sim_validation import bench_batches  # the benchmark's batches, as the simulator's comparison draws them
+    first, second = bench_batches("prolong", 1024, 2, 0, 2)
+    assert max(first) < max(second)
+    full_tmp, full = every_strategy.result()
+    assert full.returncode == 0, full.stderr[-3000:]
+    full_records = {rec["strategy"]: rec for rec in json.loads((full_tmp / "e2e.json").read_text())["records"]}
+    for rec in written["records"]:
+        assert rec["longest_doc"] == max(second)
+        assert rec["tokens_per_s"] == pytest.approx(2048 / rec["step_time_s"])  # the measured batch's tokens
+        for key in ("imbalance_before", "imbalance_after"):
+            assert rec[key] == pytest.approx(full_records[rec["strategy"]][key])
+        assert len(rec["losses"]) == 2 and rec["loss_ok"]
 
 
 @background.job("test_bench_with_auto_checkpointing_says_what_each_run_chose")
@@ -420,3 +456,16 @@ def test_trace_breakdown_counts_the_time_an_exchange_ran_beside_another_collecti
               *at("ncclDevKernel_AllGather", 3500, 3000, 5, device=1, phase=False),  # another GPU's
               *at("nvjet_sm90_tst", 3000, 500, 6, phase=False)]  # not a collective
     assert beside_other_collectives(list(classified(events))) == {"attention_collectives_ms": 4.0, "beside_other_collectives_ms": 1.5}
+
+
+def test_warm_up_tokens_are_refused_without_warm_up_steps(monkeypatch):
+    from attnpool.bench.e2e import check_arguments
+    from attnpool.errors import ConfigError
+
+    p = bench_arguments(monkeypatch, 2)
+    assert p.parse_args(["--out", "x", "--warmup-tokens", "16K"]).warmup_tokens == 16384
+    check_arguments(p.parse_args(["--out", "x", "--device", "cpu", "--warmup", "1", "--warmup-tokens", "1K"]))
+    for bad in (["--warmup", "0", "--warmup-tokens", "1K"], ["--warmup", "1", "--warmup-tokens", "0"]):
+        with pytest.raises(ConfigError, match="with --warmup 1 or more") as err:
+            check_arguments(p.parse_args(["--out", "x", "--device", "cpu", *bad]))
+        assert err.value.field == "--warmup-tokens"

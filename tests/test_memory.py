@@ -256,6 +256,12 @@ def test_host_memory_is_a_limit_of_offload():
     assert e.host_bytes == 4 * sum(saved_per_layer(x).values()) * 128 * 1024
     assert Capacity(e.peak_bytes, "gpu", e.host_bytes).holds(e)
     assert not Capacity(e.peak_bytes, "gpu", e.host_bytes - 1).holds(e)
+    # what activation offload holds apart (the trainer pins it before the first step), the optimizer's beside it
+    assert e.activation_host_bytes == e.host_bytes
+    both = estimate(replace(x, optimizer_offload=True))
+    states = estimate(replace(x, activation_offload=False, optimizer_offload=True))
+    assert both.activation_host_bytes == e.host_bytes and both.host_bytes == e.host_bytes + states.host_bytes
+    assert states.activation_host_bytes == 0 < states.host_bytes
 
 
 # --- Refusals ------------------------------------------------------------------------------------------

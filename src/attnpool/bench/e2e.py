@@ -123,28 +123,43 @@ def run_one(name, dist_name, tokens, args, out_dir, trace=False):
     if dist_name == "pretrain":  # the paper elongates pretrain lengths to reach the context
         # (a micro-batch's global batch: every GPU's tokens, a pipeline's stages sharing theirs)
         elongate["options"] = {"elongate": max(1.0, tokens * dist.get_world_size() / args.pp / 65536)}
-    config = TrainConfig(
-        model=args.model, model_args=model_fields(args), data="synthetic", data_args=elongate,
-        # Every run's schedule is as long as a traced run's, so that tracing changes no learning rate;
-        # the others stop before the traced steps.
-        tokens_per_rank=tokens * args.tp, tp=args.tp, pp=args.pp, pp_schedule=args.pp_schedule,
-        microbatches=args.microbatches, steps=args.warmup + args.steps + TRACE_STEPS,
-        stop_at=None if trace else args.warmup + args.steps, warmup_steps=2, lr=1e-4, seed=0,
-        attention=attention, layout=layout, pingpong=pingpong, **sparse, hierarchical_exchange=relays_kv(name, args),
-        head_chunks=head_chunks(name, args),
-        activation_checkpointing=args.activation_checkpointing, activation_offload=args.activation_offload,
-        precision="bf16", attention_backend=args.attention_backend,
-        device=args.device, progress=False, checkpoint_every=-1, out=os.path.join(out_dir, f"{dist_name}-{tokens}-{name}"),
-    )
+    def run_config(tokens_per_gpu: int, stop_at: int | None, tag: str) -> TrainConfig:
+        return TrainConfig(
+            model=args.model, model_args=model_fields(args), data="synthetic", data_args=elongate,
+            # Every run's schedule is as long as a traced run's, so that tracing changes no learning rate;
+            # the others stop before the traced steps.
+            tokens_per_rank=tokens_per_gpu * args.tp, tp=args.tp, pp=args.pp, pp_schedule=args.pp_schedule,
+            microbatches=args.microbatches, steps=args.warmup + args.steps + TRACE_STEPS,
+            stop_at=stop_at, warmup_steps=2, lr=1e-4, seed=0,
+            attention=attention, layout=layout, pingpong=pingpong, **sparse, hierarchical_exchange=relays_kv(name, args),
+            head_chunks=head_chunks(name, args),
+            activation_checkpointing=args.activation_checkpointing, activation_offload=args.activation_offload,
+            precision="bf16", attention_backend=args.attention_backend,
+            device=args.device, progress=False, checkpoint_every=-1,
+            out=os.path.join(out_dir, f"{dist_name}-{tokens}-{name}{tag}"))
+
+    warmup_rows, measured_skip = [], 0
+    if args.warmup_tokens is not None:  # (check_arguments refuses it without warm-up steps)
+        # The warm-up steps on small batches, in a run of their own in these processes (what they compile and
+        # allocate is kept); the measured run then starts at the batch a run warmed up on its own would measure.
+        warmup_rows = train(run_config(args.warmup_tokens, args.warmup, "-warmup")).rows
+        measured_skip = args.warmup
+        gc.collect()  # (its model and optimizer, before the measured run's are built)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    steps_before_trace = args.warmup + args.steps - measured_skip
+    config = run_config(tokens, steps_before_trace + (TRACE_STEPS if trace else 0), "")
     if not trace:
-        return _with_prediction(train(config), config)
+        rows, predicted, settings = _with_prediction(train(config, skip_batches=measured_skip), config)
+        return warmup_rows + rows, predicted, settings
     tag = f"{dist_name}-{tokens // 1024}K-{name}".replace("+", "_")
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda" else [])
-    schedule = torch.profiler.schedule(skip_first=args.warmup + args.steps, wait=0, warmup=1, active=1, repeat=1)
+    schedule = torch.profiler.schedule(skip_first=steps_before_trace, wait=0, warmup=1, active=1, repeat=1)
     with torch.profiler.profile(activities=activities, schedule=schedule,
                                 on_trace_ready=functools.partial(_write_trace, args.out, tag, args.device)) as prof:
-        rows, predicted, settings = _with_prediction(train(config, on_step=prof.step), config)
-    return rows[:args.warmup + args.steps], predicted, settings
+        rows, predicted, settings = _with_prediction(train(config, on_step=prof.step, skip_batches=measured_skip),
+                                                     config)
+    return warmup_rows + rows[:steps_before_trace], predicted, settings
 
 
 def _with_prediction(result, config: TrainConfig) -> tuple[list, int | None, dict]:
@@ -191,7 +206,7 @@ def _write_trace(out, tag, device, prof):
 def summarize(name, dist_name, tokens, rows, args, world, cfg, as_run: dict):
     measured = rows[args.warmup:]
     step = statistics.median(r["step_time_s"] for r in measured)
-    global_tokens = rows[0]["tokens"]
+    global_tokens = measured[0]["tokens"]  # (--warmup-tokens: the warm-up steps' are fewer)
     linear_s = global_tokens * linear_s_per_token(cfg) / world
     # (the plan's loads are one tp rank's: its share of the heads)
     attention_s = statistics.median(r["attention_work_total"] for r in measured) * cfg.n_layers * args.tp / world
@@ -284,6 +299,9 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
     if args.steps < 1 or args.warmup < 0 or args.layers < 1:
         raise ConfigError("--steps/--warmup/--layers", (args.steps, args.warmup, args.layers),
                           "need at least 1 measured step, 0 or more warm-up steps and 1 or more layers")
+    if args.warmup_tokens is not None and (args.warmup_tokens < 1 or not args.warmup):
+        raise ConfigError("--warmup-tokens", args.warmup_tokens,
+                          "tokens per GPU of the warm-up steps: at least 1, with --warmup 1 or more")
     head_parallel = [s for s in strategies if strategy_settings(s)[0] == "ulysses"]
     if head_parallel:  # here, not in its run: that would lose the strategies after it
         cfg = model_config(args.model, **model_fields(args))
@@ -460,12 +478,13 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
                 f", sliding window {args.sliding_window} ({args.layer_types or 'every layer'})"
                 if args.sliding_window is not None else ""),
             "attention_backend": args.resolved_attention_backend, "warmup": args.warmup,
-            "measured_steps": args.steps, "skipped": skipped, "complete": complete,
+            "warmup_tokens": args.warmup_tokens, "measured_steps": args.steps, "skipped": skipped, "complete": complete,
             "command": f"{launch} -m attnpool.cli.main bench --model {args.model} "
                        f"--layers {args.layers} --configs {args.configs} "
                        + (f"--sliding-window {args.sliding_window} " if args.sliding_window is not None else "")
                        + (f"--layer-types {args.layer_types} " if args.layer_types else "") +
                        f"--strategies {args.strategies} --warmup {args.warmup} --steps {args.steps} "
+                       + (f"--warmup-tokens {args.warmup_tokens} " if args.warmup_tokens is not None else "") +
                        f"--attention-backend {args.resolved_attention_backend}"  # as run, where "auto" was asked
                        + (" --ablation" if args.ablation else "") + (f" --trace {args.trace}" if args.trace else "")
                        + (f" --sparse-args {args.sparse_args}" if args.sparse_args else "")
@@ -483,7 +502,9 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
              f"{meta['model']}, torch {meta['torch']}, bf16, core attention kernel {meta['attention_backend']}, "
              f"FSDP2, activation checkpointing "
              f"{CHECKPOINTING_TEXT[args.activation_checkpointing]}, "
-             f"{args.warmup} warm-up + {args.steps} measured steps (median), same seeds and batches for all strategies.",
+             f"{args.warmup} warm-up"
+             + (f" (on batches of {args.warmup_tokens} tokens per GPU, a run of their own)" if args.warmup_tokens else "")
+             + f" + {args.steps} measured steps (median), same seeds and batches for all strategies.",
              "", f"Command: `{meta['command']}`", "",
              "| dist | tokens/GPU | strategy | step (s) | tokens/s | vs local | vs local (total) | MFU | efficiency | "
              "efficiency with recompute | attn max/mean | MiB sent/GPU | peak GiB | predicted GiB | loss vs local | "

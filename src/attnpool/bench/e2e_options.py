@@ -54,6 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--sparse vertical-slash at the default coverage; +readkv with kv_transfer=read), each "
                         f"but wlb also with {BALANCED} after it (layout balanced)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup-tokens", type=parse_size, default=None, metavar="SIZE",
+                   help="run the warm-up steps on batches of this many tokens per GPU (e.g. 16K), in a run of their "
+                        "own before each measured one: kernels compile and memory is allocated in seconds where a "
+                        "configuration's steps take minutes; the measured steps train on the same batches as without "
+                        "it, from the initial weights")
     p.add_argument("--steps", type=int, default=10, help="measured steps")
     p.add_argument("--ablation", action="store_true", help="also cad+pingpong (plain cad where --pp is above 1) with one-element messages: what the exchange's bytes cost")
     p.add_argument("--budget-s", type=float, default=float("inf"), help="start no new run after this many seconds")

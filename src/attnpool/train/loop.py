@@ -53,6 +53,7 @@ from attnpool.train.memory_check import smallest_capacity
 from attnpool.console import START_TIME_ENV
 from attnpool.train.metrics import (PLOT_FILE, SUMMARY_FILE, MetricsLog, Progress, open_logger, peak_memory_bytes,
                                     peak_reserved_bytes, plot_run, print_summary, reset_peak_memory, summarize)
+from attnpool.train.offload import pin_host_ahead
 from attnpool.train.optim import agree_finite, apply_optim_settings, build_optimizer, build_scheduler, clip_gradients
 from attnpool.train.schedule_choice import same_schedule
 from attnpool.train.planning import StepPlan
@@ -90,13 +91,15 @@ class TrainResult:
         return [r["loss"] for r in self.rows]
 
 
-def train(config: TrainConfig, on_step=None) -> TrainResult:
+def train(config: TrainConfig, on_step=None, skip_batches: int = 0) -> TrainResult:
     """Train (or, with ``resume``, continue) on the ranks of the initialised default process group.
 
     ``on_step()``, if given, is called after every step (e.g. a torch.profiler's ``step``). A SIGTERM at
-    any time from here on stops the run after its current (or first) step, checkpointed."""
+    any time from here on stops the run after its current (or first) step, checkpointed. ``skip_batches``: a new
+    run's first step trains on the data stream's batch after that many (``attnpool bench --warmup-tokens``
+    warms up on small batches elsewhere, then measures the batches a run warmed up on them would)."""
     with Preemption() as preemption, deterministic_algorithms(config.run.deterministic):
-        return Trainer(config).fit(on_step, preemption)
+        return Trainer(config, skip_batches).fit(on_step, preemption)
 
 
 # cuBLAS picks its reduction order by the workspace it gets; a fixed one of 4096 KiB x 8 makes its results repeat
@@ -134,7 +137,9 @@ def served_imbalance(served: np.ndarray, dims) -> float:
 class Trainer:
     """One run on this rank: its components, built once, and the loop over its steps."""
 
-    def __init__(self, config: TrainConfig):
+    def __init__(self, config: TrainConfig, skip_batches: int = 0):
+        if skip_batches < 0:  # (every rank is given the same number: each refuses it, before any collective)
+            raise ConfigError("skip_batches", skip_batches, "a number of batches: 0 or more")
         # The run's wall time counts from the command's start (start-up, reading the model, compiling included)
         self.started = float(os.environ.get(START_TIME_ENV, time.time()))
         self.config, self.rank, self.world = config, dist.get_rank(), dist.get_world_size()
@@ -166,6 +171,8 @@ class Trainer:
         self.prior = spec.new_sparse_prior()
         self.extra_state = {"sparse_prior": self.prior} if self.prior else {}
         self.step = 0
+        for _ in range(skip_batches):  # (a resumed run's stream continues where its checkpoint's stopped instead)
+            self.stream.next_batch()
         if self.resume_from is not None:
             self.step = load_checkpoint(self.resume_from, self.model, self.optimizer, self.scheduler, self.stream,
                                         self.extra_state, self.device,
@@ -174,6 +181,7 @@ class Trainer:
         self.start_step = self.step
         self.log = self._open_log()
         self._compile_position_kernel()
+        self._pin_offload_memory()
         self.nonfinite_total = sum(1 for r in self.log.rows if r.get("skipped_step"))  # resumed: the earlier steps'
         self.nonfinite_in_a_row = 0
 
@@ -200,6 +208,19 @@ class Trainer:
         if self.rank == 0:
             print(f"{spec.backend_name}: its position kernel compiled in {time.perf_counter() - t0:.1f} s, before the "
                   "first step", flush=True)
+
+    def _pin_offload_memory(self) -> None:
+        """Activation offload's host memory, as the memory model counts it, pinned before the first step
+        (offload.pin_host_ahead): pinned as the offloads go, tens of GiB at 256K tokens per GPU, it would be part
+        of the first step, which a benchmark warmed up on small batches (--warmup-tokens) measures."""
+        memory = self.setup.memory
+        if not self.spec.activation_offload or memory is None or self.device.type != "cuda":
+            return
+        t0 = time.perf_counter()
+        pinned = pin_host_ahead(memory.activation_host_bytes)
+        if self.rank == 0 and pinned:
+            print(f"activation offload: {format_bytes(pinned)} of host memory pinned in "
+                  f"{time.perf_counter() - t0:.1f} s, before the first step", flush=True)
 
     def _open_log(self) -> MetricsLog:
         config, resumed = self.config, self.resume_from is not None

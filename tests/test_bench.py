@@ -165,6 +165,28 @@ def test_warm_up_on_small_batches_measures_the_batches_a_full_warm_up_would():
         assert len(rec["losses"]) == 2 and rec["loss_ok"]
 
 
+@background.job("test_warm_up_on_small_batches_skips_every_micro_batch_of_its_steps")
+def small_warm_up_of_micro_batches(tmp):
+    """torchrun's 2 ranks, local in 2 micro-batches a step, warmed up on 256 tokens per GPU: its --out and the run."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "attnpool.cli.main", "bench",
+           "--device", "cpu", "--model", "tiny", "--layers", "1", "--configs", "prolong:1K", "--strategies", "local",
+           "--microbatches", "2", "--warmup", "1", "--warmup-tokens", "256", "--steps", "1", "--out", str(tmp)]
+    return tmp, background.run(cmd, timeout=300)
+
+
+def test_warm_up_on_small_batches_skips_every_micro_batch_of_its_steps():
+    """A step draws a batch per micro-batch: the measured step after one warm-up step of 2 micro-batches trains on
+    the stream's third and fourth batches, whose longest document (2,048 tokens) the first three lack."""
+    tmp_path, r = small_warm_up_of_micro_batches.result()
+    assert r.returncode == 0, r.stderr[-3000:]
+    sys.path.insert(0, str(ROOT / "bench"))
+    from sim_validation import bench_batches
+    batches = bench_batches("prolong", 1024, 2, 0, 4)
+    assert max(map(max, batches[:3])) < max(map(max, batches[2:])) == 2048
+    (rec,) = json.loads((tmp_path / "e2e.json").read_text())["records"]
+    assert rec["longest_doc"] == 2048 and rec["microbatches"] == 2
+
+
 @background.job("test_bench_with_auto_checkpointing_says_what_each_run_chose")
 def auto_checkpointing(tmp):
     """torchrun's 2 ranks, local and cad with activation_checkpointing=auto: its --out and the run."""
@@ -465,7 +487,12 @@ def test_warm_up_tokens_are_refused_without_warm_up_steps(monkeypatch):
     p = bench_arguments(monkeypatch, 2)
     assert p.parse_args(["--out", "x", "--warmup-tokens", "16K"]).warmup_tokens == 16384
     check_arguments(p.parse_args(["--out", "x", "--device", "cpu", "--warmup", "1", "--warmup-tokens", "1K"]))
-    for bad in (["--warmup", "0", "--warmup-tokens", "1K"], ["--warmup", "1", "--warmup-tokens", "0"]):
-        with pytest.raises(ConfigError, match="with --warmup 1 or more") as err:
+    for bad in (["--warmup", "0", "--warmup-tokens", "1K"], ["--warmup", "1", "--warmup-tokens", "0"],
+                ["--warmup", "1", "--warmup-tokens", "128K", "--configs", "prolong:128K,prolong:64K"]):
+        with pytest.raises(ConfigError, match="at most each config's, with --warmup 1 or more") as err:
             check_arguments(p.parse_args(["--out", "x", "--device", "cpu", *bad]))
         assert err.value.field == "--warmup-tokens"
+    with pytest.raises(ConfigError, match="sparse strategies warm up on full batches") as err:
+        check_arguments(p.parse_args(["--out", "x", "--device", "cpu", "--warmup", "1", "--warmup-tokens", "1K",
+                                      "--strategies", "local,cad+sparse"]))
+    assert err.value.field == "--strategies" and err.value.value == "cad+sparse"

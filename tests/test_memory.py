@@ -256,12 +256,6 @@ def test_host_memory_is_a_limit_of_offload():
     assert e.host_bytes == 4 * sum(saved_per_layer(x).values()) * 128 * 1024
     assert Capacity(e.peak_bytes, "gpu", e.host_bytes).holds(e)
     assert not Capacity(e.peak_bytes, "gpu", e.host_bytes - 1).holds(e)
-    # what activation offload holds apart (the trainer pins it before the first step), the optimizer's beside it
-    assert e.activation_host_bytes == e.host_bytes
-    both = estimate(replace(x, optimizer_offload=True))
-    states = estimate(replace(x, activation_offload=False, optimizer_offload=True))
-    assert both.activation_host_bytes == e.host_bytes and both.host_bytes == e.host_bytes + states.host_bytes
-    assert states.activation_host_bytes == 0 < states.host_bytes
 
 
 # --- Refusals ------------------------------------------------------------------------------------------
@@ -520,6 +514,23 @@ def test_host_pieces_are_powers_of_two_between_floor_and_ceiling():
     # 2.3 GiB of bf16 (a 300K-token layer input of Llama-3-8B): 18 pieces of 128 MiB, 32 MiB, 16 MiB and the rest
     # below the floor, not one 4 GiB block
     assert piece_sizes(int(2.3 * 2**30) // 2, 2)[:20] == [1 << 26] * 18 + [1 << 24, 1 << 23]
+
+
+def test_pinned_ahead_are_the_ceiling_pieces_the_regions_will_ask_for(monkeypatch):
+    """pin_host_ahead pins, per region, the 128 MiB pieces piece_sizes gives it, so that the first step's offloads
+    find them cached; a region's smaller pieces (and a region below the ceiling) are left to the step, where
+    pinned ahead they would sit unused. Without CUDA it pins nothing."""
+    from attnpool.train import offload
+
+    assert offload.pin_host_ahead(2 << 30, 32) == 0  # (no CUDA here)
+    asked = []
+    monkeypatch.setattr(offload.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(offload.torch, "empty", lambda n, dtype, pin_memory: asked.append((n, pin_memory)))
+    layer_input = (2 << 30) + (40 << 20)  # 2 GiB and 40 MiB: 16 ceiling pieces, then 32 and 8 MiB ones
+    assert offload.pin_host_ahead(layer_input, 3) == 3 * 16 * offload.PIECE_CEILING_BYTES
+    ceiling = [b for b in piece_sizes(layer_input // 2, 2) if b * 2 == offload.PIECE_CEILING_BYTES]
+    assert asked == [(offload.PIECE_CEILING_BYTES, True)] * 3 * len(ceiling) and len(ceiling) == 16
+    assert offload.pin_host_ahead(offload.PIECE_CEILING_BYTES - 1, 32) == 0 and len(asked) == 48
 
 
 def test_host_cache_stays_near_a_step_when_regions_change_size():

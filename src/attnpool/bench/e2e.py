@@ -147,17 +147,18 @@ def run_one(name, dist_name, tokens, args, out_dir, trace=False):
         gc.collect()  # (its model and optimizer, before the measured run's are built)
         if args.device == "cuda":
             torch.cuda.empty_cache()
+            release_host_cache()  # (its offload's pinned pieces, sized for the small batches)
     steps_before_trace = args.warmup + args.steps - measured_skip
     config = run_config(tokens, steps_before_trace + (TRACE_STEPS if trace else 0), "")
     if not trace:
-        rows, predicted, settings = _with_prediction(train(config, skip_batches=measured_skip), config)
+        rows, predicted, settings = _with_prediction(train(config, skip_steps=measured_skip), config)
         return warmup_rows + rows, predicted, settings
     tag = f"{dist_name}-{tokens // 1024}K-{name}".replace("+", "_")
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda" else [])
     schedule = torch.profiler.schedule(skip_first=steps_before_trace, wait=0, warmup=1, active=1, repeat=1)
     with torch.profiler.profile(activities=activities, schedule=schedule,
                                 on_trace_ready=functools.partial(_write_trace, args.out, tag, args.device)) as prof:
-        rows, predicted, settings = _with_prediction(train(config, on_step=prof.step, skip_batches=measured_skip),
+        rows, predicted, settings = _with_prediction(train(config, on_step=prof.step, skip_steps=measured_skip),
                                                      config)
     return warmup_rows + rows[:steps_before_trace], predicted, settings
 
@@ -299,9 +300,14 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
     if args.steps < 1 or args.warmup < 0 or args.layers < 1:
         raise ConfigError("--steps/--warmup/--layers", (args.steps, args.warmup, args.layers),
                           "need at least 1 measured step, 0 or more warm-up steps and 1 or more layers")
-    if args.warmup_tokens is not None and (args.warmup_tokens < 1 or not args.warmup):
-        raise ConfigError("--warmup-tokens", args.warmup_tokens,
-                          "tokens per GPU of the warm-up steps: at least 1, with --warmup 1 or more")
+    if args.warmup_tokens is not None:
+        if args.warmup_tokens < 1 or not args.warmup or any(args.warmup_tokens > tokens for _, tokens in configs):
+            raise ConfigError("--warmup-tokens", args.warmup_tokens, "tokens per GPU of the warm-up steps: at least 1, "
+                              "at most each config's, with --warmup 1 or more")
+        sparse = [s for s in strategies if strategy_settings(s)[2] is not None]
+        if sparse:  # (their planning prior learns over the steps: a warm-up elsewhere would leave it at its start)
+            raise ConfigError("--strategies", ",".join(sparse), "sparse strategies warm up on full batches: drop "
+                                                                 "--warmup-tokens")
     head_parallel = [s for s in strategies if strategy_settings(s)[0] == "ulysses"]
     if head_parallel:  # here, not in its run: that would lose the strategies after it
         cfg = model_config(args.model, **model_fields(args))

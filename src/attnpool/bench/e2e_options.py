@@ -56,9 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--warmup-tokens", type=parse_size, default=None, metavar="SIZE",
                    help="run the warm-up steps on batches of this many tokens per GPU (e.g. 16K), in a run of their "
-                        "own before each measured one: kernels compile and memory is allocated in seconds where a "
-                        "configuration's steps take minutes; the measured steps train on the same batches as without "
-                        "it, from the initial weights")
+                        "own before each measured one: kernels compile in seconds where a configuration's steps take "
+                        "minutes; the measured steps train on the same batches as without it, from the initial weights "
+                        "(not with sparse strategies)")
     p.add_argument("--steps", type=int, default=10, help="measured steps")
     p.add_argument("--ablation", action="store_true", help="also cad+pingpong (plain cad where --pp is above 1) with one-element messages: what the exchange's bytes cost")
     p.add_argument("--budget-s", type=float, default=float("inf"), help="start no new run after this many seconds")

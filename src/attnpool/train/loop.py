@@ -91,15 +91,15 @@ class TrainResult:
         return [r["loss"] for r in self.rows]
 
 
-def train(config: TrainConfig, on_step=None, skip_batches: int = 0) -> TrainResult:
+def train(config: TrainConfig, on_step=None, skip_steps: int = 0) -> TrainResult:
     """Train (or, with ``resume``, continue) on the ranks of the initialised default process group.
 
     ``on_step()``, if given, is called after every step (e.g. a torch.profiler's ``step``). A SIGTERM at
-    any time from here on stops the run after its current (or first) step, checkpointed. ``skip_batches``: a new
-    run's first step trains on the data stream's batch after that many (``attnpool bench --warmup-tokens``
+    any time from here on stops the run after its current (or first) step, checkpointed. ``skip_steps``: a new
+    run's first step trains on the data stream's batches after that many steps' (``attnpool bench --warmup-tokens``
     warms up on small batches elsewhere, then measures the batches a run warmed up on them would)."""
     with Preemption() as preemption, deterministic_algorithms(config.run.deterministic):
-        return Trainer(config, skip_batches).fit(on_step, preemption)
+        return Trainer(config, skip_steps).fit(on_step, preemption)
 
 
 # cuBLAS picks its reduction order by the workspace it gets; a fixed one of 4096 KiB x 8 makes its results repeat
@@ -137,9 +137,9 @@ def served_imbalance(served: np.ndarray, dims) -> float:
 class Trainer:
     """One run on this rank: its components, built once, and the loop over its steps."""
 
-    def __init__(self, config: TrainConfig, skip_batches: int = 0):
-        if skip_batches < 0:  # (every rank is given the same number: each refuses it, before any collective)
-            raise ConfigError("skip_batches", skip_batches, "a number of batches: 0 or more")
+    def __init__(self, config: TrainConfig, skip_steps: int = 0):
+        if skip_steps < 0:  # (every rank is given the same number: each refuses it, before any collective)
+            raise ConfigError("skip_steps", skip_steps, "a number of steps: 0 or more")
         # The run's wall time counts from the command's start (start-up, reading the model, compiling included)
         self.started = float(os.environ.get(START_TIME_ENV, time.time()))
         self.config, self.rank, self.world = config, dist.get_rank(), dist.get_world_size()
@@ -171,7 +171,8 @@ class Trainer:
         self.prior = spec.new_sparse_prior()
         self.extra_state = {"sparse_prior": self.prior} if self.prior else {}
         self.step = 0
-        for _ in range(skip_batches):  # (a resumed run's stream continues where its checkpoint's stopped instead)
+        # (each step draws a batch per micro-batch; a resumed run's stream continues where its checkpoint's stopped)
+        for _ in range(skip_steps * config.parallel.microbatches):
             self.stream.next_batch()
         if self.resume_from is not None:
             self.step = load_checkpoint(self.resume_from, self.model, self.optimizer, self.scheduler, self.stream,
@@ -210,14 +211,17 @@ class Trainer:
                   "first step", flush=True)
 
     def _pin_offload_memory(self) -> None:
-        """Activation offload's host memory, as the memory model counts it, pinned before the first step
-        (offload.pin_host_ahead): pinned as the offloads go, tens of GiB at 256K tokens per GPU, it would be part
-        of the first step, which a benchmark warmed up on small batches (--warmup-tokens) measures."""
-        memory = self.setup.memory
-        if not self.spec.activation_offload or memory is None or self.device.type != "cuda":
+        """Activation offload's host pieces of each layer's input, pinned before the first step
+        (offload.pin_host_ahead): pinned as the offloads go, tens of GiB at 256K tokens per GPU, they would be part
+        of the first step, which a benchmark warmed up on small batches (--warmup-tokens) measures. Every mode
+        offloads a layer's input (keep_attention's core-attention state, smaller pieces, is left to the step); with
+        pipeline stages, whose micro-batches in flight vary, nothing is pinned ahead."""
+        spec = self.spec
+        if not spec.activation_offload or self.device.type != "cuda" or spec.dims.pp > 1:
             return
+        tokens, dim = spec.stage_hidden  # (a rank's layer input: its sequence shard under tp)
         t0 = time.perf_counter()
-        pinned = pin_host_ahead(memory.activation_host_bytes)
+        pinned = pin_host_ahead(tokens * dim * spec.compute_dtype.itemsize, spec.model.config.n_layers)
         if self.rank == 0 and pinned:
             print(f"activation offload: {format_bytes(pinned)} of host memory pinned in "
                   f"{time.perf_counter() - t0:.1f} s, before the first step", flush=True)

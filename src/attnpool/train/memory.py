@@ -220,7 +220,6 @@ class MemoryEstimate:
     allocated_bytes: int  # the allocator's peak (torch.cuda.max_memory_allocated)
     peak_bytes: int  # what the GPU must hold: reserved memory at the peak plus the CUDA context
     host_bytes: int  # host memory the offloads hold per rank
-    activation_host_bytes: int = 0  # of it, activation offload's (the rest the optimizer's, with optimizer_offload)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -401,8 +400,7 @@ def pipeline_ends(x: MemoryInputs) -> tuple[MemoryInputs, MemoryInputs]:
 
 def _worst(each: list[MemoryEstimate]) -> MemoryEstimate:
     """The device's peak of the worst rank, and the host memory of the worst (another rank's, maybe)."""
-    return replace(max(each, key=lambda e: e.peak_bytes), host_bytes=max(e.host_bytes for e in each),
-                   activation_host_bytes=max(e.activation_host_bytes for e in each))
+    return replace(max(each, key=lambda e: e.peak_bytes), host_bytes=max(e.host_bytes for e in each))
 
 
 def estimate(x: MemoryInputs, calibration: Calibration | None = None) -> MemoryEstimate:
@@ -496,8 +494,8 @@ def _rank_estimate(x: MemoryInputs, cal: Calibration) -> MemoryEstimate:
             terms.update(activations=max(map(sum, zip(saved, saved[1:] or [0]))) if x.activation_offload
                          else sum(saved), **accumulated)
         layer_phases = _layer_phases(x, modes, saved, held, backward, GRAD_BYTES * layer, layer / x.dp)
-        offloaded = sum(saved) if x.activation_offload else 0
-        return _peak_phase(x, {**loss_phase, **layer_phases, **optimizer_step}, cal, home, host + offloaded, offloaded)
+        return _peak_phase(x, {**loss_phase, **layer_phases, **optimizer_step}, cal, home,
+                           host + (sum(saved) if x.activation_offload else 0))
     phases = {  # pipeline stages: their first and last layer's backward (and below, a later micro-batch's)
         **(loss_phase if has_loss else {}),
         "last layer backward": {**held, "activations": all_layers, **backward},
@@ -514,8 +512,9 @@ def _rank_estimate(x: MemoryInputs, cal: Calibration) -> MemoryEstimate:
         for name, terms in loss_phase.items() if has_loss else ():  # a later micro-batch's loss, gradients held
             phases[f"later micro-batches' {name}"] = {**terms, "activations": activations, "step inputs": loss_inputs,
                                                       **accumulated}
-    offloaded = stage_layers * held_per_layer if x.activation_offload else 0
-    return _peak_phase(x, phases, cal, home, host + offloaded, offloaded)
+    if x.activation_offload:
+        host += stage_layers * held_per_layer
+    return _peak_phase(x, phases, cal, home, host)
 
 
 def _modes_by_layer(x: MemoryInputs, layers: int) -> tuple[str, ...]:
@@ -542,18 +541,19 @@ def _layer_phases(x: MemoryInputs, modes: tuple[str, ...], saved: list[float], h
     for i in range(last + 1):
         activations = saved[i] + (saved[i - 1] if i else 0) if x.activation_offload else held_before[i]
         later = 0 if x.optimizer_offload else GRAD_BYTES * (last - i) * layer_shard
-        terms = {**held, "activations": activations, **backward, "layer backward": transient[modes[i]]}
+        terms = {**held, "activations": activations, **backward,
+                 "layer backward": transient[modes[i]]}
         if i < last:
             terms["gradients"] = later + layer_gradient
         phases[f"layer {i} backward ({modes[i]})"] = terms
     return phases
 
 
-def _peak_phase(x: MemoryInputs, phases: dict[str, dict], cal: Calibration, home: float, host: float, offload: float):
-    """The MemoryEstimate at the phase that holds the most (``offload``: of ``host``, activation offload's), with
-    what the hand count misses (the calibration's residual, the allocator's fragmentation, the CUDA context). The
-    residual is fitted per mode on runs of one mode; where layers' modes differ, each mode's weighs by its share of
-    the layers (so that a layer recomputed more never raises the prediction by a jump of residuals)."""
+def _peak_phase(x: MemoryInputs, phases: dict[str, dict], cal: Calibration, home: float, host: float) -> MemoryEstimate:
+    """The estimate at the phase that holds the most, with what the hand count misses (the calibration's
+    residual, the allocator's fragmentation, the CUDA context). The residual is fitted per mode on runs of one
+    mode; where layers' modes differ, each mode's weighs by its share of the layers (so that a layer recomputed
+    more never raises the prediction by a jump of residuals)."""
     totals = {name: sum(terms.values()) for name, terms in phases.items()}
     phase = max(totals, key=totals.get)
     breakdown = dict(phases[phase])
@@ -565,7 +565,7 @@ def _peak_phase(x: MemoryInputs, phases: dict[str, dict], cal: Calibration, home
     breakdown["allocator fragmentation"] = (cal.fragmentation - 1.0) * allocated
     breakdown[cal.context_name] = cal.cuda_context_bytes
     breakdown = {name: int(round(value)) for name, value in breakdown.items()}
-    return MemoryEstimate(x, phase, breakdown, int(round(allocated)), sum(breakdown.values()), int(host), int(offload))
+    return MemoryEstimate(x, phase, breakdown, int(round(allocated)), sum(breakdown.values()), int(host))
 
 
 def residual_share(x: MemoryInputs, mode: str) -> float:

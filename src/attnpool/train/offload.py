@@ -75,19 +75,16 @@ def piece_sizes(numel: int, element_size: int, floor_bytes: int = PIECE_FLOOR_BY
     return sizes
 
 
-def pin_host_ahead(nbytes: int) -> int:
-    """Pin about ``nbytes`` of host memory in blocks of ``PIECE_CEILING_BYTES`` and free them into PyTorch's
-    host-allocator cache, where the offload's pieces of that size find them: pinning (cudaHostAlloc maps and locks
-    every page) then happens before the first step instead of inside it, as the first step's offloads would
-    otherwise do for tens of GiB. The pinned bytes (0 without CUDA; what a run offloads below a block stays to
-    its steps)."""
-    if not torch.cuda.is_available() or nbytes < PIECE_CEILING_BYTES:
-        return 0
-    blocks = [torch.empty(PIECE_CEILING_BYTES, dtype=torch.uint8, pin_memory=True)
-              for _ in range(nbytes // PIECE_CEILING_BYTES)]
-    pinned = sum(b.numel() for b in blocks)
-    del blocks  # (cached, not unpinned: release_host_cache hands them back)
-    return pinned
+def pin_host_ahead(region_bytes: int, regions: int) -> int:
+    """Pin the ``PIECE_CEILING_BYTES`` pieces that ``regions`` offloaded regions of ``region_bytes`` each are held in,
+    and free them into PyTorch's host-allocator cache, where those pieces find them (a cached block serves its own
+    power of two): pinning (cudaHostAlloc maps and locks every page) then happens before the first step instead of
+    inside it, as the first step's offloads would otherwise do for tens of GiB. A region's smaller remainder pieces
+    are left to the step, so nothing pinned here goes unused. The pinned bytes (0 without CUDA)."""
+    blocks = regions * (region_bytes // PIECE_CEILING_BYTES) if torch.cuda.is_available() else 0
+    pinned = [torch.empty(PIECE_CEILING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(blocks)]
+    del pinned  # (cached, not unpinned: release_host_cache hands them back)
+    return blocks * PIECE_CEILING_BYTES
 
 
 def release_host_cache() -> None:

@@ -34,15 +34,21 @@ def _partial_results_are_written_quietly(tmp_path, records, capsys):
     assert "Partial: written after each strategy" in (tmp_path / "partial" / "e2e.md").read_text()
 
 
+def bench_on_two_cpu_ranks(tmp, *args: str):
+    """`attnpool bench` on torchrun's 2 gloo ranks with the tiny model, ``args`` added, results under ``tmp``:
+    (tmp, the finished process)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "attnpool.cli.main", "bench",
+           "--device", "cpu", "--model", "tiny", *args, "--out", str(tmp)]
+    return tmp, background.run(cmd, timeout=300)
+
+
 @background.job("test_bench_runs_every_strategy_and_writes_results")
 def every_strategy(tmp):
     """torchrun's 2 ranks through every strategy, with the ablation and a traced step: its --out and the run."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "attnpool.cli.main", "bench",
-           "--device", "cpu", "--model", "tiny", "--layers", "1", "--configs", "prolong:1K", "--strategies",
-           "local,ulysses,cad,cad+pingpong,cad+pingpong+balanced,local+sparse,cad+sparse,cad+sparse+readkv", "--warmup", "1",
-           "--steps", "1", "--ablation", "--head-chunks", "2",
-           "--trace", "ulysses,cad", "--out", str(tmp)]
-    return tmp, background.run(cmd, timeout=300)
+    strategies = "local,ulysses,cad,cad+pingpong,cad+pingpong+balanced,local+sparse,cad+sparse,cad+sparse+readkv"
+    return bench_on_two_cpu_ranks(tmp, "--layers", "1", "--configs", "prolong:1K", "--strategies", strategies,
+                                  "--warmup", "1", "--steps", "1", "--ablation", "--head-chunks", "2", "--trace",
+                                  "ulysses,cad")
 
 
 def test_bench_runs_every_strategy_and_writes_results(capsys):
@@ -135,10 +141,8 @@ def test_bench_refuses_a_kernel_that_cannot_run_before_any_process_group():
 @background.job("test_warm_up_on_small_batches_measures_the_batches_a_full_warm_up_would")
 def small_warm_up(tmp):
     """torchrun's 2 ranks, local and cad, warmed up on batches of 256 tokens per GPU: its --out and the run."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "attnpool.cli.main", "bench",
-           "--device", "cpu", "--model", "tiny", "--layers", "1", "--configs", "prolong:1K", "--strategies", "local,cad",
-           "--warmup", "1", "--warmup-tokens", "256", "--steps", "1", "--out", str(tmp)]
-    return tmp, background.run(cmd, timeout=300)
+    return bench_on_two_cpu_ranks(tmp, "--layers", "1", "--configs", "prolong:1K", "--strategies", "local,cad",
+                                  "--warmup", "1", "--warmup-tokens", "256", "--steps", "1")
 
 
 def test_warm_up_on_small_batches_measures_the_batches_a_full_warm_up_would():
@@ -168,10 +172,8 @@ def test_warm_up_on_small_batches_measures_the_batches_a_full_warm_up_would():
 @background.job("test_warm_up_on_small_batches_skips_every_micro_batch_of_its_steps")
 def small_warm_up_of_micro_batches(tmp):
     """torchrun's 2 ranks, local in 2 micro-batches a step, warmed up on 256 tokens per GPU: its --out and the run."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "attnpool.cli.main", "bench",
-           "--device", "cpu", "--model", "tiny", "--layers", "1", "--configs", "prolong:1K", "--strategies", "local",
-           "--microbatches", "2", "--warmup", "1", "--warmup-tokens", "256", "--steps", "1", "--out", str(tmp)]
-    return tmp, background.run(cmd, timeout=300)
+    return bench_on_two_cpu_ranks(tmp, "--layers", "1", "--configs", "prolong:1K", "--strategies", "local",
+                                  "--microbatches", "2", "--warmup", "1", "--warmup-tokens", "256", "--steps", "1")
 
 
 def test_warm_up_on_small_batches_skips_every_micro_batch_of_its_steps():
@@ -190,10 +192,8 @@ def test_warm_up_on_small_batches_skips_every_micro_batch_of_its_steps():
 @background.job("test_bench_with_auto_checkpointing_says_what_each_run_chose")
 def auto_checkpointing(tmp):
     """torchrun's 2 ranks, local and cad with activation_checkpointing=auto: its --out and the run."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "attnpool.cli.main", "bench",
-           "--device", "cpu", "--model", "tiny", "--layers", "2", "--configs", "prolong:1K", "--strategies", "local,cad",
-           "--warmup", "0", "--steps", "1", "--activation-checkpointing", "auto", "--out", str(tmp)]
-    return tmp, background.run(cmd, timeout=300)
+    return bench_on_two_cpu_ranks(tmp, "--layers", "2", "--configs", "prolong:1K", "--strategies", "local,cad",
+                                  "--warmup", "0", "--steps", "1", "--activation-checkpointing", "auto")
 
 
 def test_bench_with_auto_checkpointing_says_what_each_run_chose():
@@ -213,11 +213,9 @@ def test_bench_with_auto_checkpointing_says_what_each_run_chose():
 @background.job("test_bench_ablation_of_the_pooled_pipeline_shrinks_its_exchanges")
 def pooled_ablation(tmp):
     """torchrun's 2 ranks as 2 pooled stages, cad and its one-element-message ablation: its --out and the run."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "attnpool.cli.main", "bench",
-           "--device", "cpu", "--model", "tiny", "--layers", "3", "--configs", "pretrain:1K", "--strategies", "cad",
-           "--warmup", "0", "--steps", "1", "--pp", "2", "--microbatches", "2", "--pp-schedule", "pooled",
-           "--ablation", "--out", str(tmp)]
-    return tmp, background.run(cmd, timeout=300)
+    return bench_on_two_cpu_ranks(tmp, "--layers", "3", "--configs", "pretrain:1K", "--strategies", "cad", "--warmup",
+                                  "0", "--steps", "1", "--pp", "2", "--microbatches", "2", "--pp-schedule", "pooled",
+                                  "--ablation")
 
 
 def test_bench_ablation_of_the_pooled_pipeline_shrinks_its_exchanges():

@@ -140,9 +140,9 @@ def test_bench_refuses_a_kernel_that_cannot_run_before_any_process_group():
 
 @background.job("test_warm_up_on_small_batches_measures_the_batches_a_full_warm_up_would")
 def small_warm_up(tmp):
-    """torchrun's 2 ranks, local and cad, warmed up on batches of 256 tokens per GPU: its --out and the run."""
+    """torchrun's 2 ranks, local and cad (traced), warmed up on batches of 256 tokens per GPU: its --out and the run."""
     return bench_on_two_cpu_ranks(tmp, "--layers", "1", "--configs", "prolong:1K", "--strategies", "local,cad",
-                                  "--warmup", "1", "--warmup-tokens", "256", "--steps", "1")
+                                  "--warmup", "1", "--warmup-tokens", "256", "--steps", "1", "--trace", "cad")
 
 
 def test_warm_up_on_small_batches_measures_the_batches_a_full_warm_up_would():
@@ -167,6 +167,8 @@ def test_warm_up_on_small_batches_measures_the_batches_a_full_warm_up_would():
         for key in ("imbalance_before", "imbalance_after"):
             assert rec[key] == pytest.approx(full_records[rec["strategy"]][key])
         assert len(rec["losses"]) == 2 and rec["loss_ok"]
+    # traced, the measured run goes on past its measured step to the profiled one, which is not in the record
+    assert (tmp_path / "trace-prolong-1K-cad.txt").read_text().strip()
 
 
 @background.job("test_warm_up_on_small_batches_skips_every_micro_batch_of_its_steps")

@@ -123,6 +123,7 @@ def run_one(name, dist_name, tokens, args, out_dir, trace=False):
     if dist_name == "pretrain":  # the paper elongates pretrain lengths to reach the context
         # (a micro-batch's global batch: every GPU's tokens, a pipeline's stages sharing theirs)
         elongate["options"] = {"elongate": max(1.0, tokens * dist.get_world_size() / args.pp / 65536)}
+
     def run_config(tokens_per_gpu: int, stop_at: int | None, tag: str) -> TrainConfig:
         return TrainConfig(
             model=args.model, model_args=model_fields(args), data="synthetic", data_args=elongate,
@@ -140,8 +141,8 @@ def run_one(name, dist_name, tokens, args, out_dir, trace=False):
 
     warmup_rows, measured_skip = [], 0
     if args.warmup_tokens is not None:  # (check_arguments refuses it without warm-up steps)
-        # The warm-up steps on small batches, in a run of their own in these processes (what they compile and
-        # allocate is kept); the measured run then starts at the batch a run warmed up on its own would measure.
+        # The warm-up steps on small batches, in a run of their own in these processes (the kernels they compile
+        # stay compiled); the measured run then starts at the batches a run warmed up on its own would measure.
         warmup_rows = train(run_config(args.warmup_tokens, args.warmup, "-warmup")).rows
         measured_skip = args.warmup
         gc.collect()  # (its model and optimizer, before the measured run's are built)

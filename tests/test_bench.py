@@ -138,6 +138,13 @@ def test_bench_refuses_a_kernel_that_cannot_run_before_any_process_group():
     assert not (tmp_path / "e2e.json").exists()
 
 
+def bench_batches(*args) -> list[list[int]]:
+    """The document lengths of a benchmark's steps, as bench/sim_validation.py draws them for its comparisons."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from sim_validation import bench_batches as drawn
+    return drawn(*args)
+
+
 @background.job("test_warm_up_on_small_batches_measures_the_batches_a_full_warm_up_would")
 def small_warm_up(tmp):
     """torchrun's 2 ranks, local and cad (traced), warmed up on batches of 256 tokens per GPU: its --out and the run."""
@@ -154,8 +161,6 @@ def test_warm_up_on_small_batches_measures_the_batches_a_full_warm_up_would():
     written = json.loads((tmp_path / "e2e.json").read_text())
     assert written["meta"]["warmup_tokens"] == 256 and " --warmup-tokens 256 " in written["meta"]["command"]
     assert "1 warm-up (on batches of 256 tokens per GPU, a run of their own)" in (tmp_path / "e2e.md").read_text()
-    sys.path.insert(0, str(ROOT / "bench"))
-    from sim_validation import bench_batches  # the benchmark's batches, as the simulator's comparison draws them
     first, second = bench_batches("prolong", 1024, 2, 0, 2)
     assert max(first) < max(second)
     full_tmp, full = every_strategy.result()
@@ -183,8 +188,6 @@ def test_warm_up_on_small_batches_skips_every_micro_batch_of_its_steps():
     the stream's third and fourth batches, whose longest document (2,048 tokens) the first three lack."""
     tmp_path, r = small_warm_up_of_micro_batches.result()
     assert r.returncode == 0, r.stderr[-3000:]
-    sys.path.insert(0, str(ROOT / "bench"))
-    from sim_validation import bench_batches
     batches = bench_batches("prolong", 1024, 2, 0, 4)
     assert max(map(max, batches[:3])) < max(map(max, batches[2:])) == 2048
     (rec,) = json.loads((tmp_path / "e2e.json").read_text())["records"]

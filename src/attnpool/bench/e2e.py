@@ -305,7 +305,6 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
         if args.warmup_tokens < 1 or not args.warmup or any(args.warmup_tokens > tokens for _, tokens in configs):
             raise ConfigError("--warmup-tokens", args.warmup_tokens, "tokens per GPU of the warm-up steps: at least 1, "
                               "at most each config's, with --warmup 1 or more")
-        sparse = [s for s in strategies if strategy_settings(s)[2] is not None]
         if sparse:  # (their planning prior learns over the steps: a warm-up elsewhere would leave it at its start)
             raise ConfigError("--strategies", ",".join(sparse), "sparse strategies warm up on full batches: drop "
                                                                  "--warmup-tokens")

@@ -172,6 +172,8 @@ def test_warm_up_on_small_batches_measures_the_batches_a_full_warm_up_would():
         for key in ("imbalance_before", "imbalance_after"):
             assert rec[key] == pytest.approx(full_records[rec["strategy"]][key])
         assert len(rec["losses"]) == 2 and rec["loss_ok"]
+        assert rec["peak_memory_first_step_only"] and not full_records[rec["strategy"]]["peak_memory_first_step_only"]
+    assert "*: the peak of a run's first step, the only one measured" in (tmp_path / "e2e.md").read_text()
     # traced, the measured run goes on past its measured step to the profiled one, which is not in the record
     assert (tmp_path / "trace-prolong-1K-cad.txt").read_text().strip()
 
@@ -239,23 +241,51 @@ def test_summary_of_ping_pong_steps_with_one_document():
     """Under ping-pong a step of one document runs as one nano-batch and times its core attention; the
     others do not. The record then says "not measured" rather than failing or quoting those steps alone."""
     from attnpool.bench.e2e import summarize
-    from attnpool.model import model_config
 
-    def row(attention_time_s):
-        return dict(step_time_s=1.0, tokens=4096, imbalance_after=1.0, imbalance_before=1.5, comm_bytes=0,
-                    peak_memory_bytes=1, attention_work_total=1.0, loss=1.0, plan_time_s=1e-3,
-                    attention_time_s=attention_time_s, longest_doc=4096)
+    args, cfg, as_run = summary_inputs()
+    mixed = summarize("cad+pingpong", "pretrain", 2048, [summary_row(1, None), summary_row(2, 0.3),
+                                                         summary_row(3, None), summary_row(4, 0.2)],
+                      args, 2, cfg, as_run)
+    assert mixed["attention_time_s"] is None
+    timed = summarize("cad", "pretrain", 2048, [summary_row(1, 0.5), summary_row(2, 0.1), summary_row(3, 0.2),
+                                                summary_row(4, 0.3)], args, 2, cfg, as_run)
+    assert timed["attention_time_s"] == 0.2
+
+
+def summary_row(step, attention_time_s=None, peak_memory_bytes=1):
+    """One training step's metrics, as summarize reads them."""
+    return dict(step=step, step_time_s=1.0, tokens=4096, imbalance_after=1.0, imbalance_before=1.5, comm_bytes=0,
+                peak_memory_bytes=peak_memory_bytes, attention_work_total=1.0, loss=1.0, plan_time_s=1e-3,
+                attention_time_s=attention_time_s, longest_doc=4096)
+
+
+def summary_inputs():
+    """summarize's arguments but the rows: one warm-up step, a 1-layer tiny model on 2 GPUs."""
+    from attnpool.model import model_config
 
     args = argparse.Namespace(warmup=1, tp=1, pp=1, microbatches=1, activation_checkpointing="keep_attention",
                               hierarchical_exchange=False)
-    cfg = model_config("tiny", n_layers=1)
     as_run = {"layer_checkpointing": ("keep_attention",), "activation_offload": False, "pp_schedule": None,
               "pp_schedule_choice": None, "head_chunks": 1}
-    mixed = summarize("cad+pingpong", "pretrain", 2048, [row(None), row(0.3), row(None), row(0.2)], args, 2, cfg,
-                      as_run)
-    assert mixed["attention_time_s"] is None
-    timed = summarize("cad", "pretrain", 2048, [row(0.5), row(0.1), row(0.2), row(0.3)], args, 2, cfg, as_run)
-    assert timed["attention_time_s"] == 0.2
+    return args, model_config("tiny", n_layers=1), as_run
+
+
+def test_peak_memory_is_taken_after_a_runs_first_step_where_one_was_measured():
+    """A run's first step makes the optimizer's state after its peak: the peak comes from later steps, and where the
+    first is the only one measured (--warmup-tokens' measured run, --steps 1) the record says so."""
+    from attnpool.bench.e2e import summarize
+
+    args, cfg, as_run = summary_inputs()
+    full_warm_up = summarize("local", "prolong", 2048, [summary_row(1, peak_memory_bytes=5),
+                                                        summary_row(2, peak_memory_bytes=3),
+                                                        summary_row(3, peak_memory_bytes=4)], args, 2, cfg, as_run)
+    assert full_warm_up["peak_memory_bytes"] == 4 and not full_warm_up["peak_memory_first_step_only"]
+    # --warmup-tokens: the warm-up run's step, then the measured run counting from 1 again
+    small_warm_up = [summary_row(1, peak_memory_bytes=9), summary_row(1, peak_memory_bytes=2),
+                     summary_row(2, peak_memory_bytes=3)]
+    assert summarize("local", "prolong", 2048, small_warm_up, args, 2, cfg, as_run)["peak_memory_bytes"] == 3
+    first_only = summarize("local", "prolong", 2048, small_warm_up[:2], args, 2, cfg, as_run)
+    assert first_only["peak_memory_bytes"] == 2 and first_only["peak_memory_first_step_only"]
 
 
 def test_peak_breakdown_groups_what_was_live_at_the_peak():

@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import background
@@ -26,6 +27,7 @@ from attnpool.runtime import core_attention
 from attnpool.train import TrainConfig, load_config, train
 from attnpool.train.config import save_config
 from attnpool.comm import agree
+from attnpool.console import START_TIME_ENV
 from attnpool.train.optim import lr_factor
 from attnpool.train.planning import plan_batch
 from attnpool.train.runners import build_model, forward_backward
@@ -68,18 +70,21 @@ def rel_diff(a, b) -> float:
 
 def _train_each_strategy(rank, world, out):
     results = {}
+    os.environ[START_TIME_ENV] = repr(time.time() - 3600)  # as if the command had started an hour ago
     for strategy in ("local", "percp", "cad"):
         result = train(tiny_config(Path(out) / strategy, attention=strategy))
-        results[strategy] = (result.rows, full_weights(result.model))
+        results[strategy] = (result.rows, full_weights(result.model), result.summary)
     return results
 
 
 def test_strategies_give_the_same_training(tmp_path):
     results = run_distributed(_train_each_strategy, 2, str(tmp_path))[0]
-    ref_rows, ref_weights = results["local"]
+    ref_rows, ref_weights, ref_summary = results["local"]
     assert len(ref_rows) == 10
+    # The first run's wall time counts from the command's start; the later runs in the process from their own
+    assert ref_summary["wall_s"] > 3600 > max(results[s][2]["wall_s"] for s in ("percp", "cad"))
     for strategy in ("percp", "cad"):
-        rows, weights = results[strategy]
+        rows, weights, _ = results[strategy]
         assert rel_diff([r["loss"] for r in rows], [r["loss"] for r in ref_rows]) <= 1e-4, strategy
         for name, w in ref_weights.items():
             torch.testing.assert_close(weights[name], w, rtol=1e-3, atol=1e-4, msg=f"{strategy}: {name}")

@@ -59,6 +59,7 @@ from attnpool.train.memory import auto_choice
 from attnpool.train.spec import attention_backend
 from attnpool.train.offload import release_host_cache
 
+FIRST_STEP_MARK = "*"  # marks a peak memory taken from a run's first step alone
 TRACE_STEPS = 2  # profiled after the measured steps: one warm-up step of the profiler, one recorded
 LOSS_TOLERANCE = 0.02
 # Another process's memory on a GPU at start: a benchmark's timings and peaks would be another run's too.
@@ -207,6 +208,7 @@ def _write_trace(out, tag, device, prof):
 
 def summarize(name, dist_name, tokens, rows, args, world, cfg, as_run: dict):
     measured = rows[args.warmup:]
+    steady = [r for r in measured if r["step"] > 1]  # (the measured run's steps count from 1, skipped batches or not)
     step = statistics.median(r["step_time_s"] for r in measured)
     global_tokens = measured[0]["tokens"]  # (--warmup-tokens: the warm-up steps' are fewer)
     linear_s = global_tokens * linear_s_per_token(cfg) / world
@@ -228,7 +230,11 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg, as_run: dict):
         "imbalance_after": statistics.mean(r["imbalance_after"] for r in measured),
         "imbalance_before": statistics.mean(r["imbalance_before"] for r in measured),
         "bytes_sent_per_gpu": statistics.mean(r["comm_bytes"] for r in measured) / world,
-        "peak_memory_bytes": max(r["peak_memory_bytes"] for r in measured),
+        # A run's first step makes the optimizer's state only in its optimizer step, after the step's peak (AdamW's
+        # two fp32 moments: 30 GiB a GPU of the 8B on two), so the peak is taken from later steps where there are
+        # any; under --warmup-tokens the measured run's first step may be the only one measured, as it says
+        "peak_memory_bytes": max(r["peak_memory_bytes"] for r in (steady or measured)),
+        "peak_memory_first_step_only": not steady,
         # Ideal: the step's linear work and whole-document attention (the plan's total load,
         # seconds per layer under the measured table) at single-GPU rates, shared evenly.
         "ideal_step_s": linear_s + attention_s,
@@ -523,7 +529,9 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
                      f"{r['tokens_per_s'] / 1e3:.1f}K | {vs} | {vs_total} | {_fixed(r['mfu'])} | {r['efficiency']:.3f} | "
                      f"{r['efficiency_with_recompute']:.3f} | "
                      f"{r['imbalance_after']:.3f} | {r['bytes_sent_per_gpu'] / 2**20:.0f} | "
-                     f"{r['peak_memory_bytes'] / 2**30:.1f} | {_gib(r['predicted_peak_memory_bytes'])} | "
+                     f"{r['peak_memory_bytes'] / 2**30:.1f}"
+                     f"{FIRST_STEP_MARK if r['peak_memory_first_step_only'] else ''} | "
+                     f"{_gib(r['predicted_peak_memory_bytes'])} | "
                      f"{'-' if lv is None else f'{lv:.4f}'} | "
                      f"{'-' if density is None else f'{density:.3f}'} | {_fixed(r.get('sparse_imbalance_measured'))} |")
     if args.activation_checkpointing == "auto":
@@ -533,6 +541,10 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
         lines += ["", "pp_schedule auto: " + "; ".join(f"{r['dist']} {r['tokens_per_gpu'] // 1024}K {r['strategy']}: "
                                                       f"{r['pp_schedule']} ({r['pp_schedule_choice']['why']})"
                                                       for r in records) + "."]
+    if any(r["peak_memory_first_step_only"] for r in records):
+        lines += ["", f"{FIRST_STEP_MARK}: the peak of a run's first step, the only one measured: the optimizer's "
+                      "state is made after it, so it is below the memory model's, which holds that state (measure 2 "
+                      "steps to compare)."]
     if skipped:
         lines += ["", f"Not run (time budget): {', '.join(skipped)}."]
     if not complete:

@@ -140,8 +140,10 @@ class Trainer:
     def __init__(self, config: TrainConfig, skip_steps: int = 0):
         if skip_steps < 0:  # (every rank is given the same number: each refuses it, before any collective)
             raise ConfigError("skip_steps", skip_steps, "a number of steps: 0 or more")
-        # The run's wall time counts from the command's start (start-up, reading the model, compiling included)
-        self.started = float(os.environ.get(START_TIME_ENV, time.time()))
+        # The run's wall time counts from the command's start (start-up, reading the model, compiling included);
+        # taken once, so that a later run in the same process (the benchmark's, one after another) counts from its
+        # own start rather than adding up the runs before it
+        self.started = float(os.environ.pop(START_TIME_ENV, time.time()))
         self.config, self.rank, self.world = config, dist.get_rank(), dist.get_world_size()
         self.device = rank_device(config)
         # auto's choices (each layer's checkpointing, whether pooled's activations fit) must be every rank's: made

@@ -9,7 +9,7 @@ import numpy as np
 
 from attnpool.errors import ConfigError
 from attnpool.plan.documents import DocPiece, causal_pairs
-from attnpool.plan.layout import _budget, validate_doc_lens
+from attnpool.plan.layout import _budget, end_after_pairs, even_level, validate_doc_lens
 
 
 def linear_layout(doc_lens: Sequence[int], num_ranks: int, tokens_per_rank: int | None = None) -> list[list[DocPiece]]:
@@ -64,12 +64,21 @@ def wlb_layout(doc_lens: Sequence[int], num_ranks: int, tokens_per_rank: int | N
             heapq.heappush(heap, item)
         if placed:
             continue
-        # Fits nowhere whole: split it over the ranks with the most room, in order.
+        # Fits nowhere whole: contiguous pieces over the fewest ranks that can hold it, those with the most room, in
+        # order, each cut where their causal pairs even out (the level and the cut are checked against brute force in
+        # test_plan).
         start = 0
+        order = []
         for r in np.argsort(-room, kind="stable").tolist():
-            take = min(int(room[r]), length - start)
+            if sum(int(room[q]) for q in order) < length:
+                order.append(r)
+        for i, r in enumerate(order):
+            left = length - start
+            level = even_level(work[order[i:]].tolist(), causal_pairs(start, length))
+            take = min(max(end_after_pairs(start, level - work[r]) - start, left - int(room[order[i + 1:]].sum())),
+                       int(room[r]), left)
             if take <= 0:
-                break
+                continue
             layout[r].append(DocPiece(d, length, start, take))
             work[r] += float(causal_pairs(start, start + take))
             room[r] -= take

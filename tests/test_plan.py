@@ -10,7 +10,7 @@ from hypothesis import example, given, settings, strategies as st
 from attnpool.errors import ConfigError
 from attnpool.plan import (STRATEGIES, AttentionShape, DocPiece, PairsCost, PieceTable, balanced_table, causal_pairs,
                            default_cost_model, default_min_shard_tokens, layout_table, linear_layout, linear_table,
-                           plan_attention, wlb_layout)
+                           plan_attention, wlb_layout, wlb_table)
 from attnpool.plan.cost import build_h200_default_table
 from attnpool.plan.metrics import PlanMetrics
 
@@ -290,3 +290,31 @@ def test_cad_never_loses_to_local_or_percp(lens, W, long_shards, min_shard, cost
         other = server_loads(plan_attention(pieces, baseline, cost_model=model, min_shard_tokens=min_shard), model)
         assert balanced or cad <= other.max() * (1 + 1e-9), (baseline, cad, other.max())
         assert cad <= other.max() * (1 + eps), (baseline, cad, other.max())
+
+
+def test_wlb_cuts_a_document_that_fits_nowhere_where_the_ranks_attention_work_evens_out():
+    """A document longer than a rank's cap is cut over the ranks so that their causal pairs even out, not by room
+    alone, which left the dear tail to one rank: the benchmark's pretrain batch at 256K tokens per GPU on 2 GPUs (its
+    longest document 302,696 tokens, over the cap of 288,358) measured attention max/mean 1.649 under wlb on 2 x
+    H200 (bench/results/2026-11-29-h200x2-full-depth-baselines.md, run 45)."""
+    from attnpool.plan.layout import end_after_pairs, even_level
+
+    lens = [302696, 69400, 41352, 27824, 25656, 24072, 20696, 12592]
+    table = wlb_table(lens, 2, 262144)
+    pairs = np.zeros(2)
+    for rank, pieces in enumerate(table.to_pieces()):
+        assert sum(p.length for p in pieces) <= int(1.1 * 262144)  # the memory cap holds
+        pairs[rank] = sum(causal_pairs(p.start, p.start + p.length) for p in pieces)
+    assert pairs.max() / pairs.mean() < 1.05
+    head, tail = sorted(((p.start, p.length) for pieces in table.to_pieces() for p in pieces if p.doc_id == 0))
+    assert head[0] == 0 and head[1] == tail[0] and sum(tail) == 302696  # contiguous, one piece a rank
+    assert 0.6 < head[1] / 302696 < 0.8  # near 1/sqrt(2): the head's pairs equal the tail's
+    # the helpers against brute force: the water level, and the nearest end
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        works, poured = rng.uniform(0, 100, size=int(rng.integers(1, 6))).tolist(), float(rng.uniform(0, 300))
+        level = even_level(works, poured)
+        assert sum(max(0.0, level - w) for w in works) == pytest.approx(poured)
+        a, want = int(rng.integers(0, 5000)), float(rng.uniform(-10, 1e6))
+        best = min(range(a, a + 3000), key=lambda e: (abs(causal_pairs(a, e) - want), e))
+        assert abs(causal_pairs(a, end_after_pairs(a, want)) - want) == abs(causal_pairs(a, best) - want)

@@ -32,19 +32,26 @@ def linear_layout(doc_lens: Sequence[int], num_ranks: int, tokens_per_rank: int 
 
 def wlb_layout(doc_lens: Sequence[int], num_ranks: int, tokens_per_rank: int | None = None,
                memory_cap: float = 1.1) -> list[list[DocPiece]]:
-    """WLB-LLM packing: even out causal pairs per rank, tokens per rank <= memory_cap x budget."""
+    """WLB-LLM packing: even out causal pairs per rank, tokens per rank <= memory_cap x budget; packed with each rule
+    for cutting a document that fits nowhere whole, the packing with the fewest pairs on its busiest rank kept."""
     lens = validate_doc_lens(doc_lens)
     budget = _budget(lens, num_ranks, tokens_per_rank)
     if not memory_cap >= 1.0:
         raise ConfigError("memory_cap", memory_cap, "must be >= 1.0 (tokens per rank relative to the budget)")
     cap = int(memory_cap * budget)
+    packings = [_wlb_pack(lens, num_ranks, cap, even_cut) for even_cut in (True, False)]
+    layout, _ = min(packings, key=lambda packed: (packed[1].max(), sum(map(len, packed[0]))))
+    # Keep each rank's pieces in document order (deterministic token order).
+    return [sorted(pieces, key=lambda p: (p.doc_id, p.start)) for pieces in layout]
+
+
+def _wlb_pack(lens: np.ndarray, num_ranks: int, cap: int, even_cut: bool):
     room = np.full(num_ranks, cap, dtype=np.int64)
     work = np.zeros(num_ranks, dtype=np.float64)
     layout: list[list[DocPiece]] = [[] for _ in range(num_ranks)]
     # Heap of (work, rank): the least-loaded rank with room is found lazily.
     heap = [(0.0, r) for r in range(num_ranks)]
-    order = np.argsort(-lens, kind="stable")
-    for d in order.tolist():
+    for d in np.argsort(-lens, kind="stable").tolist():
         length = int(lens[d])
         skipped = []
         placed = False
@@ -65,18 +72,20 @@ def wlb_layout(doc_lens: Sequence[int], num_ranks: int, tokens_per_rank: int | N
         if placed:
             continue
         # Fits nowhere whole: contiguous pieces over the fewest ranks that can hold it, those with the most room, in
-        # order, each cut where their causal pairs even out (the level and the cut are checked against brute force in
-        # test_plan).
+        # order, each filling its rank or cut where their causal pairs even out (the level and the cut are checked
+        # against brute force in test_plan).
         start = 0
-        order = []
+        ranks = []
         for r in np.argsort(-room, kind="stable").tolist():
-            if sum(int(room[q]) for q in order) < length:
-                order.append(r)
-        for i, r in enumerate(order):
+            if sum(int(room[q]) for q in ranks) < length:
+                ranks.append(r)
+        for i, r in enumerate(ranks):
             left = length - start
-            level = even_level(work[order[i:]].tolist(), causal_pairs(start, length))
-            take = min(max(end_after_pairs(start, level - work[r]) - start, left - int(room[order[i + 1:]].sum())),
-                       int(room[r]), left)
+            take = min(int(room[r]), left)
+            if even_cut:
+                level = even_level(work[ranks[i:]].tolist(), causal_pairs(start, length))
+                take = min(max(end_after_pairs(start, level - work[r]) - start, left - int(room[ranks[i + 1:]].sum())),
+                           take)
             if take <= 0:
                 continue
             layout[r].append(DocPiece(d, length, start, take))
@@ -85,6 +94,4 @@ def wlb_layout(doc_lens: Sequence[int], num_ranks: int, tokens_per_rank: int | N
             start += take
         heap = [(work[r], r) for r in range(num_ranks)]
         heapq.heapify(heap)
-    # Keep each rank's pieces in document order (deterministic token order).
-    return [sorted(pieces, key=lambda p: (p.doc_id, p.start)) for pieces in layout]
-
+    return layout, work

@@ -309,6 +309,13 @@ def test_wlb_cuts_a_document_that_fits_nowhere_where_the_ranks_attention_work_ev
     head, tail = sorted(((p.start, p.length) for pieces in table.to_pieces() for p in pieces if p.doc_id == 0))
     assert head[0] == 0 and head[1] == tail[0] and sum(tail) == 302696  # contiguous, one piece a rank
     assert 0.6 < head[1] / 302696 < 0.8  # near 1/sqrt(2): the head's pairs equal the tail's
+    # An even cut leaves the next rank less room, which can leave a later document to be cut onto the busiest rank
+    # (here the 7,639-token one: max/mean 1.779); filling the ranks keeps it whole (1.462), and that packing is kept
+    def busiest_over_mean(table):
+        pairs = [sum(causal_pairs(p.start, p.start + p.length) for p in pieces) for pieces in table.to_pieces()]
+        return max(pairs) / np.mean(pairs)
+
+    assert busiest_over_mean(wlb_table([13701, 8870, 7639], 4, None, 1.1)) == pytest.approx(1.462, abs=1e-3)
     # the helpers against brute force: the water level, and the nearest end
     rng = np.random.default_rng(3)
     for _ in range(200):

@@ -208,7 +208,9 @@ def _write_trace(out, tag, device, prof):
 
 def summarize(name, dist_name, tokens, rows, args, world, cfg, as_run: dict):
     measured = rows[args.warmup:]
-    steady = [r for r in measured if r["step"] > 1]  # (the measured run's steps count from 1, skipped batches or not)
+    # (the measured run's steps count from 1, skipped batches or not; a first step the optimizer skipped, a loss not
+    # finite, would leave the state to step 2, which the benchmark's synthetic batches do not)
+    steady = [r for r in measured if r["step"] > 1]
     step = statistics.median(r["step_time_s"] for r in measured)
     global_tokens = measured[0]["tokens"]  # (--warmup-tokens: the warm-up steps' are fewer)
     linear_s = global_tokens * linear_s_per_token(cfg) / world
@@ -543,8 +545,8 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
                                                       for r in records) + "."]
     if any(r["peak_memory_first_step_only"] for r in records):
         lines += ["", f"{FIRST_STEP_MARK}: the peak of a run's first step, the only one measured: the optimizer's "
-                      "state is made after it, so it is below the memory model's, which holds that state (measure 2 "
-                      "steps to compare)."]
+                      "state is made after it, so it may be below the memory model's prediction, which holds that "
+                      "state (measure 2 steps to compare)."]
     if skipped:
         lines += ["", f"Not run (time budget): {', '.join(skipped)}."]
     if not complete:

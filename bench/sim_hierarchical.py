@@ -40,13 +40,16 @@ def main() -> int:
     ap.add_argument("--tokens-per-gpu", default="64K")
     ap.add_argument("--max-doc-len", default="512K")
     ap.add_argument("--batches", type=int, default=10)
+    ap.add_argument("--head-chunks", type=int, default=1,
+                    help="core attention in this many groups of heads, for the strategies that run it so (not ulysses)")
     ap.add_argument("--name", default="sim-hierarchical", help="the record's name (after the date)")
     args = ap.parse_args()
     gpus = [int(g) for g in args.gpus.split(",")]
     configs = [c for tp in (int(t) for t in args.tp.split(","))
                for c in expand(SimConfig(tp=tp, tokens_per_gpu=parse_size(args.tokens_per_gpu),
                                          max_doc_len=parse_size(args.max_doc_len), batches=args.batches,
-                                         strategies=("wlb", "percp", "ulysses", "cad"), hierarchical=True),
+                                         strategies=("wlb", "percp", "ulysses", "cad"), hierarchical=True,
+                                         head_chunks=args.head_chunks),
                                dists=args.dists.split(","), gpus=gpus)]
     results = simulate_many(configs, progress=lambda done, total, _: print(f"  {done}/{total}", end="\r", file=sys.stderr))
     network = assumptions(configs[:1])
@@ -65,7 +68,9 @@ def main() -> int:
     lines = ["# The hierarchical exchange by the simulator: cad with KV crossing into a node once (issue 43)", "",
              f"Command: `{command}`. Llama-3-8B, all 32 layers, {args.tokens_per_gpu} tokens per GPU, documents up to "
              f"{args.max_doc_len}, the DistCA paper's batches ({args.batches} per cell), 8 GPUs a node; an attention "
-             "server is a TP group, so 8 / tp of them share a node. Simulated, not measured: between nodes "
+             "server is a TP group, so 8 / tp of them share a node"
+             + (f"; core attention in {args.head_chunks} groups of heads but Ulysses'" if args.head_chunks != 1 else "")
+             + ". Simulated, not measured: between nodes "
              f"{network['inter_node']['bandwidth_GBps_per_gpu']:g} GB/s per GPU, inside one "
              f"{network['intra_node']['bandwidth_GBps_per_gpu']:.0f} GB/s (`assumptions` in the JSON).", "",
              "cad-hierarchical's plans are made for the hierarchical exchange (cad prices KV that a server of the "

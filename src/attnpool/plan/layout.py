@@ -13,10 +13,10 @@
   every rank keeps equal tokens (as linear's) while whole documents already even
   out attention work. Which rank holds a document is free: its tokens are read
   there in any case, so the balance it gives costs no byte, and ``cad`` has less
-  to move: 1.65-52x fewer bytes on the benchmark's ProLong batches over 2 ranks;
+  to move: 2.05-52x fewer bytes on the benchmark's ProLong steps over 2 ranks;
   little gain where the longest documents make the imbalance, and ``cad``'s greedy
   moves can cost more from a better start
-  (bench/results/2026-11-29-cpu-balanced-layout.md).
+  (bench/results/2026-11-29-cpu-balanced-layout.md, 2026-11-30-cpu-balanced-layout-plans.md).
 
 Ping-pong splits a batch into nano-batches of whole documents first (:func:`nano_batch_bounds`), each then laid
 out over every rank.

@@ -36,7 +36,7 @@ from typing import Sequence
 import numpy as np
 
 from attnpool.errors import ConfigError
-from attnpool.plan.documents import DocPiece, PieceTable, causal_pairs
+from attnpool.plan.documents import DocPiece, PieceTable, causal_pairs, prefix_pairs, prefix_pairs_inverse1
 
 
 def validate_doc_lens(doc_lens: Sequence[int], field: str = "doc_lens") -> np.ndarray:
@@ -127,8 +127,7 @@ def end_after_pairs(a: int, pairs: float) -> int:
     """The end ``b >= a`` whose queries [a, b) hold the nearest to ``pairs`` causal pairs (0 or less: ``a``)."""
     if pairs <= 0:
         return a
-    # b(b + 1) = a(a + 1) + 2 pairs, solved for b, then the nearest whole end
-    b = int((math.sqrt(1 + 4 * (a * (a + 1) + 2 * pairs)) - 1) / 2)
+    b = int(prefix_pairs_inverse1(prefix_pairs(a, None) + pairs, None))  # (the real end, then the nearest whole one)
     return min((b, b + 1), key=lambda e: abs(causal_pairs(a, e) - pairs))
 
 
@@ -151,9 +150,12 @@ def wlb_pieces(doc_lens: Sequence[int], num_ranks: int, tokens_per_rank: int | N
     if not (math.isfinite(memory_cap) and memory_cap >= 1.0):
         raise ConfigError("memory_cap", memory_cap, "must be a finite number >= 1.0 (tokens per rank relative to the budget)")
     cap = int(memory_cap * budget)
-    # (fewest pairs on the busiest rank, then fewest pieces; the even cut first where they tie)
-    pieces, _ = min((_wlb_pack(lens, num_ranks, cap, even_cut) for even_cut in (True, False)),
-                    key=lambda packed: (max(packed[1]), len(packed[0][0])))
+    # (fewest pairs on the busiest rank, then fewest pieces; the even cut first where they tie). A batch that cuts no
+    # document packs the same both ways: packed once.
+    packings = [_wlb_pack(lens, num_ranks, cap, even_cut=True)]
+    if len(packings[0][0][0]) > len(lens):
+        packings.append(_wlb_pack(lens, num_ranks, cap, even_cut=False))
+    pieces, _ = min(packings, key=lambda packed: (max(packed[1]), len(packed[0][0])))
     rank, doc, start, length = pieces
     o = np.lexsort((start, doc, rank))
     return lens, rank[o], doc[o], start[o], length[o]

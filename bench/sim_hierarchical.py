@@ -42,6 +42,9 @@ def main() -> int:
     ap.add_argument("--batches", type=int, default=10)
     ap.add_argument("--head-chunks", type=int, default=1,
                     help="core attention in this many groups of heads, for the strategies that run it so (not ulysses)")
+    ap.add_argument("--price-bytes", action="store_true",
+                    help="cad prices its exchanges' bytes against balance at the simulated links (attnpool train's "
+                         "exchange_gibps): of the states its greedy passes through, the least work plus priced bytes")
     ap.add_argument("--name", default="sim-hierarchical", help="the record's name (after the date)")
     args = ap.parse_args()
     gpus = [int(g) for g in args.gpus.split(",")]
@@ -49,7 +52,7 @@ def main() -> int:
                for c in expand(SimConfig(tp=tp, tokens_per_gpu=parse_size(args.tokens_per_gpu),
                                          max_doc_len=parse_size(args.max_doc_len), batches=args.batches,
                                          strategies=("wlb", "percp", "ulysses", "cad"), hierarchical=True,
-                                         head_chunks=args.head_chunks),
+                                         head_chunks=args.head_chunks, price_bytes=args.price_bytes),
                                dists=args.dists.split(","), gpus=gpus)]
     results = simulate_many(configs, progress=lambda done, total, _: print(f"  {done}/{total}", end="\r", file=sys.stderr))
     network = assumptions(configs[:1])
@@ -70,6 +73,8 @@ def main() -> int:
              f"{args.max_doc_len}, the DistCA paper's batches ({args.batches} per cell), 8 GPUs a node; an attention "
              "server is a TP group, so 8 / tp of them share a node"
              + (f"; core attention in {args.head_chunks} groups of heads but Ulysses'" if args.head_chunks != 1 else "")
+             + ("; cad's planner prices its exchanges' bytes against balance (`--price-bytes`)" if args.price_bytes
+                else "")
              + ". Simulated, not measured: between nodes "
              f"{network['inter_node']['bandwidth_GBps_per_gpu']:g} GB/s per GPU, inside one "
              f"{network['intra_node']['bandwidth_GBps_per_gpu']:.0f} GB/s (`assumptions` in the JSON).", "",

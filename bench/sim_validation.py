@@ -139,7 +139,8 @@ def sim_costs(layers: int, args, backend: str | None):
 
 
 def simulate_bench(dist: str, tokens: int, world: int, tp: int, per_node: int, layers: int, recompute: str,
-                   hierarchical: bool, batches, costs, head_chunks: int = 1) -> tuple[dict, dict]:
+                   hierarchical: bool, batches, costs, head_chunks: int = 1,
+                   price_bytes: bool = False) -> tuple[dict, dict]:
     """The simulator on a benchmark's batches: (its strategies' results, simulator name -> benchmark strategy)."""
     servers = world // tp
     # cad plans as attnpool train does, at its fixed price of a byte between nodes, whatever the links simulated
@@ -147,7 +148,7 @@ def simulate_bench(dist: str, tokens: int, world: int, tp: int, per_node: int, l
                        tokens_per_gpu=tokens, dist=dist, strategies=("local", "wlb", "percp", "ulysses", "cad"),
                        cp_degrees=(servers,), batches=len(batches), recompute=recompute, hierarchical=hierarchical,
                        inter_node_byte_cost=INTER_NODE_BYTE_COST, percp_plan=True, balanced=True,
-                       head_chunks=head_chunks)
+                       head_chunks=head_chunks, price_bytes=price_bytes)
     # percp as the benchmark runs it: attnpool's percp plan (the simulator's analytic percp-cpN gathers whole
     # documents' KV instead, a layout the benchmark does not run)
     pairs = {**PAIRS, **(HIERARCHICAL_PAIRS if hierarchical else {}), f"ulysses-u{servers}": "ulysses",
@@ -167,7 +168,7 @@ def predict(args) -> int:
         for tp in (int(t) for t in args.tp.split(",")):
             batches = bench_batches(dist, tokens, args.gpus, args.warmup, args.steps, tp)
             sim, pairs = simulate_bench(dist, tokens, args.gpus, tp, per_node, args.layers, recompute,
-                                        args.hierarchical, batches, costs, args.head_chunks)
+                                        args.hierarchical, batches, costs, args.head_chunks, args.price_bytes)
             for name, strategy in pairs.items():
                 if name in sim:
                     steps = np.asarray(sim[name]["per_batch_step_s"])
@@ -185,6 +186,8 @@ def predict(args) -> int:
              f"bench --tp T` will draw ({args.warmup} warm-up steps skipped, {args.steps} predicted), {network}, "
              f"recompute {recompute}, " + (f"core attention in {args.head_chunks} groups of heads for local, wlb, "
                                             "percp and cad, " if args.head_chunks > 1 else "") +
+             ("cad's planner pricing its bytes at the link inside a node (`--price-bytes`: attnpool train's "
+              "exchange_gibps at that rate), " if args.price_bytes else "") +
              f"the {args.attention_backend or 'flash'} kernel's table where the profile has "
              "it. Tokens are per GPU: a dp rank (a TP group) holds tp times them. Predictions, not measurements. "
              f"Command: `{command}`.", "",
@@ -234,10 +237,15 @@ def main() -> int:
                              "--head-chunks runs them (--predict; a comparison takes the runs' own)")
     parser.add_argument("--attention-backend", default=None,
                         help="the kernel whose table prices attention (--predict; default flash's)")
+    parser.add_argument("--price-bytes", action="store_true",
+                        help="--predict: cad's planner prices its bytes at the link inside a node (attnpool train's "
+                             "exchange_gibps at --intra-gibps, or the profile's rate)")
     parser.add_argument("--name", default="", help="a suffix of the written files' names")
     args = parser.parse_args()
     if args.predict:
         return predict(args)
+    if args.price_bytes:  # (the runs compared planned cad as they did: unpriced, or as their records say)
+        raise SystemExit("--price-bytes predicts (--predict); a comparison plans as its runs did")
     data = json.load(open(args.measured))
     if args.run is not None:
         data = data["runs"][args.run]

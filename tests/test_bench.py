@@ -48,7 +48,7 @@ def every_strategy(tmp):
     strategies = "local,ulysses,cad,cad+pingpong,cad+pingpong+balanced,local+sparse,cad+sparse,cad+sparse+readkv"
     return bench_on_two_cpu_ranks(tmp, "--layers", "1", "--configs", "prolong:1K", "--strategies", strategies,
                                   "--warmup", "1", "--steps", "1", "--ablation", "--head-chunks", "2", "--trace",
-                                  "ulysses,cad")
+                                  "ulysses,cad", "--exchange-gibps", "1e6")
 
 
 def test_bench_runs_every_strategy_and_writes_results(capsys):
@@ -67,7 +67,9 @@ def test_bench_runs_every_strategy_and_writes_results(capsys):
     # --head-chunks: core attention in 2 groups of heads where it exchanges and is dense, else in one
     assert [rec["head_chunks"] for rec in records] == [2, 1, 2, 2, 2, 1, 1, 1, 2]
     meta = json.loads((tmp_path / "e2e.json").read_text())["meta"]
-    assert meta["complete"] and " --head-chunks 2" in meta["command"]
+    assert meta["complete"] and " --head-chunks 2" in meta["command"] and " --exchange-gibps 1e+06" in meta["command"]
+    # --exchange-gibps: the cad strategies' planner prices its bytes (so fast a link that it plans as without)
+    assert [rec["exchange_gibps"] for rec in records] == [None, None] + [1e6] * 3 + [None] + [1e6] * 3
     assert "Partial" not in (tmp_path / "e2e.md").read_text()
     _partial_results_are_written_quietly(tmp_path, records, capsys)
     for rec in records:  # keep_attention recomputes the linear parts: a longer ideal, never a shorter one
@@ -266,7 +268,7 @@ def summary_inputs():
     args = argparse.Namespace(warmup=1, tp=1, pp=1, microbatches=1, activation_checkpointing="keep_attention",
                               hierarchical_exchange=False)
     as_run = {"layer_checkpointing": ("keep_attention",), "activation_offload": False, "pp_schedule": None,
-              "pp_schedule_choice": None, "head_chunks": 1}
+              "pp_schedule_choice": None, "head_chunks": 1, "exchange_gibps": None}
     return args, model_config("tiny", n_layers=1), as_run
 
 

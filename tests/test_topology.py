@@ -318,3 +318,158 @@ def test_a_ulysses_group_across_two_nodes_sends_only_the_other_nodes_share_acros
     q, kv, _ = (SHAPE.q_bytes / 16, SHAPE.kv_bytes / 8, SHAPE.o_bytes / 16)  # per peer: 2 query heads, 1 KV head
     intra, inter = seen[1]  # the forward's exchange out (O's, back, is costed first, once for every kind of layer)
     assert intra == pytest.approx(np.full(16, 7 * B * (q + kv))) and inter == pytest.approx(np.full(16, 8 * B * (q + kv)))
+
+
+def _exchange_bytes_reference(plan, shape) -> np.ndarray:
+    """Per server, loop by loop: Q out and O back of every task served off its home (both ends count them), and the
+    causal KV prefix [0, end) of every document a server serves, less its own pieces' rows, sent by the ranks that
+    hold those rows (both ends again)."""
+    W, pieces = plan.num_ranks, plan.pieces
+    out = np.zeros(W)
+    need: dict[tuple[int, int], int] = {}
+    for doc, a, b, piece, server in zip(plan.task_doc, plan.task_start, plan.task_end, plan.task_piece,
+                                        plan.task_server):
+        home = int(pieces.rank[piece])
+        if home != server:
+            out[[home, server]] += (b - a) * (shape.q_bytes + shape.o_bytes)
+        need[(int(server), int(doc))] = max(need.get((int(server), int(doc)), 0), int(b))
+    for (server, doc), end in need.items():
+        for p in np.flatnonzero(pieces.doc == doc):
+            src = int(pieces.rank[p])
+            rows = max(0, min(end, pieces.start[p] + pieces.length[p]) - pieces.start[p])
+            if src != server and rows:
+                out[[src, server]] += rows * shape.kv_bytes
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cad_pricing_its_bytes_is_never_priced_above_local_and_keeps_the_balance_on_a_fast_link(seed):
+    """exchange_gibps (plan.cost.exchange_byte_seconds): cad keeps the plan of least busiest work plus priced
+    bytes of the busiest exchange. Priced by a reference count of the exchanges' bytes, its plan is never above
+    local's; on a link fast against the work it is the unpriced plan; on a slow one it moves less."""
+    from attnpool.plan.cost import exchange_byte_seconds, load_cost_model
+    from attnpool.plan.plan import server_exchange_bytes
+
+    rng = np.random.default_rng(seed)
+    W = int(rng.integers(2, 5))
+    lens = [int(x) for x in rng.integers(256, 24_000, size=int(rng.integers(3, 12)))]
+    table = linear_table(lens, W, -(-sum(lens) // W))
+    cost = load_cost_model(None)
+    kw = dict(cost_model=cost, shape=SHAPE, min_shard_tokens=512)
+    local = plan_attention(table, "local", **kw)
+    unpriced = plan_attention(table, "cad", **kw)
+    for plan in (local, unpriced):
+        np.testing.assert_allclose(server_exchange_bytes(plan, SHAPE), _exchange_bytes_reference(plan, SHAPE))
+    fast = plan_attention(table, "cad", byte_seconds=exchange_byte_seconds(1e6), **kw)
+    assert fast.fingerprint() == unpriced.fingerprint()
+    moved = lambda plan: int(plan.task_len[plan.task_server != plan.task_home].sum())  # noqa: E731
+    for gibps in (0.01, 1.0, 10.0, 100.0):
+        price = exchange_byte_seconds(gibps, recomputed_share=1.0, overlapped=True)
+        priced = plan_attention(table, "cad", byte_seconds=price, **kw)
+        assert priced.options["byte_seconds"] == price
+        score = lambda plan: (server_loads(plan, cost).max()  # noqa: E731
+                              + price * _exchange_bytes_reference(plan, SHAPE).max())
+        assert score(priced) <= score(local) * (1 + 1e-9)
+        assert moved(priced) <= moved(unpriced) or score(priced) <= score(unpriced) * (1 + 1e-9)
+    assert moved(plan_attention(table, "cad", byte_seconds=exchange_byte_seconds(1e-6), **kw)) == 0
+
+
+def test_the_price_of_a_byte_follows_the_link_recompute_and_overlap():
+    """Seconds of attention work a byte of the busiest exchange costs: 2 exchanges (forward and backward) over the
+    link's rate, 3 where the forward runs again (whose work is then a forward's share more), a share where ping-pong
+    or head groups hide the rest. Bad rates are refused naming the setting, and so is a price against pair counts."""
+    from attnpool.plan.cost import BWD_TO_FWD_FLOPS, OVERLAPPED_EXCHANGE_SHARE, exchange_byte_seconds
+
+    byte = 1 / 2**30
+    assert exchange_byte_seconds(1.0) == pytest.approx(2 * byte)
+    assert exchange_byte_seconds(4.0, recomputed_share=1.0) == pytest.approx(
+        3 * byte / 4 / (1 + 1 / (1 + BWD_TO_FWD_FLOPS)))
+    assert 0 < OVERLAPPED_EXCHANGE_SHARE < 1
+    assert exchange_byte_seconds(2.0, overlapped=True) == pytest.approx(OVERLAPPED_EXCHANGE_SHARE
+                                                                        * exchange_byte_seconds(2.0))
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match="exchange_gibps"):
+            exchange_byte_seconds(bad)
+    table = linear_table([9000, 3000], 2, 6000)
+    with pytest.raises(ConfigError, match="byte_seconds.*pairs"):
+        plan_attention(table, "cad", cost_model="pairs", byte_seconds=1e-9)
+    with pytest.raises(ConfigError, match="byte_seconds"):
+        plan_attention(table, "cad", byte_seconds=-1.0)
+
+
+def test_exchange_gibps_is_a_cad_setting_priced_as_the_run_checkpoints_and_overlaps():
+    """attnpool train's exchange_gibps: refused for strategies that plan no moves and for a cost model of pair
+    counts, on every rank before any process group; a run's price counts its recomputed layers and ping-pong."""
+    from attnpool.plan.cost import exchange_byte_seconds
+    from attnpool.train.config import TrainConfig
+    from attnpool.train.spec import resolve_run_spec
+
+    base = dict(model="tiny", nproc=2, device="cpu", steps=1, tokens_per_rank=2048)
+    for bad, match in [(dict(exchange_gibps=0.0), "positive"), (dict(exchange_gibps=5.0, attention="percp"), "percp"),
+                       (dict(exchange_gibps=float("nan")), "positive")]:
+        with pytest.raises(ConfigError, match=f"exchange_gibps.*{match}"):
+            TrainConfig(**base, **bad)
+    with pytest.raises(ConfigError, match="exchange_gibps.*pairs"):
+        resolve_run_spec(TrainConfig(**base, exchange_gibps=5.0, cost_model="pairs"), 2, None, "cpu")
+    assert resolve_run_spec(TrainConfig(**base), 2, None, "cpu").byte_seconds == 0.0
+    spec = resolve_run_spec(TrainConfig(**base, exchange_gibps=5.0, pingpong=True, activation_checkpointing="full"),
+                            2, None, "cpu")
+    assert spec.byte_seconds == exchange_byte_seconds(5.0, recomputed_share=1.0, overlapped=True)
+    # a run's plans: on a link slow against the work, cad keeps every task at home where it moved some
+    from attnpool.data import DocumentStream, stdlib_corpus
+    from attnpool.train.planning import plan_batch
+
+    batch = DocumentStream(stdlib_corpus(), 2, 16384, 0).next_batch()
+    moved = {}
+    for gibps in (None, 1e-3):
+        spec = resolve_run_spec(TrainConfig(**{**base, "tokens_per_rank": 16384}, exchange_gibps=gibps), 2, None,
+                                "cpu")
+        plan = plan_batch(batch, spec).plan
+        moved[gibps] = int(plan.task_len[plan.task_server != plan.task_home].sum())
+    assert moved[None] > 0 and moved[1e-3] == 0
+
+
+def test_the_simulator_prices_cads_bytes_as_a_run_with_exchange_gibps_would():
+    """SimConfig.price_bytes: on a link slow against the work (2.5 GiB/s, 2 GPUs) cad without ping-pong keeps local's
+    plan, where balancing made its step slower than local's; on NVLink's rate every plan is the unpriced one."""
+    config = dict(gpus=2, tp=1, tokens_per_gpu=65536, dist="prolong", batches=3, strategies=("local", "cad"),
+                  recompute="full")
+    slow = load_sim_costs(CFG, "llama3-8b", intra_bandwidth=2.5 * 2**30)
+    plain, priced = (simulate_config(SimConfig(**config, price_bytes=p), slow)["strategies"] for p in (False, True))
+    assert plain["cad-serial"]["step_s"] > 1.1 * plain["local"]["step_s"]
+    assert priced["cad-serial"]["step_s"] == priced["local"]["step_s"]
+    assert priced["cad"]["step_s"] < plain["cad"]["step_s"]
+    fast = load_sim_costs(CFG, "llama3-8b", intra_bandwidth=300 * 2**30)
+    plain, priced = (simulate_config(SimConfig(**config, price_bytes=p), fast)["strategies"] for p in (False, True))
+    assert priced == plain
+
+
+def _train_priced_and_not(rank, world, out):
+    """Losses and per-step balance of a cad run balancing whatever the bytes, and of one whose bytes are priced on a
+    link far too slow to move any (exchange_gibps), with ping-pong; and the priced run's summary."""
+    from pathlib import Path
+
+    from test_train import tiny_config
+
+    from attnpool.train import train
+
+    runs = {}
+    for name, gibps in (("balanced", None), ("priced", 1e-4)):
+        config = tiny_config(Path(out) / name, attention="cad", cost_model="table", min_shard=None, steps=3,
+                             tokens_per_rank=2048, pingpong=True, exchange_gibps=gibps)
+        result = train(config)
+        runs[name] = ([row["loss"] for row in result.rows], [row["imbalance_after"] for row in result.rows],
+                      [row["imbalance_before"] for row in result.rows], result.summary)
+    return runs
+
+
+def test_a_run_with_priced_bytes_trains_the_same_model_and_says_so(tmp_path, capsys):
+    """exchange_gibps changes where core attention runs, not what it computes: the same losses; on a link too slow
+    to move anything the plans keep every task at home (balance as local's); the summary names the price."""
+    from dist_harness import run_distributed
+
+    runs = run_distributed(_train_priced_and_not, 2, str(tmp_path))[0]
+    balanced, priced = runs["balanced"], runs["priced"]
+    np.testing.assert_allclose(priced[0], balanced[0], rtol=1e-5)
+    assert priced[1] == priced[2] and balanced[1] != balanced[2]
+    assert priced[3]["exchange_gibps"] == 1e-4 and balanced[3]["exchange_gibps"] is None

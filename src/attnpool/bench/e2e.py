@@ -29,6 +29,7 @@ import functools
 import gc
 import gzip
 import json
+import math
 import os
 import shutil
 import statistics
@@ -134,7 +135,7 @@ def run_one(name, dist_name, tokens, args, out_dir, trace=False):
             microbatches=args.microbatches, steps=args.warmup + args.steps + TRACE_STEPS,
             stop_at=stop_at, warmup_steps=2, lr=1e-4, seed=0,
             attention=attention, layout=layout, pingpong=pingpong, **sparse, hierarchical_exchange=relays_kv(name, args),
-            head_chunks=head_chunks(name, args),
+            head_chunks=head_chunks(name, args), exchange_gibps=args.exchange_gibps if attention == "cad" else None,
             activation_checkpointing=args.activation_checkpointing, activation_offload=args.activation_offload,
             precision="bf16", attention_backend=args.attention_backend,
             device=args.device, progress=False, checkpoint_every=-1,
@@ -174,7 +175,7 @@ def _with_prediction(result, config: TrainConfig) -> tuple[list, int | None, dic
     return (result.rows, max((p for p in predicted if p is not None), default=None),
             {"layer_checkpointing": result.layer_checkpointing, "activation_offload": result.activation_offload,
              "pp_schedule": result.pp_schedule, "pp_schedule_choice": result.pp_schedule_choice,
-             "head_chunks": config.attention.head_chunks})
+             "head_chunks": config.attention.head_chunks, "exchange_gibps": config.attention.exchange_gibps})
 
 
 def sparse_options(text: str) -> dict:
@@ -221,7 +222,7 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg, as_run: dict):
     rec = {
         "strategy": name, "dist": dist_name, "tokens_per_gpu": tokens, "gpus": world, "tp": args.tp, "pp": args.pp,
         "microbatches": args.microbatches, "hierarchical_exchange": relays_kv(name, args),
-        "head_chunks": as_run["head_chunks"],
+        "head_chunks": as_run["head_chunks"], "exchange_gibps": as_run["exchange_gibps"],
         "pp_schedule": as_run["pp_schedule"],
         "pp_schedule_choice": as_run["pp_schedule_choice"],
         "step_time_s": step, "step_times_s": [r["step_time_s"] for r in measured],
@@ -306,6 +307,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
             raise ConfigError("--head-chunks", args.head_chunks,
                               f"{problem} ({args.model}'s {m.n_kv_heads} KV and {m.n_heads} query heads over --tp "
                               f"{args.tp})")
+    if args.exchange_gibps is not None and not (math.isfinite(args.exchange_gibps) and args.exchange_gibps > 0):
+        raise ConfigError("--exchange-gibps", args.exchange_gibps, "must be a positive number of GiB/s")
     if args.steps < 1 or args.warmup < 0 or args.layers < 1:
         raise ConfigError("--steps/--warmup/--layers", (args.steps, args.warmup, args.layers),
                           "need at least 1 measured step, 0 or more warm-up steps and 1 or more layers")
@@ -507,6 +510,7 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
                        + (" --activation-offload" if args.activation_offload else "")
                        + (" --hierarchical-exchange" if args.hierarchical_exchange else "")
                        + (f" --head-chunks {args.head_chunks}" if args.head_chunks != 1 else "")
+                       + (f" --exchange-gibps {args.exchange_gibps:g}" if args.exchange_gibps is not None else "")
                        + "".join(f" --{k} {getattr(args, k)}" for k in ("tp", "pp", "microbatches")
                                  if getattr(args, k) != 1)
                        + (f" --pp-schedule {args.pp_schedule}" if args.pp > 1 and args.pp_schedule != "1f1b" else "")}

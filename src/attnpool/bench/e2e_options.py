@@ -81,6 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="core attention in this many groups of heads, one group's kernel while another's exchanges "
                         "are on the wire (attnpool train's head_chunks), for the strategies whose exchanges run "
                         "through it (local, wlb, percp, cad; ulysses and the +sparse ones run without)")
+    p.add_argument("--exchange-gibps", type=float, default=None,
+                   help="GiB/s per GPU of the link inside a node, for the cad strategies' planner (attnpool train's "
+                        "exchange_gibps: each move's bytes weighed against the balance it buys); the others plan no "
+                        "moves. Default: cad balances whatever the bytes")
     p.add_argument("--activation-offload", action="store_true",
                    help="keep the activations saved for backward in host memory (attnpool train's activation_offload)")
     p.add_argument("--memory-breakdown", action="store_true",

@@ -12,6 +12,7 @@ from attnpool.cli.common import parse_size
 from attnpool.data.lengths import DISTRIBUTIONS, SamplingOptions, sample_batches
 from attnpool.errors import ConfigError
 from attnpool.plan import LAYOUTS, STRATEGIES, AttentionShape, layout_table, linear_table, load_cost_model, plan_attention
+from attnpool.plan.cost import exchange_byte_seconds
 from attnpool.plan.plan import Topology, inter_node_bytes
 from attnpool.plan.ulysses import ulysses_problem
 from attnpool.plan.metrics import PlanMetrics, home_loads, imbalance
@@ -47,6 +48,10 @@ def add_parser(sub) -> None:
     p.add_argument("--hierarchical-exchange", action="store_true",
                    help="with --ranks-per-node: KV into a node crosses once (attnpool train's hierarchical_exchange), "
                         "and cad plans for it")
+    p.add_argument("--exchange-gibps", type=float, default=None,
+                   help="GiB/s per GPU of the link inside a node (attnpool train's exchange_gibps): cad weighs its "
+                        "moves' bytes against the balance they buy, as a run without checkpointing or ping-pong "
+                        "(default: balance whatever the bytes)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="draw per-server load for each strategy")
     p.set_defaults(func=run)
@@ -54,7 +59,7 @@ def add_parser(sub) -> None:
 
 # The planner's and the sampler's names for what this command's flags set: their refusals name the flag typed.
 FLAG_OF_FIELD = {"eps": "--eps", "elongate": "--elongate", "max_doc_len": "--max-doc-len",
-                 "min_shard_tokens": "--min-shard"}
+                 "min_shard_tokens": "--min-shard", "exchange_gibps": "--exchange-gibps", "byte_seconds": "--exchange-gibps"}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,6 +99,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise ConfigError("--plot", args.plot, "its directory does not exist")
     options = SamplingOptions(upsample=not args.no_upsample, elongate=args.elongate, max_doc_len=args.max_doc_len)
     cost_model = load_cost_model(args.cost_model)
+    byte_seconds = 0.0 if args.exchange_gibps is None else exchange_byte_seconds(args.exchange_gibps)
     # A server's cost and bytes are one GPU's: its share of the heads (the plan does not change with tp).
     shape = AttentionShape(shape.n_q_heads // args.tp, shape.n_kv_heads // args.tp, shape.head_dim, shape.dtype_bytes)
     if args.tp > 1 and hasattr(cost_model, "scaled_to"):
@@ -111,7 +117,8 @@ def _plan(args: argparse.Namespace) -> int:
         table = layout_table(args.layout, doc_lens, args.servers, args.tokens_per_server, strategy, args.memory_cap,
                              linear)
         plan = plan_attention(table, strategy, cost_model=cost_model, min_shard_tokens=args.min_shard, eps=args.eps,
-                              shape=shape, window=args.window, topology=topology)
+                              shape=shape, window=args.window, topology=topology,
+                              byte_seconds=byte_seconds if strategy == "cad" else 0.0)
         metrics = PlanMetrics.of(plan, cost_model, shape,
                                  topology.rank_node if topology is not None and topology.relays else None)
         if topology is not None:  # (ulysses sends every token's Q, KV and O across all ranks, not as tasks)

@@ -94,6 +94,9 @@ def add_parser(sub) -> None:
     p.add_argument("--head-chunks", type=int, default=1,
                    help="core attention in this many groups of heads for local, wlb, cad and percp-plan (attnpool train's "
                         "head_chunks: one group's kernel while another's exchanges are on the wire; default 1)")
+    p.add_argument("--price-bytes", action="store_true",
+                   help="cad's planner weighs its moves' bytes against the balance they buy at the simulated link "
+                        "inside a node (attnpool train's exchange_gibps set to it); default: balance whatever the bytes")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--plot-dir", help="write speedup.png, breakdown.png (and eps_sweep.png) here")
     p.add_argument("--report", metavar="DIR",
@@ -138,7 +141,7 @@ def _base(args) -> SimConfig:
                      batches=args.batches, seed=args.seed, eps=args.eps, strategies=tuple(dict.fromkeys(args.strategies)),
                      memory_cap=args.memory_cap, elongate=elongate, upsample=not args.no_upsample,
                      cp_degrees=tuple(args.cp) if args.cp else None, hierarchical=args.hierarchical_exchange,
-                     balanced=args.balanced_layout, head_chunks=args.head_chunks,
+                     balanced=args.balanced_layout, head_chunks=args.head_chunks, price_bytes=args.price_bytes,
                      model=(args.model or ["llama3-8b"])[0], dist=(args.dist or ["prolong"])[0],
                      max_doc_len=(args.max_doc_len or [parse_size("512K")])[0], gpus=(args.gpus or [64])[0])
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Sequence
 
@@ -55,7 +56,7 @@ def head_group_heads(head_chunks: int, q_heads: int, kv_heads: int) -> tuple[int
 def plan_attention(pieces_per_rank: Sequence[Sequence[DocPiece]] | PieceTable, strategy: str = "cad", *,
                    cost_model=None, min_shard_tokens: int | None = None, eps: float = 0.02,
                    shape: AttentionShape = AttentionShape(), topology: Topology | None = None,
-                   window: int | None = None) -> Plan:
+                   window: int | None = None, byte_seconds: float = 0.0) -> Plan:
     """Plan core attention for pieces already laid out on ranks.
 
     Deterministic: the same arguments give a byte-identical plan (see
@@ -72,6 +73,9 @@ def plan_attention(pieces_per_rank: Sequence[Sequence[DocPiece]] | PieceTable, s
       prices KV another server of the receiver's node already has as a hop inside the node.
     - ``window``: the sliding window (keys) of the layers the plan serves (None: causal attention). Tasks
       are priced by their windowed work and need only the window's KV (plan.plan).
+    - ``byte_seconds``: what a byte of a server's exchange costs in seconds of its attention work
+      (plan.cost.exchange_byte_seconds of the link's GiB/s); ``cad`` then keeps the plan of least busiest work
+      plus priced bytes, balanced or not (plan.cad). 0: balance within ``eps`` whatever the bytes.
     """
     if strategy not in SCHEDULERS:
         raise ConfigError("strategy", strategy, f"unknown; choose one of {', '.join(STRATEGIES)}")
@@ -90,6 +94,12 @@ def plan_attention(pieces_per_rank: Sequence[Sequence[DocPiece]] | PieceTable, s
         model = model.windowed(int(window))
     if min_shard_tokens < 1:
         raise ConfigError("min_shard_tokens", min_shard_tokens, "must be >= 1")
+    if not (math.isfinite(byte_seconds) and byte_seconds >= 0.0):
+        raise ConfigError("byte_seconds", byte_seconds, "must be a finite number >= 0")
+    if byte_seconds and getattr(model, "unit", None) != "s":
+        raise ConfigError("byte_seconds", byte_seconds, f"prices bytes in seconds of work; the cost model "
+                                                        f"{getattr(model, 'name', type(model).__name__)} counts "
+                                                        f"{getattr(model, 'unit', 'work')} (use a kernel table)")
     if topology is not None and len(topology.rank_node) != table.num_ranks:
         raise ConfigError("topology", f"{len(topology.rank_node)} ranks", f"the layout has {table.num_ranks}")
     if strategy == "ulysses":
@@ -98,7 +108,7 @@ def plan_attention(pieces_per_rank: Sequence[Sequence[DocPiece]] | PieceTable, s
             raise ConfigError("strategy", strategy, problem)
     t0 = time.perf_counter()
     tasks = SCHEDULERS[strategy](table, cost_model=model, min_shard_tokens=min_shard_tokens, eps=eps, shape=shape,
-                                 topology=topology)
+                                 topology=topology, byte_seconds=byte_seconds)
     seconds = time.perf_counter() - t0
     options = {"eps": eps, "cost_model": getattr(model, "name", type(model).__name__)}
     if strategy == "ulysses":  # which heads each rank computes (plan.ulysses)
@@ -107,5 +117,7 @@ def plan_attention(pieces_per_rank: Sequence[Sequence[DocPiece]] | PieceTable, s
         options["nodes"] = topology.num_nodes
         if topology.relays and strategy == "cad":  # (cad prices relayed KV: plan.cad)
             options["relays"] = True
+    if byte_seconds and strategy == "cad":
+        options["byte_seconds"] = byte_seconds
     return make_plan(strategy, table, *tasks, min_shard_tokens=min_shard_tokens, options=options, plan_seconds=seconds,
                      window=window)

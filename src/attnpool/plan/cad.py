@@ -40,7 +40,8 @@ from attnpool.plan.documents import (PieceTable, key_start, prefix_pairs, prefix
                                      prefix_pairs_inverse1, window_pairs)
 from attnpool.plan.local import home_tasks
 from attnpool.plan.percp import schedule_percp
-from attnpool.plan.plan import AttentionShape, Topology, canonical_tasks, inter_node_bytes, make_plan
+from attnpool.plan.plan import (AttentionShape, Topology, canonical_tasks, inter_node_bytes, make_plan,
+                                server_exchange_bytes)
 
 
 def _three(x: np.ndarray) -> np.ndarray:
@@ -106,20 +107,32 @@ WHOLE, SUFFIX, PREFIX = 0, 1, 2
 
 
 def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: float = 0.02,
-                 shape: AttentionShape = AttentionShape(), topology: Topology | None = None, **_):
+                 shape: AttentionShape = AttentionShape(), topology: Topology | None = None, byte_seconds: float = 0.0,
+                 **_):
     """cad's tasks (doc, a, b, piece, server): :func:`_schedule` with the nodes' pricing. Under the hierarchical
     exchange (``topology.relays``) also with the flat exchange's pricing, and of the two plans the one whose
     exchanges, relayed, send fewer bytes between nodes (balance first: a plan within the tolerance wins over one
     outside it, and of two outside it the one with the less busy server). Pricing relayed KV as a hop inside the
     node lowers those bytes on the DistCA paper's batches by 8-35% at 64-256 GPUs, and planning so takes 2-2.8x
     as long (bench/results/2026-11-29-cpu-plan-relays.md); but the greedy's path can turn it around on a batch,
-    hence the flat-priced plan beside it."""
-    tasks = _schedule(table, cost_model, min_shard_tokens, eps, shape, topology)
+    hence the flat-priced plan beside it.
+
+    ``byte_seconds`` (plan.cost.exchange_byte_seconds; 0: off): what a byte of a server's exchange costs in units
+    of its work. Then every state is scored by its busiest server's work plus ``byte_seconds`` times the busiest
+    server's exchange bytes, and the least scored state is kept, balanced or not: on a slow link the moves that
+    balance the last few percent can cost more time than they save, and on two ranks a single cut's KV can
+    (bench/results/2026-11-30-sim-cad-byte-price.md)."""
+    tasks = _schedule(table, cost_model, min_shard_tokens, eps, shape, topology, byte_seconds)
     if topology is None or not topology.relays or topology.num_nodes == 1:
         return tasks
-    flat = _schedule(table, cost_model, min_shard_tokens, eps, shape, dataclasses.replace(topology, relays=False))
+    flat = _schedule(table, cost_model, min_shard_tokens, eps, shape, dataclasses.replace(topology, relays=False),
+                     byte_seconds)
     cost, _ = doc_costs(cost_model)
     window = getattr(cost_model, "window", None)
+    if byte_seconds:
+        return min((tasks, flat), key=functools.partial(_priced_load, table=table, cost=cost, shape=shape,
+                                                        topology=topology, byte_seconds=byte_seconds,
+                                                        min_shard_tokens=min_shard_tokens, window=window))
 
     def rank(plan_tasks):  # within the tolerance first, then the less busy server (outside it), then fewer bytes
         loads = _server_loads(plan_tasks, cost, table.num_ranks)
@@ -132,7 +145,7 @@ def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: floa
 
 
 def _schedule(table: PieceTable, cost_model, min_shard_tokens: int, eps: float, shape: AttentionShape,
-              topology: Topology | None):
+              topology: Topology | None, byte_seconds: float = 0.0):
     """The greedy from every piece at home; where that misses the tolerance or its busiest server carries
     more than (1 + eps) x percp's, also the greedy from ``percp``'s plan (and, where it missed the tolerance
     under a table, the greedy from home without aiming cuts at their own rate), and of those and the
@@ -144,14 +157,28 @@ def _schedule(table: PieceTable, cost_model, min_shard_tokens: int, eps: float, 
     shard is coarse against the work to move: one long document over few ranks at 2 shards per
     rank is balanced only by a permutation of shards (percp's head-tail pairs), which moves from
     busiest to idlest cannot reach.
+
+    With ``byte_seconds`` the plan kept is the least priced (:func:`_priced_load`) of the greedy's, ``local``'s
+    and, where the greedy's state is outside the tolerance, percp's and the greedy's from it: so ``cad``'s plan
+    is never priced above ``local``'s. (The greedy prices its states by its moves' bytes, an estimate; the plans
+    compared here by their exchanges' bytes.)
     """
     cost, cost1 = doc_costs(cost_model)
     home = home_tasks(table)
     window = getattr(cost_model, "window", None)  # the layer kind's sliding window (plan.cost)
     tasks, max_load, balanced = _greedy(table, home, cost, cost1, isinstance(cost_model, PairsCost),
-                                        min_shard_tokens, eps, shape, topology, window)
+                                        min_shard_tokens, eps, shape, topology, window, byte_seconds=byte_seconds)
     if table.num_ranks == 1:
         return tasks
+    if byte_seconds:
+        candidates = [tasks, home]
+        if not balanced:
+            percp = schedule_percp(table, min_shard_tokens)
+            candidates += [percp, _greedy(table, percp, cost, cost1, isinstance(cost_model, PairsCost), min_shard_tokens,
+                                          eps, shape, topology, window, byte_seconds=byte_seconds)[0]]
+        return min(candidates, key=functools.partial(_priced_load, table=table, cost=cost, shape=shape,
+                                                     topology=topology, byte_seconds=byte_seconds,
+                                                     min_shard_tokens=min_shard_tokens, window=window))
     loads = functools.partial(_server_loads, cost=cost, num_ranks=table.num_ranks)
     busiest = lambda plan_tasks: float(loads(plan_tasks).max())  # noqa: E731
     # Balanced is not enough under the kernel table, where cuts change the total work: balanced around a
@@ -171,18 +198,27 @@ def _schedule(table: PieceTable, cost_model, min_shard_tokens: int, eps: float, 
     if within and held.max() <= busiest(percp) * (1.0 + eps):
         return tasks
     seeded, _, _ = _greedy(table, percp, cost, cost1, isinstance(cost_model, PairsCost), min_shard_tokens, eps, shape,
-                           topology, window)
+                           topology, window, byte_seconds=byte_seconds)
     candidates = [tasks, seeded, percp, home]
     if not balanced and not isinstance(cost_model, PairsCost):
         # Aimed at its own rate, a cut that fits its receiver can leave the donor above the tolerance (its kept part
         # costs more than the whole less the cut) where coarse shards then fit nowhere; the moves of whole tasks the
         # cut replaced may have balanced it: 7 of 800 random plans with 512-2048-token shards, and 20 the other way.
         candidates.append(_greedy(table, home, cost, cost1, False, min_shard_tokens, eps, shape, topology, window,
-                                  aim_cuts_at_own_rate=False)[0])
+                                  aim_cuts_at_own_rate=False, byte_seconds=byte_seconds)[0])
     # The least busiest server among the greedy results and the baselines themselves, costed as the plan
     # holds them (contiguous shards on one server merged, which under the table changes their cost, so a
     # greedy's best state can end above its start: a 1,280-token document over 5 ranks, 0.1%).
     return min(candidates, key=busiest)
+
+
+def _priced_load(tasks, table: PieceTable, cost, shape: AttentionShape, topology: Topology | None,
+                 byte_seconds: float, min_shard_tokens: int, window: int | None) -> float:
+    """A plan's busiest server's work plus ``byte_seconds`` times its busiest server's exchange bytes
+    (plan.server_exchange_bytes), the plan's tasks (doc, a, b, piece, server) as it holds them."""
+    plan = make_plan("cad", table, *tasks, min_shard_tokens, window=window)
+    loads = _server_loads(tasks, cost, table.num_ranks)
+    return float(loads.max()) + byte_seconds * float(server_exchange_bytes(plan, shape, topology).max())
 
 
 def _server_loads(tasks, cost, num_ranks: int) -> np.ndarray:
@@ -194,7 +230,7 @@ def _server_loads(tasks, cost, num_ranks: int) -> np.ndarray:
 
 def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_shard_tokens: int, eps: float,
             shape: AttentionShape, topology: Topology | None = None, window: int | None = None,
-            aim_cuts_at_own_rate: bool = True):
+            aim_cuts_at_own_rate: bool = True, byte_seconds: float = 0.0):
     """Moves from the busiest server, starting from ``start_tasks`` (doc, a, b, piece, server); ``window``: the
     tasks' sliding window (their keys start at key_start(a, window)), None for causal attention;
     ``aim_cuts_at_own_rate``: under a table, a cut that overshoots its receiver at its item's rate is aimed again
@@ -204,7 +240,9 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
     least loaded busiest server seen: where the minimum shard carries more work than the
     deficits, a move can overfill its receiver and later moves may not recover, so the last
     state can be worse than an earlier one (or than the start). Moves after the best state are
-    undone from a log.
+    undone from a log. With ``byte_seconds`` the state kept is the one of least busiest load plus
+    ``byte_seconds`` times the busiest server's exchange bytes: the start's (plan.server_exchange_bytes) and
+    every move's as the candidates price them, added to its piece's rank and its receiver.
     """
     W = table.num_ranks
     doc0, a0, b0, piece0, server0 = (np.asarray(x, dtype=np.int64) for x in start_tasks)
@@ -213,6 +251,10 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
     loads = np.bincount(server0, weights=cost0, minlength=W).astype(np.float64)
     if W == 1:
         return items.tasks(), float(loads.max()), True
+    exchanged = np.zeros(W)  # per server: its exchanges' bytes (kept only where byte_seconds prices them)
+    if byte_seconds:
+        exchanged = server_exchange_bytes(make_plan("cad", table, doc0, a0, b0, piece0, server0, min_shard_tokens,
+                                                    window=window), shape, topology)
     by_server = np.argsort(server0, kind="stable")
     bounds = np.searchsorted(server0[by_server], np.arange(W + 1))
     movable = [by_server[bounds[r]:bounds[r + 1]].tolist() for r in range(W)]
@@ -261,6 +303,7 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
     stuck = np.zeros(W, dtype=bool)
     undo: list[tuple] = []  # per move: (item, server, a, b, cost, item count) before it
     best_load, best_moves = float(loads.max()), 0
+    best_score = best_load + byte_seconds * float(exchanged.max())
     # Stop when the tolerance is met, or when W moves in a row have not lowered the
     # busiest server (the minimum shard makes a tighter balance unreachable, e.g. eps=0).
     best_max, stalled = np.inf, 0
@@ -341,22 +384,22 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
                 opt_a[over], opt_b[over] = new_a, new_b
                 moved[over] = cost(new_a, new_b, items.doc[it][of])
                 after[over] = loads[receiver[over]] + moved[over]
+        # Every option's bytes: Q out + O back + KV the receiver lacks (the part's keys [first key, b) less what it
+        # holds of them)
+        first_key = key_start(opt_a, window)
+        held_start, held_end = _three(held[:, 0]), _three(held[:, 1])
+        overlap = np.maximum(0, np.minimum(opt_b, held_end) - np.maximum(first_key, held_start))
+        nbytes = qo_bytes * (opt_b - opt_a) + kv_bytes * (opt_b - first_key - overlap)
+        if nodes is not None:  # the item's Q (and, mostly, its KV) comes from its piece's rank
+            crossing = nodes[table.rank[_three(items.piece[it])]] != nodes[receiver]
+            inside = 0.0  # KV bytes of a crossing move that come from a relay inside the receiver's node
+            if relays:
+                n, g = node_of[receiver], _three(items.doc[it])
+                in_node = np.maximum(0, np.minimum(opt_b, node_end[n, g]) - np.maximum(first_key, node_start[n, g]))
+                inside = kv_bytes * np.maximum(0, in_node - overlap)
+            nbytes = np.where(crossing, (nbytes - inside) * topology.inter_node_byte_cost + inside, nbytes)
         fits = valid & (after <= mean * (1.0 + tol))
-        if fits.any():
-            # Fewest bytes per unit of work: Q out + O back + KV the receiver lacks.
-            # KV the receiver lacks: the part's keys [first key, b) less what it holds of them
-            first_key = key_start(opt_a, window)
-            held_start, held_end = _three(held[:, 0]), _three(held[:, 1])
-            overlap = np.maximum(0, np.minimum(opt_b, held_end) - np.maximum(first_key, held_start))
-            nbytes = qo_bytes * (opt_b - opt_a) + kv_bytes * (opt_b - first_key - overlap)
-            if nodes is not None:  # the item's Q (and, mostly, its KV) comes from its piece's rank
-                crossing = nodes[table.rank[_three(items.piece[it])]] != nodes[receiver]
-                inside = 0.0  # KV bytes of a crossing move that come from a relay inside the receiver's node
-                if relays:
-                    n, g = node_of[receiver], _three(items.doc[it])
-                    in_node = np.maximum(0, np.minimum(opt_b, node_end[n, g]) - np.maximum(first_key, node_start[n, g]))
-                    inside = kv_bytes * np.maximum(0, in_node - overlap)
-                nbytes = np.where(crossing, (nbytes - inside) * topology.inter_node_byte_cost + inside, nbytes)
+        if fits.any():  # fewest bytes per unit of work
             best = int(np.argmin(np.where(fits, nbytes / np.where(fits, moved, 1.0), np.inf)))
         else:
             # Nothing fits: the donor's smallest cut is coarser than any remaining deficit
@@ -377,6 +420,8 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
             ma, mb, mcost = _refine_cut(lambda x, y: cost1(x, y, g), kind, int(a[c]), int(b[c]), ma, mb, float(delta[c]),
                                         mean * (1.0 + tol) - loads[r], min_shard_tokens, mcost, window)
         undo.append((i, int(items.server[i]), int(items.a[i]), int(items.b[i]), float(items.cost[i]), items.n))
+        if byte_seconds:
+            exchanged[[int(table.rank[items.piece[i]]), r]] += float(nbytes[best])
         if kind == WHOLE:
             items.server[i] = r
             movable[d].remove(i)
@@ -388,8 +433,9 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
             items.a[i], items.b[i], items.cost[i] = ka, kb, kept
             items.add(g, ma, mb, int(items.piece[i]), r, mcost)
         loads[r] += mcost
-        if loads.max() < best_load * (1.0 - 1e-12):
-            best_load, best_moves = float(loads.max()), len(undo)
+        score = float(loads.max()) + byte_seconds * float(exchanged.max())
+        if score < best_score * (1.0 - 1e-12):
+            best_score, best_load, best_moves = score, float(loads.max()), len(undo)
         if (r, g) not in kv_held:
             holders.setdefault(g, [] if (d, g) in kv_held else [d]).append(r)
             tracked[g] = True

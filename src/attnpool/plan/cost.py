@@ -106,6 +106,31 @@ def attention_flops(pairs, n_q_heads: int, head_dim: int, phase: str = "fwd+bwd"
     return fwd * (1.0 + BWD_TO_FWD_FLOPS) if phase == "fwd+bwd" else fwd
 
 
+# The share of an exchange's time that ping-pong (or head groups) leaves on the step, the other nano-batch's compute
+# hiding the rest. A fit, not a derivation (hiding is a hinge: free up to the other nano-batch's compute, then whole):
+# by the simulator, 0.3 and 0.2 gain or hold in every cell of bench/results/2026-11-30-sim-cad-byte-price.md but 0.4%
+# on one, where 0.5 loses 1.5% on 2 GPUs at pretrain 256K and 0.1 gives up prolong 128K's 2.8%.
+OVERLAPPED_EXCHANGE_SHARE = 0.3
+
+
+def exchange_byte_seconds(gibps: float, recomputed_share: float = 0.0, overlapped: bool = False) -> float:
+    """What one byte of a server's forward exchange costs the step, in seconds of its fwd+bwd attention work, on a
+    link of ``gibps`` GiB/s per GPU: cad's price of bytes against balance (plan.cad, ``byte_seconds``).
+
+    The backward exchanges move as many bytes again (dQ/dK/dV are Q/K/V's size, dO O's), and a layer whose forward
+    runs again in the backward (``recomputed_share`` of the layers: full activation checkpointing) exchanges its
+    forward's once more, while its attention work grows by a forward's share (:data:`BWD_TO_FWD_FLOPS`).
+    ``overlapped``: ping-pong or head groups hide part of every exchange (:data:`OVERLAPPED_EXCHANGE_SHARE`)."""
+    if not (math.isfinite(gibps) and gibps > 0):
+        raise ConfigError("exchange_gibps", gibps, "must be a positive number of GiB/s")
+    if not 0.0 <= recomputed_share <= 1.0:
+        raise ConfigError("recomputed_share", recomputed_share, "must be in [0, 1]")
+    exchanges = 2.0 + recomputed_share
+    work = 1.0 + recomputed_share / (1.0 + BWD_TO_FWD_FLOPS)
+    exposed = OVERLAPPED_EXCHANGE_SHARE if overlapped else 1.0
+    return exposed * exchanges / work / (gibps * 2**30)
+
+
 @dataclass(frozen=True)
 class PairsCost:
     """Work = (query, key) pairs. Exact, additive, device-independent."""

@@ -247,6 +247,24 @@ def inter_node_bytes(plan: "Plan", rank_node, shape: AttentionShape, relays: boo
     return float(plan.task_len[moved].sum() * (shape.q_bytes + shape.o_bytes) + x.length[crossing].sum() * shape.kv_bytes)
 
 
+def server_exchange_bytes(plan: "Plan", shape: AttentionShape, topology: Topology | None = None) -> np.ndarray:
+    """Per server: the bytes its forward exchanges send and receive (Q out and O back of every task served off its
+    home, the KV segments), a byte between nodes counted ``topology.inter_node_byte_cost`` times, as the cad planner
+    prices a move; under ``topology.relays`` a relayed segment is sent from its relay."""
+    W = plan.num_ranks
+    remote = plan.task_server != plan.task_home
+    qo = np.where(remote, plan.task_len, 0).astype(np.float64) * (shape.q_bytes + shape.o_bytes)
+    x = plan.kv_transfers()
+    nodes = None if topology is None or topology.num_nodes == 1 else np.asarray(topology.rank_node, dtype=np.int64)
+    senders = x.senders(nodes if nodes is not None and topology.relays else None)
+    kv = np.where(senders != x.server, x.length, 0).astype(np.float64) * shape.kv_bytes
+    if nodes is not None:
+        qo = np.where(nodes[plan.task_home] != nodes[plan.task_server], qo * topology.inter_node_byte_cost, qo)
+        kv = np.where(nodes[senders] != nodes[x.server], kv * topology.inter_node_byte_cost, kv)
+    return (np.bincount(plan.task_home, weights=qo, minlength=W) + np.bincount(plan.task_server, weights=qo, minlength=W)
+            + np.bincount(senders, weights=kv, minlength=W) + np.bincount(x.server, weights=kv, minlength=W))
+
+
 def kv_transfers(plan: Plan) -> KVTransfers:
     t = plan.pieces
     D = t.num_docs

@@ -37,6 +37,7 @@ from attnpool.data.lengths import SamplingOptions, sample_batches
 from attnpool.errors import ConfigError
 from attnpool.model.config import model_config
 from attnpool.plan.api import head_chunks_problem, plan_attention
+from attnpool.plan.cost import exchange_byte_seconds
 from attnpool.sim.costs import SimCosts, load_sim_costs
 from attnpool.plan.layout import balanced_table, linear_table, nano_batch_bounds, wlb_pieces, wlb_table
 from attnpool.plan.plan import Topology
@@ -92,6 +93,9 @@ class SimConfig:
     # core attention in this many groups of heads (attnpool train's head_chunks), for the strategies that run it so:
     # local, wlb, percp-plan and every cad (the analytic percp and ulysses models in one)
     head_chunks: int = 1
+    # cad prices its exchanges' bytes against balance at the simulated link inside a node (attnpool train's
+    # exchange_gibps; plan.cost.exchange_byte_seconds), as "cad" and "cad-serial" (False: balance whatever the bytes)
+    price_bytes: bool = False
 
     def model_config(self):
         fields = {"n_layers": self.layers} if self.layers is not None else {}
@@ -236,6 +240,14 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
     def add(st: StepTime):
         acc.setdefault(st.strategy, _Acc()).add(st)
 
+    def byte_seconds(overlapped: bool) -> float:  # cad's price of a byte (price_bytes), as attnpool train sets it
+        if not config.price_bytes:
+            return 0.0
+        return exchange_byte_seconds(costs.intra.bandwidth / 2**30, 1.0 if config.recompute == "full" else 0.0,
+                                     overlapped or config.head_chunks > 1)
+
+    priced_serial, priced_overlapped = byte_seconds(False), byte_seconds(True)
+
     def plan(table, strategy, **kw) -> dict:  # one plan per distinct window of the model's layers
         return {w: plan_attention(table, strategy, window=w, **plan_kw, **kw) for w in dict.fromkeys(model.layer_windows)}
 
@@ -265,20 +277,22 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
 
             def cad_step(name, eps, topology, layout=linear_table, **kw):
                 nanos = [layout(lens[d0:d1], S, -(-sum(lens[d0:d1]) // S)) for d0, d1 in bounds]
-                return model.nano_step([plan(t, "cad", eps=eps, topology=topology) for t in nanos], name=name, **kw)
+                return model.nano_step([plan(t, "cad", eps=eps, topology=topology, byte_seconds=priced_overlapped)
+                                        for t in nanos], name=name, **kw)
 
             pingpong = cad_step("cad", config.eps, topology)
             add(pingpong)
-            add(model.plan_step(plan(lin, "cad", eps=config.eps, topology=topology), overlap=False, name="cad-serial"))
+            add(model.plan_step(plan(lin, "cad", eps=config.eps, topology=topology, byte_seconds=priced_serial),
+                                overlap=False, name="cad-serial"))
             if balanced is not None:
                 add(cad_step("cad-balanced", config.eps, topology, layout=balanced_table))
-                add(model.plan_step(plan(balanced, "cad", eps=config.eps, topology=topology), overlap=False,
-                                    name="cad-balanced-serial"))
+                add(model.plan_step(plan(balanced, "cad", eps=config.eps, topology=topology,
+                                         byte_seconds=priced_serial), overlap=False, name="cad-balanced-serial"))
             if config.hierarchical:  # planned for it: cad prices the KV a relay forwards inside its node
                 relays = replace(topology, relays=True)
                 add(cad_step("cad-hierarchical", config.eps, relays, hierarchical=True))
-                add(model.plan_step(plan(lin, "cad", eps=config.eps, topology=relays), overlap=False,
-                                    name="cad-hierarchical-serial", hierarchical=True))
+                add(model.plan_step(plan(lin, "cad", eps=config.eps, topology=relays, byte_seconds=priced_serial),
+                                    overlap=False, name="cad-hierarchical-serial", hierarchical=True))
             for e in eps_sweep or ():
                 eps_acc.setdefault(float(e), _Acc()).add(pingpong if e == config.eps else cad_step("cad", e, topology))
         if progress:

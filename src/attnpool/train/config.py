@@ -6,7 +6,7 @@ A run's settings are ten sections, each a frozen dataclass that checks its own v
                 loss_kernel
     data        data, data_path, data_args, tokenizer, tokens_per_rank, max_doc_len, seed
     attention   attention, layout, cost_model, min_shard, eps, memory_cap, attention_backend, pingpong,
-                head_chunks
+                head_chunks, exchange_gibps
     sparse      sparse, sparse_coverage, sparse_min_doc_len, dense_layers, sparse_args
     optim       steps, lr, min_lr_ratio, warmup_steps, weight_decay, beta1, beta2, grad_clip
     parallel    tp, pp, pp_schedule, microbatches, ranks_per_node, hierarchical_exchange

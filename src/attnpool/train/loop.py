@@ -465,7 +465,8 @@ class Trainer:
                 "predicted_peak_memory_bytes": memory.allocated_bytes if checked else None,
                 "predicted_device_bytes": memory.peak_bytes if checked else None,
                 "tokens_per_rank": config.data.tokens_per_rank, "microbatches": config.parallel.microbatches,
-                "strategy": config.attention.strategy, "layout": config.attention.layout, "steps": config.optim.steps,
+                "strategy": config.attention.strategy, "layout": config.attention.layout,
+                "exchange_gibps": config.attention.exchange_gibps, "steps": config.optim.steps,
                 # what the memory settings resolved to: auto's choice of each layer's mode, and of activation offload
                 "activation_checkpointing": config.memory.activation_checkpointing,
                 "layer_checkpointing": list(spec.layer_checkpointing) or None,

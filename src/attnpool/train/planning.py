@@ -60,7 +60,9 @@ def plan_batch(batch: GlobalBatch, spec: RunSpec, sparse_prior: SparsePrior | No
         same = next((p for p in plans.values() if p.window == planned_window), None)
         plans[window] = same or plan_attention(table, strategy or a.strategy, cost_model=cost_model,
                                                min_shard_tokens=a.min_shard, eps=a.eps, shape=spec.attention_shape,
-                                               topology=spec.topology, window=planned_window)
+                                               topology=spec.topology, window=planned_window,
+                                               byte_seconds=spec.byte_seconds if (strategy or a.strategy) == "cad"
+                                               else 0.0)
     # "before" is always plain packing served at home; the loads are the layers' mean over their kinds
     weights = layer_shares(spec)
     local = sum(w * home_loads(linear, cost_model, plans[window].window) for window, w in weights.items())
@@ -109,7 +111,7 @@ def _pooled_plan(table: PieceTable | None, spec: RunSpec, layers: int, linear: P
         return None
     a = spec.config.attention
     plan = plan_attention(table, a.strategy, cost_model=spec.cost_model, min_shard_tokens=a.min_shard, eps=a.eps,
-                          shape=spec.attention_shape)
+                          shape=spec.attention_shape, byte_seconds=spec.byte_seconds)
     local, planned = home_loads(linear, spec.cost_model) / layers, server_loads(plan, spec.cost_model) / layers
     return StepPlan(plan, None, local.tolist(), planned.tolist(), imbalance(local), imbalance(planned))
 

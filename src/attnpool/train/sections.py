@@ -170,6 +170,12 @@ class AttentionSection(Section):
                                                "steps 1.18x faster in two calls, 1.19x predicted at one rate); 1 "
                                                "inside an NVLink node (4 slowed steps there by up to 1.8 percent)",
                                 default=1)
+    exchange_gibps: float | None = _setting(
+        "exchange_gibps", "GiB/s per GPU of the link core attention's exchanges take inside a node (bench/a2a_probe.py "
+                          "measures it; a byte between nodes costs inter-node times more). cad then weighs each "
+                          "move's bytes against the balance it buys and keeps the faster plan, balanced or not: on a "
+                          "slow link it may move less than eps asks, or nothing. Default: balance whatever the bytes",
+        default=None)
 
     def check(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -186,6 +192,11 @@ class AttentionSection(Section):
         if not (math.isfinite(self.memory_cap) and self.memory_cap >= 1.0):
             raise ConfigError("memory_cap", self.memory_cap, "must be a finite number >= 1.0")
         _at_least("head_chunks", self.head_chunks, 1)
+        if self.exchange_gibps is not None and not (math.isfinite(self.exchange_gibps) and self.exchange_gibps > 0):
+            raise ConfigError("exchange_gibps", self.exchange_gibps, "must be a positive number of GiB/s")
+        if self.exchange_gibps is not None and self.strategy != "cad":
+            raise ConfigError("exchange_gibps", self.exchange_gibps, f"prices cad's moves; attention {self.strategy} "
+                                                                     "plans no moves to price")
         if self.backend not in ATTENTION_BACKENDS:
             raise ConfigError("attention_backend", self.backend,
                               f"unknown attention backend; choose one of {', '.join(ATTENTION_BACKENDS)}")

@@ -34,6 +34,7 @@ from attnpool.parallel.float8 import float8_all_gather_problem
 from attnpool.parallel.pipeline import pipeline_problem
 from attnpool.parallel.pooled_pipeline import POOLED, pooled_problem
 from attnpool.plan import KV_EXCHANGING, AttentionShape, head_chunks_problem, load_cost_model
+from attnpool.plan.cost import exchange_byte_seconds
 from attnpool.kinds import AttentionKind, plan_windows
 from attnpool.plan.plan import Topology
 from attnpool.plan.ulysses import ulysses_problem
@@ -98,6 +99,19 @@ class RunSpec:
     float8_all_gather = property(lambda self: self.config.model.float8_all_gather)
     pingpong = property(lambda self: self.config.attention.pingpong)
     head_chunks = property(lambda self: self.config.attention.head_chunks)
+
+    @property
+    def byte_seconds(self) -> float:
+        """cad's price of a byte of its exchanges in seconds of attention work (exchange_gibps; 0 where unset): the
+        layers whose checkpointing recomputes attention exchange their forward's bytes once more, and ping-pong or
+        head groups hide part of each exchange (plan.cost.exchange_byte_seconds)."""
+        gibps = self.config.attention.exchange_gibps
+        if gibps is None:
+            return 0.0
+        modes = self.activation_checkpointing
+        modes = [modes] if isinstance(modes, str) else list(modes)
+        recomputed = sum(mode == "full" for mode in modes) / len(modes)
+        return exchange_byte_seconds(gibps, recomputed, self.pingpong or self.head_chunks > 1)
     optimizer_offload = property(lambda self: self.config.memory.optimizer_offload)
 
     @property
@@ -195,6 +209,10 @@ def resolve_run_spec(config: TrainConfig, world: int, device: torch.device | Non
         if problem:
             raise ConfigError("attention", "ulysses", problem)
     cost_model = load_cost_model(config.attention.cost_model, backend=backend_name)
+    if config.attention.exchange_gibps is not None and getattr(cost_model, "unit", None) != "s":
+        raise ConfigError("exchange_gibps", config.attention.exchange_gibps,
+                          f"prices bytes in seconds of attention work, and cost_model {config.attention.cost_model} "
+                          f"counts {getattr(cost_model, 'unit', 'work')}: use a kernel table")
     if dims.tp > 1 and hasattr(cost_model, "scaled_to"):  # a server's cost is its heads' share of a task's
         cost_model = cost_model.scaled_to(shape.n_q_heads, shape.head_dim)
     kinds = check_layer_kinds(config, m, dims, backend_name, backend)

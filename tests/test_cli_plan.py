@@ -83,6 +83,9 @@ def test_plan_on_nodes_counts_the_bytes_between_them(capsys):
     (["--min-shard", "0"], "--min-shard=0"),  # (the flag, not the planner's min_shard_tokens)
     (["--max-doc-len", "0"], "--max-doc-len=0"),
     (["--plot", "/nonexistent-dir/loads.png"], "--plot"),
+    (["--exchange-gibps", "0"], "--exchange-gibps=0.0: must be a positive number of GiB/s"),
+    (["--exchange-gibps", "5", "--strategy", "local"], "--exchange-gibps=5.0: prices cad's moves"),
+    (["--exchange-gibps", "5", "--cost-model", "pairs"], "--exchange-gibps=5.0: prices bytes in seconds of work"),
 ])
 def test_bad_input_exits_2(args, needle):
     r = run_cli("plan", *args)

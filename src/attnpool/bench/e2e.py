@@ -136,6 +136,7 @@ def run_one(name, dist_name, tokens, args, out_dir, trace=False):
             stop_at=stop_at, warmup_steps=2, lr=1e-4, seed=0,
             attention=attention, layout=layout, pingpong=pingpong, **sparse, hierarchical_exchange=relays_kv(name, args),
             head_chunks=head_chunks(name, args), exchange_gibps=args.exchange_gibps if attention == "cad" else None,
+            inter_node_gibps=args.inter_node_gibps,
             activation_checkpointing=args.activation_checkpointing, activation_offload=args.activation_offload,
             precision="bf16", attention_backend=args.attention_backend,
             device=args.device, progress=False, checkpoint_every=-1,
@@ -307,8 +308,9 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
             raise ConfigError("--head-chunks", args.head_chunks,
                               f"{problem} ({args.model}'s {m.n_kv_heads} KV and {m.n_heads} query heads over --tp "
                               f"{args.tp})")
-    if args.exchange_gibps is not None and not (math.isfinite(args.exchange_gibps) and args.exchange_gibps > 0):
-        raise ConfigError("--exchange-gibps", args.exchange_gibps, "must be a positive number of GiB/s")
+    for flag, gibps in (("--exchange-gibps", args.exchange_gibps), ("--inter-node-gibps", args.inter_node_gibps)):
+        if gibps is not None and not (math.isfinite(gibps) and gibps > 0):
+            raise ConfigError(flag, gibps, "must be a positive number of GiB/s")
     if args.steps < 1 or args.warmup < 0 or args.layers < 1:
         raise ConfigError("--steps/--warmup/--layers", (args.steps, args.warmup, args.layers),
                           "need at least 1 measured step, 0 or more warm-up steps and 1 or more layers")
@@ -511,6 +513,8 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
                        + (" --hierarchical-exchange" if args.hierarchical_exchange else "")
                        + (f" --head-chunks {args.head_chunks}" if args.head_chunks != 1 else "")
                        + (f" --exchange-gibps {args.exchange_gibps:g}" if args.exchange_gibps is not None else "")
+                       + (f" --inter-node-gibps {args.inter_node_gibps:g}" if args.inter_node_gibps is not None
+                          else "")
                        + "".join(f" --{k} {getattr(args, k)}" for k in ("tp", "pp", "microbatches")
                                  if getattr(args, k) != 1)
                        + (f" --pp-schedule {args.pp_schedule}" if args.pp > 1 and args.pp_schedule != "1f1b" else "")}

@@ -85,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GiB/s per GPU of the link inside a node, for the cad strategies' planner (attnpool train's "
                         "exchange_gibps: each move's bytes weighed against the balance it buys); the others plan no "
                         "moves. Default: cad balances whatever the bytes")
+    p.add_argument("--inter-node-gibps", type=float, default=None,
+                   help="GiB/s per GPU between nodes, for the cad strategies' planner (attnpool train's "
+                        "inter_node_gibps: a byte between nodes priced at the links' ratio). Default: 50 GB/s")
     p.add_argument("--activation-offload", action="store_true",
                    help="keep the activations saved for backward in host memory (attnpool train's activation_offload)")
     p.add_argument("--memory-breakdown", action="store_true",

@@ -59,7 +59,7 @@ def add_parser(sub) -> None:
 
 # The planner's and the sampler's names for what this command's flags set: their refusals name the flag typed.
 FLAG_OF_FIELD = {"eps": "--eps", "elongate": "--elongate", "max_doc_len": "--max-doc-len",
-                 "min_shard_tokens": "--min-shard", "exchange_gibps": "--exchange-gibps", "byte_seconds": "--exchange-gibps"}
+                 "min_shard_tokens": "--min-shard", "exchange_gibps": "--exchange-gibps"}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,7 +99,16 @@ def _plan(args: argparse.Namespace) -> int:
         raise ConfigError("--plot", args.plot, "its directory does not exist")
     options = SamplingOptions(upsample=not args.no_upsample, elongate=args.elongate, max_doc_len=args.max_doc_len)
     cost_model = load_cost_model(args.cost_model)
-    byte_seconds = 0.0 if args.exchange_gibps is None else exchange_byte_seconds(args.exchange_gibps)
+    byte_seconds = 0.0
+    if args.exchange_gibps is not None:
+        if args.strategy not in ("cad", "all"):
+            raise ConfigError("--exchange-gibps", args.exchange_gibps, f"prices cad's moves; --strategy {args.strategy} "
+                                                                       "plans none")
+        if getattr(cost_model, "unit", None) != "s":
+            raise ConfigError("--exchange-gibps", args.exchange_gibps, f"prices bytes in seconds of work, and "
+                                                                       f"--cost-model {args.cost_model} counts "
+                                                                       f"{getattr(cost_model, 'unit', 'work')}")
+        byte_seconds = exchange_byte_seconds(args.exchange_gibps)
     # A server's cost and bytes are one GPU's: its share of the heads (the plan does not change with tp).
     shape = AttentionShape(shape.n_q_heads // args.tp, shape.n_kv_heads // args.tp, shape.head_dim, shape.dtype_bytes)
     if args.tp > 1 and hasattr(cost_model, "scaled_to"):

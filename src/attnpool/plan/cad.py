@@ -40,8 +40,8 @@ from attnpool.plan.documents import (PieceTable, key_start, prefix_pairs, prefix
                                      prefix_pairs_inverse1, window_pairs)
 from attnpool.plan.local import home_tasks
 from attnpool.plan.percp import schedule_percp
-from attnpool.plan.plan import (AttentionShape, Topology, canonical_tasks, inter_node_bytes, make_plan,
-                                server_exchange_bytes)
+from attnpool.plan.plan import (AttentionShape, Topology, canonical_tasks, exchange_directions, exchange_time_bytes,
+                                inter_node_bytes, make_plan, server_exchange_bytes)
 
 
 def _three(x: np.ndarray) -> np.ndarray:
@@ -118,10 +118,11 @@ def schedule_cad(table: PieceTable, cost_model, min_shard_tokens: int, eps: floa
     hence the flat-priced plan beside it.
 
     ``byte_seconds`` (plan.cost.exchange_byte_seconds; 0: off): what a byte of a server's exchange costs in units
-    of its work. Then every state is scored by its busiest server's work plus ``byte_seconds`` times the busiest
-    server's exchange bytes, and the least scored state is kept, balanced or not: on a slow link the moves that
-    balance the last few percent can cost more time than they save, and on two ranks a single cut's KV can
-    (bench/results/2026-11-30-sim-cad-byte-price.md)."""
+    of its work. Then plans are scored by their busiest server's work plus ``byte_seconds`` times the busiest
+    server's exchange bytes (plan.server_exchange_bytes: each all-to-all as long as the larger of what a server
+    sends and receives in it), and the least scored is kept, balanced or not (:func:`_schedule`): on a slow link
+    the moves that balance the last few percent can cost more time than they save, and on two ranks a single
+    cut's KV can (bench/results/2026-11-30-sim-cad-byte-price.md)."""
     tasks = _schedule(table, cost_model, min_shard_tokens, eps, shape, topology, byte_seconds)
     if topology is None or not topology.relays or topology.num_nodes == 1:
         return tasks
@@ -158,27 +159,32 @@ def _schedule(table: PieceTable, cost_model, min_shard_tokens: int, eps: float, 
     rank is balanced only by a permutation of shards (percp's head-tail pairs), which moves from
     busiest to idlest cannot reach.
 
-    With ``byte_seconds`` the plan kept is the least priced (:func:`_priced_load`) of the greedy's, ``local``'s
-    and, where the greedy's state is outside the tolerance, percp's and the greedy's from it: so ``cad``'s plan
-    is never priced above ``local``'s. (The greedy prices its states by its moves' bytes, an estimate; the plans
-    compared here by their exchanges' bytes.)
+    With ``byte_seconds`` the plan kept is the least priced (:func:`_priced_load`) of that plan, ``local``'s and
+    the state of least priced load the greedy from home passed through (its moves' bytes as the candidates price
+    them, an estimate; the three plans are priced by their exchanges' bytes): so ``cad``'s plan is never priced
+    above ``local``'s nor the balanced one's.
     """
     cost, cost1 = doc_costs(cost_model)
     home = home_tasks(table)
     window = getattr(cost_model, "window", None)  # the layer kind's sliding window (plan.cost)
-    tasks, max_load, balanced = _greedy(table, home, cost, cost1, isinstance(cost_model, PairsCost),
-                                        min_shard_tokens, eps, shape, topology, window, byte_seconds=byte_seconds)
+    tasks, _, balanced, priced = _greedy(table, home, cost, cost1, isinstance(cost_model, PairsCost),
+                                                min_shard_tokens, eps, shape, topology, window,
+                                                byte_seconds=byte_seconds)
     if table.num_ranks == 1:
         return tasks
-    if byte_seconds:
-        candidates = [tasks, home]
-        if not balanced:
-            percp = schedule_percp(table, min_shard_tokens)
-            candidates += [percp, _greedy(table, percp, cost, cost1, isinstance(cost_model, PairsCost), min_shard_tokens,
-                                          eps, shape, topology, window, byte_seconds=byte_seconds)[0]]
-        return min(candidates, key=functools.partial(_priced_load, table=table, cost=cost, shape=shape,
-                                                     topology=topology, byte_seconds=byte_seconds,
-                                                     min_shard_tokens=min_shard_tokens, window=window))
+    balanced_plan = _balanced(table, cost_model, cost, cost1, min_shard_tokens, eps, shape, topology, window, home,
+                              tasks, balanced)
+    if not byte_seconds:
+        return balanced_plan
+    return min((balanced_plan, priced, home), key=functools.partial(
+        _priced_load, table=table, cost=cost, shape=shape, topology=topology, byte_seconds=byte_seconds,
+        min_shard_tokens=min_shard_tokens, window=window))
+
+
+def _balanced(table: PieceTable, cost_model, cost, cost1, min_shard_tokens: int, eps: float, shape: AttentionShape,
+              topology: Topology | None, window: int | None, home, tasks, balanced: bool):
+    """:func:`_schedule`'s plan of the least busy busiest server, from the greedy from home's (``tasks``, and
+    whether it is ``balanced``)."""
     loads = functools.partial(_server_loads, cost=cost, num_ranks=table.num_ranks)
     busiest = lambda plan_tasks: float(loads(plan_tasks).max())  # noqa: E731
     # Balanced is not enough under the kernel table, where cuts change the total work: balanced around a
@@ -197,15 +203,15 @@ def _schedule(table: PieceTable, cost_model, min_shard_tokens: int, eps: float, 
     percp = schedule_percp(table, min_shard_tokens)
     if within and held.max() <= busiest(percp) * (1.0 + eps):
         return tasks
-    seeded, _, _ = _greedy(table, percp, cost, cost1, isinstance(cost_model, PairsCost), min_shard_tokens, eps, shape,
-                           topology, window, byte_seconds=byte_seconds)
+    seeded = _greedy(table, percp, cost, cost1, isinstance(cost_model, PairsCost), min_shard_tokens, eps, shape,
+                     topology, window)[0]
     candidates = [tasks, seeded, percp, home]
     if not balanced and not isinstance(cost_model, PairsCost):
         # Aimed at its own rate, a cut that fits its receiver can leave the donor above the tolerance (its kept part
         # costs more than the whole less the cut) where coarse shards then fit nowhere; the moves of whole tasks the
         # cut replaced may have balanced it: 7 of 800 random plans with 512-2048-token shards, and 20 the other way.
         candidates.append(_greedy(table, home, cost, cost1, False, min_shard_tokens, eps, shape, topology, window,
-                                  aim_cuts_at_own_rate=False, byte_seconds=byte_seconds)[0])
+                                  aim_cuts_at_own_rate=False)[0])
     # The least busiest server among the greedy results and the baselines themselves, costed as the plan
     # holds them (contiguous shards on one server merged, which under the table changes their cost, so a
     # greedy's best state can end above its start: a 1,280-token document over 5 ranks, 0.1%).
@@ -240,9 +246,9 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
     least loaded busiest server seen: where the minimum shard carries more work than the
     deficits, a move can overfill its receiver and later moves may not recover, so the last
     state can be worse than an earlier one (or than the start). Moves after the best state are
-    undone from a log. With ``byte_seconds`` the state kept is the one of least busiest load plus
-    ``byte_seconds`` times the busiest server's exchange bytes: the start's (plan.server_exchange_bytes) and
-    every move's as the candidates price them, added to its piece's rank and its receiver.
+    undone from a log. Fourth, with ``byte_seconds``, the tasks of the state of least busiest load plus
+    ``byte_seconds`` times the busiest server's exchange bytes (plan.exchange_time_bytes: the start's, and every
+    move's as the candidates price them, Q and KV out from its piece's rank to its receiver and O back); else None.
     """
     W = table.num_ranks
     doc0, a0, b0, piece0, server0 = (np.asarray(x, dtype=np.int64) for x in start_tasks)
@@ -250,11 +256,12 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
     items = _Items(doc0, a0, b0, piece0, server0, cost0)
     loads = np.bincount(server0, weights=cost0, minlength=W).astype(np.float64)
     if W == 1:
-        return items.tasks(), float(loads.max()), True
-    exchanged = np.zeros(W)  # per server: its exchanges' bytes (kept only where byte_seconds prices them)
+        return items.tasks(), float(loads.max()), True, items.tasks() if byte_seconds else None
+    # per server, its exchanges' bytes by direction: out sent, received, back sent, received (where priced)
+    directions = np.zeros((4, W))
     if byte_seconds:
-        exchanged = server_exchange_bytes(make_plan("cad", table, doc0, a0, b0, piece0, server0, min_shard_tokens,
-                                                    window=window), shape, topology)
+        directions = exchange_directions(make_plan("cad", table, doc0, a0, b0, piece0, server0, min_shard_tokens,
+                                                   window=window), shape, topology)
     by_server = np.argsort(server0, kind="stable")
     bounds = np.searchsorted(server0[by_server], np.arange(W + 1))
     movable = [by_server[bounds[r]:bounds[r + 1]].tolist() for r in range(W)]
@@ -303,7 +310,7 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
     stuck = np.zeros(W, dtype=bool)
     undo: list[tuple] = []  # per move: (item, server, a, b, cost, item count) before it
     best_load, best_moves = float(loads.max()), 0
-    best_score = best_load + byte_seconds * float(exchanged.max())
+    best_score, score_moves = best_load + byte_seconds * float(exchange_time_bytes(directions).max()), 0
     # Stop when the tolerance is met, or when W moves in a row have not lowered the
     # busiest server (the minimum shard makes a tighter balance unreachable, e.g. eps=0).
     best_max, stalled = np.inf, 0
@@ -398,6 +405,9 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
                 in_node = np.maximum(0, np.minimum(opt_b, node_end[n, g]) - np.maximum(first_key, node_start[n, g]))
                 inside = kv_bytes * np.maximum(0, in_node - overlap)
             nbytes = np.where(crossing, (nbytes - inside) * topology.inter_node_byte_cost + inside, nbytes)
+        back = float(shape.o_bytes) * (opt_b - opt_a)  # (O back, of nbytes)
+        if nodes is not None:
+            back = np.where(crossing, back * topology.inter_node_byte_cost, back)
         fits = valid & (after <= mean * (1.0 + tol))
         if fits.any():  # fewest bytes per unit of work
             best = int(np.argmin(np.where(fits, nbytes / np.where(fits, moved, 1.0), np.inf)))
@@ -420,8 +430,12 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
             ma, mb, mcost = _refine_cut(lambda x, y: cost1(x, y, g), kind, int(a[c]), int(b[c]), ma, mb, float(delta[c]),
                                         mean * (1.0 + tol) - loads[r], min_shard_tokens, mcost, window)
         undo.append((i, int(items.server[i]), int(items.a[i]), int(items.b[i]), float(items.cost[i]), items.n))
-        if byte_seconds:
-            exchanged[[int(table.rank[items.piece[i]]), r]] += float(nbytes[best])
+        if byte_seconds:  # Q and KV out from the piece's rank to the receiver, O back
+            sender = int(table.rank[items.piece[i]])
+            directions[0, sender] += nbytes[best] - back[best]
+            directions[1, r] += nbytes[best] - back[best]
+            directions[2, r] += back[best]
+            directions[3, sender] += back[best]
         if kind == WHOLE:
             items.server[i] = r
             movable[d].remove(i)
@@ -433,9 +447,12 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
             items.a[i], items.b[i], items.cost[i] = ka, kb, kept
             items.add(g, ma, mb, int(items.piece[i]), r, mcost)
         loads[r] += mcost
-        score = float(loads.max()) + byte_seconds * float(exchanged.max())
-        if score < best_score * (1.0 - 1e-12):
-            best_score, best_load, best_moves = score, float(loads.max()), len(undo)
+        if loads.max() < best_load * (1.0 - 1e-12):
+            best_load, best_moves = float(loads.max()), len(undo)
+        if byte_seconds:
+            score = float(loads.max()) + byte_seconds * float(exchange_time_bytes(directions).max())
+            if score < best_score * (1.0 - 1e-12):
+                best_score, score_moves = score, len(undo)
         if (r, g) not in kv_held:
             holders.setdefault(g, [] if (d, g) in kv_held else [d]).append(r)
             tracked[g] = True
@@ -443,10 +460,18 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
                 kv_held[(d, g)] = (0, 0) if kind == WHOLE else (key_start(int(items.a[i]), window), int(items.b[i]))
                 note_node(d, g)
         hold(r, g, ma, mb)
-    for i, server, ia, ib, icost, n in reversed(undo[best_moves:]):
-        items.server[i], items.a[i], items.b[i], items.cost[i], items.n = server, ia, ib, icost, n
+    def back_to(moves: int):  # undo the moves after the first ``moves``; a copy of the tasks then
+        while len(undo) > moves:
+            i, server, ia, ib, icost, n = undo.pop()
+            items.server[i], items.a[i], items.b[i], items.cost[i], items.n = server, ia, ib, icost, n
+        return tuple(x.copy() for x in items.tasks())
+
+    priced = back_to(score_moves) if byte_seconds and score_moves > best_moves else None
+    tasks = back_to(best_moves)
     best_mean = items.cost[: items.n].sum() / W
-    return items.tasks(), best_load, best_load <= best_mean * (1.0 + eps)
+    if byte_seconds and priced is None:
+        priced = back_to(score_moves)
+    return tasks, best_load, best_load <= best_mean * (1.0 + eps), priced
 
 
 def _refine_cut(cost1, kind, a, b, ma, mb, delta, room, min_shard, mcost, window=None):

@@ -108,8 +108,10 @@ def attention_flops(pairs, n_q_heads: int, head_dim: int, phase: str = "fwd+bwd"
 
 # The share of an exchange's time that ping-pong (or head groups) leaves on the step, the other nano-batch's compute
 # hiding the rest. A fit, not a derivation (hiding is a hinge: free up to the other nano-batch's compute, then whole):
-# by the simulator, 0.3 and 0.2 gain or hold in every cell of bench/results/2026-11-30-sim-cad-byte-price.md but 0.4%
-# on one, where 0.5 loses 1.5% on 2 GPUs at pretrain 256K and 0.1 gives up prolong 128K's 2.8%.
+# by the simulator on the 2-GPU cells of bench/results/2026-11-30-sim-cad-byte-price.md, 0.3 and 0.2 gain or hold in
+# every cell but one (0.4% slower), where 0.5 loses 1.5% at pretrain 256K and 0.1 gives up prolong 128K's 2.8%; at
+# 16-256 GPUs 0.2, 0.3 and 0.5 kept plans within 0.5% of each other (a server's bytes counted then as sent plus
+# received).
 OVERLAPPED_EXCHANGE_SHARE = 0.3
 
 

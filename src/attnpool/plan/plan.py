@@ -41,7 +41,17 @@ class AttentionShape:
 
 # A byte between nodes against one inside a node: NCCL's all-to-all at 260 GiB/s per rank over NVLink (2 x H200,
 # measured) against the 50 GB/s per GPU the DistCA paper assumes between nodes.
-INTER_NODE_BYTE_COST = 260 * 2**30 / 50e9
+NVLINK_GIBPS = 260.0
+INTER_NODE_BYTE_COST = NVLINK_GIBPS * 2**30 / 50e9
+
+
+def inter_node_byte_cost(intra_gibps: float | None = None, inter_gibps: float | None = None) -> float:
+    """What a byte between nodes costs against one inside a node: the links' ratio, GiB/s per GPU each (inside a node
+    NVLink's measured rate where not given), or :data:`INTER_NODE_BYTE_COST` where the link between nodes is not
+    given."""
+    if inter_gibps is None:
+        return INTER_NODE_BYTE_COST
+    return (intra_gibps or NVLINK_GIBPS) / inter_gibps
 
 
 @dataclass(frozen=True)
@@ -247,22 +257,36 @@ def inter_node_bytes(plan: "Plan", rank_node, shape: AttentionShape, relays: boo
     return float(plan.task_len[moved].sum() * (shape.q_bytes + shape.o_bytes) + x.length[crossing].sum() * shape.kv_bytes)
 
 
-def server_exchange_bytes(plan: "Plan", shape: AttentionShape, topology: Topology | None = None) -> np.ndarray:
-    """Per server: the bytes its forward exchanges send and receive (Q out and O back of every task served off its
-    home, the KV segments), a byte between nodes counted ``topology.inter_node_byte_cost`` times, as the cad planner
-    prices a move; under ``topology.relays`` a relayed segment is sent from its relay."""
+def exchange_directions(plan: "Plan", shape: AttentionShape, topology: Topology | None = None) -> np.ndarray:
+    """Per server (columns), the bytes of a plan's forward exchanges by direction (rows): Q and KV out (sent, received),
+    then O back (sent, received), as the cad planner prices them: a byte between nodes counted
+    ``topology.inter_node_byte_cost`` times; under ``topology.relays`` a relayed segment sent from its relay."""
     W = plan.num_ranks
     remote = plan.task_server != plan.task_home
-    qo = np.where(remote, plan.task_len, 0).astype(np.float64) * (shape.q_bytes + shape.o_bytes)
+    q = np.where(remote, plan.task_len, 0).astype(np.float64)
     x = plan.kv_transfers()
     nodes = None if topology is None or topology.num_nodes == 1 else np.asarray(topology.rank_node, dtype=np.int64)
     senders = x.senders(nodes if nodes is not None and topology.relays else None)
     kv = np.where(senders != x.server, x.length, 0).astype(np.float64) * shape.kv_bytes
     if nodes is not None:
-        qo = np.where(nodes[plan.task_home] != nodes[plan.task_server], qo * topology.inter_node_byte_cost, qo)
+        q = np.where(nodes[plan.task_home] != nodes[plan.task_server], q * topology.inter_node_byte_cost, q)
         kv = np.where(nodes[senders] != nodes[x.server], kv * topology.inter_node_byte_cost, kv)
-    return (np.bincount(plan.task_home, weights=qo, minlength=W) + np.bincount(plan.task_server, weights=qo, minlength=W)
-            + np.bincount(senders, weights=kv, minlength=W) + np.bincount(x.server, weights=kv, minlength=W))
+    by = lambda ranks, weights: np.bincount(ranks, weights=weights, minlength=W)  # noqa: E731
+    return np.stack([by(plan.task_home, q * shape.q_bytes) + by(senders, kv),
+                     by(plan.task_server, q * shape.q_bytes) + by(x.server, kv),
+                     by(plan.task_server, q * shape.o_bytes), by(plan.task_home, q * shape.o_bytes)])
+
+
+def server_exchange_bytes(plan: "Plan", shape: AttentionShape, topology: Topology | None = None) -> np.ndarray:
+    """Per server: the bytes of a plan's forward exchanges as they hold its link, each all-to-all as long as the larger
+    of what the server sends and receives in it (as attnpool.sim prices a collective): out, then back
+    (:func:`exchange_directions`)."""
+    return exchange_time_bytes(exchange_directions(plan, shape, topology))
+
+
+def exchange_time_bytes(directions: np.ndarray) -> np.ndarray:
+    """Per server, from :func:`exchange_directions`' rows: the larger of sent and received out, plus the same back."""
+    return np.maximum(directions[0], directions[1]) + np.maximum(directions[2], directions[3])
 
 
 def kv_transfers(plan: Plan) -> KVTransfers:

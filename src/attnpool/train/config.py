@@ -9,7 +9,7 @@ A run's settings are ten sections, each a frozen dataclass that checks its own v
                 head_chunks, exchange_gibps
     sparse      sparse, sparse_coverage, sparse_min_doc_len, dense_layers, sparse_args
     optim       steps, lr, min_lr_ratio, warmup_steps, weight_decay, beta1, beta2, grad_clip
-    parallel    tp, pp, pp_schedule, microbatches, ranks_per_node, hierarchical_exchange
+    parallel    tp, pp, pp_schedule, microbatches, ranks_per_node, hierarchical_exchange, inter_node_gibps
     memory      activation_checkpointing, activation_offload, optimizer_offload, memory_check, auto_headroom
     checkpoint  checkpoint_every, keep_checkpoints, resume, stop_at, allow_unverified, allow_config_change,
                 hf_export, hf_export_checkpoints

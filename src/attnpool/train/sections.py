@@ -295,12 +295,19 @@ class ParallelSection(Section):
                                                                     "ulysses; needs ranks on several nodes; not "
                                                                     "measured faster yet)",
                                            default=False)
+    inter_node_gibps: float | None = _setting(
+        "inter_node_gibps", "GiB/s per GPU between nodes: cad's planner prices a byte between nodes at the link inside "
+                            "a node (exchange_gibps, else NVLink's measured 260) over this (default: the DistCA "
+                            "paper's 50 GB/s)", default=None)
 
     def check(self) -> None:
         _at_least("tp", self.tp, 1)
         _at_least("pp", self.pp, 1)
         _at_least("microbatches", self.microbatches, 1)
         _at_least("ranks_per_node", self.ranks_per_node, 0)
+        if self.inter_node_gibps is not None and not (math.isfinite(self.inter_node_gibps)
+                                                      and self.inter_node_gibps > 0):
+            raise ConfigError("inter_node_gibps", self.inter_node_gibps, "must be a positive number of GiB/s")
 
 
 @dataclass(frozen=True)

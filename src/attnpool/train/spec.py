@@ -35,6 +35,7 @@ from attnpool.parallel.pipeline import pipeline_problem
 from attnpool.parallel.pooled_pipeline import POOLED, pooled_problem
 from attnpool.plan import KV_EXCHANGING, AttentionShape, head_chunks_problem, load_cost_model
 from attnpool.plan.cost import exchange_byte_seconds
+from attnpool.plan.plan import inter_node_byte_cost
 from attnpool.kinds import AttentionKind, plan_windows
 from attnpool.plan.plan import Topology
 from attnpool.plan.ulysses import ulysses_problem
@@ -110,7 +111,8 @@ class RunSpec:
             return 0.0
         modes = self.activation_checkpointing
         modes = [modes] if isinstance(modes, str) else list(modes)
-        recomputed = sum(mode == "full" for mode in modes) / len(modes)
+        # (auto not yet resolved, as the memory check samples plans: priced as full, what it picks at long context)
+        recomputed = sum(mode in ("full", "auto") for mode in modes) / len(modes)
         return exchange_byte_seconds(gibps, recomputed, self.pingpong or self.head_chunks > 1)
     optimizer_offload = property(lambda self: self.config.memory.optimizer_offload)
 
@@ -276,6 +278,7 @@ def attention_topology(config: TrainConfig, dims: ParallelDims, world: int) -> T
         raise ConfigError("ranks_per_node", per_node, f"must divide the {world} ranks, and be a multiple of "
                                                       f"tp={dims.tp} (a tp group stays inside a node)")
     topology = Topology(tuple(i * dims.tp // per_node for i in range(dims.dp)),
+                        inter_node_byte_cost(config.attention.exchange_gibps, config.parallel.inter_node_gibps),
                         relays=config.parallel.hierarchical_exchange)
     if config.parallel.hierarchical_exchange:
         if config.attention.strategy not in KV_EXCHANGING:

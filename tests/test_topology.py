@@ -486,8 +486,8 @@ def _train_priced_and_not(rank, world, out):
 
     runs = {}
     for name, gibps in (("balanced", None), ("priced", 1e-4)):
-        config = tiny_config(Path(out) / name, attention="cad", cost_model="table", min_shard=None, steps=3,
-                             tokens_per_rank=2048, pingpong=True, exchange_gibps=gibps)
+        config = tiny_config(Path(out) / name, attention="cad", cost_model="table", min_shard=None, steps=2,
+                             tokens_per_rank=1024, pingpong=True, exchange_gibps=gibps)
         result = train(config)
         runs[name] = ([row["loss"] for row in result.rows], [row["imbalance_after"] for row in result.rows],
                       [row["imbalance_before"] for row in result.rows], result.summary)

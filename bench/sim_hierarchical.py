@@ -68,7 +68,8 @@ def main() -> int:
                      "best_baseline": best, "best_baseline_step_s": best_s,
                      "cad_vs_best": best_s / flat["step_s"], "cad_hierarchical_vs_best": best_s / hier["step_s"]})
     command = "PYTHONPATH=src python3 bench/sim_hierarchical.py " + " ".join(sys.argv[1:])
-    lines = ["# The hierarchical exchange by the simulator: cad with KV crossing into a node once (issue 43)", "",
+    lines = ["# The hierarchical exchange by the simulator: cad with KV crossing into a node once (issue 43)"
+             + (", cad's bytes priced" if args.price_bytes else ""), "",
              f"Command: `{command}`. Llama-3-8B, all 32 layers, {args.tokens_per_gpu} tokens per GPU, documents up to "
              f"{args.max_doc_len}, the DistCA paper's batches ({args.batches} per cell), 8 GPUs a node; an attention "
              "server is a TP group, so 8 / tp of them share a node"

@@ -70,6 +70,7 @@ def test_bench_runs_every_strategy_and_writes_results(capsys):
     assert meta["complete"] and " --head-chunks 2" in meta["command"] and " --exchange-gibps 1e+06" in meta["command"]
     # --exchange-gibps: the cad strategies' planner prices its bytes (so fast a link that it plans as without)
     assert [rec["exchange_gibps"] for rec in records] == [None, None] + [1e6] * 3 + [None] + [1e6] * 3
+    assert all(rec["inter_node_gibps"] is None for rec in records)
     assert "Partial" not in (tmp_path / "e2e.md").read_text()
     _partial_results_are_written_quietly(tmp_path, records, capsys)
     for rec in records:  # keep_attention recomputes the linear parts: a longer ideal, never a shorter one
@@ -268,7 +269,8 @@ def summary_inputs():
     args = argparse.Namespace(warmup=1, tp=1, pp=1, microbatches=1, activation_checkpointing="keep_attention",
                               hierarchical_exchange=False)
     as_run = {"layer_checkpointing": ("keep_attention",), "activation_offload": False, "pp_schedule": None,
-              "pp_schedule_choice": None, "head_chunks": 1, "exchange_gibps": None}
+              "pp_schedule_choice": None, "head_chunks": 1, "exchange_gibps": None,
+              "inter_node_gibps": None}
     return args, model_config("tiny", n_layers=1), as_run
 
 

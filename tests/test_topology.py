@@ -441,6 +441,11 @@ def test_exchange_gibps_is_a_cad_setting_priced_as_the_run_checkpoints_and_overl
                             "cpu").topology.inter_node_byte_cost == 10.0
     assert resolve_run_spec(TrainConfig(**nodes, inter_node_gibps=5.0), 4, None,
                             "cpu").topology.inter_node_byte_cost == NVLINK_GIBPS / 5.0
+    assert resolve_run_spec(TrainConfig(**nodes, exchange_gibps=93.0), 4, None,
+                            "cpu").topology.inter_node_byte_cost == pytest.approx(93.0 * 2**30 / 50e9)
+    # activation_checkpointing auto, before it is resolved (the memory check's sampled plans): priced as full
+    spec = resolve_run_spec(TrainConfig(**base, exchange_gibps=5.0, activation_checkpointing="auto"), 2, None, "cpu")
+    assert spec.byte_seconds == exchange_byte_seconds(5.0, recomputed_share=1.0)
     with pytest.raises(ConfigError, match="inter_node_gibps=-1.0: must be a positive number"):
         TrainConfig(**nodes, inter_node_gibps=-1.0)
     spec = resolve_run_spec(TrainConfig(**base, exchange_gibps=5.0, pingpong=True, activation_checkpointing="full"),

@@ -176,7 +176,8 @@ def _with_prediction(result, config: TrainConfig) -> tuple[list, int | None, dic
     return (result.rows, max((p for p in predicted if p is not None), default=None),
             {"layer_checkpointing": result.layer_checkpointing, "activation_offload": result.activation_offload,
              "pp_schedule": result.pp_schedule, "pp_schedule_choice": result.pp_schedule_choice,
-             "head_chunks": config.attention.head_chunks, "exchange_gibps": config.attention.exchange_gibps})
+             "head_chunks": config.attention.head_chunks, "exchange_gibps": config.attention.exchange_gibps,
+             "inter_node_gibps": config.parallel.inter_node_gibps})
 
 
 def sparse_options(text: str) -> dict:
@@ -224,6 +225,7 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg, as_run: dict):
         "strategy": name, "dist": dist_name, "tokens_per_gpu": tokens, "gpus": world, "tp": args.tp, "pp": args.pp,
         "microbatches": args.microbatches, "hierarchical_exchange": relays_kv(name, args),
         "head_chunks": as_run["head_chunks"], "exchange_gibps": as_run["exchange_gibps"],
+        "inter_node_gibps": as_run["inter_node_gibps"],
         "pp_schedule": as_run["pp_schedule"],
         "pp_schedule_choice": as_run["pp_schedule_choice"],
         "step_time_s": step, "step_times_s": [r["step_time_s"] for r in measured],

@@ -87,7 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "moves. Default: cad balances whatever the bytes")
     p.add_argument("--inter-node-gibps", type=float, default=None,
                    help="GiB/s per GPU between nodes, for the cad strategies' planner (attnpool train's "
-                        "inter_node_gibps: a byte between nodes priced at the links' ratio). Default: 50 GB/s")
+                        "inter_node_gibps: a byte between nodes priced at the links' ratio). Default: the DistCA "
+                        "paper's 50 GB/s")
     p.add_argument("--activation-offload", action="store_true",
                    help="keep the activations saved for backward in host memory (attnpool train's activation_offload)")
     p.add_argument("--memory-breakdown", action="store_true",

@@ -167,9 +167,8 @@ def _schedule(table: PieceTable, cost_model, min_shard_tokens: int, eps: float, 
     cost, cost1 = doc_costs(cost_model)
     home = home_tasks(table)
     window = getattr(cost_model, "window", None)  # the layer kind's sliding window (plan.cost)
-    tasks, _, balanced, priced = _greedy(table, home, cost, cost1, isinstance(cost_model, PairsCost),
-                                                min_shard_tokens, eps, shape, topology, window,
-                                                byte_seconds=byte_seconds)
+    tasks, _, balanced, priced = _greedy(table, home, cost, cost1, isinstance(cost_model, PairsCost), min_shard_tokens,
+                                         eps, shape, topology, window, byte_seconds=byte_seconds)
     if table.num_ranks == 1:
         return tasks
     balanced_plan = _balanced(table, cost_model, cost, cost1, min_shard_tokens, eps, shape, topology, window, home,
@@ -460,12 +459,15 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
                 kv_held[(d, g)] = (0, 0) if kind == WHOLE else (key_start(int(items.a[i]), window), int(items.b[i]))
                 note_node(d, g)
         hold(r, g, ma, mb)
+
     def back_to(moves: int):  # undo the moves after the first ``moves``; a copy of the tasks then
         while len(undo) > moves:
             i, server, ia, ib, icost, n = undo.pop()
             items.server[i], items.a[i], items.b[i], items.cost[i], items.n = server, ia, ib, icost, n
         return tuple(x.copy() for x in items.tasks())
 
+    # (past the least loaded state the load never falls again while the bytes only grow, so the priced state comes
+    # no later than it; taken in either order all the same)
     priced = back_to(score_moves) if byte_seconds and score_moves > best_moves else None
     tasks = back_to(best_moves)
     best_mean = items.cost[: items.n].sum() / W

@@ -42,16 +42,17 @@ class AttentionShape:
 # A byte between nodes against one inside a node: NCCL's all-to-all at 260 GiB/s per rank over NVLink (2 x H200,
 # measured) against the 50 GB/s per GPU the DistCA paper assumes between nodes.
 NVLINK_GIBPS = 260.0
+PAPER_INTER_NODE_GIBPS = 50e9 / 2**30
 INTER_NODE_BYTE_COST = NVLINK_GIBPS * 2**30 / 50e9
 
 
 def inter_node_byte_cost(intra_gibps: float | None = None, inter_gibps: float | None = None) -> float:
-    """What a byte between nodes costs against one inside a node: the links' ratio, GiB/s per GPU each (inside a node
-    NVLink's measured rate where not given), or :data:`INTER_NODE_BYTE_COST` where the link between nodes is not
-    given."""
-    if inter_gibps is None:
+    """What a byte between nodes costs against one inside a node: the links' ratio, GiB/s per GPU each, NVLink's
+    measured rate inside a node and the DistCA paper's 50 GB/s between nodes where not given
+    (:data:`INTER_NODE_BYTE_COST` where neither is)."""
+    if intra_gibps is None and inter_gibps is None:
         return INTER_NODE_BYTE_COST
-    return (intra_gibps or NVLINK_GIBPS) / inter_gibps
+    return (intra_gibps or NVLINK_GIBPS) / (inter_gibps or PAPER_INTER_NODE_GIBPS)
 
 
 @dataclass(frozen=True)

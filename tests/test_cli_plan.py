@@ -85,7 +85,7 @@ def test_plan_on_nodes_counts_the_bytes_between_them(capsys):
     (["--plot", "/nonexistent-dir/loads.png"], "--plot"),
     (["--exchange-gibps", "0"], "--exchange-gibps=0.0: must be a positive number of GiB/s"),
     (["--exchange-gibps", "5", "--strategy", "local"], "--exchange-gibps=5.0: prices cad's moves"),
-    (["--exchange-gibps", "5", "--cost-model", "pairs"], "--exchange-gibps=5.0: prices bytes in seconds of work"),
+    (["--exchange-gibps", "5", "--cost-model", "pairs"], "--exchange-gibps=5.0: prices bytes in seconds of attention work"),
 ])
 def test_bad_input_exits_2(args, needle):
     r = run_cli("plan", *args)

@@ -29,7 +29,6 @@ import functools
 import gc
 import gzip
 import json
-import math
 import os
 import shutil
 import statistics
@@ -49,6 +48,7 @@ from attnpool.errors import ConfigError, TrainingError
 from attnpool.kernels.sparse import device_problem as sparse_device_problem
 from attnpool.model import model_config
 from attnpool.plan import KV_EXCHANGING, head_chunks_problem
+from attnpool.plan.cost import gibps_problem
 from attnpool.plan.ulysses import ulysses_problem
 from attnpool.sizes import parse_size
 from attnpool.train.config import TrainConfig
@@ -311,8 +311,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
                               f"{problem} ({args.model}'s {m.n_kv_heads} KV and {m.n_heads} query heads over --tp "
                               f"{args.tp})")
     for flag, gibps in (("--exchange-gibps", args.exchange_gibps), ("--inter-node-gibps", args.inter_node_gibps)):
-        if gibps is not None and not (math.isfinite(gibps) and gibps > 0):
-            raise ConfigError(flag, gibps, "must be a positive number of GiB/s")
+        if gibps is not None and gibps_problem(gibps):
+            raise ConfigError(flag, gibps, gibps_problem(gibps))
     if args.steps < 1 or args.warmup < 0 or args.layers < 1:
         raise ConfigError("--steps/--warmup/--layers", (args.steps, args.warmup, args.layers),
                           "need at least 1 measured step, 0 or more warm-up steps and 1 or more layers")

@@ -12,7 +12,7 @@ from attnpool.cli.common import parse_size
 from attnpool.data.lengths import DISTRIBUTIONS, SamplingOptions, sample_batches
 from attnpool.errors import ConfigError
 from attnpool.plan import LAYOUTS, STRATEGIES, AttentionShape, layout_table, linear_table, load_cost_model, plan_attention
-from attnpool.plan.cost import exchange_byte_seconds
+from attnpool.plan.cost import byte_price_problem, exchange_byte_seconds
 from attnpool.plan.plan import Topology, inter_node_bytes
 from attnpool.plan.ulysses import ulysses_problem
 from attnpool.plan.metrics import PlanMetrics, home_loads, imbalance
@@ -104,10 +104,8 @@ def _plan(args: argparse.Namespace) -> int:
         if args.strategy not in ("cad", "all"):
             raise ConfigError("--exchange-gibps", args.exchange_gibps, f"prices cad's moves; --strategy {args.strategy} "
                                                                        "plans none")
-        if getattr(cost_model, "unit", None) != "s":
-            raise ConfigError("--exchange-gibps", args.exchange_gibps, f"prices bytes in seconds of work, and "
-                                                                       f"--cost-model {args.cost_model} counts "
-                                                                       f"{getattr(cost_model, 'unit', 'work')}")
+        if byte_price_problem(cost_model):
+            raise ConfigError("--exchange-gibps", args.exchange_gibps, byte_price_problem(cost_model))
         byte_seconds = exchange_byte_seconds(args.exchange_gibps)
     # A server's cost and bytes are one GPU's: its share of the heads (the plan does not change with tp).
     shape = AttentionShape(shape.n_q_heads // args.tp, shape.n_kv_heads // args.tp, shape.head_dim, shape.dtype_bytes)
@@ -126,8 +124,7 @@ def _plan(args: argparse.Namespace) -> int:
         table = layout_table(args.layout, doc_lens, args.servers, args.tokens_per_server, strategy, args.memory_cap,
                              linear)
         plan = plan_attention(table, strategy, cost_model=cost_model, min_shard_tokens=args.min_shard, eps=args.eps,
-                              shape=shape, window=args.window, topology=topology,
-                              byte_seconds=byte_seconds if strategy == "cad" else 0.0)
+                              shape=shape, window=args.window, topology=topology, byte_seconds=byte_seconds)
         metrics = PlanMetrics.of(plan, cost_model, shape,
                                  topology.rank_node if topology is not None and topology.relays else None)
         if topology is not None:  # (ulysses sends every token's Q, KV and O across all ranks, not as tasks)

@@ -10,7 +10,7 @@ import numpy as np
 
 from attnpool.errors import ConfigError
 from attnpool.plan.cad import schedule_cad
-from attnpool.plan.cost import default_min_shard_tokens, load_cost_model
+from attnpool.plan.cost import byte_price_problem, default_min_shard_tokens, load_cost_model
 from attnpool.plan.documents import DocPiece, PieceTable
 from attnpool.plan.local import schedule_local
 from attnpool.plan.percp import schedule_percp
@@ -96,10 +96,8 @@ def plan_attention(pieces_per_rank: Sequence[Sequence[DocPiece]] | PieceTable, s
         raise ConfigError("min_shard_tokens", min_shard_tokens, "must be >= 1")
     if not (math.isfinite(byte_seconds) and byte_seconds >= 0.0):
         raise ConfigError("byte_seconds", byte_seconds, "must be a finite number >= 0")
-    if byte_seconds and getattr(model, "unit", None) != "s":
-        raise ConfigError("byte_seconds", byte_seconds, f"prices bytes in seconds of work; the cost model "
-                                                        f"{getattr(model, 'name', type(model).__name__)} counts "
-                                                        f"{getattr(model, 'unit', 'work')} (use a kernel table)")
+    if byte_seconds and byte_price_problem(model):
+        raise ConfigError("byte_seconds", byte_seconds, byte_price_problem(model))
     if topology is not None and len(topology.rank_node) != table.num_ranks:
         raise ConfigError("topology", f"{len(topology.rank_node)} ranks", f"the layout has {table.num_ranks}")
     if strategy == "ulysses":

@@ -115,6 +115,19 @@ def attention_flops(pairs, n_q_heads: int, head_dim: int, phase: str = "fwd+bwd"
 OVERLAPPED_EXCHANGE_SHARE = 0.3
 
 
+def gibps_problem(gibps) -> str | None:
+    """Why ``gibps`` is not a link's rate (GiB/s per GPU), or None."""
+    return None if math.isfinite(gibps) and gibps > 0 else "must be a positive number of GiB/s"
+
+
+def byte_price_problem(cost_model) -> str | None:
+    """Why bytes cannot be priced against ``cost_model``'s work (it must count seconds), or None."""
+    unit = getattr(cost_model, "unit", None)
+    return None if unit == "s" else (f"prices bytes in seconds of attention work, and the cost model "
+                                     f"{getattr(cost_model, 'name', type(cost_model).__name__)} counts "
+                                     f"{unit or 'work'}: use a kernel table")
+
+
 def exchange_byte_seconds(gibps: float, recomputed_share: float = 0.0, overlapped: bool = False) -> float:
     """What one byte of a server's forward exchange costs the step, in seconds of its fwd+bwd attention work, on a
     link of ``gibps`` GiB/s per GPU: cad's price of bytes against balance (plan.cad, ``byte_seconds``).
@@ -123,8 +136,8 @@ def exchange_byte_seconds(gibps: float, recomputed_share: float = 0.0, overlappe
     runs again in the backward (``recomputed_share`` of the layers: full activation checkpointing) exchanges its
     forward's once more, while its attention work grows by a forward's share (:data:`BWD_TO_FWD_FLOPS`).
     ``overlapped``: ping-pong or head groups hide part of every exchange (:data:`OVERLAPPED_EXCHANGE_SHARE`)."""
-    if not (math.isfinite(gibps) and gibps > 0):
-        raise ConfigError("exchange_gibps", gibps, "must be a positive number of GiB/s")
+    if gibps_problem(gibps):
+        raise ConfigError("exchange_gibps", gibps, gibps_problem(gibps))
     if not 0.0 <= recomputed_share <= 1.0:
         raise ConfigError("recomputed_share", recomputed_share, "must be in [0, 1]")
     exchanges = 2.0 + recomputed_share

@@ -61,8 +61,7 @@ def plan_batch(batch: GlobalBatch, spec: RunSpec, sparse_prior: SparsePrior | No
         plans[window] = same or plan_attention(table, strategy or a.strategy, cost_model=cost_model,
                                                min_shard_tokens=a.min_shard, eps=a.eps, shape=spec.attention_shape,
                                                topology=spec.topology, window=planned_window,
-                                               byte_seconds=spec.byte_seconds if (strategy or a.strategy) == "cad"
-                                               else 0.0)
+                                               byte_seconds=spec.byte_seconds)
     # "before" is always plain packing served at home; the loads are the layers' mean over their kinds
     weights = layer_shares(spec)
     local = sum(w * home_loads(linear, cost_model, plans[window].window) for window, w in weights.items())

@@ -14,6 +14,7 @@ from attnpool.model.loss_kernels import LOSS_KERNELS
 from attnpool.model.hf_config import OWN_MODEL_TYPES
 from attnpool.model.spec import HF_PREFIX, MODEL_IMPLS
 from attnpool.plan import LAYOUTS, STRATEGIES
+from attnpool.plan.cost import gibps_problem
 from attnpool.sizes import parse_size
 from attnpool.sparse import SparseConfig
 
@@ -192,8 +193,8 @@ class AttentionSection(Section):
         if not (math.isfinite(self.memory_cap) and self.memory_cap >= 1.0):
             raise ConfigError("memory_cap", self.memory_cap, "must be a finite number >= 1.0")
         _at_least("head_chunks", self.head_chunks, 1)
-        if self.exchange_gibps is not None and not (math.isfinite(self.exchange_gibps) and self.exchange_gibps > 0):
-            raise ConfigError("exchange_gibps", self.exchange_gibps, "must be a positive number of GiB/s")
+        if self.exchange_gibps is not None and gibps_problem(self.exchange_gibps):
+            raise ConfigError("exchange_gibps", self.exchange_gibps, gibps_problem(self.exchange_gibps))
         if self.exchange_gibps is not None and self.strategy != "cad":
             raise ConfigError("exchange_gibps", self.exchange_gibps, f"prices cad's moves; attention {self.strategy} "
                                                                      "plans no moves to price")
@@ -305,9 +306,8 @@ class ParallelSection(Section):
         _at_least("pp", self.pp, 1)
         _at_least("microbatches", self.microbatches, 1)
         _at_least("ranks_per_node", self.ranks_per_node, 0)
-        if self.inter_node_gibps is not None and not (math.isfinite(self.inter_node_gibps)
-                                                      and self.inter_node_gibps > 0):
-            raise ConfigError("inter_node_gibps", self.inter_node_gibps, "must be a positive number of GiB/s")
+        if self.inter_node_gibps is not None and gibps_problem(self.inter_node_gibps):
+            raise ConfigError("inter_node_gibps", self.inter_node_gibps, gibps_problem(self.inter_node_gibps))
 
 
 @dataclass(frozen=True)

@@ -34,10 +34,9 @@ from attnpool.parallel.float8 import float8_all_gather_problem
 from attnpool.parallel.pipeline import pipeline_problem
 from attnpool.parallel.pooled_pipeline import POOLED, pooled_problem
 from attnpool.plan import KV_EXCHANGING, AttentionShape, head_chunks_problem, load_cost_model
-from attnpool.plan.cost import exchange_byte_seconds
-from attnpool.plan.plan import inter_node_byte_cost
+from attnpool.plan.cost import byte_price_problem, exchange_byte_seconds
 from attnpool.kinds import AttentionKind, plan_windows
-from attnpool.plan.plan import Topology
+from attnpool.plan.plan import Topology, inter_node_byte_cost
 from attnpool.plan.ulysses import ulysses_problem
 from attnpool.sparse import SparseConfig
 from attnpool.sparse.cost import SparsePrior
@@ -211,10 +210,8 @@ def resolve_run_spec(config: TrainConfig, world: int, device: torch.device | Non
         if problem:
             raise ConfigError("attention", "ulysses", problem)
     cost_model = load_cost_model(config.attention.cost_model, backend=backend_name)
-    if config.attention.exchange_gibps is not None and getattr(cost_model, "unit", None) != "s":
-        raise ConfigError("exchange_gibps", config.attention.exchange_gibps,
-                          f"prices bytes in seconds of attention work, and cost_model {config.attention.cost_model} "
-                          f"counts {getattr(cost_model, 'unit', 'work')}: use a kernel table")
+    if config.attention.exchange_gibps is not None and byte_price_problem(cost_model):
+        raise ConfigError("exchange_gibps", config.attention.exchange_gibps, byte_price_problem(cost_model))
     if dims.tp > 1 and hasattr(cost_model, "scaled_to"):  # a server's cost is its heads' share of a task's
         cost_model = cost_model.scaled_to(shape.n_q_heads, shape.head_dim)
     kinds = check_layer_kinds(config, m, dims, backend_name, backend)

@@ -111,8 +111,9 @@ def main() -> int:
               "the faster of flat and hierarchical `cad` over the best baseline moves from "
               f"{min(r['best_vs_baseline'] for r in grid):.3f}x to {min(r['best_vs_baseline_priced'] for r in grid):.3f}x "
               "in the worst cell.",
-              "- Predictions only: no GPU run has planned with `exchange_gibps` yet. The price of a byte under ping-pong "
-              "(`plan.cost.OVERLAPPED_EXCHANGE_SHARE`) is a fit to these cells."]
+              "- Predictions. The price of a byte under ping-pong (`plan.cost.OVERLAPPED_EXCHANGE_SHARE`) is a fit to "
+              "these cells; GPU runs planned with `exchange_gibps` are runs 50-55 of "
+              "`2026-11-29-h200x2-full-depth-baselines.md`."]
     stem = write_record(args.out, args.name, {"command": command, "two_gpus": two, "grid": grid}, lines)
     print("\n".join(lines))
     print(f"wrote {stem}.json and .md")

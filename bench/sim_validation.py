@@ -92,8 +92,12 @@ def run_settings(meta: dict, records: list[dict]) -> dict:
     chunks = {r.get("head_chunks", 1) for r in records} - {1}
     if len(chunks) > 1:
         raise SystemExit(f"runs with different head_chunks {sorted(chunks)}: compare them apart")
+    # the rate cad's planner priced its bytes at (exchange_gibps; only cad reads it), one for the runs compared
+    rates = {r.get("exchange_gibps") for r in records if r["strategy"].startswith("cad")}
+    if len(rates) > 1:
+        raise SystemExit(f"cad runs planned with different exchange_gibps {sorted(rates, key=str)}: compare them apart")
     return {"layers": int(layers), "gpus_per_node": int(meta.get("ranks_per_node") or 0), "tp": tps.pop(),
-            "head_chunks": chunks.pop() if chunks else 1,
+            "head_chunks": chunks.pop() if chunks else 1, "exchange_gibps": rates.pop() if rates else None,
             "recompute": modes.pop() if modes else "linear", "attention_backend": meta.get("attention_backend"),
             "hierarchical": bool(meta.get("hierarchical_exchange")) or any(r.get("hierarchical_exchange")
                                                                            for r in records),
@@ -140,15 +144,16 @@ def sim_costs(layers: int, args, backend: str | None):
 
 def simulate_bench(dist: str, tokens: int, world: int, tp: int, per_node: int, layers: int, recompute: str,
                    hierarchical: bool, batches, costs, head_chunks: int = 1,
-                   price_bytes: bool = False) -> tuple[dict, dict]:
-    """The simulator on a benchmark's batches: (its strategies' results, simulator name -> benchmark strategy)."""
+                   price_bytes: bool = False, price_gibps: float | None = None) -> tuple[dict, dict]:
+    """The simulator on a benchmark's batches: (its strategies' results, simulator name -> benchmark strategy);
+    with ``price_bytes`` cad prices its bytes at ``price_gibps`` (default: the simulated link's rate)."""
     servers = world // tp
     # cad plans as attnpool train does, at its fixed price of a byte between nodes, whatever the links simulated
     config = SimConfig(model="llama3-8b", layers=layers, gpus=world, tp=tp, gpus_per_node=per_node,
                        tokens_per_gpu=tokens, dist=dist, strategies=("local", "wlb", "percp", "ulysses", "cad"),
                        cp_degrees=(servers,), batches=len(batches), recompute=recompute, hierarchical=hierarchical,
                        inter_node_byte_cost=INTER_NODE_BYTE_COST, percp_plan=True, balanced=True,
-                       head_chunks=head_chunks, price_bytes=price_bytes)
+                       head_chunks=head_chunks, price_bytes=price_bytes, price_gibps=price_gibps)
     # percp as the benchmark runs it: attnpool's percp plan (the simulator's analytic percp-cpN gathers whole
     # documents' KV instead, a layout the benchmark does not run)
     pairs = {**PAIRS, **(HIERARCHICAL_PAIRS if hierarchical else {}), f"ulysses-u{servers}": "ulysses",
@@ -244,7 +249,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.predict:
         return predict(args)
-    if args.price_bytes:  # (the runs compared planned cad as they did: unpriced, or as their records say)
+    if args.price_bytes:  # (the runs compared planned cad as they did: unpriced, or at their records' exchange_gibps)
         raise SystemExit("--price-bytes predicts (--predict); a comparison plans as its runs did")
     data = json.load(open(args.measured))
     if args.run is not None:
@@ -267,7 +272,8 @@ def main() -> int:
         batches = bench_batches(dist, tokens, world, *steps.pop(), tp=setting["tp"])
         sim, pairs = simulate_bench(dist, tokens, world, setting["tp"], per_node, setting["layers"],
                                     setting["recompute"], setting["hierarchical"], batches, costs,
-                                    setting["head_chunks"])
+                                    setting["head_chunks"], setting["exchange_gibps"] is not None,
+                                    setting["exchange_gibps"])
         if setting["hierarchical"]:  # (only cad's relayed rows: the simulator models the others' exchanges flat)
             pairs = HIERARCHICAL_PAIRS
         for sim_name, bench_name in pairs.items():
@@ -292,6 +298,8 @@ def main() -> int:
              + (", cad with the hierarchical exchange" if setting["hierarchical"] else "")
              + (f", core attention in {setting['head_chunks']} groups of heads for local, wlb, percp and cad as run"
                 if setting["head_chunks"] > 1 else "")
+             + (f", cad's planner pricing its bytes at {setting['exchange_gibps']:g} GiB/s as the runs' exchange_gibps"
+                if setting["exchange_gibps"] is not None else "")
              + f", recompute {setting['recompute']} as the runs' checkpointing"
              + (offload_as_hidden(setting["activation_offload"]) if setting["activation_offload"] else "")
              + ". Command: `python bench/sim_validation.py "

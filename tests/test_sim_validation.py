@@ -42,7 +42,8 @@ def test_what_a_record_says_of_its_runs(validation):
     records = [{"strategy": "cad", "tp": 1, "layer_checkpointing": "all 32 layers full"}]
     assert validation.run_settings(meta, records) == {"layers": 32, "gpus_per_node": 2, "tp": 1, "recompute": "full",
                                                       "attention_backend": "fa4", "hierarchical": True,
-                                                      "activation_offload": [], "head_chunks": 1}
+                                                      "activation_offload": [], "head_chunks": 1,
+                                                      "exchange_gibps": None}
     # activation offload: compared with its copies taken as hidden, and marked so
     offloaded = [{**records[0], "layer_checkpointing": "all 32 layers full, with activation offload"}]
     assert validation.run_settings(meta, offloaded)["activation_offload"] == ["cad"]
@@ -59,6 +60,11 @@ def test_what_a_record_says_of_its_runs(validation):
     assert validation.run_settings(meta, records)["head_chunks"] == 1
     with pytest.raises(SystemExit, match="different head_chunks"):
         validation.run_settings(meta, [{**records[0], "head_chunks": 2}, {**records[0], "head_chunks": 4}])
+    # the rate cad's planner priced its bytes at (exchange_gibps), which only cad reads: one per comparison
+    priced = [{**records[0], "exchange_gibps": 5.5}, {**records[0], "strategy": "local", "exchange_gibps": None}]
+    assert validation.run_settings(meta, priced)["exchange_gibps"] == 5.5
+    with pytest.raises(SystemExit, match="different exchange_gibps"):
+        validation.run_settings(meta, [priced[0], {**records[0], "strategy": "cad+pingpong", "exchange_gibps": None}])
     # what the comparison does not simulate is refused, not simulated as something else
     for changed, what in (({"pp": 2}, "pipeline stages"),):
         with pytest.raises(SystemExit, match=what):
@@ -94,3 +100,20 @@ def test_a_run_kept_from_its_printed_summary_is_compared_by_its_total(validation
     assert row["measured_total_s"] == pytest.approx(127.326)
     assert row["error_total"] == pytest.approx(-0.0099, abs=5e-4)
     assert "(total only)" in next(tmp_path.glob("*-sim-validation-total.md")).read_text()
+
+
+def test_a_run_whose_cad_priced_its_bytes_is_replayed_priced(validation, tmp_path):
+    """Run 50 of the 2 x H200 full-depth record planned cad with exchange_gibps 5.5 on the emulated network, where it
+    kept local's plan (the same bytes and balance as local's record): replayed at that price, the simulator plans so
+    too (cad's prediction is local's), and cad+pingpong within the 10% the record states."""
+    argv = ["sim_validation.py", "--measured", str(ROOT / "bench/results/2026-11-29-h200x2-full-depth-baselines.json"),
+            "--run", "50", "--intra-gibps", "5.05", "--shared-link", "--out", str(tmp_path), "--name", "priced"]
+    with mock.patch.object(sys, "argv", argv):
+        assert validation.main() == 0
+    (written,) = tmp_path.glob("*-sim-validation-priced.json")
+    record = json.loads(written.read_text())
+    rows = {r["strategy"]: r for r in record["rows"]}
+    assert record["settings"]["exchange_gibps"] == 5.5
+    assert rows["cad"]["predicted_s"] == rows["local"]["predicted_s"]
+    assert abs(rows["cad+pingpong"]["error_total"]) <= validation.TARGET
+    assert "pricing its bytes at 5.5 GiB/s" in next(tmp_path.glob("*-sim-validation-priced.md")).read_text()

@@ -478,6 +478,12 @@ def test_the_simulator_prices_cads_bytes_as_a_run_with_exchange_gibps_would():
     fast = load_sim_costs(CFG, "llama3-8b", intra_bandwidth=300 * 2**30)
     plain, priced = (simulate_config(SimConfig(**config, price_bytes=p), fast)["strategies"] for p in (False, True))
     assert priced == plain
+    # a run priced at a rate other than the link simulated (sim_validation replays runs so): the plan is the slow
+    # price's, local's, whatever link the steps are timed on
+    priced = simulate_config(SimConfig(**config, price_bytes=True, price_gibps=2.5), fast)["strategies"]
+    assert priced["cad-serial"]["step_s"] == priced["local"]["step_s"]
+    with pytest.raises(ConfigError, match="price_gibps"):
+        SimConfig(**config, price_bytes=True, price_gibps=0.0).check()
 
 
 def _train_priced_and_not(rank, world, out):

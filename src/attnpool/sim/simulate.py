@@ -37,7 +37,7 @@ from attnpool.data.lengths import SamplingOptions, sample_batches
 from attnpool.errors import ConfigError
 from attnpool.model.config import model_config
 from attnpool.plan.api import head_chunks_problem, plan_attention
-from attnpool.plan.cost import exchange_byte_seconds
+from attnpool.plan.cost import exchange_byte_seconds, gibps_problem
 from attnpool.sim.costs import SimCosts, load_sim_costs
 from attnpool.plan.layout import balanced_table, linear_table, nano_batch_bounds, wlb_pieces, wlb_table
 from attnpool.plan.plan import Topology
@@ -96,6 +96,9 @@ class SimConfig:
     # cad prices its exchanges' bytes against balance at the simulated link inside a node (attnpool train's
     # exchange_gibps; plan.cost.exchange_byte_seconds), as "cad" and "cad-serial" (False: balance whatever the bytes)
     price_bytes: bool = False
+    # the rate, GiB/s, that price_bytes prices at where a run set exchange_gibps other than the link it measured
+    # (sim_validation replays runs so); None: the simulated link's
+    price_gibps: float | None = None
 
     def model_config(self):
         fields = {"n_layers": self.layers} if self.layers is not None else {}
@@ -141,6 +144,9 @@ class SimConfig:
             raise ConfigError("head_chunks", self.head_chunks, problem)
         if self.inter_node_byte_cost is not None and not self.inter_node_byte_cost > 0:
             raise ConfigError("inter_node_byte_cost", self.inter_node_byte_cost, "must be positive, or None")
+        problem = None if self.price_gibps is None else gibps_problem(self.price_gibps)
+        if problem:
+            raise ConfigError("price_gibps", self.price_gibps, problem)
 
 
 def check_eps(eps: float, field: str = "eps") -> None:
@@ -243,7 +249,8 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
     def byte_seconds(overlapped: bool) -> float:  # cad's price of a byte (price_bytes), as attnpool train sets it
         if not config.price_bytes:
             return 0.0
-        return exchange_byte_seconds(costs.intra.bandwidth / 2**30, 1.0 if config.recompute == "full" else 0.0,
+        gibps = config.price_gibps or costs.intra.bandwidth / 2**30
+        return exchange_byte_seconds(gibps, 1.0 if config.recompute == "full" else 0.0,
                                      overlapped or config.head_chunks > 1)
 
     priced_serial, priced_overlapped = byte_seconds(False), byte_seconds(True)

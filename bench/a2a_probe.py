@@ -8,10 +8,9 @@ with the same NCCL_* settings as the runs it qualifies (an emulated inter-node l
 NCCL_SHM_DISABLE=1 ...).
 
 Where the ranks span several nodes (torchrun's LOCAL_WORLD_SIZE below the world: real nodes, or bench/gpu_e2e.sh's
-emulated ones), it also measures each tier alone, as the simulator's two links (``attnpool.sim.costs.Link``):
-``intra_node``, an all-to-all inside every node at once, and ``inter_node``, one between the ranks of the same
-local rank on every node, all local ranks at once (so a node's GPUs share its network, as in a real exchange).
-Without CUDA it runs on gloo (the tests' check of its logic; the figures then say nothing about a network).
+emulated ones), it also measures each tier alone (``intra_node``, ``inter_node``: ``attnpool.comm.probe``, which
+``exchange_gibps: auto`` measures with at a run's start). Without CUDA it runs on gloo (the tests' check of its
+logic; the figures then say nothing about a network).
 """
 
 from __future__ import annotations
@@ -19,49 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
-
-def bandwidth(mib: int, iters: int, device: torch.device, group=None) -> tuple[int, float]:
-    """(bytes each rank sends to the others, seconds of the slowest rank's median) of an all-to-all over ``group``
-    (default every rank): each rank sends ``mib`` MiB split evenly over the group, its own share included. Every
-    rank of the world calls it (each in its own group), so that the slowest of all is taken."""
-    size = dist.get_world_size(group)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # (gloo's all-to-all: no bfloat16)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    n = mib * 2**20 // itemsize // size * size
-    send, recv = torch.ones(n, dtype=dtype, device=device), torch.empty(n, dtype=dtype, device=device)
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    dist.all_to_all_single(recv, send, group=group)  # connections set up outside the timing
-    sync()
-    seconds = []
-    for _ in range(iters):
-        dist.barrier()
-        sync()
-        t0 = time.perf_counter()
-        dist.all_to_all_single(recv, send, group=group)
-        sync()
-        seconds.append(time.perf_counter() - t0)
-    slowest = torch.tensor([statistics.median(seconds)], dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return n * itemsize * (size - 1) // size, float(slowest)
-
-
-def tier_groups(world: int, per_node: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(the ranks of each node, the ranks of each local rank across the nodes): torchrun numbers a node's ranks
-    contiguously."""
-    nodes = world // per_node
-    inside = [list(range(node * per_node, (node + 1) * per_node)) for node in range(nodes)]
-    across = [[node * per_node + local for node in range(nodes)] for local in range(per_node)]
-    return inside, across
+from attnpool.comm.probe import tier_rates
 
 
 def main() -> None:
@@ -82,15 +43,8 @@ def main() -> None:
     if world % per_node:
         raise SystemExit(f"LOCAL_WORLD_SIZE={per_node}: does not divide the {world} ranks")
     result = {"world": world, "ranks_per_node": per_node, "backend": dist.get_backend()}
-    tiers = [("", None)]
-    if world > per_node:
-        inside, across = tier_groups(world, per_node)
-        # (every rank creates every group, in the same order, as new_group requires)
-        mine = {name: dist.new_subgroups_by_enumeration(groups)[0] for name, groups in
-                (("intra_node", inside), ("inter_node", across)) if len(groups[0]) > 1}
-        tiers += [(f"{name}_", group) for name, group in mine.items()]
-    for prefix, group in tiers:
-        out_bytes, seconds = bandwidth(args.mib, args.iters, device, group)
+    for name, (out_bytes, seconds) in tier_rates(device, per_node, args.mib, args.iters).items():
+        prefix = f"{name}_" if name else ""
         result.update({f"{prefix}bytes_out_per_rank": out_bytes, f"{prefix}median_s": seconds,
                        f"{prefix}GiBps_out_per_rank": out_bytes / seconds / 2**30})
     if rank == 0:

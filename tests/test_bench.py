@@ -70,6 +70,7 @@ def test_bench_runs_every_strategy_and_writes_results(capsys):
     assert meta["complete"] and " --head-chunks 2" in meta["command"] and " --exchange-gibps 1e+06" in meta["command"]
     # --exchange-gibps: the cad strategies' planner prices its bytes (so fast a link that it plans as without)
     assert [rec["exchange_gibps"] for rec in records] == [None, None] + [1e6] * 3 + [None] + [1e6] * 3
+    assert not any(rec["exchange_gibps_measured"] for rec in records)
     assert all(rec["inter_node_gibps"] is None for rec in records)
     assert "Partial" not in (tmp_path / "e2e.md").read_text()
     _partial_results_are_written_quietly(tmp_path, records, capsys)
@@ -270,7 +271,7 @@ def summary_inputs():
                               hierarchical_exchange=False)
     as_run = {"layer_checkpointing": ("keep_attention",), "activation_offload": False, "pp_schedule": None,
               "pp_schedule_choice": None, "head_chunks": 1, "exchange_gibps": None,
-              "inter_node_gibps": None}
+              "exchange_gibps_measured": False, "inter_node_gibps": None}
     return args, model_config("tiny", n_layers=1), as_run
 
 
@@ -533,3 +534,22 @@ def test_warm_up_tokens_are_refused_without_warm_up_steps(monkeypatch):
         check_arguments(p.parse_args(["--out", "x", "--device", "cpu", "--warmup", "1", "--warmup-tokens", "1K",
                                       "--strategies", "local,cad+sparse"]))
     assert err.value.field == "--strategies" and err.value.value == "cad+sparse"
+
+
+def test_the_links_rates_are_numbers_or_auto_refused_among_the_arguments(monkeypatch):
+    """--exchange-gibps / --inter-node-gibps: GiB/s, or auto (each run measures at its start); anything else is
+    refused by the parser or among the arguments, before a run sets up its process groups."""
+    import pytest
+
+    from attnpool.bench.e2e import check_arguments
+    from attnpool.errors import ConfigError
+
+    p = bench_arguments(monkeypatch, 2)
+    args = p.parse_args(["--out", "x", "--device", "cpu", "--exchange-gibps", "Auto", "--inter-node-gibps", "40"])
+    assert (args.exchange_gibps, args.inter_node_gibps) == ("auto", 40.0)
+    check_arguments(args)
+    with pytest.raises(SystemExit):  # (argparse: neither a number nor auto)
+        p.parse_args(["--out", "x", "--exchange-gibps", "fast"])
+    with pytest.raises(ConfigError, match="positive") as err:
+        check_arguments(p.parse_args(["--out", "x", "--device", "cpu", "--inter-node-gibps", "0"]))
+    assert err.value.field == "--inter-node-gibps"

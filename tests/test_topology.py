@@ -282,8 +282,7 @@ def two_emulated_nodes(tmp):
 
 
 def test_emulated_nodes_number_ranks_node_by_node_and_the_probe_measures_each_tier():
-    import importlib.util
-    import pathlib
+    from attnpool.comm.probe import tier_groups
 
     done, probe = two_emulated_nodes.result()
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -295,11 +294,7 @@ def test_emulated_nodes_number_ranks_node_by_node_and_the_probe_measures_each_ti
     assert probe["bytes_out_per_rank"] == 3 * 2**20 // 4
     assert probe["intra_node_bytes_out_per_rank"] == probe["inter_node_bytes_out_per_rank"] == 2**20 // 2
     assert all(probe[f"{tier}GiBps_out_per_rank"] > 0 for tier in ("", "intra_node_", "inter_node_"))
-    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "a2a_probe.py"
-    spec = importlib.util.spec_from_file_location("a2a_probe", path)
-    probe_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe_module)
-    assert probe_module.tier_groups(8, 4) == ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]])
+    assert tier_groups(8, 4) == ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]])
 
 
 def test_a_ulysses_group_across_two_nodes_sends_only_the_other_nodes_share_across(costs):
@@ -451,6 +446,28 @@ def test_exchange_gibps_is_a_cad_setting_priced_as_the_run_checkpoints_and_overl
     spec = resolve_run_spec(TrainConfig(**base, exchange_gibps=5.0, pingpong=True, activation_checkpointing="full"),
                             2, None, "cpu")
     assert spec.byte_seconds == exchange_byte_seconds(5.0, recomputed_share=1.0, overlapped=True)
+    # auto: measured at the run's start; before that priced as unset, after it as the rates measured
+    from attnpool.train.spec import measures_links, with_measured_links
+
+    for key, value in (("exchange_gibps", "fast"), ("inter_node_gibps", "")):
+        with pytest.raises(ConfigError, match=f"{key}=.*or auto"):
+            TrainConfig(**nodes, **{key: value})
+    given = TrainConfig(**nodes, exchange_gibps="Auto", inter_node_gibps="auto")  # (a word read as the config reads)
+    assert (given.attention.exchange_gibps, given.parallel.inter_node_gibps) == ("auto", "auto")
+    assert measures_links(given) and not measures_links(TrainConfig(**nodes, exchange_gibps="5.5"))
+    spec = resolve_run_spec(given, 4, None, "cpu")
+    assert spec.byte_seconds == 0.0 and spec.topology.inter_node_byte_cost == INTER_NODE_BYTE_COST
+    measured = with_measured_links(spec, 4, 40.0, 4.0)
+    assert measured.config.attention.exchange_gibps == 40.0 and measured.topology.inter_node_byte_cost == 10.0
+    assert measured.byte_seconds == exchange_byte_seconds(40.0, recomputed_share=0.0)
+    assert spec.config.attention.exchange_gibps == "auto"  # (the config as given stays: what config.yaml keeps)
+    # one of the two measured, the other given; on one node nothing is between nodes: inter_node_gibps unset
+    half = with_measured_links(resolve_run_spec(TrainConfig(**nodes, exchange_gibps=20.0, inter_node_gibps="auto"),
+                                                4, None, "cpu"), 4, 40.0, 4.0)
+    assert half.config.attention.exchange_gibps == 20.0 and half.topology.inter_node_byte_cost == 5.0
+    one_node = with_measured_links(resolve_run_spec(TrainConfig(**base, exchange_gibps="auto",
+                                                                inter_node_gibps="auto"), 2, None, "cpu"), 2, 9.0, None)
+    assert (one_node.config.attention.exchange_gibps, one_node.config.parallel.inter_node_gibps) == (9.0, None)
     # a run's plans: on a link slow against the work, cad keeps every task at home where it moved some
     from attnpool.data import DocumentStream, stdlib_corpus
     from attnpool.train.planning import plan_batch
@@ -496,7 +513,7 @@ def _train_priced_and_not(rank, world, out):
     from attnpool.train import train
 
     runs = {}
-    for name, gibps in (("balanced", None), ("priced", 1e-4)):
+    for name, gibps in (("balanced", None), ("priced", 1e-4), ("measured", "auto")):
         config = tiny_config(Path(out) / name, attention="cad", cost_model="table", min_shard=None, steps=2,
                              tokens_per_rank=1024, pingpong=True, exchange_gibps=gibps)
         result = train(config)
@@ -515,3 +532,17 @@ def test_a_run_with_priced_bytes_trains_the_same_model_and_says_so(tmp_path, cap
     np.testing.assert_allclose(priced[0], balanced[0], rtol=1e-5)
     assert priced[1] == priced[2] and balanced[1] != balanced[2]
     assert priced[3]["exchange_gibps"] == 1e-4 and balanced[3]["exchange_gibps"] is None
+    # auto: the link measured at the start (gloo's, here), planned with, and said so
+    measured = runs["measured"]
+    np.testing.assert_allclose(measured[0], balanced[0], rtol=1e-5)
+    assert measured[3]["exchange_gibps"] > 0 and measured[3]["exchange_gibps_measured"]
+    assert not priced[3]["exchange_gibps_measured"]
+    from attnpool.train.metrics import print_summary
+
+    capsys.readouterr()
+    for summary in (priced[3], measured[3]):
+        print_summary(summary, [])
+    printed = " ".join(capsys.readouterr().out.split())  # (the table's lines wrap at the console's width)
+    assert "its bytes priced at 0.0001 GiB/s (exchange_gibps)" in printed
+    assert f"its bytes priced at {measured[3]['exchange_gibps']:.3g} GiB/s (exchange_gibps auto, measured at the " \
+           "start)" in printed

@@ -48,7 +48,7 @@ from attnpool.errors import ConfigError, TrainingError
 from attnpool.kernels.sparse import device_problem as sparse_device_problem
 from attnpool.model import model_config
 from attnpool.plan import KV_EXCHANGING, head_chunks_problem
-from attnpool.plan.cost import gibps_problem
+from attnpool.train.sections import link_rate_problem
 from attnpool.plan.ulysses import ulysses_problem
 from attnpool.sizes import parse_size
 from attnpool.train.config import TrainConfig
@@ -176,8 +176,10 @@ def _with_prediction(result, config: TrainConfig) -> tuple[list, int | None, dic
     return (result.rows, max((p for p in predicted if p is not None), default=None),
             {"layer_checkpointing": result.layer_checkpointing, "activation_offload": result.activation_offload,
              "pp_schedule": result.pp_schedule, "pp_schedule_choice": result.pp_schedule_choice,
-             "head_chunks": config.attention.head_chunks, "exchange_gibps": config.attention.exchange_gibps,
-             "inter_node_gibps": config.parallel.inter_node_gibps})
+             # the links' rates as planned with (measured at the run's start where auto)
+             "head_chunks": config.attention.head_chunks, "exchange_gibps": result.exchange_gibps,
+             "exchange_gibps_measured": config.attention.exchange_gibps != result.exchange_gibps,
+             "inter_node_gibps": result.inter_node_gibps})
 
 
 def sparse_options(text: str) -> dict:
@@ -225,6 +227,7 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg, as_run: dict):
         "strategy": name, "dist": dist_name, "tokens_per_gpu": tokens, "gpus": world, "tp": args.tp, "pp": args.pp,
         "microbatches": args.microbatches, "hierarchical_exchange": relays_kv(name, args),
         "head_chunks": as_run["head_chunks"], "exchange_gibps": as_run["exchange_gibps"],
+        "exchange_gibps_measured": as_run["exchange_gibps_measured"],
         "inter_node_gibps": as_run["inter_node_gibps"],
         "pp_schedule": as_run["pp_schedule"],
         "pp_schedule_choice": as_run["pp_schedule_choice"],
@@ -311,8 +314,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
                               f"{problem} ({args.model}'s {m.n_kv_heads} KV and {m.n_heads} query heads over --tp "
                               f"{args.tp})")
     for flag, gibps in (("--exchange-gibps", args.exchange_gibps), ("--inter-node-gibps", args.inter_node_gibps)):
-        if gibps is not None and gibps_problem(gibps):
-            raise ConfigError(flag, gibps, gibps_problem(gibps))
+        if link_rate_problem(gibps):
+            raise ConfigError(flag, gibps, link_rate_problem(gibps))
     if args.steps < 1 or args.warmup < 0 or args.layers < 1:
         raise ConfigError("--steps/--warmup/--layers", (args.steps, args.warmup, args.layers),
                           "need at least 1 measured step, 0 or more warm-up steps and 1 or more layers")
@@ -514,9 +517,9 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
                        + (" --activation-offload" if args.activation_offload else "")
                        + (" --hierarchical-exchange" if args.hierarchical_exchange else "")
                        + (f" --head-chunks {args.head_chunks}" if args.head_chunks != 1 else "")
-                       + (f" --exchange-gibps {args.exchange_gibps:g}" if args.exchange_gibps is not None else "")
-                       + (f" --inter-node-gibps {args.inter_node_gibps:g}" if args.inter_node_gibps is not None
-                          else "")
+                       + "".join(f" --{flag} {rate if isinstance(rate, str) else format(rate, 'g')}"
+                                 for flag, rate in (("exchange-gibps", args.exchange_gibps),
+                                                    ("inter-node-gibps", args.inter_node_gibps)) if rate is not None)
                        + "".join(f" --{k} {getattr(args, k)}" for k in ("tp", "pp", "microbatches")
                                  if getattr(args, k) != 1)
                        + (f" --pp-schedule {args.pp_schedule}" if args.pp > 1 and args.pp_schedule != "1f1b" else "")}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from attnpool.sizes import parse_size
-from attnpool.train.sections import ATTENTION_BACKENDS, CHECKPOINTING
+from attnpool.train.sections import ATTENTION_BACKENDS, CHECKPOINTING, MEASURED
 
 STRATEGIES = {  # name -> (attention, pingpong, vertical-slash sparse attention: None or its kv_transfer)
     "local": ("local", False, None),
@@ -22,6 +22,11 @@ STRATEGIES = {  # name -> (attention, pingpong, vertical-slash sparse attention:
 }
 DEFAULT_STRATEGIES = ("local", "wlb", "percp", "ulysses", "cad", "cad+pingpong")
 BALANCED = "+balanced"  # after any strategy but wlb: laid out by attnpool train's layout balanced
+
+
+def link_rate(text: str) -> float | str:
+    """--exchange-gibps / --inter-node-gibps: a number of GiB/s, or auto (the config's check refuses the rest)."""
+    return MEASURED if text.strip().lower() == MEASURED else float(text)
 
 
 def strategy_settings(name: str) -> tuple[str, bool, str | None, str] | None:
@@ -81,12 +86,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="core attention in this many groups of heads, one group's kernel while another's exchanges "
                         "are on the wire (attnpool train's head_chunks), for the strategies whose exchanges run "
                         "through it (local, wlb, percp, cad; ulysses and the +sparse ones run without)")
-    p.add_argument("--exchange-gibps", type=float, default=None,
-                   help="GiB/s per GPU of the link inside a node, for the cad strategies' planner (attnpool train's "
-                        "exchange_gibps: each move's bytes weighed against the balance it buys); the others plan no "
-                        "moves. Default: cad balances whatever the bytes")
-    p.add_argument("--inter-node-gibps", type=float, default=None,
-                   help="GiB/s per GPU between nodes, for the cad strategies' planner (attnpool train's "
+    p.add_argument("--exchange-gibps", type=link_rate, default=None,
+                   help="GiB/s per GPU of the link inside a node, or auto (measured at each run's start), for the "
+                        "cad strategies' planner (attnpool train's exchange_gibps: each move's bytes weighed against "
+                        "the balance it buys; records keep the rate planned with); the others plan no moves. "
+                        "Default: cad balances whatever the bytes")
+    p.add_argument("--inter-node-gibps", type=link_rate, default=None,
+                   help="GiB/s per GPU between nodes, or auto, for the cad strategies' planner (attnpool train's "
                         "inter_node_gibps: a byte between nodes priced at the links' ratio). Default: the DistCA "
                         "paper's 50 GB/s")
     p.add_argument("--activation-offload", action="store_true",

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from attnpool.comm import agree, all_gather_flat, comm_stats
+from attnpool.comm.probe import start_up_link_rates
 from attnpool.comm.watchdog import RankRecords, is_collective_failure
 from attnpool.data import DocumentStream
 from attnpool.errors import ConfigError, TrainingError, storage_error
@@ -61,7 +62,8 @@ from attnpool.train.resume import changes_data, verified_checkpoint, write_confi
 from attnpool.train.runners import PlannedStep, build_runner
 from attnpool.train.setup import prepare
 from attnpool.train.signals import Preemption
-from attnpool.train.spec import context_note, rank_device, same_attention_backend
+from attnpool.train.spec import (context_note, measures_links, rank_device, ranks_per_node, same_attention_backend,
+                                 with_measured_links)
 
 
 @dataclass
@@ -85,6 +87,9 @@ class TrainResult:
     activation_offload: bool = False  # as it ran (auto may turn it on)
     pp_schedule: str | None = None  # the pipeline schedule as it ran (None without pipeline stages)
     pp_schedule_choice: dict | None = None  # pp_schedule auto's choice and why (ScheduleChoice.to_dict)
+    # the links' rates cad's planner priced its bytes at, GiB/s per GPU (measured at the start where auto), or None
+    exchange_gibps: float | None = None
+    inter_node_gibps: float | None = None
 
     @property
     def losses(self) -> list[float]:
@@ -159,6 +164,8 @@ class Trainer:
         # on its share of the heads (and, pipelined, its stage's layers) with the dp ranks of its tp and
         # pipeline index (attnpool.parallel.mesh).
         self.mesh = build_rank_mesh(spec.dims, self.device.type, timedelta(seconds=config.faults.collective_timeout_s))
+        if measures_links(config):
+            spec = self.spec = self._measured_links()
         self.records = RankRecords(config.run.out, self.rank, self.world)
         self.peak_flops = bf16_peak_flops(self.device) if spec.bf16 else None  # MFU's denominator, per GPU
         self.resume_from = verified_checkpoint(config, spec.model, self.setup.resume_from) \
@@ -187,6 +194,18 @@ class Trainer:
         self._pin_offload_memory()
         self.nonfinite_total = sum(1 for r in self.log.rows if r.get("skipped_step"))  # resumed: the earlier steps'
         self.nonfinite_in_a_row = 0
+
+    def _measured_links(self):
+        """The run's spec with the link rates left to measurement (exchange_gibps or inter_node_gibps auto)
+        measured now, on every rank alike (comm.probe: the slowest rank's), before anything is planned."""
+        t0 = time.perf_counter()
+        per_node = ranks_per_node(self.config, self.world)
+        inside, between = start_up_link_rates(self.device, per_node)
+        if self.rank == 0:
+            print(f"links: all-to-all {inside:.1f} GiB/s per GPU inside a node"
+                  + (f", {between:.1f} between nodes" if between is not None else "")
+                  + f", measured for cad's planner in {time.perf_counter() - t0:.1f} s", flush=True)
+        return with_measured_links(self.spec, self.world, inside, between)
 
     def _compile_position_kernel(self) -> None:
         """The backend's position kernel compiled before the first step, where a server may get several shards of
@@ -322,7 +341,8 @@ class Trainer:
         choice = self.spec.schedule_choice
         return TrainResult(self.log.rows, self.model, summary, self.setup.memory, tuple(modes),
                            self.spec.activation_offload, self.spec.pp_schedule if self.spec.dims.pp > 1 else None,
-                           choice.to_dict() if choice is not None else None)
+                           choice.to_dict() if choice is not None else None,
+                           self.spec.config.attention.exchange_gibps, self.spec.config.parallel.inter_node_gibps)
 
     def train_step(self, preemption: Preemption) -> StepEnd:
         """One optimizer step, on every rank."""
@@ -466,7 +486,10 @@ class Trainer:
                 "predicted_device_bytes": memory.peak_bytes if checked else None,
                 "tokens_per_rank": config.data.tokens_per_rank, "microbatches": config.parallel.microbatches,
                 "strategy": config.attention.strategy, "layout": config.attention.layout,
-                "exchange_gibps": config.attention.exchange_gibps, "steps": config.optim.steps,
+                # cad's price of a byte: the link's rate as planned with, and whether it was measured (auto)
+                "exchange_gibps": spec.config.attention.exchange_gibps,
+                "exchange_gibps_measured": config.attention.exchange_gibps != spec.config.attention.exchange_gibps,
+                "steps": config.optim.steps,
                 # what the memory settings resolved to: auto's choice of each layer's mode, and of activation offload
                 "activation_checkpointing": config.memory.activation_checkpointing,
                 "layer_checkpointing": list(spec.layer_checkpointing) or None,

@@ -171,8 +171,9 @@ class AttentionSection(Section):
                                                "steps 1.18x faster in two calls, 1.19x predicted at one rate); 1 "
                                                "inside an NVLink node (4 slowed steps there by up to 1.8 percent)",
                                 default=1)
-    exchange_gibps: float | None = _setting(
-        "exchange_gibps", "GiB/s per GPU of the link core attention's exchanges take inside a node (bench/a2a_probe.py "
+    exchange_gibps: float | str | None = _setting(
+        "exchange_gibps", "GiB/s per GPU of the link core attention's exchanges take inside a node, or auto: "
+                          "measured at the run's start (an all-to-all of every node's ranks, as bench/a2a_probe.py "
                           "measures it; a byte between nodes costs inter-node times more). cad then weighs each "
                           "move's bytes against the balance it buys and keeps the faster plan, balanced or not: on a "
                           "slow link it may move less than eps asks, or nothing. Default: balance whatever the bytes",
@@ -193,8 +194,9 @@ class AttentionSection(Section):
         if not (math.isfinite(self.memory_cap) and self.memory_cap >= 1.0):
             raise ConfigError("memory_cap", self.memory_cap, "must be a finite number >= 1.0")
         _at_least("head_chunks", self.head_chunks, 1)
-        if self.exchange_gibps is not None and gibps_problem(self.exchange_gibps):
-            raise ConfigError("exchange_gibps", self.exchange_gibps, gibps_problem(self.exchange_gibps))
+        problem = link_rate_problem(self.exchange_gibps)
+        if problem:
+            raise ConfigError("exchange_gibps", self.exchange_gibps, problem)
         if self.exchange_gibps is not None and self.strategy != "cad":
             raise ConfigError("exchange_gibps", self.exchange_gibps, f"prices cad's moves; attention {self.strategy} "
                                                                      "plans no moves to price")
@@ -296,18 +298,20 @@ class ParallelSection(Section):
                                                                     "ulysses; needs ranks on several nodes; not "
                                                                     "measured faster yet)",
                                            default=False)
-    inter_node_gibps: float | None = _setting(
-        "inter_node_gibps", "GiB/s per GPU between nodes: cad's planner prices a byte between nodes at the link inside "
-                            "a node (exchange_gibps, else NVLink's measured 260) over this (default: the DistCA "
-                            "paper's 50 GB/s, 46.6 GiB/s)", default=None)
+    inter_node_gibps: float | str | None = _setting(
+        "inter_node_gibps", "GiB/s per GPU between nodes, or auto: measured at the run's start (an all-to-all between "
+                            "the nodes, every local rank at once): cad's planner prices a byte between nodes at the "
+                            "link inside a node (exchange_gibps, else NVLink's measured 260) over this (default: the "
+                            "DistCA paper's 50 GB/s, 46.6 GiB/s)", default=None)
 
     def check(self) -> None:
         _at_least("tp", self.tp, 1)
         _at_least("pp", self.pp, 1)
         _at_least("microbatches", self.microbatches, 1)
         _at_least("ranks_per_node", self.ranks_per_node, 0)
-        if self.inter_node_gibps is not None and gibps_problem(self.inter_node_gibps):
-            raise ConfigError("inter_node_gibps", self.inter_node_gibps, gibps_problem(self.inter_node_gibps))
+        problem = link_rate_problem(self.inter_node_gibps)
+        if problem:
+            raise ConfigError("inter_node_gibps", self.inter_node_gibps, problem)
 
 
 @dataclass(frozen=True)
@@ -429,6 +433,19 @@ def _one_of(name: str, value, allowed) -> None:
         raise ConfigError(name, value, f"choose one of {', '.join(allowed)}")
 
 
+# a link's rate measured at the run's start instead of given (exchange_gibps, inter_node_gibps)
+MEASURED = "auto"
+
+
+def link_rate_problem(gibps) -> str | None:
+    """Why ``gibps`` is neither a link's rate (GiB/s per GPU) nor auto, or None (unset included)."""
+    if gibps is None or gibps == MEASURED:
+        return None
+    if isinstance(gibps, str):
+        return f"must be a positive number of GiB/s, or {MEASURED} (measured at the run's start)"
+    return gibps_problem(gibps)
+
+
 def field_kind(f) -> str:
     """'int', 'float', 'str', 'bool' or 'dict' from the field's annotation (a string here)."""
     return str(f.type).split("|")[0].strip()
@@ -478,6 +495,9 @@ def _coerce(f, value):
         try:
             return float(value)
         except (TypeError, ValueError):
+            # a number or a word (exchange_gibps: auto), which the section's check names
+            if isinstance(value, str) and "str" in (part.strip() for part in str(f.type).split("|")):
+                return value.strip().lower()
             raise ConfigError(key, value, "must be a number") from None
     if not isinstance(value, (str, Path)):
         raise ConfigError(key, value, "must be a string")

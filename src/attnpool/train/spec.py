@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,7 @@ from attnpool.plan.ulysses import ulysses_problem
 from attnpool.sparse import SparseConfig
 from attnpool.sparse.cost import SparsePrior
 from attnpool.train.config import TrainConfig
+from attnpool.train.sections import MEASURED
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,8 +107,8 @@ class RunSpec:
         """cad's price of a byte of its exchanges in seconds of attention work (exchange_gibps; 0 where unset): the
         layers whose checkpointing recomputes attention exchange their forward's bytes once more, and ping-pong or
         head groups hide part of each exchange (plan.cost.exchange_byte_seconds)."""
-        gibps = self.config.attention.exchange_gibps
-        if gibps is None:
+        gibps = given_rate(self.config.attention.exchange_gibps)
+        if gibps is None:  # (auto before the run measures it, as the memory check samples plans: balancing)
             return 0.0
         modes = self.activation_checkpointing
         modes = [modes] if isinstance(modes, str) else list(modes)
@@ -275,7 +277,8 @@ def attention_topology(config: TrainConfig, dims: ParallelDims, world: int) -> T
         raise ConfigError("ranks_per_node", per_node, f"must divide the {world} ranks, and be a multiple of "
                                                       f"tp={dims.tp} (a tp group stays inside a node)")
     topology = Topology(tuple(i * dims.tp // per_node for i in range(dims.dp)),
-                        inter_node_byte_cost(config.attention.exchange_gibps, config.parallel.inter_node_gibps),
+                        inter_node_byte_cost(given_rate(config.attention.exchange_gibps),
+                                             given_rate(config.parallel.inter_node_gibps)),
                         relays=config.parallel.hierarchical_exchange)
     if config.parallel.hierarchical_exchange:
         if config.attention.strategy not in KV_EXCHANGING:
@@ -293,6 +296,26 @@ def attention_topology(config: TrainConfig, dims: ParallelDims, world: int) -> T
             raise ConfigError("hierarchical_exchange", True, "the pooled pipeline's attention spans every stage's "
                                                              "ranks and exchanges flat; use pp_schedule 1f1b")
     return topology if topology.num_nodes > 1 else None
+
+
+def given_rate(gibps: float | str | None) -> float | None:
+    """A link's rate as the planner takes it: the number given, None where unset or not yet measured (auto)."""
+    return None if gibps == MEASURED else gibps
+
+
+def measures_links(config: TrainConfig) -> bool:
+    """Whether the run measures a link's rate at its start (exchange_gibps or inter_node_gibps auto)."""
+    return MEASURED in (config.attention.exchange_gibps, config.parallel.inter_node_gibps)
+
+
+def with_measured_links(spec: RunSpec, world: int, inside_gibps: float, between_gibps: float | None) -> RunSpec:
+    """``spec`` with the rates its config leaves to measurement (auto) set to the measured ones, GiB/s per GPU of
+    the link inside a node and between nodes (None on one node: unset), and its topology priced by them."""
+    changed = {key: rate for key, setting, rate in (
+        ("exchange_gibps", spec.config.attention.exchange_gibps, inside_gibps),
+        ("inter_node_gibps", spec.config.parallel.inter_node_gibps, between_gibps)) if setting == MEASURED}
+    config = spec.config.replace(**changed)
+    return dataclasses.replace(spec, config=config, topology=attention_topology(config, spec.dims, world))
 
 
 def ranks_per_node(config: TrainConfig, world: int) -> int:

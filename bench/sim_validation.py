@@ -39,7 +39,7 @@ import numpy as np
 
 from attnpool.bench.record import write_record
 from attnpool.data import DocumentStream, make_source
-from attnpool.plan.plan import INTER_NODE_BYTE_COST
+from attnpool.plan.plan import inter_node_byte_cost
 from attnpool.sim.simulate import SimConfig, simulate_config
 from attnpool.sizes import parse_size
 
@@ -92,12 +92,17 @@ def run_settings(meta: dict, records: list[dict]) -> dict:
     chunks = {r.get("head_chunks", 1) for r in records} - {1}
     if len(chunks) > 1:
         raise SystemExit(f"runs with different head_chunks {sorted(chunks)}: compare them apart")
-    # the rate cad's planner priced its bytes at (exchange_gibps; only cad reads it), one for the runs compared
-    rates = {r.get("exchange_gibps") for r in records if r["strategy"].startswith("cad")}
-    if len(rates) > 1:
-        raise SystemExit(f"cad runs planned with different exchange_gibps {sorted(rates, key=str)}: compare them apart")
+    # the rate each cad run's planner priced its bytes at (exchange_gibps, measured at its start where auto: each
+    # run its own), and the link between nodes it priced a byte crossing at (inter_node_gibps), one for the runs
+    cad = [r for r in records if r["strategy"].startswith("cad")]
+    between = {r.get("inter_node_gibps") for r in cad}
+    if len(between) > 1:
+        raise SystemExit(f"cad runs planned with different inter_node_gibps {sorted(between, key=str)}: compare them "
+                         "apart")
     return {"layers": int(layers), "gpus_per_node": int(meta.get("ranks_per_node") or 0), "tp": tps.pop(),
-            "head_chunks": chunks.pop() if chunks else 1, "exchange_gibps": rates.pop() if rates else None,
+            "head_chunks": chunks.pop() if chunks else 1,
+            "exchange_gibps": {r["strategy"]: r["exchange_gibps"] for r in cad if r.get("exchange_gibps") is not None},
+            "inter_node_gibps": between.pop() if between else None,
             "recompute": modes.pop() if modes else "linear", "attention_backend": meta.get("attention_backend"),
             "hierarchical": bool(meta.get("hierarchical_exchange")) or any(r.get("hierarchical_exchange")
                                                                            for r in records),
@@ -144,15 +149,18 @@ def sim_costs(layers: int, args, backend: str | None):
 
 def simulate_bench(dist: str, tokens: int, world: int, tp: int, per_node: int, layers: int, recompute: str,
                    hierarchical: bool, batches, costs, head_chunks: int = 1,
-                   price_bytes: bool = False, price_gibps: float | None = None) -> tuple[dict, dict]:
+                   price_bytes: bool = False, price_gibps: float | None = None,
+                   inter_node_gibps: float | None = None) -> tuple[dict, dict]:
     """The simulator on a benchmark's batches: (its strategies' results, simulator name -> benchmark strategy);
     with ``price_bytes`` cad prices its bytes at ``price_gibps`` (default: the simulated link's rate)."""
     servers = world // tp
-    # cad plans as attnpool train does, at its fixed price of a byte between nodes, whatever the links simulated
+    # cad plans as attnpool train does, a byte between nodes at the ratio of the rates it was given (exchange_gibps,
+    # inter_node_gibps), whatever the links simulated
     config = SimConfig(model="llama3-8b", layers=layers, gpus=world, tp=tp, gpus_per_node=per_node,
                        tokens_per_gpu=tokens, dist=dist, strategies=("local", "wlb", "percp", "ulysses", "cad"),
                        cp_degrees=(servers,), batches=len(batches), recompute=recompute, hierarchical=hierarchical,
-                       inter_node_byte_cost=INTER_NODE_BYTE_COST, percp_plan=True, balanced=True,
+                       inter_node_byte_cost=inter_node_byte_cost(price_gibps, inter_node_gibps), percp_plan=True,
+                       balanced=True,
                        head_chunks=head_chunks, price_bytes=price_bytes, price_gibps=price_gibps)
     # percp as the benchmark runs it: attnpool's percp plan (the simulator's analytic percp-cpN gathers whole
     # documents' KV instead, a layout the benchmark does not run)
@@ -270,13 +278,23 @@ def main() -> int:
         if len(steps) != 1:
             raise SystemExit(f"{dist} {tokens}: runs with different warm-up or step counts {sorted(steps)}")
         batches = bench_batches(dist, tokens, world, *steps.pop(), tp=setting["tp"])
-        sim, pairs = simulate_bench(dist, tokens, world, setting["tp"], per_node, setting["layers"],
-                                    setting["recompute"], setting["hierarchical"], batches, costs,
-                                    setting["head_chunks"], setting["exchange_gibps"] is not None,
-                                    setting["exchange_gibps"])
-        if setting["hierarchical"]:  # (only cad's relayed rows: the simulator models the others' exchanges flat)
-            pairs = HIERARCHICAL_PAIRS
+        sims = {}
+
+        def sim_at(rate):  # cad planned at the rate its run priced at (None: balancing); the others alike at any
+            if rate not in sims:
+                sims[rate] = simulate_bench(dist, tokens, world, setting["tp"], per_node, setting["layers"],
+                                            setting["recompute"], setting["hierarchical"], batches, costs,
+                                            setting["head_chunks"], rate is not None, rate,
+                                            setting["inter_node_gibps"])
+            return sims[rate]
+
+        rates = {name: setting["exchange_gibps"].get(name) for name in measured if name.startswith("cad")}
+        for rate in dict.fromkeys(rates.values() or [None]):
+            sim_at(rate)
+        pairs = HIERARCHICAL_PAIRS if setting["hierarchical"] else next(iter(sims.values()))[1]
+        # (hierarchical: only cad's relayed rows, the simulator models the others' exchanges flat)
         for sim_name, bench_name in pairs.items():
+            sim = sim_at(rates[bench_name])[0] if bench_name in rates else next(iter(sims.values()))[0]
             if bench_name not in measured or sim_name not in sim:
                 continue
             pred = np.asarray(sim[sim_name]["per_batch_step_s"])
@@ -298,8 +316,11 @@ def main() -> int:
              + (", cad with the hierarchical exchange" if setting["hierarchical"] else "")
              + (f", core attention in {setting['head_chunks']} groups of heads for local, wlb, percp and cad as run"
                 if setting["head_chunks"] > 1 else "")
-             + (f", cad's planner pricing its bytes at {setting['exchange_gibps']:g} GiB/s as the runs' exchange_gibps"
-                if setting["exchange_gibps"] is not None else "")
+             + (", cad's planner pricing its bytes as the runs' exchange_gibps: " + ", ".join(
+                 f"{name} at {rate:.3g} GiB/s" for name, rate in setting["exchange_gibps"].items())
+                if setting["exchange_gibps"] else "")
+             + (f", a byte between nodes priced at {setting['inter_node_gibps']:g} GiB/s as the runs' inter_node_gibps"
+                if setting["inter_node_gibps"] is not None else "")
              + f", recompute {setting['recompute']} as the runs' checkpointing"
              + (offload_as_hidden(setting["activation_offload"]) if setting["activation_offload"] else "")
              + ". Command: `python bench/sim_validation.py "

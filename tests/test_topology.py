@@ -281,6 +281,39 @@ def two_emulated_nodes(tmp):
     return done, json.loads(out.read_text()) if out.exists() else None
 
 
+def _start_up_tiers(rank, world):
+    """start_up_link_rates' groups on 4 ranks, the all-to-all's figure faked by group (inside a node of 2: 1 GiB a
+    second; 2 ranks across nodes: 1/4; all 4: 1/8), and its real figures on gloo."""
+    from unittest import mock
+
+    import torch
+    import torch.distributed as dist
+
+    import attnpool.comm.probe as probe
+
+    def by_group(mib, iters, device, group=None):
+        ranks = dist.get_process_group_ranks(group)
+        return 2**30, 1.0 if ranks in ([0, 1], [2, 3]) else 4.0 if len(ranks) == 2 else 8.0
+
+    cpu = torch.device("cpu")
+    with mock.patch.object(probe, "all_to_all_rate", by_group):
+        faked = [probe.start_up_link_rates(cpu, per_node, True, True) for per_node in (2, 1, 4)]
+        faked.append(probe.start_up_link_rates(cpu, 2, False, True))
+    return faked, probe.start_up_link_rates(cpu, 2, True, True)
+
+
+def test_the_start_up_probe_measures_each_link_in_its_own_groups():
+    """exchange_gibps / inter_node_gibps auto: inside a node, every node's ranks at once; between nodes, each local
+    rank's ranks across them; a node of one rank has nothing inside it, so the link between nodes stands for it; on
+    one node nothing is between nodes. Made and ended each time, alike on every rank."""
+    from dist_harness import run_distributed
+
+    results = run_distributed(_start_up_tiers, 4)
+    faked, real = results[0]
+    assert faked == [(1.0, 0.25), (0.125, 0.125), (0.125, None), (None, 0.25)]
+    assert all(r == results[0] for r in results) and real[0] > 0 and real[1] > 0
+
+
 def test_emulated_nodes_number_ranks_node_by_node_and_the_probe_measures_each_tier():
     from attnpool.comm.probe import tier_groups
 
@@ -468,6 +501,20 @@ def test_exchange_gibps_is_a_cad_setting_priced_as_the_run_checkpoints_and_overl
     one_node = with_measured_links(resolve_run_spec(TrainConfig(**base, exchange_gibps="auto",
                                                                 inter_node_gibps="auto"), 2, None, "cpu"), 2, 9.0, None)
     assert (one_node.config.attention.exchange_gibps, one_node.config.parallel.inter_node_gibps) == (9.0, None)
+    # measured only where the run's plans use it: cad, two servers or more, nodes for the link between them
+    from attnpool.train.spec import links_to_measure
+
+    both = dict(exchange_gibps="auto", inter_node_gibps="auto")
+    assert links_to_measure(spec) == (True, True)
+    assert links_to_measure(resolve_run_spec(TrainConfig(**base, **both), 2, None, "cpu")) == (True, False)
+    assert links_to_measure(resolve_run_spec(TrainConfig(**dict(nodes, attention="local"), inter_node_gibps="auto"),
+                                             4, None, "cpu")) == (False, False)
+    assert links_to_measure(resolve_run_spec(TrainConfig(**dict(base, nproc=1), **both), 1, None, "cpu")) == \
+        (False, False)
+    assert links_to_measure(resolve_run_spec(TrainConfig(**base, **both, tp=2), 2, None, "cpu")) == (False, False)
+    unused = with_measured_links(resolve_run_spec(TrainConfig(**dict(base, nproc=1), **both), 1, None, "cpu"), 1,
+                                 None, None)  # (an auto no plan would use: unset, not a rate of 0)
+    assert (unused.config.attention.exchange_gibps, unused.byte_seconds) == (None, 0.0)
     # a run's plans: on a link slow against the work, cad keeps every task at home where it moved some
     from attnpool.data import DocumentStream, stdlib_corpus
     from attnpool.train.planning import plan_batch
@@ -501,6 +548,8 @@ def test_the_simulator_prices_cads_bytes_as_a_run_with_exchange_gibps_would():
     assert priced["cad-serial"]["step_s"] == priced["local"]["step_s"]
     with pytest.raises(ConfigError, match="price_gibps"):
         SimConfig(**config, price_bytes=True, price_gibps=0.0).check()
+    with pytest.raises(ConfigError, match="price_gibps=2.5: prices cad's bytes: needs price_bytes"):
+        SimConfig(**config, price_gibps=2.5).check()
 
 
 def _train_priced_and_not(rank, world, out):
@@ -512,11 +561,24 @@ def _train_priced_and_not(rank, world, out):
 
     from attnpool.train import train
 
-    runs = {}
+    from unittest import mock
+
+    import torch
+
+    import attnpool.train.loop as loop
+    from attnpool.comm.probe import start_up_link_rates
+
+    runs = {"probed": start_up_link_rates(torch.device("cpu"), world, True, False)}
+
+    def measured_slow(*args):  # the start-up's probe as it runs, its figure a link far too slow to move any
+        assert start_up_link_rates(*args)[0] > 0
+        return 1e-4, None
+
     for name, gibps in (("balanced", None), ("priced", 1e-4), ("measured", "auto")):
         config = tiny_config(Path(out) / name, attention="cad", cost_model="table", min_shard=None, steps=2,
                              tokens_per_rank=1024, pingpong=True, exchange_gibps=gibps)
-        result = train(config)
+        with mock.patch.object(loop, "start_up_link_rates", measured_slow):
+            result = train(config)
         runs[name] = ([row["loss"] for row in result.rows], [row["imbalance_after"] for row in result.rows],
                       [row["imbalance_before"] for row in result.rows], result.summary)
     return runs
@@ -527,15 +589,19 @@ def test_a_run_with_priced_bytes_trains_the_same_model_and_says_so(tmp_path, cap
     to move anything the plans keep every task at home (balance as local's); the summary names the price."""
     from dist_harness import run_distributed
 
-    runs = run_distributed(_train_priced_and_not, 2, str(tmp_path))[0]
+    both = run_distributed(_train_priced_and_not, 2, str(tmp_path))
+    runs = both[0]
     balanced, priced = runs["balanced"], runs["priced"]
+    # the start-up's probe: the same figure on every rank (the slowest rank's), of the link inside the node only
+    assert both[0]["probed"] == both[1]["probed"] and both[0]["probed"][0] > 0 and both[0]["probed"][1] is None
     np.testing.assert_allclose(priced[0], balanced[0], rtol=1e-5)
     assert priced[1] == priced[2] and balanced[1] != balanced[2]
     assert priced[3]["exchange_gibps"] == 1e-4 and balanced[3]["exchange_gibps"] is None
-    # auto: the link measured at the start (gloo's, here), planned with, and said so
+    # auto: the link measured at the start (here its figure replaced by a slow one), planned with, and said so
     measured = runs["measured"]
     np.testing.assert_allclose(measured[0], balanced[0], rtol=1e-5)
-    assert measured[3]["exchange_gibps"] > 0 and measured[3]["exchange_gibps_measured"]
+    assert measured[1] == measured[2]  # (the runner plans with the measured price: every task at home)
+    assert measured[3]["exchange_gibps"] == 1e-4 and measured[3]["exchange_gibps_measured"]
     assert not priced[3]["exchange_gibps_measured"]
     from attnpool.train.metrics import print_summary
 

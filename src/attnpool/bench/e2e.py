@@ -48,7 +48,7 @@ from attnpool.errors import ConfigError, TrainingError
 from attnpool.kernels.sparse import device_problem as sparse_device_problem
 from attnpool.model import model_config
 from attnpool.plan import KV_EXCHANGING, head_chunks_problem
-from attnpool.train.sections import link_rate_problem
+from attnpool.train.sections import MEASURED, link_rate_problem
 from attnpool.plan.ulysses import ulysses_problem
 from attnpool.sizes import parse_size
 from attnpool.train.config import TrainConfig
@@ -136,7 +136,7 @@ def run_one(name, dist_name, tokens, args, out_dir, trace=False):
             stop_at=stop_at, warmup_steps=2, lr=1e-4, seed=0,
             attention=attention, layout=layout, pingpong=pingpong, **sparse, hierarchical_exchange=relays_kv(name, args),
             head_chunks=head_chunks(name, args), exchange_gibps=args.exchange_gibps if attention == "cad" else None,
-            inter_node_gibps=args.inter_node_gibps,
+            inter_node_gibps=args.inter_node_gibps if attention == "cad" else None,
             activation_checkpointing=args.activation_checkpointing, activation_offload=args.activation_offload,
             precision="bf16", attention_backend=args.attention_backend,
             device=args.device, progress=False, checkpoint_every=-1,
@@ -178,7 +178,8 @@ def _with_prediction(result, config: TrainConfig) -> tuple[list, int | None, dic
              "pp_schedule": result.pp_schedule, "pp_schedule_choice": result.pp_schedule_choice,
              # the links' rates as planned with (measured at the run's start where auto)
              "head_chunks": config.attention.head_chunks, "exchange_gibps": result.exchange_gibps,
-             "exchange_gibps_measured": config.attention.exchange_gibps != result.exchange_gibps,
+             "exchange_gibps_measured": (config.attention.exchange_gibps == MEASURED
+                                         and result.exchange_gibps is not None),
              "inter_node_gibps": result.inter_node_gibps})
 
 

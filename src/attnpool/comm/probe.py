@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -62,31 +63,50 @@ def tier_groups(world: int, per_node: int) -> tuple[list[list[int]], list[list[i
     return inside, across
 
 
+def rates_in_groups(groups: list[list[int]], mib: int, iters: int, device: torch.device,
+                    timeout: timedelta | None = None) -> tuple[int, float]:
+    """:func:`all_to_all_rate` inside each of ``groups`` (lists of ranks covering the world) at once, in process
+    groups made for it and ended after it, so that no communicator keeps the all-to-all's buffers. Every rank calls
+    it with the same ``groups``."""
+    # (every rank makes every group, in the same order, as new_group requires)
+    group, made = dist.new_subgroups_by_enumeration(groups, timeout=timeout)
+    try:
+        return all_to_all_rate(mib, iters, device, group)
+    finally:
+        for each in made:
+            dist.destroy_process_group(each)
+
+
 def tier_rates(device: torch.device, per_node: int, mib: int, iters: int) -> dict[str, tuple[int, float]]:
     """Every tier's (bytes out per rank, slowest median seconds), by name: "" the whole world, and where the ranks
     span nodes of ``per_node`` also "intra_node" (where a node has several ranks) and "inter_node". Every rank calls
-    it; the tiers' groups are made and ended here."""
+    it."""
     world = dist.get_world_size()
-    rates = {"": all_to_all_rate(mib, iters, device)}
+    rates = {"": rates_in_groups([list(range(world))], mib, iters, device)}
     if world > per_node:
         inside, across = tier_groups(world, per_node)
         for name, groups in (("intra_node", inside), ("inter_node", across)):
-            if len(groups[0]) < 2:
-                continue
-            # (every rank makes every group, in the same order, as new_group requires)
-            group, made = dist.new_subgroups_by_enumeration(groups)
-            rates[name] = all_to_all_rate(mib, iters, device, group)
-            for each in made:
-                dist.destroy_process_group(each)
+            if len(groups[0]) > 1:
+                rates[name] = rates_in_groups(groups, mib, iters, device)
     return rates
 
 
-def start_up_link_rates(device: torch.device, per_node: int) -> tuple[float, float | None]:
-    """(GiB/s per GPU of the link inside a node, GiB/s per GPU between nodes or None on one node), measured now, the
-    same on every rank. Inside a node: the all-to-all of every node's ranks at once (on one node, all of them; where
-    each node holds one rank, nothing is inside a node and the whole world's rate stands for it)."""
-    rates = tier_rates(device, per_node, START_UP_MIB["cuda" if device.type == "cuda" else "cpu"], START_UP_ITERS)
-    gibps = {name: sent / seconds / 2**30 for name, (sent, seconds) in rates.items()}
+def start_up_link_rates(device: torch.device, per_node: int, inside: bool, between: bool,
+                        timeout: timedelta | None = None) -> tuple[float | None, float | None]:
+    """(GiB/s per GPU of the link inside a node, GiB/s per GPU between nodes), each measured now where asked (else
+    None), the same on every rank. Inside a node: the all-to-all of every node's ranks at once (on one node, all of
+    them; where each node holds one rank, nothing is inside a node and the link between nodes stands for it).
+    Between nodes: the all-to-all of each local rank's ranks across the nodes, every local rank at once."""
     world = dist.get_world_size()
-    inside = gibps.get("intra_node", gibps[""]) if world > per_node else gibps[""]
-    return inside, (gibps.get("inter_node", gibps[""]) if world > per_node else None)
+    mib = START_UP_MIB["cuda" if device.type == "cuda" else "cpu"]
+    node_ranks, across = tier_groups(world, per_node)
+
+    def gibps(groups) -> float:
+        sent, seconds = rates_in_groups(groups, mib, START_UP_ITERS, device, timeout)
+        return sent / seconds / 2**30
+
+    rates = (gibps(node_ranks if per_node > 1 else across) if inside else None,
+             gibps(across) if between and world > per_node else None)
+    if device.type == "cuda":  # (the buffers' blocks back to the device before the model is built)
+        torch.cuda.empty_cache()
+    return rates

@@ -144,7 +144,8 @@ class SimConfig:
             raise ConfigError("head_chunks", self.head_chunks, problem)
         if self.inter_node_byte_cost is not None and not self.inter_node_byte_cost > 0:
             raise ConfigError("inter_node_byte_cost", self.inter_node_byte_cost, "must be positive, or None")
-        problem = None if self.price_gibps is None else gibps_problem(self.price_gibps)
+        problem = None if self.price_gibps is None else gibps_problem(self.price_gibps) or (
+            None if self.price_bytes else "prices cad's bytes: needs price_bytes")
         if problem:
             raise ConfigError("price_gibps", self.price_gibps, problem)
 

@@ -57,13 +57,14 @@ from attnpool.train.metrics import (PLOT_FILE, SUMMARY_FILE, MetricsLog, Progres
 from attnpool.train.offload import pin_host_ahead
 from attnpool.train.optim import agree_finite, apply_optim_settings, build_optimizer, build_scheduler, clip_gradients
 from attnpool.train.schedule_choice import same_schedule
+from attnpool.train.sections import MEASURED
 from attnpool.train.planning import StepPlan
 from attnpool.train.resume import changes_data, verified_checkpoint, write_config
 from attnpool.train.runners import PlannedStep, build_runner
 from attnpool.train.setup import prepare
 from attnpool.train.signals import Preemption
-from attnpool.train.spec import (context_note, measures_links, rank_device, ranks_per_node, same_attention_backend,
-                                 with_measured_links)
+from attnpool.train.spec import (context_note, links_to_measure, measures_links, rank_device, ranks_per_node,
+                                 same_attention_backend, with_measured_links)
 
 
 @dataclass
@@ -197,15 +198,20 @@ class Trainer:
 
     def _measured_links(self):
         """The run's spec with the link rates left to measurement (exchange_gibps or inter_node_gibps auto)
-        measured now, on every rank alike (comm.probe: the slowest rank's), before anything is planned."""
+        measured now where its plans use them (spec.links_to_measure; unset where not), on every rank alike
+        (comm.probe: the slowest rank's), before anything is planned."""
+        inside, between = links_to_measure(self.spec)
         t0 = time.perf_counter()
-        per_node = ranks_per_node(self.config, self.world)
-        inside, between = start_up_link_rates(self.device, per_node)
-        if self.rank == 0:
-            print(f"links: all-to-all {inside:.1f} GiB/s per GPU inside a node"
-                  + (f", {between:.1f} between nodes" if between is not None else "")
-                  + f", measured for cad's planner in {time.perf_counter() - t0:.1f} s", flush=True)
-        return with_measured_links(self.spec, self.world, inside, between)
+        rates = start_up_link_rates(self.device, ranks_per_node(self.config, self.world), inside, between,
+                                    timedelta(seconds=self.config.faults.collective_timeout_s)) \
+            if inside or between else (None, None)
+        if self.rank == 0 and (inside or between):
+            measured = [f"{gibps:.1f} GiB/s per GPU {where}" for gibps, where in zip(rates, ("inside a node",
+                                                                                          "between nodes"))
+                        if gibps is not None]
+            print(f"links: all-to-all {', '.join(measured)}, measured for cad's planner in "
+                  f"{time.perf_counter() - t0:.1f} s", flush=True)
+        return with_measured_links(self.spec, self.world, *rates)
 
     def _compile_position_kernel(self) -> None:
         """The backend's position kernel compiled before the first step, where a server may get several shards of
@@ -488,7 +494,9 @@ class Trainer:
                 "strategy": config.attention.strategy, "layout": config.attention.layout,
                 # cad's price of a byte: the link's rate as planned with, and whether it was measured (auto)
                 "exchange_gibps": spec.config.attention.exchange_gibps,
-                "exchange_gibps_measured": config.attention.exchange_gibps != spec.config.attention.exchange_gibps,
+                "exchange_gibps_measured": config.attention.exchange_gibps == MEASURED
+                and spec.config.attention.exchange_gibps is not None,
+                "inter_node_gibps": spec.config.parallel.inter_node_gibps,
                 "steps": config.optim.steps,
                 # what the memory settings resolved to: auto's choice of each layer's mode, and of activation offload
                 "activation_checkpointing": config.memory.activation_checkpointing,

@@ -439,9 +439,10 @@ def print_summary(summary: dict, files: list[str]) -> None:
     table.add_row("attention max/mean", f"local would have had {s['imbalance_local_mean']:.3f} (last step "
                                         f"{s['imbalance_local_last']:.3f}); {s['strategy']} reached "
                                         f"{s['imbalance_planned_mean']:.3f} (last step {s['imbalance_planned_last']:.3f})"
-                                        + (f", its bytes priced at {s['exchange_gibps']:.3g} GiB/s (exchange_gibps"
-                                           + (" auto, measured at the start)" if s.get("exchange_gibps_measured")
-                                              else ")") if s.get("exchange_gibps") is not None else ""))
+                                        + (f", its bytes priced at {s['exchange_gibps']:.3g} GiB/s (exchange_gibps "
+                                           "auto, measured at the start)" if s.get("exchange_gibps_measured") else
+                                           f", its bytes priced at {s['exchange_gibps']:g} GiB/s (exchange_gibps)"
+                                           if s.get("exchange_gibps") is not None else ""))
     # Ping-pong interleaves core attention with the linear layers, the pooled pipeline runs it over ticks: no time
     # of its own to report.
     attention = ("core attention interleaved with other work, all-to-all" if s["attention_time_s_mean"] is None

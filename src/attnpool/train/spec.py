@@ -304,16 +304,31 @@ def given_rate(gibps: float | str | None) -> float | None:
 
 
 def measures_links(config: TrainConfig) -> bool:
-    """Whether the run measures a link's rate at its start (exchange_gibps or inter_node_gibps auto)."""
+    """Whether the run leaves a link's rate to its start (exchange_gibps or inter_node_gibps auto)."""
     return MEASURED in (config.attention.exchange_gibps, config.parallel.inter_node_gibps)
 
 
-def with_measured_links(spec: RunSpec, world: int, inside_gibps: float, between_gibps: float | None) -> RunSpec:
+def links_to_measure(spec: RunSpec) -> tuple[bool, bool]:
+    """(the link inside a node, the link between nodes): which rates left to measurement (auto) the run's plans
+    would use, so that its start measures them. cad prices bytes, and needs two servers to move any (dp ranks, or
+    every stage's under the pooled schedule); a byte between nodes is priced where its dp ranks span nodes, which
+    the pooled schedule's flat exchange does not (attention_topology). An auto a run would not use is unset."""
+    config = spec.config
+    servers = spec.dims.dp * (spec.dims.pp if spec.pooled else 1)
+    cad = config.attention.strategy == "cad" and servers > 1
+    return (cad and config.attention.exchange_gibps == MEASURED,
+            cad and config.parallel.inter_node_gibps == MEASURED and spec.topology is not None and not spec.pooled)
+
+
+def with_measured_links(spec: RunSpec, world: int, inside_gibps: float | None,
+                        between_gibps: float | None) -> RunSpec:
     """``spec`` with the rates its config leaves to measurement (auto) set to the measured ones, GiB/s per GPU of
-    the link inside a node and between nodes (None on one node: unset), and its topology priced by them."""
+    the link inside a node and between nodes (None: not measured, unset), and its topology priced by them."""
     changed = {key: rate for key, setting, rate in (
         ("exchange_gibps", spec.config.attention.exchange_gibps, inside_gibps),
         ("inter_node_gibps", spec.config.parallel.inter_node_gibps, between_gibps)) if setting == MEASURED}
+    if not changed:
+        return spec
     config = spec.config.replace(**changed)
     return dataclasses.replace(spec, config=config, topology=attention_topology(config, spec.dims, world))
 

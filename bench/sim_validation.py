@@ -92,17 +92,8 @@ def run_settings(meta: dict, records: list[dict]) -> dict:
     chunks = {r.get("head_chunks", 1) for r in records} - {1}
     if len(chunks) > 1:
         raise SystemExit(f"runs with different head_chunks {sorted(chunks)}: compare them apart")
-    # the rate each cad run's planner priced its bytes at (exchange_gibps, measured at its start where auto: each
-    # run its own), and the link between nodes it priced a byte crossing at (inter_node_gibps), one for the runs
-    cad = [r for r in records if r["strategy"].startswith("cad")]
-    between = {r.get("inter_node_gibps") for r in cad}
-    if len(between) > 1:
-        raise SystemExit(f"cad runs planned with different inter_node_gibps {sorted(between, key=str)}: compare them "
-                         "apart")
     return {"layers": int(layers), "gpus_per_node": int(meta.get("ranks_per_node") or 0), "tp": tps.pop(),
             "head_chunks": chunks.pop() if chunks else 1,
-            "exchange_gibps": {r["strategy"]: r["exchange_gibps"] for r in cad if r.get("exchange_gibps") is not None},
-            "inter_node_gibps": between.pop() if between else None,
             "recompute": modes.pop() if modes else "linear", "attention_backend": meta.get("attention_backend"),
             "hierarchical": bool(meta.get("hierarchical_exchange")) or any(r.get("hierarchical_exchange")
                                                                            for r in records),
@@ -278,23 +269,20 @@ def main() -> int:
         if len(steps) != 1:
             raise SystemExit(f"{dist} {tokens}: runs with different warm-up or step counts {sorted(steps)}")
         batches = bench_batches(dist, tokens, world, *steps.pop(), tp=setting["tp"])
-        sims = {}
-
-        def sim_at(rate):  # cad planned at the rate its run priced at (None: balancing); the others alike at any
-            if rate not in sims:
-                sims[rate] = simulate_bench(dist, tokens, world, setting["tp"], per_node, setting["layers"],
-                                            setting["recompute"], setting["hierarchical"], batches, costs,
-                                            setting["head_chunks"], rate is not None, rate,
-                                            setting["inter_node_gibps"])
-            return sims[rate]
-
-        rates = {name: setting["exchange_gibps"].get(name) for name in measured if name.startswith("cad")}
-        for rate in dict.fromkeys(rates.values() or [None]):
-            sim_at(rate)
-        pairs = HIERARCHICAL_PAIRS if setting["hierarchical"] else next(iter(sims.values()))[1]
-        # (hierarchical: only cad's relayed rows, the simulator models the others' exchanges flat)
+        # Each cad run planned at the rates it was given or measured at its start (auto: each run its own): its
+        # bytes at exchange_gibps (None: balancing), a byte between nodes at the ratio to inter_node_gibps. The
+        # other strategies plan no moves, alike in any of these simulations.
+        prices = {name: (r.get("exchange_gibps"), r.get("inter_node_gibps")) for name, r in measured.items()
+                  if name.startswith("cad")}
+        sims = {price: simulate_bench(dist, tokens, world, setting["tp"], per_node, setting["layers"],
+                                      setting["recompute"], setting["hierarchical"], batches, costs,
+                                      setting["head_chunks"], price[0] is not None, *price)
+                for price in dict.fromkeys(prices.values() or [(None, None)])}
+        any_sim, pairs = next(iter(sims.values()))
+        if setting["hierarchical"]:  # (only cad's relayed rows: the simulator models the others' exchanges flat)
+            pairs = HIERARCHICAL_PAIRS
         for sim_name, bench_name in pairs.items():
-            sim = sim_at(rates[bench_name])[0] if bench_name in rates else next(iter(sims.values()))[0]
+            sim = sims[prices[bench_name]][0] if bench_name in prices else any_sim
             if bench_name not in measured or sim_name not in sim:
                 continue
             pred = np.asarray(sim[sim_name]["per_batch_step_s"])
@@ -302,7 +290,9 @@ def main() -> int:
             # A record kept from a run's printed summary (its e2e.json lost) has the total of its steps alone.
             meas = np.asarray(record["step_times_s"]) if record.get("step_times_s") else None
             total = float(meas.sum()) if meas is not None else float(record["total_time_s"])
+            price = prices.get(bench_name, (None, None))
             rows.append({"dist": dist, "tokens_per_gpu": tokens, "strategy": bench_name,
+                         "exchange_gibps": price[0], "inter_node_gibps": price[1],
                          "measured_total_s": total, "predicted_total_s": float(pred.sum()),
                          "error_total": float(pred.sum() / total - 1),
                          "error_per_step_mean_abs": (float(np.mean(np.abs(pred / meas - 1))) if meas is not None
@@ -316,11 +306,12 @@ def main() -> int:
              + (", cad with the hierarchical exchange" if setting["hierarchical"] else "")
              + (f", core attention in {setting['head_chunks']} groups of heads for local, wlb, percp and cad as run"
                 if setting["head_chunks"] > 1 else "")
-             + (", cad's planner pricing its bytes as the runs' exchange_gibps: " + ", ".join(
-                 f"{name} at {rate:.3g} GiB/s" for name, rate in setting["exchange_gibps"].items())
-                if setting["exchange_gibps"] else "")
-             + (f", a byte between nodes priced at {setting['inter_node_gibps']:g} GiB/s as the runs' inter_node_gibps"
-                if setting["inter_node_gibps"] is not None else "")
+             + (", cad's planner pricing its bytes as each run did (its record's exchange_gibps, inter_node_gibps): "
+                + "; ".join(f"{r['dist']} {r['tokens_per_gpu'] // 1024}K {r['strategy']} at {r['exchange_gibps']:.3g}"
+                            " GiB/s" + (f", {r['inter_node_gibps']:.3g} between nodes"
+                                        if r["inter_node_gibps"] is not None else "")
+                            for r in rows if r["exchange_gibps"] is not None)
+                if any(r["exchange_gibps"] is not None for r in rows) else "")
              + f", recompute {setting['recompute']} as the runs' checkpointing"
              + (offload_as_hidden(setting["activation_offload"]) if setting["activation_offload"] else "")
              + ". Command: `python bench/sim_validation.py "

@@ -42,8 +42,7 @@ def test_what_a_record_says_of_its_runs(validation):
     records = [{"strategy": "cad", "tp": 1, "layer_checkpointing": "all 32 layers full"}]
     assert validation.run_settings(meta, records) == {"layers": 32, "gpus_per_node": 2, "tp": 1, "recompute": "full",
                                                       "attention_backend": "fa4", "hierarchical": True,
-                                                      "activation_offload": [], "head_chunks": 1,
-                                                      "exchange_gibps": {}, "inter_node_gibps": None}
+                                                      "activation_offload": [], "head_chunks": 1}
     # activation offload: compared with its copies taken as hidden, and marked so
     offloaded = [{**records[0], "layer_checkpointing": "all 32 layers full, with activation offload"}]
     assert validation.run_settings(meta, offloaded)["activation_offload"] == ["cad"]
@@ -60,15 +59,6 @@ def test_what_a_record_says_of_its_runs(validation):
     assert validation.run_settings(meta, records)["head_chunks"] == 1
     with pytest.raises(SystemExit, match="different head_chunks"):
         validation.run_settings(meta, [{**records[0], "head_chunks": 2}, {**records[0], "head_chunks": 4}])
-    # the rate each cad run's planner priced its bytes at (exchange_gibps; auto measures one per run), which only
-    # cad reads; the link between nodes it priced at (inter_node_gibps), one per comparison
-    priced = [{**records[0], "exchange_gibps": 5.5}, {**records[0], "strategy": "local", "exchange_gibps": 9.0},
-              {**records[0], "strategy": "cad+pingpong", "exchange_gibps": 5.1}]
-    assert validation.run_settings(meta, priced)["exchange_gibps"] == {"cad": 5.5, "cad+pingpong": 5.1}
-    assert validation.run_settings(meta, [{**records[0], "inter_node_gibps": 40.0}])["inter_node_gibps"] == 40.0
-    with pytest.raises(SystemExit, match="different inter_node_gibps"):
-        validation.run_settings(meta, [{**records[0], "inter_node_gibps": 40.0},
-                                       {**records[0], "strategy": "cad+pingpong", "inter_node_gibps": None}])
     # what the comparison does not simulate is refused, not simulated as something else
     for changed, what in (({"pp": 2}, "pipeline stages"),):
         with pytest.raises(SystemExit, match=what):
@@ -109,8 +99,9 @@ def test_a_run_kept_from_its_printed_summary_is_compared_by_its_total(validation
 def test_a_run_whose_cad_priced_its_bytes_is_replayed_priced(validation, tmp_path):
     """Run 50 of the 2 x H200 full-depth record planned cad with exchange_gibps 5.5 on the emulated network, where it
     kept local's plan (the same bytes and balance as local's record). Replayed on a link of 200 GiB/s, at which
-    balancing would pay, the simulator still plans cad at the run's 5.5 (cad's prediction is local's); with that
-    record's price taken away (a copy), cad is planned balancing, as such a run plans."""
+    balancing would pay, the simulator still plans cad at the run's 5.5 (cad's prediction is local's). Each cad run
+    at its own rate, per configuration (auto measures one per run): beside it, the same runs at 64K with cad's
+    rate taken away (planned balancing, as such a run plans) leave the 128K rows as they were."""
     source = ROOT / "bench/results/2026-11-29-h200x2-full-depth-baselines.json"
 
     def replay(measured, name):
@@ -119,20 +110,22 @@ def test_a_run_whose_cad_priced_its_bytes_is_replayed_priced(validation, tmp_pat
         with mock.patch.object(sys, "argv", argv):
             assert validation.main() == 0
         (written,) = tmp_path.glob(f"*-sim-validation-{name}.json")
-        record = json.loads(written.read_text())
-        return record, {r["strategy"]: r for r in record["rows"]}
+        return {(r["tokens_per_gpu"], r["strategy"]): r for r in json.loads(written.read_text())["rows"]}
 
-    record, rows = replay(source, "priced")
-    assert record["settings"]["exchange_gibps"] == {"cad+pingpong": 5.5, "cad": 5.5}
-    assert rows["cad"]["predicted_s"] == rows["local"]["predicted_s"]
+    rows = replay(source, "priced")
+    assert rows[131072, "cad"]["exchange_gibps"] == rows[131072, "cad+pingpong"]["exchange_gibps"] == 5.5
+    assert rows[131072, "local"]["exchange_gibps"] is None
+    assert rows[131072, "cad"]["predicted_s"] == rows[131072, "local"]["predicted_s"]
     text = next(tmp_path.glob("*-sim-validation-priced.md")).read_text()
-    assert "cad+pingpong at 5.5 GiB/s, cad at 5.5 GiB/s" in text
+    assert "prolong 128K cad at 5.5 GiB/s; prolong 128K cad+pingpong at 5.5 GiB/s" in text
     data = json.loads(source.read_text())
-    for r in data["runs"][50]["records"]:
-        if r["strategy"] == "cad":
-            r["exchange_gibps"] = None
-    copy = tmp_path / "unpriced-cad.json"
+    run = data["runs"][50]
+    run["records"] += [{**r, "tokens_per_gpu": 65536, "exchange_gibps": None if r["strategy"] == "cad"
+                        else r["exchange_gibps"]} for r in run["records"]]
+    copy = tmp_path / "two-configurations.json"
     copy.write_text(json.dumps(data))
-    record, rows = replay(copy, "balanced-cad")
-    assert record["settings"]["exchange_gibps"] == {"cad+pingpong": 5.5}
-    assert rows["cad"]["predicted_s"] != rows["local"]["predicted_s"]
+    both = replay(copy, "two-configurations")
+    assert both[65536, "cad"]["exchange_gibps"] is None
+    assert both[65536, "cad"]["predicted_s"] != both[65536, "local"]["predicted_s"]
+    for key in rows:
+        assert both[key]["predicted_s"] == rows[key]["predicted_s"]

@@ -512,6 +512,13 @@ def test_exchange_gibps_is_a_cad_setting_priced_as_the_run_checkpoints_and_overl
     assert links_to_measure(resolve_run_spec(TrainConfig(**dict(base, nproc=1), **both), 1, None, "cpu")) == \
         (False, False)
     assert links_to_measure(resolve_run_spec(TrainConfig(**base, **both, tp=2), 2, None, "cpu")) == (False, False)
+    # pipeline stages: 1f1b plans over a stage's dp ranks (one here), pooled over every stage's, flat across nodes
+    staged = dict(pp=2, microbatches=2)
+    assert links_to_measure(resolve_run_spec(TrainConfig(**base, **both, **staged), 2, None, "cpu")) == (False, False)
+    assert links_to_measure(resolve_run_spec(TrainConfig(**base, **both, **staged, pp_schedule="pooled"), 2, None,
+                                             "cpu")) == (True, False)
+    assert links_to_measure(resolve_run_spec(TrainConfig(**nodes, **both, **staged, pp_schedule="pooled"), 4, None,
+                                             "cpu")) == (True, False)
     unused = with_measured_links(resolve_run_spec(TrainConfig(**dict(base, nproc=1), **both), 1, None, "cpu"), 1,
                                  None, None)  # (an auto no plan would use: unset, not a rate of 0)
     assert (unused.config.attention.exchange_gibps, unused.byte_seconds) == (None, 0.0)

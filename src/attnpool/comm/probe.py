@@ -70,11 +70,12 @@ def rates_in_groups(groups: list[list[int]], mib: int, iters: int, device: torch
     it with the same ``groups``."""
     # (every rank makes every group, in the same order, as new_group requires)
     group, made = dist.new_subgroups_by_enumeration(groups, timeout=timeout)
-    try:
-        return all_to_all_rate(mib, iters, device, group)
-    finally:
-        for each in made:
-            dist.destroy_process_group(each)
+    rate = all_to_all_rate(mib, iters, device, group)
+    # (ended after it went through: after a failed collective the run stops, and ending a group mid-failure on
+    # NCCL may hang or hide the first error)
+    for each in made:
+        dist.destroy_process_group(each)
+    return rate
 
 
 def tier_rates(device: torch.device, per_node: int, mib: int, iters: int) -> dict[str, tuple[int, float]]:
@@ -105,8 +106,11 @@ def start_up_link_rates(device: torch.device, per_node: int, inside: bool, betwe
         sent, seconds = rates_in_groups(groups, mib, START_UP_ITERS, device, timeout)
         return sent / seconds / 2**30
 
-    rates = (gibps(node_ranks if per_node > 1 else across) if inside else None,
-             gibps(across) if between and world > per_node else None)
+    inside_gibps = gibps(node_ranks if per_node > 1 else across) if inside else None
+    between_gibps = None
+    if between and world > per_node:  # (a node of one rank: its "inside" figure was this link's already)
+        between_gibps = inside_gibps if inside and per_node == 1 else gibps(across)
+    rates = inside_gibps, between_gibps
     if device.type == "cuda":  # (the buffers' blocks back to the device before the model is built)
         torch.cuda.empty_cache()
     return rates

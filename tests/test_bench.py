@@ -278,7 +278,7 @@ def summary_inputs():
                               hierarchical_exchange=False)
     as_run = {"layer_checkpointing": ("keep_attention",), "activation_offload": False, "pp_schedule": None,
               "pp_schedule_choice": None, "head_chunks": 1, "exchange_gibps": None,
-              "exchange_gibps_measured": False, "inter_node_gibps": None}
+              "exchange_gibps_measured": False, "inter_node_gibps": None, "inter_node_gibps_measured": False}
     return args, model_config("tiny", n_layers=1), as_run
 
 

@@ -299,7 +299,36 @@ def _start_up_tiers(rank, world):
     with mock.patch.object(probe, "all_to_all_rate", by_group):
         faked = [probe.start_up_link_rates(cpu, per_node, True, True) for per_node in (2, 1, 4)]
         faked.append(probe.start_up_link_rates(cpu, 2, False, True))
-    return faked, probe.start_up_link_rates(cpu, 2, True, True)
+    try:  # nodes of uneven sizes (LOCAL_WORLD_SIZE 2, 2, 1, 1): refused on every rank, before any group is made
+        probe.same_ranks_per_node(2 if rank < 2 else 1, cpu)
+        uneven = None
+    except ConfigError as error:
+        uneven = str(error)
+    return faked, probe.start_up_link_rates(cpu, 2, True, True), uneven
+
+
+def _train_across_two_nodes_with_measured_links(rank, world, out):
+    """A cad run over 2 nodes of 2 ranks with both links auto, the probe's figures replaced by 50 and 5 GiB/s: the
+    summary's rates, and the plan's price of a byte between nodes."""
+    from pathlib import Path
+    from unittest import mock
+
+    from test_train import tiny_config
+
+    import attnpool.train.loop as loop
+    from attnpool.train import train
+
+    config = tiny_config(Path(out), attention="cad", cost_model="table", min_shard=None, steps=1, tokens_per_rank=512,
+                         ranks_per_node=2, exchange_gibps="auto", inter_node_gibps="auto")
+    asked = []
+
+    def fixed(device, per_node, inside, between, timeout):
+        asked.append((per_node, inside, between))
+        return 50.0, 5.0
+
+    with mock.patch.object(loop, "start_up_link_rates", fixed):
+        result = train(config)
+    return asked, result.summary, result.exchange_gibps, result.inter_node_gibps
 
 
 def test_the_start_up_probe_measures_each_link_in_its_own_groups():
@@ -309,9 +338,21 @@ def test_the_start_up_probe_measures_each_link_in_its_own_groups():
     from dist_harness import run_distributed
 
     results = run_distributed(_start_up_tiers, 4)
-    faked, real = results[0]
+    faked, real, _ = results[0]
     assert faked == [(1.0, 0.25), (0.125, 0.125), (0.125, None), (None, 0.25)]
-    assert all(r == results[0] for r in results) and real[0] > 0 and real[1] > 0
+    assert all(r[:2] == results[0][:2] for r in results) and real[0] > 0 and real[1] > 0
+    assert all(f"ranks_per_node={2 if rank < 2 else 1}: differs between ranks (1 to 2" in uneven
+               for rank, (_, _, uneven) in enumerate(results))
+
+
+def test_a_run_across_nodes_measures_both_links_and_plans_with_them(tmp_path):
+    from dist_harness import run_distributed
+
+    asked, summary, inside, between = run_distributed(_train_across_two_nodes_with_measured_links, 4,
+                                                      str(tmp_path))[0]
+    assert asked == [(2, True, True)] and (inside, between) == (50.0, 5.0)
+    assert summary["exchange_gibps"] == 50.0 and summary["inter_node_gibps"] == 5.0
+    assert summary["exchange_gibps_measured"] and summary["inter_node_gibps_measured"]
 
 
 def test_emulated_nodes_number_ranks_node_by_node_and_the_probe_measures_each_tier():

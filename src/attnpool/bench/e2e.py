@@ -180,7 +180,9 @@ def _with_prediction(result, config: TrainConfig) -> tuple[list, int | None, dic
              "head_chunks": config.attention.head_chunks, "exchange_gibps": result.exchange_gibps,
              "exchange_gibps_measured": (config.attention.exchange_gibps == MEASURED
                                          and result.exchange_gibps is not None),
-             "inter_node_gibps": result.inter_node_gibps})
+             "inter_node_gibps": result.inter_node_gibps,
+             "inter_node_gibps_measured": (config.parallel.inter_node_gibps == MEASURED
+                                           and result.inter_node_gibps is not None)})
 
 
 def sparse_options(text: str) -> dict:
@@ -230,6 +232,7 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg, as_run: dict):
         "head_chunks": as_run["head_chunks"], "exchange_gibps": as_run["exchange_gibps"],
         "exchange_gibps_measured": as_run["exchange_gibps_measured"],
         "inter_node_gibps": as_run["inter_node_gibps"],
+        "inter_node_gibps_measured": as_run["inter_node_gibps_measured"],
         "pp_schedule": as_run["pp_schedule"],
         "pp_schedule_choice": as_run["pp_schedule_choice"],
         "step_time_s": step, "step_times_s": [r["step_time_s"] for r in measured],

@@ -18,6 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from attnpool.errors import ConfigError
+
 # Sizes per rank of a start-up measurement: large enough for NVLink's rate (its all-to-all reaches 77% of the
 # rate of 256 MiB at 64 MiB, 44% at 16 MiB: the shipped H200 profile's comm table), small enough to take under a
 # second on a slow link; on CPU (gloo, the tests) the rate means nothing, so a small one
@@ -90,6 +92,17 @@ def tier_rates(device: torch.device, per_node: int, mib: int, iters: int) -> dic
             if len(groups[0]) > 1:
                 rates[name] = rates_in_groups(groups, mib, iters, device)
     return rates
+
+
+def same_ranks_per_node(per_node: int, device: torch.device) -> None:
+    """Refuse, on every rank alike, a node size the ranks do not all take (torchrun's LOCAL_WORLD_SIZE where nodes
+    run different numbers of ranks): they would make different groups, and wait in them until the timeout."""
+    seen = torch.tensor([per_node, -per_node], dtype=torch.int64, device=device)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    low, high = -int(seen[1]), int(seen[0])
+    if (low, high) != (per_node, per_node):
+        raise ConfigError("ranks_per_node", per_node, f"differs between ranks ({low} to {high}: torchrun's "
+                                                      "LOCAL_WORLD_SIZE by node); set ranks_per_node")
 
 
 def start_up_link_rates(device: torch.device, per_node: int, inside: bool, between: bool,

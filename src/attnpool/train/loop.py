@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from attnpool.comm import agree, all_gather_flat, comm_stats
-from attnpool.comm.probe import start_up_link_rates
+from attnpool.comm.probe import same_ranks_per_node, start_up_link_rates
 from attnpool.comm.watchdog import RankRecords, is_collective_failure
 from attnpool.data import DocumentStream
 from attnpool.errors import ConfigError, TrainingError, storage_error
@@ -200,9 +200,11 @@ class Trainer:
         """The run's spec with the link rates left to measurement (exchange_gibps or inter_node_gibps auto)
         measured now where its plans use them (spec.links_to_measure; unset where not), on every rank alike
         (comm.probe: the slowest rank's), before anything is planned."""
+        per_node = ranks_per_node(self.config, self.world)
+        same_ranks_per_node(per_node, self.device)  # (which links a rank measures follows its nodes)
         inside, between = links_to_measure(self.spec)
         t0 = time.perf_counter()
-        rates = start_up_link_rates(self.device, ranks_per_node(self.config, self.world), inside, between,
+        rates = start_up_link_rates(self.device, per_node, inside, between,
                                     timedelta(seconds=self.config.faults.collective_timeout_s)) \
             if inside or between else (None, None)
         if self.rank == 0 and (inside or between):
@@ -497,6 +499,8 @@ class Trainer:
                 "exchange_gibps_measured": config.attention.exchange_gibps == MEASURED
                 and spec.config.attention.exchange_gibps is not None,
                 "inter_node_gibps": spec.config.parallel.inter_node_gibps,
+                "inter_node_gibps_measured": config.parallel.inter_node_gibps == MEASURED
+                and spec.config.parallel.inter_node_gibps is not None,
                 "steps": config.optim.steps,
                 # what the memory settings resolved to: auto's choice of each layer's mode, and of activation offload
                 "activation_checkpointing": config.memory.activation_checkpointing,

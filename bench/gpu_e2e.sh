@@ -95,6 +95,22 @@ case "$PHASE" in
       "${PYTHON:-python3}" bench/trace_breakdown.py "$trace" --json "${trace%.json.gz}-breakdown.json" &&
         [ "${KEEP_TRACES:-0}" = 0 ] && rm "$trace"
     done ;;
+  pretrain-trace)  # why cad+pingpong trails wlb at pretrain 256K on the emulated network (runs 46 and 54 of
+    # 2026-11-29-h200x2-full-depth-baselines.md: 107.6 GiB a step a GPU against 39.2, the simulator 9% low for it):
+    # one traced step each on the stream's batch 3 (warmed up on 16K batches), 4 layers, four groups of heads, broken
+    # down by phase (each exchange's time and the time it ran beside another collective); KEEP_TRACES=1 keeps them
+    export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_NSOCKS_PERTHREAD=4 \
+      NCCL_SOCKET_NTHREADS=4
+    probe emulated
+    emulated_or_stop emulated GiBps_out_per_rank
+    bench pretrain-trace --configs pretrain:256K --strategies wlb,cad+pingpong --trace wlb,cad+pingpong \
+      --activation-checkpointing full --head-chunks 4 --warmup 2 --warmup-tokens 16K --steps 1 --budget-s 400
+    for trace in "$OUT"/pretrain-trace/trace-*.json.gz; do
+      echo "$trace"
+      "${PYTHON:-python3}" bench/trace_breakdown.py "$trace" --json "${trace%.json.gz}-breakdown.json" &&
+        [ "${KEEP_TRACES:-0}" = 0 ] && rm "$trace"
+    done
+    probe_after emulated ;;
   two-tier|two-tier-hierarchical)  # issue 43: NODES (default 2) emulated nodes on this host (bench/torchrun_nodes.sh):
     # NVLink inside a node, NCCL's socket transport over loopback between them; every baseline, or cad with the
     # hierarchical exchange (a phase each: each fits a call), the network's tiers measured first

@@ -97,15 +97,20 @@ case "$PHASE" in
     done ;;
   pretrain-trace)  # why cad+pingpong trails wlb at pretrain 256K on the emulated network (runs 46 and 54 of
     # 2026-11-29-h200x2-full-depth-baselines.md: 107.6 GiB a step a GPU against 39.2, the simulator 9% low for it):
-    # one traced step each on the stream's batch 3 (warmed up on 16K batches), 4 layers, four groups of heads, broken
-    # down by phase (each exchange's time and the time it ran beside another collective); KEEP_TRACES=1 keeps them
+    # one traced step each on the stream's batch 3, 4 layers, four groups of heads, full checkpointing and offload as
+    # those runs, broken down by phase (each exchange's time and the time it ran beside another collective);
+    # KEEP_TRACES=1 keeps them. (--trace profiles the two steps after the measured ones, the second recorded: with
+    # one measured step and no warm-up, batch 1 is measured, batch 2, one 524,288-token document, warms the profiler
+    # up, and batch 3 is traced.)
     export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_NSOCKS_PERTHREAD=4 \
       NCCL_SOCKET_NTHREADS=4
     probe emulated
     emulated_or_stop emulated GiBps_out_per_rank
-    bench pretrain-trace --configs pretrain:256K --strategies wlb,cad+pingpong --trace wlb,cad+pingpong \
-      --activation-checkpointing full --head-chunks 4 --warmup 2 --warmup-tokens 16K --steps 1 --budget-s 400
+    bench pretrain-trace --configs pretrain:256K --strategies cad+pingpong,wlb --trace cad+pingpong,wlb \
+      --activation-checkpointing full --activation-offload --head-chunks 4 --warmup 0 --steps 1 \
+      --end-by-s $((480 - SECONDS))
     for trace in "$OUT"/pretrain-trace/trace-*.json.gz; do
+      [ -e "$trace" ] || continue
       echo "$trace"
       "${PYTHON:-python3}" bench/trace_breakdown.py "$trace" --json "${trace%.json.gz}-breakdown.json" &&
         [ "${KEEP_TRACES:-0}" = 0 ] && rm "$trace"

@@ -201,7 +201,8 @@ class Trainer:
         measured now where its plans use them (spec.links_to_measure; unset where not), on every rank alike
         (comm.probe: the slowest rank's), before anything is planned."""
         per_node = ranks_per_node(self.config, self.world)
-        same_ranks_per_node(per_node, self.device)  # (which links a rank measures follows its nodes)
+        if self.config.attention.strategy == "cad":  # (which links a rank measures follows its nodes)
+            same_ranks_per_node(per_node, self.device)
         inside, between = links_to_measure(self.spec)
         t0 = time.perf_counter()
         rates = start_up_link_rates(self.device, per_node, inside, between,

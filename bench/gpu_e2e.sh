@@ -95,27 +95,33 @@ case "$PHASE" in
       "${PYTHON:-python3}" bench/trace_breakdown.py "$trace" --json "${trace%.json.gz}-breakdown.json" &&
         [ "${KEEP_TRACES:-0}" = 0 ] && rm "$trace"
     done ;;
-  pretrain-trace)  # why cad+pingpong trails wlb at pretrain 256K on the emulated network (runs 46 and 54 of
-    # 2026-11-29-h200x2-full-depth-baselines.md: 107.6 GiB a step a GPU against 39.2, the simulator 9% low for it):
-    # one traced step each on the stream's batch 3, 4 layers, four groups of heads, full checkpointing and offload as
-    # those runs, broken down by phase (each exchange's time and the time it ran beside another collective);
-    # KEEP_TRACES=1 keeps them. (--trace profiles the two steps after the measured ones, the second recorded: with
-    # one measured step and no warm-up, batch 1 is measured, batch 2, one 524,288-token document, warms the profiler
-    # up, and batch 3 is traced.)
-    export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_NSOCKS_PERTHREAD=4 \
-      NCCL_SOCKET_NTHREADS=4
-    probe emulated
-    emulated_or_stop emulated GiBps_out_per_rank
-    bench pretrain-trace --configs pretrain:256K --strategies cad+pingpong,wlb --trace cad+pingpong,wlb \
-      --activation-checkpointing full --activation-offload --head-chunks 4 --warmup 0 --steps 1 \
-      --end-by-s $((480 - SECONDS))
-    for trace in "$OUT"/pretrain-trace/trace-*.json.gz; do
+  pretrain-trace|pretrain-trace-nvlink)  # why cad+pingpong trails the best baseline at pretrain 256K on 2 GPUs (runs
+    # 43, 46 and 54 of 2026-11-29-h200x2-full-depth-baselines.md): on the emulated network wlb (107.6 GiB a step a GPU
+    # against 39.2, the simulator 9% low for cad+pingpong), on NVLink Ulysses (0.975x, the simulator a tie). One
+    # traced step each on the stream's batch 3, 4 layers, four groups of heads on the emulated network, full
+    # checkpointing and offload as those runs, broken down by phase (each exchange's time and the time it ran beside
+    # another collective); KEEP_TRACES=1 keeps them. (--trace profiles the two steps after the measured ones, the
+    # second recorded: with one measured step and no warm-up, batch 1 is measured, batch 2, one 524,288-token
+    # document, warms the profiler up, and batch 3 is traced.)
+    if [ "$PHASE" = pretrain-trace ]; then
+      export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_NSOCKS_PERTHREAD=4 \
+        NCCL_SOCKET_NTHREADS=4
+      network=emulated traced=cad+pingpong,wlb chunks=4
+      probe emulated
+      emulated_or_stop emulated GiBps_out_per_rank
+    else
+      network=nvlink traced=cad+pingpong,ulysses chunks=1
+      probe nvlink
+    fi
+    bench "$PHASE" --configs pretrain:256K --strategies $traced --trace $traced --activation-checkpointing full \
+      --activation-offload --head-chunks $chunks --warmup 0 --steps 1 --end-by-s $((480 - SECONDS))
+    for trace in "$OUT/$PHASE"/trace-*.json.gz; do
       [ -e "$trace" ] || continue
       echo "$trace"
       "${PYTHON:-python3}" bench/trace_breakdown.py "$trace" --json "${trace%.json.gz}-breakdown.json" &&
         [ "${KEEP_TRACES:-0}" = 0 ] && rm "$trace"
     done
-    probe_after emulated ;;
+    if [ "$network" = emulated ]; then probe_after emulated; fi ;;
   two-tier|two-tier-hierarchical)  # issue 43: NODES (default 2) emulated nodes on this host (bench/torchrun_nodes.sh):
     # NVLink inside a node, NCCL's socket transport over loopback between them; every baseline, or cad with the
     # hierarchical exchange (a phase each: each fits a call), the network's tiers measured first
@@ -219,7 +225,7 @@ case "$PHASE" in
   # SCHEDULES and ABLATION: pooled_runs above.
   pooled-pp4) pooled_runs pooled-pp4 --pp 4 --steps 3 ;;
   pooled-pp2dp2) pooled_runs pooled-pp2dp2 --pp 2 --configs prolong:64K,pretrain:64K --steps 2 ;;
-  *) phases="smoke|baselines|baselines-emulated|copies|two-tier|two-tier-hierarchical|windows|prolong128|prolong256|pretrain64"
+  *) phases="smoke|baselines|baselines-emulated|copies|emulated-trace|pretrain-trace|pretrain-trace-nvlink|two-tier|two-tier-hierarchical|windows|prolong128|prolong256|pretrain64"
      phases="$phases|pretrain64-memory|prolong64|pretrain128|pretrain128-baselines|pretrain256|pretrain256-baselines"
      echo "usage: bash bench/gpu_e2e.sh $phases|prolong256-baselines|prolong256-sparse-pingpong|full-depth128|full-depth256|full-depth128-pretrain-cad|full-depth128-pretrain-local|full-depth256-baselines|full-depth256-sparse|parallel34b-tp4|parallel34b-pp2tp2|parallel34b-dp4|parallel8b-tp2|pooled-pp2|pooled-pp4|pooled-pp2dp2 [BENCH ARGS...]" >&2
      exit 2 ;;

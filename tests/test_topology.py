@@ -330,7 +330,7 @@ def _train_across_two_nodes_with_measured_links(rank, world, out):
 
     with mock.patch.object(loop, "start_up_link_rates", fixed):
         result = train(config)
-    return asked, result.summary, result.exchange_gibps, result.inter_node_gibps
+    return asked, result.summary, result.link_rates["exchange_gibps"], result.link_rates["inter_node_gibps"]
 
 
 def test_the_start_up_probe_measures_each_link_in_its_own_groups():

@@ -48,7 +48,7 @@ from attnpool.errors import ConfigError, TrainingError
 from attnpool.kernels.sparse import device_problem as sparse_device_problem
 from attnpool.model import model_config
 from attnpool.plan import KV_EXCHANGING, head_chunks_problem
-from attnpool.train.sections import MEASURED, link_rate_problem
+from attnpool.train.sections import link_rate_problem
 from attnpool.plan.ulysses import ulysses_problem
 from attnpool.sizes import parse_size
 from attnpool.train.config import TrainConfig
@@ -177,12 +177,7 @@ def _with_prediction(result, config: TrainConfig) -> tuple[list, int | None, dic
             {"layer_checkpointing": result.layer_checkpointing, "activation_offload": result.activation_offload,
              "pp_schedule": result.pp_schedule, "pp_schedule_choice": result.pp_schedule_choice,
              # the links' rates as planned with (measured at the run's start where auto)
-             "head_chunks": config.attention.head_chunks, "exchange_gibps": result.exchange_gibps,
-             "exchange_gibps_measured": (config.attention.exchange_gibps == MEASURED
-                                         and result.exchange_gibps is not None),
-             "inter_node_gibps": result.inter_node_gibps,
-             "inter_node_gibps_measured": (config.parallel.inter_node_gibps == MEASURED
-                                           and result.inter_node_gibps is not None)})
+             "head_chunks": config.attention.head_chunks, **result.link_rates})
 
 
 def sparse_options(text: str) -> dict:

@@ -390,24 +390,22 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
                 opt_a[over], opt_b[over] = new_a, new_b
                 moved[over] = cost(new_a, new_b, items.doc[it][of])
                 after[over] = loads[receiver[over]] + moved[over]
-        # Every option's bytes: Q out + O back + KV the receiver lacks (the part's keys [first key, b) less what it
-        # holds of them)
-        first_key = key_start(opt_a, window)
-        held_start, held_end = _three(held[:, 0]), _three(held[:, 1])
-        overlap = np.maximum(0, np.minimum(opt_b, held_end) - np.maximum(first_key, held_start))
-        nbytes = qo_bytes * (opt_b - opt_a) + kv_bytes * (opt_b - first_key - overlap)
-        if nodes is not None:  # the item's Q (and, mostly, its KV) comes from its piece's rank
-            crossing = nodes[table.rank[_three(items.piece[it])]] != nodes[receiver]
-            inside = 0.0  # KV bytes of a crossing move that come from a relay inside the receiver's node
-            if relays:
-                n, g = node_of[receiver], _three(items.doc[it])
-                in_node = np.maximum(0, np.minimum(opt_b, node_end[n, g]) - np.maximum(first_key, node_start[n, g]))
-                inside = kv_bytes * np.maximum(0, in_node - overlap)
-            nbytes = np.where(crossing, (nbytes - inside) * topology.inter_node_byte_cost + inside, nbytes)
-        back = float(shape.o_bytes) * (opt_b - opt_a)  # (O back, of nbytes)
-        if nodes is not None:
-            back = np.where(crossing, back * topology.inter_node_byte_cost, back)
         fits = valid & (after <= mean * (1.0 + tol))
+        if fits.any() or byte_seconds:
+            # Every option's bytes: Q out + O back + KV the receiver lacks (the part's keys [first key, b) less what
+            # it holds of them): to choose among the options that fit, and where priced to count the move's
+            first_key = key_start(opt_a, window)
+            held_start, held_end = _three(held[:, 0]), _three(held[:, 1])
+            overlap = np.maximum(0, np.minimum(opt_b, held_end) - np.maximum(first_key, held_start))
+            nbytes = qo_bytes * (opt_b - opt_a) + kv_bytes * (opt_b - first_key - overlap)
+            if nodes is not None:  # the item's Q (and, mostly, its KV) comes from its piece's rank
+                crossing = nodes[table.rank[_three(items.piece[it])]] != nodes[receiver]
+                inside = 0.0  # KV bytes of a crossing move that come from a relay inside the receiver's node
+                if relays:
+                    n, g = node_of[receiver], _three(items.doc[it])
+                    in_node = np.maximum(0, np.minimum(opt_b, node_end[n, g]) - np.maximum(first_key, node_start[n, g]))
+                    inside = kv_bytes * np.maximum(0, in_node - overlap)
+                nbytes = np.where(crossing, (nbytes - inside) * topology.inter_node_byte_cost + inside, nbytes)
         if fits.any():  # fewest bytes per unit of work
             best = int(np.argmin(np.where(fits, nbytes / np.where(fits, moved, 1.0), np.inf)))
         else:
@@ -429,12 +427,15 @@ def _greedy(table: PieceTable, start_tasks, cost, cost1, exact_cost: bool, min_s
             ma, mb, mcost = _refine_cut(lambda x, y: cost1(x, y, g), kind, int(a[c]), int(b[c]), ma, mb, float(delta[c]),
                                         mean * (1.0 + tol) - loads[r], min_shard_tokens, mcost, window)
         undo.append((i, int(items.server[i]), int(items.a[i]), int(items.b[i]), float(items.cost[i]), items.n))
-        if byte_seconds:  # Q and KV out from the piece's rank to the receiver, O back
+        if byte_seconds:  # Q and KV out from the piece's rank to the receiver, O back (of nbytes)
+            back = float(shape.o_bytes) * (opt_b[best] - opt_a[best])
+            if nodes is not None and crossing[best]:
+                back *= topology.inter_node_byte_cost
             sender = int(table.rank[items.piece[i]])
-            directions[0, sender] += nbytes[best] - back[best]
-            directions[1, r] += nbytes[best] - back[best]
-            directions[2, r] += back[best]
-            directions[3, sender] += back[best]
+            directions[0, sender] += nbytes[best] - back
+            directions[1, r] += nbytes[best] - back
+            directions[2, r] += back
+            directions[3, sender] += back
         if kind == WHOLE:
             items.server[i] = r
             movable[d].remove(i)

@@ -25,7 +25,7 @@ from collections import Counter
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import numpy as np
@@ -57,14 +57,13 @@ from attnpool.train.metrics import (PLOT_FILE, SUMMARY_FILE, MetricsLog, Progres
 from attnpool.train.offload import pin_host_ahead
 from attnpool.train.optim import agree_finite, apply_optim_settings, build_optimizer, build_scheduler, clip_gradients
 from attnpool.train.schedule_choice import same_schedule
-from attnpool.train.sections import MEASURED
 from attnpool.train.planning import StepPlan
 from attnpool.train.resume import changes_data, verified_checkpoint, write_config
 from attnpool.train.runners import PlannedStep, build_runner
 from attnpool.train.setup import prepare
 from attnpool.train.signals import Preemption
-from attnpool.train.spec import (context_note, links_to_measure, measures_links, rank_device, ranks_per_node,
-                                 same_attention_backend, with_measured_links)
+from attnpool.train.spec import (context_note, link_rates, links_to_measure, measures_links, rank_device,
+                                 ranks_per_node, same_attention_backend, with_measured_links)
 
 
 @dataclass
@@ -88,9 +87,8 @@ class TrainResult:
     activation_offload: bool = False  # as it ran (auto may turn it on)
     pp_schedule: str | None = None  # the pipeline schedule as it ran (None without pipeline stages)
     pp_schedule_choice: dict | None = None  # pp_schedule auto's choice and why (ScheduleChoice.to_dict)
-    # the links' rates cad's planner priced its bytes at, GiB/s per GPU (measured at the start where auto), or None
-    exchange_gibps: float | None = None
-    inter_node_gibps: float | None = None
+    # the links' rates cad's planner priced its bytes at, and whether each was measured at the start (spec.link_rates)
+    link_rates: dict = field(default_factory=dict)
 
     @property
     def losses(self) -> list[float]:
@@ -205,8 +203,7 @@ class Trainer:
             same_ranks_per_node(per_node, self.device)
         inside, between = links_to_measure(self.spec)
         t0 = time.perf_counter()
-        rates = start_up_link_rates(self.device, per_node, inside, between,
-                                    timedelta(seconds=self.config.faults.collective_timeout_s)) \
+        rates = start_up_link_rates(self.device, per_node, inside, between, self.mesh.timeout) \
             if inside or between else (None, None)
         if self.rank == 0 and (inside or between):
             measured = [f"{gibps:.1f} GiB/s per GPU {where}" for gibps, where in zip(rates, ("inside a node",
@@ -350,8 +347,7 @@ class Trainer:
         choice = self.spec.schedule_choice
         return TrainResult(self.log.rows, self.model, summary, self.setup.memory, tuple(modes),
                            self.spec.activation_offload, self.spec.pp_schedule if self.spec.dims.pp > 1 else None,
-                           choice.to_dict() if choice is not None else None,
-                           self.spec.config.attention.exchange_gibps, self.spec.config.parallel.inter_node_gibps)
+                           choice.to_dict() if choice is not None else None, link_rates(self.config, self.spec))
 
     def train_step(self, preemption: Preemption) -> StepEnd:
         """One optimizer step, on every rank."""
@@ -495,13 +491,7 @@ class Trainer:
                 "predicted_device_bytes": memory.peak_bytes if checked else None,
                 "tokens_per_rank": config.data.tokens_per_rank, "microbatches": config.parallel.microbatches,
                 "strategy": config.attention.strategy, "layout": config.attention.layout,
-                # cad's price of a byte: the link's rate as planned with, and whether it was measured (auto)
-                "exchange_gibps": spec.config.attention.exchange_gibps,
-                "exchange_gibps_measured": config.attention.exchange_gibps == MEASURED
-                and spec.config.attention.exchange_gibps is not None,
-                "inter_node_gibps": spec.config.parallel.inter_node_gibps,
-                "inter_node_gibps_measured": config.parallel.inter_node_gibps == MEASURED
-                and spec.config.parallel.inter_node_gibps is not None,
+                **link_rates(config, spec),  # (cad's price of a byte: the links' rates as planned with)
                 "steps": config.optim.steps,
                 # what the memory settings resolved to: auto's choice of each layer's mode, and of activation offload
                 "activation_checkpointing": config.memory.activation_checkpointing,

@@ -436,12 +436,12 @@ def print_summary(summary: dict, files: list[str]) -> None:
     table.add_row("throughput", f"{_fmt_rate(s['steady_tokens_per_s'])} tokens/s steady (median of steps "
                                 f"{s['steady_from_step']}..{last}{mfu}); {_fmt_rate(s['tokens_per_s'])} tokens/s over "
                                 f"all, {s['step_time_s_mean']:.3f} s/step")
+    measured = s.get("exchange_gibps_measured")
     table.add_row("attention max/mean", f"local would have had {s['imbalance_local_mean']:.3f} (last step "
                                         f"{s['imbalance_local_last']:.3f}); {s['strategy']} reached "
                                         f"{s['imbalance_planned_mean']:.3f} (last step {s['imbalance_planned_last']:.3f})"
-                                        + (f", its bytes priced at {s['exchange_gibps']:.3g} GiB/s (exchange_gibps "
-                                           "auto, measured at the start)" if s.get("exchange_gibps_measured") else
-                                           f", its bytes priced at {s['exchange_gibps']:g} GiB/s (exchange_gibps)"
+                                        + (f", its bytes priced at {s['exchange_gibps']:{'.3g' if measured else 'g'}} "
+                                           f"GiB/s (exchange_gibps{' auto, measured at the start' if measured else ''})"
                                            if s.get("exchange_gibps") is not None else ""))
     # Ping-pong interleaves core attention with the linear layers, the pooled pipeline runs it over ticks: no time
     # of its own to report.

@@ -333,6 +333,18 @@ def with_measured_links(spec: RunSpec, world: int, inside_gibps: float | None,
     return dataclasses.replace(spec, config=config, topology=attention_topology(config, spec.dims, world))
 
 
+def link_rates(config: TrainConfig, spec: RunSpec) -> dict:
+    """The links' rates cad's planner priced its bytes at (GiB/s per GPU, or None) as ``spec`` runs ``config``, and
+    whether each was measured at the run's start (auto): what the run's summary and bench records keep."""
+    used = spec.config
+    return {"exchange_gibps": used.attention.exchange_gibps,
+            "exchange_gibps_measured": config.attention.exchange_gibps == MEASURED
+            and used.attention.exchange_gibps is not None,
+            "inter_node_gibps": used.parallel.inter_node_gibps,
+            "inter_node_gibps_measured": config.parallel.inter_node_gibps == MEASURED
+            and used.parallel.inter_node_gibps is not None}
+
+
 def ranks_per_node(config: TrainConfig, world: int) -> int:
     """The ranks of one node: ``ranks_per_node``, else torchrun's LOCAL_WORLD_SIZE, else all ``world`` on one."""
     return config.parallel.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))

@@ -18,8 +18,10 @@
 3. The server step itself (runtime.core_attention.serve_forward / serve_backward, what _Serve runs between
    its exchanges) on layouts made by a plan: rank 0 of two serves some of the document's query shards
    ("all": every shard, which the plan makes one task and the runtime one causal segment; "odd", "every
-   4th", "first and last 8": shards that do not continue each other, which fa4 serves as one call over
-   the document's unique keys at the queries' positions, and flash as prefix copies).
+   4th", "first and last 8", "first and last quarter": shards that do not continue each other, which fa4
+   serves without copies, as one call over the document's unique keys at the queries' positions, or with
+   at most runtime.dispatch.MAX_CAUSAL_CALL_SEGMENTS segments as a causal call per segment over the keys it
+   reads, then also timed as one position call ("fa4 position call"); flash serves them as prefix copies).
    fa4 and flash in the same run; TFLOP/s from causal pairs (forward 4 * D * H_q * pairs, forward+backward
    3.5x that); medians of several runs after a warm-up that includes FA4's compilation.
 
@@ -56,6 +58,7 @@ from attnpool.kernels import Backend, get_backend, reference
 from attnpool.sizes import parse_size
 from attnpool.plan.documents import DocPiece, PieceTable
 from attnpool.plan.plan import make_plan
+from attnpool.runtime import dispatch
 from attnpool.runtime.core_attention import serve_backward, serve_forward
 from attnpool.runtime.dispatch import (BACKWARD_GROUP_KEYS, DispatchLayout, PrefixCopies, SegmentRows,
                                       backward_in_parts, segment_groups)
@@ -227,7 +230,7 @@ def add_speedups_over_flash(rows: list[dict]) -> dict:
     by = {(r["backend"], r["path"]): r for r in rows if "error" not in r}
     for r in rows:
         flash_row = by.get(("flash", r["path"]))
-        if r["backend"] == "fa4" and "error" not in r and flash_row:
+        if r["backend"] in ("fa4", "fa4 position call") and "error" not in r and flash_row:
             r["fwd_bwd_speedup_over_flash"] = flash_row["fwd_bwd_ms"] / r["fwd_bwd_ms"]
             r["fwd_speedup_over_flash"] = flash_row["fwd_ms"] / r["fwd_ms"]
     return by
@@ -326,15 +329,31 @@ def bench_layout(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, reps,
     return rows
 
 
-def server_layout(doc_len: int, shard: int, served, device):
+def server_layout(doc_len: int, shard: int, served, device, position_call: bool = False):
     """Rank 0's DispatchLayout where a plan of two ranks has rank 0 hold the whole document and serve the
-    query shards ``served`` (indices), rank 1 the others: the runtime's own cut of that work into calls."""
+    query shards ``served`` (indices), rank 1 the others: the runtime's own cut of that work into calls
+    (``position_call``: a split document in one position call however few its segments)."""
     pieces = PieceTable.from_pieces([[DocPiece(0, doc_len, 0, doc_len)], []])
     count = doc_len // shard
     start = np.arange(count) * shard
     server = np.where(np.isin(np.arange(count), served), 0, 1)
     plan = make_plan("bench", pieces, np.zeros(count), start, start + shard, np.zeros(count), server, shard)
-    return plan, DispatchLayout.build(plan, 0, device)
+    kept = dispatch.MAX_CAUSAL_CALL_SEGMENTS
+    dispatch.MAX_CAUSAL_CALL_SEGMENTS = 1 if position_call else kept
+    try:
+        return plan, DispatchLayout.build(plan, 0, device)
+    finally:
+        dispatch.MAX_CAUSAL_CALL_SEGMENTS = kept
+
+
+def calls_made(L: DispatchLayout, backend: Backend) -> str:
+    """How the server step calls the kernel on layout ``L`` under ``backend``."""
+    k_len = L.segment_keys
+    if L.documents is None or backend.positions is None:
+        return "one causal segment" if L.kv_expand_identity else f"{len(k_len)} segments, prefix copies"
+    D = L.documents
+    return ", ".join([f"{len(D.calls)} document call"] * bool(D.calls)
+                     + [f"{sum(map(len, D.segmented))} causal calls"] * bool(D.segmented))
 
 
 def server_layouts(doc_len: int, shard: int):
@@ -348,14 +367,18 @@ def server_layouts(doc_len: int, shard: int):
 
 def bench_server_step(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, reps) -> list[dict]:
     """The server step on each layout with fa4, fa4 made to copy prefixes as flash does ("fa4 copies": where
-    one call beats the copies), and flash."""
-    backends = {"fa4": backends["fa4"], "fa4 copies": dataclasses.replace(backends["fa4"], positions=None),
-                "flash": backends["flash"]}
+    one call beats the copies), fa4 in one position call where it makes a causal call per segment ("fa4
+    position call"), and flash."""
+    fa4 = backends["fa4"]
+    backends = {"fa4": fa4, "fa4 copies": dataclasses.replace(fa4, positions=None), "flash": backends["flash"]}
     gen = torch.Generator(device=device).manual_seed(1)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
     for name, served in server_layouts(doc_len, shard).items():
         plan, L = server_layout(doc_len, shard, served, device)
+        runs = {label: (backend, L) for label, backend in backends.items()}
+        if L.documents is not None and L.documents.segmented:
+            runs["fa4 position call"] = (fa4, server_layout(doc_len, shard, served, device, position_call=True)[1])
         doc, q_len, k_len = plan.kernel_segments(0)
         pairs = float(((k_len - q_len + 1 + k_len) * q_len / 2).sum())  # each segment's rows see k - q + 1 .. k keys
         fwd_flops = 4.0 * dim * n_q * pairs
@@ -366,35 +389,34 @@ def bench_server_step(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, 
         q, dout, k, v = randn(L.num_server_q, n_q), randn(L.num_server_q, n_q), randn(L.num_unique_kv, n_kv), \
             randn(L.num_unique_kv, n_kv)
         grads = {}
-        for label, backend in backends.items():  # the backends' gradients on this layout, compared below
+        for label, (backend, layout) in runs.items():  # the gradients on this layout, compared below
             try:
-                out, lse = serve_forward(L, backend, q, k, v)
-                grads[label] = serve_backward(L, backend, dout, q, k, v, out, lse)
+                out, lse = serve_forward(layout, backend, q, k, v)
+                grads[label] = serve_backward(layout, backend, dout, q, k, v, out, lse)
                 del out, lse
             except Exception as error:  # the timing below records it
                 grads[label] = repr(error)
-        fa4_vs_flash = None
-        if all(isinstance(g, tuple) for g in grads.values()):  # max |difference| / max |flash's|
-            fa4_vs_flash = {name: ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
-                            for name, a, b in zip(("dq", "dk", "dv"), grads["fa4"], grads["flash"])}
+        vs_flash = {}  # max |difference| / max |flash's|
+        if isinstance(grads["flash"], tuple):
+            vs_flash = {label: {name: ((a.float() - b.float()).abs().max()
+                                       / b.float().abs().max().clamp_min(1e-30)).item()
+                                for name, a, b in zip(("dq", "dk", "dv"), grads[label], grads["flash"])}
+                        for label in ("fa4", "fa4 position call") if isinstance(grads.get(label), tuple)}
         del grads
-        for label, backend in backends.items():
-            documents = L.documents is not None and backend.positions is not None
-            calls = (f"{len(L.documents.calls)} document call" if documents else
-                     "one causal segment" if L.kv_expand_identity else f"{len(k_len)} segments, prefix copies")
+        for label, (backend, layout) in runs.items():
 
             def forward():
-                return serve_forward(L, backend, q, k, v)
+                return serve_forward(layout, backend, q, k, v)
 
             def forward_backward():
-                out, lse = serve_forward(L, backend, q, k, v)
-                return serve_backward(L, backend, dout, q, k, v, out, lse)
+                out, lse = serve_forward(layout, backend, q, k, v)
+                return serve_backward(layout, backend, dout, q, k, v, out, lse)
 
             row = dict(backend=label, path=f"server step: {name}", doc_len=doc_len, shard=shard, shards=len(served),
-                       segments=len(k_len), calls=calls, query_rows=L.num_server_q, unique_kv_rows=L.num_unique_kv,
-                       expanded_kv_rows=int(k_len.sum()))
-            if label == "fa4" and fa4_vs_flash:
-                row["grads_vs_flash"] = fa4_vs_flash
+                       segments=len(k_len), calls=calls_made(layout, backend), query_rows=L.num_server_q,
+                       unique_kv_rows=L.num_unique_kv, expanded_kv_rows=int(k_len.sum()))
+            if label in vs_flash:
+                row["grads_vs_flash"] = vs_flash[label]
             rows.append(timed(row, forward, forward_backward, fwd_flops, device, warmup, reps))
         del q, dout, k, v
     add_speedups_over_flash(rows)
@@ -434,12 +456,15 @@ def parse_args(argv=None):
                         help="comma list of key rows per backward call to time the kernel path with (default "
                              f"{BACKWARD_GROUP_KEYS}, the runtime's); e.g. 128K,512K,4M")
     parser.add_argument("--skip-exactness", action="store_true", help="only the benchmark")
+    parser.add_argument("--server-step-only", action="store_true",
+                        help="only the server step's benchmark (part 3): no exactness checks, no CA-task kernel paths")
     parser.add_argument("--reps", type=int, default=None, help="timed runs per median (default 7; 3 with --quick)")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
+    opts.skip_exactness = opts.skip_exactness or opts.server_step_only
     for folder in opts.site:
         site.addsitedir(str(folder))
     device = torch.device(opts.device)
@@ -485,8 +510,8 @@ def main(argv=None) -> int:
                                             traceback=traceback.format_exc()))
     result["seconds_exactness"] = time.time() - started  # FA4 compiles its kernels here, on their first calls
     group_keys = [parse_size(x) for x in opts.backward_group_keys.split(",")]
-    result["benchmark"] = bench_layout(doc_len, shard, *heads, device, backends, warmup=2 if not cpu else 1, reps=reps,
-                                       group_keys=group_keys)
+    result["benchmark"] = [] if opts.server_step_only else bench_layout(
+        doc_len, shard, *heads, device, backends, warmup=2 if not cpu else 1, reps=reps, group_keys=group_keys)
     result["benchmark"] += bench_server_step(doc_len, shard, *heads, device, backends, warmup=2 if not cpu else 1,
                                              reps=reps)
     result["seconds"] = time.time() - started
@@ -513,13 +538,13 @@ def main(argv=None) -> int:
               + (f"  failed: {failed}" if failed else ""))
     print(f"\nCA-tasks: a {doc_len}-token document in {shard}-token query shards with their prefixes, "
           f"H_q/H_kv/D {heads[0]}/{heads[1]}/{heads[2]}; TFLOP/s from causal pairs, median of {reps}")
-    print(f"  {'backend':10s} {'path':40s} {'fwd ms':>8s} {'fwd':>6s} {'fwd+bwd ms':>11s} {'fwd+bwd':>8s} {'vs flash':>8s}")
+    print(f"  {'backend':17s} {'path':40s} {'fwd ms':>8s} {'fwd':>6s} {'fwd+bwd ms':>11s} {'fwd+bwd':>8s} {'vs flash':>8s}")
     for row in result["benchmark"]:
         if "error" in row:
-            print(f"  {row['backend']:10s} {row['path']:40s} ERROR {row['error'][:80]}")
+            print(f"  {row['backend']:17s} {row['path']:40s} ERROR {row['error'][:80]}")
             continue
         speedup = row.get("fwd_bwd_speedup_over_flash")
-        print(f"  {row['backend']:10s} {row['path']:40s} {row['fwd_ms']:8.2f} {row['fwd_tflops']:6.1f} "
+        print(f"  {row['backend']:17s} {row['path']:40s} {row['fwd_ms']:8.2f} {row['fwd_tflops']:6.1f} "
               f"{row['fwd_bwd_ms']:11.2f} {row['fwd_bwd_tflops']:8.1f} {f'{speedup:.2f}x' if speedup else '':>8s}"
               + (f" ({row['fwd_bwd_speedup_over_flash_default']:.2f}x flash's default)"
                  if "fwd_bwd_speedup_over_flash_default" in row and row["path"] != "prefix copies" else "")

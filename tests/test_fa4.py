@@ -373,18 +373,22 @@ def test_gpu_fa4_script_on_cpu(tmp_path, capsys, monkeypatch):
     steps = ("all", "odd", "every 4th", "first and last 8", "first and last quarter")
     assert {(r["backend"], r["path"]) for r in rows} == {
         (b, p) for b in ("fa4", "flash") for p in ("prefix copies", "one call", *(f"server step: {s}" for s in steps))
-    } | {("fa4 copies", f"server step: {s}") for s in steps}
+    } | {("fa4 copies", f"server step: {s}") for s in steps} | {
+        ("fa4 position call", f"server step: {s}") for s in ("odd", "first and last quarter")}  # two segments each
     assert all("error" not in r and r["fwd_bwd_ms"] > 0 for r in rows)
     assert all(r["shards"] == 4 for r in rows if not r["path"].startswith("server step"))
     assert "fwd_bwd_speedup_over_flash" in rows[0]
     step = {(r["backend"], r["path"]): r for r in rows}
-    # the plan makes every shard one task, one causal segment; shards that do not continue each other are
-    # one document call where the backend serves positions (the stand-in for fa4), copies where not (flash's)
+    # the plan makes every shard one task, one causal segment; shards that do not continue each other (the odd
+    # two of four) are a causal call each where the backend serves positions (the stand-in for fa4), or one
+    # document call when made to, and copies where not (flash's)
     assert step["fa4", "server step: all"]["calls"] == step["flash", "server step: all"]["calls"] == "one causal segment"
-    assert step["fa4", "server step: odd"]["calls"] == "1 document call"
+    assert step["fa4", "server step: odd"]["calls"] == "2 causal calls"
+    assert step["fa4 position call", "server step: odd"]["calls"] == "1 document call"
     assert step["flash", "server step: odd"]["calls"] == step["fa4 copies", "server step: odd"]["calls"] \
         == "2 segments, prefix copies"
-    assert max(step["fa4", "server step: odd"]["grads_vs_flash"].values()) < 1e-5
+    for backend in ("fa4", "fa4 position call"):
+        assert max(step[backend, "server step: odd"]["grads_vs_flash"].values()) < 1e-5
     assert printed.strip().splitlines()[-1].startswith("ALL EXACTNESS CHECKS PASS")
 
 

@@ -627,12 +627,13 @@ def test_training_with_offload_gives_the_same_losses(tmp_path):
 def test_prefix_copies_are_counted_only_where_the_backend_makes_them(monkeypatch):
     """A server holding shards of one document that do not continue each other reads a prefix copy per shard
     under flash (and fa4 off sm90), and under a backend that serves queries at given positions (fa4 on
-    sm90, the reference) the unique rows."""
+    sm90, the reference) the unique rows, with one segment's keys more for the gradients a causal call per
+    segment makes apart."""
     import attnpool.runtime.dispatch as dispatch
     from attnpool.kernels import serves_positions
     from attnpool.plan.documents import DocPiece, PieceTable
 
-    monkeypatch.setattr(dispatch, "MIN_AVOIDED_KEYS_PER_CALL", 4096)
+    monkeypatch.setattr(dispatch, "MIN_AVOIDED_KEYS_PER_CALL", 1024)
     from attnpool.plan.plan import make_plan
 
     assert serves_positions("reference", "cpu", 128)
@@ -642,8 +643,11 @@ def test_prefix_copies_are_counted_only_where_the_backend_makes_them(monkeypatch
     plan = make_plan("test", pieces, np.zeros(8), start, start + 512, np.zeros(8), np.arange(8) % 2, 512)
     copies, unique = AttentionRows.of(plan), AttentionRows.of(plan, copies=False)
     assert copies.expanded_kv[0] == 512 * (1 + 3 + 5 + 7) and copies.unique_kv[0] == 3584
-    assert np.array_equal(unique.expanded_kv, copies.unique_kv)
-    assert DispatchLayout.build(plan, 0, "cpu").documents is not None  # 4.5K rows avoided, over a quarter
+    # the unique rows, and the widest segment but one's keys (rank 0: 2560 of [512, 1536, 2560, 3584], rank 1: 3072),
+    # whose gradients a causal call per segment makes apart
+    assert np.array_equal(unique.expanded_kv, copies.unique_kv + [2560, 3072])
+    # 4.5K rows avoided in 4 calls (a causal call per segment), over a quarter of the unique rows
+    assert DispatchLayout.build(plan, 0, "cpu").documents is not None
 
 
 def test_liger_gradients_of_earlier_micro_batches_are_held_where_their_backward_waits():

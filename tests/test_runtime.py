@@ -60,16 +60,19 @@ def local_rows(tensors, pieces, which):
 
 
 def worker(rank, world, dtype_name, backward_group_keys=None, copies=False, relay_nodes=None, head_chunks=1,
-           heads=None):
+           heads=None, segmented=None):
     """``copies``: the reference backend without its PositionKernel, so that documents with several
-    segments on a server run as prefix copies (as under flash) rather than one call each; without, every
+    segments on a server run as prefix copies (as under flash) rather than calls of their own; without, every
     such server runs without copies, however few they are (these documents are short). ``relay_nodes``: each
     rank's node, for the hierarchical exchange. ``head_chunks``: each call in that many groups of heads.
-    ``heads``: the (query, KV) head counts to run, by name (default HEADS)."""
+    ``heads``: the (query, KV) head counts to run, by name (default HEADS). ``segmented``: whether such a
+    document (here always of two segments) runs as a causal call per segment rather than one position call;
+    default: on 4 ranks, not on 2, so that the reference checks both."""
     import attnpool.runtime.dispatch as dispatch
 
-    # this process only (the harness runs every worker in its own)
+    # this process only (the harness runs every worker in its own, kept between calls: set on every call)
     dispatch.MIN_AVOIDED_KEYS_PER_CALL = dispatch.MIN_AVOIDED_FRACTION = 0
+    dispatch.MAX_CAUSAL_CALL_SEGMENTS = 2 if (world == 4 if segmented is None else segmented) else 1
     backend = dataclasses.replace(reference_kernels.BACKEND, positions=None) if copies else None
     if backward_group_keys is not None:
         dispatch.BACKWARD_GROUP_KEYS = backward_group_keys
@@ -102,6 +105,7 @@ def worker(rank, world, dtype_name, backward_group_keys=None, copies=False, rela
                     saved_inputs=any(t.data_ptr() == x.data_ptr() for t in saved for x in (q, k, v) if x.numel()),
                     backward_groups=len(layout.backward_groups),
                     document_calls=0 if copies or layout.documents is None else len(layout.documents.calls),
+                    segmented_documents=0 if copies or layout.documents is None else len(layout.documents.segmented),
                     server_numel=(layout.num_server_q * n_q + 2 * layout.num_unique_kv * n_kv
                                   + sum(layout.q_recv_splits) * n_q) * HEAD_DIM
                     + layout.num_server_q * n_q,  # Q, unique K and V, outputs sent home to other ranks, LSE
@@ -161,35 +165,42 @@ def test_outputs_and_grads_match_reference_float32(world_results):
     assert_matches_reference(*world_results, tolerance=1e-5)
 
 
-def test_documents_with_several_segments_run_as_one_call_each(world_results):
+def test_documents_with_several_segments_run_in_calls_of_their_own(world_results):
     """The reference backend serves queries at given positions, so a server's non-adjacent shards of one
-    document run as one call over its unique keys (no copies): the plans above have such documents."""
+    document run without copies: on 2 ranks as one call over its unique keys at the queries' positions, on 4
+    as a causal call per segment over the keys it reads (the worker's ``segmented``)."""
     world, results = world_results
-    assert sum(got["document_calls"] for rank_results in results for got in rank_results.values()) > 0
+    got = [got for rank_results in results for got in rank_results.values()]
+    calls, segmented = (sum(g[key] for g in got) for key in ("document_calls", "segmented_documents"))
+    assert (calls > 0 and segmented == 0) if world == 2 else (segmented > 0 and calls == 0)
 
 
 def test_backward_in_groups_of_segments_matches_reference():
     """With a bound of 350 key rows per backward call, servers run their backward in several calls
     (and segments longer than the bound alone); the gradients are those of one call. And the same
-    with prefix copies (a backend without a PositionKernel, as flash), grouped the same way."""
+    with prefix copies (a backend without a PositionKernel, as flash), grouped the same way. Documents of two
+    segments run as a causal call each, the first writing its keys' gradients, the second adding to them."""
     for copies in (False, True):
-        results = run_distributed(worker, 2, "float32", 350, copies)
+        results = run_distributed(worker, 2, "float32", 350, copies, None, 1, None, True)
         got = [got for rank_results in results for got in rank_results.values()]
         assert max(g["backward_groups"] for g in got) >= 3
-        assert (sum(g["document_calls"] for g in got) == 0) == copies
+        assert (sum(g["segmented_documents"] for g in got) == 0) == copies
         assert_matches_reference(2, results, tolerance=1e-5)
 
 
-def test_server_step_without_copies_writes_every_row(monkeypatch):
+@pytest.mark.parametrize("segmented", [False, True])
+def test_server_step_without_copies_writes_every_row(monkeypatch, segmented):
     """serve_forward/serve_backward as DocumentServing cuts the work, against the copies path, on every server
     of the plans above that holds a split document: float64, every buffer allocated empty filled with NaN
     first (a row left unwritten shows), backward groups of at most 75 keys, and beside the reference a
-    backend that writes its gradients in place (backward_into, as fa4 does)."""
+    backend that writes its gradients in place (backward_into, as fa4 does). Split documents (two segments
+    in these plans) run as one position call each, or as a causal call per segment (``segmented``)."""
     import attnpool.runtime.dispatch as dispatch
     from attnpool.runtime.core_attention import serve_backward, serve_forward
     from attnpool.runtime.dispatch import DispatchLayout
 
     monkeypatch.setattr(dispatch, "BACKWARD_GROUP_KEYS", 75)
+    monkeypatch.setattr(dispatch, "MAX_CAUSAL_CALL_SEGMENTS", 2 if segmented else 1)
     monkeypatch.setattr(dispatch, "MIN_AVOIDED_KEYS_PER_CALL", 0)
     monkeypatch.setattr(dispatch, "MIN_AVOIDED_FRACTION", 0)
     empty_like = torch.empty_like
@@ -228,12 +239,14 @@ def test_server_step_without_copies_writes_every_row(monkeypatch):
                 servers += 1
                 split_runs += len(L.documents.varlen_groups) > len(L.documents.varlen)
                 mixed += bool(L.documents.varlen)
+                assert bool(L.documents.segmented) == segmented and bool(L.documents.calls) != segmented
     assert servers and split_runs and mixed
 
 
 def test_few_copies_are_kept_rather_than_split_into_calls():
     """A server runs without copies only where it avoids many copied rows: per call it makes, and against its
-    unique rows."""
+    unique rows. A split document of a few segments runs as a causal call per segment, one of more as one
+    position call."""
     from attnpool.plan.documents import DocPiece, PieceTable
     from attnpool.plan.plan import make_plan
     from attnpool.runtime.dispatch import MIN_AVOIDED_FRACTION, MIN_AVOIDED_KEYS_PER_CALL, DispatchLayout
@@ -248,27 +261,35 @@ def test_few_copies_are_kept_rather_than_split_into_calls():
     def odd(doc, i):  # rank 0 serves the odd shards
         return 1 - i % 2
 
-    # one document's odd 8K shards of 4: 16K rows avoided in one call, half the unique ones
-    assert layout([32768], 8192, odd).documents.calls
+    # one document's odd 16K shards of 4: two segments, 32K rows avoided in their two calls, half the unique ones
+    D = layout([65536], 16384, odd).documents
+    assert len(D.segmented) == 1 and len(D.segmented[0]) == 2 and not D.calls
+    # its odd 4K shards of 16: eight segments, more than MAX_CAUSAL_CALL_SEGMENTS, in one position call
+    D = layout([65536], 4096, odd).documents
+    assert len(D.calls) == 1 and not D.segmented
     # a document's first and last 1K of 16: 1K avoided, under both bounds
     assert layout([16384], 1024, lambda doc, i: np.where((i == 0) | (i == 15), 0, 1)).documents is None
-    # two such documents around a whole one: 3 calls avoiding 32K rows, under 16K per call though above a
-    # quarter of the unique rows
+    # two documents of odd 8K shards of 4 around a whole one: 5 calls (a segment each, the whole one's run)
+    # avoiding 32K rows, under 16K per call though above a quarter of the unique rows
     L = layout([32768, 8192, 32768], 8192, lambda doc, i: np.where(doc == 1, 0, odd(doc, i)))
     avoided = 2 * 16384
-    assert avoided < 3 * MIN_AVOIDED_KEYS_PER_CALL and avoided >= MIN_AVOIDED_FRACTION * L.num_unique_kv
+    assert avoided < 5 * MIN_AVOIDED_KEYS_PER_CALL and avoided >= MIN_AVOIDED_FRACTION * L.num_unique_kv
     assert L.documents is None
 
 
-def test_document_serving_partitions_the_servers_rows(monkeypatch):
-    """DocumentServing's parts (varlen calls over runs of one-segment documents, one call per document with
-    several) cover every query row and every unique KV row of the server exactly once, each document call's
-    positions being its tasks' document positions."""
+@pytest.mark.parametrize("segmented", [False, True])
+def test_document_serving_partitions_the_servers_rows(monkeypatch, segmented):
+    """DocumentServing's parts (varlen calls over runs of one-segment documents, one position call per document
+    with several, or with ``segmented`` a causal call per segment) cover every query row exactly once, and every
+    unique KV row once counting a segmented document's first segment only (its keys hold its others'); each
+    document call's positions are its tasks' document positions, and each segment's queries the tail of its
+    keys."""
     import attnpool.runtime.dispatch as dispatch
     from attnpool.runtime.dispatch import DispatchLayout
 
     monkeypatch.setattr(dispatch, "MIN_AVOIDED_KEYS_PER_CALL", 0)
     monkeypatch.setattr(dispatch, "MIN_AVOIDED_FRACTION", 0)
+    monkeypatch.setattr(dispatch, "MAX_CAUSAL_CALL_SEGMENTS", 2 if segmented else 1)
 
     def rows(r, n):
         mask = np.zeros(n, dtype=int)
@@ -285,9 +306,13 @@ def test_document_serving_partitions_the_servers_rows(monkeypatch):
                     D = layout.documents
                     if D is None:
                         continue
-                    seen += len(D.calls)
-                    q_cover = sum(rows(c.q_rows, layout.num_server_q) for c in D.calls)
-                    k_cover = sum(rows(c.k_rows, layout.num_unique_kv) for c in D.calls)
+                    seen += len(D.calls) + len(D.segmented)
+                    # a segmented document's first segment reads its keys' rows, which hold its others'
+                    q_cover = sum(rows(c.q_rows, layout.num_server_q) for c in (*D.calls, *sum(D.segmented, ())))
+                    k_cover = sum(rows(c.k_rows, layout.num_unique_kv) for c in (*D.calls, *(s[0] for s in D.segmented)))
+                    for first, *others in D.segmented:
+                        assert all(first.k_rows.start <= o.k_rows.start and o.k_rows.stop <= first.k_rows.stop
+                                   for o in others)
                     for parts in (D.varlen, D.varlen_groups):  # the forward's runs, the backward's groups
                         q_part = q_cover + sum(rows(p.q_rows, layout.num_server_q) for p in parts)
                         k_part = k_cover + sum(rows(p.k_rows, layout.num_unique_kv) for p in parts)
@@ -299,6 +324,12 @@ def test_document_serving_partitions_the_servers_rows(monkeypatch):
                     for c in D.calls:
                         assert np.array_equal(c.positions, task_pos[c.q_rows])
                         assert c.positions.max() == c.k_rows.stop - c.k_rows.start - 1
+                    for first, *others in D.segmented:
+                        for seg in (first, *others):
+                            end = seg.k_rows.stop - first.k_rows.start  # the document's rows start at its first key
+                            assert np.array_equal(task_pos[seg.q_rows],
+                                                  np.arange(end - (seg.q_rows.stop - seg.q_rows.start), end))
+                    assert bool(D.segmented) == segmented and bool(D.calls) != segmented
     assert seen
 
 

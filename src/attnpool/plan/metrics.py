@@ -146,7 +146,9 @@ class AttentionRows:
     ``unique_kv`` rows it holds (each once) and ``expanded_kv`` rows its kernel call reads
     (one prefix per kernel segment, Plan.kernel_segments; with ``copies=False``, for a backend that
     serves queries at given positions (kernels.serves_positions), the unique rows: it copies none, but
-    where few (runtime.dispatch.MIN_AVOIDED_KEYS_PER_CALL), which this leaves uncounted)."""
+    where few (runtime.dispatch.MIN_AVOIDED_KEYS_PER_CALL), which this leaves uncounted; plus the most
+    keys of a segment other than its document's widest, whose dK and dV a document served as a causal
+    call per segment makes apart in backward: runtime.dispatch.DocumentServing)."""
 
     home: np.ndarray
     query: np.ndarray
@@ -168,5 +170,16 @@ class AttentionRows:
             returned=np.bincount(plan.task_server, weights=np.where(remote, plan.task_len, 0), minlength=W).astype(np.int64),
             unique_kv=unique_kv,
             expanded_kv=np.array([int(plan.kernel_segments(r)[2].sum()) for r in range(W)], dtype=np.int64)
-            if copies else unique_kv,
+            if copies else unique_kv + [_narrower_segment_keys(plan, r) for r in range(W)],
         )
+
+
+def _narrower_segment_keys(plan: Plan, server: int) -> int:
+    """The most keys of one of the server's kernel segments that is not the widest of its document's."""
+    doc, _, k_len = plan.kernel_segments(server)
+    if len(doc) < 2:
+        return 0
+    order = np.lexsort((-k_len, doc))  # by document, widest first
+    doc, k_len = doc[order], k_len[order]
+    narrower = np.r_[False, doc[1:] == doc[:-1]]
+    return int(k_len[narrower].max(initial=0))

@@ -31,7 +31,8 @@ KV prefixes are expanded (one per kernel segment, Plan.kernel_segments) only
 transiently around each kernel call, and not at all where each served document
 is one segment (DispatchLayout.kv_expand_identity) or the backend serves queries
 at given positions (Backend.positions; not the sparse serving): then a document
-with several segments is one call of its own over its unique keys
+with several segments runs in calls of its own over its unique keys, one causal
+call per segment or, with many, one at its queries' positions
 (DispatchLayout.documents). The kernel's backward runs
 over groups of segments of bounded key rows (DispatchLayout.backward_groups): a
 FlashAttention-2 backward over a busy server's whole call was a step's peak memory.
@@ -392,13 +393,14 @@ def _serves_documents(L: DispatchLayout, backend, q_srv: torch.Tensor) -> bool:
 
 def _documents_forward(L: DispatchLayout, backend: Backend, q_srv, k_u, v_u, scale):
     """(out, lse) of the server's tasks as dispatch.DocumentServing cuts them: each run of one-segment
-    documents in a varlen call, each other document in a PositionKernel call over its unique keys."""
+    documents in a varlen call, each segment of a segmented document in a causal call over the keys it reads,
+    each other document in a PositionKernel call over its unique keys."""
     D = L.documents
     out = torch.empty_like(q_srv)
     lse = None
     parts = [(rows.q_rows, lambda r=rows: backend.forward(q_srv[r.q_rows], k_u[r.k_rows], v_u[r.k_rows], r.cu_q,
                                                           r.cu_k, r.max_q, r.max_k, scale=scale))
-             for rows in D.varlen]
+             for rows in (*D.varlen, *itertools.chain.from_iterable(D.segmented))]
     for call, handle in zip(D.calls, D.handles(backend, q_srv.device)):
         parts.append((call.q_rows, lambda c=call, h=handle: backend.positions.forward(
             q_srv[c.q_rows], k_u[c.k_rows], v_u[c.k_rows], h, scale=scale)))
@@ -414,15 +416,25 @@ def _documents_forward(L: DispatchLayout, backend: Backend, q_srv, k_u, v_u, sca
 def _documents_backward(L: DispatchLayout, backend: Backend, dout, q_srv, k_u, v_u, out, lse, scale):
     """dQ of the server's queries and dK, dV of its unique KV rows, as _documents_forward cut the work, each
     call's gradients written into its rows (backward_in_parts: the varlen runs in key-bounded groups, as
-    the backend splits by segment: _serves_documents)."""
+    the backend splits by segment: _serves_documents). A segmented document's first segment writes its keys'
+    rows, which hold the others'; each other segment's key gradients are made apart and added to them."""
     D = L.documents
     dq, dk, dv = torch.empty_like(q_srv), torch.empty_like(k_u), torch.empty_like(v_u)
     for call, handle in zip(D.calls, D.handles(backend, q_srv.device)):
         q_rows, k_rows = call.q_rows, call.k_rows
         backend.positions.backward(dout[q_rows], q_srv[q_rows], k_u[k_rows], v_u[k_rows], out[q_rows],
                                    lse[:, q_rows], handle, scale=scale, into=(dq[q_rows], dk[k_rows], dv[k_rows]))
-    backward_in_parts([(rows, backend) for rows in D.varlen_groups], dout, q_srv, k_u, v_u, out, lse, scale,
-                      into=(dq, dk, dv))
+    backward_in_parts([(rows, backend) for rows in D.varlen_groups + tuple(s[0] for s in D.segmented)],
+                      dout, q_srv, k_u, v_u, out, lse, scale, into=(dq, dk, dv))
+    for rows in itertools.chain.from_iterable(s[1:] for s in D.segmented):
+        keys = rows.k_rows
+        own = replace(rows, k_rows=slice(0, keys.stop - keys.start))  # its keys' rows as its own buffer
+        dk_own, dv_own = torch.empty_like(k_u[keys]), torch.empty_like(v_u[keys])
+        backward_in_parts([(own, backend)], dout, q_srv, k_u[keys], v_u[keys], out, lse, scale,
+                          into=(dq, dk_own, dv_own))
+        dk[keys] += dk_own
+        dv[keys] += dv_own
+        del dk_own, dv_own
     return dq, dk, dv
 
 

@@ -18,8 +18,9 @@ sender and its receiver agree without talking:
   ``Plan.kernel_segments``: adjacent tasks that continue each other are one segment).
 - Where the backend serves queries at given positions (``Backend.positions``; not the sparse
   serving, whose bound backend has none), a served document with several segments (shards that do
-  not continue each other) is one call of its own over its unique keys, and each run of documents
-  with one segment a varlen call over theirs: no copies (``DocumentServing``).
+  not continue each other) runs without copies: with a few segments, one causal call per segment over
+  the slice of its unique keys it reads; with more, one call of its own at its queries' positions. Each
+  run of documents with one segment is a varlen call over theirs (``DocumentServing``).
 - Outputs go back in the order the queries came.
 - With ``relay_nodes`` (the node of each rank: a hierarchical exchange), KV a server needs from a rank of another
   node comes through one server of its own node where that server receives a range holding it
@@ -310,6 +311,17 @@ class PrefixCopies:
 MIN_AVOIDED_KEYS_PER_CALL = 16 * 1024
 MIN_AVOIDED_FRACTION = 0.25
 
+# A served document with at most this many segments runs as one causal call per segment over the slice of its
+# unique keys the segment reads (views, no copies), rather than as one position-kernel call: the position kernel
+# (FA4's non-varlen kernel with a mask_mod and block sparsity) ran its work 8.8-11% slower forward and 3.1-3.6%
+# slower backward than FA4's causal varlen kernel runs the same work (2 x H200, pretrain 256K batch 3: a
+# 302,696-token document whose head and tail a server holds as two segments; 2.3% slower forward+backward for
+# two 32K-query segments of a 128K document: bench/results/2026-11-30-h200x2-pretrain-trace.md), where the
+# per-segment calls cost a launch each and, in backward, each other segment's key gradients made apart and added.
+# Many segments keep the single position call, which measured 1.08x and 1.10x the copies at 8 and 16 segments of
+# a 128K document (1.28x at a 64K document's 32). Between 2 and 8, not measured.
+MAX_CAUSAL_CALL_SEGMENTS = 4
+
 
 @dataclass(frozen=True, eq=False)
 class DocumentCall:
@@ -324,14 +336,19 @@ class DocumentCall:
 @dataclass(frozen=True, eq=False)
 class DocumentServing:
     """A server's kernel work without prefix copies, for a backend with a PositionKernel: each document with
-    several segments in a call of its own, and the documents with one segment in varlen calls over their
-    unique rows (such a segment's keys are its document's whole prefix as the buffer holds it), one per run
-    of them between the others, so that every call reads slices of the server's buffers, no gathered copy.
-    The parts partition the Q rows and the unique KV rows."""
+    several segments in calls of its own (``segmented``: a causal call per segment over the slice of the unique
+    keys it reads, where the document has at most MAX_CAUSAL_CALL_SEGMENTS and one segment's keys hold every
+    other's; else ``calls``: one position-kernel call), and the documents with one segment in varlen calls over
+    their unique rows (such a segment's keys are its document's whole prefix as the buffer holds it), one per
+    run of them between the others, so that every call reads slices of the server's buffers, no gathered copy.
+    The parts partition the Q rows; the unique KV rows are partitioned by ``calls``, the runs and each
+    segmented document's first segment, whose keys hold its others'."""
 
     varlen: tuple[SegmentRows, ...]  # forward: each run of one-segment documents (rows of Q and unique KV)
     varlen_groups: tuple[SegmentRows, ...]  # backward: the runs cut into groups of at most BACKWARD_GROUP_KEYS keys
     calls: tuple[DocumentCall, ...]
+    # per such document, its segments as causal calls, the one whose keys hold the others' first
+    segmented: tuple[tuple[SegmentRows, ...], ...] = ()
     _handles: dict = dataclasses.field(default_factory=dict)
 
     def handles(self, backend, device) -> tuple:
@@ -359,23 +376,33 @@ class DocumentServing:
         q_start = np.cumsum(seg_q) - seg_q
         # a segment's queries are the tail of its keys: positions counted from its group's first unique row
         seg_start = seg_base - group_rows[0] + (seg_k - seg_q)
-        calls = [DocumentCall(slice(int(q_start[a]), int(q_start[b - 1] + seg_q[b - 1])),
-                              slice(int(group_rows[0][a]), int(group_rows[0][a] + group_rows[1][a])),
-                              ranges(seg_start[a:b], seg_q[a:b]))
-                 for a, b in zip(doc_start[split], doc_end[split])]
-        # runs of one-segment documents: consecutive segments, so consecutive rows of both buffers
         segs = np.arange(len(seg_group))
+        calls, segmented = [], []
+        for a, b in zip(doc_start[split], doc_end[split]):
+            widest = a + int(np.argmax(seg_k[a:b]))  # causal: the last segment's keys, its document's whole prefix
+            holds_all = (seg_base[widest] <= seg_base[a:b].min()
+                         and seg_base[widest] + seg_k[widest] >= (seg_base[a:b] + seg_k[a:b]).max())
+            if b - a <= MAX_CAUSAL_CALL_SEGMENTS and holds_all:
+                segmented.append((widest, *(i for i in range(a, b) if i != widest)))
+            else:
+                calls.append(DocumentCall(slice(int(q_start[a]), int(q_start[b - 1] + seg_q[b - 1])),
+                                          slice(int(group_rows[0][a]), int(group_rows[0][a] + group_rows[1][a])),
+                                          ranges(seg_start[a:b], seg_q[a:b])))
+        # runs of one-segment documents: consecutive segments, so consecutive rows of both buffers
         run_first = np.flatnonzero(~several & np.r_[True, several[:-1]])
         run_end = np.flatnonzero(~several & np.r_[several[1:], True]) + 1
         avoided = int(seg_k.sum()) - num_unique
-        if avoided < max(MIN_AVOIDED_KEYS_PER_CALL * (len(run_first) + len(calls)), MIN_AVOIDED_FRACTION * num_unique):
+        num_calls = len(run_first) + len(calls) + sum(len(s) for s in segmented)
+        if avoided < max(MIN_AVOIDED_KEYS_PER_CALL * num_calls, MIN_AVOIDED_FRACTION * num_unique):
             return None
         varlen, varlen_groups = [], []
         for a, b in zip(run_first, run_end):
             varlen.append(SegmentRows.of(seg_q, seg_k, (segs >= a) & (segs < b), device, k_start=seg_base))
             varlen_groups += [SegmentRows.of(seg_q, seg_k, (segs >= a + c) & (segs < a + d), device, k_start=seg_base)
                               for c, d in segment_groups(seg_k[a:b], BACKWARD_GROUP_KEYS)]
-        return cls(tuple(varlen), tuple(varlen_groups), tuple(calls))
+        return cls(tuple(varlen), tuple(varlen_groups), tuple(calls),
+                   tuple(tuple(SegmentRows.of(seg_q, seg_k, segs == i, device, k_start=seg_base) for i in order)
+                         for order in segmented))
 
 
 def segment_groups(seg_k: np.ndarray, max_keys: int) -> list[tuple[int, int]]:

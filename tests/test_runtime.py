@@ -188,19 +188,33 @@ def test_backward_in_groups_of_segments_matches_reference():
         assert_matches_reference(2, results, tolerance=1e-5)
 
 
+def alternating_plans():
+    """Plans where rank 0 of two holds every document and each rank serves alternate shards of it: documents
+    of two, three and four segments a server (and, on two documents, one of each beside the other)."""
+    from attnpool.plan.documents import DocPiece, PieceTable
+    from attnpool.plan.plan import make_plan
+
+    for doc_lens, shard in (([96], 24), ([144], 24), ([192], 24), ([96, 120], 24)):
+        pieces = PieceTable.from_pieces([[DocPiece(d, n, 0, n) for d, n in enumerate(doc_lens)], []])
+        doc = np.concatenate([np.full(n // shard, d) for d, n in enumerate(doc_lens)])
+        start = np.concatenate([np.arange(n // shard) * shard for n in doc_lens])
+        yield make_plan("test", pieces, doc, start, start + shard, doc, np.arange(len(doc)) % 2, shard)
+
+
 @pytest.mark.parametrize("segmented", [False, True])
 def test_server_step_without_copies_writes_every_row(monkeypatch, segmented):
     """serve_forward/serve_backward as DocumentServing cuts the work, against the copies path, on every server
-    of the plans above that holds a split document: float64, every buffer allocated empty filled with NaN
-    first (a row left unwritten shows), backward groups of at most 75 keys, and beside the reference a
-    backend that writes its gradients in place (backward_into, as fa4 does). Split documents (two segments
-    in these plans) run as one position call each, or as a causal call per segment (``segmented``)."""
+    of the plans above that holds a split document, and of alternating_plans (up to four segments a document):
+    float64, every buffer allocated empty filled with NaN first (a row left unwritten shows), backward groups
+    of at most 75 keys, and beside the reference a backend that writes its gradients in place (backward_into,
+    as fa4 does). Split documents run as one position call each, or as a causal call per segment
+    (``segmented``, at most MAX_CAUSAL_CALL_SEGMENTS of them)."""
     import attnpool.runtime.dispatch as dispatch
     from attnpool.runtime.core_attention import serve_backward, serve_forward
     from attnpool.runtime.dispatch import DispatchLayout
 
     monkeypatch.setattr(dispatch, "BACKWARD_GROUP_KEYS", 75)
-    monkeypatch.setattr(dispatch, "MAX_CAUSAL_CALL_SEGMENTS", 2 if segmented else 1)
+    monkeypatch.setattr(dispatch, "MAX_CAUSAL_CALL_SEGMENTS", 4 if segmented else 1)
     monkeypatch.setattr(dispatch, "MIN_AVOIDED_KEYS_PER_CALL", 0)
     monkeypatch.setattr(dispatch, "MIN_AVOIDED_FRACTION", 0)
     empty_like = torch.empty_like
@@ -217,30 +231,34 @@ def test_server_step_without_copies_writes_every_row(monkeypatch, segmented):
 
     in_place = dataclasses.replace(ref, backward=backward_into, backward_into=True)
     copies = dataclasses.replace(ref, positions=None)
+    plans = [(world, plan_attention(pieces, strategy, cost_model="pairs", min_shard_tokens=8))
+             for world in (2, 4) for (_, pieces), strategy in itertools.product(make_cases(world, scale=4), STRATEGIES)]
+    plans += [(2, plan) for plan in alternating_plans()]
     servers = split_runs = mixed = 0
-    for world in (2, 4):
-        for (_, pieces), strategy in itertools.product(make_cases(world, scale=4), STRATEGIES):
-            plan = plan_attention(pieces, strategy, cost_model="pairs", min_shard_tokens=8)
-            for r in range(world):
-                L = DispatchLayout.build(plan, r, "cpu")
-                if L.documents is None:
-                    continue
-                gen = torch.Generator().manual_seed(r)
-                q, dout = (torch.randn(L.num_server_q, 4, 8, generator=gen, dtype=torch.float64) for _ in range(2))
-                k, v = (torch.randn(L.num_unique_kv, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
-                want_out, want_lse = serve_forward(L, copies, q, k, v)
-                want = serve_backward(L, copies, dout, q, k, v, want_out, want_lse)
-                for backend in (ref, in_place):
-                    out, lse = serve_forward(L, backend, q, k, v)
-                    torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-10)
-                    torch.testing.assert_close(lse, want_lse, rtol=1e-10, atol=1e-10)
-                    for grad, wanted in zip(serve_backward(L, backend, dout, q, k, v, out, lse), want):
-                        torch.testing.assert_close(grad, wanted, rtol=1e-10, atol=1e-10)
-                servers += 1
-                split_runs += len(L.documents.varlen_groups) > len(L.documents.varlen)
-                mixed += bool(L.documents.varlen)
-                assert bool(L.documents.segmented) == segmented and bool(L.documents.calls) != segmented
+    segments_seen = set()
+    for world, plan in plans:
+        for r in range(world):
+            L = DispatchLayout.build(plan, r, "cpu")
+            if L.documents is None:
+                continue
+            gen = torch.Generator().manual_seed(r)
+            q, dout = (torch.randn(L.num_server_q, 4, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+            k, v = (torch.randn(L.num_unique_kv, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+            want_out, want_lse = serve_forward(L, copies, q, k, v)
+            want = serve_backward(L, copies, dout, q, k, v, want_out, want_lse)
+            for backend in (ref, in_place):
+                out, lse = serve_forward(L, backend, q, k, v)
+                torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-10)
+                torch.testing.assert_close(lse, want_lse, rtol=1e-10, atol=1e-10)
+                for grad, wanted in zip(serve_backward(L, backend, dout, q, k, v, out, lse), want):
+                    torch.testing.assert_close(grad, wanted, rtol=1e-10, atol=1e-10)
+            servers += 1
+            split_runs += len(L.documents.varlen_groups) > len(L.documents.varlen)
+            mixed += bool(L.documents.varlen)
+            assert bool(L.documents.segmented) == segmented and bool(L.documents.calls) != segmented
+            segments_seen |= {len(segments) for segments in L.documents.segmented}
     assert servers and split_runs and mixed
+    assert segments_seen == ({2, 3, 4} if segmented else set())
 
 
 def test_few_copies_are_kept_rather_than_split_into_calls():
@@ -646,8 +664,11 @@ def test_head_chunks_are_refused_where_they_cannot_split_the_heads():
         CoreAttention(plan, head_chunks=2, sparse=SparseConfig(mode="vertical-slash"))
 
 
-def test_bfloat16_within_tolerance():
-    assert_matches_reference(2, run_distributed(worker, 2, "bfloat16"), tolerance=2e-2)
+@pytest.mark.parametrize("segmented", [False, True])
+def test_bfloat16_within_tolerance(segmented):
+    """bf16 against the float64 reference, split documents as one position call or a causal call per segment."""
+    results = run_distributed(worker, 2, "bfloat16", None, False, None, 1, None, segmented)
+    assert_matches_reference(2, results, tolerance=2e-2)
 
 
 def whole_documents(world):

@@ -146,9 +146,11 @@ class AttentionRows:
     ``unique_kv`` rows it holds (each once) and ``expanded_kv`` rows its kernel call reads
     (one prefix per kernel segment, Plan.kernel_segments; with ``copies=False``, for a backend that
     serves queries at given positions (kernels.serves_positions), the unique rows: it copies none, but
-    where few (runtime.dispatch.MIN_AVOIDED_KEYS_PER_CALL), which this leaves uncounted; plus the most
-    keys of a segment other than its document's widest, whose dK and dV a document served as a causal
-    call per segment makes apart in backward: runtime.dispatch.DocumentServing)."""
+    where few (runtime.dispatch.MIN_AVOIDED_KEYS_PER_CALL), which this leaves uncounted; plus three times
+    the most keys of a segment other than its document's widest: a document served as a causal call per
+    segment makes that segment's dK and dV apart in backward, in the kernel's dtype, and sums them in
+    float32, twice a half-precision row: runtime.dispatch.DocumentServing. An upper bound: it counts them
+    for any document of several segments, as served whichever way)."""
 
     home: np.ndarray
     query: np.ndarray
@@ -170,7 +172,7 @@ class AttentionRows:
             returned=np.bincount(plan.task_server, weights=np.where(remote, plan.task_len, 0), minlength=W).astype(np.int64),
             unique_kv=unique_kv,
             expanded_kv=np.array([int(plan.kernel_segments(r)[2].sum()) for r in range(W)], dtype=np.int64)
-            if copies else unique_kv + [_narrower_segment_keys(plan, r) for r in range(W)],
+            if copies else unique_kv + [3 * _narrower_segment_keys(plan, r) for r in range(W)],
         )
 
 

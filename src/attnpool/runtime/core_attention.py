@@ -417,7 +417,8 @@ def _documents_backward(L: DispatchLayout, backend: Backend, dout, q_srv, k_u, v
     """dQ of the server's queries and dK, dV of its unique KV rows, as _documents_forward cut the work, each
     call's gradients written into its rows (backward_in_parts: the varlen runs in key-bounded groups, as
     the backend splits by segment: _serves_documents). A segmented document's first segment writes its keys'
-    rows, which hold the others'; each other segment's key gradients are made apart and added to them."""
+    rows, which hold the others'; each other segment's key gradients are made apart, summed in float32 (float64
+    stays float64) and added to them once, one rounding as dispatch.PrefixCopies sums copies."""
     D = L.documents
     dq, dk, dv = torch.empty_like(q_srv), torch.empty_like(k_u), torch.empty_like(v_u)
     for call, handle in zip(D.calls, D.handles(backend, q_srv.device)):
@@ -426,15 +427,22 @@ def _documents_backward(L: DispatchLayout, backend: Backend, dout, q_srv, k_u, v
                                    lse[:, q_rows], handle, scale=scale, into=(dq[q_rows], dk[k_rows], dv[k_rows]))
     backward_in_parts([(rows, backend) for rows in D.varlen_groups + tuple(s[0] for s in D.segmented)],
                       dout, q_srv, k_u, v_u, out, lse, scale, into=(dq, dk, dv))
-    for rows in itertools.chain.from_iterable(s[1:] for s in D.segmented):
-        keys = rows.k_rows
-        own = replace(rows, k_rows=slice(0, keys.stop - keys.start))  # its keys' rows as its own buffer
-        dk_own, dv_own = torch.empty_like(k_u[keys]), torch.empty_like(v_u[keys])
-        backward_in_parts([(own, backend)], dout, q_srv, k_u[keys], v_u[keys], out, lse, scale,
-                          into=(dq, dk_own, dv_own))
-        dk[keys] += dk_own
-        dv[keys] += dv_own
-        del dk_own, dv_own
+    dtype = torch.promote_types(k_u.dtype, torch.float32)
+    for _, *others in D.segmented:
+        start, stop = min(r.k_rows.start for r in others), max(r.k_rows.stop for r in others)
+        dk_sum, dv_sum = (x.new_zeros((stop - start, *x.shape[1:]), dtype=dtype) for x in (k_u, v_u))
+        for rows in others:
+            keys = rows.k_rows
+            own = replace(rows, k_rows=slice(0, keys.stop - keys.start))  # its keys' rows as its own buffer
+            dk_own, dv_own = torch.empty_like(k_u[keys]), torch.empty_like(v_u[keys])
+            backward_in_parts([(own, backend)], dout, q_srv, k_u[keys], v_u[keys], out, lse, scale,
+                              into=(dq, dk_own, dv_own))
+            dk_sum[keys.start - start:keys.stop - start] += dk_own
+            dv_sum[keys.start - start:keys.stop - start] += dv_own
+            del dk_own, dv_own
+        dk[start:stop] += dk_sum
+        dv[start:stop] += dv_sum
+        del dk_sum, dv_sum
     return dq, dk, dv
 
 

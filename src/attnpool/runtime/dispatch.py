@@ -313,9 +313,9 @@ MIN_AVOIDED_FRACTION = 0.25
 
 # A served document with at most this many segments runs as one causal call per segment over the slice of its
 # unique keys the segment reads (views, no copies), rather than as one position-kernel call: the position kernel
-# (FA4's non-varlen kernel with a mask_mod and block sparsity) ran its work 8.8-11% slower forward and 3.1-3.6%
+# (FA4's non-varlen kernel with a mask_mod and block sparsity) ran its work 8-11% slower forward and 3.3-3.5%
 # slower backward than FA4's causal varlen kernel runs the same work (2 x H200, pretrain 256K batch 3: a
-# 302,696-token document whose head and tail a server holds as two segments; 2.3% slower forward+backward for
+# 302,696-token document whose head and tail a server holds as two segments; 2.3-2.5% slower forward+backward for
 # two 32K-query segments of a 128K document: bench/results/2026-11-30-h200x2-pretrain-trace.md), where the
 # per-segment calls cost a launch each and, in backward, each other segment's key gradients made apart and added.
 # Many segments keep the single position call, which measured 1.08x and 1.10x the copies at 8 and 16 segments of

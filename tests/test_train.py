@@ -113,7 +113,7 @@ def _train_with_a_compiling_position_kernel(rank, world, out):
         kernel, forward=forward, compiles_on_first_call=True))
     try:
         results = {}
-        for strategy in ("percp", "ulysses", "local"):
+        for strategy in ("cad", "percp", "ulysses", "local"):
             seen.clear()
             train(tiny_config(Path(out) / strategy, attention=strategy, steps=2))
             results[strategy] = list(seen)
@@ -124,13 +124,14 @@ def _train_with_a_compiling_position_kernel(rank, world, out):
 
 def test_a_compiling_position_kernel_is_compiled_before_the_first_step(tmp_path):
     """fa4's position kernel compiles on its first call, seconds that would land in a step (percp's measured
-    single-document step on GPUs): a run that may serve a document in several shards calls it once first, on a
-    small document; Ulysses and `local`, which never serve one so, do not."""
+    single-document step on GPUs): a run that may serve a document in several shards (cad) calls it once first,
+    on a small document; percp, whose head and tail shards run as causal calls, and Ulysses and `local`, which
+    never serve a document so, do not."""
     from attnpool.kernels.base import COMPILE_KEYS
 
     for results in run_distributed(_train_with_a_compiling_position_kernel, 2, str(tmp_path)):
-        assert results["percp"][0] == COMPILE_KEYS and results["percp"].count(COMPILE_KEYS) == 1
-        assert COMPILE_KEYS not in results["ulysses"] and not results["local"]
+        assert results["cad"][0] == COMPILE_KEYS and results["cad"].count(COMPILE_KEYS) == 1
+        assert not results["percp"] and not results["ulysses"] and not results["local"]
 
 
 def _train_with_and_without_pingpong(rank, world, out):

@@ -27,8 +27,9 @@ STRATEGIES = tuple(SCHEDULERS)
 # remote prefix); ulysses exchanges heads instead.
 KV_EXCHANGING = ("local", "wlb", "percp", "cad")
 # The strategies whose plans may give a server several shards of one document (percp's head and tail, cad's tasks):
-# the runtime then serves them in one call at their positions where the backend can (runtime.dispatch
-# .DocumentServing). local and wlb serve each rank's own pieces, one per document on every layout.
+# the runtime then serves them without copies where the backend can, as a causal call per segment or in one call at
+# their positions (runtime.dispatch.DocumentServing). local and wlb serve each rank's own pieces, one per document on
+# every layout.
 SHARD_SERVING = ("percp", "cad")
 
 

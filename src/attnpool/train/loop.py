@@ -43,6 +43,7 @@ from attnpool.parallel import build_rank_mesh
 from attnpool.parallel.float8 import refresh_float8_scales
 from attnpool.plan import SHARD_SERVING, head_group_heads
 from attnpool.plan.metrics import imbalance
+from attnpool.runtime.dispatch import MAX_CAUSAL_CALL_SEGMENTS
 from attnpool.runtime.sparse import SparseStats
 from attnpool.sizes import format_bytes
 from attnpool.train.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
@@ -215,16 +216,20 @@ class Trainer:
 
     def _compile_position_kernel(self) -> None:
         """The backend's position kernel compiled before the first step, where a server may get several shards of
-        one document (runtime.dispatch.DocumentServing: percp's head and tail shards, cad's tasks of one document)
-        and some dense layer serves them at their positions. FA4 compiles it on its first call, 8-11 s (2 x H200)
+        one document (runtime.dispatch.DocumentServing: cad's tasks of one document) and some dense layer serves
+        them at their positions. FA4 compiles it on its first call, 8-11 s (2 x H200)
         (bench/results/2026-11-27-h200-h100-fa4-positions.md), which otherwise lands in whichever step first serves
         such a document: in a benchmark a measured one (percp's single-document step at pretrain 128K,
-        2026-11-30-h200x2-head-chunks.md)."""
+        2026-11-30-h200x2-head-chunks.md). percp's head and tail shards, two segments, run as causal calls
+        (dispatch.MAX_CAUSAL_CALL_SEGMENTS), one's keys holding the other's unless a sliding window cuts them."""
         spec = self.spec
         kernel = spec.backend.positions if spec.backend is not None else None
         servers = spec.dims.dp * (spec.dims.pp if spec.pooled else 1)  # the ranks a plan spreads over
         dense = spec.sparse is None or spec.sparse.dense_layers > 0  # (sparse layers serve through their patterns)
-        if (kernel is None or not kernel.compiles_on_first_call or self.config.attention.strategy not in SHARD_SERVING
+        strategy = self.config.attention.strategy
+        causal_calls = (strategy == "percp" and MAX_CAUSAL_CALL_SEGMENTS >= 2
+                        and all(kind.window is None for kind in spec.layer_kinds))
+        if (kernel is None or not kernel.compiles_on_first_call or strategy not in SHARD_SERVING or causal_calls
                 or servers == 1 or not dense or all(spec.prefix_copies_of(kind) for kind in spec.layer_kinds)):
             return
         t0 = time.perf_counter()

@@ -70,8 +70,8 @@ class PositionKernel:
     compiles_on_first_call: bool = False
 
 
-# The document compile_positions runs: keys [0, 2048) queried at [0, 512) and [1536, 2048), as a percp server's
-# head and tail shards are. Several 128-row blocks of queries and of keys (FA4's compile cache keys on a call having
+# The document compile_positions runs: keys [0, 2048) queried at [0, 512) and [1536, 2048), a head and a tail shard
+# as a server of several shards of one document gets them (cad's). Several 128-row blocks of queries and of keys (FA4's compile cache keys on a call having
 # a single block either way, so a smaller document would compile another kernel than a real call's).
 COMPILE_KEYS = 2048
 COMPILE_POSITIONS = np.r_[0:512, 1536:2048]

@@ -221,14 +221,15 @@ class Trainer:
         (bench/results/2026-11-27-h200-h100-fa4-positions.md), which otherwise lands in whichever step first serves
         such a document: in a benchmark a measured one (percp's single-document step at pretrain 128K,
         2026-11-30-h200x2-head-chunks.md). percp's head and tail shards, two segments, run as causal calls
-        (dispatch.MAX_CAUSAL_CALL_SEGMENTS), one's keys holding the other's unless a sliding window cuts them."""
+        (dispatch.MAX_CAUSAL_CALL_SEGMENTS), one's keys holding the other's, except in a sliding-window layer
+        whose kernel serves positions (fa4's copies prefixes there instead)."""
         spec = self.spec
         kernel = spec.backend.positions if spec.backend is not None else None
         servers = spec.dims.dp * (spec.dims.pp if spec.pooled else 1)  # the ranks a plan spreads over
         dense = spec.sparse is None or spec.sparse.dense_layers > 0  # (sparse layers serve through their patterns)
         strategy = self.config.attention.strategy
         causal_calls = (strategy == "percp" and MAX_CAUSAL_CALL_SEGMENTS >= 2
-                        and all(kind.window is None for kind in spec.layer_kinds))
+                        and all(kind.window is None or spec.prefix_copies_of(kind) for kind in spec.layer_kinds))
         if (kernel is None or not kernel.compiles_on_first_call or strategy not in SHARD_SERVING or causal_calls
                 or servers == 1 or not dense or all(spec.prefix_copies_of(kind) for kind in spec.layer_kinds)):
             return

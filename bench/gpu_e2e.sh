@@ -113,7 +113,7 @@ case "$PHASE" in
       network=nvlink traced=cad+pingpong,ulysses chunks=1
       probe nvlink
     fi
-    bench "$PHASE" --configs pretrain:256K --strategies $traced --trace $traced --activation-checkpointing full \
+    bench "$PHASE" --configs pretrain:256K --strategies $traced --trace $traced --trace-ranks all --activation-checkpointing full \
       --activation-offload --head-chunks $chunks --warmup 0 --steps 1 --end-by-s $((480 - SECONDS))
     for trace in "$OUT/$PHASE"/trace-*.json.gz; do
       [ -e "$trace" ] || continue

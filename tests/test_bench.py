@@ -155,9 +155,11 @@ def bench_batches(*args) -> list[list[int]]:
 
 @background.job("test_warm_up_on_small_batches_measures_the_batches_a_full_warm_up_would")
 def small_warm_up(tmp):
-    """torchrun's 2 ranks, local and cad (traced), warmed up on batches of 256 tokens per GPU: its --out and the run."""
+    """torchrun's 2 ranks, local and cad (traced on both ranks), warmed up on batches of 256 tokens per GPU: its --out
+    and the run."""
     return bench_on_two_cpu_ranks(tmp, "--layers", "1", "--configs", "prolong:1K", "--strategies", "local,cad",
-                                  "--warmup", "1", "--warmup-tokens", "256", "--steps", "1", "--trace", "cad")
+                                  "--warmup", "1", "--warmup-tokens", "256", "--steps", "1", "--trace", "cad",
+                                  "--trace-ranks", "all")
 
 
 def test_warm_up_on_small_batches_measures_the_batches_a_full_warm_up_would():
@@ -185,8 +187,11 @@ def test_warm_up_on_small_batches_measures_the_batches_a_full_warm_up_would():
         assert len(rec["losses"]) == 2 and rec["loss_ok"]
         assert rec["peak_memory_first_step_only"] and not full_records[rec["strategy"]]["peak_memory_first_step_only"]
     assert "*: the peak of a run's first step, the only one measured" in (tmp_path / "e2e.md").read_text()
-    # traced, the measured run goes on past its measured step to the profiled one, which is not in the record
-    assert (tmp_path / "trace-prolong-1K-cad.txt").read_text().strip()
+    # traced, the measured run goes on past its measured step to the profiled one, which is not in the record; on
+    # both ranks (--trace-ranks all), rank 1's named so
+    for name in ("trace-prolong-1K-cad", "trace-prolong-1K-cad-rank1"):
+        assert (tmp_path / f"{name}.txt").read_text().strip() and (tmp_path / f"{name}.json.gz").stat().st_size > 0
+    assert " --trace cad --trace-ranks all" in written["meta"]["command"]
 
 
 @background.job("test_warm_up_on_small_batches_skips_every_micro_batch_of_its_steps")
@@ -364,6 +369,19 @@ def test_memory_breakdown_needs_cuda(monkeypatch):
     with pytest.raises(ConfigError) as err:
         check_arguments(args)
     assert err.value.field == "--memory-breakdown"
+
+
+def test_trace_ranks_are_checked_among_the_arguments(monkeypatch):
+    """--trace-ranks names ranks of the run, or all; anything else is refused before any run, naming the flag."""
+    from attnpool.bench.e2e import check_arguments, traced_ranks
+    from attnpool.errors import ConfigError
+
+    assert traced_ranks("all", 4) == {0, 1, 2, 3} and traced_ranks("0,3", 4) == {0, 3} and traced_ranks("0", 1) == {0}
+    p = bench_arguments(monkeypatch, 2)
+    for bad in ("2", "x", "0,-1", ""):
+        with pytest.raises(ConfigError, match="name ranks among 0..1") as err:
+            check_arguments(p.parse_args(["--out", "x", "--device", "cpu", "--trace-ranks", bad]))
+        assert err.value.field == "--trace-ranks"
 
 
 def bench_arguments(monkeypatch, world: int) -> argparse.ArgumentParser:

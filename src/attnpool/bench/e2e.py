@@ -110,6 +110,19 @@ def head_chunks(name, args) -> int:
     return args.head_chunks if attention in KV_EXCHANGING and kv_transfer is None else 1
 
 
+def traced_ranks(text: str, world: int) -> set[int]:
+    """The ranks ``--trace-ranks`` names ("all" or comma-separated rank numbers) among ``world``."""
+    if text == "all":
+        return set(range(world))
+    try:
+        ranks = {int(item) for item in text.split(",")}
+    except ValueError:
+        ranks = None
+    if not ranks or any(not 0 <= r < world for r in ranks):
+        raise ConfigError("--trace-ranks", text, f"name ranks among 0..{world - 1}, comma-separated, or all")
+    return ranks
+
+
 def traced_strategies(args) -> list[str]:
     """The strategies ``--trace`` names (a comma-separated list; none without it)."""
     return [s for s in (args.trace or "").split(",") if s]
@@ -161,7 +174,9 @@ def run_one(name, dist_name, tokens, args, out_dir, trace=False):
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda" else [])
     schedule = torch.profiler.schedule(skip_first=steps_before_trace, wait=0, warmup=1, active=1, repeat=1)
     with torch.profiler.profile(activities=activities, schedule=schedule,
-                                on_trace_ready=functools.partial(_write_trace, args.out, tag, args.device)) as prof:
+                                on_trace_ready=functools.partial(_write_trace, args.out, tag, args.device,
+                                                                 traced_ranks(args.trace_ranks, dist.get_world_size()))
+                                ) as prof:
         rows, predicted, settings = _with_prediction(train(config, on_step=prof.step, skip_steps=measured_skip),
                                                      config)
     return warmup_rows + rows[:steps_before_trace], predicted, settings
@@ -194,10 +209,13 @@ def sparse_options(text: str) -> dict:
     return options
 
 
-def _write_trace(out, tag, device, prof):
-    """Rank 0: the profiled step's ops by GPU (or CPU) time, and the trace itself, gzipped."""
-    if dist.get_rank() != 0:
+def _write_trace(out, tag, device, ranks: set[int], prof):
+    """Each of ``ranks``: the profiled step's ops by GPU (or CPU) time, and the trace itself, gzipped (rank 0's as
+    trace-TAG, each other's as trace-TAG-rankN)."""
+    rank = dist.get_rank()
+    if rank not in ranks:
         return
+    tag = tag if rank == 0 else f"{tag}-rank{rank}"
     os.makedirs(out, exist_ok=True)
     key = "cuda_time_total" if device == "cuda" else "cpu_time_total"
     with open(os.path.join(out, f"trace-{tag}.txt"), "w") as f:
@@ -300,6 +318,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[list, list]:
     traced = traced_strategies(args)
     if any(s not in strategies for s in traced):
         raise ConfigError("--trace", args.trace, f"must name strategies run: {', '.join(strategies)}")
+    traced_ranks(args.trace_ranks, int(os.environ["WORLD_SIZE"]))
     if args.memory_breakdown and args.device != "cuda":
         raise ConfigError("--memory-breakdown", True, "records the CUDA allocator: needs --device cuda")
     if args.tp < 1 or args.pp < 1 or int(os.environ["WORLD_SIZE"]) % (args.tp * args.pp):
@@ -510,6 +529,7 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
                        + (f"--warmup-tokens {args.warmup_tokens} " if args.warmup_tokens is not None else "") +
                        f"--attention-backend {args.resolved_attention_backend}"  # as run, where "auto" was asked
                        + (" --ablation" if args.ablation else "") + (f" --trace {args.trace}" if args.trace else "")
+                       + (f" --trace-ranks {args.trace_ranks}" if args.trace and args.trace_ranks != "0" else "")
                        + (f" --sparse-args {args.sparse_args}" if args.sparse_args else "")
                        + (f" --activation-checkpointing {args.activation_checkpointing}"
                           if args.activation_checkpointing != "keep_attention" else "")

@@ -100,6 +100,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-breakdown", action="store_true",
                    help="record the CUDA allocator's history during each run and write what was live at the peak "
                         "of the rank with the highest one, by allocating code (memory-*.md; slows the steps)")
+    p.add_argument("--trace-ranks", default="0", metavar="RANKS",
+                   help="the ranks whose traces --trace writes: rank numbers, comma-separated, or all; rank 0's as "
+                        "trace-*, each other's as trace-*-rankN (default 0: a rank that waits at an exchange for "
+                        "another shows its wait, not the other's kernels)")
     p.add_argument("--trace", default=None, metavar="STRATEGY[,STRATEGY...]",
                    help="profile two extra steps of each of these strategies in the first configuration with torch.profiler "
                         "(not part of the measured steps): trace-*.txt (ops by GPU time) and trace-*.json.gz")

@@ -641,11 +641,13 @@ def test_prefix_copies_are_counted_only_where_the_backend_makes_them(monkeypatch
     pieces = PieceTable.from_pieces([[DocPiece(0, 4096, 0, 4096)], []])
     start = np.arange(8) * 512
     plan = make_plan("test", pieces, np.zeros(8), start, start + 512, np.zeros(8), np.arange(8) % 2, 512)
-    copies, unique = AttentionRows.of(plan), AttentionRows.of(plan, copies=False)
+    copies, unique = AttentionRows.of(plan), AttentionRows.of(plan, copies=False, causal_call_segments=4)
     assert copies.expanded_kv[0] == 512 * (1 + 3 + 5 + 7) and copies.unique_kv[0] == 3584
     # the unique rows, and three times the widest segment but one's keys (rank 0: 2560 of [512, 1536, 2560, 3584],
-    # rank 1: 3072), whose gradients a causal call per segment makes apart and sums in float32
+    # rank 1: 3072), whose gradients a causal call per segment makes apart and sums in float32; four segments are
+    # one position call where the runtime makes causal calls of three at most
     assert np.array_equal(unique.expanded_kv, copies.unique_kv + 3 * np.array([2560, 3072]))
+    assert np.array_equal(AttentionRows.of(plan, copies=False, causal_call_segments=3).expanded_kv, copies.unique_kv)
     # by document: beside a second document, each rank's most keys of a segment but its document's widest (rank 0:
     # document 0's 2560 over document 1's 2048 of [2048, 6144]; rank 1: document 1's 4096 of [4096, 8192])
     pieces = PieceTable.from_pieces([[DocPiece(0, 4096, 0, 4096), DocPiece(1, 8192, 0, 8192)], []])
@@ -653,8 +655,11 @@ def test_prefix_copies_are_counted_only_where_the_backend_makes_them(monkeypatch
     doc = np.r_[np.zeros(8), np.ones(4)]
     plan = make_plan("test", pieces, doc, start, start + np.r_[np.full(8, 512), np.full(4, 2048)], doc,
                      np.r_[np.arange(8) % 2, np.arange(4) % 2], 512)
-    rows = AttentionRows.of(plan, copies=False)
+    rows = AttentionRows.of(plan, copies=False, causal_call_segments=4)
     assert rows.expanded_kv[0] == rows.unique_kv[0] + 3 * 2560 and rows.expanded_kv[1] == rows.unique_kv[1] + 3 * 4096
+    # where document 0's four segments take one position call, document 1's two count alone
+    fewer = AttentionRows.of(plan, copies=False, causal_call_segments=3)
+    assert np.array_equal(fewer.expanded_kv, rows.unique_kv + 3 * np.array([2048, 4096]))
     # 4.5K rows avoided in 4 calls (a causal call per segment), over a quarter of the unique rows
     assert DispatchLayout.build(plan, 0, "cpu").documents is not None
 

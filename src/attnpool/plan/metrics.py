@@ -147,10 +147,10 @@ class AttentionRows:
     (one prefix per kernel segment, Plan.kernel_segments; with ``copies=False``, for a backend that
     serves queries at given positions (kernels.serves_positions), the unique rows: it copies none, but
     where few (runtime.dispatch.MIN_AVOIDED_KEYS_PER_CALL), which this leaves uncounted; plus three times
-    the most keys of a segment other than its document's widest: a document served as a causal call per
-    segment makes that segment's dK and dV apart in backward, in the kernel's dtype, and sums them in
-    float32, twice a half-precision row: runtime.dispatch.DocumentServing. An upper bound: it counts them
-    for any document of several segments, as served whichever way)."""
+    the most keys of a segment other than its document's widest, among the documents of two to
+    ``causal_call_segments`` segments on the server: the runtime serves those as a causal call per segment,
+    which makes that segment's dK and dV apart in backward, in the kernel's dtype, and sums them in float32,
+    twice a half-precision row: runtime.dispatch.DocumentServing, MAX_CAUSAL_CALL_SEGMENTS)."""
 
     home: np.ndarray
     query: np.ndarray
@@ -159,7 +159,7 @@ class AttentionRows:
     expanded_kv: np.ndarray
 
     @classmethod
-    def of(cls, plan: Plan, copies: bool = True) -> "AttentionRows":
+    def of(cls, plan: Plan, copies: bool = True, causal_call_segments: int = 0) -> "AttentionRows":
         if plan.head_parallel:
             return cls(**ulysses_rows(plan))
         W = plan.num_ranks
@@ -172,16 +172,19 @@ class AttentionRows:
             returned=np.bincount(plan.task_server, weights=np.where(remote, plan.task_len, 0), minlength=W).astype(np.int64),
             unique_kv=unique_kv,
             expanded_kv=np.array([int(plan.kernel_segments(r)[2].sum()) for r in range(W)], dtype=np.int64)
-            if copies else unique_kv + [3 * _narrower_segment_keys(plan, r) for r in range(W)],
+            if copies else unique_kv + [3 * _narrower_segment_keys(plan, r, causal_call_segments) for r in range(W)],
         )
 
 
-def _narrower_segment_keys(plan: Plan, server: int) -> int:
-    """The most keys of one of the server's kernel segments that is not the widest of its document's."""
+def _narrower_segment_keys(plan: Plan, server: int, max_segments: int) -> int:
+    """The most keys of one of the server's kernel segments that is not the widest of its document's, among its
+    documents of at most ``max_segments`` segments (under a sliding window, where a document's segments may not
+    share a first key and then take one position call, an upper bound)."""
     doc, _, k_len = plan.kernel_segments(server)
-    if len(doc) < 2:
+    if len(doc) < 2 or max_segments < 2:
         return 0
     order = np.lexsort((-k_len, doc))  # by document, widest first
     doc, k_len = doc[order], k_len[order]
-    narrower = np.r_[False, doc[1:] == doc[:-1]]
+    _, inverse, counts = np.unique(doc, return_inverse=True, return_counts=True)
+    narrower = np.r_[False, doc[1:] == doc[:-1]] & (counts[inverse] <= max_segments)
     return int(k_len[narrower].max(initial=0))

@@ -20,6 +20,7 @@ from attnpool.data import DocumentStream
 from attnpool.parallel.pipeline import activations_in_flight, rank_layers
 from attnpool.parallel.pooled_pipeline import POOLED
 from attnpool.plan.metrics import AttentionRows
+from attnpool.runtime.dispatch import MAX_CAUSAL_CALL_SEGMENTS
 from attnpool.plan.cost import attention_flops
 from attnpool.plan.documents import window_pairs
 from attnpool.sizes import format_bytes
@@ -94,11 +95,17 @@ def sample_row_ratios(spec: RunSpec, source, batches: int = MEMORY_SAMPLE_BATCHE
     return {"rows": ratios(worst), "held_candidates" if spec.pooled else "row_candidates": undominated(candidates)}
 
 
+def attention_rows(plan, copies: bool) -> AttentionRows:
+    """plan.metrics.AttentionRows as the runtime serves ``plan``: where it copies no prefixes, a server's documents of
+    at most MAX_CAUSAL_CALL_SEGMENTS segments as a causal call per segment (runtime.dispatch.DocumentServing)."""
+    return AttentionRows.of(plan, copies, causal_call_segments=MAX_CAUSAL_CALL_SEGMENTS)
+
+
 def slot_mean_rows(tick: list[StepPlan | None], copies: bool) -> AttentionRows:
     """A pooled tick's rows per layer slot: what a rank keeps, averaged over its slots (a rank keeps every slot's,
     its layers' and the queries it serves, until the tick's backward; a slot where no rank has tokens holds none),
     and the keys one kernel call reads, the most of any slot."""
-    rows = [AttentionRows.of(slot.plan, copies) for slot in tick if slot is not None]
+    rows = [attention_rows(slot.plan, copies) for slot in tick if slot is not None]
     per_call = ("expanded_kv",)
     return AttentionRows(**{name: np.max([getattr(r, name) for r in rows], axis=0) if name in per_call
                             else sum(getattr(r, name) for r in rows) / len(tick) for name in ROW_NAMES})
@@ -112,8 +119,8 @@ def layer_mean_rows(step: StepPlan, spec: RunSpec, copies: bool) -> AttentionRow
     model's transients are a call's peak."""
     kinds = Counter(spec.layer_kinds)
     if not step.plans or not kinds:
-        return AttentionRows.of(step.plan, copies)
-    rows = {kind: AttentionRows.of(step.plans[kind.window], copies or spec.prefix_copies_of(kind)) for kind in kinds}
+        return attention_rows(step.plan, copies)
+    rows = {kind: attention_rows(step.plans[kind.window], copies or spec.prefix_copies_of(kind)) for kind in kinds}
     total = sum(kinds.values())
 
     def mean(name):

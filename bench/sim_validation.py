@@ -41,6 +41,7 @@ from attnpool.bench.record import write_record
 from attnpool.data import DocumentStream, make_source
 from attnpool.plan.plan import inter_node_byte_cost
 from attnpool.sim.simulate import SimConfig, simulate_config
+from attnpool.sim.steptime import PINGPONG_SCHEDULES
 from attnpool.sizes import parse_size
 
 MEASURED = "bench/results/2026-11-22-h200x4-e2e.json"  # 3 + 10 steps
@@ -141,7 +142,7 @@ def sim_costs(layers: int, args, backend: str | None):
 def simulate_bench(dist: str, tokens: int, world: int, tp: int, per_node: int, layers: int, recompute: str,
                    hierarchical: bool, batches, costs, head_chunks: int = 1,
                    price_bytes: bool = False, price_gibps: float | None = None,
-                   inter_node_gibps: float | None = None) -> tuple[dict, dict]:
+                   inter_node_gibps: float | None = None, pingpong_schedule: str = "distca") -> tuple[dict, dict]:
     """The simulator on a benchmark's batches: (its strategies' results, simulator name -> benchmark strategy);
     with ``price_bytes`` cad prices its bytes at ``price_gibps`` (default: the simulated link's rate)."""
     servers = world // tp
@@ -152,7 +153,8 @@ def simulate_bench(dist: str, tokens: int, world: int, tp: int, per_node: int, l
                        cp_degrees=(servers,), batches=len(batches), recompute=recompute, hierarchical=hierarchical,
                        inter_node_byte_cost=inter_node_byte_cost(price_gibps, inter_node_gibps), percp_plan=True,
                        balanced=True,
-                       head_chunks=head_chunks, price_bytes=price_bytes, price_gibps=price_gibps)
+                       head_chunks=head_chunks, price_bytes=price_bytes, price_gibps=price_gibps,
+                       pingpong_schedule=pingpong_schedule)
     # percp as the benchmark runs it: attnpool's percp plan (the simulator's analytic percp-cpN gathers whole
     # documents' KV instead, a layout the benchmark does not run)
     pairs = {**PAIRS, **(HIERARCHICAL_PAIRS if hierarchical else {}), f"ulysses-u{servers}": "ulysses",
@@ -172,7 +174,8 @@ def predict(args) -> int:
         for tp in (int(t) for t in args.tp.split(",")):
             batches = bench_batches(dist, tokens, args.gpus, args.warmup, args.steps, tp)
             sim, pairs = simulate_bench(dist, tokens, args.gpus, tp, per_node, args.layers, recompute,
-                                        args.hierarchical, batches, costs, args.head_chunks, args.price_bytes)
+                                        args.hierarchical, batches, costs, args.head_chunks, args.price_bytes,
+                                        pingpong_schedule=args.pingpong_schedule)
             for name, strategy in pairs.items():
                 if name in sim:
                     steps = np.asarray(sim[name]["per_batch_step_s"])
@@ -244,6 +247,9 @@ def main() -> int:
     parser.add_argument("--price-bytes", action="store_true",
                         help="--predict: cad's planner prices its bytes at the link inside a node (attnpool train's "
                              "exchange_gibps at --intra-gibps, or the profile's rate)")
+    parser.add_argument("--pingpong-schedule", choices=PINGPONG_SCHEDULES, default="distca",
+                        help="the order of ping-pong's compute across layers the simulator prices "
+                             "(attnpool.sim.steptime.PINGPONG_SCHEDULES; attnpool's runtime runs layerwise)")
     parser.add_argument("--name", default="", help="a suffix of the written files' names")
     args = parser.parse_args()
     if args.predict:
@@ -276,7 +282,8 @@ def main() -> int:
                   if name.startswith("cad")}
         sims = {price: simulate_bench(dist, tokens, world, setting["tp"], per_node, setting["layers"],
                                       setting["recompute"], setting["hierarchical"], batches, costs,
-                                      setting["head_chunks"], price[0] is not None, *price)
+                                      setting["head_chunks"], price[0] is not None, *price,
+                                      pingpong_schedule=args.pingpong_schedule)
                 for price in dict.fromkeys(prices.values() or [(None, None)])}
         any_sim, pairs = next(iter(sims.values()))
         if setting["hierarchical"]:  # (only cad's relayed rows: the simulator models the others' exchanges flat)
@@ -313,6 +320,8 @@ def main() -> int:
                             for r in rows if r["exchange_gibps"] is not None)
                 if any(r["exchange_gibps"] is not None for r in rows) else "")
              + f", recompute {setting['recompute']} as the runs' checkpointing"
+             + (f", ping-pong's compute ordered {args.pingpong_schedule} (steptime.PINGPONG_SCHEDULES)"
+                if args.pingpong_schedule != "distca" else "")
              + (offload_as_hidden(setting["activation_offload"]) if setting["activation_offload"] else "")
              + ". Command: `python bench/sim_validation.py "
              + " ".join(sys.argv[1:]) + "`.", "",

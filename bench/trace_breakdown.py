@@ -15,6 +15,12 @@ It also says how much of core attention's collective kernels' time another colle
 GPU (one under "other": FSDP's gathers and reductions): on a network where every collective shares one slow link
 (bench/gpu_e2e.sh emulated-trace), an exchange of a few MiB that runs for tens of milliseconds beside FSDP's
 transfers is waiting for them, not moving its own bytes.
+
+And it says where each GPU's compute stream (the stream of most kernel time outside collectives) stood idle within
+the traced step, and what ran meanwhile: a core attention phase's collective (the one of earliest start among
+those running), another collective (FSDP's), a copy on another stream (activation offload's), or nothing (the host
+behind). A collective's time alone says little under ping-pong, where it runs behind the other nano-batch's compute;
+the compute stream's idle time beside it is what the step lost to it.
 """
 
 from __future__ import annotations
@@ -78,6 +84,62 @@ def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
+def compute_stream_idle(kernels: list[tuple]) -> dict[str, dict]:
+    """Per device, of :func:`classified`'s kernels: the compute stream, the span from the device's first kernel to its
+    last (ms), the compute stream's busy time, and its idle time by what ran meanwhile (ms): a core attention
+    phase's collective, "other collective", "copy on another stream" or "nothing"."""
+    by_device = collections.defaultdict(list)
+    for phase, kind, k in kernels:
+        args = k.get("args", {})
+        by_device[args.get("device")].append((phase, kind, k["ts"], k["ts"] + k["dur"], args.get("stream")))
+    out = {}
+    for device, rows in by_device.items():
+        busy_by_stream = collections.Counter()
+        for _, kind, start, end, stream in rows:
+            if kind != "collective":
+                busy_by_stream[stream] += end - start
+        compute = max(busy_by_stream, key=busy_by_stream.get) if busy_by_stream else None
+        # a sweep over every kernel's start and end: between two of them the compute stream is busy or not, and
+        # the same kernels run elsewhere
+        points = []
+        for phase, kind, start, end, stream in rows:
+            if stream == compute and kind != "collective":
+                label = None  # the compute stream's own
+            elif kind == "collective":
+                label = "other collective" if phase == "other" else phase
+            else:
+                label = "copy on another stream"
+            points += [(start, 1, label, start), (end, -1, label, start)]
+        points.sort(key=lambda p: (p[0], p[1]))
+        running: collections.Counter = collections.Counter()  # (label, start) of what runs off the compute stream
+        busy = 0
+        idle: dict[str, float] = collections.defaultdict(float)
+        busy_us = 0.0
+        for (t, step, label, start), (t_next, *_) in zip(points, points[1:] + [points[-1]]):
+            if label is None:
+                busy += step
+            else:
+                running[(label, start)] += step
+                if running[(label, start)] == 0:
+                    del running[(label, start)]
+            if t_next <= t:
+                continue
+            if busy:
+                busy_us += t_next - t
+                continue
+            collectives = [(s, lab) for lab, s in running if lab != "copy on another stream"]
+            if collectives:
+                idle[min(collectives)[1]] += t_next - t
+            elif running:
+                idle["copy on another stream"] += t_next - t
+            else:
+                idle["nothing"] += t_next - t
+        out[str(device)] = {"compute_stream": compute, "span_ms": (points[-1][0] - points[0][0]) / 1e3,
+                            "compute_busy_ms": busy_us / 1e3,
+                            "idle_ms": {k: v / 1e3 for k, v in sorted(idle.items(), key=lambda kv: -kv[1])}}
+    return out
+
+
 def classified(events: list[dict]):
     """Each kernel, memcpy and memset of the trace as (phase, kind, event)."""
     # (NCCL and CuTe DSL kernels are launched through the driver API: cuLaunchKernelEx, category cuda_driver)
@@ -114,7 +176,7 @@ def main() -> int:
     with opener(args.trace, "rt") as f:
         events = json.load(f)["traceEvents"]
     kernels = list(classified(events))
-    table, beside = breakdown(kernels), beside_other_collectives(kernels)
+    table, beside, idle = breakdown(kernels), beside_other_collectives(kernels), compute_stream_idle(kernels)
     kinds = [name for name, _ in KINDS]
     print("| phase | " + " | ".join(f"{k} (ms)" for k in kinds) + " |")
     print("|---" * (len(kinds) + 1) + "|")
@@ -124,9 +186,14 @@ def main() -> int:
     print("| all core attention | " + " | ".join(f"{attention[k]:.1f}" for k in kinds) + " |")
     print(f"core attention's collectives {beside['attention_collectives_ms']:.1f} ms, of it "
           f"{beside['beside_other_collectives_ms']:.1f} ms beside another collective (FSDP's) on the same GPU")
+    for device, row in idle.items():
+        print(f"device {device}: compute stream {row['compute_stream']} busy {row['compute_busy_ms']:.1f} of "
+              f"{row['span_ms']:.1f} ms; idle beside " +
+              (", ".join(f"{what} {ms:.1f}" for what, ms in row["idle_ms"].items()) or "nothing") + " ms")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"trace": args.trace, "ms_by_phase_and_kind": table, **beside}, f, indent=1)
+            json.dump({"trace": args.trace, "ms_by_phase_and_kind": table, **beside, "compute_stream_idle": idle},
+                      f, indent=1)
     return 0
 
 

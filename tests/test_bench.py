@@ -543,6 +543,35 @@ def test_trace_breakdown_counts_the_time_an_exchange_ran_beside_another_collecti
     assert beside_other_collectives(list(classified(events))) == {"attention_collectives_ms": 4.0, "beside_other_collectives_ms": 1.5}
 
 
+def test_trace_breakdown_says_what_ran_while_the_compute_stream_stood_idle():
+    """bench/trace_breakdown.py: per device, the compute stream is the one of most kernel time outside collectives; its
+    idle time within the device's span goes to the earliest-started core attention collective running, else another
+    collective, else a copy on another stream, else nothing."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    from trace_breakdown import classified, compute_stream_idle
+
+    def at(name, ts, dur, correlation, stream, device=0, tid=2, cat="kernel"):
+        return [{"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": ts, "dur": 1, "tid": tid,
+                 "args": {"correlation": correlation}},
+                {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,
+                 "args": {"correlation": correlation, "device": device, "stream": stream}}]
+
+    events = [{"ph": "X", "cat": "cpu_op", "name": "_DispatchStart", "ts": 0, "dur": 200, "tid": 1},
+              {"ph": "X", "cat": "cpu_op", "name": "_ReturnStart", "ts": 0, "dur": 200, "tid": 3},
+              *at("nvjet_sm90", 0, 10, 1, stream=7), *at("nvjet_sm90", 30, 10, 2, stream=7),
+              *at("nvjet_sm90", 60, 40, 3, stream=7), *at("nvjet_sm90", 110, 10, 4, stream=7),
+              *at("ncclDevKernel_AllToAll", 5, 30, 5, stream=20, tid=1),  # idle 10-30 beside it
+              *at("ncclDevKernel_AllToAll", 8, 10, 6, stream=20, tid=3),  # started later: not the one named
+              *at("ncclDevKernel_ReduceScatter", 35, 35, 7, stream=21),  # idle 40-60 beside it (and the copy)
+              *at("Memcpy DtoH (Device -> Pinned)", 45, 60, 8, stream=22, cat="gpu_memcpy"),  # idle 100-105 beside it
+              *at("nvjet_sm90", 0, 1, 9, stream=7, device=1)]  # another device's
+    idle = compute_stream_idle(list(classified(events)))
+    assert idle["0"] == {"compute_stream": 7, "span_ms": 0.12, "compute_busy_ms": 0.07,
+                         "idle_ms": {"_DispatchStart": 0.02, "other collective": 0.02, "copy on another stream": 0.005,
+                                     "nothing": 0.005}}  # nothing at 105-110
+    assert idle["1"]["compute_busy_ms"] == 0.001 and idle["1"]["idle_ms"] == {}
+
+
 def test_warm_up_tokens_are_refused_without_warm_up_steps(monkeypatch):
     from attnpool.bench.e2e import check_arguments
     from attnpool.errors import ConfigError

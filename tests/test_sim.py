@@ -129,6 +129,43 @@ def test_pingpong_runs_the_nano_batches_the_runtime_makes(costs):
     assert halves["cad"]["step_s"] < halves["cad-serial"]["step_s"]
 
 
+def test_pingpong_schedules_and_the_recomputed_forward_as_its_own_stage(costs):
+    """Two nano-batches, one layer, two servers; only the dispatch (T seconds) and the backward's linear part
+    after core attention (P) take time. Forward: both dispatches, one after the other, 2T. Under full recompute a
+    checkpointed layer runs its forward again, dispatches included, before its backward: 2T again, then 2P;
+    its dispatches hide behind nothing (before, they were taken as one exchange with dO's, behind the other
+    nano-batch's backward: 5T where it is 6T). With a second layer, "layerwise" (the runtime's order: every
+    nano-batch's layer ends before the next begins) hides less than "distca" (a nano-batch's part after one layer
+    runs with its part before the next, behind which the other's dispatch runs); one nano-batch runs alike."""
+    T = P = 1.0
+    cl = Cluster(gpus=2, tp=1, gpus_per_node=2, tokens_per_gpu=1)
+
+    def model(schedule="distca", recompute="full"):
+        m = StepModel(CFG, cl, costs, recompute=recompute, pingpong_schedule=schedule)
+        m.tok_fwd_pre = m.tok_fwd_post = m.tok_bwd_pre = m.tok_head_fwd = m.tok_head_bwd = 0.0
+        m.tok_bwd_post = P
+        return m
+
+    def layer(dispatch=T):
+        none = Collective(np.zeros(1), np.zeros(1))
+        return (np.zeros(2), np.zeros(2), (Collective(np.zeros(1), np.array([dispatch])), none), (none, none), 0, 0)
+
+    tokens = np.ones(2)
+    one_layer = [(tokens, [layer()]), (tokens, [layer()])]
+    assert model()._simulate("cad", one_layer, 2, 0, 0).step == pytest.approx(2 * T + 2 * T + 2 * P)
+    assert model(recompute="none")._simulate("cad", one_layer, 2, 0, 0).step == pytest.approx(2 * T + 2 * P)
+    two_layers = [(tokens, [layer(), layer()]), (tokens, [layer(), layer()])]
+    distca, layerwise = (model(s, "none") for s in ("distca", "layerwise"))
+    for m in (distca, layerwise):  # a part after core attention worth hiding a dispatch behind
+        m.tok_fwd_post = T
+    assert layerwise._simulate("cad", two_layers, 2, 0, 0).step > distca._simulate("cad", two_layers, 2, 0, 0).step
+    assert layerwise._simulate("cad", two_layers[:1], 2, 0, 0).step == distca._simulate("cad", two_layers[:1], 2, 0, 0).step
+    with pytest.raises(ConfigError, match="pingpong_schedule"):
+        StepModel(CFG, cl, costs, pingpong_schedule="cross")
+    with pytest.raises(ConfigError, match="pingpong_schedule"):
+        replace(SMALL, pingpong_schedule="cross").check()
+
+
 def test_head_chunks_hide_exchanges_behind_the_other_groups_kernels(costs):
     """Core attention in groups of heads: the same bytes in more collectives (each with its latency), a shorter
     step where the exchanges were exposed, and nothing changed for a plan without exchanges. A batch of one

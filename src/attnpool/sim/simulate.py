@@ -42,7 +42,7 @@ from attnpool.sim.costs import SimCosts, load_sim_costs
 from attnpool.plan.layout import balanced_table, linear_table, nano_batch_bounds, wlb_pieces, wlb_table
 from attnpool.plan.plan import Topology
 from attnpool.plan.ulysses import ulysses_problem
-from attnpool.sim.steptime import Cluster, StepModel, StepTime
+from attnpool.sim.steptime import PINGPONG_SCHEDULES, Cluster, StepModel, StepTime
 
 STRATEGY_GROUPS = ("local", "wlb", "percp", "ulysses", "cad")
 # 0.005 stands in for 0: below about 0.001 the cad planner cannot reach its target with
@@ -93,6 +93,8 @@ class SimConfig:
     # core attention in this many groups of heads (attnpool train's head_chunks), for the strategies that run it so:
     # local, wlb, percp-plan and every cad (the analytic percp and ulysses models in one)
     head_chunks: int = 1
+    # the order of ping-pong's compute across layers (attnpool.sim.steptime.PINGPONG_SCHEDULES)
+    pingpong_schedule: str = "distca"
     # cad prices its exchanges' bytes against balance at the simulated link inside a node (attnpool train's
     # exchange_gibps; plan.cost.exchange_byte_seconds), as "cad" and "cad-serial" (False: balance whatever the bytes)
     price_bytes: bool = False
@@ -148,6 +150,9 @@ class SimConfig:
             None if self.price_bytes else "prices cad's bytes: needs price_bytes")
         if problem:
             raise ConfigError("price_gibps", self.price_gibps, problem)
+        if self.pingpong_schedule not in PINGPONG_SCHEDULES:
+            raise ConfigError("pingpong_schedule", self.pingpong_schedule,
+                              f"choose one of {', '.join(PINGPONG_SCHEDULES)}")
 
 
 def check_eps(eps: float, field: str = "eps") -> None:
@@ -217,7 +222,8 @@ def simulate_config(config: SimConfig, costs: SimCosts | None = None, *, profile
     if costs is None:
         costs = load_sim_costs(cfg, config.model, profile)
     check_tokens(cluster, costs)
-    model = StepModel(cfg, cluster, costs, config.recompute, fsdp=config.fsdp, head_chunks=config.head_chunks)
+    model = StepModel(cfg, cluster, costs, config.recompute, fsdp=config.fsdp, head_chunks=config.head_chunks,
+                      pingpong_schedule=config.pingpong_schedule)
     S, B = cluster.servers, cluster.tokens_per_server
     if doc_batches is None:
         doc_batches = sample(config, cluster)

@@ -35,7 +35,10 @@ them and the previous collective of the group is done. Without overlap (one
 nano-batch) every collective is exposed. With DistCA's ping-pong, the
 micro-batch is split into two nano-batches and the compute stream runs
 pre(a) pre(b) attn(a) attn(b) post+pre(a) post+pre(b) ...  while nano-batch a's
-collectives run behind nano-batch b's compute. :meth:`StepModel.nano_step` takes
+collectives run behind nano-batch b's compute (DistCA's schedule; attnpool's
+runtime runs post(a) post(b) pre(a) pre(b): ``pingpong_schedule``, PINGPONG_SCHEDULES).
+Under full recompute a layer's backward is its forward again, exchanges included,
+and then its backward, as a checkpointed layer runs. :meth:`StepModel.nano_step` takes
 the nano-batches as the runtime makes them (whole documents, each planned alone,
 so one long document makes them unequal, or leaves one); ``plan_step(overlap=True)``
 approximates them by exact halves of one plan (half the tokens, work and bytes
@@ -182,19 +185,30 @@ class StepTime:
 
 
 RECOMPUTE = ("none", "linear", "full")
+# Ping-pong's compute order across layers. "distca": each nano-batch's compute after one layer's core attention runs
+# with its compute before the next layer's, so that nano-batch a's next dispatch runs behind nano-batch b's MLP
+# (DistCA's schedule). "layerwise": every nano-batch's layer ends before the next layer begins, as
+# attnpool.parallel.pingpong runs it (a layer is one FSDP unit and one checkpoint), so that nano-batch a's dispatch
+# runs behind nano-batch b's QKV projection alone. The default is DistCA's: on the measured 2-GPU runs "layerwise"
+# fits pretrain 256K better and over-predicts prolong 128K by up to 11%
+# (bench/results/2026-11-30-sim-pingpong-schedule.md).
+PINGPONG_SCHEDULES = ("distca", "layerwise")
 
 
 class StepModel:
     """Step times for one model, cluster and set of costs."""
 
     def __init__(self, cfg, cluster: Cluster, costs: SimCosts, recompute: str = "none", head: bool = True,
-                 fsdp: bool = False, head_chunks: int = 1):
+                 fsdp: bool = False, head_chunks: int = 1, pingpong_schedule: str = "distca"):
         """``head``: the servers run the output projection (a pipeline's stages but the last do not); ``fsdp``:
         count FSDP2's parameter gathers and gradient reductions over the servers (the module's docstring);
         ``head_chunks``: the plans' core attention (:meth:`plan_step`, :meth:`nano_step`) in that many groups of
-        heads, as attnpool train's head_chunks runs it (:meth:`_simulate`)."""
+        heads, as attnpool train's head_chunks runs it (:meth:`_simulate`); ``pingpong_schedule``: the order of
+        ping-pong's compute (PINGPONG_SCHEDULES, the module docstring)."""
         if recompute not in RECOMPUTE:
             raise ConfigError("recompute", recompute, f"choose one of {', '.join(RECOMPUTE)}")
+        if pingpong_schedule not in PINGPONG_SCHEDULES:
+            raise ConfigError("pingpong_schedule", pingpong_schedule, f"choose one of {', '.join(PINGPONG_SCHEDULES)}")
         self.cfg = cfg
         self.cluster = cluster
         self.costs = costs
@@ -224,6 +238,7 @@ class StepModel:
         self.fsdp = fsdp
         self.counts_fsdp = fsdp and cluster.servers > 1  # (one server shards nothing)
         self.head_chunks = head_chunks
+        self.cross_layer = pingpong_schedule == "distca"
 
     def fsdp_seconds(self) -> dict[str, float]:
         """One FSDP2 collective's time on each GPU's link: a layer's gather ("layer_gather", bf16) and gradient
@@ -506,35 +521,40 @@ class StepModel:
 
     # --- the event simulation ---
 
-    def _passes(self, tokens, layers) -> tuple:
-        """One nano-batch's forward and backward passes for :meth:`_simulate`: each (compute before its first
-        layer's core attention, between two layers', after its last layer's, and per layer (attention seconds,
-        (exchange before, exchange after)))."""
+    def _passes(self, tokens, layers) -> list[tuple]:
+        """One nano-batch's forward and backward passes for :meth:`_simulate`, each (compute before its first
+        stage, its stages, compute after its last), a stage being one layer's core attention and the compute
+        around it: (compute before, attention seconds, (exchange before, exchange after), compute after,
+        backward's exchanges). Backward runs the layers in reverse; under ``full`` recompute each layer's
+        backward is two stages, its forward again (exchanges included) and then its backward, as a checkpointed
+        layer runs."""
         fwd_pre, fwd_post = tokens * self.tok_fwd_pre, tokens * self.tok_fwd_post
         bwd_pre, bwd_post = tokens * self.tok_bwd_pre, tokens * self.tok_bwd_post
         head_f, head_b = tokens * self.tok_head_fwd, tokens * self.tok_head_bwd
-        forward = [(layer[0], layer[2]) for layer in layers]
+        forward = [(fwd_pre, layer[0], layer[2], fwd_post, False) for layer in layers]
         backward = []
         for layer in reversed(layers):
-            bwd_comm = layer[3]
-            if self.attention_again:  # the recomputed forward's exchanges precede the backward's own
-                bwd_comm = (Collective.serial(*layer[2], bwd_comm[0]), bwd_comm[1])
-            backward.append((layer[1], bwd_comm))
-        return ((fwd_pre, fwd_post + fwd_pre, fwd_post + head_f, forward),
-                (head_b + bwd_post, bwd_post + bwd_pre, bwd_pre, backward))
+            if self.attention_again:  # bwd_pre, bwd_post and the attention's backward hold the forward again
+                backward += [(fwd_pre, layer[0], layer[2], fwd_post, False),
+                             (bwd_post - fwd_post, layer[1] - layer[0], layer[3], bwd_pre - fwd_pre, True)]
+            else:
+                backward.append((bwd_post, layer[1], layer[3], bwd_pre, True))
+        return [(0.0, forward, head_f), (head_b, backward, 0.0)]
 
     def _simulate(self, name, nanos, group_size, bytes_moved, max_bytes, head_chunks: int = 1) -> StepTime:
         """``nanos``: per nano-batch (one without ping-pong), its tokens per server and its layers: per layer,
         (attention forward and backward seconds per server, the forward's exchanges (before, after core
-        attention), the backward's, ...); backward runs the layers in reverse. Each layer runs every nano-batch's
-        part before core attention in turn, then every core attention, one's exchanges behind the next one's
-        compute. With ``head_chunks`` each core attention is that many groups of heads (Collective.head_group: equal
+        attention), the backward's, ...); :meth:`_passes` makes them stages. Each stage runs every nano-batch's
+        compute before core attention in turn, each launching its exchange before, then every core attention
+        once its exchange is in, each launching its exchange after, one's exchanges behind the next one's
+        compute; then, once its exchange after is in, every nano-batch's compute after core attention
+        (attnpool.parallel.pingpong: a layer ends before the next begins; with ``cross_layer`` each nano-batch's
+        compute after one stage runs with its compute before the next, as DistCA schedules ping-pong). With
+        ``head_chunks`` each core attention is that many groups of heads (Collective.head_group: equal
         parts, or past the KV heads each KV head's bytes with its first group, in backward its last), as
         runtime.core_attention runs them: every group's exchange before it in turn (each with the whole
         latency), then each group's kernel once its own exchange is in and its exchange after it, so that a
-        group's kernel runs behind the next group's transfer. In backward the recompute's exchanges and dO's
-        are taken as one exchange before, split the same way (an approximation of the recompute's own
-        groups)."""
+        group's kernel runs behind the next group's transfer."""
         S, c = self.cluster.servers, group_size
         G = S // c
         m = len(nanos)
@@ -543,36 +563,46 @@ class StepModel:
         mf = np.zeros(G)
         comm_total = np.zeros(G)
         passes = [self._passes(tokens, layers) for tokens, layers in nanos]  # per nano-batch: (forward, backward)
+
+        def after_wait(x, seconds):  # nano-batch x's compute once its last exchange is in
+            return cf + seconds if ready[x] is None else np.maximum(cf, np.repeat(ready[x], c)) + seconds
+
         for p in range(2):
-            ready = [None] * m  # per nano-batch: when its previous 'after' collective ends (G,)
-            for layer in range(len(nanos[0][1])):
+            ready = [None] * m  # per nano-batch: when its last exchange ends (G,)
+            for stage in range(len(passes[0][p][1])):
+                if stage > 0 and not self.cross_layer:  # every nano-batch's stage ends before the next begins
+                    for x in range(m):
+                        cf, ready[x] = after_wait(x, passes[x][p][1][stage - 1][3]), None
                 dispatched = [None] * m
                 for x in range(m):
-                    first, mid, _, pass_layers = passes[x][p]
-                    _, (before, _) = pass_layers[layer]
-                    pre = first if layer == 0 else mid
-                    cf = cf + pre if ready[x] is None else np.maximum(cf, np.repeat(ready[x], c)) + pre
+                    lead, stages, _ = passes[x][p]
+                    pre, _, (before, _), _, reverse = stages[stage]
+                    if stage == 0:
+                        pre = pre + lead
+                    elif self.cross_layer:
+                        pre = stages[stage - 1][3] + pre
+                    cf = after_wait(x, pre)
                     if before.active:
                         dispatched[x] = []
                         for group in range(head_chunks):
-                            took = before.head_group(group, head_chunks, kv_heads, reverse=p == 1).duration()
+                            took = before.head_group(group, head_chunks, kv_heads, reverse=reverse).duration()
                             mf = np.maximum(mf, cf.reshape(G, c).max(1)) + took
                             comm_total += took
                             dispatched[x].append(mf)
                 for x in range(m):
-                    attn, (_, after) = passes[x][p][3][layer]
+                    _, attn, (_, after), _, reverse = passes[x][p][1][stage]
                     for group in range(head_chunks):
                         arrived = cf if dispatched[x] is None else np.maximum(cf, np.repeat(dispatched[x][group], c))
                         cf = arrived + attn / head_chunks
-                        took = after.head_group(group, head_chunks, kv_heads, reverse=p == 1).duration() \
+                        took = after.head_group(group, head_chunks, kv_heads, reverse=reverse).duration() \
                             if after.active else None
                         if took is not None:
                             mf = np.maximum(mf, cf.reshape(G, c).max(1)) + took
                             comm_total += took
                     ready[x] = mf if took is not None else None
             for x in range(m):
-                last = passes[x][p][2]
-                cf = cf + last if ready[x] is None else np.maximum(cf, np.repeat(ready[x], c)) + last
+                _, stages, tail = passes[x][p]
+                cf = after_wait(x, stages[-1][3] + tail)
         tokens = sum(t for t, _ in nanos)
         attn_fwd = [sum(layers[i][0] for _, layers in nanos) for i in range(len(nanos[0][1]))]
         attn_bwd = [sum(layers[i][1] for _, layers in nanos) for i in range(len(nanos[0][1]))]

@@ -34,6 +34,7 @@ def validation_rows(command: list[str], schedule: str) -> list[dict]:
         if "--out" in args:  # the record's own --out and its value
             i = args.index("--out")
             del args[i:i + 2]
+        args = [a for a in args if not a.startswith("--out=")]
         subprocess.run([sys.executable, os.path.join(HERE, "sim_validation.py"), *args, "--out", out,
                         "--pingpong-schedule", schedule], check=True, capture_output=True, text=True)
         (path,) = glob.glob(os.path.join(out, "*sim-validation-*.json"))
@@ -73,7 +74,9 @@ def main() -> int:
              "`attnpool.sim.steptime.PINGPONG_SCHEDULES` (`distca`: a nano-batch's compute after one layer's core "
              "attention runs with its compute before the next layer's; `layerwise`: every nano-batch's layer ends "
              "before the next begins, as attnpool's runtime runs it). \"recorded\" is the record's own error, from "
-             "the simulator of its day. Error = predicted / measured - 1 over the run's measured steps.", "",
+             "the simulator of its day. Error = predicted / measured - 1 over the run's measured steps. Why the runtime's order "
+             "matters: [`2026-11-30-h200x2-pretrain-trace.md`](2026-11-30-h200x2-pretrain-trace.md) (the compute stream "
+             "idle beside the forward dispatches, session 38).", "",
              "| record | dist | tokens/GPU | strategy | measured (s) | recorded | distca | layerwise |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -83,7 +86,11 @@ def main() -> int:
     # (the records explain their rows off by more than 10%: a link's rate that moved within the call, the balanced
     # layout's exchanges waiting on FSDP's communicator before core attention had its own)
     within = [r for r in rows if r["error_recorded"] is not None and abs(r["error_recorded"]) <= 0.10]
+    if not rows:
+        raise SystemExit(f"no ping-pong rows in {args.results}'s *sim-validation-x2-full-depth-* records")
     for label, subset in (("every row", rows), ("the rows recorded within 10%", within)):
+        if not subset:
+            continue
         worst = {s: max(subset, key=lambda r: abs(r[f"error_{s}"])) for s in PINGPONG_SCHEDULES}
         lines += ["", f"Largest |error|, {label} ({len(subset)}): " + "; ".join(
             f"`{s}` {pct(w[f'error_{s}'])} ({w['record'].removesuffix('.md')}, {w['strategy']})"

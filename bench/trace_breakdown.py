@@ -18,8 +18,8 @@ transfers is waiting for them, not moving its own bytes.
 
 And it says where each GPU's compute stream (the stream of most kernel time outside collectives) stood idle within
 the traced step, and what ran meanwhile: a core attention phase's collective (the one of earliest start among
-those running), another collective (FSDP's), a copy on another stream (activation offload's), or nothing (the host
-behind). A collective's time alone says little under ping-pong, where it runs behind the other nano-batch's compute;
+those running), another collective (FSDP's), a kernel on another stream (activation offload's copies, FSDP2's
+copy-in), or nothing (the host behind). A collective's time alone says little under ping-pong, where it runs behind the other nano-batch's compute;
 the compute stream's idle time beside it is what the step lost to it.
 """
 
@@ -87,7 +87,7 @@ def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
 def compute_stream_idle(kernels: list[tuple]) -> dict[str, dict]:
     """Per device, of :func:`classified`'s kernels: the compute stream, the span from the device's first kernel to its
     last (ms), the compute stream's busy time, and its idle time by what ran meanwhile (ms): a core attention
-    phase's collective, "other collective", "copy on another stream" or "nothing"."""
+    phase's collective, "other collective", "kernel on another stream" or "nothing"."""
     by_device = collections.defaultdict(list)
     for phase, kind, k in kernels:
         args = k.get("args", {})
@@ -108,7 +108,7 @@ def compute_stream_idle(kernels: list[tuple]) -> dict[str, dict]:
             elif kind == "collective":
                 label = "other collective" if phase == "other" else phase
             else:
-                label = "copy on another stream"
+                label = "kernel on another stream"
             points += [(start, 1, label, start), (end, -1, label, start)]
         points.sort(key=lambda p: (p[0], p[1]))
         running: collections.Counter = collections.Counter()  # (label, start) of what runs off the compute stream
@@ -127,11 +127,11 @@ def compute_stream_idle(kernels: list[tuple]) -> dict[str, dict]:
             if busy:
                 busy_us += t_next - t
                 continue
-            collectives = [(s, lab) for lab, s in running if lab != "copy on another stream"]
+            collectives = [(s, lab) for lab, s in running if lab != "kernel on another stream"]
             if collectives:
                 idle[min(collectives)[1]] += t_next - t
             elif running:
-                idle["copy on another stream"] += t_next - t
+                idle["kernel on another stream"] += t_next - t
             else:
                 idle["nothing"] += t_next - t
         out[str(device)] = {"compute_stream": compute, "span_ms": (points[-1][0] - points[0][0]) / 1e3,

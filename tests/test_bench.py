@@ -546,7 +546,7 @@ def test_trace_breakdown_counts_the_time_an_exchange_ran_beside_another_collecti
 def test_trace_breakdown_says_what_ran_while_the_compute_stream_stood_idle():
     """bench/trace_breakdown.py: per device, the compute stream is the one of most kernel time outside collectives; its
     idle time within the device's span goes to the earliest-started core attention collective running, else another
-    collective, else a copy on another stream, else nothing."""
+    collective, else a kernel on another stream, else nothing."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
     from trace_breakdown import classified, compute_stream_idle
 
@@ -567,7 +567,7 @@ def test_trace_breakdown_says_what_ran_while_the_compute_stream_stood_idle():
               *at("nvjet_sm90", 0, 1, 9, stream=7, device=1)]  # another device's
     idle = compute_stream_idle(list(classified(events)))
     assert idle["0"] == {"compute_stream": 7, "span_ms": 0.12, "compute_busy_ms": 0.07,
-                         "idle_ms": {"_DispatchStart": 0.02, "other collective": 0.02, "copy on another stream": 0.005,
+                         "idle_ms": {"_DispatchStart": 0.02, "other collective": 0.02, "kernel on another stream": 0.005,
                                      "nothing": 0.005}}  # nothing at 105-110
     assert idle["1"]["compute_busy_ms"] == 0.001 and idle["1"]["idle_ms"] == {}
 

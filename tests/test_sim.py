@@ -17,7 +17,7 @@ from attnpool.sim.costs import DEFAULT_LINEAR_TFLOPS, layer_flops_per_token, loa
 from attnpool.plan.layout import linear_table, nano_batch_bounds, wlb_pieces
 from attnpool.sim.report import paper_report
 from attnpool.sim.simulate import SimConfig, simulate_config
-from attnpool.sim.steptime import Cluster, Collective, StepModel
+from attnpool.sim.steptime import PINGPONG_SCHEDULES, Cluster, Collective, StepModel
 from command import run_command
 
 CFG = model_config("llama3-8b")
@@ -143,6 +143,7 @@ def test_pingpong_schedules_and_the_recomputed_forward_as_its_own_stage(costs):
     def model(schedule="distca", recompute="full"):
         m = StepModel(CFG, cl, costs, recompute=recompute, pingpong_schedule=schedule)
         m.tok_fwd_pre = m.tok_fwd_post = m.tok_bwd_pre = m.tok_head_fwd = m.tok_head_bwd = 0.0
+        m.tok_again_pre = m.tok_again_post = 0.0
         m.tok_bwd_post = P
         return m
 
@@ -159,7 +160,21 @@ def test_pingpong_schedules_and_the_recomputed_forward_as_its_own_stage(costs):
     for m in (distca, layerwise):  # a part after core attention worth hiding a dispatch behind
         m.tok_fwd_post = T
     assert layerwise._simulate("cad", two_layers, 2, 0, 0).step > distca._simulate("cad", two_layers, 2, 0, 0).step
-    assert layerwise._simulate("cad", two_layers[:1], 2, 0, 0).step == distca._simulate("cad", two_layers[:1], 2, 0, 0).step
+    assert layerwise._simulate("cad", two_layers[:1], 2, 0, 0).step == pytest.approx(
+        distca._simulate("cad", two_layers[:1], 2, 0, 0).step, rel=1e-12)
+    # Real costs, tp 8, full recompute: every stage's compute is a time (the forward again holds its linear parts, not
+    # the TP collectives), and a plan without exchanges runs at its compute under either order.
+    lens = [8192] * 16  # a whole document on each server of each nano-batch: no exchange
+    wide = Cluster(gpus=64, tp=8, gpus_per_node=8, tokens_per_gpu=16384)
+    for schedule in PINGPONG_SCHEDULES:
+        m = StepModel(CFG, wide, costs, recompute="full", pingpong_schedule=schedule)
+        nanos = [plan_attention(linear_table(lens[d0:d1], 8, -(-sum(lens[d0:d1]) // 8)), "local",
+                                cost_model=costs.attn_fwd_bwd) for d0, d1 in nano_batch_bounds(lens, 2, 8)]
+        assert len(nanos) == 2
+        for lead, stages, tail in m._passes(*m._nano_batch(nanos[0], None, False)):
+            assert all(np.all(np.asarray(part) >= 0) for stage in stages for part in (stage[0], stage[1], stage[3]))
+        step = m.nano_step(nanos)
+        assert step.comm_exposed == pytest.approx(0.0, abs=1e-9) and step.comm_total == 0
     with pytest.raises(ConfigError, match="pingpong_schedule"):
         StepModel(CFG, cl, costs, pingpong_schedule="cross")
     with pytest.raises(ConfigError, match="pingpong_schedule"):

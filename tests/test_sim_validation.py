@@ -83,7 +83,8 @@ def test_predictions_for_two_nodes_with_the_hierarchical_exchange(validation, tm
 
 def test_a_run_kept_from_its_printed_summary_is_compared_by_its_total(validation, tmp_path):
     """Run 36 of the 2 x H200 full-depth record lost its e2e.json and keeps only the total of its two steps: it is
-    compared on that total, with no per-step error, and written so (the simulator's -1.0% the record states)."""
+    compared on that total, with no per-step error, and written so (the simulator's -0.8% since a checkpointed
+    layer's recompute is a stage of its own; -1.0% the record states, from before)."""
     argv = ["sim_validation.py", "--measured", str(ROOT / "bench/results/2026-11-29-h200x2-full-depth-baselines.json"),
             "--run", "36", "--out", str(tmp_path), "--name", "total"]
     with mock.patch.object(sys, "argv", argv):
@@ -92,7 +93,7 @@ def test_a_run_kept_from_its_printed_summary_is_compared_by_its_total(validation
     (row,) = json.loads(written.read_text())["rows"]
     assert row["strategy"] == "percp" and row["measured_s"] is None and row["error_per_step_mean_abs"] is None
     assert row["measured_total_s"] == pytest.approx(127.326)
-    assert row["error_total"] == pytest.approx(-0.0099, abs=5e-4)
+    assert row["error_total"] == pytest.approx(-0.0082, abs=5e-4)
     assert "(total only)" in next(tmp_path.glob("*-sim-validation-total.md")).read_text()
 
 

@@ -154,14 +154,6 @@ class Collective:
         share = (1 - self.kv_fraction) / groups + (self.kv_fraction / kv_heads if carries else 0.0)
         return Collective(self.latency, self.transfer * share, self.kv_fraction)
 
-    @staticmethod
-    def serial(*collectives: "Collective") -> "Collective":
-        """The collectives one after another, as one."""
-        transfer = sum(c.transfer for c in collectives)
-        total = float(np.sum(transfer))
-        kv = sum(c.kv_fraction * float(np.sum(c.transfer)) for c in collectives) / total if total else 0.0
-        return Collective(sum(np.where(c.transfer > 0, c.latency, 0.0) for c in collectives), transfer, kv)
-
 
 @dataclass
 class StepTime:
@@ -190,7 +182,7 @@ RECOMPUTE = ("none", "linear", "full")
 # (DistCA's schedule). "layerwise": every nano-batch's layer ends before the next layer begins, as
 # attnpool.parallel.pingpong runs it (a layer is one FSDP unit and one checkpoint), so that nano-batch a's dispatch
 # runs behind nano-batch b's QKV projection alone. The default is DistCA's: on the measured 2-GPU runs "layerwise"
-# fits pretrain 256K better and over-predicts prolong 128K by up to 11%
+# fits pretrain 256K better and over-predicts prolong 128K by up to 11.2%
 # (bench/results/2026-11-30-sim-pingpong-schedule.md).
 PINGPONG_SCHEDULES = ("distca", "layerwise")
 
@@ -227,12 +219,17 @@ class StepModel:
         # full (attnpool train's full checkpointing, whole layers): core attention's forward runs again
         # in backward too, with its exchanges, before its backward.
         self.attention_again = recompute == "full"
+        # What of tok_bwd_pre and tok_bwd_post is the forward again (its linear parts; its TP collectives are not
+        # counted again), which full recompute runs as a stage of its own (_passes).
+        self.tok_again_pre = self.tok_again_post = 0.0
         if recompute in ("linear", "full"):
             # Activation checkpointing of the linear parts (core attention kept) and a loss
             # computed in checkpointed chunks: backward runs every linear forward and the
             # head's logits once more.
-            self.tok_bwd_pre += lin.fwd * lin.pre_fraction / tp
-            self.tok_bwd_post += lin.fwd * (1 - lin.pre_fraction) / tp
+            self.tok_again_pre = lin.fwd * lin.pre_fraction / tp
+            self.tok_again_post = lin.fwd * (1 - lin.pre_fraction) / tp
+            self.tok_bwd_pre += self.tok_again_pre
+            self.tok_bwd_post += self.tok_again_post
             self.tok_head_bwd += lin.head_fwd / tp if head else 0.0
         self.tp_comm_per_token = tp_comm
         self.fsdp = fsdp
@@ -524,10 +521,10 @@ class StepModel:
     def _passes(self, tokens, layers) -> list[tuple]:
         """One nano-batch's forward and backward passes for :meth:`_simulate`, each (compute before its first
         stage, its stages, compute after its last), a stage being one layer's core attention and the compute
-        around it: (compute before, attention seconds, (exchange before, exchange after), compute after,
-        backward's exchanges). Backward runs the layers in reverse; under ``full`` recompute each layer's
-        backward is two stages, its forward again (exchanges included) and then its backward, as a checkpointed
-        layer runs."""
+        around it: (compute before, attention seconds, (exchange before, exchange after), compute after, whether
+        its exchanges are the backward's, which serve head groups last to first). Backward runs the layers in
+        reverse; under ``full`` recompute each layer's backward is two stages, its forward again (exchanges
+        included) and then its backward, as a checkpointed layer runs."""
         fwd_pre, fwd_post = tokens * self.tok_fwd_pre, tokens * self.tok_fwd_post
         bwd_pre, bwd_post = tokens * self.tok_bwd_pre, tokens * self.tok_bwd_post
         head_f, head_b = tokens * self.tok_head_fwd, tokens * self.tok_head_bwd
@@ -535,8 +532,9 @@ class StepModel:
         backward = []
         for layer in reversed(layers):
             if self.attention_again:  # bwd_pre, bwd_post and the attention's backward hold the forward again
-                backward += [(fwd_pre, layer[0], layer[2], fwd_post, False),
-                             (bwd_post - fwd_post, layer[1] - layer[0], layer[3], bwd_pre - fwd_pre, True)]
+                again_pre, again_post = tokens * self.tok_again_pre, tokens * self.tok_again_post
+                backward += [(again_pre, layer[0], layer[2], again_post, False),
+                             (bwd_post - again_post, layer[1] - layer[0], layer[3], bwd_pre - again_pre, True)]
             else:
                 backward.append((bwd_post, layer[1], layer[3], bwd_pre, True))
         return [(0.0, forward, head_f), (head_b, backward, 0.0)]
@@ -573,11 +571,14 @@ class StepModel:
                 if stage > 0 and not self.cross_layer:  # every nano-batch's stage ends before the next begins
                     for x in range(m):
                         cf, ready[x] = after_wait(x, passes[x][p][1][stage - 1][3]), None
+                if stage == 0 and not self.cross_layer:  # the output projection's backward, of every nano-batch
+                    for x in range(m):
+                        cf = cf + passes[x][p][0]
                 dispatched = [None] * m
                 for x in range(m):
                     lead, stages, _ = passes[x][p]
                     pre, _, (before, _), _, reverse = stages[stage]
-                    if stage == 0:
+                    if stage == 0 and self.cross_layer:
                         pre = pre + lead
                     elif self.cross_layer:
                         pre = stages[stage - 1][3] + pre
@@ -600,9 +601,15 @@ class StepModel:
                             mf = np.maximum(mf, cf.reshape(G, c).max(1)) + took
                             comm_total += took
                     ready[x] = mf if took is not None else None
-            for x in range(m):
-                _, stages, tail = passes[x][p]
-                cf = after_wait(x, stages[-1][3] + tail)
+            if self.cross_layer:
+                for x in range(m):
+                    _, stages, tail = passes[x][p]
+                    cf = after_wait(x, stages[-1][3] + tail)
+            else:  # every nano-batch's last layer, then every output projection (parallel.pingpong.NanoBatchForward)
+                for x in range(m):
+                    cf = after_wait(x, passes[x][p][1][-1][3])
+                for x in range(m):
+                    cf = cf + passes[x][p][2]
         tokens = sum(t for t, _ in nanos)
         attn_fwd = [sum(layers[i][0] for _, layers in nanos) for i in range(len(nanos[0][1]))]
         attn_bwd = [sum(layers[i][1] for _, layers in nanos) for i in range(len(nanos[0][1]))]

@@ -319,7 +319,7 @@ def bench_layout(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, reps,
             if path == "prefix copies" and path_vs_one_call:  # max |difference| / max |one call's|
                 row["grads_vs_one_call"] = path_vs_one_call
             rows.append(timed(row, fwd, fwd_bwd, fwd_flops, device, warmup, reps))
-        del k_exp, v_exp
+        k_exp = v_exp = None  # freed before the next layout's (the closures above read these names)
     by = add_speedups_over_flash(rows)
     for r in rows:
         flash_default = by.get(("flash", "prefix copies"))
@@ -418,7 +418,7 @@ def bench_server_step(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, 
             if label in vs_flash:
                 row["grads_vs_flash"] = vs_flash[label]
             rows.append(timed(row, forward, forward_backward, fwd_flops, device, warmup, reps))
-        del q, dout, k, v
+        q = dout = k = v = None  # freed before the next layout's (the closures above read these names)
     add_speedups_over_flash(rows)
     return rows
 

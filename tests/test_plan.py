@@ -106,6 +106,25 @@ def test_percp_cuts_long_documents_over_all_ranks():
     assert loads.max() / loads.mean() < 1.01
 
 
+def test_a_server_gets_at_most_shard_servings_segments_of_a_document():
+    """plan.SHARD_SERVING's bound (percp: a document's head and tail shards) holds on random layouts, which is what
+    lets percp's runs skip compiling the position kernel (train.loop.Trainer._compile_position_kernel)."""
+    from attnpool.plan import SHARD_SERVING
+
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        W = int(rng.integers(2, 9))
+        lens = rng.integers(1, 40000, size=int(rng.integers(1, 12))).tolist()
+        layout = (linear_table, balanced_table, wlb_table)[int(rng.integers(3))]
+        for strategy, most in SHARD_SERVING.items():
+            if most is None:
+                continue
+            plan = plan_attention(layout(lens, W), strategy, min_shard_tokens=int(rng.choice([1, 64, 512])))
+            for server in range(W):
+                doc, _, _ = plan.kernel_segments(server)
+                assert np.bincount(doc).max(initial=0) <= most, (strategy, W, lens, server)
+
+
 def test_fingerprint_is_identical_in_another_process():
     code = ("from attnpool.plan import *; from attnpool.data.lengths import sample_batches;"
             "b = sample_batches('prolong', 8*131072, 1, 3)[0];"

@@ -26,11 +26,12 @@ STRATEGIES = tuple(SCHEDULERS)
 # the hierarchical exchange relays, Topology.relays): local and wlb too, for a document split across ranks (its
 # remote prefix); ulysses exchanges heads instead.
 KV_EXCHANGING = ("local", "wlb", "percp", "cad")
-# The strategies whose plans may give a server several shards of one document (percp's head and tail, cad's tasks):
-# the runtime then serves them without copies where the backend can, as a causal call per segment or in one call at
-# their positions (runtime.dispatch.DocumentServing). local and wlb serve each rank's own pieces, one per document on
-# every layout.
-SHARD_SERVING = ("percp", "cad")
+# The strategies whose plans may give a server several shards of one document, with the most segments of one document
+# a server gets (None: any number): percp's head and tail shards, cad's tasks. The runtime serves them without copies
+# where the backend can, as a causal call per segment (up to runtime.dispatch.MAX_CAUSAL_CALL_SEGMENTS) or in one call
+# at their positions (runtime.dispatch.DocumentServing). local and wlb serve each rank's own pieces, one per document
+# on every layout.
+SHARD_SERVING: dict[str, int | None] = {"percp": 2, "cad": None}
 
 
 def head_chunks_problem(head_chunks, kv_heads: int | None = None, q_heads: int | None = None) -> str | None:

@@ -220,15 +220,17 @@ class Trainer:
         them at their positions. FA4 compiles it on its first call, 8-11 s (2 x H200)
         (bench/results/2026-11-27-h200-h100-fa4-positions.md), which otherwise lands in whichever step first serves
         such a document: in a benchmark a measured one (percp's single-document step at pretrain 128K,
-        2026-11-30-h200x2-head-chunks.md). percp's head and tail shards, two segments, run as causal calls
-        (dispatch.MAX_CAUSAL_CALL_SEGMENTS), one's keys holding the other's, except in a sliding-window layer
-        whose kernel serves positions (fa4's copies prefixes there instead)."""
+        2026-11-30-h200x2-head-chunks.md). A strategy whose documents have at most
+        dispatch.MAX_CAUSAL_CALL_SEGMENTS segments on a server (plan.SHARD_SERVING: percp's head and tail) runs them
+        as causal calls, one's keys holding the other's, and needs no position kernel, except in a sliding-window
+        layer whose kernel serves positions (fa4's copies prefixes there instead)."""
         spec = self.spec
         kernel = spec.backend.positions if spec.backend is not None else None
         servers = spec.dims.dp * (spec.dims.pp if spec.pooled else 1)  # the ranks a plan spreads over
         dense = spec.sparse is None or spec.sparse.dense_layers > 0  # (sparse layers serve through their patterns)
         strategy = self.config.attention.strategy
-        causal_calls = (strategy == "percp" and MAX_CAUSAL_CALL_SEGMENTS >= 2
+        most_segments = SHARD_SERVING.get(strategy)
+        causal_calls = (most_segments is not None and most_segments <= MAX_CAUSAL_CALL_SEGMENTS
                         and all(kind.window is None or spec.prefix_copies_of(kind) for kind in spec.layer_kinds))
         if (kernel is None or not kernel.compiles_on_first_call or strategy not in SHARD_SERVING or causal_calls
                 or servers == 1 or not dense or all(spec.prefix_copies_of(kind) for kind in spec.layer_kinds)):

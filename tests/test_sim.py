@@ -387,6 +387,21 @@ def test_cli_simulates_core_attention_in_groups_of_heads(capsys):
     assert "head_chunks" in capsys.readouterr().err
 
 
+def test_cli_prices_pingpong_in_the_runtimes_layerwise_order(capsys):
+    """--pingpong-schedule layerwise: cad with ping-pong over a slow link hides less than in DistCA's order (its
+    serial step, one nano-batch, the same), and the report says which order it priced."""
+    out = {}
+    for schedule in ("distca", "layerwise"):
+        assert main(["simulate", "--gpus", "8", "--tp", "1", "--gpus-per-node", "1", "--tokens-per-gpu", "16K",
+                     "--max-doc-len", "64K", "--batches", "1", "--strategies", "cad", "--inter-bw", "5",
+                     "--pingpong-schedule", schedule, "--json"]) == 0
+        out[schedule] = json.loads(capsys.readouterr().out)
+        assert out[schedule]["assumptions"]["pingpong_schedule"] == schedule
+    distca, layerwise = (out[s]["configs"][0]["strategies"] for s in ("distca", "layerwise"))
+    assert layerwise["cad"]["step_s"] > distca["cad"]["step_s"]
+    assert layerwise["cad-serial"]["step_s"] == pytest.approx(distca["cad-serial"]["step_s"], rel=1e-12)
+
+
 def test_cli_sweep_gives_speedup_per_configuration(capsys):
     assert main(["simulate", "--gpus", "16,32", "--tokens-per-gpu", "8K", "--max-doc-len", "32K,64K", "--batches", "1",
                  "--strategies", "wlb,cad", "--json"]) == 0

@@ -18,6 +18,7 @@ from attnpool.plan.cost import TOP_LEVEL_BACKEND
 from attnpool.sim.costs import DEFAULT_INTER, DEFAULT_INTRA, load_sim_costs
 from attnpool.sim.simulate import (DEFAULT_EPS_SWEEP, STRATEGY_GROUPS, SimConfig, assumptions, check_eps, expand,
                                    simulate_config, simulate_many)
+from attnpool.sim.steptime import PINGPONG_SCHEDULES
 
 
 def _list(item_type, what):
@@ -49,6 +50,10 @@ def add_parser(sub) -> None:
     p.add_argument("--recompute", default="none", choices=("none", "linear", "full"),
                    help="linear: activation checkpointing of the linear parts, as attnpool train's keep_attention; "
                         "full: of whole layers (core attention's forward runs again too), as its full")
+    p.add_argument("--pingpong-schedule", default="distca", choices=PINGPONG_SCHEDULES,
+                   help="ping-pong's order across layers: distca (a nano-batch's MLP runs with its next layer's QKV "
+                        "projection, behind which the other's dispatch runs; the default) or layerwise (every "
+                        "nano-batch's layer ends before the next begins, as attnpool train runs it)")
     p.add_argument("--gpus", type=_list(int, "GPU counts"), default=None, help="number(s) of GPUs (default 64)")
     p.add_argument("--tp", type=int, default=8, help="tensor-parallel size inside a node; an attention server is one TP group (default 8)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
@@ -142,6 +147,7 @@ def _base(args) -> SimConfig:
                      memory_cap=args.memory_cap, elongate=elongate, upsample=not args.no_upsample,
                      cp_degrees=tuple(args.cp) if args.cp else None, hierarchical=args.hierarchical_exchange,
                      balanced=args.balanced_layout, head_chunks=args.head_chunks, price_bytes=args.price_bytes,
+                     pingpong_schedule=args.pingpong_schedule,
                      model=(args.model or ["llama3-8b"])[0], dist=(args.dist or ["prolong"])[0],
                      max_doc_len=(args.max_doc_len or [parse_size("512K")])[0], gpus=(args.gpus or [64])[0])
 

@@ -403,6 +403,8 @@ def assumptions(configs: list[SimConfig], *, profile=None, overrides=None) -> di
                 "intra_node": {"bandwidth_GBps_per_gpu": costs.intra.bandwidth / 1e9, "latency_us": costs.intra.latency * 1e6},
                 "inter_node": {"bandwidth_GBps_per_gpu": costs.inter.bandwidth / 1e9, "latency_us": costs.inter.latency * 1e6},
                 "min_shard_tokens": costs.min_shard_tokens,
+                # (DistCA's order unless asked: attnpool train runs ping-pong layerwise, steptime.PINGPONG_SCHEDULES)
+                "pingpong_schedule": c.pingpong_schedule,
                 "models": {},
                 "not_modelled": ["pipeline parallelism", "the optimizer step (the same for every strategy)",
                                  "memory limits", "kernel launch and planning overheads"],

@@ -63,6 +63,8 @@ def main() -> int:
                          "error_recorded": recorded.get(strategy, {}).get("error_total"),
                          **{f"error_{s}": by_schedule[s][strategy]["error_total"] for s in PINGPONG_SCHEDULES}})
         print(f"{os.path.basename(md)}: done", file=sys.stderr)
+    if not rows:
+        raise SystemExit(f"no ping-pong rows in {args.results}'s *sim-validation-x2-full-depth-* records")
     command = "PYTHONPATH=src python bench/sim_pingpong_schedule.py " + " ".join(sys.argv[1:])
 
     def pct(x):
@@ -86,8 +88,6 @@ def main() -> int:
     # (the records explain their rows off by more than 10%: a link's rate that moved within the call, the balanced
     # layout's exchanges waiting on FSDP's communicator before core attention had its own)
     within = [r for r in rows if r["error_recorded"] is not None and abs(r["error_recorded"]) <= 0.10]
-    if not rows:
-        raise SystemExit(f"no ping-pong rows in {args.results}'s *sim-validation-x2-full-depth-* records")
     for label, subset in (("every row", rows), ("the rows recorded within 10%", within)):
         if not subset:
             continue

@@ -530,11 +530,13 @@ class StepModel:
         head_f, head_b = tokens * self.tok_head_fwd, tokens * self.tok_head_bwd
         forward = [(fwd_pre, layer[0], layer[2], fwd_post, False) for layer in layers]
         backward = []
+        if self.attention_again:  # bwd_pre, bwd_post and the attention's backward hold the forward again
+            again_pre, again_post = tokens * self.tok_again_pre, tokens * self.tok_again_post
+            only_pre, only_post = bwd_pre - again_pre, bwd_post - again_post
         for layer in reversed(layers):
-            if self.attention_again:  # bwd_pre, bwd_post and the attention's backward hold the forward again
-                again_pre, again_post = tokens * self.tok_again_pre, tokens * self.tok_again_post
+            if self.attention_again:
                 backward += [(again_pre, layer[0], layer[2], again_post, False),
-                             (bwd_post - again_post, layer[1] - layer[0], layer[3], bwd_pre - again_pre, True)]
+                             (only_post, layer[1] - layer[0], layer[3], only_pre, True)]
             else:
                 backward.append((bwd_post, layer[1], layer[3], bwd_pre, True))
         return [(0.0, forward, head_f), (head_b, backward, 0.0)]
@@ -546,8 +548,8 @@ class StepModel:
         compute before core attention in turn, each launching its exchange before, then every core attention
         once its exchange is in, each launching its exchange after, one's exchanges behind the next one's
         compute; then, once its exchange after is in, every nano-batch's compute after core attention
-        (attnpool.parallel.pingpong: a layer ends before the next begins; with ``cross_layer`` each nano-batch's
-        compute after one stage runs with its compute before the next, as DistCA schedules ping-pong). With
+        (attnpool.parallel.pingpong: a layer ends before the next begins; under pingpong_schedule "distca" each
+        nano-batch's compute after one stage runs with its compute before the next, as DistCA schedules it). With
         ``head_chunks`` each core attention is that many groups of heads (Collective.head_group: equal
         parts, or past the KV heads each KV head's bytes with its first group, in backward its last), as
         runtime.core_attention runs them: every group's exchange before it in turn (each with the whole

@@ -5,6 +5,10 @@ rerun with its own command under both schedules, beside the error the record hol
 
     PYTHONPATH=src python bench/sim_pingpong_schedule.py --out bench/results
 
+And at scale, the order's effect on cad's lead over the best baseline (wlb, per-document CP, Ulysses) at 64 and 256
+GPUs, tp 8, on the DistCA paper's batches (``attnpool simulate``'s defaults: 50 GB/s between nodes assumed, 512K
+documents, 64K tokens per GPU; ``SCALE_BATCHES`` batches).
+
 Writes ``<date>-sim-pingpong-schedule.md`` and ``.json``.
 """
 
@@ -22,9 +26,28 @@ import sys
 import tempfile
 
 from attnpool.bench.record import write_record
+from attnpool.sim.simulate import SimConfig, simulate_config
 from attnpool.sim.steptime import PINGPONG_SCHEDULES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SCALE_BATCHES = 8
+BASELINES = ("wlb", "percp-cp", "ulysses-u")
+
+
+def at_scale() -> list[dict]:
+    """cad with ping-pong against the best baseline, per GPU count, distribution and order."""
+    rows = []
+    for gpus in (64, 256):
+        for dist in ("pretrain", "prolong"):
+            for schedule in PINGPONG_SCHEDULES:
+                config = SimConfig(gpus=gpus, dist=dist, batches=SCALE_BATCHES, pingpong_schedule=schedule,
+                                   strategies=("wlb", "percp", "ulysses", "cad"))
+                steps = {k: v["step_s"] for k, v in simulate_config(config)["strategies"].items()}
+                best = min((k for k in steps if k.startswith(BASELINES)), key=steps.get)
+                rows.append({"gpus": gpus, "tp": config.tp, "dist": dist, "pingpong_schedule": schedule,
+                             "cad_step_s": steps["cad"], "best_baseline": best, "best_baseline_step_s": steps[best],
+                             "cad_speedup": steps[best] / steps["cad"]})
+    return rows
 
 
 def validation_rows(command: list[str], schedule: str) -> list[dict]:
@@ -95,7 +118,12 @@ def main() -> int:
         lines += ["", f"Largest |error|, {label} ({len(subset)}): " + "; ".join(
             f"`{s}` {pct(w[f'error_{s}'])} ({w['record'].removesuffix('.md')}, {w['strategy']})"
             for s, w in worst.items()) + "."]
-    write_record(args.out, "sim-pingpong-schedule", {"command": command, "rows": rows}, lines)
+    scale = at_scale()
+    lines += ["", f"## At scale: tp 8, the DistCA paper's batches ({SCALE_BATCHES} a cell), cad with ping-pong", "",
+              "| GPUs | dist | order | cad (s) | best baseline | its step (s) | cad's speedup |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['gpus']} | {r['dist']} | {r['pingpong_schedule']} | {r['cad_step_s']:.2f} | {r['best_baseline']} "
+              f"| {r['best_baseline_step_s']:.2f} | {r['cad_speedup']:.3f}x |" for r in scale]
+    write_record(args.out, "sim-pingpong-schedule", {"command": command, "rows": rows, "at_scale": scale}, lines)
     return 0
 
 

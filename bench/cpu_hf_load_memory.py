@@ -99,11 +99,9 @@ def _rank(rank, world, port, directory, path, result_dir):
 
 
 def measure(directory: str, path: str, world: int) -> list[dict]:
-    import socket
+    from attnpool.comm import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as result_dir:
         mp.spawn(_rank, args=(world, port, directory, path, result_dir), nprocs=world, join=True)
         return [torch.load(os.path.join(result_dir, f"{r}.pt")) for r in range(world)]

@@ -55,7 +55,7 @@ def compare_logits(root: str) -> dict:
     import transformers
     from test_hf_models import randomize_
 
-    from attnpool.comm import process_group
+    from attnpool.comm import free_port, process_group
     from attnpool.model.hf_causal_lm import build_hf_model, load_hf_spec
     from attnpool.plan import DocPiece
     from attnpool.runtime import plan_layer_kinds
@@ -67,7 +67,7 @@ def compare_logits(root: str) -> dict:
     positions = torch.cat([torch.arange(n) for n in DOC_LENS]).to(device)
     pieces = [[DocPiece(d, n, 0, n) for d, n in enumerate(DOC_LENS)]]
     results = {}
-    with process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+    with process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                        timeout=timedelta(seconds=120), device_id=device):
         for arch, config in architectures().items():
             directory = os.path.join(root, arch)
@@ -93,12 +93,6 @@ def compare_logits(root: str) -> dict:
     return results
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def compare_training(root: str, gpus: int, tokens: str, steps: int) -> dict:

@@ -32,7 +32,6 @@ import gc
 import json
 import os
 import platform
-import socket
 import sys
 import tempfile
 import time
@@ -45,7 +44,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from attnpool.bench.memory import MemoryRecorder  # noqa: E402
-from attnpool.comm import process_group  # noqa: E402
+from attnpool.comm import free_port, process_group  # noqa: E402
 from attnpool.model import model_config  # noqa: E402
 from attnpool.train import TrainConfig, train  # noqa: E402
 from attnpool.train.memory import (CHECKPOINTING_MODES, Calibration, GiB, MemoryInputs, estimate,  # noqa: E402
@@ -480,9 +479,7 @@ def main():
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
               "command": "PYTHONPATH=src python3 bench/gpu_memory.py " + " ".join(sys.argv[1:]),
               "date": time.strftime("%Y-%m-%d"), "total_memory": torch.cuda.get_device_properties(0).total_memory}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp, \
             process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                           timeout=timedelta(minutes=10), device_id=torch.device("cuda", 0)):

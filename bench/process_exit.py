@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from attnpool.comm import end_process, process_group
+from attnpool.comm import end_process, free_port, process_group
 
 _KEPT = []
 
@@ -35,12 +34,6 @@ def _rank(rank: int, world: int, port: int, leave_through_end_process: bool) -> 
         end_process(0)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=40)
@@ -49,7 +42,7 @@ def main() -> None:
         aborted = 0
         for _ in range(args.trials):
             try:
-                mp.spawn(_rank, args=(2, _port(), way == "end_process"), nprocs=2, join=True)
+                mp.spawn(_rank, args=(2, free_port(), way == "end_process"), nprocs=2, join=True)
             except mp.ProcessExitedException:
                 aborted += 1
         print(f"{way:22s} aborted {aborted} of {args.trials} trials", flush=True)

@@ -25,7 +25,8 @@ if [ "$NODES" = 1 ]; then
   exec "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" "$@"
 fi
 per=$((NPROC / NODES))
-port=${MASTER_PORT:-$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('localhost', 0)); print(s.getsockname()[1])")}
+# (a port below the kernel's ephemeral range, which no other process's bind(0) takes while node 0's torchrun starts)
+port=${MASTER_PORT:-$("$PYTHON" "$(dirname "${BASH_SOURCE[0]}")/../src/attnpool/comm/ports.py")}
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then IFS=, read -r -a gpus <<< "$CUDA_VISIBLE_DEVICES"; else gpus=($(seq 0 $((NPROC - 1)))); fi
 if [ ${#gpus[@]} -lt "$NPROC" ]; then
   echo "torchrun_nodes: CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES lists ${#gpus[@]} GPUs for NPROC=$NPROC" >&2

@@ -13,7 +13,6 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -22,15 +21,9 @@ from datetime import timedelta
 import torch
 import torch.multiprocessing as mp
 
-from attnpool.comm import end_process, process_group
+from attnpool.comm import end_process, free_port, process_group
 
 CALL_TIMEOUT_S = 900  # a whole call (the tests' longest take a minute on 2 cores); a rank's collective gives up at 60 s
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve(rank: int, world: int, tasks, results) -> None:
@@ -82,7 +75,7 @@ class _Ranks:
 
     def call(self, fn, args) -> list:
         with tempfile.TemporaryDirectory() as outdir:
-            port = _free_port()
+            port = free_port()
             for tasks in self.tasks:
                 tasks.put((port, fn, args, outdir))
             done, deadline = set(), time.monotonic() + CALL_TIMEOUT_S

@@ -361,7 +361,9 @@ def test_emulated_nodes_number_ranks_node_by_node_and_the_probe_measures_each_ti
     from attnpool.comm.probe import tier_groups
 
     done, probe = two_emulated_nodes.result()
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    # (C++ stack frames left out: the first error, the one that stopped the other node, must fit in the message)
+    said = "\n".join(line for line in done.stderr.splitlines() if not line.lstrip().startswith("frame #"))
+    assert done.returncode == 0, done.stdout[-2000:] + said[:3000] + "\n...\n" + said[-3000:]
     # LOCAL_WORLD_SIZE (ranks_per_node's default) is a node's share; rank 0 runs on node 0, with node 0's host id
     assert (probe["world"], probe["ranks_per_node"], probe["backend"]) == (4, 2, "gloo")
     assert probe["nccl_env"]["NCCL_HOSTID"] == "attnpool-emulated-node-0"
@@ -371,6 +373,38 @@ def test_emulated_nodes_number_ranks_node_by_node_and_the_probe_measures_each_ti
     assert probe["intra_node_bytes_out_per_rank"] == probe["inter_node_bytes_out_per_rank"] == 2**20 // 2
     assert all(probe[f"{tier}GiBps_out_per_rank"] > 0 for tier in ("", "intra_node_", "inter_node_"))
     assert tier_groups(8, 4) == ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]])
+
+
+def test_a_rendezvous_port_is_drawn_below_the_ephemeral_range_and_is_free(monkeypatch, tmp_path):
+    """free_port: below the range bind(0) and outgoing connections take ports from, never a port held now, not
+    repeated by a seeded random generator, and the kernel's choice where the range leaves no room below it."""
+    import random
+    import socket
+
+    from attnpool.comm import ports
+
+    low = ports.ephemeral_low()
+    pairs = []
+    for _ in range(3):  # two launchers whose processes seeded Python's generator alike
+        random.seed(0)
+        first = ports.free_port()
+        random.seed(0)
+        pairs.append((first, ports.free_port()))
+    assert any(a != b for a, b in pairs)
+    assert all(max(1024, low - ports.DRAW_SPAN) <= p < low for pair in pairs for p in pair)
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        assert not ports.is_free(held.getsockname()[1])
+        # every draw held: the kernel's choice, which is not the held port
+        monkeypatch.setattr(ports, "is_free", lambda port: False)
+        assert ports.free_port() != held.getsockname()[1]
+    monkeypatch.undo()
+    (tmp_path / "range").write_text("1030\t60999\n")
+    monkeypatch.setattr(ports, "EPHEMERAL_RANGE", tmp_path / "range")
+    assert ports.ephemeral_low() == 1030 and ports.free_port() >= 1030  # no room below 1030: the kernel's choice
+    monkeypatch.setattr(ports, "EPHEMERAL_RANGE", tmp_path / "absent")
+    assert ports.ephemeral_low() == ports.LINUX_EPHEMERAL_LOW
 
 
 def test_a_ulysses_group_across_two_nodes_sends_only_the_other_nodes_share_across(costs):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import socket
 import tempfile
 import time
 import warnings
@@ -24,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from attnpool.comm import end_process, portable, process_group, under_torchrun
+from attnpool.comm import end_process, free_port, portable, process_group, under_torchrun
 from attnpool.comm.watchdog import RANKS_DIR, describe_rank
 from attnpool.errors import ConfigError, TrainingError
 from attnpool.train.checkpoint import checkpoint_root, finished_checkpoints, select_checkpoint
@@ -57,7 +56,7 @@ def run(config: TrainConfig) -> int:
     refuse_overwriting_a_run(config)
     prepare(config, nproc)  # refuse bad input before any process starts
     if nproc == 1:
-        _run_rank(config, 0, 1, f"tcp://127.0.0.1:{_free_port()}")
+        _run_rank(config, 0, 1, f"tcp://127.0.0.1:{free_port()}")
         return 0
     restarts, max_restarts = 0, config.faults.max_restarts
     while (lost := _launch(config)) is not None:
@@ -117,12 +116,6 @@ def _resumed_by_restart(config: TrainConfig, restart: int, rank: int) -> TrainCo
         raise TrainingError(f"torchrun's restart {restart}: no valid checkpoint to restart from in "
                             f"{checkpoint_root(config.run.out)}")
     return config
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Warnings that tell a user of attnpool nothing they can act on, by message (a regular expression of its start)
@@ -236,7 +229,7 @@ def _launch(config: TrainConfig) -> str | None:
     raised; a worker lost (killed, crashed, or named by its peers as stopped) comes back as one line saying
     which, for the caller to restart from."""
     nproc = config.run.nproc
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     with tempfile.TemporaryDirectory() as errors_dir:
         context = mp.start_processes(_spawned, args=(config, nproc, init_method, errors_dir, os.getpid()),
                                      nprocs=nproc, join=False, start_method="spawn")

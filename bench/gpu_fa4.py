@@ -21,7 +21,8 @@
    4th", "first and last 8", "first and last quarter": shards that do not continue each other, which fa4
    serves without copies, as one call over the document's unique keys at the queries' positions, or with
    at most runtime.dispatch.MAX_CAUSAL_CALL_SEGMENTS segments as a causal call per segment over the keys it
-   reads, then also timed as one position call ("fa4 position call"); flash serves them as prefix copies).
+   reads, then also timed as one position call ("fa4 position call"); flash makes the same causal calls and
+   copies prefixes where fa4 makes a position call; "fa4 copies" is fa4 on the copies path).
    fa4 and flash in the same run; TFLOP/s from causal pairs (forward 4 * D * H_q * pairs, forward+backward
    3.5x that); medians of several runs after a warm-up that includes FA4's compilation.
 
@@ -59,7 +60,7 @@ from attnpool.sizes import parse_size
 from attnpool.plan.documents import DocPiece, PieceTable
 from attnpool.plan.plan import make_plan
 from attnpool.runtime import dispatch
-from attnpool.runtime.core_attention import serve_backward, serve_forward
+from attnpool.runtime.core_attention import serve_backward, serve_forward, serves_documents
 from attnpool.runtime.dispatch import (BACKWARD_GROUP_KEYS, DispatchLayout, PrefixCopies, SegmentRows,
                                       backward_in_parts, segment_groups)
 
@@ -346,10 +347,10 @@ def server_layout(doc_len: int, shard: int, served, device, position_call: bool 
         dispatch.MAX_CAUSAL_CALL_SEGMENTS = kept
 
 
-def calls_made(L: DispatchLayout, backend: Backend) -> str:
-    """How the server step calls the kernel on layout ``L`` under ``backend``."""
+def calls_made(L: DispatchLayout, backend: Backend, q: torch.Tensor) -> str:
+    """How the server step calls the kernel on layout ``L`` under ``backend`` for queries like ``q``."""
     k_len = L.segment_keys
-    if L.documents is None or backend.positions is None:
+    if not serves_documents(L, backend, q):
         return "one causal segment" if L.kv_expand_identity else f"{len(k_len)} segments, prefix copies"
     D = L.documents
     return ", ".join([f"{len(D.calls)} document call"] * bool(D.calls)
@@ -366,17 +367,16 @@ def server_layouts(doc_len: int, shard: int):
 
 
 def bench_server_step(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, reps) -> list[dict]:
-    """The server step on each layout with fa4, fa4 made to copy prefixes as flash does ("fa4 copies": where
-    one call beats the copies), fa4 in one position call where it makes a causal call per segment ("fa4
-    position call"), and flash."""
-    fa4 = backends["fa4"]
-    backends = {"fa4": fa4, "fa4 copies": dataclasses.replace(fa4, positions=None), "flash": backends["flash"]}
+    """The server step on each layout with fa4, fa4 made to copy prefixes ("fa4 copies": the layout without
+    its DocumentServing, where calls of their own beat the copies), fa4 in one position call where it makes a
+    causal call per segment ("fa4 position call"), and flash."""
+    fa4, flash = backends["fa4"], backends["flash"]
     gen = torch.Generator(device=device).manual_seed(1)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
     for name, served in server_layouts(doc_len, shard).items():
         plan, L = server_layout(doc_len, shard, served, device)
-        runs = {label: (backend, L) for label, backend in backends.items()}
+        runs = {"fa4": (fa4, L), "fa4 copies": (fa4, dataclasses.replace(L, documents=None)), "flash": (flash, L)}
         if L.documents is not None and L.documents.segmented:
             runs["fa4 position call"] = (fa4, server_layout(doc_len, shard, served, device, position_call=True)[1])
         doc, q_len, k_len = plan.kernel_segments(0)
@@ -413,7 +413,7 @@ def bench_server_step(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, 
                 return serve_backward(layout, backend, dout, q, k, v, out, lse)
 
             row = dict(backend=label, path=f"server step: {name}", doc_len=doc_len, shard=shard, shards=len(served),
-                       segments=len(k_len), calls=calls_made(layout, backend), query_rows=L.num_server_q,
+                       segments=len(k_len), calls=calls_made(layout, backend, q), query_rows=L.num_server_q,
                        unique_kv_rows=L.num_unique_kv, expanded_kv_rows=int(k_len.sum()))
             if label in vs_flash:
                 row["grads_vs_flash"] = vs_flash[label]

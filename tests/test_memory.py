@@ -625,10 +625,10 @@ def test_training_with_offload_gives_the_same_losses(tmp_path):
 
 
 def test_prefix_copies_are_counted_only_where_the_backend_makes_them(monkeypatch):
-    """A server holding shards of one document that do not continue each other reads a prefix copy per shard
-    under flash (and fa4 off sm90), and under a backend that serves queries at given positions (fa4 on
-    sm90, the reference) the unique rows, with one segment's keys more for the gradients a causal call per
-    segment makes apart."""
+    """A server holding shards of one document that do not continue each other reads the unique rows, with one
+    segment's keys more for the gradients a causal call per segment makes apart; where a document of its has more
+    segments than a causal call per segment takes, under a backend that serves queries at given positions (fa4 on
+    sm90, the reference) the unique rows, and under flash (and fa4 off sm90) a prefix copy per shard."""
     import attnpool.runtime.dispatch as dispatch
     from attnpool.kernels import serves_positions
     from attnpool.plan.documents import DocPiece, PieceTable
@@ -648,6 +648,9 @@ def test_prefix_copies_are_counted_only_where_the_backend_makes_them(monkeypatch
     # one position call where the runtime makes causal calls of three at most
     assert np.array_equal(unique.expanded_kv, copies.unique_kv + 3 * np.array([2560, 3072]))
     assert np.array_equal(AttentionRows.of(plan, copies=False, causal_call_segments=3).expanded_kv, copies.unique_kv)
+    # a backend without a position kernel copies only where a position call would be made
+    assert np.array_equal(AttentionRows.of(plan, copies=True, causal_call_segments=4).expanded_kv, unique.expanded_kv)
+    assert np.array_equal(AttentionRows.of(plan, copies=True, causal_call_segments=3).expanded_kv, copies.expanded_kv)
     # by document: beside a second document, each rank's most keys of a segment but its document's widest (rank 0:
     # document 0's 2560 over document 1's 2048 of [2048, 6144]; rank 1: document 1's 4096 of [4096, 8192])
     pieces = PieceTable.from_pieces([[DocPiece(0, 4096, 0, 4096), DocPiece(1, 8192, 0, 8192)], []])
@@ -660,6 +663,10 @@ def test_prefix_copies_are_counted_only_where_the_backend_makes_them(monkeypatch
     # where document 0's four segments take one position call, document 1's two count alone
     fewer = AttentionRows.of(plan, copies=False, causal_call_segments=3)
     assert np.array_equal(fewer.expanded_kv, rows.unique_kv + 3 * np.array([2048, 4096]))
+    # and without a position kernel document 0's four segments make both ranks copy every prefix
+    assert np.array_equal(AttentionRows.of(plan, copies=True, causal_call_segments=4).expanded_kv, rows.expanded_kv)
+    assert np.array_equal(AttentionRows.of(plan, copies=True, causal_call_segments=3).expanded_kv,
+                          [int(plan.kernel_segments(r)[2].sum()) for r in range(2)])
     # 4.5K rows avoided in 4 calls (a causal call per segment), over a quarter of the unique rows
     assert DispatchLayout.build(plan, 0, "cpu").documents is not None
 

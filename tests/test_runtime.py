@@ -61,14 +61,15 @@ def local_rows(tensors, pieces, which):
 
 def worker(rank, world, dtype_name, backward_group_keys=None, copies=False, relay_nodes=None, head_chunks=1,
            heads=None, segmented=None):
-    """``copies``: the reference backend without its PositionKernel, so that documents with several
-    segments on a server run as prefix copies (as under flash) rather than calls of their own; without, every
-    such server runs without copies, however few they are (these documents are short). ``relay_nodes``: each
+    """``copies``: the reference backend without its PositionKernel (as flash), so that a server with a document
+    that would take a position call copies prefixes instead; else every server with split documents runs them in
+    calls of their own, however few copies that avoids (these documents are short). ``relay_nodes``: each
     rank's node, for the hierarchical exchange. ``head_chunks``: each call in that many groups of heads.
     ``heads``: the (query, KV) head counts to run, by name (default HEADS). ``segmented``: whether such a
     document (here always of two segments) runs as a causal call per segment rather than one position call;
     default: on 4 ranks, not on 2, so that the reference checks both."""
     import attnpool.runtime.dispatch as dispatch
+    from attnpool.runtime.core_attention import serves_documents
 
     # this process only (the harness runs every worker in its own, kept between calls: set on every call)
     dispatch.MIN_AVOIDED_KEYS_PER_CALL = dispatch.MIN_AVOIDED_FRACTION = 0
@@ -93,6 +94,7 @@ def worker(rank, world, dtype_name, backward_group_keys=None, copies=False, rela
                     out = core_attention(q, k, v, plan, backend=backend, relay_nodes=relay_nodes,
                                          head_chunks=head_chunks)
                 layout = dispatch_layout(plan, q, k, v, relay_nodes=relay_nodes)
+                served = serves_documents(layout, backend or reference_kernels.BACKEND, q)  # no prefix copies
                 out.backward(dout)
                 results[(case, strategy, heads)] = dict(
                     out=out.detach().double(), dq=q.grad.double(), dk=k.grad.double(), dv=v.grad.double(),
@@ -104,8 +106,8 @@ def worker(rank, world, dtype_name, backward_group_keys=None, copies=False, rela
                                      if not (out.numel() and t.data_ptr() == out.data_ptr())}.values()),
                     saved_inputs=any(t.data_ptr() == x.data_ptr() for t in saved for x in (q, k, v) if x.numel()),
                     backward_groups=len(layout.backward_groups),
-                    document_calls=0 if copies or layout.documents is None else len(layout.documents.calls),
-                    segmented_documents=0 if copies or layout.documents is None else len(layout.documents.segmented),
+                    document_calls=len(layout.documents.calls) if served else 0,
+                    segmented_documents=len(layout.documents.segmented) if served else 0,
                     server_numel=(layout.num_server_q * n_q + 2 * layout.num_unique_kv * n_kv
                                   + sum(layout.q_recv_splits) * n_q) * HEAD_DIM
                     + layout.num_server_q * n_q,  # Q, unique K and V, outputs sent home to other ranks, LSE
@@ -177,14 +179,16 @@ def test_documents_with_several_segments_run_in_calls_of_their_own(world_results
 
 def test_backward_in_groups_of_segments_matches_reference():
     """With a bound of 350 key rows per backward call, servers run their backward in several calls
-    (and segments longer than the bound alone); the gradients are those of one call. And the same
-    with prefix copies (a backend without a PositionKernel, as flash), grouped the same way. Documents of two
-    segments run as a causal call each, the first writing its keys' gradients, the second adding to them."""
-    for copies in (False, True):
-        results = run_distributed(worker, 2, "float32", 350, copies, None, 1, None, True)
+    (and segments longer than the bound alone); the gradients are those of one call. Documents of two
+    segments run as a causal call each, the first writing its keys' gradients, the second adding to them, under
+    a backend without a PositionKernel too (as flash); and the same with prefix copies (such a backend, where the
+    documents would take a position call), grouped the same way."""
+    for copies, segmented in ((False, True), (True, True), (True, False)):
+        results = run_distributed(worker, 2, "float32", 350, copies, None, 1, None, segmented)
         got = [got for rank_results in results for got in rank_results.values()]
         assert max(g["backward_groups"] for g in got) >= 3
-        assert (sum(g["segmented_documents"] for g in got) == 0) == copies
+        assert (sum(g["segmented_documents"] for g in got) > 0) == segmented
+        assert sum(g["document_calls"] for g in got) == 0
         assert_matches_reference(2, results, tolerance=1e-5)
 
 
@@ -208,9 +212,10 @@ def test_server_step_without_copies_writes_every_row(monkeypatch, segmented):
     float64, every buffer allocated empty filled with NaN first (a row left unwritten shows), backward groups
     of at most 75 keys, and beside the reference a backend that writes its gradients in place (backward_into,
     as fa4 does). Split documents run as one position call each, or as a causal call per segment
-    (``segmented``, at most MAX_CAUSAL_CALL_SEGMENTS of them)."""
+    (``segmented``, at most MAX_CAUSAL_CALL_SEGMENTS of them), which a backend without a PositionKernel (as flash)
+    runs too; where a position call is wanted, such a backend copies."""
     import attnpool.runtime.dispatch as dispatch
-    from attnpool.runtime.core_attention import serve_backward, serve_forward
+    from attnpool.runtime.core_attention import serve_backward, serve_forward, serves_documents
     from attnpool.runtime.dispatch import DispatchLayout
 
     monkeypatch.setattr(dispatch, "BACKWARD_GROUP_KEYS", 75)
@@ -230,7 +235,8 @@ def test_server_step_without_copies_writes_every_row(monkeypatch, segmented):
         return into
 
     in_place = dataclasses.replace(ref, backward=backward_into, backward_into=True)
-    copies = dataclasses.replace(ref, positions=None)
+    no_positions = dataclasses.replace(ref, positions=None)
+    copies = dataclasses.replace(ref, positions=None, splits_by_segment=False)  # (the copies path, always)
     plans = [(world, plan_attention(pieces, strategy, cost_model="pairs", min_shard_tokens=8))
              for world in (2, 4) for (_, pieces), strategy in itertools.product(make_cases(world, scale=4), STRATEGIES)]
     plans += [(2, plan) for plan in alternating_plans()]
@@ -246,7 +252,8 @@ def test_server_step_without_copies_writes_every_row(monkeypatch, segmented):
             k, v = (torch.randn(L.num_unique_kv, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
             want_out, want_lse = serve_forward(L, copies, q, k, v)
             want = serve_backward(L, copies, dout, q, k, v, want_out, want_lse)
-            for backend in (ref, in_place):
+            assert not serves_documents(L, copies, q) and serves_documents(L, no_positions, q) == segmented
+            for backend in (ref, in_place, no_positions):
                 out, lse = serve_forward(L, backend, q, k, v)
                 torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-10)
                 torch.testing.assert_close(lse, want_lse, rtol=1e-10, atol=1e-10)

@@ -24,7 +24,8 @@ them inside its own autograd function and saves only what it needs.
 A backend may also serve queries at given positions of one document against the document's keys
 (``Backend.positions``, a PositionKernel): a server's non-adjacent shards of one document in one call
 over its keys as they are, where the varlen contract needs each shard's prefix copied into its own
-segment.
+segment (or, for a few shards whose keys one shard's hold, a call per shard over the keys it reads,
+which the runtime makes with any backend: runtime.dispatch.DocumentServing).
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ class Backend:
     # of each part's gradients (for the CA-task layout's expanded keys, gigabytes a step).
     backward_into: bool = False
     # Queries at given positions of one document against its keys, with no copies (None: not offered;
-    # the runtime then copies each segment's prefix).
+    # the runtime then copies each segment's prefix where a document has more segments than it serves as a
+    # causal call each).
     positions: PositionKernel | None = None
     # Whether forward and backward take ``window`` (a sliding window's keys) and ``softcap``: see the contract.
     takes_window: bool = False
@@ -123,7 +125,8 @@ class Backend:
         """This backend computing attention under a sliding window of ``window`` keys and/or with scores
         soft-capped at ``softcap`` (None: neither): its functions bound to them, so that callers call it as
         any backend. A ConfigError names what the backend cannot compute. The position kernel goes with it
-        where it takes them too, else is left out (the runtime then copies each segment's keys)."""
+        where it takes them too, else is left out (the runtime then copies each segment's keys where a
+        document would take a position call)."""
         if window is None and softcap is None:
             return self
         bound = self.__dict__.setdefault("_bound", {})  # (window, softcap) -> bound backend, made once, not per call

@@ -21,7 +21,8 @@ Installed by the ``hopper`` extra (``pip install 'attnpool[hopper]'``). Read aga
   window_size_right=0`` (backward), aligned bottom-right as the causal mask is; a soft-cap c is
   ``softcap=c`` in both (FA4 turns it into its score_mod and that mod's backward). The position
   kernel below takes neither (its block tables assume the whole prefix): with a window or a soft-cap
-  the runtime copies each segment's keys instead (Backend.for_kind leaves it out).
+  the runtime copies each segment's keys where a document would take a position call (Backend.for_kind
+  leaves it out).
 
 - Queries at given positions of one document (``Backend.positions``) run the non-varlen
   ``_flash_attn_fwd`` / ``_flash_attn_bwd`` with one batch entry, ``causal=False``, a ``mask_mod``

@@ -143,14 +143,15 @@ class AttentionRows:
     """Per rank, the rows core attention holds under a plan (what its memory depends on):
     ``home`` tokens (the rank's layer activations), ``query`` rows it serves (its Q buffer, its
     LSE), ``returned`` of them served for other ranks (their outputs, kept for backward),
-    ``unique_kv`` rows it holds (each once) and ``expanded_kv`` rows its kernel call reads
-    (one prefix per kernel segment, Plan.kernel_segments; with ``copies=False``, for a backend that
-    serves queries at given positions (kernels.serves_positions), the unique rows: it copies none, but
-    where few (runtime.dispatch.MIN_AVOIDED_KEYS_PER_CALL), which this leaves uncounted; plus three times
-    the most keys of a segment other than its document's widest, among the documents of two to
-    ``causal_call_segments`` segments on the server: the runtime serves those as a causal call per segment,
-    which makes that segment's dK and dV apart in backward, in the kernel's dtype, and sums them in float32,
-    twice a half-precision row: runtime.dispatch.DocumentServing, MAX_CAUSAL_CALL_SEGMENTS)."""
+    ``unique_kv`` rows it holds (each once) and ``expanded_kv`` rows its kernel calls read: the unique rows
+    (the runtime copies none, but where few, runtime.dispatch.MIN_AVOIDED_KEYS_PER_CALL, which this leaves
+    uncounted), plus three times the most keys of a segment other than its document's widest, among the
+    documents of two to ``causal_call_segments`` segments on the server (the runtime serves those as a causal
+    call per segment, which makes that segment's dK and dV apart in backward, in the kernel's dtype, and sums
+    them in float32, twice a half-precision row: runtime.dispatch.DocumentServing, MAX_CAUSAL_CALL_SEGMENTS).
+    With ``copies`` (a backend without a position kernel, kernels.serves_positions: flash, fa4 off sm90), a
+    server with a document that takes one call at its queries' positions instead (more segments, or several
+    under a sliding window) reads one prefix per kernel segment (Plan.kernel_segments), copies."""
 
     home: np.ndarray
     query: np.ndarray
@@ -171,9 +172,22 @@ class AttentionRows:
             query=np.bincount(plan.task_server, weights=plan.task_len, minlength=W).astype(np.int64),
             returned=np.bincount(plan.task_server, weights=np.where(remote, plan.task_len, 0), minlength=W).astype(np.int64),
             unique_kv=unique_kv,
-            expanded_kv=np.array([int(plan.kernel_segments(r)[2].sum()) for r in range(W)], dtype=np.int64)
-            if copies else unique_kv + [3 * _narrower_segment_keys(plan, r, causal_call_segments) for r in range(W)],
+            expanded_kv=np.array([int(plan.kernel_segments(r)[2].sum()) if copies and
+                                  _needs_position_calls(plan, r, causal_call_segments)
+                                  else unique_kv[r] + 3 * _narrower_segment_keys(plan, r, causal_call_segments)
+                                  for r in range(W)], dtype=np.int64),
         )
+
+
+def _needs_position_calls(plan: Plan, server: int, max_segments: int) -> bool:
+    """Whether some document of the server's takes one call at its queries' positions rather than a causal call
+    per segment: it has more than ``max_segments`` kernel segments, or, under a sliding window, several (their
+    windows may not share a first key; an upper bound). A backend without a position kernel copies there."""
+    doc = plan.kernel_segments(server)[0]
+    if len(doc) < 2:
+        return False
+    _, counts = np.unique(doc, return_counts=True)
+    return bool(counts.max() > (1 if plan.window is not None else max_segments))
 
 
 def _narrower_segment_keys(plan: Plan, server: int, max_segments: int) -> int:

@@ -29,11 +29,12 @@ sent home to other ranks are saved; backward reassembles it (_ServerRows). The
 output's gradient is assembled the same way, into one server-ordered buffer.
 KV prefixes are expanded (one per kernel segment, Plan.kernel_segments) only
 transiently around each kernel call, and not at all where each served document
-is one segment (DispatchLayout.kv_expand_identity) or the backend serves queries
-at given positions (Backend.positions; not the sparse serving): then a document
-with several segments runs in calls of its own over its unique keys, one causal
-call per segment or, with many, one at its queries' positions
-(DispatchLayout.documents). The kernel's backward runs
+is one segment (DispatchLayout.kv_expand_identity), nor where a document with
+several segments runs in calls of its own over its unique keys (not the sparse
+serving; DispatchLayout.documents): one causal call per segment, which every
+dense backend makes, or, with many, one at its queries' positions, where the
+backend serves queries at given positions (Backend.positions; flash does not,
+and a server with such a document then copies). The kernel's backward runs
 over groups of segments of bounded key rows (DispatchLayout.backward_groups): a
 FlashAttention-2 backward over a busy server's whole call was a step's peak memory.
 
@@ -362,14 +363,14 @@ class _ServeShared(torch.autograd.Function):
 def serve_forward(L: DispatchLayout, backend: Backend, q_srv, k_u, v_u, scale=None):
     """(out, lse) of every CA-task a server runs: its kernel calls over its Q (task order) and unique K, V
     buffers, the server step of core attention without its communication (bench/gpu_fa4.py times it)."""
-    if _serves_documents(L, backend, q_srv):
+    if serves_documents(L, backend, q_srv):
         return _documents_forward(L, backend, q_srv, k_u, v_u, scale)
     return backend.forward(q_srv, *_expanded(L, k_u, v_u), L.cu_q, L.cu_k, L.max_q, L.max_k, scale=scale)
 
 
 def serve_backward(L: DispatchLayout, backend: Backend, dout, q_srv, k_u, v_u, out, lse, scale=None):
     """dQ of the server's queries and dK, dV of its unique KV rows, from serve_forward's out and lse."""
-    if _serves_documents(L, backend, q_srv):
+    if serves_documents(L, backend, q_srv):
         return _documents_backward(L, backend, dout, q_srv, k_u, v_u, out, lse, scale)
     # Held in one tuple so that the output's reassembly and any expanded K/V go as soon as it does.
     args = (dout, q_srv, *_expanded(L, k_u, v_u), out, lse)
@@ -383,12 +384,14 @@ def serve_backward(L: DispatchLayout, backend: Backend, dout, q_srv, k_u, v_u, o
     return dq, dk, dv  # the copies' gradients go once summed
 
 
-def _serves_documents(L: DispatchLayout, backend, q_srv: torch.Tensor) -> bool:
+def serves_documents(L: DispatchLayout, backend, q_srv: torch.Tensor) -> bool:
     """Whether the server's work runs without prefix copies (dispatch.DocumentServing): some served document
-    has several segments and the backend serves queries at given positions here (Backend.serves_positions; a
-    SparseServing does not)."""
-    return (L.documents is not None and isinstance(backend, Backend)
-            and backend.serves_positions(q_srv.device, q_srv.shape[2]))
+    has several segments, the backend's varlen runs split by segment (a SparseServing's do not), and every such
+    document runs as causal calls, which any such backend makes (flash's too), or the backend serves queries at
+    given positions here (Backend.serves_positions: fa4 on sm90, the reference) for those that take one call."""
+    D = L.documents
+    return (D is not None and isinstance(backend, Backend) and backend.splits_by_segment
+            and (not D.calls or backend.serves_positions(q_srv.device, q_srv.shape[2])))
 
 
 def _documents_forward(L: DispatchLayout, backend: Backend, q_srv, k_u, v_u, scale):
@@ -416,7 +419,7 @@ def _documents_forward(L: DispatchLayout, backend: Backend, q_srv, k_u, v_u, sca
 def _documents_backward(L: DispatchLayout, backend: Backend, dout, q_srv, k_u, v_u, out, lse, scale):
     """dQ of the server's queries and dK, dV of its unique KV rows, as _documents_forward cut the work, each
     call's gradients written into its rows (backward_in_parts: the varlen runs in key-bounded groups, as
-    the backend splits by segment: _serves_documents). A segmented document's first segment writes its keys'
+    the backend splits by segment: serves_documents). A segmented document's first segment writes its keys'
     rows, which hold the others'; each other segment's key gradients are made apart, summed in float32 (float64
     stays float64) and added to them once, one rounding as dispatch.PrefixCopies sums copies."""
     D = L.documents

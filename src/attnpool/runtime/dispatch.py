@@ -335,10 +335,10 @@ class DocumentCall:
 
 @dataclass(frozen=True, eq=False)
 class DocumentServing:
-    """A server's kernel work without prefix copies, for a backend with a PositionKernel: each document with
-    several segments in calls of its own (``segmented``: a causal call per segment over the slice of the unique
-    keys it reads, where the document has at most MAX_CAUSAL_CALL_SEGMENTS and one segment's keys hold every
-    other's; else ``calls``: one position-kernel call), and the documents with one segment in varlen calls over
+    """A server's kernel work without prefix copies: each document with several segments in calls of its own
+    (``segmented``: a causal call per segment over the slice of the unique keys it reads, where the document has at
+    most MAX_CAUSAL_CALL_SEGMENTS and one segment's keys hold every other's, which any dense backend runs; else
+    ``calls``: one call of a PositionKernel, without which the server copies prefixes instead), and the documents with one segment in varlen calls over
     their unique rows (such a segment's keys are its document's whole prefix as the buffer holds it), one per
     run of them between the others, so that every call reads slices of the server's buffers, no gathered copy.
     The parts partition the Q rows; the unique KV rows are partitioned by ``calls``, the runs and each
@@ -354,6 +354,8 @@ class DocumentServing:
     def handles(self, backend, device) -> tuple:
         """The backend's PositionKernel handles of ``calls``, prepared on first use (host tables, once per
         layout and backend)."""
+        if not self.calls:  # (a backend without a PositionKernel serves causal calls alone)
+            return ()
         if backend.name not in self._handles:
             prepare = backend.positions.prepare
             self._handles[backend.name] = tuple(prepare(c.positions, c.k_rows.stop - c.k_rows.start, device)

@@ -59,7 +59,9 @@ class RunSpec:
     loss_kernel: str  # chunked or liger
     bf16: bool  # bf16 compute (FSDP2 mixed precision, autocast); float32 master weights either way
     attention_shape: AttentionShape  # what a token's Q, K+V and O weigh in a tp rank's core attention
-    prefix_copies: bool  # whether core attention copies key prefixes (Backend.serves_positions: the runtime's test)
+    # whether the backend lacks a position kernel here (not Backend.serves_positions), so that a server copies key
+    # prefixes where a document of its would take one call at its queries' positions (plan.metrics.AttentionRows)
+    prefix_copies: bool
     cost_model: object  # the planner's cost of a CA-task on a tp rank's heads
     sparse: SparseConfig | None  # vertical-slash options (their cost coefficients read), None for dense
     topology: Topology | None = None  # the dp ranks' nodes, where they span several (attention_topology)
@@ -148,9 +150,9 @@ class RunSpec:
         return plan_windows(self.layer_kinds) or (None,)
 
     def prefix_copies_of(self, kind: AttentionKind) -> bool:
-        """Whether core attention copies key prefixes in the layers of ``kind``: where the backend always does
-        (``prefix_copies``), and where its position kernel does not take the kind's window or soft-cap (fa4's:
-        Backend.for_kind leaves it out)."""
+        """Whether core attention copies key prefixes in the layers of ``kind`` where a document would take a
+        position call: where the backend has no position kernel (``prefix_copies``), and where its position
+        kernel does not take the kind's window or soft-cap (fa4's: Backend.for_kind leaves it out)."""
         if self.prefix_copies or kind.causal:
             return self.prefix_copies
         return backend_named(self.backend_name).for_kind(kind.window, kind.softcap).positions is None

@@ -36,7 +36,8 @@ def test_plan_over_the_balanced_layout_moves_fewer_bytes_from_the_same_before(ca
 def test_plan_table_and_plot(tmp_path, capsys):
     png = tmp_path / "loads.png"
     assert main(["plan", "--servers", "4", "--tokens-per-server", "32K", "--strategy", "all", "--plot", str(png)]) == 0
-    assert "max/mean after" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "max/mean after" in out and out.strip().endswith(f"wrote {png}")
     assert png.stat().st_size > 10_000
     # 3 servers do not split 32 query heads: ulysses is left out, and says why
     assert main(["plan", "--servers", "3", "--tokens-per-server", "32K", "--strategy", "all"]) == 0
@@ -74,6 +75,7 @@ def test_plan_on_nodes_counts_the_bytes_between_them(capsys):
     (["--servers", "0"], "--servers"),
     (["--tokens-per-server", "0"], "--tokens-per-server"),
     (["--tokens-per-server", "12Q"], "not a size"),
+    (["--tokens-per-server", "-128K"], "--tokens-per-server=-131072: must be positive"),  # a value, not a flag
     (["--tokens-per-server", "9" * 400], "too large a size"),
     (["--bogus-flag"], "unrecognized arguments"),
     (["--eps", "-1"], "--eps=-1.0"),

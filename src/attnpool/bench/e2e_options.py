@@ -86,12 +86,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="core attention in this many groups of heads, one group's kernel while another's exchanges "
                         "are on the wire (attnpool train's head_chunks), for the strategies whose exchanges run "
                         "through it (local, wlb, percp, cad; ulysses and the +sparse ones run without)")
-    p.add_argument("--exchange-gibps", type=link_rate, default=None,
+    p.add_argument("--exchange-gibps", type=link_rate, default=None, metavar="GIBPS|auto",
                    help="GiB/s per GPU of the link inside a node, or auto (measured at each run's start), for the "
                         "cad strategies' planner (attnpool train's exchange_gibps: each move's bytes weighed against "
                         "the balance it buys; records keep the rate planned with); the others plan no moves. "
                         "Default: cad balances whatever the bytes")
-    p.add_argument("--inter-node-gibps", type=link_rate, default=None,
+    p.add_argument("--inter-node-gibps", type=link_rate, default=None, metavar="GIBPS|auto",
                    help="GiB/s per GPU between nodes, or auto, for the cad strategies' planner (attnpool train's "
                         "inter_node_gibps: a byte between nodes priced at the links' ratio). Default: the DistCA "
                         "paper's 50 GB/s")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import traceback
 
@@ -11,8 +12,19 @@ from attnpool.console import mark_start
 from attnpool.errors import ConfigError, TrainingError
 
 
+# A negative number as a flag's value, as argparse tells it from a flag, with a size's suffix too ("-1K", "-80GB"):
+# otherwise argparse takes "-1K" for a flag and says only "expected one argument", where the flag's own check names
+# the value.
+NEGATIVE_VALUE = re.compile(r"^-\d+$|^-\d*\.\d+$|^-\d*\.?\d+\s*[kKmMgG](i?[bB])?$")
+
+
 class OneLineParser(argparse.ArgumentParser):
-    """Argument errors in one line (no usage block) and exit code 2, as every other input error."""
+    """Argument errors in one line (no usage block) and exit code 2, as every other input error; negative sizes
+    taken as values (NEGATIVE_VALUE)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = NEGATIVE_VALUE
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

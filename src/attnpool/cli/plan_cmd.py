@@ -149,6 +149,7 @@ def _plan(args: argparse.Namespace) -> int:
             print(f"{name}: not planned: {reason}")
     if args.plot:
         plot_loads(results, batch, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)  # (stdout holds the JSON alone)
     return 0
 
 

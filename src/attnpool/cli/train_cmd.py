@@ -56,7 +56,8 @@ def _add_key(group, f, aliases: dict, kind: str) -> None:
                            help=help_text)
     else:
         # Kept as text: the config reads numbers (3e-4, 4K) and 'none' itself.
-        group.add_argument(*flags, dest=name, metavar=kind.upper(), default=None, help=help_text)
+        group.add_argument(*flags, dest=name, metavar=f.metadata.get("metavar", kind.upper()), default=None,
+                           help=help_text)
 
 
 def parse_bool(text: str) -> bool:

@@ -36,6 +36,7 @@ it happens before any process starts, so a bad value is refused on every rank al
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from dataclasses import dataclass, fields
 
@@ -204,8 +205,10 @@ def _by_section(values: dict, where: str = "") -> dict:
     unknown key is refused (the first in sorted order), ``where`` saying where it was given ("in FILE")."""
     unknown = sorted(name for name in values if name not in KEYS and name not in SECTIONS)
     if unknown:
-        raise ConfigError("config", unknown[0], f"unknown key{' ' + where if where else ''}; known keys: "
-                                                f"{', '.join(KEYS)} (or the sections {', '.join(SECTIONS)})")
+        name = unknown[0]
+        hint = _did_you_mean(name, [*KEYS, *SECTIONS])
+        raise ConfigError(name, values[name], f"unknown key{' ' + where if where else ''}{hint}; known keys: "
+                                              f"{', '.join(KEYS)} (or the sections {', '.join(SECTIONS)})")
     given: dict = {section: {} for section in SECTIONS}
     for name, value in values.items():
         if _is_section(name, value):
@@ -219,14 +222,21 @@ def _by_section(values: dict, where: str = "") -> dict:
             fields_of = SECTIONS[name].keys()
             for short, item in value.items():
                 if short not in fields_of.values():
-                    known = ", ".join(fields_of.values())
-                    raise ConfigError("config", f"{name}.{short}", f"unknown setting of section {name}; its settings: "
-                                                                   f"{known}")
+                    known = list(fields_of.values())
+                    raise ConfigError(f"{name}.{short}", item, f"unknown setting of section {name}"
+                                                               f"{_did_you_mean(short, known)}; its settings: "
+                                                               f"{', '.join(known)}")
                 _put(given, name, short, item, f"{name}.{short}")
         else:
             section, short = KEYS[name]
             _put(given, section, short, value, name)
     return given
+
+
+def _did_you_mean(name: str, known: list[str]) -> str:
+    """``" (did you mean steps?)"`` for the known name closest to a misspelled one, or nothing where none is close."""
+    close = difflib.get_close_matches(name, known, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def _put(given: dict, section: str, name: str, value, said: str) -> None:

@@ -419,8 +419,9 @@ def print_summary(summary: dict, files: list[str]) -> None:
               if s.get("pp", 1) > 1 else
               f"{s['world']} ranks (dp {s['dp']} x tp {s['tp']}), {s['dp']} dp ranks x" if s.get("tp", 1) > 1
               else f"{s['world']} ranks x" if s["world"] > 1 else "1 rank x")
+    micro = f"{s['microbatches']} micro-batches x " if s.get("microbatches", 1) > 1 else ""
     console.print(f"[bold]attnpool train[/]: {s['model']} ({s['params'] / 1e6:.2f}M params), {layout} "
-                  f"{s['tokens_per_rank']} tokens, {s['strategy']} attention"
+                  f"{micro}{s['tokens_per_rank']} tokens, {s['strategy']} attention"
                   + (f" over the {s['layout']} layout" if s.get("layout", "linear") != "linear" else ""), highlight=False)
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold")

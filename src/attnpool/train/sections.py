@@ -33,11 +33,13 @@ ATTENTION_BACKENDS = ("auto", *BACKENDS)
 DATA_PATH_OPTION = {"text": "paths", "npy": "tokens_path", "jsonl": "path"}
 SPARSE_SIZE_ARGS = ("vertical_cap", "slash_cap", "last_queries", "sink_tokens", "local_window", "block",
                     "vertical_chunk")
+SPARSE_ARGS = SPARSE_SIZE_ARGS + ("kv_transfer", "cost_coefficients")  # every sparse_args option
 
 
-def _setting(key: str, help_text: str, **kw):
-    """A section's field: ``key`` is the setting's one name in YAML files, flags and errors."""
-    return field(metadata={"key": key, "help": help_text}, **kw)
+def _setting(key: str, help_text: str, metavar: str | None = None, **kw):
+    """A section's field: ``key`` is the setting's one name in YAML files, flags and errors; ``metavar`` what its
+    flag's help shows for its value (default: its type's name)."""
+    return field(metadata={"key": key, "help": help_text, **({"metavar": metavar} if metavar else {})}, **kw)
 
 
 class Section:
@@ -177,7 +179,7 @@ class AttentionSection(Section):
                           "measures it; a byte between nodes costs inter-node times more). cad then weighs each "
                           "move's bytes against the balance it buys and keeps the faster plan, balanced or not: on a "
                           "slow link it may move less than eps asks, or nothing. Default: balance whatever the bytes",
-        default=None)
+        metavar="GIBPS|auto", default=None)
 
     def check(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -215,9 +217,9 @@ class SparseSection(Section):
     min_doc_len: int = _setting("sparse_min_doc_len", "vertical-slash: documents shorter than this stay dense",
                                 default=8192)
     dense_layers: int = _setting("dense_layers", "vertical-slash: the first this many layers stay dense", default=0)
-    args: dict = _setting("sparse_args", "more vertical-slash options: vertical_cap, slash_cap, last_queries, "
-                                         "sink_tokens, local_window, block, vertical_chunk, kv_transfer (prefix or read)",
-                          default_factory=dict)
+    args: dict = _setting("sparse_args", f"more vertical-slash options: {', '.join(SPARSE_SIZE_ARGS)}, kv_transfer "
+                                         "(prefix or read), cost_coefficients (a GPU's sparse cost coefficients, "
+                                         "a JSON file)", default_factory=dict)
 
     def check(self) -> None:
         self.sparse_config()  # refuses bad sparse options
@@ -231,10 +233,9 @@ class SparseSection(Section):
             SparseConfig(mode="none", coverage=self.coverage, min_doc_len=self.min_doc_len,
                          dense_layers=self.dense_layers)  # still refuses bad values
             return None
-        allowed = SPARSE_SIZE_ARGS + ("kv_transfer", "cost_coefficients")
-        unknown = sorted(set(self.args) - set(allowed))
+        unknown = sorted(set(self.args) - set(SPARSE_ARGS))
         if unknown:
-            raise ConfigError("sparse_args", unknown[0], f"unknown option; choose from {', '.join(allowed)}")
+            raise ConfigError("sparse_args", unknown[0], f"unknown option; choose from {', '.join(SPARSE_ARGS)}")
         args = {k: (_parse_size(f"sparse_args.{k}", v) if isinstance(v, str) and k in SPARSE_SIZE_ARGS else v)
                 for k, v in self.args.items()}
         try:
@@ -302,7 +303,7 @@ class ParallelSection(Section):
         "inter_node_gibps", "GiB/s per GPU between nodes, or auto: measured at the run's start (an all-to-all between "
                             "the nodes, every local rank at once): cad's planner prices a byte between nodes at the "
                             "link inside a node (exchange_gibps, else NVLink's measured 260) over this (default: the "
-                            "DistCA paper's 50 GB/s, 46.6 GiB/s)", default=None)
+                            "DistCA paper's 50 GB/s, 46.6 GiB/s)", metavar="GIBPS|auto", default=None)
 
     def check(self) -> None:
         _at_least("tp", self.tp, 1)

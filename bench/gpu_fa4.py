@@ -22,7 +22,9 @@
    serves without copies, as one call over the document's unique keys at the queries' positions, or with
    at most runtime.dispatch.MAX_CAUSAL_CALL_SEGMENTS segments as a causal call per segment over the keys it
    reads, then also timed as one position call ("fa4 position call"); flash makes the same causal calls and
-   copies prefixes where fa4 makes a position call; "fa4 copies" is fa4 on the copies path).
+   copies prefixes where fa4 makes a position call (records before 2026-11-30: flash copied throughout, so
+   their speedups over flash on a few segments are against copies); "fa4 copies" is fa4 on the copies path,
+   against whose gradients fa4's calls are also checked).
    fa4 and flash in the same run; TFLOP/s from causal pairs (forward 4 * D * H_q * pairs, forward+backward
    3.5x that); medians of several runs after a warm-up that includes FA4's compilation.
 
@@ -366,6 +368,15 @@ def server_layouts(doc_len: int, shard: int):
             "first and last quarter": [*range(quarter), *range(count - quarter, count)]}
 
 
+def grads_versus(grads: dict, against: str) -> dict:
+    """Per fa4 path of ``grads`` (label -> (dq, dk, dv), or an error's text), max |difference| / max |against's|."""
+    if not isinstance(grads.get(against), tuple):
+        return {}
+    return {label: {name: ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+                    for name, a, b in zip(("dq", "dk", "dv"), grads[label], grads[against])}
+            for label in ("fa4", "fa4 position call") if isinstance(grads.get(label), tuple)}
+
+
 def bench_server_step(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, reps) -> list[dict]:
     """The server step on each layout with fa4, fa4 made to copy prefixes ("fa4 copies": the layout without
     its DocumentServing, where calls of their own beat the copies), fa4 in one position call where it makes a
@@ -396,12 +407,9 @@ def bench_server_step(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, 
                 del out, lse
             except Exception as error:  # the timing below records it
                 grads[label] = repr(error)
-        vs_flash = {}  # max |difference| / max |flash's|
-        if isinstance(grads["flash"], tuple):
-            vs_flash = {label: {name: ((a.float() - b.float()).abs().max()
-                                       / b.float().abs().max().clamp_min(1e-30)).item()
-                                for name, a, b in zip(("dq", "dk", "dv"), grads[label], grads["flash"])}
-                        for label in ("fa4", "fa4 position call") if isinstance(grads.get(label), tuple)}
+        # another kernel (flash, on the same path where it makes the same calls), and the same kernel's copies path:
+        # how the calls' gradients are assembled (the narrower segments' key gradients summed) against the copies'
+        vs_flash, vs_copies = grads_versus(grads, "flash"), grads_versus(grads, "fa4 copies")
         del grads
         for label, (backend, layout) in runs.items():
 
@@ -417,6 +425,8 @@ def bench_server_step(doc_len, shard, n_q, n_kv, dim, device, backends, warmup, 
                        unique_kv_rows=L.num_unique_kv, expanded_kv_rows=int(k_len.sum()))
             if label in vs_flash:
                 row["grads_vs_flash"] = vs_flash[label]
+            if label in vs_copies:
+                row["grads_vs_copies"] = vs_copies[label]
             rows.append(timed(row, forward, forward_backward, fwd_flops, device, warmup, reps))
         q = dout = k = v = None  # freed before the next layout's (the closures above read these names)
     add_speedups_over_flash(rows)
@@ -553,7 +563,9 @@ def main(argv=None) -> int:
                                                         for k, e in row["grads_vs_one_call"].items())
                  if "grads_vs_one_call" in row else "")
               + (" gradients vs flash: " + " ".join(f"{k} {e:.1e}" for k, e in row["grads_vs_flash"].items())
-                 if "grads_vs_flash" in row else ""))
+                 if "grads_vs_flash" in row else "")
+              + (" vs copies: " + " ".join(f"{k} {e:.1e}" for k, e in row["grads_vs_copies"].items())
+                 if "grads_vs_copies" in row else ""))
     ok = all(case["passed"] for case in result["exactness"])
     verdict = ("exactness not checked" if opts.skip_exactness else
                "ALL EXACTNESS CHECKS PASS" if ok else "SOME EXACTNESS CHECKS FAILED")

@@ -388,6 +388,7 @@ def test_gpu_fa4_script_on_cpu(tmp_path, capsys, monkeypatch):
     assert step["fa4 copies", "server step: odd"]["calls"] == "2 segments, prefix copies"
     for backend in ("fa4", "fa4 position call"):
         assert max(step[backend, "server step: odd"]["grads_vs_flash"].values()) < 1e-5
+        assert max(step[backend, "server step: odd"]["grads_vs_copies"].values()) < 1e-5
     assert printed.strip().splitlines()[-1].startswith("ALL EXACTNESS CHECKS PASS")
 
 

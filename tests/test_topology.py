@@ -383,7 +383,7 @@ def test_a_rendezvous_port_is_drawn_below_the_ephemeral_range_and_is_free(monkey
 
     from attnpool.comm import ports
 
-    low = ports.ephemeral_low()
+    low = min(ports.ephemeral_low(), ports.NODE_PORTS_LOW)
     pairs = []
     for _ in range(3):  # two launchers whose processes seeded Python's generator alike
         random.seed(0)
@@ -396,6 +396,18 @@ def test_a_rendezvous_port_is_drawn_below_the_ephemeral_range_and_is_free(monkey
         held.bind(("", 0))
         held.listen()
         assert not ports.is_free(held.getsockname()[1])
+    try:  # a listener on IPv6 alone holds its port too (where this host has IPv6)
+        held6 = socket.socket(socket.AF_INET6)
+        held6.bind(("::1", 0))
+    except OSError:
+        held6 = None
+    if held6 is not None:
+        with held6:
+            held6.listen()
+            assert not ports.is_free(held6.getsockname()[1])
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
         # every draw held: the kernel's choice, which is not the held port
         monkeypatch.setattr(ports, "is_free", lambda port: False)
         assert ports.free_port() != held.getsockname()[1]

@@ -12,19 +12,19 @@ from attnpool.console import mark_start
 from attnpool.errors import ConfigError, TrainingError
 
 
-# A negative number as a flag's value, as argparse tells it from a flag, with a size's suffix too ("-1K", "-80GB"):
+# A negative size as a flag's value ("-1K", "-80GB"), beside the negative numbers argparse tells from flags itself:
 # otherwise argparse takes "-1K" for a flag and says only "expected one argument", where the flag's own check names
 # the value.
-NEGATIVE_VALUE = re.compile(r"^-\d+$|^-\d*\.\d+$|^-\d*\.?\d+\s*[kKmMgG](i?[bB])?$")
+NEGATIVE_SIZE = r"^-\d*\.?\d+\s*[kKmMgG](i?[bB])?$"
 
 
 class OneLineParser(argparse.ArgumentParser):
     """Argument errors in one line (no usage block) and exit code 2, as every other input error; negative sizes
-    taken as values (NEGATIVE_VALUE)."""
+    taken as values (NEGATIVE_SIZE)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._negative_number_matcher = NEGATIVE_VALUE
+        self._negative_number_matcher = re.compile(f"{self._negative_number_matcher.pattern}|{NEGATIVE_SIZE}")
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

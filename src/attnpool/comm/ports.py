@@ -7,7 +7,8 @@ Why not ``bind(0)`` and close: the kernel hands that port out of its ephemeral r
 other process's ``bind(0)`` or outgoing connection may take it before the rendezvous server binds it, seconds later
 (its processes import torch first). A CI run lost a two-node launch so: a client met another test's server at the
 port ("failed to connect/validate ... Connection reset by peer"). A port below the ephemeral range is taken only by
-a process that names it, so :func:`free_port` draws there, checking that nothing holds it now.
+a process that names it, so :func:`free_port` draws there (below 30000 too: Kubernetes' NodePorts, 30000-32767,
+may be taken on a host's network by rules a bind does not see), checking that nothing holds it now.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LINUX_EPHEMERAL_LOW = 32768  # the kernel's default lower end, where the file cannot be read
-DRAW_SPAN = 10000  # ports drawn from: the ones just below the ephemeral range
+NODE_PORTS_LOW = 30000  # Kubernetes' NodePort range starts here
+DRAW_SPAN = 10000  # ports drawn from: the ones just below the lower of the two
 LOWEST = 1024  # below: privileged ports
 DRAWS = 64
 
@@ -32,19 +34,27 @@ def ephemeral_low() -> int:
 
 
 def is_free(port: int) -> bool:
-    """Whether a server could bind ``port`` on every interface now."""
-    with socket.socket() as s:
+    """Whether a server could bind ``port`` on every interface now, IPv4's and, where the host has it, IPv6's."""
+    families = [(socket.AF_INET, "")] + ([(socket.AF_INET6, "::")] if socket.has_ipv6 else [])
+    for family, address in families:
         try:
-            s.bind(("", port))
-        except OSError:
-            return False
+            s = socket.socket(family)
+        except OSError:  # (IPv6 compiled in but off on this host)
+            continue
+        with s:
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # this family's listeners alone
+            try:
+                s.bind((address, port))
+            except OSError:
+                return False
     return True
 
 
 def free_port() -> int:
     """A port nothing holds now, drawn below the ephemeral range (see the module's docstring); the kernel's own
     choice where that range starts too low to leave room, or every draw was taken."""
-    high = ephemeral_low()
+    high = min(ephemeral_low(), NODE_PORTS_LOW)
     low = max(LOWEST, high - DRAW_SPAN)
     # drawn from the system's randomness: two launchers whose processes seeded random alike must not draw alike
     draw = random.SystemRandom()

@@ -152,9 +152,10 @@ class Backend:
                                    kind=(window, softcap))
 
     def serves_positions(self, device, head_dim: int) -> bool:
-        """Whether core attention under this backend runs a server's shards of one document without prefix copies
-        on ``device`` at ``head_dim``: its PositionKernel supports them there, and its varlen runs split by
-        segment (the runtime's server step and the memory model both ask this)."""
+        """Whether this backend serves a server's shards of one document at their queries' positions on ``device``
+        at ``head_dim``, without prefix copies however many shards: its PositionKernel supports them there, and its
+        varlen runs split by segment (runtime.core_attention.serves_documents asks it where a document has more
+        segments than causal calls serve; RunSpec.prefix_copies holds its answer for the memory model)."""
         return self.positions is not None and self.splits_by_segment and self.positions.supports(device, head_dim)
 
 

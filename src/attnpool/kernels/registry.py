@@ -43,8 +43,9 @@ def resolve_backend_name(name: str | None, device, dtype: torch.dtype | None = N
 
 def serves_positions(name: str | None, device, head_dim: int) -> bool:
     """Whether backend ``name`` serves queries at given positions of a document (Backend.positions) on
-    ``device`` at ``head_dim``, so that core attention copies no prefixes there; False for flash, for
-    "auto" or None (not resolved), and for fa4 where the device is not known (None)."""
+    ``device`` at ``head_dim``, so that core attention copies no prefixes there however many segments a document
+    has (Backend.serves_positions); False for flash (which copies only for a document of more segments than causal
+    calls serve), for "auto" or None (not resolved), and for fa4 where the device is not known (None)."""
     return name in _MODULES and _MODULES[name].BACKEND.serves_positions(device, head_dim)
 
 

@@ -151,7 +151,9 @@ class AttentionRows:
     them in float32, twice a half-precision row: runtime.dispatch.DocumentServing, MAX_CAUSAL_CALL_SEGMENTS).
     With ``copies`` (a backend without a position kernel, kernels.serves_positions: flash, fa4 off sm90), a
     server with a document that takes one call at its queries' positions instead (more segments, or several
-    under a sliding window) reads one prefix per kernel segment (Plan.kernel_segments), copies."""
+    under a sliding window) reads one prefix per kernel segment (Plan.kernel_segments), copies; any other server
+    the larger of the two counts (:func:`_kernel_keys`); ``causal_call_segments`` 0: every server copies (the
+    sparse serving)."""
 
     home: np.ndarray
     query: np.ndarray
@@ -172,11 +174,21 @@ class AttentionRows:
             query=np.bincount(plan.task_server, weights=plan.task_len, minlength=W).astype(np.int64),
             returned=np.bincount(plan.task_server, weights=np.where(remote, plan.task_len, 0), minlength=W).astype(np.int64),
             unique_kv=unique_kv,
-            expanded_kv=np.array([int(plan.kernel_segments(r)[2].sum()) if copies and
-                                  _needs_position_calls(plan, r, causal_call_segments)
-                                  else unique_kv[r] + 3 * _narrower_segment_keys(plan, r, causal_call_segments)
+            expanded_kv=np.array([_kernel_keys(plan, r, int(unique_kv[r]), copies, causal_call_segments)
                                   for r in range(W)], dtype=np.int64),
         )
+
+
+def _kernel_keys(plan: Plan, server: int, unique: int, copies: bool, max_segments: int) -> int:
+    """AttentionRows.expanded_kv of one server (see its docstring). Without a position kernel (``copies``), a server
+    whose documents could all run as causal calls runs them so only where that avoids enough copies
+    (runtime.dispatch.MIN_AVOIDED_KEYS_PER_CALL, MIN_AVOIDED_FRACTION, which this does not apply): the larger of
+    the two counts. With one, where too few are avoided the runtime copies too, which this leaves uncounted."""
+    without = unique + 3 * _narrower_segment_keys(plan, server, max_segments)
+    if not copies:
+        return without
+    copied = int(plan.kernel_segments(server)[2].sum())
+    return copied if _needs_position_calls(plan, server, max_segments) else max(copied, without)
 
 
 def _needs_position_calls(plan: Plan, server: int, max_segments: int) -> bool:

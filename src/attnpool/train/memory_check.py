@@ -66,14 +66,15 @@ def sample_row_ratios(spec: RunSpec, source, batches: int = MEMORY_SAMPLE_BATCHE
     count over the plans and dp ranks, and each plan's rank rows that no other matches in every count
     (memory.undominated): ``row_candidates``, or for a pooled pipeline, whose rank holds every tick's
     rows at once, ``held_candidates``: each step's rank rows summed over its ticks. Expanded KV rows are
-    counted where the kernel copies prefixes (spec.prefix_copies), and where a layer is sparse (the sparse
-    serving copies)."""
+    counted where the kernel copies prefixes (spec.prefix_copies: where a document would take a position call, or
+    may, plan.metrics.AttentionRows), and every one where a layer is sparse (the sparse serving always copies)."""
     c, dims = spec.config, spec.dims
     if dims.dp == 1 and not spec.pooled:
         return {"rows": RowRatios()}
     stream = DocumentStream(source, dims.dp, c.data.tokens_per_rank, c.data.seed, c.data.max_doc_len)
     prior = spec.new_sparse_prior()
     copies = spec.prefix_copies or spec.sparse is not None
+    causal_calls = 0 if spec.sparse is not None else MAX_CAUSAL_CALL_SEGMENTS  # (the sparse serving makes none)
     worst, candidates = np.zeros(len(ROW_NAMES)), []
 
     def ratios(counts) -> RowRatios:
@@ -83,9 +84,10 @@ def sample_row_ratios(spec: RunSpec, source, batches: int = MEMORY_SAMPLE_BATCHE
         if spec.pooled:  # one unit per tick, each with its own plan's rows
             tables = [plan_batch(stream.next_batch(), spec, prior, strategy="local").plan.pieces
                       for _ in range(c.parallel.microbatches)]
-            units = [[slot_mean_rows(tick, copies)] for tick in plan_pooled_ticks(tables, spec)]
+            units = [[slot_mean_rows(tick, copies, causal_calls)] for tick in plan_pooled_ticks(tables, spec)]
         else:
-            units = [[layer_mean_rows(p, spec, copies) for p in plan_microbatch(stream.next_batch(), spec, prior)]]
+            units = [[layer_mean_rows(p, spec, copies, causal_calls)
+                      for p in plan_microbatch(stream.next_batch(), spec, prior)]]
         # (counts, ranks) of each unit; a pooled rank holds every tick's at once, the others one unit at a time
         per_unit = [np.array([np.sum([getattr(r, name) for r in rows], axis=0) for name in ROW_NAMES])
                     for rows in units]
@@ -95,23 +97,26 @@ def sample_row_ratios(spec: RunSpec, source, batches: int = MEMORY_SAMPLE_BATCHE
     return {"rows": ratios(worst), "held_candidates" if spec.pooled else "row_candidates": undominated(candidates)}
 
 
-def attention_rows(plan, copies: bool) -> AttentionRows:
-    """plan.metrics.AttentionRows as the runtime serves ``plan``: where it copies no prefixes, a server's documents of
-    at most MAX_CAUSAL_CALL_SEGMENTS segments as a causal call per segment (runtime.dispatch.DocumentServing)."""
-    return AttentionRows.of(plan, copies, causal_call_segments=MAX_CAUSAL_CALL_SEGMENTS)
+def attention_rows(plan, copies: bool, causal_calls: int = MAX_CAUSAL_CALL_SEGMENTS) -> AttentionRows:
+    """plan.metrics.AttentionRows as the runtime serves ``plan``: a server's documents of at most ``causal_calls``
+    segments as a causal call per segment (runtime.dispatch.DocumentServing; 0 for the sparse serving, which copies
+    every prefix)."""
+    return AttentionRows.of(plan, copies, causal_call_segments=causal_calls)
 
 
-def slot_mean_rows(tick: list[StepPlan | None], copies: bool) -> AttentionRows:
+def slot_mean_rows(tick: list[StepPlan | None], copies: bool,
+                   causal_calls: int = MAX_CAUSAL_CALL_SEGMENTS) -> AttentionRows:
     """A pooled tick's rows per layer slot: what a rank keeps, averaged over its slots (a rank keeps every slot's,
     its layers' and the queries it serves, until the tick's backward; a slot where no rank has tokens holds none),
     and the keys one kernel call reads, the most of any slot."""
-    rows = [attention_rows(slot.plan, copies) for slot in tick if slot is not None]
+    rows = [attention_rows(slot.plan, copies, causal_calls) for slot in tick if slot is not None]
     per_call = ("expanded_kv",)
     return AttentionRows(**{name: np.max([getattr(r, name) for r in rows], axis=0) if name in per_call
                             else sum(getattr(r, name) for r in rows) / len(tick) for name in ROW_NAMES})
 
 
-def layer_mean_rows(step: StepPlan, spec: RunSpec, copies: bool) -> AttentionRows:
+def layer_mean_rows(step: StepPlan, spec: RunSpec, copies: bool,
+                    causal_calls: int = MAX_CAUSAL_CALL_SEGMENTS) -> AttentionRows:
     """Core attention's rows of a micro-batch's plans, one per layer kind (attnpool.kinds), as one layer's: the
     rows a layer saves for backward (its tokens, outputs returned, unique KV) averaged over the layers, each kind's
     weighted by its share of them; the rows one kernel call holds at once (queries served, the keys it reads,
@@ -119,8 +124,9 @@ def layer_mean_rows(step: StepPlan, spec: RunSpec, copies: bool) -> AttentionRow
     model's transients are a call's peak."""
     kinds = Counter(spec.layer_kinds)
     if not step.plans or not kinds:
-        return attention_rows(step.plan, copies)
-    rows = {kind: attention_rows(step.plans[kind.window], copies or spec.prefix_copies_of(kind)) for kind in kinds}
+        return attention_rows(step.plan, copies, causal_calls)
+    rows = {kind: attention_rows(step.plans[kind.window], copies or spec.prefix_copies_of(kind), causal_calls)
+            for kind in kinds}
     total = sum(kinds.values())
 
     def mean(name):

@@ -184,29 +184,30 @@ def _kernel_keys(plan: Plan, server: int, unique: int, copies: bool, max_segment
     whose documents could all run as causal calls runs them so only where that avoids enough copies
     (runtime.dispatch.MIN_AVOIDED_KEYS_PER_CALL, MIN_AVOIDED_FRACTION, which this does not apply): the larger of
     the two counts. With one, where too few are avoided the runtime copies too, which this leaves uncounted."""
-    without = unique + 3 * _narrower_segment_keys(plan, server, max_segments)
+    doc, _, k_len = plan.kernel_segments(server)
+    without = unique + 3 * _narrower_segment_keys(doc, k_len, max_segments)
     if not copies:
         return without
-    copied = int(plan.kernel_segments(server)[2].sum())
-    return copied if _needs_position_calls(plan, server, max_segments) else max(copied, without)
+    copied = int(k_len.sum())
+    return copied if _needs_position_calls(doc, max_segments, plan.window is not None) else max(copied, without)
 
 
-def _needs_position_calls(plan: Plan, server: int, max_segments: int) -> bool:
-    """Whether some document of the server's takes one call at its queries' positions rather than a causal call
-    per segment: it has more than ``max_segments`` kernel segments, or, under a sliding window, several (their
-    windows may not share a first key; an upper bound). A backend without a position kernel copies there."""
-    doc = plan.kernel_segments(server)[0]
+def _needs_position_calls(doc: np.ndarray, max_segments: int, windowed: bool) -> bool:
+    """Whether some document of a server's kernel segments (``doc``: each segment's) takes one call at its
+    queries' positions rather than a causal call per segment: it has more than ``max_segments`` segments, or,
+    under a sliding window, several (their windows may not share a first key; an upper bound). A backend without
+    a position kernel copies there."""
     if len(doc) < 2:
         return False
     _, counts = np.unique(doc, return_counts=True)
-    return bool(counts.max() > (1 if plan.window is not None else max_segments))
+    return bool(counts.max() > (1 if windowed else max_segments))
 
 
-def _narrower_segment_keys(plan: Plan, server: int, max_segments: int) -> int:
-    """The most keys of one of the server's kernel segments that is not the widest of its document's, among its
-    documents of at most ``max_segments`` segments (under a sliding window, where a document's segments may not
-    share a first key and then take one position call, an upper bound)."""
-    doc, _, k_len = plan.kernel_segments(server)
+def _narrower_segment_keys(doc: np.ndarray, k_len: np.ndarray, max_segments: int) -> int:
+    """The most keys of one of a server's kernel segments (``doc``, ``k_len``: each one's document and keys) that is
+    not the widest of its document's, among its documents of at most ``max_segments`` segments (under a sliding
+    window, where a document's segments may not share a first key and then take one position call, an upper
+    bound)."""
     if len(doc) < 2 or max_segments < 2:
         return 0
     order = np.lexsort((-k_len, doc))  # by document, widest first

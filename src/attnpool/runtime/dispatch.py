@@ -338,9 +338,9 @@ class DocumentServing:
     """A server's kernel work without prefix copies: each document with several segments in calls of its own
     (``segmented``: a causal call per segment over the slice of the unique keys it reads, where the document has at
     most MAX_CAUSAL_CALL_SEGMENTS and one segment's keys hold every other's, which any dense backend runs; else
-    ``calls``: one call of a PositionKernel, without which the server copies prefixes instead), and the documents with one segment in varlen calls over
-    their unique rows (such a segment's keys are its document's whole prefix as the buffer holds it), one per
-    run of them between the others, so that every call reads slices of the server's buffers, no gathered copy.
+    ``calls``: one call of a PositionKernel, without which the server copies prefixes instead), and the documents
+    with one segment in varlen calls over their unique rows (such a segment's keys are its document's whole prefix
+    as the buffer holds it), one per run of them between the others, so that every call reads slices of the server's buffers, no gathered copy.
     The parts partition the Q rows; the unique KV rows are partitioned by ``calls``, the runs and each
     segmented document's first segment, whose keys hold its others'."""
 

@@ -37,7 +37,12 @@ for run in runs:
     except OSError as exc:
         print(f"{run:22s} no result ({exc.strerror}); see {name}.log")
         continue
-    step = statistics.median(r["step_time_s"] for r in rows[2:])
+    # the median step after the first two, leaving out those that compiled (a new range of token counts recompiles
+    # the compiled parts: attnpool.parallel.compile) where others remain
+    after = rows[2:] or rows
+    steady = [r for r in after if not r.get("compile_s")] or after
+    step = statistics.median(r["step_time_s"] for r in steady)
+    left_out = [r["step"] for r in after if r not in steady]
     base = base or (step, [r["loss"] for r in rows])
     peak = max(r["peak_memory_bytes"] for r in rows) / 2**30
     predicted = (summary["predicted_peak_memory_bytes"] or 0) / 2**30
@@ -47,5 +52,6 @@ for run in runs:
         else summary["activation_checkpointing"]
     print(f"{run:22s} {step:7.2f} {rows[0]['tokens'] / step:8.0f} {summary['mfu'] or 0:6.3f} {base[0] / step:8.3f} "
           f"{peak:8.1f} {predicted:8.1f} {(predicted - peak) / peak:+6.1%} {loss:13.4f}  {chosen}"
-          + (" +offload" if summary.get("activation_offload") else ""))
+          + (" +offload" if summary.get("activation_offload") else "")
+          + (f" (steps {left_out} compiled: left out)" if left_out else ""))
 PY

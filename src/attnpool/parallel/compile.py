@@ -9,9 +9,17 @@ inputs), so a deep model compiles once per shape; a changed token count recompil
 Activation checkpointing (applied after, attnpool.parallel.parallelize), ping-pong, tensor and pipeline
 parallelism and FSDP2 call the same two parts, so they compose unchanged; the parts' recompute in backward runs
 the compiled code again.
+
+A part compiles again where a step's token count leaves the range its graphs were made for: the first change
+makes the token count dynamic, and inductor's lowering then guards on ranges of it (on H200s, 32-bit indexing and
+fusion decisions gave ranges below 1280, 1280-8191 and from 8192 tokens: a ping-pong nano-batch of a few hundred
+tokens compiles once more, seconds to tens of seconds, in whichever step first brings one). Those steps are not
+steady ones: CompileClock times them, and a run's steady throughput leaves them out (attnpool.train.metrics).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from torch import nn
@@ -24,3 +32,42 @@ def compile_linear_parts(model: nn.Module) -> None:
     for block in model.layers.values():
         for name in SPLIT_PARTS:
             setattr(block, name, torch.compile(getattr(block, name)))
+
+
+class CompileClock:
+    """The seconds torch.compile spends compiling in this process while it is entered, from dynamo's compile start
+    and end callbacks: new frames and recompiles (a guard failed: a new token-count range), and backward graphs,
+    which compile lazily in the first backward that needs them. ``take()`` returns the seconds since the last
+    take; nested compiles count once (dynamo calls the callbacks at the outermost start and end only)."""
+
+    def __init__(self):
+        self._seconds = 0.0
+        self._since: float | None = None
+
+    def __enter__(self) -> CompileClock:
+        handler = torch._dynamo.callback_handler
+        handler.register_start_callback(self._started)
+        handler.register_end_callback(self._ended)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        handler = torch._dynamo.callback_handler
+        handler.remove_start_callback(self._started)
+        handler.remove_end_callback(self._ended)
+
+    def _started(self, *args) -> None:
+        self._since = time.perf_counter()
+
+    def _ended(self, *args) -> None:
+        if self._since is not None:
+            self._seconds += time.perf_counter() - self._since
+            self._since = None
+
+    def take(self) -> float:
+        """Seconds compiled since the last take (a compile still running counts up to now)."""
+        now = time.perf_counter()
+        seconds = self._seconds + (now - self._since if self._since is not None else 0.0)
+        self._seconds = 0.0
+        if self._since is not None:
+            self._since = now
+        return seconds

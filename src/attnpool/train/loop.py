@@ -40,6 +40,7 @@ from attnpool.data import DocumentStream
 from attnpool.errors import ConfigError, TrainingError, storage_error
 from attnpool.kernels.base import compile_positions
 from attnpool.parallel import build_rank_mesh
+from attnpool.parallel.compile import CompileClock
 from attnpool.parallel.float8 import refresh_float8_scales
 from attnpool.plan import SHARD_SERVING, head_group_heads
 from attnpool.plan.metrics import imbalance
@@ -180,6 +181,7 @@ class Trainer:
         self.prior = spec.new_sparse_prior()
         self.extra_state = {"sparse_prior": self.prior} if self.prior else {}
         self.step = 0
+        self.compile_clock: CompileClock | None = None  # (fit's, while it runs)
         # (each step draws a batch per micro-batch; a resumed run's stream continues where its checkpoint's stopped)
         for _ in range(skip_steps * config.parallel.microbatches):
             self.stream.next_batch()
@@ -320,9 +322,12 @@ class Trainer:
         config, last_step = self.config, self.config.last_step
         end = None
         comm_stats.timing = True
+        # (compiling steps are timed, so that the steady throughput can leave them out: attnpool.parallel.compile)
+        self.compile_clock = CompileClock() if self.spec.compile else None
         try:
-            with Progress(self.rank == 0 and config.run.progress, last_step, self.step,
-                          config.attention.strategy) as progress:
+            with self.compile_clock or contextlib.nullcontext(), \
+                    Progress(self.rank == 0 and config.run.progress, last_step, self.step,
+                             config.attention.strategy) as progress:
                 while self.step < last_step:
                     self.step += 1
                     end = self.train_step(preemption)
@@ -392,7 +397,7 @@ class Trainer:
         self.scheduler.step()
         per_rank = self._gather_rank_values(outcome, stats, preemption)
         stop = bool(per_rank[:, 7].max() > 0)  # a SIGTERM reached some rank: all stop after this step
-        sparse_sums, served, by_length = SparseStats.parse(per_rank[:, 8:])
+        sparse_sums, served, by_length = SparseStats.parse(per_rank[:, 9:])
         if self.prior is not None:
             self.prior.update(*sparse_sums[:3], by_length=by_length)
         values = {"step_time_s": time.perf_counter() - t0, "plan_time_s": plan_time, "lr": lr,
@@ -403,11 +408,13 @@ class Trainer:
 
     def _gather_rank_values(self, outcome, stats: SparseStats, preemption: Preemption) -> np.ndarray:
         """(world, values): every rank's loss, attention and communication times, bytes, peaks, offloaded bytes,
-        stop request and sparse statistics, in one all-gather."""
+        stop request, seconds torch.compile compiled in the step and sparse statistics, in one all-gather."""
         offload, device = self.runner.offload, self.device
+        compiled = self.compile_clock.take() if self.compile_clock is not None else 0.0
         values = [float(outcome.loss_sum), outcome.attention_seconds(), comm_stats.seconds(),
                   float(comm_stats.bytes_sent), float(peak_memory_bytes(device)), float(peak_reserved_bytes(device)),
-                  float(offload.offloaded_bytes if offload else 0), float(preemption.requested), *stats.values()]
+                  float(offload.offloaded_bytes if offload else 0), float(preemption.requested), compiled,
+                  *stats.values()]
         out = all_gather_flat(torch.tensor(values, dtype=torch.float64, device=device))
         return out.cpu().numpy().reshape(dist.get_world_size(), len(values))
 
@@ -431,6 +438,8 @@ class Trainer:
             "model_flops": flops,
             "mfu": flops / (values["step_time_s"] * self.world * self.peak_flops) if self.peak_flops else None,
             "plan_time_s": values["plan_time_s"],
+            # the slowest rank's seconds compiling (torch.compile's new graphs and recompiles); null without compile
+            "compile_s": float(per_rank[:, 8].max()) if self.spec.compile else None,
             "attention_time_s": float(per_rank[:, 1].max()) if attention_timed else None,
             "comm_time_s": float(per_rank[:, 2].max()),
             "comm_bytes": int(per_rank[:, 3].sum()),

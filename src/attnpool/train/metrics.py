@@ -24,6 +24,9 @@ Times (all in seconds, per step):
 - ``nano_batches``: per micro-batch, how many nano-batches it ran as: 2 where ping-pong split it, 1 without
   ping-pong or where it could not split (a single document, or a cut that would leave a nano-batch of fewer than
   ranks squared tokens: attnpool.plan.layout.nano_batch_bounds).
+- ``compile_s`` (with ``compile``): the slowest rank's seconds in torch.compile's compiling during the step, the
+  first step's graphs and any recompile (a new range of token counts: attnpool.parallel.compile); null without
+  compile. The summary's steady throughput leaves such steps out.
 - ``model_flops``: the step's model FLOPs, linear layers and causal attention,
   forward and backward (attnpool.train.flops); ``mfu`` those over the step's time
   and every GPU's bf16 peak (null on the CPU, in float32, or on a GPU without a
@@ -370,7 +373,12 @@ def summarize(rows: list[dict], last_loads: dict | None, info: dict) -> dict:
     loss = [r["loss"] for r in rows]
     tail = max(1, min(10, len(rows) // 10))
     times = [r["step_time_s"] for r in rows]
-    steady = WARM_UP_STEPS if len(rows) > WARM_UP_STEPS else 0
+    after_warm_up = rows[WARM_UP_STEPS if len(rows) > WARM_UP_STEPS else 0:]
+    # Steps that compiled (a new token-count range under compile: attnpool.parallel.compile) are not steady either;
+    # left out where some others remain
+    compiled = [r["step"] for r in after_warm_up if r.get("compile_s")]
+    steady = [r for r in after_warm_up if not r.get("compile_s")] or after_warm_up
+    compile_times = [r["compile_s"] for r in rows if r.get("compile_s") is not None]
 
     def mean(key):
         values = [r[key] for r in rows if r[key] is not None]
@@ -384,12 +392,18 @@ def summarize(rows: list[dict], last_loads: dict | None, info: dict) -> dict:
         "last_loss_mean": float(np.mean(loss[-tail:])),
         "last_loss_steps": tail,
         "tokens_per_s": float(np.sum([r["tokens"] for r in rows]) / np.sum(times)),
-        # the median step's rate after the first WARM_UP_STEPS (where the run has more), what a longer run keeps
-        "steady_tokens_per_s": float(np.median([r["tokens"] / r["step_time_s"] for r in rows[steady:]])),
-        "steady_from_step": rows[steady]["step"],
+        # the median step's rate after the first WARM_UP_STEPS (where the run has more), those that compiled left
+        # out (where others remain): what a longer run keeps
+        "steady_tokens_per_s": float(np.median([r["tokens"] / r["step_time_s"] for r in steady])),
+        "steady_from_step": after_warm_up[0]["step"],
+        "steady_steps_left_out": compiled if len(steady) < len(after_warm_up) else [],
+        # seconds torch.compile compiled over the run's steps (the slowest rank's each step), and in which steps;
+        # None without compile
+        "compile_s_total": float(np.sum(compile_times)) if compile_times else None,
+        "compiled_steps": [r["step"] for r in rows if r.get("compile_s")],
         # the model's FLOPs over the GPUs' bf16 peak (attnpool.train.flops), median of the same steps; None on the
         # CPU, in float32, or on a GPU without a known peak
-        "mfu": float(np.median([r["mfu"] for r in rows[steady:]])) if rows[-1].get("mfu") is not None else None,
+        "mfu": float(np.median([r["mfu"] for r in steady])) if rows[-1].get("mfu") is not None else None,
         "steps_time_s": float(np.sum(times)),
         "imbalance_local_mean": mean("imbalance_before"),
         "imbalance_planned_mean": mean("imbalance_after"),
@@ -408,6 +422,10 @@ def summarize(rows: list[dict], last_loads: dict | None, info: dict) -> dict:
     if last_loads is not None:
         summary["last_step_loads"] = last_loads
     return summary
+
+
+def _steps(steps: list[int]) -> str:
+    return ("step " if len(steps) == 1 else "steps ") + ", ".join(map(str, steps))
 
 
 def print_summary(summary: dict, files: list[str]) -> None:
@@ -434,9 +452,15 @@ def print_summary(summary: dict, files: list[str]) -> None:
     table.add_row("loss", f"{s['first_loss']:.3f} at step 1 -> {s['last_loss_mean']:.3f} mean of steps "
                           f"{last - s['last_loss_steps'] + 1}..{last} (step {last}: {s['last_loss']:.3f})")
     mfu = "" if s.get("mfu") is None else f", MFU {s['mfu']:.3f}"
+    left_out = s.get("steady_steps_left_out")
+    without = f" but {_steps(left_out)}, which compiled" if left_out else ""
     table.add_row("throughput", f"{_fmt_rate(s['steady_tokens_per_s'])} tokens/s steady (median of steps "
-                                f"{s['steady_from_step']}..{last}{mfu}); {_fmt_rate(s['tokens_per_s'])} tokens/s over "
-                                f"all, {s['step_time_s_mean']:.3f} s/step")
+                                f"{s['steady_from_step']}..{last}{without}{mfu}); {_fmt_rate(s['tokens_per_s'])} "
+                                f"tokens/s over all, {s['step_time_s_mean']:.3f} s/step")
+    if s.get("compile_s_total") is not None:
+        table.add_row("compile", f"{s['compile_s_total']:.1f} s compiling, in "
+                                 + (_steps(s["compiled_steps"]) if s["compiled_steps"] else "no step")
+                                 + " (a part compiles again for each new range of token counts)")
     measured = s.get("exchange_gibps_measured")
     table.add_row("attention max/mean", f"local would have had {s['imbalance_local_mean']:.3f} (last step "
                                         f"{s['imbalance_local_last']:.3f}); {s['strategy']} reached "

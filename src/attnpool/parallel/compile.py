@@ -45,13 +45,15 @@ class CompileClock:
         self._since: float | None = None
 
     def __enter__(self) -> CompileClock:
-        handler = torch._dynamo.callback_handler
+        from torch._dynamo import callback_handler as handler  # (imported where compile is on, not at start-up)
+
         handler.register_start_callback(self._started)
         handler.register_end_callback(self._ended)
         return self
 
     def __exit__(self, *exc) -> None:
-        handler = torch._dynamo.callback_handler
+        from torch._dynamo import callback_handler as handler
+
         handler.remove_start_callback(self._started)
         handler.remove_end_callback(self._ended)
 

@@ -26,23 +26,32 @@ done
 python3 - "$OUT" "$TOKENS" "$@" <<'PY'
 import json, statistics, sys
 out, tokens, runs = sys.argv[1], sys.argv[2], sys.argv[3:]
-base = None
+loaded = {}
+for run in runs:
+    name = f"{tokens}-{run.replace('+', '-').replace('@', 'h')}"
+    try:
+        loaded[run] = ([json.loads(line) for line in open(f"{out}/{name}/metrics.jsonl")],
+                       json.load(open(f"{out}/{name}/summary.json")))
+    except OSError as exc:
+        loaded[run] = f"no result ({exc.strerror}); see {name}.log"
+# The steps after the first two; a step that compiled in any run (a new range of token counts recompiles the
+# compiled parts: attnpool.parallel.compile) is left out of every run, so that all compare the same batches
+after = sorted({r["step"] for rows, _ in (v for v in loaded.values() if not isinstance(v, str)) for r in rows[2:]})
+compiled = {r["step"] for rows, _ in (v for v in loaded.values() if not isinstance(v, str)) for r in rows[2:]
+            if r.get("compile_s")}
+steps = [s for s in after if s not in compiled] or after
+print(f"steps {steps}" + (f" (steps {sorted(compiled)} compiled in some run: left out)" if steps != after else ""))
 print(f"{'run':22s} {'step s':>7s} {'tok/s':>8s} {'MFU':>6s} {'vs first':>8s} {'peak GiB':>8s} {'pred GiB':>8s} "
       f"{'error':>6s} {'max loss diff':>13s}  layers")
+base = None
 for run in runs:
-    try:
-        name = f"{tokens}-{run.replace('+', '-').replace('@', 'h')}"
-        rows = [json.loads(line) for line in open(f"{out}/{name}/metrics.jsonl")]
-        summary = json.load(open(f"{out}/{name}/summary.json"))
-    except OSError as exc:
-        print(f"{run:22s} no result ({exc.strerror}); see {name}.log")
+    if isinstance(loaded[run], str):
+        print(f"{run:22s} {loaded[run]}")
         continue
-    # the median step after the first two, leaving out those that compiled (a new range of token counts recompiles
-    # the compiled parts: attnpool.parallel.compile) where others remain
-    after = rows[2:] or rows
-    steady = [r for r in after if not r.get("compile_s")] or after
-    step = statistics.median(r["step_time_s"] for r in steady)
-    left_out = [r["step"] for r in after if r not in steady]
+    rows, summary = loaded[run]
+    chosen_rows = [r for r in rows if r["step"] in steps] or rows[2:] or rows
+    step = statistics.median(r["step_time_s"] for r in chosen_rows)
+    mfu = statistics.median(r["mfu"] for r in chosen_rows) if chosen_rows[0].get("mfu") is not None else 0.0
     base = base or (step, [r["loss"] for r in rows])
     peak = max(r["peak_memory_bytes"] for r in rows) / 2**30
     predicted = (summary["predicted_peak_memory_bytes"] or 0) / 2**30
@@ -50,8 +59,7 @@ for run in runs:
     modes = summary.get("layer_checkpointing")
     chosen = ",".join(f"{modes.count(m)} {m}" for m in ("full", "keep_attention", "none") if m in modes) if modes \
         else summary["activation_checkpointing"]
-    print(f"{run:22s} {step:7.2f} {rows[0]['tokens'] / step:8.0f} {summary['mfu'] or 0:6.3f} {base[0] / step:8.3f} "
+    print(f"{run:22s} {step:7.2f} {rows[0]['tokens'] / step:8.0f} {mfu:6.3f} {base[0] / step:8.3f} "
           f"{peak:8.1f} {predicted:8.1f} {(predicted - peak) / peak:+6.1%} {loss:13.4f}  {chosen}"
-          + (" +offload" if summary.get("activation_offload") else "")
-          + (f" (steps {left_out} compiled: left out)" if left_out else ""))
+          + (" +offload" if summary.get("activation_offload") else ""))
 PY

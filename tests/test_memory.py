@@ -478,6 +478,19 @@ def test_chunked_recompute_matches_plain_backward(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
+def test_linear_chunks_are_the_fewest_of_equal_size():
+    """keep_attention's recompute chunks: the fewest of at most the chunk size, equal within a token, so that no
+    remainder of a few tokens comes out (under compile such a remainder recompiled the parts on GPUs: the 66,118-token
+    nano-batch's 582)."""
+    for tokens in (1, 97, 8191, 8192, 8193, 66_118, 70_052, 131_072, 262_143):
+        sizes = checkpointing.linear_chunks(tokens, 8192)
+        assert sum(sizes) == tokens and max(sizes) <= 8192 and max(sizes) - min(sizes) <= 1, tokens
+        assert len(sizes) == -(-tokens // 8192)
+        if tokens > 8192:
+            assert min(sizes) >= 4096, (tokens, sizes)  # (at least half a chunk)
+    assert checkpointing.linear_chunks(66_118, 8192) == [7347] * 4 + [7346] * 5
+
+
 def test_offload_leaves_parameters_and_small_tensors_alone():
     weight = torch.nn.Parameter(torch.randn(512, 512))
     small = torch.randn(16, requires_grad=True)

@@ -7,7 +7,7 @@ what it computes again instead.
 - ``keep_attention``: the block is split at core attention. Core attention runs once and keeps what its
   backward needs (its output, its inputs); the linear parts before and after it (the block's
   ``before_attention`` and ``after_attention``) keep only their inputs and are recomputed in backward, a chunk
-  of :data:`LINEAR_CHUNK_TOKENS` tokens at a time: more memory kept than ``full``, but the expensive and
+  of at most :data:`LINEAR_CHUNK_TOKENS` tokens at a time: more memory kept than ``full``, but the expensive and
   possibly remote part runs once, and the recompute never holds a whole sequence's MLP intermediates.
 - ``none``: every block as it is.
 
@@ -34,13 +34,24 @@ SPLIT_PARTS = ("before_attention", "after_attention")
 # The linear parts act on each token alone, so their recompute can run a chunk of tokens at a time: what the
 # recompute and its backward hold at once (the MLP's four ffn_dim-wide intermediates and their gradients, RoPE's
 # float32 copies) is then one chunk's, not the whole sequence's: at 256K tokens of Llama-3-8B about 1.5 GiB
-# instead of 45. The chunk's matrix products stay large enough to run at full speed.
+# instead of 45. The chunk's matrix products stay large enough to run at full speed. At most this many tokens a
+# chunk, in chunks of equal size (linear_chunks).
 LINEAR_CHUNK_TOKENS = 8192
 
 
+def linear_chunks(tokens: int, chunk_tokens: int) -> list[int]:
+    """The sizes of the fewest chunks of at most ``chunk_tokens`` that ``tokens`` splits into, equal within one
+    token. Equal, not ``chunk_tokens`` and a remainder: under compile a remainder of a few hundred tokens fell in a
+    range of token counts the compiled parts had not met, and recompiled them mid-run (9.7 s of a float8 step on
+    the full 8B, 2 x H200: bench/results/2026-11-30-h200x2-auto-checkpointing-float8.md); equal chunks of a
+    sequence longer than one chunk hold between half a chunk and a chunk."""
+    count = max(1, -(-tokens // chunk_tokens))
+    return [tokens // count + (1 if i < tokens % count else 0) for i in range(count)]
+
+
 def recompute_in_chunks(fn, chunk_tokens: int, *rows: torch.Tensor):
-    """``fn(*rows)`` for a function that treats each token (row) alone, run ``chunk_tokens`` rows at a
-    time under activation checkpointing: forward keeps only the inputs, backward recomputes and
+    """``fn(*rows)`` for a function that treats each token (row) alone, run at most ``chunk_tokens`` rows at a
+    time (linear_chunks) under activation checkpointing: forward keeps only the inputs, backward recomputes and
     differentiates one chunk at a time. ``fn`` returns a tensor or a tuple of tensors, concatenated
     over the chunks. (``split``, not slicing: its backward assembles the input's gradient in one
     copy, where each slice's would fill a zero tensor of the whole input.) Inputs of different lengths
@@ -48,7 +59,8 @@ def recompute_in_chunks(fn, chunk_tokens: int, *rows: torch.Tensor):
     chunked alike: they run whole."""
     if rows[0].shape[0] <= chunk_tokens or any(r.shape[0] != rows[0].shape[0] for r in rows):
         return checkpoint(fn, *rows, use_reentrant=False)
-    parts = [checkpoint(fn, *chunk, use_reentrant=False) for chunk in zip(*(r.split(chunk_tokens) for r in rows))]
+    sizes = linear_chunks(rows[0].shape[0], chunk_tokens)
+    parts = [checkpoint(fn, *chunk, use_reentrant=False) for chunk in zip(*(r.split(sizes) for r in rows))]
     if isinstance(parts[0], tuple):
         return tuple(torch.cat(outputs) for outputs in zip(*parts))
     return torch.cat(parts)

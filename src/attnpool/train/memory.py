@@ -362,8 +362,8 @@ def attention_backward_transient(x: MemoryInputs, tokens: int) -> float:
 def layer_backward_transient(x: MemoryInputs, tokens: int, mode: str | None = None) -> float:
     """What the backward of one layer adds at its peak, besides the activations kept for it: the gradient
     arriving at the layer, the MLP's weight gradients (computed before core attention's backward), and
-    the larger of core attention's backward and the MLP's: under keep_attention a chunk of
-    LINEAR_CHUNK_TOKENS tokens recomputed and differentiated (four ffn_dim-wide intermediates, three
+    the larger of core attention's backward and the MLP's: under keep_attention a chunk of at
+    most LINEAR_CHUNK_TOKENS tokens recomputed and differentiated (four ffn_dim-wide intermediates, three
     gradients) plus the attention output's gradient; under none three ffn_dim-wide gradients of the kept
     intermediates; under full the same, on top of the whole layer recomputed (what none keeps, but its
     input). Under tensor parallelism keep_attention's linear parts are recomputed whole, not in chunks

@@ -22,7 +22,9 @@ def _losses_and_graphs(rank, world, out, runs):
         graphs = []
         result = train(tiny_config(f"{out}/{name}", **kw),
                        on_step=lambda: graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"]))
-        results[name] = [r["loss"] for r in result.rows], graphs, [r["compile_s"] for r in result.rows]
+        s = result.summary
+        results[name] = ([r["loss"] for r in result.rows], graphs, [r["compile_s"] for r in result.rows],
+                         (s["compile_s_total"], s["compiled_steps"]))
     return results
 
 
@@ -37,13 +39,14 @@ def test_compiled_linear_parts_train_as_eager(tmp_path):
     compiled = run_distributed(_losses_and_graphs, 1, str(tmp_path / "compiled"),
                                [(n, {**kw, "compile": True}) for n, kw in runs])[0]
     for name, kw in runs:
-        losses, graphs, compile_s = compiled[name]
+        losses, graphs, compile_s, (total, compiled_steps) = compiled[name]
         assert len(losses) == kw["steps"]
         assert rel_diff(losses, eager[name]) <= 1e-5, name
         assert graphs[-1] == graphs[1], (name, graphs)  # nothing compiled after the second step
         # the steps that made graphs are those whose compile time the run records
         made = [after > before for before, after in zip(graphs, graphs[1:])]
         assert [seconds > 0 for seconds in compile_s[1:]] == made, (name, graphs, compile_s)
+        assert total == pytest.approx(sum(compile_s)) and compiled_steps == [i + 1 for i, c in enumerate(compile_s) if c > 0]
     assert compiled[runs[0][0]][2][0] > 0  # (the process's first step compiles every graph)
     dp_runs = [("keep", dict(attention="cad", activation_checkpointing="keep_attention", steps=3))]
     dp_eager = run_distributed(_losses, 2, str(tmp_path / "dp-eager"), 1, dp_runs)[0]

@@ -458,9 +458,11 @@ def print_summary(summary: dict, files: list[str]) -> None:
                                 f"{s['steady_from_step']}..{last}{without}{mfu}); {_fmt_rate(s['tokens_per_s'])} "
                                 f"tokens/s over all, {s['step_time_s_mean']:.3f} s/step")
     if s.get("compile_s_total") is not None:
+        later = [step for step in s["compiled_steps"] if step > s["start_step"] + 1]
         table.add_row("compile", f"{s['compile_s_total']:.1f} s compiling, in "
                                  + (_steps(s["compiled_steps"]) if s["compiled_steps"] else "no step")
-                                 + " (a part compiles again for each new range of token counts)")
+                                 + (" (later steps compile where their token counts leave the ranges compiled "
+                                    "before)" if later else ""))
     measured = s.get("exchange_gibps_measured")
     table.add_row("attention max/mean", f"local would have had {s['imbalance_local_mean']:.3f} (last step "
                                         f"{s['imbalance_local_last']:.3f}); {s['strategy']} reached "

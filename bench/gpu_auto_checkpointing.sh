@@ -36,9 +36,9 @@ for run in runs:
         loaded[run] = f"no result ({exc.strerror}); see {name}.log"
 # The steps after the first two; a step that compiled in any run (a new range of token counts recompiles the
 # compiled parts: attnpool.parallel.compile) is left out of every run, so that all compare the same batches
-after = sorted({r["step"] for rows, _ in (v for v in loaded.values() if not isinstance(v, str)) for r in rows[2:]})
-compiled = {r["step"] for rows, _ in (v for v in loaded.values() if not isinstance(v, str)) for r in rows[2:]
-            if r.get("compile_s")}
+measured = [r for v in loaded.values() if not isinstance(v, str) for r in v[0][2:]]
+after = sorted({r["step"] for r in measured})
+compiled = {r["step"] for r in measured if r.get("compile_s")}
 steps = [s for s in after if s not in compiled] or after
 print(f"steps {steps}" + (f" (steps {sorted(compiled)} compiled in some run: left out)" if steps != after else ""))
 print(f"{'run':22s} {'step s':>7s} {'tok/s':>8s} {'MFU':>6s} {'vs first':>8s} {'peak GiB':>8s} {'pred GiB':>8s} "

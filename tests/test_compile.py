@@ -46,7 +46,8 @@ def test_compiled_linear_parts_train_as_eager(tmp_path):
         # the steps that made graphs are those whose compile time the run records
         made = [after > before for before, after in zip(graphs, graphs[1:])]
         assert [seconds > 0 for seconds in compile_s[1:]] == made, (name, graphs, compile_s)
-        assert total == pytest.approx(sum(compile_s)) and compiled_steps == [i + 1 for i, c in enumerate(compile_s) if c > 0]
+        assert total == pytest.approx(sum(compile_s))
+        assert compiled_steps == [step for step, seconds in enumerate(compile_s, 1) if seconds > 0]
     assert compiled[runs[0][0]][2][0] > 0  # (the process's first step compiles every graph)
     dp_runs = [("keep", dict(attention="cad", activation_checkpointing="keep_attention", steps=3))]
     dp_eager = run_distributed(_losses, 2, str(tmp_path / "dp-eager"), 1, dp_runs)[0]

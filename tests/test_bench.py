@@ -82,6 +82,9 @@ def test_bench_runs_every_strategy_and_writes_results(capsys):
         assert rec["ideal_step_with_recompute_s"] > rec["ideal_step_s"] > 0
     assert records[0]["attention_density"] is None and 0 < records[6]["attention_density"] <= 1
     assert records[0]["sparse_imbalance_measured"] is None and records[6]["sparse_imbalance_measured"] >= 1
+    for kind in ("pairs", "kernel"):
+        key = f"sparse_imbalance_measured_{kind}"
+        assert records[0][key] is None and records[6][key] >= 1
     for traced in ("ulysses", "cad"):  # each profiled extra step
         assert (tmp_path / f"trace-prolong-1K-{traced}.txt").read_text().strip()
         assert (tmp_path / f"trace-prolong-1K-{traced}.json.gz").stat().st_size > 0

@@ -9,6 +9,7 @@ whichever server estimated.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -17,11 +18,13 @@ import torch
 
 from attnpool import DocPiece, plan_attention
 from attnpool.comm import comm_stats
-from attnpool.plan import linear_layout
+from attnpool.kernels.base import Backend
+from attnpool.plan import linear_layout, load_cost_model
 from attnpool.runtime import CoreAttention
-from attnpool.runtime.sparse import PatternRoutes, SparseStats
+from attnpool.runtime.sparse import KernelClock, PatternRoutes, SparseStats
 from attnpool.runtime.sparse_kv import withheld_segments
-from attnpool.sparse import SparseConfig, estimate_vertical_slash
+from attnpool.sparse import SparseCoefficients, SparseConfig, estimate_vertical_slash
+from attnpool.sparse.cost import ServedPrice
 from dist_harness import run_distributed
 from test_runtime import local_rows, rel_err
 from test_sparse import rope_like
@@ -30,6 +33,8 @@ STRATEGIES = ("local", "percp", "cad")
 N_Q, N_KV, HEAD_DIM = 4, 2, 16
 CONFIG = SparseConfig(coverage=0.7, vertical_cap=24, slash_cap=20, min_doc_len=200, last_queries=16, sink_tokens=4,
                       local_window=16, block=16, vertical_chunk=16)
+# What SparseStats prices served work at: distinct per-tile prices (forward + backward) and dense spans by their pairs
+PRICE = ServedPrice(load_cost_model("pairs"), SparseCoefficients(2.0, 3.0, 0.0, 5.0, 11.0, 0.0))
 
 
 def make_cases(world):
@@ -79,7 +84,7 @@ def run_case(rank, pieces):
             q, k, v, dout = (local_rows(data, pieces[rank], i) for i in range(4))
             for t in (q, k, v):
                 t.requires_grad_(True)
-            stats = SparseStats()
+            stats = SparseStats(PRICE)
             comm_stats.reset()
             attention = CoreAttention(plan, sparse=replace(CONFIG, kv_transfer=transfer), sparse_stats=stats)
             out = attention(q, k, v, layer=0)
@@ -209,23 +214,34 @@ def check_routes(world, pieces, results):
         assert causal == pytest.approx(N_Q * float((L * (L + 1) / 2).sum()))
         density = sum(results[r][strategy]["stats"][3] for r in range(world)) / causal
         assert 0.2 < density < 1.0, (strategy, density)  # the long documents really are sparse
-        # Each rank's served work, measured from the patterns its kernel ran, is what its segments' tiles are.
+        # Each rank's served work, measured from the patterns its kernel ran, is what its segments' tiles are: in
+        # pairs, and priced per tile and dense span.
+        reference = [served_reference(plan, r, pieces) for r in range(world)]
         served = [results[r][strategy]["stats"][5] for r in range(world)]
-        assert served == pytest.approx([served_pairs_reference(plan, r, pieces) for r in range(world)]), strategy
+        assert served == pytest.approx([pairs for pairs, _ in reference]), strategy
+        work = [results[r][strategy]["stats"][6] for r in range(world)]
+        assert work == pytest.approx([work for _, work in reference]), strategy
+        # and the kernel calls that served it were timed, on every rank that served some
+        kernel_s = [results[r][strategy]["stats"][7] for r in range(world)]
+        assert all((s > 0) == (p > 0) for s, p in zip(kernel_s, served)), (strategy, kernel_s, served)
 
 
-def served_pairs_reference(plan, rank, pieces):
-    """(query, key) pairs x heads of the tiles rank's kernel call computes, counted one query block at a time from
-    each document's pattern estimated alone: per head, the kept diagonals Delta <= I (B x B pairs each) and the
-    vertical columns before key block I - run + 1 in bars of vertical_chunk (B x chunk each), where run counts the
-    consecutive diagonals from 0 (those key blocks are slash tiles); dense documents their exact causal pairs."""
+def served_reference(plan, rank, pieces):
+    """(pairs, work) of rank's kernel call: the (query, key) pairs x heads of the tiles it computes, counted one query
+    block at a time from each document's pattern estimated alone: per head, the kept diagonals Delta <= I (B x B
+    pairs each) and the vertical columns before key block I - run + 1 in bars of vertical_chunk (B x chunk each),
+    where run counts the consecutive diagonals from 0 (those key blocks are slash tiles); dense documents their
+    exact causal pairs. The work: those tiles at PRICE's per-tile prices, and each dense span at its pairs of one
+    head."""
     B, chunk = CONFIG.block, CONFIG.vertical_chunk
+    slash_price, bar_price = 2.0 + 5.0, 3.0 + 11.0
     data = global_inputs(pieces)
-    total = 0.0
+    total = work = 0.0
     for doc, a, e in zip(*plan.kernel_spans(rank)):
         L = int(plan.pieces.doc_len[doc])
         if L < CONFIG.min_doc_len:
             total += N_Q * (e * (e + 1) - a * (a + 1)) / 2
+            work += (e * (e + 1) - a * (a + 1)) / 2
             continue
         q, k = data[int(plan.pieces.doc_ids[doc])][:2]
         m = min(L, CONFIG.last_queries)
@@ -237,9 +253,11 @@ def served_pairs_reference(plan, rank, pieces):
             run = next((i for i, kept in enumerate(diagonals) if not kept), nb)
             columns = pattern.vert[h, :int(pattern.n_vert[0, h])].tolist()
             for i in range(a // B, -(-e // B)):
-                total += sum(diagonals[:i + 1]) * B * B
-                total += -(-sum(c // B <= i - run for c in columns) // chunk) * B * chunk
-    return total
+                slash_tiles = sum(diagonals[:i + 1])
+                bars = -(-sum(c // B <= i - run for c in columns) // chunk)
+                total += slash_tiles * B * B + bars * B * chunk
+                work += slash_tiles * slash_price + bars * bar_price
+    return total, work
 
 
 def recompute_worker(rank, world, strategy, transfer):
@@ -320,3 +338,23 @@ def coefficients_path_worker(rank, world):
 def test_same_coefficients_at_other_paths_agree():
     shapes = run_distributed(coefficients_path_worker, 2)
     assert all(len(shape) == 3 for shape in shapes)
+
+
+def test_kernel_clock_times_each_call_of_a_timed_backend():
+    """The clock counts the calls of the backends it timed, forward and backward, and nothing else."""
+    def slow(seconds):
+        def fn(q, *args, **kwargs):
+            time.sleep(seconds)
+            return q
+        return fn
+
+    clock = KernelClock()
+    plain = Backend("slow", slow(0.02), slow(0.03))
+    timed = clock.timed(plain)
+    q = torch.zeros(1)
+    plain.forward(q)  # untimed
+    assert clock.seconds() == 0.0
+    timed.forward(q, into=None)
+    timed.backward(q)
+    assert 0.05 <= clock.seconds() < 0.5
+    assert timed.name == plain.name and timed.positions is None

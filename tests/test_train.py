@@ -220,11 +220,17 @@ def test_sparse_training_is_the_same_under_every_strategy(tmp_path):
     densities = [r["attention_density"] for r in ref_rows]
     assert all(0.0 < d < 1.0 for d in densities), densities  # the documents over 128 tokens really are sparse
     assert all(d is not None for d in (r["attention_density"] for r in dense_first))
-    # Every rank's served sparse work is recorded, and its spread is the measured max/mean.
+    # Every rank's served sparse work is recorded, in pairs and priced as planned, and their spreads are the
+    # measured max/means.
     for r in results["cad"][0]:
-        served = np.array(r["sparse_served_pairs"])
-        assert len(served) == 2 and (served > 0).all()
-        assert r["sparse_imbalance_measured"] == pytest.approx(served.max() / served.mean())
+        pairs, work, kernel_s = (np.array(r[f"sparse_served_{kind}"]) for kind in ("pairs", "work", "kernel_s"))
+        assert len(pairs) == len(work) == len(kernel_s) == 2
+        assert (pairs > 0).all() and (work > 0).all() and (kernel_s > 0).all()
+        # these runs plan in pairs (cost_model "pairs"), one head's: so is the work they were priced in
+        np.testing.assert_allclose(work, pairs / TINY["n_heads"], rtol=1e-9)
+        assert r["sparse_imbalance_measured"] == pytest.approx(work.max() / work.mean())
+        assert r["sparse_imbalance_measured_pairs"] == pytest.approx(pairs.max() / pairs.mean())
+        assert r["sparse_imbalance_measured_kernel"] == pytest.approx(kernel_s.max() / kernel_s.mean())
     # Resuming restores the planning prior too: the steps after the cut are planned as without it.
     cad = results["cad"][0]
     assert [r["attention_work_total"] for r in resumed[2:]] == [r["attention_work_total"] for r in cad[2:]]

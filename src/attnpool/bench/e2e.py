@@ -274,10 +274,15 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg, as_run: dict):
         "attention_time_s": attention_time(measured, statistics.median),
         "attention_density": None if measured[0].get("attention_density") is None
         else statistics.mean(r["attention_density"] for r in measured),
-        # the sparse layers' served work, max/mean over the ranks, measured from the patterns the kernels ran
-        # (imbalance_after is the planner's prediction)
+        # the sparse layers' served work, max/mean over the ranks, measured from the patterns the kernels ran and
+        # priced as planned, the same in (query, key) pairs, and their kernels' seconds (imbalance_after is the
+        # planner's prediction)
         "sparse_imbalance_measured": None if measured[0].get("sparse_imbalance_measured") is None
         else statistics.mean(r["sparse_imbalance_measured"] for r in measured),
+        "sparse_imbalance_measured_pairs": None if measured[0].get("sparse_imbalance_measured_pairs") is None
+        else statistics.mean(r["sparse_imbalance_measured_pairs"] for r in measured),
+        "sparse_imbalance_measured_kernel": None if measured[0].get("sparse_imbalance_measured_kernel") is None
+        else statistics.mean(r["sparse_imbalance_measured_kernel"] for r in measured),
         "longest_doc": max(r["longest_doc"] for r in rows),
         # per measured step, per micro-batch: the nano-batches it ran as (ping-pong hides nothing in a step of 1)
         "nano_batches": [r.get("nano_batches") for r in measured],
@@ -554,8 +559,8 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
              "", f"Command: `{meta['command']}`", "",
              "| dist | tokens/GPU | strategy | step (s) | tokens/s | vs local | vs local (total) | MFU | efficiency | "
              "efficiency with recompute | attn max/mean | MiB sent/GPU | peak GiB | predicted GiB | loss vs local | "
-             "attn density | sparse max/mean (measured) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "attn density | sparse max/mean (measured) | sparse max/mean in pairs | sparse kernel s max/mean |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         lv, density = r.get("loss_vs_local_max_rel"), r["attention_density"]
         vs, vs_total = (("-" if x is None else f"{x:.3f}") for x in (r["speedup_vs_local"], r["speedup_vs_local_total"]))
@@ -567,7 +572,9 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
                      f"{FIRST_STEP_MARK if r['peak_memory_first_step_only'] else ''} | "
                      f"{_gib(r['predicted_peak_memory_bytes'])} | "
                      f"{'-' if lv is None else f'{lv:.4f}'} | "
-                     f"{'-' if density is None else f'{density:.3f}'} | {_fixed(r.get('sparse_imbalance_measured'))} |")
+                     f"{'-' if density is None else f'{density:.3f}'} | {_fixed(r.get('sparse_imbalance_measured'))} | "
+                     f"{_fixed(r.get('sparse_imbalance_measured_pairs'))} | "
+                     f"{_fixed(r.get('sparse_imbalance_measured_kernel'))} |")
     if args.activation_checkpointing == "auto":
         lines += ["", "auto's choice: " + "; ".join(f"{r['dist']} {r['tokens_per_gpu'] // 1024}K {r['strategy']}: "
                                                     f"{r['layer_checkpointing']}" for r in records) + "."]

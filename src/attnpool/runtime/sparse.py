@@ -23,7 +23,9 @@ for its backward, so backward reuses the forward's patterns.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,6 +78,8 @@ class PatternRoutes:
     seg_first_block: torch.Tensor
     seg_end_block: torch.Tensor
     dense_served_pairs: float
+    dense_served_start: np.ndarray  # the dense segments' query spans [start, end) (document coordinates), to price
+    dense_served_end: np.ndarray
     exchange: bool  # some document has tasks on two servers (a plan property: equal on every rank)
     extra_exchange: bool  # some estimating server needs queries from another rank (also a plan property)
 
@@ -150,7 +154,8 @@ class PatternRoutes:
             dense_pairs=float(num_heads * (L * (L + 1) / 2).sum()),
             seg_first_block=dev(seg_start[is_sparse] // config.block),
             seg_end_block=dev(-(-seg_end[is_sparse] // config.block)),
-            dense_served_pairs=float(num_heads * (e * (e + 1) - a * (a + 1)).sum() / 2), exchange=bool(np.any(remote)),
+            dense_served_pairs=float(num_heads * (e * (e + 1) - a * (a + 1)).sum() / 2),
+            dense_served_start=seg_start[~is_sparse], dense_served_end=seg_end[~is_sparse], exchange=bool(np.any(remote)),
             extra_exchange=queries["extra_exchange"],
         )
 
@@ -235,18 +240,34 @@ class SparseStats:
       is the attention density, an upper bound by a little (a column inside a kept
       diagonal block counts twice).
 
-    Also what this rank served, measured from the patterns its kernels ran: ``served_pairs``, the (query, key)
-    pairs x heads of the tiles its sparse layers' kernel calls computed (slash tiles and vertical bars whole, dense
-    documents' causal pairs), forward, summed over the step's calls. Unlike the sums above it is this rank's own:
-    its spread over the ranks is the sparse work's measured balance, where the planner's max/mean is a prediction
-    made before the step's patterns exist.
+    Also what this rank served, measured from the patterns its kernels ran, summed over the step's calls (forward;
+    the backward runs the same tiles). Unlike the sums above it is this rank's own: its spread over the ranks is the
+    sparse work's measured balance, where the planner's max/mean is a prediction made before the step's patterns
+    exist. Three measures of it, of the sparse layers alone (every rank a plan balances runs the same layers):
+
+    - ``served_pairs``: the (query, key) pairs x heads of the tiles its kernel calls computed (slash tiles and
+      vertical bars whole, dense documents' causal pairs);
+    - ``served_work`` (with ``price``): the same tiles priced per tile and head as the planner prices them
+      (``price.slash``, ``price.bar``) and the dense documents' spans by the planner's dense model
+      (``price.dense_cost``, over the kernel call's spans, where the planner prices each task: adjacent tasks of one
+      document are one span), so in the planner's unit: seconds with a measured cost table. The kernels spend
+      different time per pair on a slash tile, a bar and a dense span (2.4x more on a bar's pair than on a slash
+      tile's with the H200 calibration), so a plan balanced in seconds need not be balanced in pairs: in a CPU
+      replay of synthetic prolong 256K over 4 ranks with a random model's patterns, planned in seconds, the ranks'
+      pairs spread 1.11 where their priced work spread 1.02 (bench/results/2026-12-01-cpu-sparse-served-units.md);
+    - ``served_kernel_s``: the seconds its sparse layers' attention kernel calls took (:class:`KernelClock`): the
+      forward, a checkpointed layer's recompute of it and the backward, with whatever the host spends inside them.
     """
 
-    def __init__(self):
+    def __init__(self, price=None):
+        """``price``: what the planner charges (``sparse.cost.ServedPrice``); None: ``served_work`` is not kept."""
+        self.price = price
         self.sums: torch.Tensor | None = None
         self.dense_pairs = 0.0  # dense documents' pairs, known on the host
-        self.served: torch.Tensor | None = None
+        self.served: torch.Tensor | None = None  # (slash tiles, bars, pairs) x heads, on the device
         self.dense_served = 0.0
+        self.dense_served_work = 0.0
+        self.kernel_clock = KernelClock()
 
     def add(self, pattern: VerticalSlashPattern | None, dense_pairs: float = 0.0) -> None:
         """One call's estimated patterns (None: none here) and the causal pairs of its dense documents."""
@@ -257,25 +278,37 @@ class SparseStats:
 
     def add_served(self, pattern: VerticalSlashPattern | None, routes: PatternRoutes, chunk: int) -> None:
         """One kernel call's served work: its sparse segments' tiles under ``pattern`` (the served documents';
-        None: none served here) and its dense segments' pairs."""
+        None: none served here) and its dense segments."""
         self.dense_served += routes.dense_served_pairs
+        if self.price is not None and len(routes.dense_served_start):
+            self.dense_served_work += self.price.dense_cost(routes.dense_served_start, routes.dense_served_end)
         if pattern is not None:
             slash, bars = pattern.block_tiles(chunk)
             B = pattern.block
-            prefix = exclusive_cumsum(slash.double() * (B * B) + bars.double() * (B * chunk))
+            tiles = torch.stack([slash.double(), bars.double()], 1)
+            prefix = exclusive_cumsum(torch.cat([tiles, tiles @ tiles.new_tensor([[B * B], [B * chunk]])], 1), dim=0)
             off = pattern.blk_off[routes.seg_doc]
-            pairs = (prefix[off + routes.seg_end_block] - prefix[off + routes.seg_first_block]).sum()
-            self.served = pairs if self.served is None else self.served + pairs
+            served = (prefix[off + routes.seg_end_block] - prefix[off + routes.seg_first_block]).sum(0)
+            self.served = served if self.served is None else self.served + served
+
+    def timed(self, backend: Backend) -> Backend:
+        """``backend`` with its kernel calls timed into ``served_kernel_s``."""
+        return self.kernel_clock.timed(backend)
 
     def values(self) -> list[float]:
-        """The sums, this rank's served pairs, then the first three sums by length class (``LENGTH_CLASSES`` x 3), as
-        floats (synchronises with the device): what :meth:`parse` reads back from every rank's."""
+        """The sums, this rank's served pairs, served work (0 without a price) and served kernel seconds, then the
+        first three sums by length class (``LENGTH_CLASSES`` x 3), as floats (synchronises with the device): what
+        :meth:`parse` reads back from every rank's."""
         width = len(_STAT_FIELDS) + 3 * LENGTH_CLASSES
         sums = [0.0] * width if self.sums is None else self.sums.double().cpu().tolist()
         sums[3] += self.dense_pairs
         sums[4] += self.dense_pairs
-        served = self.dense_served + (0.0 if self.served is None else float(self.served))
-        return sums[:len(_STAT_FIELDS)] + [served] + sums[len(_STAT_FIELDS):]
+        slash, bars, pairs = [0.0] * 3 if self.served is None else self.served.cpu().tolist()
+        work = 0.0
+        if self.price is not None:
+            work = self.dense_served_work + self.price.slash * slash + self.price.bar * bars
+        return (sums[:len(_STAT_FIELDS)] + [self.dense_served + pairs, work, self.kernel_clock.seconds()]
+                + sums[len(_STAT_FIELDS):])
 
     @staticmethod
     def of_pattern(pattern: VerticalSlashPattern) -> tuple[np.ndarray, np.ndarray]:
@@ -286,11 +319,52 @@ class SparseStats:
 
     @staticmethod
     def parse(per_rank: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every rank's :meth:`values` (world, n) as (the sums over the ranks (5,), each rank's served pairs (world,),
-        the sums by length class over the ranks (LENGTH_CLASSES, 3)). Each document was estimated on one rank, so
-        the sums over ranks count each once."""
+        """Every rank's :meth:`values` (world, n) as (the sums over the ranks (5,), each rank's served pairs, work
+        and kernel seconds (3, world), the sums by length class over the ranks (LENGTH_CLASSES, 3)). Each document
+        was estimated on one rank, so the sums over ranks count each once."""
         n = len(_STAT_FIELDS)
-        return per_rank[:, :n].sum(0), per_rank[:, n], per_rank[:, n + 1:].sum(0).reshape(LENGTH_CLASSES, 3)
+        return per_rank[:, :n].sum(0), per_rank[:, n:n + 3].T, per_rank[:, n + 3:].sum(0).reshape(LENGTH_CLASSES, 3)
+
+
+class KernelClock:
+    """The seconds a rank's attention kernel calls take: on a GPU, CUDA events recorded on the current stream around
+    each call and read once, when the step's statistics are (their elapsed time is the kernels' where nothing else
+    runs on that stream between them); on the CPU, where calls return when done, the host's clock."""
+
+    def __init__(self):
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.host_s = 0.0
+
+    def timed(self, backend: Backend) -> Backend:
+        """``backend`` with its forward and backward calls (its position kernel's too) timed."""
+        positions = backend.positions
+        if positions is not None:
+            positions = dataclasses.replace(positions, forward=self._timed(positions.forward),
+                                            backward=self._timed(positions.backward))
+        return dataclasses.replace(backend, forward=self._timed(backend.forward),
+                                   backward=self._timed(backend.backward), positions=positions)
+
+    def _timed(self, fn):
+        @functools.wraps(fn)
+        def call(q, *args, **kwargs):
+            if q.is_cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                result = fn(q, *args, **kwargs)
+                end.record()
+                self.events.append((start, end))
+                return result
+            t0 = time.perf_counter()
+            result = fn(q, *args, **kwargs)
+            self.host_s += time.perf_counter() - t0
+            return result
+        return call
+
+    def seconds(self) -> float:
+        """Every timed call's seconds so far (waits for the device, on whichever streams the calls ran)."""
+        if self.events:
+            torch.cuda.synchronize()
+        return self.host_s + sum(start.elapsed_time(end) for start, end in self.events) / 1e3
 
 
 @torch.no_grad()
@@ -395,8 +469,9 @@ class SparseServing:
         if self.stats is not None:
             self.stats.add_served(pattern if len(r.served_lens) else None, r, self.config.vertical_chunk)
         if not len(r.served_lens):
-            return self.dense  # no sparse document served here
-        sparse = sparse_kernels.backend(pattern, seg_doc=r.seg_doc, chunk=self.config.vertical_chunk)
-        if r.dense_rows is None:
-            return sparse
-        return split_backend(sparse, self.dense, r.sparse_rows, r.dense_rows)
+            backend = self.dense  # no sparse document served here
+        else:
+            backend = sparse_kernels.backend(pattern, seg_doc=r.seg_doc, chunk=self.config.vertical_chunk)
+            if r.dense_rows is not None:
+                backend = split_backend(backend, self.dense, r.sparse_rows, r.dense_rows)
+        return backend if self.stats is None else self.stats.timed(backend)

@@ -36,8 +36,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from attnpool.errors import ConfigError
 from attnpool.sparse.coefficients import H200_MEASURED, PHASES, SparseCoefficients  # noqa: F401 (re-exported)
 from attnpool.sparse.pattern import LENGTH_CLASSES, VerticalSlashPattern
+
 
 def fit_coefficients(slash, bars, seconds, tasks=None) -> tuple[float, float, float]:
     """Least-squares (a, b, c) >= 0 of ``seconds ~ a * slash + b * bars + c * tasks``.
@@ -224,6 +226,23 @@ class LayerMixCost:
         return (self.dense_layers * dense + self.sparse_layers * sparse) / (self.dense_layers + self.sparse_layers)
 
 
+class ServedPrice:
+    """What the planner charges for the work a server ran, to price what its kernels measured in the planner's unit
+    (runtime.sparse.SparseStats' ``served_work``): per (tile, head) of the sparse kernels, forward and backward
+    (``slash``, ``bar``), and a dense document's query span [start, end) by the dense model (``dense_cost``), as
+    :class:`LayerMixCost` prices a sparse layer's tasks. A per-task constant has no place in it (served spans are
+    not the planner's tasks), and the planning prices have none (:meth:`SparsePrior._pricing`)."""
+
+    def __init__(self, dense, coefficients: SparseCoefficients, phase: str = "fwd+bwd"):
+        self.dense = dense
+        self.slash, self.bar, task = coefficients.phase(phase)
+        if task:
+            raise ConfigError("sparse_cost.task", task, "a per-task constant cannot price served spans: use 0")
+
+    def dense_cost(self, start, end) -> float:
+        return float(np.sum(self.dense.cost(np.asarray(start, dtype=np.int64), np.asarray(end, dtype=np.int64))))
+
+
 class SparsePrior:
     """The expected pattern size of the next step, for planning it before its patterns exist.
 
@@ -315,6 +334,10 @@ class SparsePrior:
             # The model itself is kept too, so that its id is not reused by another while cached.
             self._priced[id(dense_model)] = (dense_model, scaled, coefficients)
         return self._priced[id(dense_model)][1:]
+
+    def served_price(self, dense_model) -> ServedPrice:
+        """How the plans made with ``dense_model`` price served work (:class:`ServedPrice`)."""
+        return ServedPrice(*self._pricing(dense_model))
 
     def cost_model(self, doc_len, dense_model) -> LayerMixCost:
         """The planning cost of a batch with these document lengths, in ``dense_model``'s unit."""

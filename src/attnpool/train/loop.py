@@ -179,6 +179,8 @@ class Trainer:
         self.stream = DocumentStream(self.setup.source, spec.dims.dp, config.data.tokens_per_rank, config.data.seed,
                                      config.data.max_doc_len)
         self.prior = spec.new_sparse_prior()
+        # the served work each rank's kernels ran, priced as its plans price it (SparseStats.served_work)
+        self.served_price = self.prior.served_price(spec.cost_model) if self.prior else None
         self.extra_state = {"sparse_prior": self.prior} if self.prior else {}
         self.step = 0
         self.compile_clock: CompileClock | None = None  # (fit's, while it runs)
@@ -378,7 +380,7 @@ class Trainer:
         planned = self.runner.plan(micro_batches, self.prior)
         plan_time = time.perf_counter() - t_plan
         comm_stats.reset()
-        stats = SparseStats()
+        stats = SparseStats(self.served_price)
         outcome = self.runner.run(planned, max(1, targets), stats)
         grad_norm = clip_gradients(self.params, self.config.optim.grad_clip or float("inf"),
                                    self.mesh.pp_group if self.spec.dims.pp > 1 else None, self.runner.counted_params)
@@ -420,7 +422,8 @@ class Trainer:
 
     def _row(self, micro_batches, planned: PlannedStep, per_rank: np.ndarray, sparse_sums: np.ndarray,
              served: np.ndarray, values: dict, attention_timed: bool, finite: bool, label_tokens: int) -> dict:
-        """The step's metrics row (attnpool.train.metrics says what each means); ``values``: this rank's times,
+        """The step's metrics row (attnpool.train.metrics says what each means); ``served``: every rank's served
+        sparse-layer pairs, work and kernel seconds (3, world; SparseStats.parse); ``values``: this rank's times,
         learning rate and gradient norm."""
         balance = planned.balance
         step_tokens = sum(b.num_tokens for b in micro_batches)
@@ -448,9 +451,14 @@ class Trainer:
             "activation_offload_bytes": int(per_rank[:, 6].max()) if self.runner.offload else None,
             "attention_work_total": float(np.sum(balance.load_local)),  # cost-model units
             "attention_density": float(sparse_sums[3] / sparse_sums[4]) if sparse else None,
-            # every rank's served sparse-layer work, measured from the patterns its kernels ran (SparseStats)
-            "sparse_served_pairs": served.tolist() if sparse else None,
-            "sparse_imbalance_measured": served_imbalance(served, self.spec.dims) if sparse else None,
+            # every rank's served sparse-layer work, measured from the patterns its kernels ran (SparseStats): in
+            # pairs, priced as the plans price it (whose spread is the measured balance), and its kernels' seconds
+            "sparse_served_pairs": served[0].tolist() if sparse else None,
+            "sparse_served_work": served[1].tolist() if sparse else None,
+            "sparse_served_kernel_s": served[2].tolist() if sparse else None,
+            "sparse_imbalance_measured": served_imbalance(served[1], self.spec.dims) if sparse else None,
+            "sparse_imbalance_measured_pairs": served_imbalance(served[0], self.spec.dims) if sparse else None,
+            "sparse_imbalance_measured_kernel": served_imbalance(served[2], self.spec.dims) if sparse else None,
             "imbalance_before": balance.imbalance_local,
             "imbalance_after": balance.imbalance_planned,
             "num_docs": sum(b.num_docs for b in micro_batches),

@@ -39,8 +39,13 @@ short ones included), heads and sparse layers (null for dense attention).
 cost (per average layer; see ``sparse.cost.SparsePrior``): predictions made before
 the step's patterns exist. ``sparse_served_pairs`` is what each rank's sparse layers
 then computed, counted from the patterns they ran (runtime.sparse.SparseStats), and
-``sparse_imbalance_measured`` its max/mean within the ranks cad balances together
-(a pipeline stage's dp ranks of one tp rank), the largest over them.
+``sparse_served_work`` the same tiles and dense spans priced as the plans price them
+(seconds with a measured cost table), ``sparse_served_kernel_s`` the seconds of those
+layers' attention kernel calls (CUDA events; the host's clock on the CPU);
+``sparse_imbalance_measured`` is the work's max/mean within the ranks cad balances
+together (a pipeline stage's dp ranks of one tp rank), the largest over them, and
+``sparse_imbalance_measured_pairs`` and ``sparse_imbalance_measured_kernel`` the
+pairs' and the kernel seconds'.
 """
 
 from __future__ import annotations
@@ -418,6 +423,10 @@ def summarize(rows: list[dict], last_loads: dict | None, info: dict) -> dict:
         "attention_density_mean": mean("attention_density") if "attention_density" in rows[0] else None,
         "sparse_imbalance_measured_mean": mean("sparse_imbalance_measured") if "sparse_imbalance_measured" in rows[0]
         else None,
+        "sparse_imbalance_measured_pairs_mean": mean("sparse_imbalance_measured_pairs")
+        if "sparse_imbalance_measured_pairs" in rows[0] else None,
+        "sparse_imbalance_measured_kernel_mean": mean("sparse_imbalance_measured_kernel")
+        if "sparse_imbalance_measured_kernel" in rows[0] else None,
     })
     if last_loads is not None:
         summary["last_step_loads"] = last_loads
@@ -476,9 +485,12 @@ def print_summary(summary: dict, files: list[str]) -> None:
                  else f"core attention {s['attention_time_s_mean']:.3f} s, of it all-to-all")
     table.add_row("per step", f"{attention} {s['comm_time_s_mean']:.3f} s; {s['comm_bytes_mean'] / 2**20:.2f} MiB sent")
     if s.get("attention_density_mean") is not None:
-        served = s.get("sparse_imbalance_measured_mean")
+        served, pairs, kernel = (s.get(f"sparse_imbalance_measured{kind}_mean") for kind in ("", "_pairs", "_kernel"))
         table.add_row("sparse attention", f"{s['attention_density_mean']:.3f} of the causal (query, key) pairs computed"
-                      + (f"; served work max/mean {served:.3f} (measured)" if served is not None else ""))
+                      + (f"; served work max/mean {served:.3f} (measured tiles, priced as planned)"
+                         if served is not None else "")
+                      + (f", in pairs {pairs:.3f}" if pairs is not None else "")
+                      + (f", kernel time {kernel:.3f}" if kernel is not None else ""))
     memory = f"{s['peak_memory_bytes'] / 2**20:.0f} MiB (largest rank)"
     if s.get("peak_reserved_bytes"):
         memory = (f"{s['peak_memory_bytes'] / 2**30:.1f} GiB allocated, {s['peak_reserved_bytes'] / 2**30:.1f} GiB "

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # activation_checkpointing auto against full (issue 47): the full 32-layer Llama-3-8B, cad+pingpong, prolong, the same
 # batches, on NPROC GPUs of one host; each run's step times, losses, chosen layer modes, and predicted against
-# measured peak memory. FA4 where its unpacked wheels are on PYTHONPATH (KERNEL=fa4), else flash.
+# measured peak memory. FA4 where its unpacked wheels (bench/fa4_wheels.sh) are on PYTHONPATH (KERNEL=fa4), else flash.
 #   NPROC=2 TOKENS=128K bash bench/gpu_auto_checkpointing.sh full auto+compile     (results under $OUT)
 # A run is a checkpointing mode, with "@H" for auto's headroom H (auto_headroom), "+compile" for compiled linear
 # parts and "+float8" for float8 linear layers (torchao from TORCHAO_WHEEL, a carried wheel): auto@0.15+compile+float8.

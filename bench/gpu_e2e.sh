@@ -4,7 +4,8 @@
 # Each phase stays under the 10-minute command limit through --budget-s or --end-by-s. NPROC=2 runs a phase on
 # two GPUs, and NODES=N splits the GPUs into N emulated nodes (bench/torchrun_nodes.sh); extra arguments go to
 # `attnpool bench` after the phase's own (the last one wins). A PYTHONPATH
-# given is kept after src: FA4's unpacked wheels there and `--attention-backend fa4` run the phase with FA4.
+# given is kept after src: FA4's unpacked wheels there (bench/fa4_wheels.sh) and `--attention-backend fa4` run the
+# phase with FA4.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-bench-out}

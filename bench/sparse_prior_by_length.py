@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--cost-model", choices=("pairs", "table"), default="pairs",
                     help="the planning unit: pairs, or seconds by the shipped H200 table (flash kernel)")
-    ap.add_argument("--out", help="write <date>-cpu-sparse-prior-by-length-<caps>[-table].json here")
+    ap.add_argument("--out", help="write <date>-cpu-sparse-prior-by-length-<caps>[-table][-<ranks>ranks].json here")
     args = ap.parse_args()
     sparse = SparseConfig(slash_cap=args.slash_cap, vertical_cap=args.vertical_cap)
     config = TrainConfig(model="llama3-8b", data="synthetic", data_args={"dist": "prolong"},
@@ -90,7 +90,8 @@ def main() -> None:
                    f"--vertical-cap {args.vertical_cap} --steps {args.steps} --ranks {args.ranks} --tokens {args.tokens} "
                    f"--heads {args.heads} --cost-model {args.cost_model}")
         stem = os.path.join(args.out, f"{datetime.date.today()}-cpu-sparse-prior-by-length-{args.slash_cap}-"
-                                      f"{args.vertical_cap}" + ("-table" if args.cost_model == "table" else ""))
+                                      f"{args.vertical_cap}" + ("-table" if args.cost_model == "table" else "")
+                            + (f"-{args.ranks}ranks" if args.ranks != 4 else ""))
         with open(stem + ".json", "w") as fh:
             json.dump({"command": command, "mean_from_step_3": mean, "rows": rows}, fh, indent=1)
         print(f"wrote {stem}.json")

@@ -53,7 +53,7 @@ from attnpool.plan.ulysses import ulysses_problem
 from attnpool.sizes import parse_size
 from attnpool.train.config import TrainConfig
 from attnpool.train.flops import linear_weights
-from attnpool.train.metrics import attention_time
+from attnpool.train.metrics import SPARSE_IMBALANCES, attention_time
 from attnpool.train.launch import quiet_warnings, use_growable_segments
 from attnpool.train.loop import train
 from attnpool.train.memory import auto_choice
@@ -277,12 +277,8 @@ def summarize(name, dist_name, tokens, rows, args, world, cfg, as_run: dict):
         # the sparse layers' served work, max/mean over the ranks, measured from the patterns the kernels ran and
         # priced as planned, the same in (query, key) pairs, and their kernels' seconds (imbalance_after is the
         # planner's prediction)
-        "sparse_imbalance_measured": None if measured[0].get("sparse_imbalance_measured") is None
-        else statistics.mean(r["sparse_imbalance_measured"] for r in measured),
-        "sparse_imbalance_measured_pairs": None if measured[0].get("sparse_imbalance_measured_pairs") is None
-        else statistics.mean(r["sparse_imbalance_measured_pairs"] for r in measured),
-        "sparse_imbalance_measured_kernel": None if measured[0].get("sparse_imbalance_measured_kernel") is None
-        else statistics.mean(r["sparse_imbalance_measured_kernel"] for r in measured),
+        **{key: None if measured[0].get(key) is None else statistics.mean(r[key] for r in measured)
+           for key in SPARSE_IMBALANCES},
         "longest_doc": max(r["longest_doc"] for r in rows),
         # per measured step, per micro-batch: the nano-batches it ran as (ping-pong hides nothing in a step of 1)
         "nano_batches": [r.get("nano_batches") for r in measured],
@@ -572,9 +568,8 @@ def finish(records, skipped, args, world, cfg, complete: bool = True):
                      f"{FIRST_STEP_MARK if r['peak_memory_first_step_only'] else ''} | "
                      f"{_gib(r['predicted_peak_memory_bytes'])} | "
                      f"{'-' if lv is None else f'{lv:.4f}'} | "
-                     f"{'-' if density is None else f'{density:.3f}'} | {_fixed(r.get('sparse_imbalance_measured'))} | "
-                     f"{_fixed(r.get('sparse_imbalance_measured_pairs'))} | "
-                     f"{_fixed(r.get('sparse_imbalance_measured_kernel'))} |")
+                     f"{'-' if density is None else f'{density:.3f}'} | "
+                     + "".join(f"{_fixed(r.get(key))} | " for key in SPARSE_IMBALANCES).rstrip())
     if args.activation_checkpointing == "auto":
         lines += ["", "auto's choice: " + "; ".join(f"{r['dist']} {r['tokens_per_gpu'] // 1024}K {r['strategy']}: "
                                                     f"{r['layer_checkpointing']}" for r in records) + "."]

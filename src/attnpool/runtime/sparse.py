@@ -267,6 +267,7 @@ class SparseStats:
         self.served: torch.Tensor | None = None  # (slash tiles, bars, pairs) x heads, on the device
         self.dense_served = 0.0
         self.dense_served_work = 0.0
+        self._dense_price: dict[PatternRoutes, float] = {}  # each plan's dense spans priced once, not once a layer
         self.kernel_clock = KernelClock()
 
     def add(self, pattern: VerticalSlashPattern | None, dense_pairs: float = 0.0) -> None:
@@ -281,7 +282,9 @@ class SparseStats:
         None: none served here) and its dense segments."""
         self.dense_served += routes.dense_served_pairs
         if self.price is not None and len(routes.dense_served_start):
-            self.dense_served_work += self.price.dense_cost(routes.dense_served_start, routes.dense_served_end)
+            if routes not in self._dense_price:  # (hashed by identity: one per plan and rank, cached on the plan)
+                self._dense_price[routes] = self.price.dense_cost(routes.dense_served_start, routes.dense_served_end)
+            self.dense_served_work += self._dense_price[routes]
         if pattern is not None:
             slash, bars = pattern.block_tiles(chunk)
             B = pattern.block

@@ -65,6 +65,9 @@ from attnpool.kinds import CAUSAL
 from attnpool.train.memory import auto_choice
 
 METRICS_FILE = "metrics.jsonl"
+# the sparse layers' measured balances of a step's row (the module docstring): of the work priced as planned, of the
+# pairs, of the kernel seconds
+SPARSE_IMBALANCES = ("sparse_imbalance_measured", "sparse_imbalance_measured_pairs", "sparse_imbalance_measured_kernel")
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "summary.png"
 
@@ -421,12 +424,7 @@ def summarize(rows: list[dict], last_loads: dict | None, info: dict) -> dict:
         "peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows),
         "peak_reserved_bytes": max((r.get("peak_reserved_bytes") or 0 for r in rows), default=0) or None,
         "attention_density_mean": mean("attention_density") if "attention_density" in rows[0] else None,
-        "sparse_imbalance_measured_mean": mean("sparse_imbalance_measured") if "sparse_imbalance_measured" in rows[0]
-        else None,
-        "sparse_imbalance_measured_pairs_mean": mean("sparse_imbalance_measured_pairs")
-        if "sparse_imbalance_measured_pairs" in rows[0] else None,
-        "sparse_imbalance_measured_kernel_mean": mean("sparse_imbalance_measured_kernel")
-        if "sparse_imbalance_measured_kernel" in rows[0] else None,
+        **{f"{key}_mean": mean(key) if key in rows[0] else None for key in SPARSE_IMBALANCES},
     })
     if last_loads is not None:
         summary["last_step_loads"] = last_loads
@@ -485,7 +483,7 @@ def print_summary(summary: dict, files: list[str]) -> None:
                  else f"core attention {s['attention_time_s_mean']:.3f} s, of it all-to-all")
     table.add_row("per step", f"{attention} {s['comm_time_s_mean']:.3f} s; {s['comm_bytes_mean'] / 2**20:.2f} MiB sent")
     if s.get("attention_density_mean") is not None:
-        served, pairs, kernel = (s.get(f"sparse_imbalance_measured{kind}_mean") for kind in ("", "_pairs", "_kernel"))
+        served, pairs, kernel = (s.get(f"{key}_mean") for key in SPARSE_IMBALANCES)
         table.add_row("sparse attention", f"{s['attention_density_mean']:.3f} of the causal (query, key) pairs computed"
                       + (f"; served work max/mean {served:.3f} (measured tiles, priced as planned)"
                          if served is not None else "")

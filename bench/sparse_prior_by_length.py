@@ -1,5 +1,6 @@
 """How well cad balances sparse work when the planning prior keeps one pattern size for every document length
-against one size per length class (attnpool.sparse.cost.SparsePrior), on the CPU (issue 45).
+against one size per length class (attnpool.sparse.cost.SparsePrior), and with --kernels what every rank's kernels
+then ran, on one device (issue 45).
 
 Batches of synthetic prolong at TOKENS per rank over RANKS ranks; each step's vertical-slash patterns estimated from
 random queries and keys (an untrained model's: attention spreads, so the caps set the sizes), HEADS heads of 128
@@ -9,7 +10,17 @@ H200 calibration, as training plans), its busiest server measured by the step's 
 (SparseCost.from_pattern) in the planning unit and in (query, key) pairs, what training's `sparse_imbalance_measured`
 and `sparse_imbalance_measured_pairs` report, and each prior updated with the step's statistics as training updates it.
 
+With --kernels, each step's plan under the by-length prior (training's) is also run: every rank's kernel call built
+as training's server builds it (runtime.sparse: its served documents' patterns, the sparse kernel for their segments
+and the dense backend for the short documents'), forward and backward on random inputs on --device, --repeats times
+after an untimed pass; reported per rank are what training's SparseStats measures, served pairs, served work priced
+as planned, and kernel seconds (the median of the repeats), and their max/mean, with the kernel seconds' parts: the
+sparse kernel's, the dense kernel's and the split call's row copies. The ranks run in turn on one device: the kernels'
+balance, without the exchanges or another GPU's clocks. On a GPU, patterns are estimated there.
+
     PYTHONPATH=src python3 bench/sparse_prior_by_length.py --slash-cap 192 --vertical-cap 1024 --steps 10 --out DIR
+    PYTHONPATH=src python3 bench/sparse_prior_by_length.py --cost-model table --kernels --device cuda --heads 32 \
+        --kv-heads 8 --steps 12 --out DIR
 """
 
 from __future__ import annotations
@@ -20,19 +31,63 @@ import json
 import os
 
 import numpy as np
+import torch
 
 from attnpool.data import DocumentStream
+from attnpool.kernels.registry import get_backend
 from attnpool.plan import linear_table, load_cost_model, plan_attention
 from attnpool.plan.metrics import imbalance
-from attnpool.runtime.sparse import SparseStats
+from attnpool.runtime.sparse import KernelClock, PatternRoutes, SparseStats, served_backend
 from attnpool.sparse import SparseConfig
 from attnpool.sparse.cost import LayerMixCost, SparseCost, SparsePrior
-from attnpool.sparse.pattern import estimate_untrained
+from attnpool.sparse.pattern import estimate_untrained, pack_pattern, unpack_patterns
 from attnpool.train.config import TrainConfig
 from attnpool.train.data_source import build_source
 from attnpool.train.spec import model_spec
 
 PRIORS = ("one size", "by length")
+SERVED = ("pairs", "work", "kernel s")  # SparseStats' three measures of what a rank served
+PARTS = ("sparse kernel s", "dense kernel s", "split copies s")  # where a rank's kernel seconds went
+
+
+def served_by_rank(plan, pattern, sparse, price, dense, head_dim, kv_heads, repeats, device) -> dict:
+    """Each rank's served pairs, served work and kernel seconds of one sparse layer (``SERVED``), and the kernel
+    seconds' parts (``PARTS``: the sparse kernel's, the dense kernel's, and the rest, the split call's row copies):
+    its kernel call built as training's server builds it (``pattern``: the batch's, on ``device``), run forward and
+    backward on random bf16 inputs (float32 on the CPU) once untimed (compiling) and ``repeats`` times timed, each
+    time with a fresh backend (whose first call builds its kernel index, as every layer's does); the medians of the
+    repeats' seconds. Values (ranks,) by name."""
+    heads = pattern.num_heads
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    rows = []
+    for rank in range(plan.num_ranks):
+        routes = PatternRoutes.build(plan, rank, heads, sparse, device)
+        served = None
+        if len(routes.served_docs):  # the served documents' rows of the batch's pattern, as the exchange leaves them
+            served = unpack_patterns(pack_pattern(pattern, routes.served_docs, routes.served_lens, sparse),
+                                     routes.served_lens, heads, sparse)
+        stats = SparseStats(price)
+        stats.add_served(served, routes, sparse.vertical_chunk)
+        _, q_len, k_len = plan.kernel_segments(rank)
+        cu = lambda x: torch.tensor(np.r_[0, np.cumsum(x)], dtype=torch.int32, device=device)
+        q = torch.randn(int(q_len.sum()), heads, head_dim, device=device, dtype=dtype)
+        k, v = (torch.randn(int(k_len.sum()), kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2))
+        dout = torch.randn_like(q)
+        args = (cu(q_len), cu(k_len), int(q_len.max(initial=0)), int(k_len.max(initial=0)))
+        seconds = []
+        for repeat in range(repeats + 1):
+            clocks = {kind: KernelClock() for kind in ("whole", "sparse", "dense")}
+            backend = clocks["whole"].timed(served_backend(served, routes, dense, sparse,
+                                                           wrap=lambda b, kind: clocks[kind].timed(b)))
+            out, lse = backend.forward(q, k, v, *args)
+            backend.backward(dout, q, k, v, out, lse, *args)
+            whole, *parts = (clock.seconds() for clock in clocks.values())  # (each waits for the device)
+            if repeat:  # the untimed pass done before the timed ones start
+                seconds.append([whole, *parts, whole - sum(parts)])
+        pairs, work = stats.values()[5:7]
+        rows.append([pairs, work, *np.median(np.array(seconds), 0)])
+        del q, k, v, dout, out, lse
+    return dict(zip(SERVED + PARTS, np.array(rows).T))
 
 
 def main() -> None:
@@ -45,7 +100,13 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--cost-model", choices=("pairs", "table"), default="pairs",
                     help="the planning unit: pairs, or seconds by the shipped H200 table (flash kernel)")
-    ap.add_argument("--out", help="write <date>-cpu-sparse-prior-by-length-<caps>[-table][-<ranks>ranks].json here")
+    ap.add_argument("--kv-heads", type=int, help="key and value heads (default: --heads)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also run every rank's kernel call of the by-length plans and measure what each served")
+    ap.add_argument("--device", default="cpu", help="where patterns are estimated and kernels run")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs of each rank's kernel call (--kernels)")
+    ap.add_argument("--out", help="write <date>-cpu-sparse-prior-by-length-<caps>[-table][-<ranks>ranks].json here "
+                                  "(with --kernels: <date>-<device>-sparse-served-balance-<caps>-<ranks>ranks.json)")
     args = ap.parse_args()
     sparse = SparseConfig(slash_cap=args.slash_cap, vertical_cap=args.vertical_cap)
     config = TrainConfig(model="llama3-8b", data="synthetic", data_args={"dist": "prolong"},
@@ -55,11 +116,20 @@ def main() -> None:
     pairs = load_cost_model("pairs")
     planning = pairs if args.cost_model == "pairs" else load_cost_model("table", backend="flash")
     priors = {name: SparsePrior(sparse, args.heads, 128, 1) for name in PRIORS}
+    kv_heads = args.kv_heads or args.heads
+    if args.heads % kv_heads:
+        ap.error(f"--kv-heads {kv_heads} must divide --heads {args.heads}")
+    if args.kernels:
+        price = priors["by length"].served_price(planning)
+        dense_backend = get_backend("auto", args.device, torch.bfloat16 if "cuda" in args.device else None)
     rows = []
     for step in range(1, args.steps + 1):
         lens = stream.next_batch().doc_lens
         table = linear_table(lens, args.ranks, args.tokens)
-        pattern = estimate_untrained(lens, args.heads, 128, sparse, seed=step)
+        on_device = estimate_untrained(lens, args.heads, 128, sparse, seed=step, num_kv_heads=kv_heads,
+                                       device=args.device,
+                                       dtype=torch.float32 if args.device == "cpu" else torch.bfloat16)
+        pattern = on_device.to("cpu")
         # the step's real patterns, priced in the planning unit and in pairs
         exact = {unit: LayerMixCost(dense, SparseCost.from_pattern(pattern, coefficients, chunk=sparse.vertical_chunk),
                                     0, 1, lens >= sparse.min_doc_len)
@@ -75,27 +145,57 @@ def main() -> None:
             row[f"{name} planned"] = imbalance(loads(predicted))
             for unit, model in exact.items():
                 row[f"{name} {unit}"] = imbalance(loads(model))
+            if args.kernels and name == "by length":
+                served = served_by_rank(plan, on_device, sparse, price, dense_backend, 128, kv_heads, args.repeats,
+                                        args.device)
+                for measure in SERVED:
+                    row[f"served {measure}"] = served[measure].tolist()
+                    row[f"served {measure} max/mean"] = imbalance(served[measure])
+                row.update({part: served[part].tolist() for part in PARTS})
             prior.update(*sums[:3], by_length=by_length if name == "by length" else None)
         rows.append(row)
         print(f"step {step:3d}: {row['docs']:3d} docs (longest {row['longest']:6d}), density {row['density']:.3f}  "
               + "  ".join(f"{n}: planned {row[n + ' planned']:.3f} measured {row[n + ' measured']:.3f} "
-                          f"(pairs {row[n + ' measured pairs']:.3f})" for n in PRIORS), flush=True)
-    later = rows[2:] or rows  # the first two steps: both priors still learning
-    mean = {f"{n} {kind}": float(np.mean([r[f'{n} {kind}'] for r in later])) for n in PRIORS
-            for kind in ("planned", "measured", "measured pairs")}
+                          f"(pairs {row[n + ' measured pairs']:.3f})" for n in PRIORS)
+              + "".join(f"\n    served {m}: " + " ".join(f"{x:.4g}" for x in row[f"served {m}"])
+                        + f"  max/mean {row[f'served {m} max/mean']:.3f}" for m in SERVED if args.kernels)
+              + "".join(f"\n    {m}: " + " ".join(f"{x:.4g}" for x in row[m]) for m in PARTS if args.kernels),
+              flush=True)
+        mean = mean_from_step_3(rows, args.kernels)
+        if args.out:  # after every step: a run cut short keeps its steps
+            write(args, kv_heads, dense_backend.name if args.kernels else None, mean, rows)
     print("mean from step 3: " + ", ".join(f"{k} {v:.3f}" for k, v in mean.items()))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        command = (f"PYTHONPATH=src python3 bench/sparse_prior_by_length.py --slash-cap {args.slash_cap} "
-                   f"--vertical-cap {args.vertical_cap} --steps {args.steps} --ranks {args.ranks} --tokens {args.tokens} "
-                   f"--heads {args.heads} --cost-model {args.cost_model}")
-        stem = os.path.join(args.out, f"{datetime.date.today()}-cpu-sparse-prior-by-length-{args.slash_cap}-"
-                                      f"{args.vertical_cap}" + ("-table" if args.cost_model == "table" else "")
-                            + (f"-{args.ranks}ranks" if args.ranks != 4 else ""))
-        with open(stem + ".json", "w") as fh:
-            json.dump({"command": command, "mean_from_step_3": mean, "rows": rows}, fh, indent=1)
-        print(f"wrote {stem}.json")
 
+
+def mean_from_step_3(rows, kernels) -> dict:
+    """The measures' means over the steps after the first two, where both priors are still learning."""
+    later = rows[2:] or rows
+    keys = [f"{n} {kind}" for n in PRIORS for kind in ("planned", "measured", "measured pairs")]
+    keys += [f"served {m} max/mean" for m in SERVED] if kernels else []
+    return {key: float(np.mean([r[key] for r in later])) for key in keys}
+
+
+def write(args, kv_heads, dense_backend, mean, rows) -> None:
+    os.makedirs(args.out, exist_ok=True)
+    command = (f"PYTHONPATH=src python3 bench/sparse_prior_by_length.py --slash-cap {args.slash_cap} "
+               f"--vertical-cap {args.vertical_cap} --steps {args.steps} --ranks {args.ranks} --tokens {args.tokens} "
+               f"--heads {args.heads} --cost-model {args.cost_model}")
+    record = {"command": command, "mean_from_step_3": mean, "rows": rows}
+    caps = f"{args.slash_cap}-{args.vertical_cap}"
+    if args.kernels:
+        on_gpu = args.device != "cpu"
+        machine = torch.cuda.get_device_name(args.device) if on_gpu else "cpu"
+        record.update(command=command + f" --kv-heads {kv_heads} --kernels --device {args.device} "
+                                        f"--repeats {args.repeats}",
+                      machine=machine, dense_backend=dense_backend, torch=torch.__version__)
+        stem = f"{machine.split()[-1].lower()}-sparse-served-balance-{caps}-{args.ranks}ranks"
+    else:
+        stem = (f"cpu-sparse-prior-by-length-{caps}" + ("-table" if args.cost_model == "table" else "")
+                + (f"-{args.ranks}ranks" if args.ranks != 4 else ""))
+    path = os.path.join(args.out, f"{datetime.date.today()}-{stem}.json")
+    with open(path, "w") as fh:
+        json.dump(record, fh, indent=1)
+    print(f"wrote {path}")
 
 if __name__ == "__main__":
     main()

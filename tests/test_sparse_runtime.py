@@ -358,3 +358,31 @@ def test_kernel_clock_times_each_call_of_a_timed_backend():
     timed.backward(q)
     assert 0.05 <= clock.seconds() < 0.5
     assert timed.name == plain.name and timed.positions is None
+
+
+@pytest.mark.parametrize("segments", [6, 60])
+def test_split_backend_computes_what_one_call_computes(segments):
+    """A server's call split into its long documents' segments and its short ones' (interleaved, as cad leaves them),
+    each part through its own backend, gives one call's outputs and gradients: with few runs of segments the parts'
+    rows are copied run by run, with more than MAX_ROW_RUNS through their index."""
+    from attnpool.kernels import reference
+    from attnpool.runtime.dispatch import MAX_ROW_RUNS, SegmentRows
+    from attnpool.runtime.sparse import split_backend
+
+    rng = np.random.default_rng(segments)
+    q_len = rng.integers(1, 9, segments)
+    k_len = q_len + rng.integers(0, 6, segments)  # each segment's queries are the last of its keys
+    keep = np.arange(segments) % 3 == 1  # the "sparse" segments, never adjacent
+    parts = [SegmentRows.of(q_len, k_len, subset, "cpu") for subset in (keep, ~keep)]
+    assert all((p.q_rows.runs is None) == (segments > 3 * MAX_ROW_RUNS) for p in parts)  # a run in every 3
+    cu = lambda n: torch.tensor(np.r_[0, np.cumsum(n)], dtype=torch.int32)
+    q = torch.randn(int(q_len.sum()), 4, 8, dtype=torch.float64)
+    k, v = (torch.randn(int(k_len.sum()), 2, 8, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn_like(q)
+    args = (cu(q_len), cu(k_len), int(q_len.max()), int(k_len.max()))
+    one = reference.BACKEND
+    split = split_backend(one, Backend("other", one.forward, one.backward), *parts)
+    (out, lse), (want_out, want_lse) = split.forward(q, k, v, *args), one.forward(q, k, v, *args)
+    assert torch.allclose(out, want_out) and torch.allclose(lse, want_lse)
+    for got, want in zip(split.backward(dout, q, k, v, out, lse, *args), one.backward(dout, q, k, v, out, lse, *args)):
+        assert torch.allclose(got, want)

@@ -173,11 +173,13 @@ BACKWARD_GROUP_KEYS = 128 * 1024
 @dataclass(frozen=True, eq=False)
 class SegmentRows:
     """A subset of a server's kernel segments as their own kernel call: its rows in the full call's Q
-    and expanded-KV buffers (slices, views without a copy, where the subset is consecutive; else index
-    tensors) and its own segment boundaries."""
+    and expanded-KV buffers (slices, views without a copy, where the subset is consecutive; else
+    :class:`Rows`, copied run by run where they are a few runs, as a sparse layer's long and short
+    documents' segments are) and its own segment boundaries. :func:`take_rows` and :func:`put_rows` read and
+    write them either way."""
 
-    q_rows: slice | torch.Tensor
-    k_rows: slice | torch.Tensor
+    q_rows: slice | Rows
+    k_rows: slice | Rows
     cu_q: torch.Tensor  # int32
     cu_k: torch.Tensor  # int32
     max_q: int
@@ -198,9 +200,22 @@ class SegmentRows:
             q_rows = slice(int(q_start[first]), int(q_start[last] + q_len[last]))
             k_rows = slice(int(k_start[first]), int(k_start[last] + k_len[last]))
         else:
-            q_rows, k_rows = dev(ranges(q_start[keep], n)), dev(ranges(k_start[keep], end))
+            q_rows, k_rows = Rows.of(ranges(q_start[keep], n), device), Rows.of(ranges(k_start[keep], end), device)
         return cls(q_rows, k_rows, dev(np.r_[0, np.cumsum(n)], torch.int32), dev(np.r_[0, np.cumsum(end)], torch.int32),
                    int(n.max(initial=0)), int(end.max(initial=0)))
+
+
+def take_rows(x: torch.Tensor, rows: slice | Rows) -> torch.Tensor:
+    """``x[rows]`` (a view where ``rows`` is a slice or one run) of a :class:`SegmentRows`' rows."""
+    return x[rows] if isinstance(rows, slice) else rows.take(x)
+
+
+def put_rows(dst: torch.Tensor, rows: slice | Rows, src: torch.Tensor) -> None:
+    """``dst[rows] = src`` of a :class:`SegmentRows`' rows."""
+    if isinstance(rows, slice):
+        dst[rows] = src
+    else:
+        rows.put(dst, src)
 
 
 def backward_in_parts(parts, dout, q, k, v, out, lse, scale, into=None):
@@ -211,13 +226,16 @@ def backward_in_parts(parts, dout, q, k, v, out, lse, scale, into=None):
     # contiguous whatever the inputs' strides: a part's rows are then contiguous views the kernel can write
     dq, dk, dv = into if into is not None else (x.new_empty(x.shape) for x in (q, k, v))
     for rows, backend in parts:
-        args = (dout[rows.q_rows], q[rows.q_rows], k[rows.k_rows], v[rows.k_rows], out[rows.q_rows],
-                lse[:, rows.q_rows].contiguous(), rows.cu_q, rows.cu_k, rows.max_q, rows.max_k)
-        if backend.backward_into and isinstance(rows.q_rows, slice) and isinstance(rows.k_rows, slice):
-            backend.backward(*args, scale=scale, into=(dq[rows.q_rows], dk[rows.k_rows], dv[rows.k_rows]))
+        qr, kr = rows.q_rows, rows.k_rows
+        args = (take_rows(dout, qr), take_rows(q, qr), take_rows(k, kr), take_rows(v, kr), take_rows(out, qr),
+                take_rows(lse.T, qr).T.contiguous(), rows.cu_q, rows.cu_k, rows.max_q, rows.max_k)
+        if backend.backward_into and isinstance(qr, slice) and isinstance(kr, slice):
+            backend.backward(*args, scale=scale, into=(dq[qr], dk[kr], dv[kr]))
             continue
         grads = backend.backward(*args, scale=scale)
-        dq[rows.q_rows], dk[rows.k_rows], dv[rows.k_rows] = grads
+        del args
+        for dst, rows_of, grad in zip((dq, dk, dv), (qr, kr, kr), grads):
+            put_rows(dst, rows_of, grad)
         del grads  # one part's kernel outputs at a time
     return dq, dk, dv
 

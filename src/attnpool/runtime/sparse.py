@@ -36,7 +36,7 @@ from attnpool.kernels import sparse as sparse_kernels
 from attnpool.kernels.base import Backend
 from attnpool.plan.documents import ranges
 from attnpool.plan.plan import Plan
-from attnpool.runtime.dispatch import SegmentRows, backward_in_parts, index_tensor
+from attnpool.runtime.dispatch import SegmentRows, backward_in_parts, index_tensor, put_rows, take_rows
 from attnpool.runtime.sparse_kv import ReadRoutes, ReadSelection, estimating_servers
 from attnpool.sparse import SparseConfig, VerticalSlashPattern, estimate_vertical_slash, packed_sizes
 from attnpool.sparse.pattern import LENGTH_CLASSES, PackLayout, exclusive_cumsum, length_class
@@ -66,7 +66,8 @@ class PatternRoutes:
     send_words: torch.Tensor  # words of the own packed buffer to send, peer by peer
     send_splits: list[int]
     recv_splits: list[int]
-    served_lens: np.ndarray  # lengths of the documents served here, ascending document index
+    served_docs: np.ndarray  # plan document indices of the sparse documents served here, ascending
+    served_lens: np.ndarray  # their lengths
     served_words: torch.Tensor | None  # index into cat(own packed, received); None: served == estimated
     served_pack: PackLayout | None  # the served documents' packed buffer (None with served_words)
     seg_doc: torch.Tensor  # served sparse-document index of each sparse kernel segment (Plan.kernel_segments)
@@ -146,7 +147,7 @@ class PatternRoutes:
             est_k_rows=dev(est_k_rows), est_cu_k=dev(np.r_[0, np.cumsum(est_lens)], torch.int32),
             own_pack=PackLayout.build(est_lens, num_heads, config, device), est_index=dev(np.arange(len(est_here))),
             send_words=dev(send_words), send_splits=send_splits, recv_splits=recv_splits,
-            served_lens=doc_len[served], served_words=None if served_words is None else dev(served_words),
+            served_docs=served, served_lens=doc_len[served], served_words=None if served_words is None else dev(served_words),
             served_pack=None if served_words is None else PackLayout.build(doc_len[served], num_heads, config, device),
             seg_doc=dev(np.searchsorted(served, seg_doc[is_sparse])),
             sparse_rows=None if is_sparse.all() else SegmentRows.of(seg_q, seg_k, is_sparse, device),
@@ -160,18 +161,36 @@ class PatternRoutes:
         )
 
 
+def served_backend(pattern: VerticalSlashPattern | None, routes: PatternRoutes, dense: Backend,
+                   config: SparseConfig, wrap=None) -> Backend:
+    """A server's kernel call: the sparse kernel bound to its served documents' ``pattern`` (in ``routes``'
+    served order) for their segments, ``dense`` for the short documents' segments; ``dense`` alone where no
+    sparse document is served here. ``wrap(backend, kind)`` ("sparse" or "dense"), where given, wraps each
+    kernel's backend (a clock, say) inside the split."""
+    wrap = wrap or (lambda backend, kind: backend)
+    if not len(routes.served_lens):
+        return wrap(dense, "dense")
+    backend = wrap(sparse_kernels.backend(pattern, seg_doc=routes.seg_doc, chunk=config.vertical_chunk), "sparse")
+    if routes.dense_rows is not None:
+        backend = split_backend(backend, wrap(dense, "dense"), routes.sparse_rows, routes.dense_rows)
+    return backend
+
+
 def split_backend(sparse: Backend, dense: Backend, sparse_rows: SegmentRows, dense_rows: SegmentRows) -> Backend:
     """One backend over a server's tasks that runs the sparse ones and the dense ones as two kernel calls.
 
     The caller's segment arguments are those of the whole call; the subsets carry their own."""
 
     def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=None):
-        out = torch.zeros_like(q)
+        # the two parts' rows are all the call's rows: each written once
+        out = torch.empty_like(q)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # the kernels' lse dtype
-        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc, device=q.device)
+        lse = torch.empty((q.shape[1], q.shape[0]), dtype=acc, device=q.device)
         for p, be in ((sparse_rows, sparse), (dense_rows, dense)):
-            out[p.q_rows], lse[:, p.q_rows] = be.forward(q[p.q_rows], k[p.k_rows], v[p.k_rows], p.cu_q, p.cu_k,
-                                                         p.max_q, p.max_k, scale=scale)
+            part_out, part_lse = be.forward(take_rows(q, p.q_rows), take_rows(k, p.k_rows), take_rows(v, p.k_rows),
+                                            p.cu_q, p.cu_k, p.max_q, p.max_k, scale=scale)
+            put_rows(out, p.q_rows, part_out)
+            put_rows(lse.T, p.q_rows, part_lse.T)
         return out, lse
 
     def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=None):
@@ -471,10 +490,5 @@ class SparseServing:
                 self.read = ReadSelection.select(read, pattern, self.group)
         if self.stats is not None:
             self.stats.add_served(pattern if len(r.served_lens) else None, r, self.config.vertical_chunk)
-        if not len(r.served_lens):
-            backend = self.dense  # no sparse document served here
-        else:
-            backend = sparse_kernels.backend(pattern, seg_doc=r.seg_doc, chunk=self.config.vertical_chunk)
-            if r.dense_rows is not None:
-                backend = split_backend(backend, self.dense, r.sparse_rows, r.dense_rows)
+        backend = served_backend(pattern, r, self.dense, self.config)
         return backend if self.stats is None else self.stats.timed(backend)

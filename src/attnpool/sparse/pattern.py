@@ -601,17 +601,21 @@ class Selection:
 # --- moving patterns between servers ---
 
 
-def estimate_untrained(doc_lens, num_heads: int, head_dim: int, config: SparseConfig, seed: int) -> VerticalSlashPattern:
+def estimate_untrained(doc_lens, num_heads: int, head_dim: int, config: SparseConfig, seed: int,
+                       num_kv_heads: int | None = None, device="cpu",
+                       dtype: torch.dtype = torch.float32) -> VerticalSlashPattern:
     """The patterns a randomly initialised model's attention, which spreads wide, would have: estimated as training
     estimates them, from random queries and keys (each document's last ``config.last_queries`` queries against all
-    its keys). For benchmarks and tests of what planning makes of real patterns' sizes."""
+    its keys; ``num_kv_heads`` of them, default ``num_heads``), drawn on ``device`` (a device's draws differ from the
+    CPU's for one seed). For benchmarks and tests of what planning makes of real patterns' sizes."""
     lens = np.asarray(doc_lens, dtype=np.int64)
     m = np.minimum(lens, config.last_queries)
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(int(lens.sum()), num_heads, head_dim, generator=g)
-    q = torch.randn(int(m.sum()), num_heads, head_dim, generator=g)
-    return estimate_vertical_slash(q, k, torch.tensor(np.r_[0, np.cumsum(m)], dtype=torch.int32),
-                                   torch.tensor(np.r_[0, np.cumsum(lens)], dtype=torch.int32), config, k_lens_host=lens)
+    g = torch.Generator(device=device).manual_seed(seed)
+    draw = lambda n, h: torch.randn(n, h, head_dim, generator=g, device=device, dtype=dtype)
+    k = draw(int(lens.sum()), num_heads if num_kv_heads is None else num_kv_heads)
+    q = draw(int(m.sum()), num_heads)
+    cu = lambda x: torch.tensor(np.r_[0, np.cumsum(x)], dtype=torch.int32, device=device)
+    return estimate_vertical_slash(q, k, cu(m), cu(lens), config, k_lens_host=lens)
 
 
 def packed_sizes(doc_lens, num_heads: int, config: SparseConfig) -> np.ndarray:

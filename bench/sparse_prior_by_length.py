@@ -48,6 +48,7 @@ from attnpool.train.spec import model_spec
 PRIORS = ("one size", "by length")
 SERVED = ("pairs", "work", "kernel s")  # SparseStats' three measures of what a rank served
 PARTS = ("sparse kernel s", "dense kernel s", "split copies s")  # where a rank's kernel seconds went
+TILES = ("slash tiles", "bars", "dense work")  # what it served: x heads, and the short documents' spans priced
 
 
 def served_by_rank(plan, pattern, sparse, price, dense, head_dim, kv_heads, repeats, device) -> dict:
@@ -85,9 +86,24 @@ def served_by_rank(plan, pattern, sparse, price, dense, head_dim, kv_heads, repe
             if repeat:  # the untimed pass done before the timed ones start
                 seconds.append([whole, *parts, whole - sum(parts)])
         pairs, work = stats.values()[5:7]
-        rows.append([pairs, work, *np.median(np.array(seconds), 0)])
+        slash, bars = (0.0, 0.0) if stats.served is None else stats.served[:2].tolist()
+        rows.append([pairs, work, *np.median(np.array(seconds), 0), slash, bars, stats.dense_served_work])
         del q, k, v, dout, out, lse
-    return dict(zip(SERVED + PARTS, np.array(rows).T))
+    return dict(zip(SERVED + PARTS + TILES, np.array(rows).T))
+
+
+def sparse_kernel_fit(rows) -> dict:
+    """The sparse kernel's seconds per (slash tile, head) and per (bar, head), and per call, fitted by least squares
+    over every (step, rank) call that served sparse documents: what the calibration's prices
+    (SparseConfig.coefficients, forward + backward) are to be checked against."""
+    calls = [(x, y, t) for r in rows for x, y, t in zip(r["slash tiles"], r["bars"], r["sparse kernel s"]) if t > 0]
+    if len(calls) < 3:
+        return {}
+    x, y, t = np.array(calls).T
+    (slash, bar, call), *_ = np.linalg.lstsq(np.stack([x, y, np.ones_like(x)], 1), t, rcond=None)
+    fitted = slash * x + bar * y + call
+    return {"slash_s": float(slash), "bar_s": float(bar), "call_s": float(call), "calls": len(calls),
+            "mean_abs_error": float(np.mean(np.abs(fitted - t) / t))}
 
 
 def main() -> None:
@@ -151,7 +167,7 @@ def main() -> None:
                 for measure in SERVED:
                     row[f"served {measure}"] = served[measure].tolist()
                     row[f"served {measure} max/mean"] = imbalance(served[measure])
-                row.update({part: served[part].tolist() for part in PARTS})
+                row.update({part: served[part].tolist() for part in PARTS + TILES})
             prior.update(*sums[:3], by_length=by_length if name == "by length" else None)
         rows.append(row)
         print(f"step {step:3d}: {row['docs']:3d} docs (longest {row['longest']:6d}), density {row['density']:.3f}  "
@@ -165,6 +181,11 @@ def main() -> None:
         if args.out:  # after every step: a run cut short keeps its steps
             write(args, kv_heads, dense_backend.name if args.kernels else None, mean, rows)
     print("mean from step 3: " + ", ".join(f"{k} {v:.3f}" for k, v in mean.items()))
+    fit = sparse_kernel_fit(rows) if args.kernels else {}
+    if fit:
+        print(f"sparse kernel, fitted over {fit['calls']} calls: {fit['slash_s'] * 1e9:.1f} ns per slash tile and head, "
+              f"{fit['bar_s'] * 1e9:.1f} ns per bar, {fit['call_s'] * 1e3:.2f} ms per call "
+              f"(mean error {fit['mean_abs_error']:.1%})")
 
 
 def mean_from_step_3(rows, kernels) -> dict:
@@ -181,6 +202,10 @@ def write(args, kv_heads, dense_backend, mean, rows) -> None:
                f"--vertical-cap {args.vertical_cap} --steps {args.steps} --ranks {args.ranks} --tokens {args.tokens} "
                f"--heads {args.heads} --cost-model {args.cost_model}")
     record = {"command": command, "mean_from_step_3": mean, "rows": rows}
+    if args.kernels:
+        price = SparseConfig(slash_cap=args.slash_cap, vertical_cap=args.vertical_cap).coefficients().phase("fwd+bwd")
+        record["sparse_kernel_fit"] = {**sparse_kernel_fit(rows), "calibration_slash_s": price[0],
+                                       "calibration_bar_s": price[1]}
     caps = f"{args.slash_cap}-{args.vertical_cap}"
     if args.kernels:
         on_gpu = args.device != "cpu"

@@ -15,8 +15,12 @@ as training's server builds it (runtime.sparse: its served documents' patterns, 
 and the dense backend for the short documents'), forward and backward on random inputs on --device, --repeats times
 after an untimed pass; reported per rank are what training's SparseStats measures, served pairs, served work priced
 as planned, and kernel seconds (the median of the repeats), and their max/mean, with the kernel seconds' parts: the
-sparse kernel's, the dense kernel's and the split call's row copies. The ranks run in turn on one device: the kernels'
-balance, without the exchanges or another GPU's clocks. On a GPU, patterns are estimated there.
+sparse kernel's, the dense kernel's and the rest of the split call (its row copies and allocations). The ranks run in
+turn on one device, from another rank each step: the kernels' balance, without the exchanges or another GPU's clocks.
+On a GPU, patterns are estimated there. The record also fits the sparse kernel's seconds to the slash tiles and bars
+served and a constant per call (least squares over every call; `sparse_kernel_fit`, beside the calibration's prices),
+and again with the query blocks served (`sparse_kernel_fit_with_blocks`): a calibration's check, where the terms are
+far enough from collinear.
 
     PYTHONPATH=src python3 bench/sparse_prior_by_length.py --slash-cap 192 --vertical-cap 1024 --steps 10 --out DIR
     PYTHONPATH=src python3 bench/sparse_prior_by_length.py --cost-model table --kernels --device cuda --heads 32 \
@@ -47,21 +51,26 @@ from attnpool.train.spec import model_spec
 
 PRIORS = ("one size", "by length")
 SERVED = ("pairs", "work", "kernel s")  # SparseStats' three measures of what a rank served
-PARTS = ("sparse kernel s", "dense kernel s", "split copies s")  # where a rank's kernel seconds went
-TILES = ("slash tiles", "bars", "dense work")  # what it served: x heads, and the short documents' spans priced
+# where a rank's kernel seconds went: the sparse kernel's calls, the dense kernel's, and the rest of the split call
+# (its row copies, and its allocations and whatever else runs between the kernels)
+PARTS = ("sparse kernel s", "dense kernel s", "split copies s")
+# what it served: x heads (query blocks: of its sparse segments), and the short documents' spans priced
+TILES = ("slash tiles", "bars", "query blocks", "dense work")
+FIT_KEYS = {"slash tiles": "slash_s", "bars": "bar_s", "query blocks": "query_block_s", "call": "call_s"}
 
 
-def served_by_rank(plan, pattern, sparse, price, dense, head_dim, kv_heads, repeats, device) -> dict:
+def served_by_rank(plan, pattern, sparse, price, dense, head_dim, kv_heads, repeats, device, first=0) -> dict:
     """Each rank's served pairs, served work and kernel seconds of one sparse layer (``SERVED``), and the kernel
     seconds' parts (``PARTS``: the sparse kernel's, the dense kernel's, and the rest, the split call's row copies):
     its kernel call built as training's server builds it (``pattern``: the batch's, on ``device``), run forward and
     backward on random bf16 inputs (float32 on the CPU) once untimed (compiling) and ``repeats`` times timed, each
     time with a fresh backend (whose first call builds its kernel index, as every layer's does); the medians of the
-    repeats' seconds. Values (ranks,) by name."""
+    repeats' seconds. The ranks run in turn from rank ``first`` (vary it between steps, so that a drift of the device's
+    clocks over a step does not look like one rank's load). Values (ranks,) by name, in rank order."""
     heads = pattern.num_heads
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    rows = []
-    for rank in range(plan.num_ranks):
+    rows = {}
+    for rank in np.roll(np.arange(plan.num_ranks), -first).tolist():
         routes = PatternRoutes.build(plan, rank, heads, sparse, device)
         served = None
         if len(routes.served_docs):  # the served documents' rows of the batch's pattern, as the exchange leaves them
@@ -87,23 +96,24 @@ def served_by_rank(plan, pattern, sparse, price, dense, head_dim, kv_heads, repe
                 seconds.append([whole, *parts, whole - sum(parts)])
         pairs, work = stats.values()[5:7]
         slash, bars = (0.0, 0.0) if stats.served is None else stats.served[:2].tolist()
-        rows.append([pairs, work, *np.median(np.array(seconds), 0), slash, bars, stats.dense_served_work])
+        blocks = heads * float((routes.seg_end_block - routes.seg_first_block).sum()) if served is not None else 0.0
+        rows[rank] = [pairs, work, *np.median(np.array(seconds), 0), slash, bars, blocks, stats.dense_served_work]
         del q, k, v, dout, out, lse
-    return dict(zip(SERVED + PARTS + TILES, np.array(rows).T))
+    return dict(zip(SERVED + PARTS + TILES, np.array([rows[rank] for rank in sorted(rows)]).T))
 
 
-def sparse_kernel_fit(rows) -> dict:
-    """The sparse kernel's seconds per (slash tile, head) and per (bar, head), and per call, fitted by least squares
-    over every (step, rank) call that served sparse documents: what the calibration's prices
-    (SparseConfig.coefficients, forward + backward) are to be checked against."""
-    calls = [(x, y, t) for r in rows for x, y, t in zip(r["slash tiles"], r["bars"], r["sparse kernel s"]) if t > 0]
-    if len(calls) < 3:
+def sparse_kernel_fit(rows, terms=("slash tiles", "bars")) -> dict:
+    """The sparse kernel's seconds per unit of each of ``terms`` (per head) and per call, fitted by least squares over
+    every (step, rank) call that served sparse documents: what the calibration's prices (SparseConfig.coefficients,
+    forward + backward: per slash tile and per bar) are to be checked against."""
+    calls = np.array([values for r in rows for values in zip(*(r[term] for term in terms), r["sparse kernel s"])
+                      if values[-1] > 0]).reshape(-1, len(terms) + 1)
+    if len(calls) <= len(terms) + 1:
         return {}
-    x, y, t = np.array(calls).T
-    (slash, bar, call), *_ = np.linalg.lstsq(np.stack([x, y, np.ones_like(x)], 1), t, rcond=None)
-    fitted = slash * x + bar * y + call
-    return {"slash_s": float(slash), "bar_s": float(bar), "call_s": float(call), "calls": len(calls),
-            "mean_abs_error": float(np.mean(np.abs(fitted - t) / t))}
+    a, t = np.c_[calls[:, :-1], np.ones(len(calls))], calls[:, -1]
+    coefficients, *_ = np.linalg.lstsq(a, t, rcond=None)
+    return {**{FIT_KEYS[term]: float(c) for term, c in zip(terms + ("call",), coefficients)}, "calls": len(calls),
+            "mean_abs_error": float(np.mean(np.abs(a @ coefficients - t) / t))}
 
 
 def main() -> None:
@@ -163,7 +173,7 @@ def main() -> None:
                 row[f"{name} {unit}"] = imbalance(loads(model))
             if args.kernels and name == "by length":
                 served = served_by_rank(plan, on_device, sparse, price, dense_backend, 128, kv_heads, args.repeats,
-                                        args.device)
+                                        args.device, first=step % args.ranks)
                 for measure in SERVED:
                     row[f"served {measure}"] = served[measure].tolist()
                     row[f"served {measure} max/mean"] = imbalance(served[measure])
@@ -181,11 +191,12 @@ def main() -> None:
         if args.out:  # after every step: a run cut short keeps its steps
             write(args, kv_heads, dense_backend.name if args.kernels else None, mean, rows)
     print("mean from step 3: " + ", ".join(f"{k} {v:.3f}" for k, v in mean.items()))
-    fit = sparse_kernel_fit(rows) if args.kernels else {}
-    if fit:
-        print(f"sparse kernel, fitted over {fit['calls']} calls: {fit['slash_s'] * 1e9:.1f} ns per slash tile and head, "
-              f"{fit['bar_s'] * 1e9:.1f} ns per bar, {fit['call_s'] * 1e3:.2f} ms per call "
-              f"(mean error {fit['mean_abs_error']:.1%})")
+    for terms in (("slash tiles", "bars"), ("slash tiles", "bars", "query blocks")) if args.kernels else ():
+        fit = sparse_kernel_fit(rows, terms)
+        if fit:
+            print(f"sparse kernel, fitted over {fit['calls']} calls: "
+                  + ", ".join(f"{fit[FIT_KEYS[term]] * 1e9:.1f} ns per {term[:-1]}" for term in terms)
+                  + f" (per head), {fit['call_s'] * 1e3:.2f} ms per call (mean error {fit['mean_abs_error']:.1%})")
 
 
 def mean_from_step_3(rows, kernels) -> dict:
@@ -206,6 +217,7 @@ def write(args, kv_heads, dense_backend, mean, rows) -> None:
         price = SparseConfig(slash_cap=args.slash_cap, vertical_cap=args.vertical_cap).coefficients().phase("fwd+bwd")
         record["sparse_kernel_fit"] = {**sparse_kernel_fit(rows), "calibration_slash_s": price[0],
                                        "calibration_bar_s": price[1]}
+        record["sparse_kernel_fit_with_blocks"] = sparse_kernel_fit(rows, ("slash tiles", "bars", "query blocks"))
     caps = f"{args.slash_cap}-{args.vertical_cap}"
     if args.kernels:
         on_gpu = args.device != "cpu"

@@ -5,7 +5,8 @@ rows copied run by run (runtime.dispatch.Rows, today's) against through an index
 Batches of synthetic prolong at 256K tokens per rank over 4 ranks; patterns estimated from random queries and keys
 (32 query heads, 8 key and value heads of 128); cad planned as training plans (bench/sparse_prior_by_length.py, whose
 ``served_by_rank`` runs every rank's kernel call and times its parts). Per step and variant, each rank's kernel
-seconds and its split copies' seconds, forward and backward.
+seconds and its split copies' seconds (the call's seconds outside its two kernels), forward and backward. The index
+variant is today's call with the copies through the index, not the code before: that also filled the outputs first.
 
     PYTHONPATH=src python3 bench/sparse_split_copies.py --steps 8 --out DIR
 """
@@ -66,7 +67,8 @@ def main() -> None:
             for variant, runs in VARIANTS:
                 dispatch.MAX_ROW_RUNS = runs  # read when a plan's routes are built: a fresh plan per variant
                 plan = plan_attention(table, "cad", cost_model=prior.cost_model(table.doc_len, planning))
-                served = served_by_rank(plan, pattern, sparse, price, dense, 128, KV_HEADS, 3, args.device)
+                served = served_by_rank(plan, pattern, sparse, price, dense, 128, KV_HEADS, 3, args.device,
+                                        first=step % RANKS)
                 row[variant] = {k: v.tolist() for k, v in served.items()}
         finally:
             dispatch.MAX_ROW_RUNS = VARIANTS[1][1]

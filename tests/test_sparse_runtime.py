@@ -360,11 +360,23 @@ def test_kernel_clock_times_each_call_of_a_timed_backend():
     assert timed.name == plain.name and timed.positions is None
 
 
+def _recording(backend: Backend, calls: list, kind: str) -> Backend:
+    """``backend``, noting (kind, the segments' query lengths) of every call it gets."""
+    def note(fn):
+        def call(*args, **kwargs):
+            cu_q = args[6] if fn is backend.backward else args[3]  # (dout, q, k, v, out, lse, cu_q, ...)
+            calls.append((kind, np.diff(cu_q.numpy()).tolist()))
+            return fn(*args, **kwargs)
+        return call
+    return Backend(kind, note(backend.forward), note(backend.backward))
+
+
 @pytest.mark.parametrize("segments", [6, 60])
 def test_split_backend_computes_what_one_call_computes(segments):
     """A server's call split into its long documents' segments and its short ones' (interleaved, as cad leaves them),
-    each part through its own backend, gives one call's outputs and gradients: with few runs of segments the parts'
-    rows are copied run by run, with more than MAX_ROW_RUNS through their index."""
+    each part through its own backend, gives one call's outputs and gradients, and each backend gets its own part's
+    segments alone: with few runs of segments the parts' rows are copied run by run, with more than MAX_ROW_RUNS
+    through their index."""
     from attnpool.kernels import reference
     from attnpool.runtime.dispatch import MAX_ROW_RUNS, SegmentRows
     from attnpool.runtime.sparse import split_backend
@@ -380,9 +392,48 @@ def test_split_backend_computes_what_one_call_computes(segments):
     k, v = (torch.randn(int(k_len.sum()), 2, 8, dtype=torch.float64) for _ in range(2))
     dout = torch.randn_like(q)
     args = (cu(q_len), cu(k_len), int(q_len.max()), int(k_len.max()))
-    one = reference.BACKEND
-    split = split_backend(one, Backend("other", one.forward, one.backward), *parts)
+    one, calls = reference.BACKEND, []
+    split = split_backend(_recording(one, calls, "sparse"), _recording(one, calls, "dense"), *parts)
     (out, lse), (want_out, want_lse) = split.forward(q, k, v, *args), one.forward(q, k, v, *args)
     assert torch.allclose(out, want_out) and torch.allclose(lse, want_lse)
     for got, want in zip(split.backward(dout, q, k, v, out, lse, *args), one.backward(dout, q, k, v, out, lse, *args)):
         assert torch.allclose(got, want)
+    own = {"sparse": q_len[keep].tolist(), "dense": q_len[~keep].tolist()}
+    assert calls == [(kind, own[kind]) for _ in range(2) for kind in ("sparse", "dense")]
+
+
+def test_served_backend_sends_long_documents_to_the_sparse_kernel_and_short_ones_to_the_dense():
+    """A server's call (runtime.sparse.served_backend) over a plan's long and short documents: the long ones'
+    segments go to the sparse kernel bound to their patterns, the short ones' to the dense backend; ``wrap`` sees
+    each kind's backend; a server without long documents gets the dense backend alone."""
+    from attnpool.kernels import reference
+    from attnpool.runtime.sparse import served_backend
+    from attnpool.sparse.pattern import estimate_untrained, pack_pattern, unpack_patterns
+
+    pieces = linear_layout([600, 90, 450, 120, 70, 150, 150, 150, 130], 3)  # rank 2: short documents alone
+    plan = plan_attention(pieces, "local", cost_model="pairs")
+    doc_len = plan.pieces.doc_len
+    pattern = estimate_untrained(doc_len, N_Q, HEAD_DIM, CONFIG, seed=0, num_kv_heads=N_KV)
+    kinds = []
+    for rank in range(3):
+        routes = PatternRoutes.build(plan, rank, N_Q, CONFIG, "cpu")
+        assert np.array_equal(routes.served_lens, doc_len[routes.served_docs])
+        assert all(doc_len[routes.served_docs] >= CONFIG.min_doc_len)
+        doc, q_len, k_len = plan.kernel_segments(rank)
+        calls, wrapped = [], []
+        served = None
+        if len(routes.served_docs):  # the served documents' rows of the batch's pattern, as the exchange leaves them
+            served = unpack_patterns(pack_pattern(pattern, routes.served_docs, routes.served_lens, CONFIG),
+                                     routes.served_lens, N_Q, CONFIG)
+        backend = served_backend(served, routes, reference.BACKEND, CONFIG,
+                                 wrap=lambda b, kind: wrapped.append(kind) or _recording(b, calls, kind))
+        cu = lambda n: torch.tensor(np.r_[0, np.cumsum(n)], dtype=torch.int32)
+        q = torch.randn(int(q_len.sum()), N_Q, HEAD_DIM, dtype=torch.float64)
+        k, v = (torch.randn(int(k_len.sum()), N_KV, HEAD_DIM, dtype=torch.float64) for _ in range(2))
+        backend.forward(q, k, v, cu(q_len), cu(k_len), int(q_len.max()), int(k_len.max()))
+        long = doc_len[doc] >= CONFIG.min_doc_len
+        expected = [(kind, q_len[mask].tolist()) for kind, mask in (("sparse", long), ("dense", ~long)) if mask.any()]
+        assert calls == expected and wrapped == [kind for kind, _ in expected]
+        assert (served is None) == (not long.any())
+        kinds.append(wrapped)
+    assert kinds == [["sparse", "dense"], ["sparse", "dense"], ["dense"]]

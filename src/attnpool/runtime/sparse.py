@@ -36,7 +36,7 @@ from attnpool.kernels import sparse as sparse_kernels
 from attnpool.kernels.base import Backend
 from attnpool.plan.documents import ranges
 from attnpool.plan.plan import Plan
-from attnpool.runtime.dispatch import SegmentRows, backward_in_parts, index_tensor, put_rows, take_rows
+from attnpool.runtime.dispatch import Rows, SegmentRows, backward_in_parts, index_tensor, put_rows, take_rows
 from attnpool.runtime.sparse_kv import ReadRoutes, ReadSelection, estimating_servers
 from attnpool.sparse import SparseConfig, VerticalSlashPattern, estimate_vertical_slash, packed_sizes
 from attnpool.sparse.pattern import LENGTH_CLASSES, PackLayout, exclusive_cumsum, length_class
@@ -59,7 +59,7 @@ class PatternRoutes:
     tail_rows: torch.Tensor  # rows of the server's Q buffer: the estimating queries its last shards hold
     est_q_index: torch.Tensor  # each estimating query in cat(Q[tail_rows], extra local, extra received)
     est_cu_q: torch.Tensor  # int32
-    est_k_rows: torch.Tensor  # rows of the server's unique KV buffer: each estimated document's keys [0, L)
+    est_k_rows: Rows  # rows of the server's unique KV buffer: each estimated document's keys [0, L), a run each
     est_cu_k: torch.Tensor  # int32
     own_pack: PackLayout  # the estimated documents' packed buffer
     est_index: torch.Tensor  # 0 .. len(est_docs) - 1 on the device: the estimated pattern's documents
@@ -144,7 +144,7 @@ class PatternRoutes:
             extra_recv_splits=queries["extra_recv_splits"], extra_local_rows=dev(queries["extra_local_rows"]),
             tail_rows=dev(queries["tail_rows"]),
             est_q_index=dev(queries["est_q_index"]), est_cu_q=dev(queries["est_cu_q"], torch.int32),
-            est_k_rows=dev(est_k_rows), est_cu_k=dev(np.r_[0, np.cumsum(est_lens)], torch.int32),
+            est_k_rows=Rows.of(est_k_rows, device), est_cu_k=dev(np.r_[0, np.cumsum(est_lens)], torch.int32),
             own_pack=PackLayout.build(est_lens, num_heads, config, device), est_index=dev(np.arange(len(est_here))),
             send_words=dev(send_words), send_splits=send_splits, recv_splits=recv_splits,
             served_docs=served, served_lens=doc_len[served], served_words=None if served_words is None else dev(served_words),
@@ -473,7 +473,7 @@ class SparseServing:
             q_est = torch.cat([q_srv[r.tail_rows], *extra])[r.est_q_index]
             # Scores in float32 whatever the caller's autocast: the selection ranks small masses.
             with torch.autocast(q.device.type, enabled=False):
-                pattern = estimate_vertical_slash(q_est, k_unique[r.est_k_rows], r.est_cu_q, r.est_cu_k, self.config,
+                pattern = estimate_vertical_slash(q_est, r.est_k_rows.take(k_unique), r.est_cu_q, r.est_cu_k, self.config,
                                                   k_lens_host=r.est_lens)
         if self.stats is not None:
             self.stats.add(pattern, r.dense_pairs)

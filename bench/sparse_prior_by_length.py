@@ -20,7 +20,9 @@ turn on one device, from another rank each step: the kernels' balance, without t
 On a GPU, patterns are estimated there. The record also fits the sparse kernel's seconds to the slash tiles and bars
 served and a constant per call (least squares over every call; `sparse_kernel_fit`, beside the calibration's prices),
 and again with the query blocks served (`sparse_kernel_fit_with_blocks`): a calibration's check, where the terms are
-far enough from collinear.
+far enough from collinear. With --cost-model table the next plans' tile prices then follow the kernel seconds as
+training's do (`sparse.cost.SparsePrior.update_kernel_scale`; each row's "price scale" is what its plan used);
+--no-price-from-kernels keeps the calibration's, for an A/B.
 
     PYTHONPATH=src python3 bench/sparse_prior_by_length.py --slash-cap 192 --vertical-cap 1024 --steps 10 --out DIR
     PYTHONPATH=src python3 bench/sparse_prior_by_length.py --cost-model table --kernels --device cuda --heads 32 \
@@ -55,7 +57,7 @@ SERVED = ("pairs", "work", "kernel s")  # SparseStats' three measures of what a 
 # (its row copies, and its allocations and whatever else runs between the kernels)
 PARTS = ("sparse kernel s", "dense kernel s", "split copies s")
 # what it served: x heads (query blocks: of its sparse segments), and the short documents' spans priced
-TILES = ("slash tiles", "bars", "query blocks", "dense work")
+TILES = ("slash tiles", "bars", "query blocks", "tiles work", "dense work")  # tiles work: at the calibration's prices
 FIT_KEYS = {"slash tiles": "slash_s", "bars": "bar_s", "query blocks": "query_block_s", "call": "call_s"}
 
 
@@ -94,10 +96,10 @@ def served_by_rank(plan, pattern, sparse, price, dense, head_dim, kv_heads, repe
             whole, *parts = (clock.seconds() for clock in clocks.values())  # (each waits for the device)
             if repeat:  # the untimed pass done before the timed ones start
                 seconds.append([whole, *parts, whole - sum(parts)])
-        pairs, work = stats.values()[5:7]
+        pairs, work, _, tiles_work, dense_work = stats.values()[5:10]  # (its clock timed nothing: ours did)
         slash, bars = (0.0, 0.0) if stats.served is None else stats.served[:2].tolist()
         blocks = heads * float((routes.seg_end_block - routes.seg_first_block).sum()) if served is not None else 0.0
-        rows[rank] = [pairs, work, *np.median(np.array(seconds), 0), slash, bars, blocks, stats.dense_served_work]
+        rows[rank] = [pairs, work, *np.median(np.array(seconds), 0), slash, bars, blocks, tiles_work, dense_work]
         del q, k, v, dout, out, lse
     return dict(zip(SERVED + PARTS + TILES, np.array([rows[rank] for rank in sorted(rows)]).T))
 
@@ -131,10 +133,14 @@ def main() -> None:
                     help="also run every rank's kernel call of the by-length plans and measure what each served")
     ap.add_argument("--device", default="cpu", help="where patterns are estimated and kernels run")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each rank's kernel call (--kernels)")
+    ap.add_argument("--no-price-from-kernels", action="store_true",
+                    help="--kernels with --cost-model table: keep the calibration's tile prices (training's "
+                         "price_from_kernels=false), rather than fit them to the kernel seconds as training does")
     ap.add_argument("--out", help="write <date>-cpu-sparse-prior-by-length-<caps>[-table][-<ranks>ranks].json here "
                                   "(with --kernels: <date>-<device>-sparse-served-balance-<caps>-<ranks>ranks.json)")
     args = ap.parse_args()
-    sparse = SparseConfig(slash_cap=args.slash_cap, vertical_cap=args.vertical_cap)
+    sparse = SparseConfig(slash_cap=args.slash_cap, vertical_cap=args.vertical_cap,
+                          price_from_kernels=not args.no_price_from_kernels)
     config = TrainConfig(model="llama3-8b", data="synthetic", data_args={"dist": "prolong"},
                          tokens_per_rank=args.tokens, nproc=args.ranks)
     stream = DocumentStream(build_source(config, model_spec("llama3-8b")), args.ranks, args.tokens,
@@ -146,7 +152,6 @@ def main() -> None:
     if args.heads % kv_heads:
         ap.error(f"--kv-heads {kv_heads} must divide --heads {args.heads}")
     if args.kernels:
-        price = priors["by length"].served_price(planning)
         dense_backend = get_backend("auto", args.device, torch.bfloat16 if "cuda" in args.device else None)
     rows = []
     for step in range(1, args.steps + 1):
@@ -172,8 +177,12 @@ def main() -> None:
             for unit, model in exact.items():
                 row[f"{name} {unit}"] = imbalance(loads(model))
             if args.kernels and name == "by length":
+                price = prior.served_price(planning)  # as this step's plan priced
                 served = served_by_rank(plan, on_device, sparse, price, dense_backend, 128, kv_heads, args.repeats,
                                         args.device, first=step % args.ranks)
+                if prior.learns_kernel_scale(planning):  # as training does: the next plans' tile prices
+                    row["price scale"] = price.sparse_scale
+                    prior.update_kernel_scale(served["kernel s"], served["tiles work"], served["dense work"])
                 for measure in SERVED:
                     row[f"served {measure}"] = served[measure].tolist()
                     row[f"served {measure} max/mean"] = imbalance(served[measure])
@@ -223,9 +232,11 @@ def write(args, kv_heads, dense_backend, mean, rows) -> None:
         on_gpu = args.device != "cpu"
         machine = torch.cuda.get_device_name(args.device) if on_gpu else "cpu"
         record.update(command=command + f" --kv-heads {kv_heads} --kernels --device {args.device} "
-                                        f"--repeats {args.repeats}",
+                                        f"--repeats {args.repeats}"
+                                        + (" --no-price-from-kernels" if args.no_price_from_kernels else ""),
                       machine=machine, dense_backend=dense_backend, torch=torch.__version__)
-        stem = f"{machine.split()[-1].lower()}-sparse-served-balance-{caps}-{args.ranks}ranks"
+        stem = (f"{machine.split()[-1].lower()}-sparse-served-balance-{caps}-{args.ranks}ranks"
+                + ("-calibrated-prices" if args.no_price_from_kernels else ""))
     else:
         stem = (f"cpu-sparse-prior-by-length-{caps}" + ("-table" if args.cost_model == "table" else "")
                 + (f"-{args.ranks}ranks" if args.ranks != 4 else ""))

@@ -933,3 +933,73 @@ def test_the_prior_by_length_interpolates_and_survives_a_checkpoint():
     older = {k: v for k, v in prior.state_dict().items() if k != "by_length"}  # a checkpoint of before
     restored.load_state_dict(older)
     assert restored.sizes([300, 4096])[0].tolist() == [prior.diagonals] * 2
+
+
+def test_the_prior_fits_the_tiles_price_to_the_kernels_seconds():
+    """SparsePrior.update_kernel_scale: the ranks' kernel seconds less their dense work, against their sparse work at
+    the calibration's prices, as deviations from the step's mean (what every rank pays alike moves nothing), give the
+    tiles' price scale once two steps are in and the sparse work spreads over the ranks; bounded; ranks that ran no
+    sparse kernels left out; kept in checkpoints; used by the plans and the served price only where the prices are
+    seconds and price_from_kernels is on."""
+    from attnpool.plan import load_cost_model
+    from attnpool.sparse.cost import SparsePrior
+
+    cfg = SparseConfig(min_doc_len=256, block=16, local_window=16, sink_tokens=4, slash_cap=48, vertical_cap=64)
+    table, pairs = load_cost_model("table", backend="flash"), load_cost_model("pairs")
+    prior = SparsePrior(cfg, num_heads=2, head_dim=16, n_layers=1)
+    assert prior.learns_kernel_scale(table) and not prior.learns_kernel_scale(pairs)
+    rng = np.random.default_rng(0)
+    sparse, dense = rng.uniform(0.0, 0.1, (3, 5)), rng.uniform(0.0, 0.1, (3, 5))
+    # the kernels: tiles at 1.8x their prices, dense spans at theirs, and 5 ms every rank pays
+    kernel = 1.8 * sparse + dense + 0.005
+    kernel[:, 4] = 0.0  # a rank that ran no sparse layer (a dense pipeline stage): left out
+    prior.update_kernel_scale(kernel[0], sparse[0], dense[0])
+    assert prior.kernel_scale == 1.0  # one step is not enough
+    prior.update_kernel_scale(kernel[1], sparse[1], dense[1])
+    assert prior.kernel_scale == pytest.approx(1.8)
+    # the plans' tile prices follow it; the dense documents' do not
+    lengths = np.array([300, 100])
+    with_scale, calibrated = prior.cost_model(lengths, table), SparsePrior(cfg, 2, 16, 1).cost_model(lengths, table)
+    a, e, doc = np.array([0, 0]), np.array([300, 100]), np.array([0, 1])
+    ratio = with_scale.cost(a, e, doc) / calibrated.cost(a, e, doc)
+    assert ratio[1] == pytest.approx(1.0) and ratio[0] == pytest.approx(1.8)  # (all layers sparse here)
+    assert prior.served_price(table).sparse_scale == prior.kernel_scale and prior.served_price(pairs).sparse_scale == 1
+    assert np.array_equal(prior.cost_model(lengths, pairs).cost(a, e, doc),
+                          SparsePrior(cfg, 2, 16, 1).cost_model(lengths, pairs).cost(a, e, doc))
+    # a checkpoint keeps it, and one from before the fit starts from the calibration
+    restored = SparsePrior(cfg, 2, 16, 1)
+    restored.load_state_dict(prior.state_dict())
+    assert restored.kernel_scale == prior.kernel_scale and restored.kernel_steps == 2
+    dearer = np.where(kernel[2] > 0, kernel[2] + 0.5 * sparse[2], 0.0)  # a step whose tiles cost 2.3x
+    restored.update_kernel_scale(dearer, sparse[2], dense[2])
+    prior.update_kernel_scale(dearer, sparse[2], dense[2])
+    assert restored.kernel_scale == prior.kernel_scale and 1.8 < prior.kernel_scale < 2.3  # the newest step weighs in
+    restored.load_state_dict({k: v for k, v in prior.state_dict().items() if not k.startswith("kernel")})
+    assert restored.kernel_scale == 1.0 and restored.kernel_steps == 0
+    # sparse work alike on every rank says nothing of its price; a fit past the bounds is clamped
+    flat = SparsePrior(cfg, 2, 16, 1)
+    for step in range(3):
+        flat.update_kernel_scale(3.0 * sparse[step] + dense[step], np.full(5, 0.05), dense[step])
+    assert flat.kernel_scale == 1.0
+    steep = SparsePrior(cfg, 2, 16, 1)
+    for step in range(2):
+        steep.update_kernel_scale(10.0 * sparse[step] + dense[step], sparse[step], dense[step])
+    assert steep.kernel_scale == SparsePrior.KERNEL_SCALE_RANGE[1]
+    # off: the calibration's prices
+    off = SparsePrior(SparseConfig(min_doc_len=256, block=16, local_window=16, sink_tokens=4, slash_cap=48,
+                                   vertical_cap=64, price_from_kernels=False), 2, 16, 1)
+    assert not off.learns_kernel_scale(table) and off.served_price(table).sparse_scale == 1.0
+
+
+def test_price_from_kernels_is_an_option():
+    """``--sparse-args price_from_kernels=false`` turns the fit off; a value that is not a boolean is refused naming
+    the option."""
+    from attnpool.errors import ConfigError
+    from attnpool.train.config import TrainConfig
+    from attnpool.train.spec import check_sparse, model_spec
+
+    model = model_spec("llama3-8b").config
+    sparse = lambda **kw: check_sparse(TrainConfig(sparse="vertical-slash", **kw), model)
+    assert sparse().price_from_kernels and not sparse(sparse_args={"price_from_kernels": False}).price_from_kernels
+    with pytest.raises(ConfigError, match="sparse_args.price_from_kernels='maybe'"):
+        sparse(sparse_args={"price_from_kernels": "maybe"})

@@ -221,6 +221,9 @@ def check_routes(world, pieces, results):
         assert served == pytest.approx([pairs for pairs, _ in reference]), strategy
         work = [results[r][strategy]["stats"][6] for r in range(world)]
         assert work == pytest.approx([work for _, work in reference]), strategy
+        # its two parts, the tiles at the calibration's prices and the dense spans (unscaled: PRICE's scale is 1)
+        parts = [results[r][strategy]["stats"][8] + results[r][strategy]["stats"][9] for r in range(world)]
+        assert parts == pytest.approx(work), strategy
         # and the kernel calls that served it were timed, on every rank that served some
         kernel_s = [results[r][strategy]["stats"][7] for r in range(world)]
         assert all((s > 0) == (p > 0) for s, p in zip(kernel_s, served)), (strategy, kernel_s, served)

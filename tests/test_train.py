@@ -203,11 +203,13 @@ def _train_sparse(rank, world, out):
     cut = dict(attention="cad", steps=4, **SPARSE)
     train(tiny_config(Path(out) / "cut", stop_at=2, **cut))
     resumed = train(tiny_config(Path(out) / "cut", resume=True, **cut))
-    return results, dense_first.rows, resumed.rows
+    # planned in seconds (the shipped table): the tiles' prices follow the kernels' seconds (price_from_kernels)
+    seconds = train(tiny_config(Path(out) / "seconds", attention="cad", steps=4, cost_model="table", **SPARSE))
+    return results, dense_first.rows, resumed.rows, seconds.rows
 
 
 def test_sparse_training_is_the_same_under_every_strategy(tmp_path):
-    results, dense_first, resumed = run_distributed(_train_sparse, 2, str(tmp_path))[0]
+    results, dense_first, resumed, seconds = run_distributed(_train_sparse, 2, str(tmp_path))[0]
     ref_rows, ref_weights = results["local"]
     for strategy in ("wlb", "percp", "cad", "cad+pingpong", "percp/read", "cad+pingpong/read"):
         rows, weights = results[strategy]
@@ -231,6 +233,12 @@ def test_sparse_training_is_the_same_under_every_strategy(tmp_path):
         assert r["sparse_imbalance_measured"] == pytest.approx(work.max() / work.mean())
         assert r["sparse_imbalance_measured_pairs"] == pytest.approx(pairs.max() / pairs.mean())
         assert r["sparse_imbalance_measured_kernel"] == pytest.approx(kernel_s.max() / kernel_s.mean())
+        assert r["sparse_kernel_price_scale"] is None  # plans in pairs: no seconds to fit the tiles' prices to
+    # Planned in seconds, the first two steps' plans use the calibration's tile prices, and the later ones the fit to
+    # the kernels' seconds (on the CPU, the twin's: anything within the bounds); every plan computes the same.
+    scales = [r["sparse_kernel_price_scale"] for r in seconds]
+    assert scales[:2] == [1.0, 1.0] and all(0.25 <= x <= 4.0 for x in scales), scales
+    assert rel_diff([r["loss"] for r in seconds], [r["loss"] for r in ref_rows]) <= 1e-4
     # Resuming restores the planning prior too: the steps after the cut are planned as without it.
     cad = results["cad"][0]
     assert [r["attention_work_total"] for r in resumed[2:]] == [r["attention_work_total"] for r in cad[2:]]

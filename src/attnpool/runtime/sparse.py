@@ -267,7 +267,8 @@ class SparseStats:
     - ``served_pairs``: the (query, key) pairs x heads of the tiles its kernel calls computed (slash tiles and
       vertical bars whole, dense documents' causal pairs);
     - ``served_work`` (with ``price``): the same tiles priced per tile and head as the planner prices them
-      (``price.slash``, ``price.bar``) and the dense documents' spans by the planner's dense model
+      (``price.slash``, ``price.bar``, times ``price.sparse_scale``) and the dense documents' spans by the planner's
+      dense model
       (``price.dense_cost``, over the kernel call's spans, where the planner prices each task: adjacent tasks of one
       document are one span), so in the planner's unit: seconds with a measured cost table. The kernels spend
       different time per pair on a slash tile, a bar and a dense span (2.4x more on a bar's pair than on a slash
@@ -277,6 +278,8 @@ class SparseStats:
     - ``served_kernel_s``: the seconds its sparse layers' attention kernel calls took (:class:`KernelClock`): the
       forward, a checkpointed layer's recompute of it and the backward, with whatever the host spends inside them.
     """
+
+    SERVED = ("pairs", "work", "kernel_s", "tiles_work", "dense_work")  # per rank, in values() and parse()
 
     def __init__(self, price=None):
         """``price``: what the planner charges (``sparse.cost.ServedPrice``); None: ``served_work`` is not kept."""
@@ -318,18 +321,19 @@ class SparseStats:
         return self.kernel_clock.timed(backend)
 
     def values(self) -> list[float]:
-        """The sums, this rank's served pairs, served work (0 without a price) and served kernel seconds, then the
-        first three sums by length class (``LENGTH_CLASSES`` x 3), as floats (synchronises with the device): what
-        :meth:`parse` reads back from every rank's."""
+        """The sums, this rank's served pairs, served work (0 without a price), served kernel seconds, and the served
+        work's two parts (the tiles at the calibration's prices, before the plans' ``sparse_scale``, and the short
+        documents' spans), then the first three sums by length class (``LENGTH_CLASSES`` x 3), as floats
+        (synchronises with the device): what :meth:`parse` reads back from every rank's."""
         width = len(_STAT_FIELDS) + 3 * LENGTH_CLASSES
         sums = [0.0] * width if self.sums is None else self.sums.double().cpu().tolist()
         sums[3] += self.dense_pairs
         sums[4] += self.dense_pairs
         slash, bars, pairs = [0.0] * 3 if self.served is None else self.served.cpu().tolist()
-        work = 0.0
-        if self.price is not None:
-            work = self.dense_served_work + self.price.slash * slash + self.price.bar * bars
-        return (sums[:len(_STAT_FIELDS)] + [self.dense_served + pairs, work, self.kernel_clock.seconds()]
+        tiles = 0.0 if self.price is None else self.price.tiles_cost(slash, bars)
+        dense = self.dense_served_work if self.price is not None else 0.0
+        work = 0.0 if self.price is None else dense + self.price.sparse_scale * tiles
+        return (sums[:len(_STAT_FIELDS)] + [self.dense_served + pairs, work, self.kernel_clock.seconds(), tiles, dense]
                 + sums[len(_STAT_FIELDS):])
 
     @staticmethod
@@ -341,11 +345,12 @@ class SparseStats:
 
     @staticmethod
     def parse(per_rank: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every rank's :meth:`values` (world, n) as (the sums over the ranks (5,), each rank's served pairs, work
-        and kernel seconds (3, world), the sums by length class over the ranks (LENGTH_CLASSES, 3)). Each document
-        was estimated on one rank, so the sums over ranks count each once."""
-        n = len(_STAT_FIELDS)
-        return per_rank[:, :n].sum(0), per_rank[:, n:n + 3].T, per_rank[:, n + 3:].sum(0).reshape(LENGTH_CLASSES, 3)
+        """Every rank's :meth:`values` (world, n) as (the sums over the ranks (5,), each rank's served pairs, work,
+        kernel seconds, tiles' work and dense work (``SERVED``: 5, world), the sums by length class over the ranks
+        (LENGTH_CLASSES, 3)). Each document was estimated on one rank, so the sums over ranks count each once."""
+        n, m = len(_STAT_FIELDS), len(SparseStats.SERVED)
+        return (per_rank[:, :n].sum(0), per_rank[:, n:n + m].T,
+                per_rank[:, n + m:].sum(0).reshape(LENGTH_CLASSES, 3))
 
 
 class KernelClock:

@@ -45,6 +45,10 @@ class SparseConfig:
       Empty: the packaged H200 fit (``sparse.coefficients.H200_MEASURED``). Seconds are weighed against the
       dense cost table's, so give the same GPU's (``attnpool profile``); with the ``pairs`` cost model
       the file is checked but unused.
+    - ``price_from_kernels``: with a dense cost table in seconds, ``cad`` multiplies the tiles' prices by what the
+      kernels' measured seconds say they cost against the dense table's (``sparse.cost.SparsePrior.kernel_scale``,
+      fitted every step; the metric ``sparse_kernel_price_scale``); false: the calibration's prices as they are, and
+      plans that do not depend on timings.
     """
 
     mode: str = "vertical-slash"
@@ -60,6 +64,7 @@ class SparseConfig:
     dense_layers: int = 0
     kv_transfer: str = "prefix"
     cost_coefficients: str = ""
+    price_from_kernels: bool = True
     # The file's coefficients, read once, when the config is made (not an option: no init, repr or compare).
     _coefficients: object = field(default=None, init=False, repr=False, compare=False)
 
@@ -84,6 +89,8 @@ class SparseConfig:
             value = getattr(self, name)
             if value & (value - 1) or value < 16:
                 raise ConfigError(f"sparse_{name}", value, "must be a power of two >= 16 (a Triton tile size)")
+        if not isinstance(self.price_from_kernels, bool):
+            raise ConfigError("sparse_price_from_kernels", self.price_from_kernels, "must be true or false")
         if self.sink_tokens > self.vertical_cap:
             raise ConfigError("sparse_sink_tokens", self.sink_tokens,
                               f"exceeds vertical_cap={self.vertical_cap}: the forced sinks must fit in the cap")

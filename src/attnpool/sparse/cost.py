@@ -33,6 +33,8 @@ document index (``PieceTable.doc``). ``per_doc = True`` tells the planner so.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -233,14 +235,21 @@ class ServedPrice:
     :class:`LayerMixCost` prices a sparse layer's tasks. A per-task constant has no place in it (served spans are
     not the planner's tasks), and the planning prices have none (:meth:`SparsePrior._pricing`)."""
 
-    def __init__(self, dense, coefficients: SparseCoefficients, phase: str = "fwd+bwd"):
+    def __init__(self, dense, coefficients: SparseCoefficients, phase: str = "fwd+bwd", sparse_scale: float = 1.0):
+        """``sparse_scale``: what the plans multiply the tiles' prices by (:attr:`SparsePrior.kernel_scale`);
+        ``slash`` and ``bar`` are the prices before it, what :meth:`SparsePrior.update_kernel_scale` fits against."""
         self.dense = dense
         self.slash, self.bar, task = coefficients.phase(phase)
+        self.sparse_scale = float(sparse_scale)
         if task:
             raise ConfigError("sparse_cost.task", task, "a per-task constant cannot price served spans: use 0")
 
     def dense_cost(self, start, end) -> float:
         return float(np.sum(self.dense.cost(np.asarray(start, dtype=np.int64), np.asarray(end, dtype=np.int64))))
+
+    def tiles_cost(self, slash: float, bars: float) -> float:
+        """Slash tiles and bars (x heads) at the calibration's prices, before ``sparse_scale``."""
+        return self.slash * slash + self.bar * bars
 
 
 class SparsePrior:
@@ -260,7 +269,20 @@ class SparsePrior:
     2026-11-28-h200x4-sparse-balance-measured.md). A document is priced with its class's
     sizes, interpolated between the classes seen (in log length; the nearest seen beyond
     them), and with the overall sizes before any class is seen.
+
+    Where the plans are in seconds (a measured dense table) and ``config.price_from_kernels``, the tiles' prices also
+    follow the kernels: :meth:`update_kernel_scale` fits every rank's measured kernel seconds to its served work
+    priced by the calibration (sparse tiles) and by the dense table (short documents), and the plans multiply the
+    tiles' prices by the fitted :attr:`kernel_scale`. On one H200 the sparse kernel ran 1.07x its
+    calibrated price at caps 192 / 1024 and 1.81x at 128 / 512, where the dense table's price held to 3%
+    (bench/results/2026-12-01-h200-sparse-served-balance.md): the calibration alone left those plans 1.035 in
+    kernel seconds where they were 1.006 in price. Over those runs' rows the fit gives 1.02-1.10 and about 1.5.
     """
+
+    # kernel_scale's bounds: a fit outside them is taken as noise or a mismatched table, not as the kernels
+    KERNEL_SCALE_RANGE = (0.25, 4.0)
+    # the ranks' sparse work spread less than this (its deviations' squares against its squares) tells nothing
+    KERNEL_FIT_MIN_SPREAD = 1e-3
 
     def __init__(self, config, num_heads: int, head_dim: int, n_layers: int, smoothing: float = 0.5):
         self.config, self.num_heads, self.head_dim, self.smoothing = config, int(num_heads), int(head_dim), float(smoothing)
@@ -272,18 +294,52 @@ class SparsePrior:
         # per length class: whether seen, then its diagonals and verticals (as the overall two)
         self.by_length = np.zeros((LENGTH_CLASSES, 3))
         self._priced: dict = {}  # id(dense model) -> (it, it for this model's heads, sparse coefficients)
+        self.kernel_scale = 1.0
+        # the kernel fit's sums (covariance, spread, squares: update_kernel_scale), averaged over the steps as the
+        # sizes are
+        self.kernel_fit = np.zeros(3)
+        self.kernel_steps = 0
 
     def state_dict(self) -> dict:
         return {"diagonals": float(self.diagonals), "verticals": float(self.verticals),
-                "by_length": self.by_length.tolist()}
+                "by_length": self.by_length.tolist(), "kernel_scale": float(self.kernel_scale),
+                "kernel_fit": self.kernel_fit.tolist(), "kernel_steps": int(self.kernel_steps)}
 
     def load_state_dict(self, state: dict) -> None:
         self.diagonals, self.verticals = float(state["diagonals"]), float(state["verticals"])
-        # (checkpoints written before the sizes were kept by length have none)
+        # (checkpoints written before the sizes were kept by length, or before the kernel fit, have none)
         by_length = np.array(state.get("by_length", np.zeros((LENGTH_CLASSES, 3))), dtype=np.float64)
         if by_length.shape != (LENGTH_CLASSES, 3):
             raise ValueError(f"sparse prior by_length of shape {by_length.shape}: expected ({LENGTH_CLASSES}, 3)")
         self.by_length = by_length
+        self.kernel_scale = float(state.get("kernel_scale", 1.0))
+        self.kernel_fit = np.array(state.get("kernel_fit", np.zeros(3)), dtype=np.float64).reshape(3)
+        self.kernel_steps = int(state.get("kernel_steps", 0))
+
+    def update_kernel_scale(self, kernel_s, sparse_work, dense_work) -> None:
+        """Fold in one step's every rank's sparse-layer kernel seconds and its served work, the tiles at the
+        calibration's prices (``ServedPrice.tiles_cost``) and the short documents by the dense table, and refit
+        :attr:`kernel_scale`, the seconds per priced second of tiles: least squares of the ranks' deviations from the
+        step's mean, ``kernel_s - dense_work ~ kernel_scale * sparse_work``, over the steps (each step's sums
+        weighted as the sizes' are), within ``KERNEL_SCALE_RANGE``.
+
+        Deviations, because what every rank pays alike (a call's fixed costs, its copies) prices nothing a plan can
+        move, and would pull a fit through the origin towards it; the dense table's prices are taken as they are
+        (the dense kernel matched them within 3% on an H200). The ranks' different mixes of long and short documents
+        are what tell the tiles' price apart: the scale changes once two steps are in and their sparse work spread
+        over the ranks. Ranks that ran no sparse layer's kernels are left out."""
+        k, x, d = (np.asarray(v, dtype=np.float64).reshape(-1) for v in (kernel_s, sparse_work, dense_work))
+        ran = (k > 0) & (x + d > 0)
+        if ran.sum() < 2:
+            return
+        k, x, d = k[ran], x[ran], d[ran]
+        dx, dy = x - x.mean(), (k - k.mean()) - (d - d.mean())
+        w = 1.0 if self.kernel_steps == 0 else self.smoothing
+        self.kernel_fit = (1 - w) * self.kernel_fit + w * np.array([dx @ dy, dx @ dx, x @ x])
+        self.kernel_steps += 1
+        covariance, spread, size = self.kernel_fit
+        if self.kernel_steps >= 2 and spread > self.KERNEL_FIT_MIN_SPREAD * size and covariance > 0:
+            self.kernel_scale = float(np.clip(covariance / spread, *self.KERNEL_SCALE_RANGE))
 
     def update(self, sparse_heads: float, diagonals: float, verticals: float, by_length=None) -> None:
         """Fold in one step's sums over its sparse (document, head) pairs (all layers, all ranks), overall and, where
@@ -335,14 +391,28 @@ class SparsePrior:
             self._priced[id(dense_model)] = (dense_model, scaled, coefficients)
         return self._priced[id(dense_model)][1:]
 
+    def learns_kernel_scale(self, dense_model) -> bool:
+        """Whether plans in ``dense_model``'s unit follow the kernels' seconds (:meth:`update_kernel_scale`)."""
+        return self.config.price_from_kernels and getattr(dense_model, "unit", None) == "s"
+
+    def _scaled(self, dense_model, coefficients: SparseCoefficients) -> SparseCoefficients:
+        if not self.learns_kernel_scale(dense_model) or self.kernel_scale == 1.0:
+            return coefficients
+        f = self.kernel_scale
+        return dataclasses.replace(coefficients, fwd_slash=coefficients.fwd_slash * f, fwd_bar=coefficients.fwd_bar * f,
+                                   bwd_slash=coefficients.bwd_slash * f, bwd_bar=coefficients.bwd_bar * f,
+                                   source=f"{coefficients.source}, x {f:.3g} as the kernels ran")
+
     def served_price(self, dense_model) -> ServedPrice:
-        """How the plans made with ``dense_model`` price served work (:class:`ServedPrice`)."""
-        return ServedPrice(*self._pricing(dense_model))
+        """How the plans made with ``dense_model`` now price served work (:class:`ServedPrice`)."""
+        scale = self.kernel_scale if self.learns_kernel_scale(dense_model) else 1.0
+        return ServedPrice(*self._pricing(dense_model), sparse_scale=scale)
 
     def cost_model(self, doc_len, dense_model) -> LayerMixCost:
         """The planning cost of a batch with these document lengths, in ``dense_model``'s unit."""
         cfg = self.config
-        dense_model, coefficients = self._pricing(dense_model)
+        unscaled, (dense_model, coefficients) = dense_model, self._pricing(dense_model)
+        coefficients = self._scaled(unscaled, coefficients)
         diagonals, verticals = self.sizes(doc_len)
         sparse = SparseCost.uniform(doc_len, self.num_heads, np.round(diagonals), np.round(verticals),
                                     block=cfg.block, chunk=cfg.vertical_chunk, local_blocks=self.local_blocks,

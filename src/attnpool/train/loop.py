@@ -179,8 +179,6 @@ class Trainer:
         self.stream = DocumentStream(self.setup.source, spec.dims.dp, config.data.tokens_per_rank, config.data.seed,
                                      config.data.max_doc_len)
         self.prior = spec.new_sparse_prior()
-        # the served work each rank's kernels ran, priced as its plans price it (SparseStats.served_work)
-        self.served_price = self.prior.served_price(spec.cost_model) if self.prior else None
         self.extra_state = {"sparse_prior": self.prior} if self.prior else {}
         self.step = 0
         self.compile_clock: CompileClock | None = None  # (fit's, while it runs)
@@ -380,7 +378,9 @@ class Trainer:
         planned = self.runner.plan(micro_batches, self.prior)
         plan_time = time.perf_counter() - t_plan
         comm_stats.reset()
-        stats = SparseStats(self.served_price)
+        # the served work each rank's kernels ran, priced as this step's plans price it (SparseStats.served_work)
+        price_scale = self.prior.kernel_scale if self.prior is not None else None
+        stats = SparseStats(self.prior.served_price(self.spec.cost_model) if self.prior is not None else None)
         outcome = self.runner.run(planned, max(1, targets), stats)
         grad_norm = clip_gradients(self.params, self.config.optim.grad_clip or float("inf"),
                                    self.mesh.pp_group if self.spec.dims.pp > 1 else None, self.runner.counted_params)
@@ -402,8 +402,12 @@ class Trainer:
         sparse_sums, served, by_length = SparseStats.parse(per_rank[:, 9:])
         if self.prior is not None:
             self.prior.update(*sparse_sums[:3], by_length=by_length)
+            if self.prior.learns_kernel_scale(self.spec.cost_model):  # (the same on every rank: all ranks' values)
+                self.prior.update_kernel_scale(served[2], served[3], served[4])
+            else:
+                price_scale = None
         values = {"step_time_s": time.perf_counter() - t0, "plan_time_s": plan_time, "lr": lr,
-                  "grad_norm": float(grad_norm)}
+                  "grad_norm": float(grad_norm), "sparse_kernel_price_scale": price_scale}
         row = self._row(micro_batches, planned, per_rank, sparse_sums, served, values, outcome.timed, finite,
                         max(1, targets))
         return StepEnd(row, planned.balance, finite, stop)
@@ -423,8 +427,8 @@ class Trainer:
     def _row(self, micro_batches, planned: PlannedStep, per_rank: np.ndarray, sparse_sums: np.ndarray,
              served: np.ndarray, values: dict, attention_timed: bool, finite: bool, label_tokens: int) -> dict:
         """The step's metrics row (attnpool.train.metrics says what each means); ``served``: every rank's served
-        sparse-layer pairs, work and kernel seconds (3, world; SparseStats.parse); ``values``: this rank's times,
-        learning rate and gradient norm."""
+        sparse-layer pairs, work, kernel seconds and the work's parts (SparseStats.SERVED, world; SparseStats.parse);
+        ``values``: this rank's times, learning rate, gradient norm and the sparse price scale its plans used."""
         balance = planned.balance
         step_tokens = sum(b.num_tokens for b in micro_batches)
         cuda, sparse = self.device.type == "cuda", self.spec.sparse is not None
@@ -459,6 +463,8 @@ class Trainer:
             "sparse_imbalance_measured": served_imbalance(served[1], self.spec.dims) if sparse else None,
             "sparse_imbalance_measured_pairs": served_imbalance(served[0], self.spec.dims) if sparse else None,
             "sparse_imbalance_measured_kernel": served_imbalance(served[2], self.spec.dims) if sparse else None,
+            # what this step's plans multiplied the sparse tiles' calibrated prices by (null: the calibration's)
+            "sparse_kernel_price_scale": values["sparse_kernel_price_scale"],
             "imbalance_before": balance.imbalance_local,
             "imbalance_after": balance.imbalance_planned,
             "num_docs": sum(b.num_docs for b in micro_batches),

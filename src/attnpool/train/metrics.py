@@ -45,7 +45,10 @@ layers' attention kernel calls (CUDA events; the host's clock on the CPU);
 ``sparse_imbalance_measured`` is the work's max/mean within the ranks cad balances
 together (a pipeline stage's dp ranks of one tp rank), the largest over them, and
 ``sparse_imbalance_measured_pairs`` and ``sparse_imbalance_measured_kernel`` the
-pairs' and the kernel seconds'.
+pairs' and the kernel seconds'. ``sparse_kernel_price_scale`` is what the step's plans
+multiplied the sparse tiles' calibrated prices by, fitted to the kernel seconds of
+the steps before (``sparse.cost.SparsePrior.update_kernel_scale``; null where the
+plans are not in seconds or ``price_from_kernels`` is off).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ ATTENTION_BACKENDS = ("auto", *BACKENDS)
 DATA_PATH_OPTION = {"text": "paths", "npy": "tokens_path", "jsonl": "path"}
 SPARSE_SIZE_ARGS = ("vertical_cap", "slash_cap", "last_queries", "sink_tokens", "local_window", "block",
                     "vertical_chunk")
-SPARSE_ARGS = SPARSE_SIZE_ARGS + ("kv_transfer", "cost_coefficients")  # every sparse_args option
+SPARSE_ARGS = SPARSE_SIZE_ARGS + ("kv_transfer", "cost_coefficients", "price_from_kernels")  # every sparse_args option
 
 
 def _setting(key: str, help_text: str, metavar: str | None = None, **kw):
@@ -219,7 +219,8 @@ class SparseSection(Section):
     dense_layers: int = _setting("dense_layers", "vertical-slash: the first this many layers stay dense", default=0)
     args: dict = _setting("sparse_args", f"more vertical-slash options: {', '.join(SPARSE_SIZE_ARGS)}, kv_transfer "
                                          "(prefix or read), cost_coefficients (a GPU's sparse cost coefficients, "
-                                         "a JSON file)", default_factory=dict)
+                                         "a JSON file), price_from_kernels (true: the tiles' prices follow the "
+                                         "kernels' measured seconds)", default_factory=dict)
 
     def check(self) -> None:
         self.sparse_config()  # refuses bad sparse options

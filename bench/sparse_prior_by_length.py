@@ -161,14 +161,15 @@ def main() -> None:
                                        device=args.device,
                                        dtype=torch.float32 if args.device == "cpu" else torch.bfloat16)
         pattern = on_device.to("cpu")
-        # the step's real patterns, priced in the planning unit and in pairs
-        exact = {unit: LayerMixCost(dense, SparseCost.from_pattern(pattern, coefficients, chunk=sparse.vertical_chunk),
-                                    0, 1, lens >= sparse.min_doc_len)
-                 for unit, (dense, coefficients) in (("measured", priors[PRIORS[0]]._pricing(planning)),
-                                                     ("measured pairs", priors[PRIORS[0]]._pricing(pairs)))}
         sums, by_length = SparseStats.of_pattern(pattern)
         row = {"step": step, "docs": int(len(lens)), "longest": int(lens.max()), "density": sums[3] / sums[4]}
         for name, prior in priors.items():
+            # the step's real patterns, priced in the planning unit (as this prior's plans price tiles) and in pairs
+            exact = {unit: LayerMixCost(dense, SparseCost.from_pattern(pattern, prior._scaled(model, coefficients),
+                                                                       chunk=sparse.vertical_chunk),
+                                        0, 1, lens >= sparse.min_doc_len)
+                     for unit, model in (("measured", planning), ("measured pairs", pairs))
+                     for dense, coefficients in [prior._pricing(model)]}
             predicted = prior.cost_model(table.doc_len, planning)
             plan = plan_attention(table, "cad", cost_model=predicted)
             loads = lambda model: np.bincount(plan.task_server, minlength=args.ranks,

@@ -985,6 +985,15 @@ def test_the_prior_fits_the_tiles_price_to_the_kernels_seconds():
     for step in range(2):
         steep.update_kernel_scale(10.0 * sparse[step] + dense[step], sparse[step], dense[step])
     assert steep.kernel_scale == SparsePrior.KERNEL_SCALE_RANGE[1]
+    # a rank whose clock read no finite time is left out; ranks in groups (pipeline stages) are compared within
+    # their group: a stage that runs more layers pays more, on every rank of it alike
+    grouped = SparsePrior(cfg, 2, 16, 1)
+    for step in range(2):
+        stage = np.repeat([0, 1], [2, 3])
+        seconds = 1.8 * sparse[step] + dense[step] + np.where(stage == 1, 0.3, 0.0)
+        seconds[0] = np.inf if step == 0 else seconds[0]
+        grouped.update_kernel_scale(seconds, sparse[step], dense[step], groups=stage)
+    assert grouped.kernel_scale == pytest.approx(1.8)
     # off: the calibration's prices
     off = SparsePrior(SparseConfig(min_doc_len=256, block=16, local_window=16, sink_tokens=4, slash_cap=48,
                                    vertical_cap=64, price_from_kernels=False), 2, 16, 1)
@@ -1003,3 +1012,19 @@ def test_price_from_kernels_is_an_option():
     assert sparse().price_from_kernels and not sparse(sparse_args={"price_from_kernels": False}).price_from_kernels
     with pytest.raises(ConfigError, match="sparse_args.price_from_kernels='maybe'"):
         sparse(sparse_args={"price_from_kernels": "maybe"})
+
+
+def test_served_work_prices_tiles_at_the_plans_scale():
+    """SparseStats' served work: the short documents' spans plus the tiles at the calibration's prices times the
+    plans' scale; its two parts are reported before the scale."""
+    from attnpool.plan import load_cost_model
+    from attnpool.runtime.sparse import SparseStats
+    from attnpool.sparse.cost import ServedPrice
+
+    price = ServedPrice(load_cost_model("pairs"), SparseCoefficients(2.0, 3.0, 0.0, 5.0, 11.0, 0.0), sparse_scale=1.5)
+    stats = SparseStats(price)
+    stats.served = torch.tensor([10.0, 4.0, 1000.0], dtype=torch.float64)  # slash tiles, bars, pairs (x heads)
+    stats.dense_served_work, stats.dense_served = 100.0, 50.0
+    pairs, work, _, tiles, dense = stats.values()[5:10]
+    assert tiles == 7.0 * 10 + 14.0 * 4 and dense == 100.0 and pairs == 1050.0
+    assert work == pytest.approx(100.0 + 1.5 * tiles)

@@ -203,9 +203,17 @@ def _train_sparse(rank, world, out):
     cut = dict(attention="cad", steps=4, **SPARSE)
     train(tiny_config(Path(out) / "cut", stop_at=2, **cut))
     resumed = train(tiny_config(Path(out) / "cut", resume=True, **cut))
-    # planned in seconds (the shipped table): the tiles' prices follow the kernels' seconds (price_from_kernels)
-    seconds = train(tiny_config(Path(out) / "seconds", attention="cad", steps=4, cost_model="table", **SPARSE))
-    return results, dense_first.rows, resumed.rows, seconds.rows
+    # planned in seconds (the shipped table): the tiles' prices follow the kernels' seconds (price_from_kernels),
+    # fitted from each step after the first two (counted here)
+    from attnpool.sparse.cost import SparsePrior
+    fitted, fit = [], SparsePrior.update_kernel_scale
+    SparsePrior.update_kernel_scale = lambda prior, kernel_s, *args, **kw: (fitted.append(len(kernel_s)),
+                                                                            fit(prior, kernel_s, *args, **kw))
+    try:
+        seconds = train(tiny_config(Path(out) / "seconds", attention="cad", steps=6, cost_model="table", **SPARSE))
+    finally:
+        SparsePrior.update_kernel_scale = fit
+    return results, dense_first.rows, resumed.rows, (seconds.rows, fitted)
 
 
 def test_sparse_training_is_the_same_under_every_strategy(tmp_path):
@@ -234,11 +242,14 @@ def test_sparse_training_is_the_same_under_every_strategy(tmp_path):
         assert r["sparse_imbalance_measured_pairs"] == pytest.approx(pairs.max() / pairs.mean())
         assert r["sparse_imbalance_measured_kernel"] == pytest.approx(kernel_s.max() / kernel_s.mean())
         assert r["sparse_kernel_price_scale"] is None  # plans in pairs: no seconds to fit the tiles' prices to
-    # Planned in seconds, the first two steps' plans use the calibration's tile prices, and the later ones the fit to
-    # the kernels' seconds (on the CPU, the twin's: anything within the bounds); every plan computes the same.
+    # Planned in seconds, the kernels' seconds are fitted from the third step on, every rank's; the plans use the
+    # calibration's tile prices until two steps are fitted (step 5's plan), then the fit (on the CPU, to the twin's
+    # seconds: anything within the bounds); every plan computes the same.
+    seconds, fitted = seconds
+    assert fitted == [2] * 4, fitted
     scales = [r["sparse_kernel_price_scale"] for r in seconds]
-    assert scales[:2] == [1.0, 1.0] and all(0.25 <= x <= 4.0 for x in scales), scales
-    assert rel_diff([r["loss"] for r in seconds], [r["loss"] for r in ref_rows]) <= 1e-4
+    assert scales[:4] == [1.0] * 4 and all(0.25 <= x <= 4.0 for x in scales), scales
+    assert rel_diff([r["loss"] for r in seconds[:4]], [r["loss"] for r in ref_rows]) <= 1e-4
     # Resuming restores the planning prior too: the steps after the cut are planned as without it.
     cad = results["cad"][0]
     assert [r["attention_work_total"] for r in resumed[2:]] == [r["attention_work_total"] for r in cad[2:]]

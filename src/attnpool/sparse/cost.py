@@ -276,7 +276,8 @@ class SparsePrior:
     tiles' prices by the fitted :attr:`kernel_scale`. On one H200 the sparse kernel ran 1.07x its
     calibrated price at caps 192 / 1024 and 1.81x at 128 / 512, where the dense table's price held to 3%
     (bench/results/2026-12-01-h200-sparse-served-balance.md): the calibration alone left those plans 1.035 in
-    kernel seconds where they were 1.006 in price. Over those runs' rows the fit gives 1.02-1.10 and about 1.5.
+    kernel seconds where they were 1.006 in price. Over those runs' rows, step by step, the fit gives 0.94-1.14 and
+    1.28-1.71.
     """
 
     # kernel_scale's bounds: a fit outside them is taken as noise or a mismatched table, not as the kernels
@@ -316,26 +317,33 @@ class SparsePrior:
         self.kernel_fit = np.array(state.get("kernel_fit", np.zeros(3)), dtype=np.float64).reshape(3)
         self.kernel_steps = int(state.get("kernel_steps", 0))
 
-    def update_kernel_scale(self, kernel_s, sparse_work, dense_work) -> None:
+    def update_kernel_scale(self, kernel_s, sparse_work, dense_work, groups=None) -> None:
         """Fold in one step's every rank's sparse-layer kernel seconds and its served work, the tiles at the
         calibration's prices (``ServedPrice.tiles_cost``) and the short documents by the dense table, and refit
-        :attr:`kernel_scale`, the seconds per priced second of tiles: least squares of the ranks' deviations from the
-        step's mean, ``kernel_s - dense_work ~ kernel_scale * sparse_work``, over the steps (each step's sums
+        :attr:`kernel_scale`, the seconds per priced second of tiles: least squares of the ranks' deviations from
+        their group's mean, ``kernel_s - dense_work ~ kernel_scale * sparse_work``, over the steps (each step's sums
         weighted as the sizes' are), within ``KERNEL_SCALE_RANGE``.
 
-        Deviations, because what every rank pays alike (a call's fixed costs, its copies) prices nothing a plan can
-        move, and would pull a fit through the origin towards it; the dense table's prices are taken as they are
-        (the dense kernel matched them within 3% on an H200). The ranks' different mixes of long and short documents
-        are what tell the tiles' price apart: the scale changes once two steps are in and their sparse work spread
-        over the ranks. Ranks that ran no sparse layer's kernels are left out."""
+        ``groups``: each rank's group of the ranks a plan balances together (a pipeline stage's, whose layers other
+        stages do not run; default one group). Deviations within them, because what every rank of a group pays alike
+        (a call's fixed costs, its copies, a stage's number of layers) prices nothing a plan can move, and would pull
+        the fit towards it. The dense table's prices are taken as they are (the dense kernel matched them within 3%
+        on an H200). The ranks' different mixes of long and short documents tell the tiles' price apart: the scale
+        changes once two steps are in and their sparse work spreads within the groups. Ranks that ran no sparse
+        layer's kernels, or whose clock read no finite time, are left out."""
         k, x, d = (np.asarray(v, dtype=np.float64).reshape(-1) for v in (kernel_s, sparse_work, dense_work))
-        ran = (k > 0) & (x + d > 0)
-        if ran.sum() < 2:
+        g = np.zeros(len(k), dtype=np.int64) if groups is None else np.asarray(groups).reshape(-1)
+        ran = np.isfinite(k) & np.isfinite(x) & np.isfinite(d) & (k > 0) & (x + d > 0)
+        dx, dy = np.zeros(len(k)), np.zeros(len(k))
+        for group in np.unique(g[ran]):
+            members = ran & (g == group)
+            if members.sum() >= 2:
+                y = k[members] - d[members]
+                dx[members], dy[members] = x[members] - x[members].mean(), y - y.mean()
+        if not dx.any():
             return
-        k, x, d = k[ran], x[ran], d[ran]
-        dx, dy = x - x.mean(), (k - k.mean()) - (d - d.mean())
         w = 1.0 if self.kernel_steps == 0 else self.smoothing
-        self.kernel_fit = (1 - w) * self.kernel_fit + w * np.array([dx @ dy, dx @ dx, x @ x])
+        self.kernel_fit = (1 - w) * self.kernel_fit + w * np.array([dx @ dy, dx @ dx, x[ran] @ x[ran]])
         self.kernel_steps += 1
         covariance, spread, size = self.kernel_fit
         if self.kernel_steps >= 2 and spread > self.KERNEL_FIT_MIN_SPREAD * size and covariance > 0:

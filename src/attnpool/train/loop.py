@@ -54,8 +54,9 @@ from attnpool.train.flops import bf16_peak_flops, step_flops
 from attnpool.train.memory import AUTO, MemoryEstimate, auto_choice
 from attnpool.train.memory_check import smallest_capacity
 from attnpool.console import START_TIME_ENV
-from attnpool.train.metrics import (PLOT_FILE, SUMMARY_FILE, MetricsLog, Progress, open_logger, peak_memory_bytes,
-                                    peak_reserved_bytes, plot_run, print_summary, reset_peak_memory, summarize)
+from attnpool.train.metrics import (PLOT_FILE, SUMMARY_FILE, WARM_UP_STEPS, MetricsLog, Progress, open_logger,
+                                    peak_memory_bytes, peak_reserved_bytes, plot_run, print_summary,
+                                    reset_peak_memory, summarize)
 from attnpool.train.offload import pin_host_ahead
 from attnpool.train.optim import agree_finite, apply_optim_settings, build_optimizer, build_scheduler, clip_gradients
 from attnpool.train.schedule_choice import same_schedule
@@ -132,12 +133,18 @@ def deterministic_algorithms(on: bool):
         torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
+def balance_groups(dims) -> np.ndarray:
+    """Each rank's group of the ranks cad balances together, the dp ranks of one pipeline stage and tp rank (stages
+    hold different numbers of layers), as a number per rank in the mesh's ("pp", "dp", "tp") order."""
+    pp, _, tp = np.meshgrid(np.arange(dims.pp), np.arange(dims.dp), np.arange(dims.tp), indexing="ij")
+    return (pp * dims.tp + tp).reshape(-1)
+
+
 def served_imbalance(served: np.ndarray, dims) -> float:
-    """max/mean of every rank's served sparse work (world,) within each group cad balances, the dp ranks of one
-    pipeline stage and tp rank (stages hold different numbers of layers), the largest over the groups; ranks in
-    the mesh's ("pp", "dp", "tp") order."""
-    groups = np.asarray(served).reshape(dims.pp, dims.dp, dims.tp).transpose(0, 2, 1).reshape(-1, dims.dp)
-    return max(imbalance(group) for group in groups)
+    """max/mean of every rank's served sparse work (world,) within each group cad balances (:func:`balance_groups`),
+    the largest over the groups."""
+    served, groups = np.asarray(served), balance_groups(dims)
+    return max(imbalance(served[groups == group]) for group in np.unique(groups))
 
 
 class Trainer:
@@ -181,6 +188,7 @@ class Trainer:
         self.prior = spec.new_sparse_prior()
         self.extra_state = {"sparse_prior": self.prior} if self.prior else {}
         self.step = 0
+        self.steps_run = 0  # by this process (a resumed run's first steps compile again)
         self.compile_clock: CompileClock | None = None  # (fit's, while it runs)
         # (each step draws a batch per micro-batch; a resumed run's stream continues where its checkpoint's stopped)
         for _ in range(skip_steps * config.parallel.microbatches):
@@ -400,12 +408,15 @@ class Trainer:
         per_rank = self._gather_rank_values(outcome, stats, preemption)
         stop = bool(per_rank[:, 7].max() > 0)  # a SIGTERM reached some rank: all stop after this step
         sparse_sums, served, by_length = SparseStats.parse(per_rank[:, 9:])
+        self.steps_run += 1
         if self.prior is not None:
             self.prior.update(*sparse_sums[:3], by_length=by_length)
-            if self.prior.learns_kernel_scale(self.spec.cost_model):  # (the same on every rank: all ranks' values)
-                self.prior.update_kernel_scale(served[2], served[3], served[4])
-            else:
+            if not self.prior.learns_kernel_scale(self.spec.cost_model):
                 price_scale = None
+            # The same on every rank (all ranks' values). Not this process's first steps, nor a step that compiled:
+            # their clocks hold compilation (Triton's kernels' too, which CompileClock does not see).
+            elif self.steps_run > WARM_UP_STEPS and not per_rank[:, 8].max() > 0:
+                self.prior.update_kernel_scale(served[2], served[3], served[4], groups=balance_groups(self.spec.dims))
         values = {"step_time_s": time.perf_counter() - t0, "plan_time_s": plan_time, "lr": lr,
                   "grad_norm": float(grad_norm), "sparse_kernel_price_scale": price_scale}
         row = self._row(micro_batches, planned, per_rank, sparse_sums, served, values, outcome.timed, finite,

@@ -22,7 +22,7 @@ served and a constant per call (least squares over every call; `sparse_kernel_fi
 and again with the query blocks served (`sparse_kernel_fit_with_blocks`): a calibration's check, where the terms are
 far enough from collinear. With --cost-model table the next plans' tile prices then follow the kernel seconds as
 training's do (`sparse.cost.SparsePrior.update_kernel_scale`; each row's "price scale" is what its plan used);
---no-price-from-kernels keeps the calibration's, for an A/B.
+--price-from-kernels fits them (training's price_from_kernels=true), for an A/B against the calibration's.
 
     PYTHONPATH=src python3 bench/sparse_prior_by_length.py --slash-cap 192 --vertical-cap 1024 --steps 10 --out DIR
     PYTHONPATH=src python3 bench/sparse_prior_by_length.py --cost-model table --kernels --device cuda --heads 32 \
@@ -133,14 +133,14 @@ def main() -> None:
                     help="also run every rank's kernel call of the by-length plans and measure what each served")
     ap.add_argument("--device", default="cpu", help="where patterns are estimated and kernels run")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each rank's kernel call (--kernels)")
-    ap.add_argument("--no-price-from-kernels", action="store_true",
-                    help="--kernels with --cost-model table: keep the calibration's tile prices (training's "
-                         "price_from_kernels=false), rather than fit them to the kernel seconds as training does")
+    ap.add_argument("--price-from-kernels", action="store_true",
+                    help="--kernels with --cost-model table: fit the tiles' prices to the kernel seconds as training "
+                         "does with price_from_kernels=true, rather than keep the calibration's")
     ap.add_argument("--out", help="write <date>-cpu-sparse-prior-by-length-<caps>[-table][-<ranks>ranks].json here "
                                   "(with --kernels: <date>-<device>-sparse-served-balance-<caps>-<ranks>ranks.json)")
     args = ap.parse_args()
     sparse = SparseConfig(slash_cap=args.slash_cap, vertical_cap=args.vertical_cap,
-                          price_from_kernels=not args.no_price_from_kernels)
+                          price_from_kernels=args.price_from_kernels)
     config = TrainConfig(model="llama3-8b", data="synthetic", data_args={"dist": "prolong"},
                          tokens_per_rank=args.tokens, nproc=args.ranks)
     stream = DocumentStream(build_source(config, model_spec("llama3-8b")), args.ranks, args.tokens,
@@ -234,10 +234,10 @@ def write(args, kv_heads, dense_backend, mean, rows) -> None:
         machine = torch.cuda.get_device_name(args.device) if on_gpu else "cpu"
         record.update(command=command + f" --kv-heads {kv_heads} --kernels --device {args.device} "
                                         f"--repeats {args.repeats}"
-                                        + (" --no-price-from-kernels" if args.no_price_from_kernels else ""),
+                                        + (" --price-from-kernels" if args.price_from_kernels else ""),
                       machine=machine, dense_backend=dense_backend, torch=torch.__version__)
         stem = (f"{machine.split()[-1].lower()}-sparse-served-balance-{caps}-{args.ranks}ranks"
-                + ("-calibrated-prices" if args.no_price_from_kernels else ""))
+                + ("-fitted-prices" if args.price_from_kernels else ""))
     else:
         stem = (f"cpu-sparse-prior-by-length-{caps}" + ("-table" if args.cost_model == "table" else "")
                 + (f"-{args.ranks}ranks" if args.ranks != 4 else ""))

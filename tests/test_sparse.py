@@ -944,7 +944,8 @@ def test_the_prior_fits_the_tiles_price_to_the_kernels_seconds():
     from attnpool.plan import load_cost_model
     from attnpool.sparse.cost import SparsePrior
 
-    cfg = SparseConfig(min_doc_len=256, block=16, local_window=16, sink_tokens=4, slash_cap=48, vertical_cap=64)
+    cfg = SparseConfig(min_doc_len=256, block=16, local_window=16, sink_tokens=4, slash_cap=48, vertical_cap=64,
+                       price_from_kernels=True)
     table, pairs = load_cost_model("table", backend="flash"), load_cost_model("pairs")
     prior = SparsePrior(cfg, num_heads=2, head_dim=16, n_layers=1)
     assert prior.learns_kernel_scale(table) and not prior.learns_kernel_scale(pairs)
@@ -1001,15 +1002,15 @@ def test_the_prior_fits_the_tiles_price_to_the_kernels_seconds():
 
 
 def test_price_from_kernels_is_an_option():
-    """``--sparse-args price_from_kernels=false`` turns the fit off; a value that is not a boolean is refused naming
-    the option."""
+    """``--sparse-args price_from_kernels=true`` turns the fit on (off by default); a value that is not a boolean is
+    refused naming the option."""
     from attnpool.errors import ConfigError
     from attnpool.train.config import TrainConfig
     from attnpool.train.spec import check_sparse, model_spec
 
     model = model_spec("llama3-8b").config
     sparse = lambda **kw: check_sparse(TrainConfig(sparse="vertical-slash", **kw), model)
-    assert sparse().price_from_kernels and not sparse(sparse_args={"price_from_kernels": False}).price_from_kernels
+    assert not sparse().price_from_kernels and sparse(sparse_args={"price_from_kernels": True}).price_from_kernels
     with pytest.raises(ConfigError, match="sparse_args.price_from_kernels='maybe'"):
         sparse(sparse_args={"price_from_kernels": "maybe"})
 

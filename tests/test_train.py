@@ -203,14 +203,15 @@ def _train_sparse(rank, world, out):
     cut = dict(attention="cad", steps=4, **SPARSE)
     train(tiny_config(Path(out) / "cut", stop_at=2, **cut))
     resumed = train(tiny_config(Path(out) / "cut", resume=True, **cut))
-    # planned in seconds (the shipped table): the tiles' prices follow the kernels' seconds (price_from_kernels),
+    # planned in seconds (the shipped table) with price_from_kernels: the tiles' prices follow the kernels' seconds,
     # fitted from each step after the first two (counted here)
     from attnpool.sparse.cost import SparsePrior
     fitted, fit = [], SparsePrior.update_kernel_scale
     SparsePrior.update_kernel_scale = lambda prior, kernel_s, *args, **kw: (fitted.append(len(kernel_s)),
                                                                             fit(prior, kernel_s, *args, **kw))
     try:
-        seconds = train(tiny_config(Path(out) / "seconds", attention="cad", steps=6, cost_model="table", **SPARSE))
+        fitting = dict(SPARSE, sparse_args=dict(SPARSE["sparse_args"], price_from_kernels=True))
+        seconds = train(tiny_config(Path(out) / "seconds", attention="cad", steps=6, cost_model="table", **fitting))
     finally:
         SparsePrior.update_kernel_scale = fit
     return results, dense_first.rows, resumed.rows, (seconds.rows, fitted)

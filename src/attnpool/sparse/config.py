@@ -47,8 +47,9 @@ class SparseConfig:
       the file is checked but unused.
     - ``price_from_kernels``: with a dense cost table in seconds, ``cad`` multiplies the tiles' prices by what the
       kernels' measured seconds say they cost against the dense table's (``sparse.cost.SparsePrior.kernel_scale``,
-      fitted every step; the metric ``sparse_kernel_price_scale``); false: the calibration's prices as they are, and
-      plans that do not depend on timings.
+      fitted every step; the metric ``sparse_kernel_price_scale``). Off by default until a GPU run shows its plans
+      balance better (it is checked in a CPU simulation only): the calibration's prices as they are, and plans that
+      do not depend on timings.
     """
 
     mode: str = "vertical-slash"
@@ -64,7 +65,7 @@ class SparseConfig:
     dense_layers: int = 0
     kv_transfer: str = "prefix"
     cost_coefficients: str = ""
-    price_from_kernels: bool = True
+    price_from_kernels: bool = False
     # The file's coefficients, read once, when the config is made (not an option: no init, repr or compare).
     _coefficients: object = field(default=None, init=False, repr=False, compare=False)
 

@@ -270,10 +270,10 @@ class SparsePrior:
     sizes, interpolated between the classes seen (in log length; the nearest seen beyond
     them), and with the overall sizes before any class is seen.
 
-    Where the plans are in seconds (a measured dense table) and ``config.price_from_kernels``, the tiles' prices also
-    follow the kernels: :meth:`update_kernel_scale` fits every rank's measured kernel seconds to its served work
-    priced by the calibration (sparse tiles) and by the dense table (short documents), and the plans multiply the
-    tiles' prices by the fitted :attr:`kernel_scale`. On one H200 the sparse kernel ran 1.07x its
+    Where the plans are in seconds (a measured dense table) and ``config.price_from_kernels`` (off by default), the
+    tiles' prices also follow the kernels: :meth:`update_kernel_scale` fits every rank's measured kernel seconds to
+    its served work priced by the calibration (sparse tiles) and by the dense table (short documents), and the
+    plans multiply the tiles' prices by the fitted :attr:`kernel_scale`. On one H200 the sparse kernel ran 1.07x its
     calibrated price at caps 192 / 1024 and 1.81x at 128 / 512, where the dense table's price held to 3%
     (bench/results/2026-12-01-h200-sparse-served-balance.md): the calibration alone left those plans 1.035 in
     kernel seconds where they were 1.006 in price. Over those runs' rows, step by step, the fit gives 0.94-1.14 and

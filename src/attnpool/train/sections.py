@@ -220,7 +220,7 @@ class SparseSection(Section):
     args: dict = _setting("sparse_args", f"more vertical-slash options: {', '.join(SPARSE_SIZE_ARGS)}, kv_transfer "
                                          "(prefix or read), cost_coefficients (a GPU's sparse cost coefficients, "
                                          "a JSON file), price_from_kernels (true: the tiles' prices follow the "
-                                         "kernels' measured seconds)", default_factory=dict)
+                                         "kernels' measured seconds; default false)", default_factory=dict)
 
     def check(self) -> None:
         self.sparse_config()  # refuses bad sparse options

@@ -404,6 +404,8 @@ class SparsePrior:
         return self.config.price_from_kernels and getattr(dense_model, "unit", None) == "s"
 
     def _scaled(self, dense_model, coefficients: SparseCoefficients) -> SparseCoefficients:
+        """``coefficients``' tile prices as plans in ``dense_model``'s unit use them: times :attr:`kernel_scale`
+        where they follow the kernels."""
         if not self.learns_kernel_scale(dense_model) or self.kernel_scale == 1.0:
             return coefficients
         f = self.kernel_scale
@@ -419,8 +421,8 @@ class SparsePrior:
     def cost_model(self, doc_len, dense_model) -> LayerMixCost:
         """The planning cost of a batch with these document lengths, in ``dense_model``'s unit."""
         cfg = self.config
-        unscaled, (dense_model, coefficients) = dense_model, self._pricing(dense_model)
-        coefficients = self._scaled(unscaled, coefficients)
+        given, (dense_model, coefficients) = dense_model, self._pricing(dense_model)
+        coefficients = self._scaled(given, coefficients)
         diagonals, verticals = self.sizes(doc_len)
         sparse = SparseCost.uniform(doc_len, self.num_heads, np.round(diagonals), np.round(verticals),
                                     block=cfg.block, chunk=cfg.vertical_chunk, local_blocks=self.local_blocks,

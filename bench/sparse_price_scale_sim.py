@@ -23,16 +23,13 @@ import os
 
 import numpy as np
 
-from attnpool.data import DocumentStream
 from attnpool.plan import linear_table, load_cost_model, plan_attention
 from attnpool.plan.metrics import imbalance
 from attnpool.runtime.sparse import SparseStats
 from attnpool.sparse import SparseConfig
 from attnpool.sparse.cost import LayerMixCost, SparseCost, SparsePrior
 from attnpool.sparse.pattern import estimate_untrained
-from attnpool.train.config import TrainConfig
-from attnpool.train.data_source import build_source
-from attnpool.train.spec import model_spec
+from sparse_prior_by_length import prolong_stream
 
 RANKS, TOKENS, HEADS = 4, 256 * 1024, 2
 PLANS = ("calibration", "fitted")
@@ -51,13 +48,10 @@ def main() -> None:
     args = ap.parse_args()
     caps = dict(slash_cap=args.slash_cap, vertical_cap=args.vertical_cap)
     sparse = SparseConfig(**caps)
-    config = TrainConfig(model="llama3-8b", data="synthetic", data_args={"dist": "prolong"}, tokens_per_rank=TOKENS,
-                         nproc=RANKS)
-    stream = DocumentStream(build_source(config, model_spec("llama3-8b")), RANKS, TOKENS, config.data.seed,
-                            config.data.max_doc_len)
+    stream = prolong_stream(RANKS, TOKENS)
     table = load_cost_model("table", backend="flash")
     priors = {"calibration": SparsePrior(SparseConfig(**caps, price_from_kernels=False), HEADS, 128, 1),
-              "fitted": SparsePrior(sparse, HEADS, 128, 1)}
+              "fitted": SparsePrior(SparseConfig(**caps, price_from_kernels=True), HEADS, 128, 1)}
     rows = []
     for step in range(1, args.steps + 1):
         lens = stream.next_batch().doc_lens

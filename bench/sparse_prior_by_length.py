@@ -61,6 +61,14 @@ TILES = ("slash tiles", "bars", "query blocks", "tiles work", "dense work")  # t
 FIT_KEYS = {"slash tiles": "slash_s", "bars": "bar_s", "query blocks": "query_block_s", "call": "call_s"}
 
 
+def prolong_stream(ranks: int, tokens: int) -> DocumentStream:
+    """The batches of training's synthetic prolong source (Llama-3-8B's tokenizer), ``tokens`` per rank."""
+    config = TrainConfig(model="llama3-8b", data="synthetic", data_args={"dist": "prolong"}, tokens_per_rank=tokens,
+                         nproc=ranks)
+    return DocumentStream(build_source(config, model_spec("llama3-8b")), ranks, tokens, config.data.seed,
+                          config.data.max_doc_len)
+
+
 def served_by_rank(plan, pattern, sparse, price, dense, head_dim, kv_heads, repeats, device, first=0) -> dict:
     """Each rank's served pairs, served work and kernel seconds of one sparse layer (``SERVED``), and the kernel
     seconds' parts (``PARTS``: the sparse kernel's, the dense kernel's, and the rest, the split call's row copies):
@@ -141,10 +149,7 @@ def main() -> None:
     args = ap.parse_args()
     sparse = SparseConfig(slash_cap=args.slash_cap, vertical_cap=args.vertical_cap,
                           price_from_kernels=args.price_from_kernels)
-    config = TrainConfig(model="llama3-8b", data="synthetic", data_args={"dist": "prolong"},
-                         tokens_per_rank=args.tokens, nproc=args.ranks)
-    stream = DocumentStream(build_source(config, model_spec("llama3-8b")), args.ranks, args.tokens,
-                            config.data.seed, config.data.max_doc_len)
+    stream = prolong_stream(args.ranks, args.tokens)
     pairs = load_cost_model("pairs")
     planning = pairs if args.cost_model == "pairs" else load_cost_model("table", backend="flash")
     priors = {name: SparsePrior(sparse, args.heads, 128, 1) for name in PRIORS}
@@ -163,11 +168,18 @@ def main() -> None:
         pattern = on_device.to("cpu")
         sums, by_length = SparseStats.of_pattern(pattern)
         row = {"step": step, "docs": int(len(lens)), "longest": int(lens.max()), "density": sums[3] / sums[4]}
+        priced = {}  # id(tile prices) -> (them, the step's real patterns priced so): once per price, not per prior
+
+        def priced_by(dense, coefficients):
+            if id(coefficients) not in priced:
+                priced[id(coefficients)] = (coefficients, LayerMixCost(
+                    dense, SparseCost.from_pattern(pattern, coefficients, chunk=sparse.vertical_chunk), 0, 1,
+                    lens >= sparse.min_doc_len))
+            return priced[id(coefficients)][1]
+
         for name, prior in priors.items():
             # the step's real patterns, priced in the planning unit (as this prior's plans price tiles) and in pairs
-            exact = {unit: LayerMixCost(dense, SparseCost.from_pattern(pattern, prior._scaled(model, coefficients),
-                                                                       chunk=sparse.vertical_chunk),
-                                        0, 1, lens >= sparse.min_doc_len)
+            exact = {unit: priced_by(dense, prior._scaled(model, coefficients))
                      for unit, model in (("measured", planning), ("measured pairs", pairs))
                      for dense, coefficients in [prior._pricing(model)]}
             predicted = prior.cost_model(table.doc_len, planning)

@@ -22,17 +22,13 @@ import numpy as np
 import torch
 
 import attnpool.runtime.dispatch as dispatch
-from attnpool.data import DocumentStream
 from attnpool.kernels.registry import get_backend
 from attnpool.plan import linear_table, load_cost_model, plan_attention
 from attnpool.runtime.sparse import SparseStats
 from attnpool.sparse import SparseConfig
 from attnpool.sparse.cost import SparsePrior
 from attnpool.sparse.pattern import estimate_untrained
-from attnpool.train.config import TrainConfig
-from attnpool.train.data_source import build_source
-from attnpool.train.spec import model_spec
-from sparse_prior_by_length import served_by_rank
+from sparse_prior_by_length import prolong_stream, served_by_rank
 
 RANKS, TOKENS, HEADS, KV_HEADS = 4, 256 * 1024, 32, 8
 # each twice, alternating, so that a drift of the clocks shows as a difference between the repeats
@@ -48,10 +44,7 @@ def main() -> None:
     ap.add_argument("--out", help="write <date>-<machine>-sparse-split-copies-<caps>.json here")
     args = ap.parse_args()
     sparse = SparseConfig(slash_cap=args.slash_cap, vertical_cap=args.vertical_cap)
-    config = TrainConfig(model="llama3-8b", data="synthetic", data_args={"dist": "prolong"}, tokens_per_rank=TOKENS,
-                         nproc=RANKS)
-    stream = DocumentStream(build_source(config, model_spec("llama3-8b")), RANKS, TOKENS, config.data.seed,
-                            config.data.max_doc_len)
+    stream = prolong_stream(RANKS, TOKENS)
     planning = load_cost_model("table", backend="flash")
     prior = SparsePrior(sparse, HEADS, 128, 1)
     price = prior.served_price(planning)

@@ -331,9 +331,9 @@ class SparseStats:
         sums[4] += self.dense_pairs
         slash, bars, pairs = [0.0] * 3 if self.served is None else self.served.cpu().tolist()
         tiles = 0.0 if self.price is None else self.price.tiles_cost(slash, bars)
-        dense = self.dense_served_work if self.price is not None else 0.0
-        work = 0.0 if self.price is None else dense + self.price.sparse_scale * tiles
-        return (sums[:len(_STAT_FIELDS)] + [self.dense_served + pairs, work, self.kernel_clock.seconds(), tiles, dense]
+        work = 0.0 if self.price is None else self.dense_served_work + self.price.sparse_scale * tiles
+        return (sums[:len(_STAT_FIELDS)] + [self.dense_served + pairs, work, self.kernel_clock.seconds(), tiles,
+                                            self.dense_served_work]
                 + sums[len(_STAT_FIELDS):])
 
     @staticmethod

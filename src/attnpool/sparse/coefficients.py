@@ -34,6 +34,12 @@ class SparseCoefficients:
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ConfigError(f"sparse_cost.{name}", value, "must be a finite number >= 0")
 
+    def tiles_times(self, factor: float, why: str) -> "SparseCoefficients":
+        """The per-tile prices times ``factor`` (the per-task ones as they are), ``why`` noted in the source."""
+        return SparseCoefficients(self.fwd_slash * factor, self.fwd_bar * factor, self.fwd_task,
+                                  self.bwd_slash * factor, self.bwd_bar * factor, self.bwd_task,
+                                  source=f"{self.source}, x {factor:.3g} {why}")
+
     def phase(self, phase: str) -> tuple[float, float, float]:
         """(a, b, c) of one phase; fwd+bwd adds them."""
         if phase == "fwd":

@@ -389,10 +389,8 @@ class SparsePrior:
                     scaled = dense_model.scaled_to(self.num_heads, self.head_dim)
                 # A calibration's per-call constants (index building, buffers) are the same on every
                 # server, so they are left out of task costs, as in H200_MEASURED.
-                f = self.head_dim / 128
-                c = cfg.coefficients()
-                coefficients = SparseCoefficients(c.fwd_slash * f, c.fwd_bar * f, 0.0, c.bwd_slash * f,
-                                                  c.bwd_bar * f, 0.0, source=f"{c.source}, x {f:g} for head_dim")
+                coefficients = dataclasses.replace(cfg.coefficients(), fwd_task=0.0, bwd_task=0.0).tiles_times(
+                    self.head_dim / 128, "for head_dim")
             else:
                 coefficients = pairs_coefficients(cfg.block, cfg.vertical_chunk, self.num_heads)
             # The model itself is kept too, so that its id is not reused by another while cached.
@@ -408,10 +406,7 @@ class SparsePrior:
         where they follow the kernels."""
         if not self.learns_kernel_scale(dense_model) or self.kernel_scale == 1.0:
             return coefficients
-        f = self.kernel_scale
-        return dataclasses.replace(coefficients, fwd_slash=coefficients.fwd_slash * f, fwd_bar=coefficients.fwd_bar * f,
-                                   bwd_slash=coefficients.bwd_slash * f, bwd_bar=coefficients.bwd_bar * f,
-                                   source=f"{coefficients.source}, x {f:.3g} as the kernels ran")
+        return coefficients.tiles_times(self.kernel_scale, "as the kernels ran")
 
     def served_price(self, dense_model) -> ServedPrice:
         """How the plans made with ``dense_model`` now price served work (:class:`ServedPrice`)."""

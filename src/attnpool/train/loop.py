@@ -387,8 +387,9 @@ class Trainer:
         plan_time = time.perf_counter() - t_plan
         comm_stats.reset()
         # the served work each rank's kernels ran, priced as this step's plans price it (SparseStats.served_work)
-        price_scale = self.prior.kernel_scale if self.prior is not None else None
-        stats = SparseStats(self.prior.served_price(self.spec.cost_model) if self.prior is not None else None)
+        price = self.prior.served_price(self.spec.cost_model) if self.prior is not None else None
+        learns = price is not None and self.prior.learns_kernel_scale(self.spec.cost_model)
+        stats = SparseStats(price)
         outcome = self.runner.run(planned, max(1, targets), stats)
         grad_norm = clip_gradients(self.params, self.config.optim.grad_clip or float("inf"),
                                    self.mesh.pp_group if self.spec.dims.pp > 1 else None, self.runner.counted_params)
@@ -411,14 +412,12 @@ class Trainer:
         self.steps_run += 1
         if self.prior is not None:
             self.prior.update(*sparse_sums[:3], by_length=by_length)
-            if not self.prior.learns_kernel_scale(self.spec.cost_model):
-                price_scale = None
-            # The same on every rank (all ranks' values). Not this process's first steps, nor a step that compiled:
-            # their clocks hold compilation (Triton's kernels' too, which CompileClock does not see).
-            elif self.steps_run > WARM_UP_STEPS and not per_rank[:, 8].max() > 0:
-                self.prior.update_kernel_scale(served[2], served[3], served[4], groups=balance_groups(self.spec.dims))
+        # The same on every rank (all ranks' values). Not this process's first steps, nor a step that compiled: their
+        # clocks hold compilation (Triton's kernels' too, which CompileClock does not see).
+        if learns and self.steps_run > WARM_UP_STEPS and not per_rank[:, 8].max() > 0:
+            self.prior.update_kernel_scale(served[2], served[3], served[4], groups=balance_groups(self.spec.dims))
         values = {"step_time_s": time.perf_counter() - t0, "plan_time_s": plan_time, "lr": lr,
-                  "grad_norm": float(grad_norm), "sparse_kernel_price_scale": price_scale}
+                  "grad_norm": float(grad_norm), "sparse_kernel_price_scale": price.sparse_scale if learns else None}
         row = self._row(micro_batches, planned, per_rank, sparse_sums, served, values, outcome.timed, finite,
                         max(1, targets))
         return StepEnd(row, planned.balance, finite, stop)
